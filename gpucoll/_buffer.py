@@ -1,0 +1,110 @@
+"""The array layer's currency: a Buffer describes memory that a backend reads or writes.
+
+Contract shared by every backend (see docs/arrays.md):
+- ``ptr`` is the address of the first element; the memory is C-contiguous and
+  ``nbytes == prod(shape) * dtype.itemsize``.
+- ``owner`` keeps the memory alive; a Work holds its Buffers until the op completes.
+- ``stream`` is the producer's CUDA stream as the array published it (CAI ``stream``
+  or the DLPack handshake), None for host memory or "unknown/legacy default".
+- ``dtype`` is a :class:`DType`, which can name types NumPy lacks (bfloat16, float8)
+  so that device arrays of those types still work from raw pointers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+__all__ = ["DType", "Device", "Buffer", "DTYPES", "dtype_by_name"]
+
+
+@dataclass(frozen=True)
+class DType:
+    """An element type by its canonical name.
+
+    Attributes:
+        name: canonical name: bool, int8..int64, uint8..uint64, float16, bfloat16,
+            float32, float64, complex64, complex128, float8_e4m3fn, float8_e5m2.
+        itemsize: bytes per element.
+        kind: 'b' bool, 'i' signed int, 'u' unsigned int, 'f' float, 'c' complex.
+    """
+
+    name: str
+    itemsize: int
+    kind: Literal["b", "i", "u", "f", "c"]
+
+    def numpy(self) -> np.dtype[Any]:
+        """The NumPy dtype for this type; bfloat16/float8 need ``ml_dtypes`` installed.
+
+        Raises:
+            TypeError: the type has no NumPy dtype here (ml_dtypes not installed).
+        """
+        try:
+            return np.dtype(self.name)
+        except TypeError:
+            pass
+        try:
+            import ml_dtypes  # noqa: F401  (registers bfloat16/float8 with NumPy)
+        except ImportError as exc:
+            raise TypeError(
+                f"dtype {self.name} needs the ml_dtypes package on the host (pip install ml_dtypes)"
+            ) from exc
+        return np.dtype(getattr(ml_dtypes, self.name))
+
+
+DTYPES: dict[str, DType] = {
+    d.name: d
+    for d in (
+        DType("bool", 1, "b"),
+        DType("int8", 1, "i"), DType("int16", 2, "i"), DType("int32", 4, "i"), DType("int64", 8, "i"),
+        DType("uint8", 1, "u"), DType("uint16", 2, "u"), DType("uint32", 4, "u"), DType("uint64", 8, "u"),
+        DType("float16", 2, "f"), DType("bfloat16", 2, "f"),
+        DType("float32", 4, "f"), DType("float64", 8, "f"),
+        DType("complex64", 8, "c"), DType("complex128", 16, "c"),
+        DType("float8_e4m3fn", 1, "f"), DType("float8_e5m2", 1, "f"),
+    )
+}
+
+
+def dtype_by_name(name: str) -> DType:
+    """Look up a :class:`DType` by canonical name (``np.dtype(x).name`` works for NumPy types)."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise TypeError(f"unsupported dtype {name!r}; supported: {', '.join(DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where memory lives: ``Device("cpu")`` or ``Device("cuda", index)``."""
+
+    type: Literal["cpu", "cuda"]
+    index: int = 0
+
+    def __str__(self) -> str:
+        return "cpu" if self.type == "cpu" else f"cuda:{self.index}"
+
+
+@dataclass(frozen=True, eq=False)
+class Buffer:
+    """Contiguous memory handed to a backend; see the module docstring for the contract."""
+
+    ptr: int
+    nbytes: int
+    dtype: DType
+    shape: tuple[int, ...]
+    device: Device
+    readonly: bool = False
+    stream: int | None = None
+    owner: Any = field(default=None, repr=False)
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return self.nbytes // self.dtype.itemsize if self.dtype.itemsize else 0
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"

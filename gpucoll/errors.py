@@ -1,0 +1,53 @@
+"""The gpucoll exception hierarchy.
+
+Names follow torch.distributed so that ``except`` clauses port unchanged::
+
+    DistError
+    ├── DistBackendError        a collective or communicator failed (NCCL error,
+    │                           peer died, watchdog timeout, aborted group)
+    ├── DistNetworkError        a socket could not connect, was reset, or timed out
+    ├── DistStoreError          a store request failed
+    │   └── DistStoreTimeoutError   get/wait/connect did not finish within its timeout
+    └── BackendUnavailableError the requested backend cannot run here (no CuPy,
+                                no NCCL library, no GPU); the message says what to install
+
+Bad arguments raise ``ValueError``/``TypeError`` naming the argument, its value
+and what was expected. Foreign exceptions (CuPy's ``NcclError``,
+``CUDARuntimeError``, ``OSError``) are converted at the boundary with the
+original chained as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DistError",
+    "DistBackendError",
+    "DistNetworkError",
+    "DistStoreError",
+    "DistStoreTimeoutError",
+    "BackendUnavailableError",
+]
+
+
+class DistError(RuntimeError):
+    """Base class of every error gpucoll raises for a distributed failure."""
+
+
+class DistBackendError(DistError):
+    """A collective, point-to-point op or communicator failed or was aborted."""
+
+
+class DistNetworkError(DistError):
+    """A connection could not be made, was reset, or a socket timed out."""
+
+
+class DistStoreError(DistError):
+    """A store request failed (server gone, bad reply, value too large, ...)."""
+
+
+class DistStoreTimeoutError(DistStoreError, TimeoutError):
+    """A store ``get``/``wait``/connect did not complete within its timeout."""
+
+
+class BackendUnavailableError(DistError):
+    """The requested backend cannot run on this machine; the message says why."""
