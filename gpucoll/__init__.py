@@ -22,8 +22,68 @@ from .work import Work as Work
 from .work import WorkInfo as WorkInfo
 
 # --- stores (store/) ---
+from .store import FileStore as FileStore
+from .store import HashStore as HashStore
+from .store import PrefixStore as PrefixStore
+from .store import Store as Store
+from .store import TCPStore as TCPStore
 
 # --- process groups, collectives, object collectives (world API) ---
+from . import functional as functional
+from .collectives import CoalescingManager as CoalescingManager
+from .collectives import P2POp as P2POp
+from .collectives import all_gather as all_gather
+from .collectives import all_gather_coalesced as all_gather_coalesced
+from .collectives import all_gather_into_tensor as all_gather_into_tensor
+from .collectives import all_gather_single as all_gather_single
+from .collectives import all_reduce as all_reduce
+from .collectives import all_reduce_coalesced as all_reduce_coalesced
+from .collectives import all_to_all as all_to_all
+from .collectives import all_to_all_single as all_to_all_single
+from .collectives import barrier as barrier
+from .collectives import batch_isend_irecv as batch_isend_irecv
+from .collectives import broadcast as broadcast
+from .collectives import coalescing as coalescing
+from .collectives import gather as gather
+from .collectives import irecv as irecv
+from .collectives import isend as isend
+from .collectives import monitored_barrier as monitored_barrier
+from .collectives import recv as recv
+from .collectives import reduce as reduce
+from .collectives import reduce_scatter as reduce_scatter
+from .collectives import reduce_scatter_single as reduce_scatter_single
+from .collectives import reduce_scatter_tensor as reduce_scatter_tensor
+from .collectives import scatter as scatter
+from .collectives import send as send
+from .group import GroupMember as GroupMember
+from .group import ProcessGroup as ProcessGroup
+from .objects import all_gather_bytes as all_gather_bytes
+from .objects import all_gather_object as all_gather_object
+from .objects import broadcast_bytes as broadcast_bytes
+from .objects import broadcast_object_list as broadcast_object_list
+from .objects import gather_bytes as gather_bytes
+from .objects import gather_object as gather_object
+from .objects import recv_bytes as recv_bytes
+from .objects import recv_object_list as recv_object_list
+from .objects import scatter_bytes as scatter_bytes
+from .objects import scatter_object_list as scatter_object_list
+from .objects import send_bytes as send_bytes
+from .objects import send_object_list as send_object_list
+from .world import destroy_process_group as destroy_process_group
+from .world import get_backend as get_backend
+from .world import get_global_rank as get_global_rank
+from .world import get_group_rank as get_group_rank
+from .world import get_process_group_ranks as get_process_group_ranks
+from .world import get_rank as get_rank
+from .world import get_world_size as get_world_size
+from .world import init_process_group as init_process_group
+from .world import is_available as is_available
+from .world import is_initialized as is_initialized
+from .world import is_nccl_available as is_nccl_available
+from .world import new_group as new_group
+from .world import new_subgroups as new_subgroups
+from .world import new_subgroups_by_enumeration as new_subgroups_by_enumeration
+from .world import split_group as split_group
 
 __version__ = "0.1.0"
 
@@ -32,5 +92,19 @@ __all__ = [
     "DistStoreError", "DistStoreTimeoutError",
     "ReduceOp", "make_premul_sum", "Work", "WorkInfo",
     # stores
+    "Store", "HashStore", "FileStore", "TCPStore", "PrefixStore",
     # world API
+    "init_process_group", "destroy_process_group", "is_initialized", "is_available", "is_nccl_available",
+    "get_rank", "get_world_size", "get_backend", "get_process_group_ranks", "get_group_rank",
+    "get_global_rank", "new_group", "split_group", "new_subgroups", "new_subgroups_by_enumeration",
+    "ProcessGroup", "GroupMember",
+    "all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather", "all_gather_single",
+    "all_gather_into_tensor", "all_gather_coalesced", "gather", "scatter", "reduce_scatter",
+    "reduce_scatter_single", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+    "send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv", "barrier", "monitored_barrier",
+    "coalescing", "CoalescingManager",
+    "all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list",
+    "send_object_list", "recv_object_list", "all_gather_bytes", "gather_bytes", "broadcast_bytes",
+    "scatter_bytes", "send_bytes", "recv_bytes",
+    "functional",
 ]

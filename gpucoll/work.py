@@ -70,11 +70,16 @@ class Work:
         self._keepalive: Sequence[Any] | None = keepalive
         self._result = result if result is not None else []
         self._source_rank = -1
-        self._future: Future[list[Any]] = Future()
-        self._done = threading.Event()
+        self._lock = threading.Lock()
+        # Both made on first use: a small op's Work is created, completed and dropped in
+        # microseconds, and an Event plus a Future would cost more than the op itself.
+        self._future: Future[list[Any]] | None = None
+        self._done = _Completion(self._lock)
         self._exc: BaseException | None = None
         self._callbacks: list[Callable[[Work], None]] = []
-        self._lock = threading.Lock()
+        # The group's flight-recorder entry for this op (see gpucoll.flight_recorder);
+        # updated on completion so the recorder needs no callback of its own.
+        self._fr_entry: Any = None
 
     # ----- completion, called by backends (exactly once) -----
     def _set_result(self, *, active_duration: float | None = None, source_rank: int | None = None) -> None:
@@ -94,12 +99,16 @@ class Work:
                 self._source_rank = source_rank
             self._exc = exc
             self._keepalive = None
-            self._done.set()
+            event = self._done._set_locked()
             callbacks, self._callbacks = self._callbacks, []
-        if exc is None:
-            self._future.set_result(self._result)
-        else:
-            self._future.set_exception(exc)
+            future = self._future
+        if event is not None:
+            event.set()
+        entry = self._fr_entry
+        if entry is not None:
+            entry.finish(self)
+        if future is not None:
+            _resolve(future, self._result, exc)
         for cb in callbacks:
             cb(self)
 
@@ -144,8 +153,12 @@ class Work:
         Raises:
             DistBackendError: the op failed, was aborted, or did not complete in time.
         """
-        limit = to_seconds(timeout, default=self._default_timeout) if (
-            timeout is not None or self._default_timeout is not None) else None
+        if self._done.is_set():
+            limit: float | None = 0.0
+        elif timeout is not None or self._default_timeout is not None:
+            limit = to_seconds(timeout, default=self._default_timeout)
+        else:
+            limit = None
         if not self._done.wait(limit):
             raise DistBackendError(
                 f"{self._name()} did not complete within {limit:.3g} s (Work.wait timeout)")
@@ -166,7 +179,16 @@ class Work:
 
     def get_future(self) -> Future[list[Any]]:
         """A ``concurrent.futures.Future`` resolved with :meth:`result` or the op's error."""
-        return self._future
+        with self._lock:
+            future = self._future
+            if future is None:
+                future = self._future = Future()
+                done = self._done.is_set()
+            else:
+                done = False
+        if done:
+            _resolve(future, self._result, self._exc)
+        return future
 
     def source_rank(self) -> int:
         """For a recv from any source: the rank the message came from (after wait())."""
@@ -194,3 +216,47 @@ class Work:
     def __repr__(self) -> str:
         state = "completed" if self.is_completed() else "pending"
         return f"<Work {self._name()} {state}>"
+
+
+def _resolve(future: Future[list[Any]], result: list[Any], exc: BaseException | None) -> None:
+    if exc is None:
+        future.set_result(result)
+    else:
+        future.set_exception(exc)
+
+
+class _Completion:
+    """``threading.Event``'s ``is_set``/``wait``/``set``, but the Event (a Condition and a
+    lock, ~2 us) is only made when a thread actually has to block."""
+
+    __slots__ = ("_flag", "_event", "_lock")
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._flag = False
+        self._event: threading.Event | None = None
+        self._lock = lock  # the owning Work's lock
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def _set_locked(self) -> threading.Event | None:
+        """Mark complete; the caller holds the lock and sets the returned Event after releasing it."""
+        self._flag = True
+        return self._event
+
+    def set(self) -> None:
+        with self._lock:
+            event = self._set_locked()
+        if event is not None:
+            event.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._flag:
+            return True
+        with self._lock:
+            if self._flag:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(timeout)

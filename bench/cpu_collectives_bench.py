@@ -1,0 +1,270 @@
+"""CPU collectives: gpucoll's CPU backend against torch's gloo (and mpi4py + Open MPI).
+
+Measures, in the same run and with the same method for every library:
+
+- all_reduce of float32 arrays from 8 B to 64 MiB: time per op and bus bandwidth
+  (nccl-tests' formula, busbw = algbw * 2(n-1)/n);
+- all_gather_object of a ~1 KiB dict, and barrier: latency.
+
+Each row prints gpucoll's figure and each anchor's, with the ratio gpucoll/anchor
+(time ratio: lower is better; busbw ratio: higher is better).
+
+Usage::
+
+    python bench/cpu_collectives_bench.py            # 2 ranks, full sweep
+    python bench/cpu_collectives_bench.py --quick    # a few sizes, fewer iterations
+    python bench/cpu_collectives_bench.py --ranks 4 --json results.json
+
+Anchors that are not installed (torch, mpirun + mpi4py) are skipped with a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+# Runnable from a checkout without installing: the repository root holds the package.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+FULL_SIZES = sorted({8 << (2 * k) for k in range(12)} | {16 << 20, 64 << 20})  # 8 B ... 64 MiB
+QUICK_SIZES = [8, 1024, 65536, 1 << 20, 16 << 20]
+OBJ = {f"key{i:02d}": "v" * 12 for i in range(40)}  # pickles to about 1 KiB
+
+
+def _iters(nbytes: int, quick: bool) -> tuple[int, int]:
+    """(warmup, timed iterations per batch) for one size."""
+    if nbytes <= 64 << 10:
+        it = 200
+    elif nbytes <= 1 << 20:
+        it = 40
+    else:
+        it = max(3, int(64 << 20) // nbytes * 2)
+    if quick:
+        it = max(3, it // 4)
+    return max(2, it // 10), it
+
+
+# ----- the measurement, shared by every library -----
+
+def measure(rank: int, world: int, quick: bool, sizes: list[int],
+            all_reduce: Callable[[Any], Any], make: Callable[[int], Any],
+            gather_obj: Callable[[Any], Any], barrier: Callable[[], Any],
+            max_over_ranks: Callable[[float], float]) -> dict[str, Any]:
+    """Time every row on this rank; per batch, the slowest rank's time counts."""
+    batches = 3 if quick else 5
+    out: dict[str, Any] = {"all_reduce": {}}
+
+    def timed(fn: Callable[[], Any], warm: int, iters: int) -> float:
+        for _ in range(warm):
+            fn()
+        samples = []
+        for _ in range(batches):
+            barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            samples.append(max_over_ranks((time.perf_counter() - t0) / iters))
+        return statistics.median(samples)
+
+    for nbytes in sizes:
+        x = make(nbytes)
+        warm, iters = _iters(nbytes, quick)
+        out["all_reduce"][str(nbytes)] = timed(lambda: all_reduce(x), warm, iters)
+    n_obj = 50 if quick else 200
+    out["all_gather_object"] = timed(lambda: gather_obj(OBJ), 10, n_obj)
+    out["barrier"] = timed(barrier, 10, n_obj)
+    return out
+
+
+# ----- gpucoll (through its public API, in run_spmd's ranks) -----
+
+def gpucoll_rank(quick: bool, sizes: list[int]) -> dict[str, Any]:
+    import gpucoll
+
+    rank, world = gpucoll.get_rank(), gpucoll.get_world_size()
+    objs: list[Any] = [None] * world
+    t = np.zeros(1, np.float64)
+
+    def max_over_ranks(v: float) -> float:
+        t[0] = v
+        gpucoll.all_reduce(t, op=gpucoll.ReduceOp.MAX)
+        return float(t[0])
+
+    return measure(rank, world, quick, sizes,
+                   all_reduce=lambda x: gpucoll.all_reduce(x),
+                   make=lambda nb: np.ones(max(1, nb // 4), np.float32),
+                   gather_obj=lambda o: gpucoll.all_gather_object(objs, o),
+                   barrier=gpucoll.barrier, max_over_ranks=max_over_ranks)
+
+
+def run_gpucoll(world: int, quick: bool, sizes: list[int]) -> dict[str, Any]:
+    from gpucoll.testing import run_spmd
+
+    res: dict[str, Any] = run_spmd(gpucoll_rank, world, args=(quick, sizes), timeout=1800,
+                                   backend="cpu", pg_timeout=300.0)[0]
+    return res
+
+
+# ----- torch gloo (subprocess workers over a torch TCPStore on port 0) -----
+
+def gloo_worker(rank: int, world: int, port: int, quick: bool, sizes: list[int]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)  # type: ignore[attr-defined]
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    objs: list[Any] = [None] * world
+    t = torch.zeros(1, dtype=torch.float64)
+
+    def max_over_ranks(v: float) -> float:
+        t[0] = v
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t[0])
+
+    try:
+        return measure(rank, world, quick, sizes,
+                       all_reduce=lambda x: dist.all_reduce(x),
+                       make=lambda nb: torch.ones(max(1, nb // 4), dtype=torch.float32),
+                       gather_obj=lambda o: dist.all_gather_object(objs, o),
+                       barrier=dist.barrier, max_over_ranks=max_over_ranks)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_gloo(world: int, quick: bool, sizes: list[int]) -> dict[str, Any] | str:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return "torch is not installed"
+    master = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True,  # type: ignore[attr-defined]
+                           wait_for_workers=False)
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", "gloo", "--rank", str(r), "--ranks", str(world),
+                               "--port", str(master.port), "--sizes", ",".join(map(str, sizes))]
+                              + (["--quick"] if quick else []),
+                              stdout=subprocess.PIPE, text=True) for r in range(world)]
+    outs = [p.communicate(timeout=1800)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        return f"gloo workers failed (exit codes {[p.returncode for p in procs]})"
+    res: dict[str, Any] = json.loads(outs[0].strip().splitlines()[-1])
+    return res
+
+
+# ----- mpi4py + Open MPI (mpirun --oversubscribe) -----
+
+def mpi_worker(quick: bool, sizes: list[int]) -> dict[str, Any]:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+
+    def max_over_ranks(v: float) -> float:
+        return float(comm.allreduce(v, op=MPI.MAX))
+
+    return measure(comm.Get_rank(), comm.Get_size(), quick, sizes,
+                   all_reduce=lambda x: comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM),
+                   make=lambda nb: np.ones(max(1, nb // 4), np.float32),
+                   gather_obj=lambda o: comm.allgather(o),
+                   barrier=comm.Barrier, max_over_ranks=max_over_ranks)
+
+
+def run_mpi(world: int, quick: bool, sizes: list[int]) -> dict[str, Any] | str:
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        return "mpirun is not installed"
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return "mpi4py is not installed"
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = [mpirun, "-n", str(world), "--oversubscribe", sys.executable, __file__,
+           "--worker", "mpi", "--sizes", ",".join(map(str, sizes))] + (["--quick"] if quick else [])
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if p.returncode:
+        return f"mpirun failed ({p.returncode}): {p.stderr.strip()[-300:]}"
+    lines = [ln for ln in p.stdout.strip().splitlines() if ln.startswith("{")]
+    res: dict[str, Any] = json.loads(lines[-1])
+    return res
+
+
+# ----- report -----
+
+def _fmt_t(s: float) -> str:
+    return f"{s * 1e6:.1f} us" if s < 1e-3 else f"{s * 1e3:.2f} ms"
+
+
+def _busbw(nbytes: int, seconds: float, world: int) -> float:
+    return nbytes / seconds * 2 * (world - 1) / world / 1e9 if world > 1 else nbytes / seconds / 1e9
+
+
+def report(results: dict[str, Any], world: int, sizes: list[int]) -> str:
+    names = [k for k in ("gpucoll", "gloo", "mpi") if isinstance(results.get(k), dict)]
+    anchors = [k for k in names if k != "gpucoll"]
+    head = "| row | " + " | ".join(names) + " | " + " | ".join(f"gpucoll/{a}" for a in anchors) + " |"
+    lines = [head, "|" + "---|" * (1 + len(names) + len(anchors))]
+    for nb in sizes:
+        ts = {k: results[k]["all_reduce"][str(nb)] for k in names}
+        cells = [f"{_fmt_t(ts[k])}, {_busbw(nb, ts[k], world):.2f} GB/s" for k in names]
+        ratios = [f"{_busbw(nb, ts['gpucoll'], world) / _busbw(nb, ts[a], world):.2f}x busbw" for a in anchors]
+        lines.append(f"| all_reduce {nb} B | " + " | ".join(cells + ratios) + " |")
+    for row in ("all_gather_object", "barrier"):
+        ts = {k: results[k][row] for k in names}
+        ratios = [f"{ts['gpucoll'] / ts[a]:.2f}x time" for a in anchors]
+        label = "all_gather_object (1 KiB dict)" if row == "all_gather_object" else row
+        lines.append(f"| {label} | " + " | ".join(_fmt_t(ts[k]) for k in names) + " | " + " | ".join(ratios) + " |")
+    for k in ("gloo", "mpi"):
+        if isinstance(results.get(k), str):
+            lines.append(f"\n{k}: skipped ({results[k]})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=2, help="number of ranks (default 2)")
+    ap.add_argument("--quick", action="store_true", help="a few sizes and fewer iterations")
+    ap.add_argument("--sizes", default="", help="comma-separated all_reduce sizes in bytes")
+    ap.add_argument("--skip", default="", help="comma-separated anchors to skip: gloo, mpi")
+    ap.add_argument("--json", default="", help="also write the raw results to this file")
+    ap.add_argument("--worker", choices=("gloo", "mpi"), help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",") if s] or (QUICK_SIZES if args.quick else FULL_SIZES)
+    if args.worker == "gloo":
+        res = gloo_worker(args.rank, args.ranks, args.port, args.quick, sizes)
+        if args.rank == 0:
+            print(json.dumps(res))
+        return 0
+    if args.worker == "mpi":
+        res = mpi_worker(args.quick, sizes)
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            print(json.dumps(res))
+        return 0
+    skip = set(filter(None, args.skip.split(",")))
+    results: dict[str, Any] = {}
+    # Interleave the libraries so that a noisy neighbour hurts them alike.
+    results["gpucoll"] = run_gpucoll(args.ranks, args.quick, sizes)
+    results["gloo"] = "skipped (--skip)" if "gloo" in skip else run_gloo(args.ranks, args.quick, sizes)
+    results["mpi"] = "skipped (--skip)" if "mpi" in skip else run_mpi(args.ranks, args.quick, sizes)
+    print(f"{args.ranks} ranks, {os.cpu_count()} CPUs; time per op (median of batches, slowest rank), "
+          "busbw = algbw * 2(n-1)/n")
+    print(report(results, args.ranks, sizes))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ranks": args.ranks, "sizes": sizes, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

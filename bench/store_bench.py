@@ -1,0 +1,326 @@
+"""Benchmark gpucoll's TCPStore, and torch.distributed.TCPStore when torch is importable.
+
+Rows (each run against a server in its own process, clients in other processes):
+
+* latency of one ``set``/``get``/``add``/``check`` from a single client (median, p99);
+* ``add`` throughput with 1, 8 and 32 client processes hammering one counter;
+* rendezvous of N = 64, 256, 1024 clients: each connects, joins with ``add``, then
+  waits on a key that a master client sets once all have joined; the time from the
+  start signal until the last client returns from ``wait``;
+* ``get`` of a 16 MiB value.
+
+Usage::
+
+    python bench/store_bench.py            # the full run (a few minutes)
+    python bench/store_bench.py --quick    # a smoke run (~30 s)
+    python bench/store_bench.py --impl gpucoll --markdown
+
+The ratio column is gpucoll / torch for the same row of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import resource
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_CTX = mp.get_context("fork")  # cheap copies of a parent that has already imported torch
+_TIMEOUT = 120.0
+
+
+def _raise_nofile() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _torch_available() -> bool:
+    try:
+        import torch.distributed  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _master(impl: str) -> Any:
+    if impl == "torch":
+        import torch.distributed as dist
+
+        return dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=_TIMEOUT),
+                             wait_for_workers=False)
+    from gpucoll.store import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_TIMEOUT)
+
+
+def _client(impl: str, port: int) -> Any:
+    if impl == "torch":
+        import torch.distributed as dist
+
+        return dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=_TIMEOUT))
+    from gpucoll.store import TCPStore
+
+    return TCPStore("127.0.0.1", port, timeout=_TIMEOUT)
+
+
+def _serve(impl: str, conn: Connection) -> None:
+    _raise_nofile()
+    store = _master(impl)
+    conn.send(store.port)
+    conn.recv()  # block until told to stop
+    del store
+
+
+class _Server:
+    """A store server in its own process, so that clients never share its CPU time slice
+    or (for gpucoll) its GIL."""
+
+    def __init__(self, impl: str) -> None:
+        self._conn, child = _CTX.Pipe()
+        self._proc = _CTX.Process(target=_serve, args=(impl, child), daemon=True)
+        self._proc.start()
+        if not self._conn.poll(60):
+            raise RuntimeError(f"{impl} store server did not start")
+        self.port: int = self._conn.recv()
+
+    def stop(self) -> None:
+        try:
+            self._conn.send(None)
+        except OSError:
+            pass
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+
+
+# -- workloads ------------------------------------------------------------------------------
+
+def _latency(impl: str, port: int, iters: int) -> dict[str, tuple[float, float]]:
+    store = _client(impl, port)
+    store.set("lat/k", b"x" * 16)
+    ops: dict[str, Callable[[], Any]] = {
+        "set": lambda: store.set("lat/k", b"x" * 16),
+        "get": lambda: store.get("lat/k"),
+        "add": lambda: store.add("lat/n", 1),
+        "check": lambda: store.check(["lat/k"]),
+    }
+    out = {}
+    for name, op in ops.items():
+        for _ in range(min(200, iters)):
+            op()
+        samples = []
+        for _ in range(iters):
+            t0 = time.perf_counter_ns()
+            op()
+            samples.append(time.perf_counter_ns() - t0)
+        samples.sort()
+        out[name] = (statistics.median(samples) / 1e3, samples[int(0.99 * (len(samples) - 1))] / 1e3)
+    return out
+
+
+def _adder(impl: str, port: int, seconds: float, barrier: Any, results: Any) -> None:
+    store = _client(impl, port)
+    store.add("tput/warm", 1)
+    barrier.wait()
+    n = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        store.add("tput/n", 1)
+        n += 1
+    results.put(n)
+
+
+def _throughput(impl: str, port: int, clients: int, seconds: float) -> float:
+    barrier = _CTX.Barrier(clients + 1)
+    results = _CTX.Queue()
+    procs = [_CTX.Process(target=_adder, args=(impl, port, seconds, barrier, results), daemon=True)
+             for _ in range(clients)]
+    for p in procs:
+        p.start()
+    barrier.wait(timeout=_TIMEOUT)
+    total = sum(results.get(timeout=_TIMEOUT) for _ in procs)
+    for p in procs:
+        p.join(10)
+    return total / seconds
+
+
+def _joiner(impl: str, port: int, n: int, threads: int, tag: str, start: Any, results: Any) -> None:
+    ends: list[float] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def one() -> None:
+        try:
+            start.wait()
+            store = _client(impl, port)
+            if store.add(f"{tag}/joined", 1) == n:
+                store.set(f"{tag}/all", b"1")
+            store.wait([f"{tag}/go"])
+            t = time.monotonic()
+            with lock:
+                ends.append(t)
+        except Exception as e:  # reported to the parent, which fails the row
+            with lock:
+                errors.append(f"{type(e).__name__}: {e}")
+
+    ts = [threading.Thread(target=one) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    results.put((ends, errors))
+
+
+def _rendezvous(impl: str, port: int, n: int, run: int) -> float:
+    tag = f"rdv{n}-{run}"
+    nproc = min(16, n)
+    start = _CTX.Event()
+    results = _CTX.Queue()
+    per = [n // nproc + (1 if i < n % nproc else 0) for i in range(nproc)]
+    procs = [_CTX.Process(target=_joiner, args=(impl, port, n, k, tag, start, results), daemon=True)
+             for k in per]
+    for p in procs:
+        p.start()
+    master = _client(impl, port)
+    time.sleep(0.5 + n / 500)  # let every worker's threads reach start.wait()
+    t0 = time.monotonic()
+    start.set()
+    master.wait([f"{tag}/all"])
+    master.set(f"{tag}/go", b"1")
+    ends: list[float] = []
+    for _ in procs:
+        e, errs = results.get(timeout=_TIMEOUT)
+        if errs:
+            raise RuntimeError(f"{impl} rendezvous of {n}: {len(errs)} clients failed: {errs[0]}")
+        ends += e
+    for p in procs:
+        p.join(10)
+    return max(ends) - t0
+
+
+def _big_get(impl: str, port: int, size: int, iters: int) -> float | str:
+    store = _client(impl, port)
+    value = os.urandom(size)
+    try:
+        store.set("big", value)
+        assert store.get("big") == value
+    except Exception as e:
+        return f"refused ({type(e).__name__}: {str(e)[:40]})"
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        store.get("big")
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples) * 1e3
+
+
+# -- the run --------------------------------------------------------------------------------
+
+@dataclass
+class Row:
+    name: str
+    unit: str
+    values: dict[str, float | str]
+    higher_is_better: bool = False
+
+
+def run(impl: str, args: argparse.Namespace) -> list[Row]:
+    rows: list[Row] = []
+    server = _Server(impl)
+    try:
+        lat = _latency(impl, server.port, args.iters)
+        for op, (med, p99) in lat.items():
+            rows.append(Row(f"{op} latency, median", "us", {impl: med}))
+            rows.append(Row(f"{op} latency, p99", "us", {impl: p99}))
+        for c in args.clients:
+            rows.append(Row(f"add throughput, {c} clients", "ops/s",
+                            {impl: _throughput(impl, server.port, c, args.seconds)}, True))
+        for n in args.rendezvous:
+            times = [_rendezvous(impl, server.port, n, r) for r in range(args.repeats)]
+            rows.append(Row(f"rendezvous, {n} clients", "s", {impl: statistics.median(times)}))
+        rows.append(Row("get 16 MiB, median", "ms", {impl: _big_get(impl, server.port, 16 << 20,
+                                                                    args.big_iters)}))
+    finally:
+        server.stop()
+    return rows
+
+
+def _merge(parts: list[list[Row]]) -> list[Row]:
+    merged: dict[str, Row] = {}
+    for rows in parts:
+        for r in rows:
+            if r.name in merged:
+                merged[r.name].values.update(r.values)
+            else:
+                merged[r.name] = Row(r.name, r.unit, dict(r.values), r.higher_is_better)
+    return list(merged.values())
+
+
+def _fmt(v: float | str | None) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, str):
+        return v
+    if v >= 1000:
+        return f"{v:,.0f}"
+    if v >= 10:
+        return f"{v:.1f}"
+    return f"{v:.3g}"
+
+
+def report(rows: list[Row], impls: list[str], markdown: bool) -> str:
+    head = ["metric", "unit"] + impls + (["gpucoll/torch"] if len(impls) == 2 else [])
+    lines = []
+    for r in rows:
+        cells = [r.name, r.unit] + [_fmt(r.values.get(i)) for i in impls]
+        if len(impls) == 2:
+            g, t = r.values.get("gpucoll"), r.values.get("torch")
+            ratio = (f"{g / t:.2f}x" if isinstance(g, float) and isinstance(t, float) and t else "-")
+            cells.append(ratio)
+        lines.append(cells)
+    if markdown:
+        out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        out += ["| " + " | ".join(c) + " |" for c in lines]
+        return "\n".join(out)
+    widths = [max(len(x[i]) for x in [head] + lines) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(wd) for c, wd in zip(cells, widths)) for cells in [head] + lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="few iterations, small N: a smoke run")
+    p.add_argument("--impl", default=None, help="comma list of gpucoll,torch (default: both if torch imports)")
+    p.add_argument("--clients", default=None, help="comma list of add-throughput client counts")
+    p.add_argument("--rendezvous", default=None, help="comma list of rendezvous sizes")
+    p.add_argument("--markdown", action="store_true", help="print a markdown table")
+    args = p.parse_args(argv)
+    args.iters = 500 if args.quick else 5000
+    args.seconds = 0.5 if args.quick else 3.0
+    args.repeats = 1 if args.quick else 3
+    args.big_iters = 3 if args.quick else 10
+    args.clients = [int(x) for x in (args.clients or ("1,8" if args.quick else "1,8,32")).split(",")]
+    args.rendezvous = [int(x) for x in (args.rendezvous or ("64" if args.quick else "64,256,1024")).split(",")]
+    impls = args.impl.split(",") if args.impl else (["gpucoll", "torch"] if _torch_available() else ["gpucoll"])
+    _raise_nofile()
+    parts = []
+    for impl in impls:
+        t0 = time.monotonic()
+        parts.append(run(impl, args))
+        print(f"# {impl}: {time.monotonic() - t0:.1f} s", file=sys.stderr)
+    print(report(_merge(parts), impls, args.markdown))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

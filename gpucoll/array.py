@@ -1,0 +1,507 @@
+"""The array layer: any array in -> a :class:`~gpucoll._buffer.Buffer`, and results back out.
+
+Accepted, in this order (the first protocol an object speaks wins):
+
+1. ``numpy.ndarray`` (and subclasses): the fast path, no protocol round trip.
+2. ``__cuda_array_interface__`` (v2/v3; CuPy, Numba, PyTorch CUDA, JAX GPU): device
+   memory, with the producer's stream. If the attribute raises (PyTorch and JAX
+   refuse it for bfloat16), DLPack is tried next.
+3. ``__dlpack__`` + ``__dlpack_device__`` (JAX, PyTorch, CuPy, NumPy): CPU memory
+   (kDLCPU, kDLCUDAHost) or CUDA memory (kDLCUDA, kDLCUDAManaged). The capsule is
+   read with ctypes, so bfloat16 and float8 work where NumPy's own ``from_dlpack``
+   refuses them.
+4. The buffer protocol (``bytearray``, ``array.array``, ``memoryview``, ...).
+
+Nothing is copied. Memory must be C-contiguous: a non-contiguous array raises
+ValueError (the functional API, :mod:`gpucoll.functional`, copies instead). An
+in-place op (``writable=True``) rejects read-only memory, JAX arrays included.
+
+For host memory the Buffer's ``owner`` is always a NumPy array viewing exactly
+the buffer's memory (shape and dtype as the Buffer's), which backends may use
+directly; :func:`host_ndarray` returns it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import sys
+from typing import Any, Protocol, TypeAlias, runtime_checkable
+
+import numpy as np
+
+from ._buffer import DTYPES, Buffer, Device, DType, dtype_by_name
+
+__all__ = [
+    "ArrayLike", "SupportsCudaArrayInterface", "SupportsDLPack", "NotContiguousError", "xp_view",
+    "as_buffer", "host_ndarray", "split_buffer", "is_device_array", "new_output", "copy_buffer", "to_caller_type",
+]
+
+
+@runtime_checkable
+class SupportsCudaArrayInterface(Protocol):
+    """Device arrays that publish ``__cuda_array_interface__`` (CuPy, Numba, ...)."""
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class SupportsDLPack(Protocol):
+    """Arrays that export DLPack capsules (JAX, PyTorch, CuPy, NumPy, ...)."""
+
+    def __dlpack__(self, *, stream: int | None = None) -> Any: ...
+
+    def __dlpack_device__(self) -> tuple[int, int]: ...
+
+
+ArrayLike: TypeAlias = Any
+"""What collectives accept: a NumPy array, :class:`SupportsCudaArrayInterface`,
+:class:`SupportsDLPack`, or any buffer-protocol object (see the module docstring).
+Spelled ``Any`` because the buffer protocol has no static type before Python 3.12."""
+
+class NotContiguousError(ValueError):
+    """The array is not C-contiguous (collectives work on one flat block of memory)."""
+
+
+_CPU = Device("cpu")
+_KDL_CPU, _KDL_CUDA, _KDL_CUDA_HOST, _KDL_CUDA_MANAGED = 1, 2, 3, 13
+
+# DLPack's DLDataTypeCode (dlpack.h 1.1) with bit widths -> our canonical names.
+_DL_DTYPES: dict[tuple[int, int], str] = {
+    (0, 8): "int8", (0, 16): "int16", (0, 32): "int32", (0, 64): "int64",
+    (1, 8): "uint8", (1, 16): "uint16", (1, 32): "uint32", (1, 64): "uint64",
+    (2, 16): "float16", (2, 32): "float32", (2, 64): "float64",
+    (4, 16): "bfloat16",
+    (5, 64): "complex64", (5, 128): "complex128",
+    (6, 8): "bool",
+    (10, 8): "float8_e4m3fn", (12, 8): "float8_e5m2",
+}
+
+# np.dtype -> DType, filled on first sight of each dtype (a pure cache: same answer every time).
+_NP_DTYPES: dict[np.dtype[Any], DType] = {}
+
+
+def _dtype_of_numpy(dt: np.dtype[Any], name: str) -> DType:
+    found = _NP_DTYPES.get(dt)
+    if found is not None:
+        return found
+    if dt.byteorder == ">" or (dt.byteorder == "=" and sys.byteorder == "big"):
+        raise TypeError(f"{name} has non-native byte order ({dt.str}); use x.astype(x.dtype.newbyteorder('='))")
+    if dt.name not in DTYPES:
+        raise TypeError(f"{name} has unsupported dtype {dt} ; supported: {', '.join(DTYPES)}")
+    found = DTYPES[dt.name]
+    _NP_DTYPES[dt] = found
+    return found
+
+
+def as_buffer(array: ArrayLike, *, name: str = "tensor", writable: bool = False) -> Buffer:
+    """Describe ``array``'s memory as a :class:`Buffer`, without copying.
+
+    Args:
+        array: a NumPy array, an object with ``__cuda_array_interface__``, DLPack, or
+            the buffer protocol (or a Buffer, returned as it is).
+        name: the argument's name, used in error messages.
+        writable: the op writes into this memory (in-place collectives).
+
+    Returns:
+        A Buffer whose ``owner`` keeps the memory alive (for host memory: a NumPy view).
+
+    Raises:
+        TypeError: not an array, or an unsupported dtype.
+        ValueError: not C-contiguous, or read-only where ``writable`` is required.
+
+    Example:
+        >>> buf = as_buffer(np.zeros(4, np.float32), writable=True)
+        >>> buf.nbytes, buf.dtype.name, str(buf.device)
+        (16, 'float32', 'cpu')
+    """
+    if isinstance(array, np.ndarray):
+        return _from_ndarray(array, name, writable, _CPU)
+    cls = type(array)
+    if cls is Buffer:
+        if writable and array.readonly:
+            raise ValueError(f"{name} is a read-only Buffer and this op writes into it")
+        return array  # type: ignore[no-any-return]
+    if hasattr(cls, "__cuda_array_interface__"):
+        try:
+            cai = array.__cuda_array_interface__
+        except Exception:
+            # PyTorch/JAX raise here for bfloat16; their DLPack export still works.
+            if not hasattr(cls, "__dlpack__"):
+                raise
+        else:
+            return _from_cai(array, cai, name, writable)
+    if hasattr(cls, "__dlpack__") and hasattr(cls, "__dlpack_device__"):
+        return _from_dlpack(array, name, writable)
+    try:
+        view = memoryview(array)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be an array (NumPy, CuPy, JAX, PyTorch, Numba, or anything with "
+            f"__cuda_array_interface__, __dlpack__ or the buffer protocol); got {cls.__name__}"
+        ) from None
+    if not view.c_contiguous:
+        raise NotContiguousError(f"{name} must be C-contiguous; got a non-contiguous {cls.__name__}")
+    return _from_ndarray(np.asarray(view), name, writable, _CPU)
+
+
+def _from_ndarray(a: np.ndarray, name: str, writable: bool, device: Device) -> Buffer:
+    flags = a.flags
+    if not flags.c_contiguous:
+        raise NotContiguousError(
+            f"{name} must be C-contiguous; got an array with shape {a.shape} and strides {a.strides}. "
+            "Pass np.ascontiguousarray(x), or use gpucoll.functional, which copies")
+    if writable and not flags.writeable:
+        raise ValueError(
+            f"{name} is read-only and this op writes into it; pass a writable copy, "
+            "or use gpucoll.functional, which returns a new array")
+    dtype = _NP_DTYPES.get(a.dtype) or _dtype_of_numpy(a.dtype, name)
+    return Buffer(a.ctypes.data, a.nbytes, dtype, a.shape, device, not flags.writeable, None, a)
+
+
+# ----- __cuda_array_interface__ -----
+
+def _from_cai(array: Any, cai: dict[str, Any], name: str, writable: bool) -> Buffer:
+    try:
+        ptr, readonly = cai["data"]
+        shape = tuple(int(s) for s in cai["shape"])
+        typestr = str(cai["typestr"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise TypeError(f"{name}.__cuda_array_interface__ is malformed ({exc!r}): {cai!r}") from exc
+    if cai.get("mask") is not None:
+        raise ValueError(f"{name} is a masked device array; masks are not supported")
+    dtype = _dtype_of_typestr(typestr, array, name)
+    _check_c_strides(cai.get("strides"), shape, dtype.itemsize, name)
+    if writable and readonly:
+        raise ValueError(f"{name} is read-only device memory and this op writes into it; "
+                         "use gpucoll.functional, which returns a new array")
+    numel = 1
+    for s in shape:
+        numel *= s
+    stream = cai.get("stream") if int(cai.get("version", 2)) >= 3 else None
+    return Buffer(int(ptr or 0), numel * dtype.itemsize, dtype, shape,
+                  Device("cuda", _cuda_device_index(array, int(ptr or 0))), bool(readonly),
+                  _normalise_stream(stream), array)
+
+
+def _dtype_of_typestr(typestr: str, array: Any, name: str) -> DType:
+    order, kind, size = typestr[:1], typestr[1:2], typestr[2:]
+    try:
+        itemsize = int(size)
+    except ValueError:
+        raise TypeError(f"{name} has an unparsable typestr {typestr!r}") from None
+    if itemsize > 1 and (order == ">" or (order == "=" and sys.byteorder == "big")):
+        raise TypeError(f"{name} has non-native byte order (typestr {typestr!r})")
+    if kind == "V" or (kind == "f" and itemsize == 1):
+        # bfloat16/float8 have no typestr of their own (ml_dtypes gives '<V2', '|V1', and
+        # '<f1' for float8_e5m2); the array's own dtype attribute says which type it is.
+        dname = str(getattr(getattr(array, "dtype", None), "name", getattr(array, "dtype", "")))
+        dname = dname.rsplit(".", 1)[-1]
+        if dname in DTYPES and DTYPES[dname].itemsize == itemsize:
+            return DTYPES[dname]
+        raise TypeError(f"{name} has opaque typestr {typestr!r} and no recognisable dtype attribute "
+                        f"(got {dname!r}); bfloat16/float8 arrays must expose .dtype")
+    names = {"b": "bool", "i": f"int{8 * itemsize}", "u": f"uint{8 * itemsize}",
+             "f": f"float{8 * itemsize}", "c": f"complex{8 * itemsize}"}
+    try:
+        return dtype_by_name(names[kind])
+    except (KeyError, TypeError):
+        raise TypeError(f"{name} has unsupported typestr {typestr!r}") from None
+
+
+def _check_c_strides(strides: Any, shape: tuple[int, ...], itemsize: int, name: str) -> None:
+    if strides is None:
+        return
+    expected = itemsize
+    for dim, stride in zip(reversed(shape), reversed(tuple(strides))):
+        if dim != 1 and int(stride) != expected:
+            raise NotContiguousError(f"{name} must be C-contiguous; got shape {shape} with strides {tuple(strides)}. "
+                             "Make a contiguous copy, or use gpucoll.functional, which copies")
+        expected *= dim
+
+
+def _normalise_stream(stream: Any) -> int | None:
+    # CAI v3 / DLPack: None = no sync needed, 1 = legacy default (the Buffer contract
+    # spells both None), 2 = per-thread default, else a cudaStream_t.
+    if stream is None or int(stream) in (0, 1):
+        return None
+    return int(stream)
+
+
+def _cuda_device_index(array: Any, ptr: int) -> int:
+    dev = getattr(type(array), "__dlpack_device__", None)
+    if dev is not None:
+        try:
+            kind, index = array.__dlpack_device__()
+            if int(kind) in (_KDL_CUDA, _KDL_CUDA_MANAGED):
+                return int(index)
+        except Exception:
+            pass
+    device = getattr(array, "device", None)
+    for attr in ("id", "index"):  # CuPy Device.id, torch.device.index
+        index = getattr(device, attr, None)
+        if isinstance(index, int):
+            return index
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and ptr:
+        try:
+            return int(cupy.cuda.runtime.pointerGetAttributes(ptr).device)
+        except Exception:
+            pass
+    return 0
+
+
+# ----- DLPack, read with ctypes -----
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+class _DLPackVersion(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+class _DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [("version", _DLPackVersion), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.c_void_p), ("flags", ctypes.c_uint64), ("dl_tensor", _DLTensor)]
+
+
+_DLPACK_FLAG_READ_ONLY = 1
+_capsule_get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_get_pointer.restype = ctypes.c_void_p
+_capsule_get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_capsule_get_name = ctypes.pythonapi.PyCapsule_GetName
+_capsule_get_name.restype = ctypes.c_char_p
+_capsule_get_name.argtypes = [ctypes.py_object]
+
+
+def _export_capsule(array: Any, stream: int | None) -> Any:
+    try:
+        return array.__dlpack__(stream=stream, max_version=(1, 0))
+    except TypeError:
+        pass  # a producer older than DLPack 1.0 has no max_version
+    try:
+        return array.__dlpack__(stream=stream)
+    except TypeError:
+        return array.__dlpack__()
+
+
+def _from_dlpack(array: Any, name: str, writable: bool) -> Buffer:
+    kind, index = (int(v) for v in array.__dlpack_device__())
+    if kind not in (_KDL_CPU, _KDL_CUDA, _KDL_CUDA_HOST, _KDL_CUDA_MANAGED):
+        raise TypeError(f"{name} lives on DLPack device type {kind}; only CPU and CUDA memory are supported")
+    # stream=None asks a CUDA producer to make the data ready on the legacy default
+    # stream (the DLPack handshake), which every other stream then orders after.
+    capsule = _export_capsule(array, None)
+    cname = _capsule_get_name(capsule)
+    if cname == b"dltensor_versioned":
+        managed_v = _DLManagedTensorVersioned.from_address(_capsule_get_pointer(capsule, cname))
+        tensor, readonly = managed_v.dl_tensor, bool(managed_v.flags & _DLPACK_FLAG_READ_ONLY)
+    elif cname == b"dltensor":
+        tensor = _DLManagedTensor.from_address(_capsule_get_pointer(capsule, cname)).dl_tensor
+        readonly = False
+    else:
+        raise TypeError(f"{name}.__dlpack__() returned a capsule named {cname!r}, not a DLPack tensor")
+    # Legacy capsules carry no read-only flag; JAX arrays are immutable all the same.
+    readonly = readonly or type(array).__module__.split(".", 1)[0] in ("jax", "jaxlib")
+    dt = tensor.dtype
+    if dt.lanes != 1 or (dt.code, dt.bits) not in _DL_DTYPES:
+        raise TypeError(f"{name} has DLPack dtype code={dt.code} bits={dt.bits} lanes={dt.lanes}, "
+                        f"which gpucoll does not support; supported: {', '.join(DTYPES)}")
+    dtype = DTYPES[_DL_DTYPES[(dt.code, dt.bits)]]
+    shape = tuple(int(tensor.shape[i]) for i in range(tensor.ndim))
+    if tensor.strides:
+        strides = tuple(int(tensor.strides[i]) * dtype.itemsize for i in range(tensor.ndim))
+        _check_c_strides(strides, shape, dtype.itemsize, name)
+    if writable and readonly:
+        raise ValueError(f"{name} ({type(array).__name__}) is immutable or read-only and this op writes "
+                         "into it; use gpucoll.functional, which returns a new array")
+    numel = 1
+    for s in shape:
+        numel *= s
+    ptr = int(tensor.data or 0) + int(tensor.byte_offset)
+    nbytes = numel * dtype.itemsize
+    if kind in (_KDL_CPU, _KDL_CUDA_HOST):
+        view = _view_of_memory(ptr, nbytes, dtype, shape, readonly, keep=capsule)
+        return Buffer(ptr, nbytes, dtype, shape, _CPU, readonly, None, view)
+    # The capsule is the owner: its producer-installed destructor frees the tensor
+    # once the capsule is collected, because we never rename it to "used_dltensor".
+    return Buffer(ptr, nbytes, dtype, shape, Device("cuda", index), readonly, None, (array, capsule))
+
+
+def _view_of_memory(ptr: int, nbytes: int, dtype: DType, shape: tuple[int, ...], readonly: bool,
+                    keep: Any) -> np.ndarray:
+    np_dtype = dtype.numpy()
+    if nbytes == 0:
+        return np.empty(shape, np_dtype)
+    raw = (ctypes.c_char * nbytes).from_address(ptr)
+    raw._gpucoll_keep = keep  # type: ignore[attr-defined]  # the view's base holds the producer's memory
+    view: np.ndarray = np.frombuffer(raw, dtype=np_dtype).reshape(shape)  # type: ignore[call-overload]
+    if readonly:
+        view.flags.writeable = False
+    return view
+
+
+def host_ndarray(buf: Buffer) -> np.ndarray:
+    """A NumPy array viewing a host Buffer's memory (its ``owner`` for buffers made here).
+
+    Raises:
+        ValueError: ``buf`` is device memory.
+    """
+    if buf.is_cuda:
+        raise ValueError(f"host_ndarray needs host memory; the buffer is on {buf.device}")
+    owner = buf.owner
+    if isinstance(owner, np.ndarray) and owner.nbytes == buf.nbytes and (
+            buf.nbytes == 0 or owner.ctypes.data == buf.ptr):
+        return owner
+    return _view_of_memory(buf.ptr, buf.nbytes, buf.dtype, buf.shape, buf.readonly, keep=owner)
+
+
+def split_buffer(buf: Buffer, parts: int) -> list[Buffer]:
+    """``buf`` as ``parts`` consecutive, equal, flat chunks (views, no copy).
+
+    Raises:
+        ValueError: ``buf``'s element count is not divisible by ``parts``.
+    """
+    if buf.numel % parts:
+        raise ValueError(f"cannot split {buf.numel} elements into {parts} equal chunks")
+    count = buf.numel // parts
+    if not buf.is_cuda:
+        flat = host_ndarray(buf).reshape(-1)
+        return [_from_ndarray(flat[i * count:(i + 1) * count], "chunk", False, _CPU) for i in range(parts)]
+    step = count * buf.dtype.itemsize
+    return [Buffer(buf.ptr + i * step, step, buf.dtype, (count,), buf.device, buf.readonly, buf.stream, buf.owner)
+            for i in range(parts)]
+
+
+def is_device_array(array: Any) -> bool:
+    """True if ``array`` lives in CUDA memory (by the protocols it speaks)."""
+    if isinstance(array, np.ndarray):
+        return False
+    cls = type(array)
+    # JAX's CPU arrays have a __cuda_array_interface__ property that raises: ask
+    # __dlpack_device__ first, and count CAI only when it actually answers.
+    if hasattr(cls, "__dlpack_device__"):
+        try:
+            return int(array.__dlpack_device__()[0]) in (_KDL_CUDA, _KDL_CUDA_MANAGED)
+        except Exception:
+            pass
+    if hasattr(cls, "__cuda_array_interface__"):
+        try:
+            array.__cuda_array_interface__
+        except Exception:
+            return False
+        return True
+    return False
+
+
+# ----- results back in the caller's own type (functional API) -----
+
+# Dtypes CuPy cannot allocate; device outputs of these types are allocated as
+# unsigned integers of the same width and reinterpreted by the caller's framework.
+_NOT_IN_CUPY = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
+
+
+def _framework(array: Any) -> str:
+    module = type(array).__module__.split(".", 1)[0]
+    return "jax" if module == "jaxlib" else module
+
+
+def new_output(like: Any, shape: tuple[int, ...], dtype: DType) -> tuple[Any, Buffer]:
+    """A new, writable array for an op's result in memory of the same kind as ``like``.
+
+    Host inputs get a NumPy array; device inputs get a CuPy array on the same device
+    (CuPy is imported here, and only for device inputs).
+
+    Returns:
+        ``(array, buffer)``: pass ``array`` to :func:`to_caller_type` once the op is done.
+    """
+    if not is_device_array(like):
+        out = np.empty(shape, dtype.numpy())
+        return out, _from_ndarray(out, "output", True, _CPU)
+    import cupy
+
+    carrier = f"uint{8 * dtype.itemsize}" if dtype.name in _NOT_IN_CUPY else dtype.name
+    with cupy.cuda.Device(_cuda_device_index(like, 0)):
+        out = cupy.empty(shape, carrier)
+    buf = as_buffer(out, name="output", writable=True)
+    return out, (dataclasses.replace(buf, dtype=dtype) if carrier != dtype.name else buf)
+
+
+def copy_buffer(dst: Buffer, src: Buffer) -> None:
+    """Copy ``src``'s bytes into ``dst`` (same nbytes, same kind of memory).
+
+    Device copies run on CuPy's current stream, after the source's producer stream.
+    """
+    if dst.nbytes != src.nbytes:
+        raise ValueError(f"copy_buffer: sizes differ ({dst.nbytes} vs {src.nbytes} bytes)")
+    if not dst.is_cuda and not src.is_cuda:
+        np.copyto(_bytes_of(dst), _bytes_of(src))
+        return
+    import cupy
+
+    stream = cupy.cuda.get_current_stream()
+    if src.stream is not None and src.stream != stream.ptr:
+        event = cupy.cuda.Event(disable_timing=True)
+        event.record(cupy.cuda.ExternalStream(src.stream))
+        stream.wait_event(event)
+    cupy.cuda.runtime.memcpyAsync(dst.ptr, src.ptr, src.nbytes, cupy.cuda.runtime.memcpyDefault, stream.ptr)
+
+
+def xp_view(buf: Buffer) -> Any:
+    """A NumPy (host) or CuPy (device) array viewing ``buf``; dtypes CuPy lacks appear as
+    unsigned integers of the same width."""
+    if not buf.is_cuda:
+        return host_ndarray(buf)
+    import cupy
+
+    carrier = f"uint{8 * buf.dtype.itemsize}" if buf.dtype.name in _NOT_IN_CUPY else buf.dtype.name
+    memory = cupy.cuda.UnownedMemory(buf.ptr, buf.nbytes, buf.owner, buf.device.index)
+    return cupy.ndarray(buf.shape, carrier, cupy.cuda.MemoryPointer(memory, 0))
+
+
+def _bytes_of(buf: Buffer) -> np.ndarray:
+    return host_ndarray(buf).reshape(-1).view(np.uint8)
+
+
+def to_caller_type(result: Any, like: Any, dtype: DType) -> Any:
+    """Return ``result`` (from :func:`new_output`) as an array of ``like``'s framework.
+
+    NumPy stays NumPy; JAX gets ``jax.numpy.from_dlpack``; PyTorch ``torch.from_dlpack``;
+    CuPy stays CuPy; anything else (``bytearray``, ``memoryview``) gets NumPy.
+    Zero-copy through DLPack wherever the receiving framework allows it.
+    """
+    framework = _framework(like)
+    carried = isinstance(result, np.ndarray) is False and dtype.name in _NOT_IN_CUPY
+    if framework == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        if isinstance(result, np.ndarray) and dtype.name in _NOT_IN_CUPY:
+            return jnp.asarray(result)  # NumPy cannot export these dtypes through DLPack
+        out = jnp.from_dlpack(result)
+        return jax.lax.bitcast_convert_type(out, getattr(jnp, dtype.name)) if carried else out
+    if framework == "torch":
+        torch = sys.modules["torch"]
+        if isinstance(result, np.ndarray) and dtype.name in _NOT_IN_CUPY:
+            # NumPy cannot export these dtypes through DLPack: hand over the bits as integers.
+            bits = torch.from_dlpack(result.view(f"uint{8 * dtype.itemsize}"))
+            return bits.view(like.dtype)
+        out = torch.from_dlpack(result)
+        return out.view(like.dtype) if carried else out
+    return result

@@ -1,0 +1,223 @@
+"""``gpucoll-bench OP``: the command line, in nccl-tests' flags.
+
+Three ways to run:
+
+- plain ``gpucoll-bench all_reduce``: starts a local job itself, ``--nproc`` ranks
+  (default: every visible GPU with NCCL; 2 ranks on the CPU backend);
+- under a launcher (``gpucoll-run``, ``torchrun``, ``srun``, ``mpirun``): every
+  process runs one rank in place, the launcher decides the world;
+- ``gpucoll-bench plot A.json [B.json ...] --plot OUT.png``: draw saved runs, no benchmark.
+
+Nothing heavy is imported before the arguments are parsed; matplotlib only for ``--plot``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+from typing import Sequence
+
+from .ops import op_names
+from .options import BenchConfig, parse_size, resolve_datatypes, resolve_redops, size_sweep
+
+__all__ = ["main", "build_parser", "config_from_args", "CORRUPT_ENV"]
+
+CORRUPT_ENV = "GPUCOLL_BENCH_CORRUPT"
+"""Test hook: "1" perturbs every checked output, so ``#wrong`` must come out non-zero."""
+
+_EPILOG = """\
+examples:
+  gpucoll-bench all_reduce -b 8 -e 64M -f 4           sweep 8 B .. 64 MiB, x4 per step
+  gpucoll-bench all_gather -d bfloat16 --json run.json
+  srun -N2 --ntasks-per-node 8 gpucoll-bench all_reduce -b 1M -e 1G -f 2
+  gpucoll-bench plot a.json b.json --plot compare.png  compare saved runs
+"""
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (nccl-tests' short and long flags plus gpucoll's own)."""
+    p = argparse.ArgumentParser(
+        prog="gpucoll-bench", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG,
+        description="Collective bandwidth benchmark with nccl-tests' flags and table.")
+    p.add_argument("collective", metavar="OP", choices=[*op_names(), "plot"],
+                   help="the collective: " + ", ".join(op_names()) + "; or 'plot' to draw saved runs")
+    p.add_argument("files", nargs="*", metavar="RUN.json", help="(plot only) runs saved with --json")
+    p.add_argument("-b", "--minbytes", type=_size, default=32 << 20, help="smallest size (default 32M)")
+    p.add_argument("-e", "--maxbytes", type=_size, default=32 << 20, help="largest size (default 32M)")
+    p.add_argument("-i", "--stepbytes", type=_size, default=1 << 20,
+                   help="size increment when the step factor is 1 (default 1M)")
+    p.add_argument("-f", "--stepfactor", type=int, default=1, help="size multiplier per step (default 1)")
+    p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size (default 20)")
+    p.add_argument("-w", "--warmup_iters", type=int, default=5, help="warm-up iterations per size (default 5)")
+    p.add_argument("-c", "--check", type=int, default=1,
+                   help="checked runs per size; 0 skips the check (default 1)")
+    p.add_argument("-d", "--datatype", default="float",
+                   help="float, half, bfloat16, double, int8, uint8, int32, uint32, int64, uint64, "
+                        "f8e4m3, f8e5m2, or all (default float)")
+    p.add_argument("-o", "--op", dest="redop", default="sum",
+                   help="reduction: sum, prod, max, min, avg, premulsum, band, bor, bxor, or all (default sum)")
+    p.add_argument("-r", "--root", type=int, default=0, help="root of rooted ops; -1: every rank in turn")
+    p.add_argument("-z", "--blocking", type=int, default=0, help="1: wait for each op before the next")
+    p.add_argument("-G", "--cudagraph", type=int, default=0,
+                   help="CUDA graph launches (not supported by gpucoll-bench; must be 0)")
+    p.add_argument("--backend", choices=("auto", "nccl", "cpu"), default="auto",
+                   help="nccl (GPU arrays), cpu (NumPy arrays), or auto: nccl when a GPU is usable")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="ranks of the local job to start (default: GPUs visible with nccl, 2 with cpu); "
+                        "not needed under gpucoll-run, srun or mpirun")
+    p.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds (default 300)")
+    p.add_argument("--json", metavar="FILE", help="write every row and the environment as JSON")
+    p.add_argument("--csv", metavar="FILE", help="write every row and the environment as CSV")
+    p.add_argument("--plot", metavar="FILE.png", help="draw busbw and latency against size (needs matplotlib)")
+    return p
+
+
+def config_from_args(args: argparse.Namespace, backend: str) -> BenchConfig:
+    """Validate parsed arguments into a :class:`BenchConfig` for ``backend``.
+
+    Raises:
+        ValueError: an argument is out of range.
+    """
+    if args.cudagraph:
+        raise ValueError(
+            f"-G/--cudagraph {args.cudagraph}: CUDA graph capture is not supported by gpucoll-bench "
+            "(gpucoll's NCCL ops record and poll CUDA events for Work and the watchdog, which a "
+            "capture forbids); the cpu backend has no GPU work to capture at all. Use -G 0.")
+    if args.blocking not in (0, 1):
+        raise ValueError(f"-z/--blocking must be 0 or 1; got {args.blocking}")
+    sizes = size_sweep(args.minbytes, args.maxbytes, args.stepbytes, args.stepfactor)
+    return BenchConfig(
+        op=args.collective, sizes=tuple(sizes), minbytes=args.minbytes, maxbytes=args.maxbytes,
+        stepbytes=args.stepbytes, stepfactor=args.stepfactor, iters=args.iters,
+        warmup_iters=args.warmup_iters, check=args.check,
+        datatypes=resolve_datatypes(args.datatype), redops=resolve_redops(args.redop),
+        root=args.root, blocking=bool(args.blocking), cudagraph=args.cudagraph, backend=backend,
+        timeout=args.timeout, corrupt=os.environ.get(CORRUPT_ENV, "") == "1")
+
+
+def _gpu_count() -> tuple[int, str]:
+    """Usable CUDA devices here, and why there are none. CuPy is imported only when a
+    device node exists, so a CPU-only machine answers without loading CUDA."""
+    if sys.platform.startswith("linux") and not glob.glob("/dev/nvidia[0-9]*"):
+        return 0, "no /dev/nvidia* device"
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount()), "no CUDA device"
+    except Exception as exc:  # ImportError, CUDARuntimeError: both mean "no usable GPU"
+        return 0, f"{type(exc).__name__}: {exc}"
+
+
+def _resolve_backend(requested: str) -> tuple[str, int]:
+    """``(backend, visible GPUs)``; "auto" picks nccl when a GPU is usable.
+
+    Raises:
+        BackendUnavailableError: nccl was asked for and no GPU is usable.
+    """
+    if requested == "cpu":
+        return "cpu", 0
+    count, why = _gpu_count()
+    if count > 0:
+        return "nccl", count
+    if requested == "nccl":
+        from ..errors import BackendUnavailableError
+
+        raise BackendUnavailableError(f"--backend nccl needs a usable CUDA GPU; found none ({why})")
+    return "cpu", 0
+
+
+def _launcher_world() -> int | None:
+    """The world size a launcher gave this process, or None outside any launcher."""
+    from ..clusters import detect
+
+    found = detect()
+    return None if found is None else found.world_size
+
+
+def _check_output_paths(args: argparse.Namespace) -> None:
+    for flag in ("json", "csv", "plot"):
+        path = getattr(args, flag)
+        if path is not None:
+            parent = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(parent):
+                raise ValueError(f"--{flag} {path}: directory {parent} does not exist")
+    if args.plot is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ImportError("--plot needs matplotlib: pip install 'gpucoll[bench]'")
+
+
+def _plot_saved(args: argparse.Namespace) -> int:
+    from .plot import plot_runs, run_label
+    from .report import read_json
+
+    if not args.files:
+        raise ValueError("plot needs one or more RUN.json files (written with --json)")
+    if not args.plot:
+        raise ValueError("plot needs --plot FILE.png, the image to write")
+    runs = [(run_label(doc, path), doc) for path in args.files for doc in [read_json(path)]]
+    plot_runs(runs, args.plot)
+    print(f"# wrote {args.plot} ({len(runs)} run{'s' if len(runs) > 1 else ''})")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``gpucoll-bench``; returns the exit status (0 ok, 1 failed or wrong results, 2 usage).
+
+    Args:
+        argv: the arguments without the program name; ``sys.argv[1:]`` when None.
+
+    Example:
+        >>> from gpucoll.bench import main
+        >>> main(["all_reduce", "-b", "8", "-e", "1M", "-f", "4", "--backend", "cpu"])  # doctest: +SKIP
+        0
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.collective == "plot":
+            return _plot_saved(args)
+        if args.files:
+            raise ValueError(f"unexpected arguments {args.files}: only 'plot' takes files")
+        _check_output_paths(args)
+        config_from_args(args, "cpu")  # validate everything before starting anything
+        if args.nproc is not None and args.nproc < 1:
+            raise ValueError(f"--nproc must be >= 1; got {args.nproc}")
+        world = _launcher_world()
+        if world is None:
+            backend, gpus = _resolve_backend(args.backend)
+            nproc = args.nproc if args.nproc is not None else (gpus if backend == "nccl" else 2)
+            from .runner import check_config
+            from .spawn import run_local
+
+            check_config(config_from_args(args, backend), nproc)
+
+            return run_local(nproc, [*argv, "--backend", backend], timeout=args.timeout)
+        if args.nproc is not None and args.nproc != world:
+            raise ValueError(f"--nproc {args.nproc} given, but the launcher started {world} ranks; "
+                             "drop --nproc under gpucoll-run, srun or mpirun")
+        backend, _ = _resolve_backend(args.backend)
+        from .session import run_session
+
+        return run_session(config_from_args(args, backend), argv, json_path=args.json,
+                           csv_path=args.csv, plot_path=args.plot)
+    except (ValueError, TypeError, ImportError) as exc:
+        parser.exit(2, f"gpucoll-bench: error: {exc}\n")
+    except Exception as exc:
+        from ..errors import DistError
+
+        if not isinstance(exc, (DistError, OSError)):
+            raise
+        print(f"gpucoll-bench: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1

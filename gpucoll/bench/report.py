@@ -1,0 +1,212 @@
+"""Output of a run: nccl-tests' table on stdout, and the same rows as JSON or CSV.
+
+JSON document (``"schema": "gpucoll-bench/1"``; see docs/benchmark.md)::
+
+    {"schema": ..., "env": {...}, "config": {...}, "ranks": [...], "rows": [...],
+     "summary": {"avg_busbw": ..., "wrong_entries": ..., "ok": ...}}
+
+Each row is flat: ``op, size, count, type, redop, root`` and, per variant
+(``oop_`` out-of-place, ``ip_`` in-place), ``time_us, algbw_gbs, busbw_gbs,
+wrong`` (null where the variant does not exist or was not checked). The CSV has
+one line per row with the same row columns, preceded by the environment columns
+``hostname, backend, world_size, device, gpucoll_version, date`` on every line.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import json
+import platform
+import socket
+import sys
+from dataclasses import asdict
+from typing import Any, Sequence
+
+from .options import BenchConfig
+from .runner import Measurement, RankInfo, Row
+
+__all__ = [
+    "SCHEMA", "environment", "header_lines", "table_header", "format_row", "footer_lines",
+    "avg_busbw", "wrong_entries", "row_dict", "document", "write_json", "read_json", "write_csv",
+    "ROW_COLUMNS", "ENV_COLUMNS",
+]
+
+SCHEMA = "gpucoll-bench/1"
+_VARIANT_FIELDS = ("time_us", "algbw_gbs", "busbw_gbs", "wrong")
+ROW_COLUMNS: tuple[str, ...] = ("op", "size", "count", "type", "redop", "root") + tuple(
+    f"{p}_{f}" for p in ("oop", "ip") for f in _VARIANT_FIELDS)
+ENV_COLUMNS: tuple[str, ...] = ("hostname", "backend", "world_size", "device", "gpucoll_version", "date")
+
+
+def _version(module: str) -> str | None:
+    mod = sys.modules.get(module)
+    if mod is None:
+        return None
+    return str(getattr(mod, "__version__", "unknown"))
+
+
+def environment(cfg: BenchConfig, world_size: int, device: str, argv: Sequence[str]) -> dict[str, Any]:
+    """What the run ran on: versions, host, device, backend, world size, date, command line.
+
+    CuPy and NCCL versions are reported when this process loaded them (the nccl backend).
+    """
+    import numpy
+
+    from .. import __version__
+
+    env: dict[str, Any] = {
+        "gpucoll_version": __version__,
+        "python": platform.python_version(),
+        "numpy": numpy.__version__,
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "backend": cfg.backend,
+        "world_size": world_size,
+        "device": device,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["gpucoll-bench", *argv]),
+    }
+    cupy_version = _version("cupy")
+    if cupy_version is not None:
+        env["cupy"] = cupy_version
+        try:
+            from cupy.cuda import nccl
+
+            code = int(nccl.get_version())
+            env["nccl"] = f"{code // 10000}.{code // 100 % 100}.{code % 100}"
+        except Exception as exc:  # a missing NCCL is a fact to record, not a failure of the report
+            env["nccl"] = f"unavailable ({type(exc).__name__})"
+    return env
+
+
+def header_lines(cfg: BenchConfig, env: dict[str, Any], ranks: Sequence[RankInfo]) -> list[str]:
+    """The lines above the table: parameters and the "Using devices" list."""
+    step = f"{cfg.stepfactor}(factor)" if cfg.stepfactor > 1 else f"{cfg.stepbytes}(bytes)"
+    lines = [
+        f"# gpucoll-bench {cfg.op}  backend: {cfg.backend}  world size: {env['world_size']}  "
+        f"gpucoll {env['gpucoll_version']}" + (f"  NCCL {env['nccl']}" if "nccl" in env else ""),
+        f"# minBytes {cfg.minbytes} maxBytes {cfg.maxbytes} step: {step} warmup iters: "
+        f"{cfg.warmup_iters} iters: {cfg.iters} validation: {cfg.check} graph: {cfg.cudagraph}",
+    ]
+    if cfg.blocking:
+        lines.append("# Blocking Enabled: wait for completion after each collective")
+    lines += ["#", "# Using devices"]
+    lines += [f"#  Rank {r.rank:2d} Pid {r.pid:6d} on {r.hostname:>10s} device {r.device}" for r in ranks]
+    return lines + ["#"]
+
+
+def table_header() -> list[str]:
+    """nccl-tests' three header lines."""
+    return [
+        "# %10s  %12s  %8s  %6s  %6s           out-of-place                       in-place          "
+        % ("", "", "", "", ""),
+        "# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s %6s  %7s  %6s  %6s %6s"
+        % ("size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong",
+           "time", "algbw", "busbw", "#wrong"),
+        "# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s  %5s  %7s  %6s  %6s  %5s"
+        % ("(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", ""),
+    ]
+
+
+def _time_str(us: float) -> str:
+    if us >= 10000.0:
+        return "%7.0f" % us
+    if us >= 100.0:
+        return "%7.1f" % us
+    return "%7.2f" % us
+
+
+def _variant(m: Measurement | None) -> str:
+    if m is None:
+        return "  %7s  %6s  %6s  %5s" % ("N/A", "N/A", "N/A", "N/A")
+    wrong = "N/A" if m.wrong is None else "%g" % m.wrong
+    return "  %7s  %6.2f  %6.2f  %5s" % (_time_str(m.time_us), m.algbw, m.busbw, wrong)
+
+
+def format_row(row: Row) -> str:
+    """One table line, in nccl-tests' columns."""
+    return ("%12d  %12d  %8s  %6s  %6d" % (row.size, row.count, row.datatype, row.redop, row.root)
+            + _variant(row.out_of_place) + _variant(row.in_place))
+
+
+def _measurements(rows: Sequence[Row]) -> list[Measurement]:
+    return [m for r in rows for m in (r.out_of_place, r.in_place) if m is not None]
+
+
+def avg_busbw(rows: Sequence[Row]) -> float:
+    """Mean bus bandwidth over every measured variant of every row (nccl-tests' footer)."""
+    ms = _measurements(rows)
+    return sum(m.busbw for m in ms) / len(ms) if ms else 0.0
+
+
+def wrong_entries(rows: Sequence[Row]) -> int:
+    """How many measured variants had wrong elements."""
+    return sum(1 for m in _measurements(rows) if m.wrong)
+
+
+def footer_lines(rows: Sequence[Row]) -> list[str]:
+    """nccl-tests' footer: the count of failed checks and the average bus bandwidth."""
+    bad = wrong_entries(rows)
+    return [f"# Out of bounds values : {bad} {'FAILED' if bad else 'OK'}",
+            f"# Avg bus bandwidth    : {avg_busbw(rows):g} ", "#"]
+
+
+def row_dict(row: Row) -> dict[str, Any]:
+    """A row as a flat dict with the keys of :data:`ROW_COLUMNS`."""
+    d: dict[str, Any] = {"op": row.op, "size": row.size, "count": row.count, "type": row.datatype,
+                         "redop": row.redop, "root": row.root}
+    for prefix, m in (("oop", row.out_of_place), ("ip", row.in_place)):
+        values = (None,) * 4 if m is None else (m.time_us, m.algbw, m.busbw, m.wrong)
+        d.update({f"{prefix}_{f}": v for f, v in zip(_VARIANT_FIELDS, values)})
+    return d
+
+
+def document(cfg: BenchConfig, env: dict[str, Any], ranks: Sequence[RankInfo],
+             rows: Sequence[Row]) -> dict[str, Any]:
+    """The JSON document of a run."""
+    config = asdict(cfg)
+    config.pop("corrupt")
+    for key in ("sizes", "datatypes", "redops"):
+        config[key] = list(config[key])
+    bad = wrong_entries(rows)
+    return {
+        "schema": SCHEMA, "env": env, "config": config,
+        "ranks": [asdict(r) for r in ranks],
+        "rows": [row_dict(r) for r in rows],
+        "summary": {"avg_busbw": avg_busbw(rows), "wrong_entries": bad, "ok": bad == 0},
+    }
+
+
+def write_json(path: str, doc: dict[str, Any]) -> None:
+    """Write a run's document to ``path``."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+
+
+def read_json(path: str) -> dict[str, Any]:
+    """Read a document written by :func:`write_json`.
+
+    Raises:
+        ValueError: the file is not a gpucoll-bench document.
+    """
+    with open(path, encoding="utf-8") as f:
+        try:
+            doc = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not JSON: {exc}") from exc
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("rows"), list):
+        raise ValueError(f"{path} is not a gpucoll-bench result (expected \"schema\": \"{SCHEMA}\" and rows)")
+    return doc
+
+
+def write_csv(path: str, doc: dict[str, Any]) -> None:
+    """Write a run's rows to ``path`` as CSV, each line with the environment columns first."""
+    env = doc["env"]
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(ENV_COLUMNS + ROW_COLUMNS)
+        for row in doc["rows"]:
+            w.writerow([env.get(k, "") for k in ENV_COLUMNS] + ["" if row[k] is None else row[k]
+                                                                 for k in ROW_COLUMNS])

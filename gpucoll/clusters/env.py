@@ -1,0 +1,84 @@
+"""gpucoll-run and torchrun-style variables: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
+
+Set by ``gpucoll-run``, by ``torchrun``, by Kubernetes training operators (one
+process per pod: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT only) and by hand.
+
+=====================  =========================================================
+RANK, WORLD_SIZE       required together; their presence selects this detector
+LOCAL_RANK             default 0
+LOCAL_WORLD_SIZE       default 1 without LOCAL_RANK; with LOCAL_RANK but no
+                       LOCAL_WORLD_SIZE (older launchers) WORLD_SIZE is assumed
+GROUP_RANK             the node's index; default 0
+MASTER_ADDR            required when WORLD_SIZE > 1; default 127.0.0.1
+MASTER_PORT            required when WORLD_SIZE > 1; default 0 (bind any port)
+GPUCOLL_STORE_HOSTED   "1": a launcher serves the store, every rank is a client
+=====================  =========================================================
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from .base import STORE_HOSTED_ENV, ClusterEnv, read_int, read_master_port
+
+__all__ = ["detect", "SOURCE"]
+
+SOURCE = "gpucoll-run/torchrun"
+
+
+def detect(environ: Mapping[str, str]) -> ClusterEnv | None:
+    """Read a torchrun-style environment.
+
+    Args:
+        environ: the environment mapping (``os.environ`` or a test's dict).
+
+    Returns:
+        A ClusterEnv, or None when neither RANK nor WORLD_SIZE is set (or both are empty).
+
+    Raises:
+        ValueError: one of RANK/WORLD_SIZE is set without the other, a value is not an
+            integer or out of range, or MASTER_ADDR/MASTER_PORT is missing for a job
+            of more than one rank. The message names the variable to set.
+
+    Example:
+        >>> detect({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "node7",
+        ...         "MASTER_PORT": "29500"}).rank
+        1
+    """
+    if not environ.get("RANK", "").strip() and not environ.get("WORLD_SIZE", "").strip():
+        return None  # unset, or exported empty by a wrapper script: nothing to read
+    for name in ("RANK", "WORLD_SIZE"):
+        if environ.get(name, "").strip() == "":
+            other = "WORLD_SIZE" if name == "RANK" else "RANK"
+            raise ValueError(f"{other} is set but {name} is not ({SOURCE}); set both RANK and WORLD_SIZE")
+    rank = read_int(environ, "RANK", source=SOURCE)
+    world_size = read_int(environ, "WORLD_SIZE", minimum=1, source=SOURCE)
+    if rank >= world_size:
+        raise ValueError(f"RANK={rank} must be < WORLD_SIZE={world_size} ({SOURCE})")
+    has_local_rank = environ.get("LOCAL_RANK", "").strip() != ""
+    local_rank = read_int(environ, "LOCAL_RANK", default=0, source=SOURCE)
+    local_world_size = read_int(environ, "LOCAL_WORLD_SIZE", minimum=1,
+                                default=world_size if has_local_rank else 1, source=SOURCE)
+    if local_rank >= local_world_size:
+        raise ValueError(f"LOCAL_RANK={local_rank} must be < LOCAL_WORLD_SIZE={local_world_size} "
+                         f"({SOURCE}); set LOCAL_WORLD_SIZE to the number of ranks on this node")
+    master_addr = environ.get("MASTER_ADDR", "").strip()
+    master_port = read_master_port(environ, source=SOURCE)
+    if world_size > 1:
+        if not master_addr:
+            raise ValueError(f"RANK and WORLD_SIZE={world_size} are set but MASTER_ADDR is not "
+                             f"({SOURCE}); set MASTER_ADDR to the host of rank 0's store")
+        if master_port is None:
+            raise ValueError(f"RANK and WORLD_SIZE={world_size} are set but MASTER_PORT is not "
+                             f"({SOURCE}); set MASTER_PORT to the port of rank 0's store")
+    return ClusterEnv(
+        source=SOURCE,
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+        master_addr=master_addr or "127.0.0.1",
+        master_port=master_port or 0,
+        store_hosted=environ.get(STORE_HOSTED_ENV, "").strip() == "1",
+        node_rank=read_int(environ, "GROUP_RANK", default=0, source=SOURCE),
+    )

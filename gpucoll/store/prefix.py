@@ -1,0 +1,99 @@
+"""PrefixStore: a namespace inside another store, so that groups share one server."""
+
+from __future__ import annotations
+
+from .base import Store, check_key
+
+__all__ = ["PrefixStore"]
+
+
+class PrefixStore(Store):
+    """Every key (and queue) of this store is ``prefix + "/" + key`` in ``store``.
+
+    ``num_keys`` and ``list_keys`` see only this namespace (torch's count every key
+    of the underlying store). Timeouts default to the underlying store's; setting
+    this store's timeout does not change the underlying one. Closing a PrefixStore
+    does not close the underlying store.
+
+    Args:
+        prefix: the namespace, a str.
+        store: the store to wrap (any Store, another PrefixStore included).
+
+    Example:
+        >>> base = HashStore()
+        >>> group = PrefixStore("group1", base)
+        >>> group.set("x", b"1"); base.get("group1/x")
+        b'1'
+    """
+
+    def __init__(self, prefix: str, store: Store) -> None:
+        check_key(prefix, "prefix")
+        if not isinstance(store, Store):
+            raise TypeError(f"store must be a gpucoll Store; got {type(store).__name__}")
+        super().__init__(store.timeout)
+        self._prefix = prefix + "/"
+        self._store = store
+
+    @property
+    def prefix(self) -> str:
+        """The namespace (without the trailing "/")."""
+        return self._prefix[:-1]
+
+    @property
+    def underlying_store(self) -> Store:
+        """The wrapped store (torch's name)."""
+        return self._store
+
+    def __repr__(self) -> str:
+        return f"PrefixStore({self.prefix!r}, {self._store!r})"
+
+    def _p(self, key: str) -> str:
+        return self._prefix + key
+
+    def _ps(self, keys: list[str]) -> list[str]:
+        p = self._prefix
+        return [p + k for k in keys]
+
+    def _set(self, key: str, value: bytes) -> None:
+        self._store._set(self._p(key), value)
+
+    def _get(self, keys: list[str], timeout: float) -> list[bytes]:
+        return self._store._get(self._ps(keys), timeout)
+
+    def _wait(self, keys: list[str], timeout: float) -> None:
+        self._store._wait(self._ps(keys), timeout)
+
+    def _add(self, key: str, amount: int) -> int:
+        return self._store._add(self._p(key), amount)
+
+    def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        return self._store._compare_set(self._p(key), expected, desired)
+
+    def _check(self, keys: list[str]) -> bool:
+        return self._store._check(self._ps(keys))
+
+    def _delete_key(self, key: str) -> bool:
+        return self._store._delete_key(self._p(key))
+
+    def _num_keys(self) -> int:
+        return len(self._list_keys())
+
+    def _multi_set(self, keys: list[str], values: list[bytes]) -> None:
+        self._store._multi_set(self._ps(keys), values)
+
+    def _append(self, key: str, value: bytes) -> None:
+        self._store._append(self._p(key), value)
+
+    def _queue_push(self, key: str, value: bytes) -> None:
+        self._store._queue_push(self._p(key), value)
+
+    def _queue_pop(self, key: str, timeout: float | None) -> bytes:
+        return self._store._queue_pop(self._p(key), timeout)
+
+    def _queue_len(self, key: str) -> int:
+        return self._store._queue_len(self._p(key))
+
+    def _list_keys(self) -> list[str]:
+        p = self._prefix
+        n = len(p)
+        return [k[n:] for k in self._store._list_keys() if k.startswith(p)]

@@ -1,0 +1,343 @@
+"""Every collective x op x dtype on world sizes 1-4, against a NumPy reference.
+
+Each rank makes its input from a seed (case, rank), so every rank can compute every
+other rank's input and hence the expected result without communicating. One world
+per size runs all the checks (process start is the expensive part).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+from gpucoll.testing import run_spmd
+
+DTYPE_NAMES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+               "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+               "float8_e4m3fn", "float8_e5m2"]
+OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"]
+RTOL = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-6, "float64": 1e-12, "complex64": 1e-6,
+        "complex128": 1e-12, "float8_e4m3fn": 0.07, "float8_e5m2": 0.13}
+
+
+def np_dtype(name: str) -> np.dtype[Any]:
+    from gpucoll._buffer import DTYPES
+
+    return DTYPES[name].numpy()
+
+
+def kind(name: str) -> str:
+    from gpucoll._buffer import DTYPES
+
+    return DTYPES[name].kind
+
+
+def op_valid(op: str, name: str) -> bool:
+    k = kind(name)
+    if op in ("BAND", "BOR", "BXOR"):
+        return k in "biu"
+    if op in ("MIN", "MAX"):
+        return k != "c"
+    if op == "AVG":
+        return k != "b"
+    if op == "PREMUL_SUM":
+        return k in "fc"
+    return True
+
+
+def make(name: str, shape: tuple[int, ...], rank: int, case: int) -> np.ndarray:
+    """Small values, so that sums and products stay exact in every dtype we test."""
+    rng = np.random.default_rng([case, rank, len(shape)])
+    k = kind(name)
+    if k == "b":
+        return rng.random(shape) < 0.5
+    if k == "u":
+        return rng.integers(0, 6, shape).astype(np_dtype(name))
+    ints = rng.integers(-2, 3, shape)
+    if k == "c":
+        return (ints + 1j * rng.integers(-2, 3, shape)).astype(np_dtype(name))
+    return ints.astype(np_dtype(name))
+
+
+def reference(arrays: list[np.ndarray], op: str, name: str) -> np.ndarray:
+    dt = np_dtype(name)
+    k = kind(name)
+    n = len(arrays)
+    if k == "b":
+        stack = np.stack(arrays)
+        fold = {"SUM": np.any, "MAX": np.any, "BOR": np.any, "PRODUCT": np.all, "MIN": np.all,
+                "BAND": np.all}
+        if op == "BXOR":
+            return (stack.sum(axis=0) % 2).astype(bool)
+        return fold[op](stack, axis=0)
+    if k in "iu":
+        stack = np.stack(arrays)
+        if op == "SUM":
+            return np.add.reduce(stack, axis=0, dtype=dt)
+        if op == "PRODUCT":
+            return np.multiply.reduce(stack, axis=0, dtype=dt)
+        if op == "AVG":
+            total = stack.astype(np.int64).sum(axis=0)
+            return (np.trunc(total / n)).astype(dt)  # truncation toward zero, as in C and NCCL
+        ufunc = {"MIN": np.minimum, "MAX": np.maximum, "BAND": np.bitwise_and, "BOR": np.bitwise_or,
+                 "BXOR": np.bitwise_xor}[op]
+        return ufunc.reduce(stack, axis=0)
+    wide = np.stack([a.astype(np.complex128 if k == "c" else np.float64) for a in arrays])
+    out = {"SUM": lambda s: s.sum(axis=0), "AVG": lambda s: s.sum(axis=0) / n,
+           "PRODUCT": lambda s: s.prod(axis=0), "MIN": lambda s: s.min(axis=0),
+           "MAX": lambda s: s.max(axis=0), "PREMUL_SUM": lambda s: (0.5 * s).sum(axis=0)}[op](wide)
+    return out.astype(dt)
+
+
+def check(got: np.ndarray, want: np.ndarray, name: str, what: str) -> None:
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    if kind(name) in "fc":
+        wide = np.complex128 if kind(name) == "c" else np.float64
+        np.testing.assert_allclose(got.astype(wide), want.astype(wide), rtol=RTOL[name], atol=1e-9,
+                                   err_msg=what)
+    else:
+        np.testing.assert_array_equal(got, want, err_msg=what)
+
+
+def op_of(name: str) -> Any:
+    import gpucoll
+
+    return gpucoll.make_premul_sum(0.5) if name == "PREMUL_SUM" else gpucoll.ReduceOp[name]
+
+
+# ----- the rank bodies -----
+
+def reductions_body() -> int:
+    import gpucoll
+
+    r, n = gpucoll.get_rank(), gpucoll.get_world_size()
+    shape = (3, 2)
+    checked = 0
+    for di, name in enumerate(DTYPE_NAMES):
+        for oi, opname in enumerate(OPS):
+            case = di * 100 + oi
+            if not op_valid(opname, name):
+                with pytest.raises(TypeError, match=opname):
+                    gpucoll.all_reduce(make(name, shape, r, case), op=op_of(opname))
+                continue
+            op = op_of(opname)
+            inputs = [make(name, shape, q, case) for q in range(n)]
+            want = reference(inputs, opname, name)
+            what = f"{opname} {name} n={n}"
+
+            x = inputs[r].copy()
+            gpucoll.all_reduce(x, op=op)
+            check(x, want, name, "all_reduce " + what)
+
+            x = inputs[r].copy()
+            work = gpucoll.all_reduce(x, op=op, async_op=True)
+            assert work is not None and work.wait() and work.is_completed() and work.is_success()
+            assert work.exception() is None and work.result()[0] is x
+            check(x, want, name, "async all_reduce " + what)
+
+            x = inputs[r].copy()
+            gpucoll.reduce(x, dst=n - 1, op=op)
+            if r == n - 1:
+                check(x, want, name, "reduce " + what)
+
+            pair = [inputs[r].copy(), inputs[r][:1].copy()]
+            gpucoll.all_reduce_coalesced(pair, op=op)
+            check(pair[0], want, name, "all_reduce_coalesced[0] " + what)
+            check(pair[1], reference([a[:1] for a in inputs], opname, name), name, "all_reduce_coalesced[1] " + what)
+
+            # reduce_scatter: rank q's input is n chunks shaped like `shape`
+            big = [np.concatenate([make(name, shape, q, case * 7 + c) for c in range(n)]) for q in range(n)]
+            want_rs = reference([b[r * 3:(r + 1) * 3] for b in big], opname, name)
+            out = np.empty(shape, np_dtype(name))
+            gpucoll.reduce_scatter_single(out, big[r], op=op)
+            check(out, want_rs, name, "reduce_scatter_single " + what)
+            out = np.empty(shape, np_dtype(name))
+            gpucoll.reduce_scatter(out, [big[r][c * 3:(c + 1) * 3].copy() for c in range(n)], op=op)
+            check(out, want_rs, name, "reduce_scatter " + what)
+            checked += 1
+    return checked
+
+
+def movement_body() -> int:
+    import gpucoll
+
+    r, n = gpucoll.get_rank(), gpucoll.get_world_size()
+    checked = 0
+    for di, name in enumerate(DTYPE_NAMES):
+        dt = np_dtype(name)
+        mine = make(name, (2, 3), r, di)
+        every = [make(name, (2, 3), q, di) for q in range(n)]
+        root = (di + 1) % n
+
+        x = mine.copy()
+        gpucoll.broadcast(x, src=root)
+        check(x, every[root], name, f"broadcast {name}")
+
+        outs = [np.empty((2, 3), dt) for _ in range(n)]
+        gpucoll.all_gather(outs, mine)
+        for q in range(n):
+            check(outs[q], every[q], name, f"all_gather[{q}] {name}")
+
+        single = np.empty((2 * n, 3), dt)
+        gpucoll.all_gather_single(single, mine)
+        check(single, np.concatenate(every), name, f"all_gather_single {name}")
+        alias = np.empty((n, 2, 3), dt)
+        gpucoll.all_gather_into_tensor(alias, mine)
+        check(alias, np.stack(every), name, f"all_gather_into_tensor {name}")
+
+        lists = [[np.empty((2, 3), dt) for _ in range(n)], [np.empty(1, dt) for _ in range(n)]]
+        gpucoll.all_gather_coalesced(lists, [mine, mine.reshape(-1)[:1].copy()])
+        for q in range(n):
+            check(lists[0][q], every[q], name, f"all_gather_coalesced {name}")
+            check(lists[1][q], every[q].reshape(-1)[:1], name, f"all_gather_coalesced {name}")
+
+        gl = [np.empty((2, 3), dt) for _ in range(n)] if r == root else None
+        gpucoll.gather(mine, gl, dst=root)
+        if gl is not None:
+            for q in range(n):
+                check(gl[q], every[q], name, f"gather {name}")
+
+        pieces = [make(name, (4,), root, di * 10 + q) for q in range(n)]
+        out = np.empty(4, dt)
+        gpucoll.scatter(out, pieces if r == root else None, src=root)
+        check(out, pieces[r], name, f"scatter {name}")
+
+        # all_to_all with a different size per pair: rank q sends q + p + 1 elements to rank p
+        send = [make(name, (r + p + 1,), r, di * 1000 + p) for p in range(n)]
+        recv = [np.empty((q + r + 1,), dt) for q in range(n)]
+        gpucoll.all_to_all(recv, send)
+        for q in range(n):
+            check(recv[q], make(name, (q + r + 1,), q, di * 1000 + r), name, f"all_to_all {name}")
+
+        # all_to_all_single, equal and uneven splits (rows of 2 elements)
+        inp = make(name, (2 * n, 2), r, di + 500)
+        out = np.empty((2 * n, 2), dt)
+        gpucoll.all_to_all_single(out, inp)
+        want = np.concatenate([make(name, (2 * n, 2), q, di + 500)[2 * r:2 * r + 2] for q in range(n)])
+        check(out, want, name, f"all_to_all_single {name}")
+        in_splits = [(r + p) % 3 for p in range(n)]
+        out_splits = [(q + r) % 3 for q in range(n)]
+        inp = make(name, (sum(in_splits), 2), r, di + 700)
+        out = np.empty((sum(out_splits), 2), dt)
+        gpucoll.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits)
+        parts = []
+        for q in range(n):
+            theirs = make(name, (sum((q + p) % 3 for p in range(n)), 2), q, di + 700)
+            start = sum((q + p) % 3 for p in range(r))
+            parts.append(theirs[start:start + (q + r) % 3])
+        check(out, np.concatenate(parts), name, f"all_to_all_single uneven {name}")
+        checked += 1
+    gpucoll.barrier()
+    w = gpucoll.barrier(async_op=True)
+    assert w is not None and w.wait()
+    return checked
+
+
+def p2p_body() -> list[int]:
+    import gpucoll
+
+    r, n = gpucoll.get_rank(), gpucoll.get_world_size()
+    if n == 1:
+        return []
+    right, left = (r + 1) % n, (r - 1) % n
+    sources = []
+    # blocking ring (even ranks send first, so the ring cannot deadlock)
+    x = np.full(5, r, np.int32)
+    y = np.empty(5, np.int32)
+    if r % 2 == 0:
+        gpucoll.send(x, dst=right)
+        sources.append(gpucoll.recv(y, src=left))
+    else:
+        sources.append(gpucoll.recv(y, src=left))
+        gpucoll.send(x, dst=right)
+    assert (y == left).all()
+    # isend/irecv with tags, received out of order
+    a, b = np.empty(3, np.float64), np.empty(3, np.float64)
+    wa = gpucoll.irecv(a, src=left, tag=7)
+    wb = gpucoll.irecv(b, src=left, tag=8)
+    s1 = gpucoll.isend(np.full(3, 8.0 + r), dst=right, tag=8)
+    s2 = gpucoll.isend(np.full(3, 7.0 + r), dst=right, tag=7)
+    for w in (wa, wb, s1, s2):
+        w.wait()
+    assert (a == 7.0 + left).all() and (b == 8.0 + left).all()
+    # any-source receive on rank 0 from every other rank
+    if r == 0:
+        got = set()
+        for _ in range(n - 1):
+            buf = np.empty(1, np.int64)
+            src = gpucoll.recv(buf)
+            assert buf[0] == src * 10
+            got.add(src)
+        assert got == set(range(1, n))
+        buf = np.empty(1, np.int64)
+        w = gpucoll.irecv(buf, tag=3)
+        w.wait()
+        assert w.source_rank() == buf[0] == n - 1
+    else:
+        gpucoll.send(np.array([r * 10], np.int64), dst=0)
+        if r == n - 1:
+            gpucoll.send(np.array([r], np.int64), dst=0, tag=3)
+    # batch_isend_irecv ring
+    out = np.empty(4, np.int16)
+    works = gpucoll.batch_isend_irecv([gpucoll.P2POp(gpucoll.isend, np.full(4, r, np.int16), right),
+                                       gpucoll.P2POp(gpucoll.irecv, out, left)])
+    assert len(works) == 2
+    for w in works:
+        w.wait()
+    assert (out == left).all()
+    # coalescing: all_reduces batched into one op, p2p batched into one
+    xs = [np.full(3, r + 1.0), np.full(2, 2 * r + 1.0)]
+    with gpucoll.coalescing() as cm:
+        for v in xs:
+            assert gpucoll.all_reduce(v) is None
+    assert len(cm.works) == 1 and cm.works[0].op_type == "all_reduce_coalesced"
+    assert (xs[0] == n * (n + 1) / 2).all() and (xs[1] == n * n).all()
+    with gpucoll.coalescing(async_ops=True) as cm:
+        recv_w = gpucoll.irecv(out, src=left)
+        gpucoll.isend(np.full(4, 100 + r, np.int16), dst=right)
+    cm.wait()
+    recv_w.wait()
+    assert (out == 100 + left).all()
+    with gpucoll.coalescing() as cm:
+        g = np.empty(2 * n, np.float32)
+        wg = gpucoll.all_gather_single(g, np.full(2, r, np.float32), async_op=True)
+    assert wg is not None and wg.wait()
+    assert g.tolist() == [float(q) for q in range(n) for _ in range(2)]
+    with pytest.raises(RuntimeError, match="coalescing"):
+        with gpucoll.coalescing():
+            gpucoll.broadcast(np.zeros(1), src=0)
+    return sources
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_reductions_every_op_and_dtype(world_size: int) -> None:
+    counts = run_spmd(reductions_body, world_size, timeout=240)
+    assert counts[0] == sum(op_valid(o, d) for d in DTYPE_NAMES for o in OPS)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_data_movement_every_dtype(world_size: int) -> None:
+    assert run_spmd(movement_body, world_size, timeout=180) == [len(DTYPE_NAMES)] * world_size
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_point_to_point_and_coalescing(world_size: int) -> None:
+    sources = run_spmd(p2p_body, world_size, timeout=120)
+    assert sources == [[(r - 1) % world_size] for r in range(world_size)]
+
+
+def test_reference_is_independent() -> None:
+    """The reference itself, on cases worked out by hand."""
+    a, b = np.array([1, -2], np.int8), np.array([3, 3], np.int8)
+    assert reference([a, b], "SUM", "int8").tolist() == [4, 1]
+    assert reference([a, b], "AVG", "int8").tolist() == [2, 0]  # -2+3=1, 1/2 truncates to 0
+    assert reference([np.array([-3], np.int8), np.array([0], np.int8)], "AVG", "int8").tolist() == [-1]
+    assert reference([a, b], "BXOR", "int8").tolist() == [1 ^ 3, -2 ^ 3]
+    t, f = np.array([True, False]), np.array([True, True])
+    assert reference([t, f], "SUM", "bool").tolist() == [True, True]
+    assert reference([t, f], "PRODUCT", "bool").tolist() == [True, False]
+    assert reference([t, f], "BXOR", "bool").tolist() == [False, True]
+    assert reference([np.array([2.0]), np.array([4.0])], "PREMUL_SUM", "float32").tolist() == [3.0]
