@@ -103,7 +103,7 @@ def gpucoll_rank(quick: bool, sizes: list[int]) -> dict[str, Any]:
 
     return measure(rank, world, quick, sizes,
                    all_reduce=lambda x: gpucoll.all_reduce(x),
-                   make=lambda nb: np.ones(max(1, nb // 4), np.float32),
+                   make=lambda nb: np.zeros(max(1, nb // 4), np.float32),
                    gather_obj=lambda o: gpucoll.all_gather_object(objs, o),
                    barrier=gpucoll.barrier, max_over_ranks=max_over_ranks)
 
@@ -135,7 +135,7 @@ def gloo_worker(rank: int, world: int, port: int, quick: bool, sizes: list[int])
     try:
         return measure(rank, world, quick, sizes,
                        all_reduce=lambda x: dist.all_reduce(x),
-                       make=lambda nb: torch.ones(max(1, nb // 4), dtype=torch.float32),
+                       make=lambda nb: torch.zeros(max(1, nb // 4), dtype=torch.float32),
                        gather_obj=lambda o: dist.all_gather_object(objs, o),
                        barrier=dist.barrier, max_over_ranks=max_over_ranks)
     finally:
@@ -172,7 +172,7 @@ def mpi_worker(quick: bool, sizes: list[int]) -> dict[str, Any]:
 
     return measure(comm.Get_rank(), comm.Get_size(), quick, sizes,
                    all_reduce=lambda x: comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM),
-                   make=lambda nb: np.ones(max(1, nb // 4), np.float32),
+                   make=lambda nb: np.zeros(max(1, nb // 4), np.float32),
                    gather_obj=lambda o: comm.allgather(o),
                    barrier=comm.Barrier, max_over_ranks=max_over_ranks)
 

@@ -365,6 +365,8 @@ class FakeComm:
 
     def destroy(self) -> None:
         self.destroyed = True
+        if self._ops:
+            self._rt.fabric.errors.append(f"rank {self.rank}: PreMulSum ops {sorted(self._ops)} never destroyed")
 
 
 # ----- the runtime -----

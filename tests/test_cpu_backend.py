@@ -436,3 +436,29 @@ def test_faults(world: int, transport: str) -> None:
         if r != world - 1:
             assert times["stuck"] >= 1.9, times
     assert "death" in results[0] and "abort" in results[0]
+
+
+def public_api_body() -> dict[str, Any]:
+    """The same backend under the public API: default group, object collectives, async."""
+    import gpucoll
+    from gpucoll.world import default_group
+
+    r, n = gpucoll.get_rank(), gpucoll.get_world_size()
+    x = data(r, 300_001, "float64", 1)
+    w = gpucoll.all_reduce(x, async_op=True)
+    assert w is not None
+    w.wait()
+    same(x, ref_reduce([data(p, 300_001, "float64", 1) for p in range(n)], "SUM"), "public all_reduce")
+    objs: list[Any] = [None] * n
+    gpucoll.all_gather_object(objs, {"rank": r, "pad": "x" * (100 * r)})
+    assert [o["rank"] for o in objs] == list(range(n))
+    lst: list[Any] = [f"from {r}", r]
+    gpucoll.broadcast_object_list(lst, src=n - 1)
+    assert lst == [f"from {n - 1}", n - 1]
+    gpucoll.barrier()
+    return {"transport": default_group()._cpu.transport}
+
+
+def test_public_api() -> None:
+    results = run_spmd(public_api_body, 3, timeout=120)
+    assert [res["transport"] for res in results] == ["shm"] * 3

@@ -257,7 +257,7 @@ class NCCLBackend:
     # ----- issuing -----
 
     def _work(self, op_type: str, keep: Sequence[Any]) -> NCCLWork:
-        return NCCLWork(op_type, self, keepalive=[], default_timeout=self._timeout)
+        return NCCLWork(op_type, self, keepalive=list(keep), default_timeout=self._timeout)
 
     def _issue(self, op_type: str, bufs: Sequence[Buffer], build: Callable[[Planner], Plan],
                *, host_wait: bool = False) -> NCCLWork:
