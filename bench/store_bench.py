@@ -160,9 +160,14 @@ def _joiner(impl: str, port: int, n: int, threads: int, tag: str, start: Any, re
     errors: list[str] = []
     lock = threading.Lock()
 
+    ready = threading.Barrier(threads, action=lambda: results.put("ready"))
+
+    go = threading.Event()  # one thread per process waits on the cross-process event
+
     def one() -> None:
         try:
-            start.wait()
+            ready.wait()
+            go.wait()
             store = _client(impl, port)
             if store.add(f"{tag}/joined", 1) == n:
                 store.set(f"{tag}/all", b"1")
@@ -177,6 +182,8 @@ def _joiner(impl: str, port: int, n: int, threads: int, tag: str, start: Any, re
     ts = [threading.Thread(target=one) for _ in range(threads)]
     for t in ts:
         t.start()
+    start.wait()
+    go.set()
     for t in ts:
         t.join()
     results.put((ends, errors))
@@ -193,7 +200,9 @@ def _rendezvous(impl: str, port: int, n: int, run: int) -> float:
     for p in procs:
         p.start()
     master = _client(impl, port)
-    time.sleep(0.5 + n / 500)  # let every worker's threads reach start.wait()
+    for _ in procs:  # every worker's threads are at start.wait()
+        if results.get(timeout=_TIMEOUT) != "ready":
+            raise RuntimeError("rendezvous worker out of step")
     t0 = time.monotonic()
     start.set()
     master.wait([f"{tag}/all"])
@@ -236,6 +245,11 @@ class Row:
 
 
 def run(impl: str, args: argparse.Namespace) -> list[Row]:
+    # Import before forking workers, so that no timed section pays for an import.
+    if impl == "torch":
+        import torch.distributed  # noqa: F401
+    else:
+        import gpucoll.store  # noqa: F401
     rows: list[Row] = []
     server = _Server(impl)
     try:

@@ -51,7 +51,8 @@ class DType:
             raise TypeError(
                 f"dtype {self.name} needs the ml_dtypes package on the host (pip install ml_dtypes)"
             ) from exc
-        return np.dtype(getattr(ml_dtypes, self.name))
+        dt: np.dtype[Any] = np.dtype(getattr(ml_dtypes, self.name))
+        return dt
 
 
 DTYPES: dict[str, DType] = {

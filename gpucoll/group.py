@@ -26,7 +26,7 @@ from .backends.base import Backend
 from .errors import BackendUnavailableError, DistBackendError
 from .flight_recorder import FlightRecorder, recorder_capacity
 from .reduce_op import PremulSum, ReduceOp, ReduceOpLike, as_reduce_op
-from .store.base import Store
+from .store import PrefixStore, Store
 from .work import Work, WorkInfo
 from ._watchdog import Watchdog
 
@@ -187,6 +187,7 @@ class ProcessGroup:
         self._destroyed = False
         self._coalescing: Any = None  # a collectives.CoalescingManager while one is open
         self._split_count = 0
+        self._last_release: str | None = None  # monitored_barrier's key still to delete
         self._abort_reason: str | None = None
         self._abort_lock = threading.Lock()
         self._hook_errors: list[tuple[Callable[[WorkInfo], None], BaseException]] = []
@@ -195,14 +196,16 @@ class ProcessGroup:
             if capacity > 0 else None
         self._watchdog = Watchdog(group_name, timeout, self._on_timeout, self._on_hook_error)
         self._hooks = self._watchdog.hooks
-        from .store import PrefixStore
-
         self._cpu: Backend = BACKENDS["cpu"](PrefixStore("cpu", store), rank, size,
                                              timeout=timeout + _BACKEND_GRACE_S, group_name=group_name,
                                              device_id=None)
         self._nccl: Backend | None = None
         if backend == "nccl" and device_id is not None:
-            self._nccl = self._make_device_backend(device_id)
+            try:
+                self._nccl = self._make_device_backend(device_id)
+            except BaseException:
+                self._cpu.shutdown()
+                raise
 
     # ----- identity -----
     def rank(self) -> int:
@@ -307,8 +310,6 @@ class ProcessGroup:
         return nccl
 
     def _make_device_backend(self, device_id: int) -> Backend:
-        from .store import PrefixStore
-
         self._device_id = device_id
         return BACKENDS["nccl"](PrefixStore("nccl", self._store), self._rank, self._size,
                                 timeout=self.timeout + _BACKEND_GRACE_S, group_name=self.group_name,
@@ -505,7 +506,9 @@ class ProcessGroup:
         outs = [self._list_like(row, f"output_tensor_lists[{k}]", ins[k], f"input_tensor_list[{k}]", writable=True)
                 for k, row in enumerate(output_lists)]
         flat = ins + [b for row in outs for b in row]
-        backend = self._backend_for_all(flat, ["input_tensor_list[0]"] * len(flat))
+        names = [f"input_tensor_list[{k}]" for k in range(len(ins))] + \
+            [f"output_tensor_lists[{k}][{r}]" for k, row in enumerate(outs) for r in range(len(row))]
+        backend = self._backend_for_all(flat, names)
         work = self._issue(backend, lambda: backend.all_gather_coalesced(outs, ins), ins[0],
                            [list(row) for row in output_lists])
         return self._finish(backend, work, async_op)
@@ -697,6 +700,13 @@ class ProcessGroup:
                         break
             verdict = "ok" if not missing else ",".join(map(str, missing))
             store.set(f"{prefix}/released", verdict.encode())
+            if not missing:
+                # Everyone arrived, so everyone has read the previous barrier's release key.
+                for r in range(self._size):
+                    store.delete_key(f"{prefix}/arrived/{r}")
+                if self._last_release is not None:
+                    store.delete_key(self._last_release)
+                self._last_release = f"{prefix}/released"
         else:
             try:
                 verdict = store.get(f"{prefix}/released", timeout=timeout + 2.0).decode()
@@ -761,10 +771,24 @@ class _NonGroupMember:
         return "GroupMember.NON_GROUP_MEMBER"
 
 
-class GroupMember:
-    """torch's ``GroupMember``: ``NON_GROUP_MEMBER`` is what non-members get from ``new_group``."""
+class _GroupMember:
+    """torch's ``GroupMember``: ``GroupMember.WORLD`` is the default group (None before
+    ``init_process_group``); ``GroupMember.NON_GROUP_MEMBER`` is what ``new_group`` returns
+    on ranks that are not members."""
 
     NON_GROUP_MEMBER: Any = _NonGroupMember()
+
+    @property
+    def WORLD(self) -> ProcessGroup | None:  # noqa: N802  (torch's name)
+        from . import world
+
+        return world.default_group() if world.is_initialized() else None
+
+    def __repr__(self) -> str:
+        return "GroupMember"
+
+
+GroupMember = _GroupMember()
 
 
 class CoalescingManager:

@@ -109,7 +109,7 @@ def run_spmd(
     token = secrets.token_hex(16)
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                       timeout=timeout, token=token)
-    ctx = mp.get_context(start_method)
+    ctx: Any = mp.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(["numpy", "gpucoll"])
     logdir = tempfile.mkdtemp(prefix="gpucoll-spmd-")
@@ -161,7 +161,7 @@ def _collect(procs: list[Any], readers: dict[Any, int], world_size: int, timeout
             where = "\n".join(f"--- rank {f.rank} (no result) ---\n{f.log_tail}" for f in tails)
             raise SPMDError(f"SPMD job of {world_size} ranks timed out after {timeout:.0f} s; "
                             f"ranks {[f.rank for f in tails]} did not finish. Their stacks:\n{where}", tails)
-        ready = wait(list(pending) + list(sentinels), timeout=min(left, 1.0))
+        ready: list[Any] = wait(list(pending) + list(sentinels), timeout=min(left, 1.0))
         for obj in ready:
             if obj in pending:
                 rank = pending.pop(obj)

@@ -401,6 +401,9 @@ def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | N
     _check_unsupported(pg_options)
     size = world.default.size()
     members = sorted(_check_ranks(range(size) if ranks is None else ranks, size, "ranks"))
+    # Checked on every rank, members or not, so that all raise alike.
+    timeout = world.timeout if timeout is None else to_seconds(timeout, name="timeout")
+    backend = world.backend if backend is None else normalize_backend(backend)
     world.made += 1
     name = f"group{world.made}"
     me = world.default.rank()

@@ -44,13 +44,14 @@ NP_OF_NCCL = {0: "int8", 1: "uint8", 2: "int32", 3: "uint32", 4: "int64", 5: "ui
               6: "float16", 7: "float32", 8: "float64", 9: "bfloat16", 10: "float8_e4m3fn", 11: "float8_e5m2"}
 
 
-def np_dtype(name: str) -> np.dtype:
+def np_dtype(name: str) -> np.dtype[Any]:
     try:
         return np.dtype(name)
     except TypeError:
         import ml_dtypes
 
-        return np.dtype(getattr(ml_dtypes, name))
+        found: np.dtype[Any] = np.dtype(getattr(ml_dtypes, name))
+        return found
 
 
 class FakeError(RuntimeError):
@@ -255,7 +256,8 @@ def _reduce(arrays: list[np.ndarray], op: int, factors: list[float | None], n: i
         if dt.kind in "iu":
             raise FakeError("ncclAvg on an integer type")
         acc = (acc / n).astype(acc.dtype)
-    return acc.astype(dt)
+    out: np.ndarray = acc.astype(dt)
+    return out
 
 
 _ITEMSIZE = {0: 1, 1: 1, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 4, 8: 8, 9: 2, 10: 1, 11: 1}
@@ -588,6 +590,7 @@ def run_nccl_group(mem: FakeMemory, calls: list[tuple[FakeComm, str, tuple[Any, 
 def _collective(mem: FakeMemory, comm: FakeComm, kind: str, args: tuple[Any, ...], seq: int) -> None:
     world = comm.world
     # What must agree across ranks (pointers and PreMulSum factors may differ).
+    shared: tuple[Any, ...]
     if kind in ("all_reduce", "reduce_scatter"):
         shared = (args[2], args[3], "premul" if args[4] >= 5 else args[4])
     elif kind == "reduce":
@@ -761,14 +764,15 @@ def device_array(rt: FakeRuntime, host: np.ndarray, dtype: DType, *, stream: int
                   False, stream, block)
 
 
-def read(rt: FakeRuntime, buf: Buffer, np_type: np.dtype) -> np.ndarray:
+def read(rt: FakeRuntime, buf: Buffer, np_type: Any) -> np.ndarray:
     """The Buffer's bytes now, as ``np_type`` (call after the op completed)."""
     if not buf.nbytes:
         return np.empty(buf.shape, np_type)
-    return rt.fabric.mem.view(buf.ptr, buf.nbytes).view(np_type).reshape(buf.shape).copy()
+    out: np.ndarray = rt.fabric.mem.view(buf.ptr, buf.nbytes).view(np_type).reshape(buf.shape).copy()
+    return out
 
 
-def read_on_stream(rt: FakeRuntime, buf: Buffer, np_type: np.dtype, stream: int | None = None) -> "queue.Queue[np.ndarray]":
+def read_on_stream(rt: FakeRuntime, buf: Buffer, np_type: Any, stream: int | None = None) -> "queue.Queue[np.ndarray]":
     """Read the Buffer from a task queued on ``stream`` (the current stream by default),
     as a later kernel of the caller would: ordered by the stream, not the host."""
     out: queue.Queue[np.ndarray] = queue.Queue()

@@ -296,6 +296,8 @@ def test_jax_arrays_are_read_only_and_zero_copy() -> None:
     assert host_ndarray(buf).tolist() == [[0, 1, 2], [3, 4, 5]]
     with pytest.raises(ValueError, match="immutable.*gpucoll.functional"):
         as_buffer(x, writable=True)
+    # JAX's CPU arrays have a __cuda_array_interface__ property that raises: still host memory
+    assert hasattr(type(x), "__cuda_array_interface__") and not is_device_array(x)
 
 
 @pytest.mark.parametrize("name", ["bfloat16", "float8_e4m3fn", "float8_e5m2"])
@@ -359,3 +361,35 @@ def test_ctypes_memory_round_trip() -> None:
     buf = as_buffer(raw, writable=True)
     assert buf.dtype.name == "int32" and host_ndarray(buf).tolist() == [1, 2, 3, 4]
     assert isinstance(buf, Buffer)
+
+
+# ----- real device arrays (GPU machines only) -----
+
+def cupy_array_body() -> str:
+    import cupy
+
+    from gpucoll.array import xp_view
+
+    a = cupy.arange(6, dtype=cupy.float32).reshape(2, 3)
+    buf = as_buffer(a, writable=True)
+    assert buf.ptr == a.data.ptr and buf.nbytes == 24 and buf.shape == (2, 3)
+    assert buf.device == Device("cuda", a.device.id) and is_device_array(a)
+    out, dst = new_output(a, (2, 3), buf.dtype)
+    copy_buffer(dst, buf)
+    cupy.cuda.get_current_stream().synchronize()
+    assert isinstance(out, cupy.ndarray) and cupy.asnumpy(out).tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert isinstance(xp_view(buf), cupy.ndarray) and int(xp_view(buf).sum()) == 15
+    s = cupy.cuda.Stream()
+    with s:
+        b = cupy.zeros(4, cupy.int8)
+        assert as_buffer(b).stream in (None, s.ptr)
+    with pytest.raises(NotContiguousError):
+        as_buffer(cupy.zeros((4, 4))[:, ::2])
+    return "ok"
+
+
+@pytest.mark.gpu
+def test_cupy_arrays_on_a_gpu() -> None:
+    from gpucoll.testing import run_spmd
+
+    assert run_spmd(cupy_array_body, 1, init=False, timeout=180) == ["ok"]

@@ -263,12 +263,13 @@ def p2p_body() -> list[int]:
     for w in (wa, wb, s1, s2):
         w.wait()
     assert (a == 7.0 + left).all() and (b == 8.0 + left).all()
-    # any-source receive on rank 0 from every other rank
+    # any-source receive on rank 0 from every other rank (its own tag: the batch ring below
+    # also sends rank n-1 -> rank 0 on tag 0, and any-source would happily take that)
     if r == 0:
         got = set()
         for _ in range(n - 1):
             buf = np.empty(1, np.int64)
-            src = gpucoll.recv(buf)
+            src = gpucoll.recv(buf, tag=11)
             assert buf[0] == src * 10
             got.add(src)
         assert got == set(range(1, n))
@@ -277,7 +278,7 @@ def p2p_body() -> list[int]:
         w.wait()
         assert w.source_rank() == buf[0] == n - 1
     else:
-        gpucoll.send(np.array([r * 10], np.int64), dst=0)
+        gpucoll.send(np.array([r * 10], np.int64), dst=0, tag=11)
         if r == n - 1:
             gpucoll.send(np.array([r], np.int64), dst=0, tag=3)
     # batch_isend_irecv ring
@@ -341,3 +342,99 @@ def test_reference_is_independent() -> None:
     assert reference([t, f], "PRODUCT", "bool").tolist() == [True, False]
     assert reference([t, f], "BXOR", "bool").tolist() == [False, True]
     assert reference([np.array([2.0]), np.array([4.0])], "PREMUL_SUM", "float32").tolist() == [3.0]
+
+
+# ----- the device path, with a host stand-in for NCCL -----
+
+class FakeCudaArray:
+    """Host memory published through __cuda_array_interface__ (no GPU needed)."""
+
+    def __init__(self, a: np.ndarray) -> None:
+        self.a = a
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {"shape": self.a.shape, "typestr": self.a.dtype.str, "data": (self.a.ctypes.data, False),
+                "version": 3, "strides": None, "stream": None}
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (2, 0)
+
+
+class HostStandInForNCCL:
+    """Plays the NCCL backend on fake device arrays by handing their (host) memory to a
+    CPU backend of its own, so the group's device dispatch runs end to end here."""
+
+    name = "nccl"
+    instances: list[HostStandInForNCCL] = []
+
+    def __init__(self, store: Any, rank: int, size: int, *, timeout: float, group_name: str,
+                 device_id: int | None) -> None:
+        from gpucoll.backends.cpu import CPUBackend
+
+        self.inner = CPUBackend(store, rank, size, timeout=timeout, group_name=group_name)
+        self.rank, self.size, self.device_id = rank, size, device_id
+        self.calls: list[str] = []
+        HostStandInForNCCL.instances.append(self)
+
+    def __getattr__(self, op: str) -> Any:
+        from dataclasses import replace
+
+        from gpucoll._buffer import Buffer, Device
+
+        def host(x: Any) -> Any:
+            if isinstance(x, Buffer):
+                assert x.is_cuda, "the NCCL stand-in got host memory"
+                return replace(x, device=Device("cpu"))
+            if isinstance(x, (list, tuple)):
+                return type(x)(host(v) for v in x)
+            return x
+
+        method = getattr(self.inner, op)
+
+        def call(*args: Any) -> Any:
+            self.calls.append(op)
+            return method(*[host(a) for a in args])
+
+        return call
+
+
+def nccl_dispatch_body() -> list[str]:
+    import gpucoll
+    from gpucoll import group as group_module
+
+    group_module.BACKENDS["nccl"] = HostStandInForNCCL
+    gpucoll.init_process_group("nccl", timeout=30)
+    r, n = gpucoll.get_rank(), gpucoll.get_world_size()
+    assert gpucoll.get_backend() == "nccl" and not HostStandInForNCCL.instances  # created on first use
+    dev = FakeCudaArray(np.full(4, r + 1.0, np.float32))
+    gpucoll.all_reduce(dev)
+    assert dev.a.tolist() == [n * (n + 1) / 2] * 4
+    host = np.full(2, r, np.int64)
+    gpucoll.all_reduce(host)  # host memory: the group's CPU backend
+    assert host.tolist() == [n * (n - 1) // 2] * 2
+    out = FakeCudaArray(np.empty(2 * n, np.float32))
+    w = gpucoll.all_gather_single(out, FakeCudaArray(np.full(2, r, np.float32)), async_op=True)
+    assert w is not None and w.wait()
+    assert out.a.tolist() == [float(q) for q in range(n) for _ in range(2)]
+    with pytest.raises(TypeError, match="cannot mix memory kinds"):
+        gpucoll.all_gather_single(np.empty(2 * n, np.float32), FakeCudaArray(np.zeros(2, np.float32)))
+    objs: list[Any] = [None] * n
+    gpucoll.all_gather_object(objs, r)
+    gpucoll.barrier()
+    assert objs == list(range(n))
+    sub = gpucoll.new_group([0, n - 1])
+    if r in (0, n - 1):
+        v = FakeCudaArray(np.array([r], np.int32))
+        gpucoll.broadcast(v, src=n - 1, group=sub)
+        assert v.a.tolist() == [n - 1]
+    (stand_in,) = HostStandInForNCCL.instances[:1]
+    assert stand_in.device_id == 0
+    gpucoll.destroy_process_group()
+    return stand_in.calls
+
+
+def test_nccl_groups_send_device_arrays_to_the_device_backend() -> None:
+    calls = run_spmd(nccl_dispatch_body, 3, init=False, timeout=90)
+    # objects and the barrier never went to the device backend
+    assert calls == [["all_reduce", "all_gather_single", "shutdown"]] * 3

@@ -9,6 +9,7 @@ order), so float results must match exactly.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Callable
 
@@ -316,7 +317,7 @@ def p2p_checks(be: Any) -> int:
 def test_collectives(world: int, transport: str) -> None:
     results = run_spmd(collectives_body, world, args=(transport,), init=False, timeout=240)
     for res in results:
-        assert res["transport"] == ("tcp" if world == 1 else transport)
+        assert res["transport"] == ("local" if world == 1 else transport)
         assert res["checks"] > 150
     if world > 1:
         assert results[0]["p2p"] == 2 and results[1]["p2p"] == 3
@@ -363,6 +364,22 @@ def faults_body(transport: str) -> dict[str, float]:
         assert not os.path.exists(be._coll.seg.path), be._coll.seg.path
         be.shutdown()
 
+    # A full /dev/shm on rank 0 (posix_fallocate fails): every rank falls back to TCP alike.
+    if transport == "shm":
+        import errno
+        from unittest import mock
+
+        def full(*_: Any) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        with mock.patch("os.posix_fallocate", full) if r == 0 else contextlib.nullcontext():
+            be = make_backend("full", transport="auto")
+        assert be.transport == "tcp" and "No space left" in be.shm_unavailable, (be.transport, be.shm_unavailable)
+        x = np.full(3, r, np.int32)
+        be.all_reduce(buf(x), reduce_op("SUM")).wait()
+        assert (x == sum(range(n))).all()
+        be.shutdown()
+
     # Mismatched collectives raise on every rank, well before the timeout.
     small, big = np.ones(10, np.float32), np.ones(1 << 19, np.float32)
     odd = (lambda b: b.all_reduce(buf(small), reduce_op("SUM")), lambda b: b.all_reduce(buf(big), reduce_op("SUM")))
@@ -391,12 +408,15 @@ def faults_body(transport: str) -> dict[str, float]:
     # abort() from another thread unblocks a rank waiting for a peer that never comes.
     be = make_backend("abort", transport=transport, timeout=20.0)
     if r == 0:
+        pending = be.recv(buf(np.empty(4)), 1, 77)  # never sent: abort must fail it too
         timer = threading.Timer(0.3, be.abort, ("aborted by the test",))
         timer.start()
         t0 = time.monotonic()
         with pytest.raises(DistBackendError, match="aborted by the test"):
             be.all_reduce(buf(small), reduce_op("SUM")).wait()
         times["abort"] = time.monotonic() - t0
+        with pytest.raises(DistBackendError, match="aborted by the test"):
+            pending.wait(1.0)
         with pytest.raises(DistBackendError, match="aborted by the test"):
             be.barrier().wait()
     sync.barrier().wait()
@@ -456,7 +476,7 @@ def public_api_body() -> dict[str, Any]:
     gpucoll.broadcast_object_list(lst, src=n - 1)
     assert lst == [f"from {n - 1}", n - 1]
     gpucoll.barrier()
-    return {"transport": default_group()._cpu.transport}
+    return {"transport": getattr(default_group()._cpu, "transport")}
 
 
 def test_public_api() -> None:

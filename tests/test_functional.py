@@ -132,3 +132,26 @@ def test_functional_world_of_one_keeps_types() -> None:
         assert buf == bytearray(b"\x01\x02")
     finally:
         gpucoll.destroy_process_group()
+
+
+def cupy_body() -> str:
+    import cupy
+
+    import gpucoll
+    import gpucoll.functional as F
+
+    assert gpucoll.get_backend() == "nccl"
+    x = cupy.arange(4, dtype=cupy.float32)
+    y = F.all_reduce(x)
+    assert isinstance(y, cupy.ndarray) and y.data.ptr != x.data.ptr
+    g = F.all_gather(x.reshape(2, 2), axis=1)
+    gpucoll.all_reduce(x)  # in place, ordered on the current stream
+    cupy.cuda.get_current_stream().synchronize()
+    assert cupy.asnumpy(y).tolist() == [0, 1, 2, 3] and g.shape == (2, 2)
+    assert cupy.asnumpy(x).tolist() == [0, 1, 2, 3]
+    return "ok"
+
+
+@pytest.mark.gpu
+def test_functional_cupy_on_nccl_world_of_one() -> None:
+    assert run_spmd(cupy_body, 1, backend="nccl", timeout=240) == ["ok"]

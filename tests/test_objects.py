@@ -62,16 +62,19 @@ def objects_body() -> str:
                 assert box == [src, "from %d" % src]
                 senders.add(src)
             assert senders == set(range(1, n))
+        else:
+            gpucoll.send_object_list([r, "from %d" % r], dst=0)
+        # nothing else may be in flight to rank 0 while it receives from any source
+        gpucoll.barrier()
+        if r == 0:
             data, src = gpucoll.recv_bytes(src=1, tag=5)
             assert (data, src) == (b"\x00" * 70000, 1)
             box = [None]
             with pytest.raises(ValueError, match="sent 2"):
                 gpucoll.recv_object_list(box, src=1)
-        else:
-            gpucoll.send_object_list([r, "from %d" % r], dst=0)
-            if r == 1:
-                gpucoll.send_bytes(b"\x00" * 70000, dst=0, tag=5)
-                gpucoll.send_object_list([1, 2], dst=0)
+        elif r == 1:
+            gpucoll.send_bytes(b"\x00" * 70000, dst=0, tag=5)
+            gpucoll.send_object_list([1, 2], dst=0)
     with pytest.raises(ValueError, match="object_list must have %d entries" % n):
         gpucoll.all_gather_object([None] * (n + 1), 1)
     with pytest.raises(TypeError, match="data must be bytes"):

@@ -31,13 +31,17 @@ import numpy as np
 
 from ..errors import DistBackendError
 
-__all__ = ["ShmSegment", "futex_wait", "futex_wake"]
+__all__ = ["ShmSegment", "ShmUnavailable", "REC_WORDS", "futex_wait", "futex_wake"]
 
-_REC = 32  # u64 words per rank record (256 bytes: no false sharing between ranks)
+REC_WORDS = 32  # u64 words per rank record (256 bytes: no false sharing between ranks)
 _CTR, _SLEEP, _HDR = 0, 1, 2  # word offsets in a record; headers at 2..5
 _SYS_FUTEX = 202  # x86-64
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # not FUTEX_PRIVATE: the word is shared between processes
 _EAGAIN, _EINTR, _ETIMEDOUT = 11, 4, 110
+
+
+class ShmUnavailable(Exception):
+    """The group's segment could not be created or mapped by some rank (every rank raises it)."""
 
 
 class _Timespec(ctypes.Structure):
@@ -84,7 +88,7 @@ class ShmSegment:
         self.small_bytes = small_bytes
         self.bulk_bytes = bulk_bytes
         self.spin_seconds = spin_seconds
-        ctl = _round(size * _REC * 8)
+        ctl = _round(size * REC_WORDS * 8)
         self._small_off = ctl
         self._bulk_off = ctl + 2 * size * small_bytes
         total = self._bulk_off + 2 * size * bulk_bytes
@@ -95,41 +99,45 @@ class ShmSegment:
         self.ctl = self._mv[:ctl].cast("Q")
         self.raw = np.frombuffer(self._mm, dtype=np.uint8)
         self.count = 0  # this rank's counter value (the only writer)
+        self._small = [[self.raw[o:o + small_bytes] for o in (self._small_off + (2 * r + p) * small_bytes
+                                                             for p in (0, 1))] for r in range(size)]
+        self._bulk = [[self.raw[o:o + bulk_bytes] for o in (self._bulk_off + (2 * r + b) * bulk_bytes
+                                                           for b in (0, 1))] for r in range(size)]
         self._error: BaseException | None = None
 
     # ----- data areas -----
     def small(self, rank: int, parity: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        off = self._small_off + (2 * rank + parity) * self.small_bytes
-        return self.raw[off:off + self.small_bytes]
+        """Rank ``rank``'s small slot of this parity."""
+        return self._small[rank][parity]
 
     def bulk(self, rank: int, buf: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        off = self._bulk_off + (2 * rank + buf) * self.bulk_bytes
-        return self.raw[off:off + self.bulk_bytes]
+        """Rank ``rank``'s bulk buffer ``buf`` (0 or 1)."""
+        return self._bulk[rank][buf]
 
     # ----- headers -----
     def write_header(self, parity: int, op: int, sig: int) -> None:
-        i = self.rank * _REC + _HDR + 2 * parity
+        i = self.rank * REC_WORDS + _HDR + 2 * parity
         self.ctl[i] = op
         self.ctl[i + 1] = sig
 
     def header(self, rank: int, parity: int) -> tuple[int, int]:
-        i = rank * _REC + _HDR + 2 * parity
+        i = rank * REC_WORDS + _HDR + 2 * parity
         return self.ctl[i], self.ctl[i + 1]
 
     # ----- progress -----
     def counter(self, rank: int) -> int:
-        v: int = self.ctl[rank * _REC + _CTR]
+        v: int = self.ctl[rank * REC_WORDS + _CTR]
         return v
 
     def post(self) -> None:
         """Raise this rank's counter by one and wake peers sleeping on it."""
         self.count += 1
         ctl, me = self.ctl, self.rank
-        ctl[me * _REC + _CTR] = self.count
+        ctl[me * REC_WORDS + _CTR] = self.count
         mark = me + 1
         for w in range(self.size):
-            if ctl[w * _REC + _SLEEP] == mark:
-                futex_wake(self._base + me * _REC * 8)
+            if ctl[w * REC_WORDS + _SLEEP] == mark:
+                futex_wake(self._base + me * REC_WORDS * 8)
                 return
 
     def wait(self, peer: int, target: int, deadline: float, check: Callable[[], None],
@@ -140,7 +148,7 @@ class ShmSegment:
             DistBackendError: aborted (``check`` raises), or past ``deadline`` (monotonic).
         """
         ctl = self.ctl
-        idx = peer * _REC + _CTR
+        idx = peer * REC_WORDS + _CTR
         if ctl[idx] >= target:
             return
         spin_until = time.perf_counter() + self.spin_seconds
@@ -154,7 +162,7 @@ class ShmSegment:
                     os.sched_yield()
         else:
             return
-        me = self.rank * _REC + _SLEEP
+        me = self.rank * REC_WORDS + _SLEEP
         addr = self._base + idx * 8
         try:
             while True:
@@ -175,11 +183,12 @@ class ShmSegment:
     def wake_all(self) -> None:
         """Wake every sleeper on every counter (abort: sleepers then see the error)."""
         for r in range(self.size):
-            futex_wake(self._base + r * _REC * 8)
+            futex_wake(self._base + r * REC_WORDS * 8)
 
     def close(self) -> None:
         """Unmap the segment (deferred to process exit if an array view is still alive)."""
         self.raw = np.empty(0, np.uint8)
+        self._small = self._bulk = []
         del self._anchor
         for view in (self.ctl, self._mv):
             try:
@@ -197,36 +206,63 @@ def _round(n: int, to: int = 4096) -> int:
 
 
 def _map(store: Any, rank: int, size: int, total: int, timeout: float) -> tuple[mmap.mmap, str]:
+    """Create (rank 0) or open the segment; every rank learns whether all of them mapped it.
+
+    Raises:
+        ShmUnavailable: some rank could not create or map it (on every rank alike).
+        DistBackendError: a rank did not report within ``timeout``.
+    """
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    mm: mmap.mmap | None = None
     if rank == 0:
         path = f"/dev/shm/gpucoll-{os.getpid()}-{secrets.token_hex(8)}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 os.ftruncate(fd, total)
+                # Reserve the pages now: on a full tmpfs this fails here with ENOSPC,
+                # instead of a SIGBUS at first touch in the middle of a collective.
+                os.posix_fallocate(fd, 0, total)
                 mm = mmap.mmap(fd, total, flags=flags)
             finally:
                 os.close(fd)
+        except OSError as exc:
+            problems = [f"rank 0 could not create {total} bytes at {path}: {exc}"]
+            store.set("shm/name", ("!" + problems[0]).encode())
+        else:
+            problems = []
             store.set("shm/name", path.encode())
+        try:
             deadline = time.monotonic() + timeout
             for peer in range(1, size):
                 if time.monotonic() > deadline:
                     raise DistBackendError(f"rank {peer} did not map the shared-memory segment within {timeout:.3g} s")
-                store.get(f"shm/mapped/{peer}")
+                mark = store.get(f"shm/mapped/{peer}").decode()
+                if mark not in ("1", "0"):  # "0": gave up because rank 0 failed
+                    problems.append(mark)
         finally:
             try:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
-        return mm, path
-    path = store.get("shm/name").decode()
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError as exc:
-        raise DistBackendError(f"rank {rank} could not open the group's shared-memory segment {path}: {exc}") from exc
-    try:
-        mm = mmap.mmap(fd, total, flags=flags)
-    finally:
-        os.close(fd)
-    store.set(f"shm/mapped/{rank}", b"1")
+        store.set("shm/ready", ("!" + "; ".join(problems)).encode() if problems else b"1")
+    else:
+        path = store.get("shm/name").decode()
+        if path.startswith("!"):
+            store.set(f"shm/mapped/{rank}", b"0")
+        else:
+            try:
+                fd = os.open(path, os.O_RDWR)
+                try:
+                    mm = mmap.mmap(fd, total, flags=flags)
+                finally:
+                    os.close(fd)
+                store.set(f"shm/mapped/{rank}", b"1")
+            except OSError as exc:
+                store.set(f"shm/mapped/{rank}", f"rank {rank} could not map {path}: {exc}".encode())
+    ready = store.get("shm/ready").decode()
+    if ready != "1" or mm is None:
+        if mm is not None:
+            mm.close()
+        raise ShmUnavailable(ready.lstrip("!") or "the segment could not be mapped")
     return mm, path

@@ -26,13 +26,13 @@ Algorithms:
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from ..errors import DistBackendError
 from ._cpu_reduce import Array, Reducer
-from ._cpu_shm import ShmSegment
+from ._cpu_shm import REC_WORDS, ShmSegment
 from ._cpu_tcp_algos import Ctx, chunk_bounds
 
 __all__ = ["ShmCollectives", "SMALL_BYTES", "BULK_BYTES"]
@@ -56,12 +56,10 @@ class ShmCollectives:
         store: the group's store (segment name exchange).
         rank, size: this rank and the group size.
         timeout: seconds for setting the segment up.
-        mesh: the group's TCP mesh (kept for liveness; data does not use it).
-        check: raises the backend's error once it was aborted or a peer died.
+        mesh: the group's TCP mesh: sleeping waits ask it whether the peer is gone.
     """
 
-    def __init__(self, store: Any, rank: int, size: int, *, timeout: float, mesh: Any,
-                 check: Callable[[], None]) -> None:
+    def __init__(self, store: Any, rank: int, size: int, *, timeout: float, mesh: Any) -> None:
         self.rank = rank
         self.size = size
         self.mesh = mesh
@@ -79,13 +77,13 @@ class ShmCollectives:
         self._parity = 0
         self._sig = 0
         self._checked: set[int] = set()
-        self._ctx: Ctx | None = None
 
     # ----- protocol -----
     def _begin(self, ctx: Ctx) -> None:
         seg = self.seg
+        ctl, floor = seg.ctl, self._floor
         for j in self._peers:
-            if seg.counter(j) < self._floor:
+            if ctl[j * REC_WORDS] < floor:
                 seg.wait(j, self._floor, ctx.deadline, lambda: self._alive(ctx, j), ctx.what)
         self._u += 1
         self._base = seg.count
@@ -93,7 +91,6 @@ class ShmCollectives:
         self._parity = self._u & 1
         self._sig = ctx.sig
         self._checked = set()
-        self._ctx = ctx
         seg.write_header(self._parity, self._u, ctx.sig)
 
     def _post(self) -> None:

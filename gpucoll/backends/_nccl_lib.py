@@ -124,6 +124,8 @@ class NcclShim:
         self._premul = self._bind(lib, "ncclRedOpCreatePreMulSum",
                                   [ctypes.POINTER(c_int), vp, c_int, c_int, vp])
         self._op_destroy = self._bind(lib, "ncclRedOpDestroy", [c_int, vp])
+        self._group_start = self._bind(lib, "ncclGroupStart", [])
+        self._group_end = self._bind(lib, "ncclGroupEnd", [])
         self.all_to_all_fn = self._bind(lib, "ncclAlltoAll", [vp, vp, c_size_t, c_int, vp, vp])
         self.gather_fn = self._bind(lib, "ncclGather", [vp, vp, c_size_t, c_int, c_int, vp, vp])
         self.scatter_fn = self._bind(lib, "ncclScatter", [vp, vp, c_size_t, c_int, c_int, vp, vp])
@@ -181,6 +183,14 @@ class NcclShim:
         self.check(self._premul(ctypes.byref(op), ctypes.cast(holder, ctypes.c_void_p), dtype,
                                 _SCALAR_HOST_IMMEDIATE, comm), "ncclRedOpCreatePreMulSum")
         return int(op.value)
+
+    def group_start(self) -> None:
+        self.check(self._group_start(), "ncclGroupStart")
+
+    def group_end(self) -> None:
+        """``ncclGroupEnd``, which can block until peers join (p2p connection setup):
+        through ctypes the GIL is released meanwhile, so the watchdog keeps running."""
+        self.check(self._group_end(), "ncclGroupEnd")
 
     def op_destroy(self, comm: int, op: int) -> None:
         if self._op_destroy is not None:
@@ -335,8 +345,10 @@ def unavailable_reason(*, need_device: bool = True) -> str | None:
     try:
         count = int(lib.cupy.cuda.runtime.getDeviceCount())
     except Exception as exc:
-        return (f"no usable CUDA device: {type(exc).__name__}: {exc} (no NVIDIA driver, or one older "
-                f"than CuPy {lib.cupy.__version__} needs); {INSTALL_HINT}")
+        return (f"no usable CUDA device ({type(exc).__name__}: {exc}): the NCCL backend needs an NVIDIA "
+                f"GPU with a driver recent enough for CuPy {lib.cupy.__version__}'s CUDA; with an older "
+                'driver, install the CuPy build of its CUDA major version (pip install "gpucoll[cuda12]" '
+                'or "gpucoll[cuda13]"). Host arrays work with backend="cpu"')
     if count < 1:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         where = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""

@@ -41,13 +41,23 @@ class Comm(Protocol):
 
     rank: int
     size: int
-    all_reduce: Callable[[int, int, int, int, int, int], None]
-    reduce: Callable[[int, int, int, int, int, int, int], None]
-    broadcast: Callable[[int, int, int, int, int, int], None]
-    all_gather: Callable[[int, int, int, int, int], None]
-    reduce_scatter: Callable[[int, int, int, int, int, int], None]
-    send: Callable[[int, int, int, int, int], None]
-    recv: Callable[[int, int, int, int, int], None]
+
+    # (send, recv, count, dtype, [op], [root | peer], stream), as properties so that
+    # CupyComm can bind CuPy's methods directly.
+    @property
+    def all_reduce(self) -> Callable[[int, int, int, int, int, int], None]: ...
+    @property
+    def reduce(self) -> Callable[[int, int, int, int, int, int, int], None]: ...
+    @property
+    def broadcast(self) -> Callable[[int, int, int, int, int, int], None]: ...
+    @property
+    def all_gather(self) -> Callable[[int, int, int, int, int], None]: ...
+    @property
+    def reduce_scatter(self) -> Callable[[int, int, int, int, int, int], None]: ...
+    @property
+    def send(self) -> Callable[[int, int, int, int, int], None]: ...
+    @property
+    def recv(self) -> Callable[[int, int, int, int, int], None]: ...
 
     def all_to_all(self, send: int, recv: int, count: int, dtype: int, stream: int) -> None: ...
     def gather(self, send: int, recv: int, count: int, dtype: int, root: int, stream: int) -> None: ...
@@ -62,17 +72,36 @@ class Comm(Protocol):
 
 
 class Runtime(Protocol):
-    """The CUDA side: one per process (its methods act on the calling thread's device)."""
+    """The CUDA side: one per process (its methods act on the calling thread's device).
+
+    The hot-path calls are read-only properties so that an implementation may bind
+    them to C functions directly (as :class:`CudaRuntime` does) or define methods.
+    """
 
     features: Features
-    get_device: Callable[[], int]
-    set_device: Callable[[int], None]
-    record: Callable[[int, int], None]          # (event, stream)
-    wait_event: Callable[[int, int], None]      # (stream, event): stream waits for event
-    elapsed_ms: Callable[[int, int], float]     # (start, end)
-    is_capturing: Callable[[int], bool]         # stream is being captured into a CUDA graph
-    group_start: Callable[[], None]
-    group_end: Callable[[], None]
+
+    @property
+    def get_device(self) -> Callable[[], int]: ...
+    @property
+    def set_device(self) -> Callable[[int], None]: ...
+    @property
+    def record(self) -> Callable[[int, int], None]:
+        """(event, stream): record ``event`` on ``stream``."""
+        ...
+    @property
+    def wait_event(self) -> Callable[[int, int], None]:
+        """(stream, event): ``stream`` waits for ``event``."""
+        ...
+    @property
+    def elapsed_ms(self) -> Callable[[int, int], float]: ...
+    @property
+    def is_capturing(self) -> Callable[[int], bool]:
+        """True while the stream is being captured into a CUDA graph."""
+        ...
+    @property
+    def group_start(self) -> Callable[[], None]: ...
+    @property
+    def group_end(self) -> Callable[[], None]: ...
 
     def device_count(self) -> int: ...
     def compute_capability(self, device: int) -> tuple[int, int]: ...
@@ -154,21 +183,29 @@ class CudaRuntime:
         self.wait_event = rt.streamWaitEvent
         self.elapsed_ms = rt.eventElapsedTime
         self.is_capturing = rt.streamIsCapturing
-        self.group_start = lib.nccl.groupStart
-        self.group_end = lib.nccl.groupEnd
+        shim = lib.shim
+        if shim is not None and shim._group_start is not None and shim._group_end is not None:
+            self.group_start, self.group_end = shim.group_start, shim.group_end
+        else:
+            self.group_start, self.group_end = lib.nccl.groupStart, lib.nccl.groupEnd
         self._event_query = rt.eventQuery
         self._memcpy = rt.memcpyAsync
         self._memcpy_kind = rt.memcpyDefault
         self._get_current_stream = lib.cupy.cuda.get_current_stream
+        self._device_cls = lib.cupy.cuda.Device
+        self._stream_cls = lib.cupy.cuda.Stream
+        self._alloc = lib.cupy.cuda.alloc
+        self._create_event = rt.eventCreateWithFlags
+        self._device_count = rt.getDeviceCount
+        self._error = rt.CUDARuntimeError
         self._pools: dict[int, _EventPool] = {}
 
     def device_count(self) -> int:
-        return int(self._rt.getDeviceCount())
+        return int(self._device_count())
 
     def compute_capability(self, device: int) -> tuple[int, int]:
-        rt = self._rt
-        return (int(rt.deviceGetAttribute(rt.deviceAttributeComputeCapabilityMajor, device)),
-                int(rt.deviceGetAttribute(rt.deviceAttributeComputeCapabilityMinor, device)))
+        cc = str(self._device_cls(device).compute_capability)  # "90" for 9.0, "100" for 10.0
+        return int(cc[:-1]), int(cc[-1])
 
     def current_stream(self) -> int:
         return int(self._get_current_stream().ptr)
@@ -176,17 +213,17 @@ class CudaRuntime:
     def new_stream(self) -> Any:
         # Non-blocking: the communication stream must not serialise with the legacy
         # default stream, only with what the backend makes it wait for.
-        return self._cupy.cuda.Stream(non_blocking=True)
+        return self._stream_cls(non_blocking=True)
 
     def event(self, pooled: bool = True) -> Event:
         """A timing-enabled event of the current device. Events recorded during CUDA
         graph capture must not be reused outside it: ask for ``pooled=False`` then."""
         if not pooled:
-            return _PooledEvent(self._rt.eventCreateWithFlags(_EVENT_DEFAULT), None)
+            return _PooledEvent(self._create_event(_EVENT_DEFAULT), None)
         device = self.get_device()
         pool = self._pools.get(device)
         if pool is None:
-            pool = self._pools.setdefault(device, _EventPool(self._rt.eventCreateWithFlags))
+            pool = self._pools.setdefault(device, _EventPool(self._create_event))
         return pool.acquire()
 
     def query(self, event: int) -> bool:
@@ -195,7 +232,7 @@ class CudaRuntime:
             return True
         if status == _CUDA_ERROR_NOT_READY:
             return False
-        raise self._rt.CUDARuntimeError(status)
+        raise self._error(status)
 
     def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         self._memcpy(dst, src, nbytes, self._memcpy_kind, stream)
@@ -204,7 +241,7 @@ class CudaRuntime:
         # Allocated while the communication stream is current, CuPy's pool hands this
         # block out again only in that stream's order.
         with stream:
-            mem = self._cupy.cuda.alloc(max(nbytes, 1))
+            mem = self._alloc(max(nbytes, 1))
         return int(mem.ptr), mem
 
     def prepare(self, kernel: str, device: int) -> None:

@@ -35,6 +35,7 @@ class WorkOwner(Protocol):
     """What an NCCLWork needs from its backend."""
 
     _rt: Runtime
+    _aborted: str | None
 
     def _failure(self) -> str | None:
         """Why every pending op fails (abort, asynchronous NCCL error), or None."""
@@ -181,7 +182,10 @@ class NCCLWork(Work):
         if timeout is not None or self.host_wait:
             self.synchronize(timeout)
             return True
-        if self._poll():
+        # Only flags here: the hot path of every synchronous op queries no event and
+        # no NCCL state (the watchdog does that).
+        if self._done.is_set() or self._doomed is not None or self._owner._aborted is not None:
+            self._poll()
             self._raise_if_failed()
             return True
         end = self._end

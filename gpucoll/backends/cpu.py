@@ -71,6 +71,11 @@ class CPUBackend:
             surfaces as DistBackendError within it).
         group_name: the group's name, used in errors.
 
+    Attributes:
+        transport: how collective data moves: ``"shm"`` (one host), ``"tcp"`` or
+            ``"local"`` (a group of one).
+        shm_unavailable: why a one-host group could not use shared memory ("" otherwise).
+
     Raises:
         ValueError: rank/size/timeout out of range.
         DistNetworkError: peers did not connect within ``timeout``.
@@ -96,7 +101,7 @@ class CPUBackend:
         self._seq = 0
         self._p2p_seq = 0
         self._cv = threading.Condition()
-        self._queue: deque[tuple[Work, Callable[[Ctx], None], str]] = deque()
+        self._queue: deque[tuple[Work, Callable[[Ctx], None], str, int]] = deque()
         self._busy = False
         self._worker_idle = False
         self._waiters = 0  # threads in shutdown() waiting for the queue to drain
@@ -113,15 +118,22 @@ class CPUBackend:
                              advertise=local_address(os.environ.get("MASTER_ADDR")),
                              on_broken=self._on_broken)
         self._coll: Any = TcpCollectives(self._mesh)
-        self.transport = "tcp"
+        self.transport = "tcp" if size > 1 else "local"  # "shm" below when every rank shares a host
+        self.shm_unavailable = ""
         if size > 1 and mode != "tcp" and _shm_supported():
             same_host = all(store.get(f"tcp/{p}").decode().split("|")[0] == me for p in range(size))
             if same_host:
+                from ._cpu_shm import ShmUnavailable
                 from ._cpu_shm_algos import ShmCollectives
 
-                self._coll = ShmCollectives(store, rank, size, timeout=self.timeout, mesh=self._mesh,
-                                            check=self._check)
-                self.transport = "shm"
+                try:
+                    self._coll = ShmCollectives(store, rank, size, timeout=self.timeout, mesh=self._mesh)
+                    self.transport = "shm"
+                except ShmUnavailable as exc:
+                    if mode == "shm":
+                        raise DistBackendError(f"{TRANSPORT_ENV}=shm but group {group_name!r} cannot use "
+                                               f"shared memory: {exc}") from exc
+                    self.shm_unavailable = str(exc)  # every rank falls back to TCP alike
             elif mode == "shm":
                 raise ValueError(f"{TRANSPORT_ENV}=shm but the ranks of group {group_name!r} are on several hosts")
 
@@ -137,7 +149,7 @@ class CPUBackend:
         w.group_name = self.group_name
         return w
 
-    def _submit(self, work: Work, fn: Callable[[Ctx], None], nbytes: int) -> Work:
+    def _submit(self, work: Work, fn: Callable[[Ctx], None], nbytes: int, sig: int) -> Work:
         # The op's name for errors, fixed now: the ProcessGroup renumbers work.seq later.
         name = f"{work.op_type} (CPU op #{work.seq}) on group {self.group_name!r}"
         with self._cv:
@@ -149,7 +161,7 @@ class CPUBackend:
             if inline:
                 self._busy = True
             else:
-                self._queue.append((work, fn, name))
+                self._queue.append((work, fn, name, sig))
                 if self._worker is None:
                     self._worker = threading.Thread(target=self._work_loop, daemon=True,
                                                     name=f"gpucoll-cpu-{self.group_name}-r{self.rank}")
@@ -158,7 +170,7 @@ class CPUBackend:
                     self._cv.notify_all()
         if inline:
             try:
-                self._run(work, fn, name)
+                self._run(work, fn, name, sig)
             finally:
                 with self._cv:
                     self._busy = False
@@ -175,18 +187,18 @@ class CPUBackend:
                 self._worker_idle = False
                 if not self._queue:
                     return
-                work, fn, name = self._queue.popleft()
+                work, fn, name, sig = self._queue.popleft()
                 self._busy = True
             try:
-                self._run(work, fn, name)
+                self._run(work, fn, name, sig)
             finally:
                 with self._cv:
                     self._busy = False
                     if self._waiters:
                         self._cv.notify_all()
 
-    def _run(self, work: Work, fn: Callable[[Ctx], None], name: str) -> None:
-        ctx = Ctx(work.seq, time.monotonic() + self.timeout, name, 0, self._check)
+    def _run(self, work: Work, fn: Callable[[Ctx], None], name: str, sig: int) -> None:
+        ctx = Ctx(work.seq, time.monotonic() + self.timeout, name, sig, self._check)
         t0 = time.perf_counter()
         try:
             if self._error is not None:
@@ -215,13 +227,7 @@ class CPUBackend:
     def _collective(self, op_type: str, bufs: Sequence[Buffer], body: Callable[[Ctx], None],
                     *sig: object) -> Work:
         work = self._work(op_type, bufs)
-        sig_value = signature(op_type, *sig)
-
-        def fn(ctx: Ctx) -> None:
-            ctx.sig = sig_value
-            body(ctx)
-
-        return self._submit(work, fn, sum(b.nbytes for b in bufs))
+        return self._submit(work, body, sum(b.nbytes for b in bufs), signature(op_type, *sig))
 
     def _reducer(self, op: ReduceOpLike, buf: Buffer) -> Reducer:
         key = (_op_key(op), buf.dtype.name)
@@ -406,7 +412,7 @@ class CPUBackend:
             abort = getattr(self._coll, "abort", None)
             if abort is not None:
                 abort(err)
-        for work, _, name in queued:
+        for work, _, name, _ in queued:
             work._set_exception(DistBackendError(f"{name}: {err}"))
 
     def shutdown(self) -> None:

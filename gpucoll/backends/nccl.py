@@ -15,7 +15,7 @@ import time
 from collections import deque
 from typing import Any, Callable, Sequence
 
-from .._buffer import DTYPES, Buffer
+from .._buffer import DTYPES, Buffer, Device
 from ..errors import BackendUnavailableError, DistBackendError, DistStoreError
 from ..reduce_op import ReduceOpLike
 from ..work import Work
@@ -31,6 +31,7 @@ _REDUCING = frozenset({"all_reduce", "reduce", "reduce_scatter"})
 _UID_KEY = "nccl/unique_id"
 _ARRIVED_KEY = "nccl/arrived"
 _ALL_ARRIVED_KEY = "nccl/all_arrived"
+_PRUNE_AT = 64  # outstanding works kept before the issue path completes finished ones itself
 
 
 def nccl_unavailable_reason() -> str | None:
@@ -321,12 +322,15 @@ class NCCLBackend:
             rt.set_device(device)
         issuing = False
         try:
-            for phase in plan:
-                for step in (*phase[0], *phase[2]):
-                    if step[0] == "kernel":
-                        rt.prepare(step[1], device)  # compile before any NCCL call is made
+            for pre, _, post in plan:
+                if pre or post:
+                    for step in (*pre, *post):
+                        if step[0] == "kernel":
+                            rt.prepare(step[1], device)  # compile before any NCCL call is made
             callers = self._caller_streams(bufs)
-            captured = any(rt.is_capturing(s) for s in callers)
+            captured = False
+            for s in callers:
+                captured = captured or rt.is_capturing(s)
             ready = rt.event(pooled=not captured)
             for s in callers:
                 rt.record(ready.ptr, s)
@@ -366,10 +370,11 @@ class NCCLBackend:
         if not captured:
             with self._state:
                 pending = self._pending
-                # Complete what has finished, so that arrays are released even when no
-                # watchdog polls this backend.
-                while pending and pending[0]._check_event():
-                    pending.popleft()
+                if len(pending) > _PRUNE_AT:
+                    # Normally the group's watchdog completes works (off this thread);
+                    # without one, completing them here releases their arrays.
+                    while pending and pending[0]._check_event():
+                        pending.popleft()
                 pending.extend(works)
 
     def _run_phase(self, phase: Phase) -> None:
@@ -544,14 +549,9 @@ class NCCLBackend:
             plan: Plan = [([], [("all_reduce", s, s, 1, NCCL_DTYPES["int32"], OP_SUM)], [])]
             # stream=None: order after the caller's current stream, so that a completed
             # barrier also means this rank's earlier GPU work is done.
-            scratch = Buffer(s, 4, DTYPES["int32"], (1,), self._device_obj(), stream=None)
+            scratch = Buffer(s, 4, DTYPES["int32"], (1,), Device("cuda", self._device), stream=None)
             self._launch("barrier", plan, [work], (scratch,), [])
         return work
-
-    def _device_obj(self) -> Any:
-        from .._buffer import Device
-
-        return Device("cuda", self._device)
 
     def abort(self, reason: str) -> None:
         """Abort the communicator: every pending and later op fails with

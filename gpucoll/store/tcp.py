@@ -29,7 +29,7 @@ DEFAULT_MAX_VALUE_SIZE = 512 * 1024 * 1024
 _GRACE = 0.25
 """Seconds a client waits past a blocking request's timeout for the server's own
 timeout reply before it gives up on the connection."""
-_RECV_SIZE = 256 * 1024
+_RECV_SIZE = 64 * 1024
 _MAX_TOKEN = 4096
 _WORKERS_KEY = HIDDEN_PREFIX + b"tcpstore/workers"
 _READY_KEY = HIDDEN_PREFIX + b"tcpstore/ready"
@@ -53,11 +53,14 @@ def _timeval(seconds: float) -> bytes:
 class _Connection:
     """One authenticated socket to the server; one request at a time."""
 
-    __slots__ = ("sock", "timeout")
+    __slots__ = ("sock", "timeout", "buf", "view")
 
     def __init__(self, sock: socket.socket, timeout: float) -> None:
         self.sock = sock
         self.timeout = -1.0
+        # Replies land in one reused buffer: recv(n) would allocate n bytes each time.
+        self.buf = bytearray(_RECV_SIZE)
+        self.view = memoryview(self.buf)
         if _KERNEL_TIMEOUTS:
             sock.settimeout(None)
         self.set_timeout(timeout)
@@ -84,15 +87,14 @@ class _Connection:
         sock = self.sock
         try:
             sock.sendall(frame)
-            data = sock.recv(_RECV_SIZE)
+            n = sock.recv_into(self.buf)
         except BlockingIOError as e:  # SO_RCVTIMEO/SO_SNDTIMEO expired
             raise TimeoutError(f"timed out after {timeout:g} s") from e
-        n = len(data)
         if n >= 5:
-            length, code = w.HEADER.unpack_from(data)
+            length, code = w.HEADER.unpack_from(self.buf)
             if n == length + 4:
-                return code, w.decode_fields(data, 5, n)
-        return self._read_rest(data, timeout)
+                return code, w.decode_fields(self.view, 5, n)
+        return self._read_rest(bytes(self.view[:n]), timeout)
 
     def _read_rest(self, data: bytes, timeout: float) -> tuple[int, list[bytes]]:
         deadline = time.monotonic() + timeout
@@ -103,7 +105,7 @@ class _Connection:
                 if not data:
                     raise _ConnectionClosed("the server closed the connection")
                 self._tick(deadline)
-                data = sock.recv(_RECV_SIZE)
+                data = sock.recv(4096)
                 head += data
             length, code = w.HEADER.unpack_from(head)
             if length + 4 < len(head):
@@ -128,7 +130,7 @@ class _Connection:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("timed out reading a reply")
-        if left < self.timeout:
+        if left < 0.5 * self.timeout:  # a few setsockopt per large reply, not one per recv
             self.set_timeout(left)
 
     def close(self) -> None:
