@@ -1,4 +1,4 @@
-"""gpucoll's CUDA kernels (``gpucoll/kernels/*.cu``), loaded lazily with ``cupy.RawModule``.
+"""gpucoll's CUDA kernels (``kernels/*.cu``), loaded lazily with ``cupy.RawModule``.
 
 Each source file becomes one RawModule the first time one of its kernels is needed
 (CuPy compiles it with NVRTC for the current device and caches the binary on disk);
@@ -20,7 +20,17 @@ from .errors import BackendUnavailableError
 __all__ = ["KERNEL_DIR", "MODULES", "SIGNATURES", "signature", "source", "get_kernel", "launch",
            "BLOCK", "MAX_GRID"]
 
-KERNEL_DIR = Path(__file__).with_name("kernels")
+def _kernel_dir() -> Path:
+    # Sources live in the repository's top-level kernels/; a wheel ships them as
+    # gpucoll/kernels/ (pyproject maps the one onto the other).
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "kernels", here.parent / "kernels"):
+        if (candidate / "reduce.cu").is_file():
+            return candidate
+    return here / "kernels"
+
+
+KERNEL_DIR = _kernel_dir()
 MODULES: dict[str, str] = {"reduce": "reduce.cu"}
 """Module name -> source file in :data:`KERNEL_DIR`."""
 
@@ -86,7 +96,7 @@ def launch(name: str, n: int, args: tuple[Any, ...], stream: Any, device: int) -
     """Launch kernel ``name`` over ``n`` elements on ``stream`` (a ``cupy.cuda.Stream``).
 
     Args:
-        name: a kernel of gpucoll/kernels/reduce.cu.
+        name: a kernel of kernels/reduce.cu.
         n: the element count its grid-stride loop covers (no launch when 0).
         args: the kernel's arguments as Python numbers, converted per :func:`signature`.
         stream: where to launch.

@@ -510,7 +510,7 @@ class FakeRuntime:
 
     def prepare(self, kernel: str, device: int) -> None:
         if not _KERNEL_RE.fullmatch(kernel):
-            raise FakeError(f"no kernel named {kernel!r} in gpucoll/kernels/reduce.cu")
+            raise FakeError(f"no kernel named {kernel!r} in kernels/reduce.cu")
         self.kernels_prepared.append(kernel)
 
     def launch(self, kernel: str, n: int, args: tuple[Any, ...], stream: Any, device: int) -> None:
@@ -709,7 +709,7 @@ def _wrap(values: list[int], dtype: np.dtype) -> np.ndarray:
 
 
 def emulate_kernel(mem: FakeMemory, name: str, n: int, args: tuple[Any, ...]) -> None:
-    """What gpucoll/kernels/reduce.cu computes, in NumPy (exact integer semantics)."""
+    """What kernels/reduce.cu computes, in NumPy (exact integer semantics)."""
     parts = name.split("_")
     ktype = parts[-1]
     dtype = np_dtype(_KT[ktype])

@@ -60,7 +60,7 @@ class Premul:
 
 NcclOp = Union[int, Premul]
 
-# Kernel type suffixes (gpucoll/kernels/reduce.cu); bool travels as uint8 0/1.
+# Kernel type suffixes (kernels/reduce.cu); bool travels as uint8 0/1.
 KTYPES: dict[str, str] = {
     "bool": "u8", "int8": "i8", "uint8": "u8", "int16": "i16", "uint16": "u16",
     "int32": "i32", "uint32": "u32", "int64": "i64", "uint64": "u64",
@@ -76,7 +76,7 @@ _FP8 = ("float8_e4m3fn", "float8_e5m2")
 
 
 def kernel_name(family: str, ktype: str, op: str = "") -> str:
-    """The extern "C" name of a kernel in gpucoll/kernels/reduce.cu."""
+    """The extern "C" name of a kernel in kernels/reduce.cu."""
     return f"gpucoll_{family}_{op}_{ktype}" if op else f"gpucoll_{family}_{ktype}"
 
 
