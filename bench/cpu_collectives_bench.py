@@ -118,8 +118,9 @@ def run_gpucoll(world: int, quick: bool, sizes: list[int], transport: str) -> di
     from gpucoll.backends.cpu import TRANSPORT_ENV
     from gpucoll.testing import run_spmd
 
-    res: dict[str, Any] = run_spmd(gpucoll_rank, world, args=(quick, sizes), timeout=1800,
-                                   backend="cpu", pg_timeout=300.0, env={TRANSPORT_ENV: transport})[0]
+    # A stuck op fails after pg_timeout, a stuck job after timeout, each with the ranks' stacks.
+    res: dict[str, Any] = run_spmd(gpucoll_rank, world, args=(quick, sizes), timeout=900,
+                                   backend="cpu", pg_timeout=60.0, env={TRANSPORT_ENV: transport})[0]
     return res
 
 
@@ -160,7 +161,7 @@ def run_gloo(world: int, quick: bool, sizes: list[int]) -> dict[str, Any] | str:
                                "--port", str(master.port), "--sizes", ",".join(map(str, sizes))]
                               + (["--quick"] if quick else []),
                               stdout=subprocess.PIPE, text=True) for r in range(world)]
-    outs = [p.communicate(timeout=1800)[0] for p in procs]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
     if any(p.returncode for p in procs):
         return f"gloo workers failed (exit codes {[p.returncode for p in procs]})"
     res: dict[str, Any] = json.loads(outs[0].strip().splitlines()[-1])
@@ -195,7 +196,7 @@ def run_mpi(world: int, quick: bool, sizes: list[int]) -> dict[str, Any] | str:
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     cmd = [mpirun, "-n", str(world), "--oversubscribe", sys.executable, __file__,
            "--worker", "mpi", "--sizes", ",".join(map(str, sizes))] + (["--quick"] if quick else [])
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if p.returncode:
         return f"mpirun failed ({p.returncode}): {p.stderr.strip()[-300:]}"
     lines = [ln for ln in p.stdout.strip().splitlines() if ln.startswith("{")]

@@ -13,9 +13,10 @@ Usage::
 
     python bench/store_bench.py            # the full run (a few minutes)
     python bench/store_bench.py --quick    # a smoke run (~30 s)
-    python bench/store_bench.py --impl gpucoll --markdown
+    python bench/store_bench.py --impl gpucoll,gpucoll-tcp,torch --markdown
 
-The ratio column is gpucoll / torch for the same row of the same run.
+``gpucoll-tcp`` turns off the Unix-socket path that same-host clients otherwise take.
+The ratio columns are gpucoll / torch for the same row of the same run.
 """
 
 from __future__ import annotations
@@ -57,21 +58,23 @@ def _master(impl: str) -> Any:
     if impl == "torch":
         import torch.distributed as dist
 
-        return dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=_TIMEOUT),
-                             wait_for_workers=False)
+        return dist.TCPStore("127.0.0.1", 0, None, True,  # type: ignore[attr-defined]
+                             timedelta(seconds=_TIMEOUT), wait_for_workers=False)
     from gpucoll.store import TCPStore
 
-    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_TIMEOUT)
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_TIMEOUT,
+                    use_unix_socket=impl != "gpucoll-tcp")
 
 
 def _client(impl: str, port: int) -> Any:
     if impl == "torch":
         import torch.distributed as dist
 
-        return dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=_TIMEOUT))
+        return dist.TCPStore("127.0.0.1", port, None, False,  # type: ignore[attr-defined]
+                             timedelta(seconds=_TIMEOUT))
     from gpucoll.store import TCPStore
 
-    return TCPStore("127.0.0.1", port, timeout=_TIMEOUT)
+    return TCPStore("127.0.0.1", port, timeout=_TIMEOUT, use_unix_socket=impl != "gpucoll-tcp")
 
 
 def _serve(impl: str, conn: Connection) -> None:
@@ -149,7 +152,7 @@ def _throughput(impl: str, port: int, clients: int, seconds: float) -> float:
     for p in procs:
         p.start()
     barrier.wait(timeout=_TIMEOUT)
-    total = sum(results.get(timeout=_TIMEOUT) for _ in procs)
+    total = sum(int(results.get(timeout=_TIMEOUT)) for _ in procs)
     for p in procs:
         p.join(10)
     return total / seconds
@@ -215,7 +218,7 @@ def _rendezvous(impl: str, port: int, n: int, run: int) -> float:
         ends += e
     for p in procs:
         p.join(10)
-    return max(ends) - t0
+    return float(max(ends) - t0)
 
 
 def _big_get(impl: str, port: int, size: int, iters: int) -> float | str:
@@ -294,14 +297,15 @@ def _fmt(v: float | str | None) -> str:
 
 
 def report(rows: list[Row], impls: list[str], markdown: bool) -> str:
-    head = ["metric", "unit"] + impls + (["gpucoll/torch"] if len(impls) == 2 else [])
+    ours = [i for i in impls if i != "torch"] if "torch" in impls else []
+    head = ["metric", "unit"] + impls + [f"{i}/torch" for i in ours]
     lines = []
     for r in rows:
         cells = [r.name, r.unit] + [_fmt(r.values.get(i)) for i in impls]
-        if len(impls) == 2:
-            g, t = r.values.get("gpucoll"), r.values.get("torch")
-            ratio = (f"{g / t:.2f}x" if isinstance(g, float) and isinstance(t, float) and t else "-")
-            cells.append(ratio)
+        t = r.values.get("torch")
+        for i in ours:
+            g = r.values.get(i)
+            cells.append(f"{g / t:.2f}x" if isinstance(g, float) and isinstance(t, float) and t else "-")
         lines.append(cells)
     if markdown:
         out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -314,14 +318,17 @@ def report(rows: list[Row], impls: list[str], markdown: bool) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="few iterations, small N: a smoke run")
-    p.add_argument("--impl", default=None, help="comma list of gpucoll,torch (default: both if torch imports)")
+    p.add_argument("--impl", default=None,
+                   help="comma list of gpucoll, gpucoll-tcp (no Unix-socket fast path), torch "
+                        "(default: gpucoll,torch, or gpucoll alone when torch does not import)")
+    p.add_argument("--repeats", type=int, default=None, help="rendezvous runs per size (median)")
     p.add_argument("--clients", default=None, help="comma list of add-throughput client counts")
     p.add_argument("--rendezvous", default=None, help="comma list of rendezvous sizes")
     p.add_argument("--markdown", action="store_true", help="print a markdown table")
     args = p.parse_args(argv)
     args.iters = 500 if args.quick else 5000
     args.seconds = 0.5 if args.quick else 3.0
-    args.repeats = 1 if args.quick else 3
+    args.repeats = args.repeats or (1 if args.quick else 3)
     args.big_iters = 3 if args.quick else 10
     args.clients = [int(x) for x in (args.clients or ("1,8" if args.quick else "1,8,32")).split(",")]
     args.rendezvous = [int(x) for x in (args.rendezvous or ("64" if args.quick else "64,256,1024")).split(",")]

@@ -1,52 +1,36 @@
-"""The TCPStore server: one selector loop on a background thread serves every client.
+"""The TCPStore server's network side: one epoll loop on a background thread.
 
-Design points (see docs/stores.md):
+What a request does, and what it answers, is in :mod:`._requests`; this module
+moves bytes (see docs/stores.md):
 
-* One thread, one selector, non-blocking sockets: thousands of connections cost one
+* One thread, one epoll set, non-blocking sockets: thousands of connections cost one
   entry each, not a thread each.
-* ``get``/``wait``/``queue_pop`` park a waiter in :class:`KVState`; the write that
-  satisfies it queues the reply. Deadlines live in a heap, so a timed-out request is
-  answered by the server (naming the keys still missing) at its deadline.
-* Replies produced while handling one batch of ready sockets are flushed once, after
-  the batch; requests that arrive together on one connection are answered together.
-* A connection is answered strictly in order: while it has a parked request or
-  unsent output, its further frames wait in its buffer.
+* Each ready connection is read into one reused buffer; every complete frame in it is
+  served and the replies leave in one send. Replies that a write produces for parked
+  requests on other connections leave at the end of the loop iteration.
+* A frame too large for one read gets a buffer of its final size once its header is
+  in; large replies leave by sendmsg without being copied.
 * Anything that does not parse, a wrong token, or an absurd length drops that
-  connection only. No name resolution happens on accept.
+  connection only. Nothing here resolves names.
 """
 
 from __future__ import annotations
 
 import errno
-import heapq
-import hmac
-import itertools
 import select
 import socket
 import sys
 import threading
 import time
-from typing import Callable, Union
 
-from ..errors import DistNetworkError, DistStoreError
+from ..errors import DistNetworkError
 from . import _wire as w
-from ._kv import KVState, Waiter
+from ._requests import JOIN_THRESHOLD, PIPELINE_SLACK, RequestServer, Conn
 
 __all__ = ["StoreServer"]
 
 _RECV_SIZE = 256 * 1024
-_PREAUTH_MAX_FRAME = 8192
-_PIPELINE_SLACK = 1 << 20
-"""Bytes a client may queue behind a parked request before it is taken for a flood."""
-_JOIN_THRESHOLD = 64 * 1024
-"""Replies smaller than this are joined into one buffer; larger ones go out by sendmsg
-without copying the values."""
 _IOV_MAX = 512
-_OK_EMPTY = w.encode_frame(w.OK, [])
-_ONE = w.encode_frame(w.OK, [b"1"])
-_ZERO = w.encode_frame(w.OK, [b"0"])
-
-Out = Union[bytes, memoryview]
 
 _IN = select.POLLIN
 _OUT = select.POLLOUT
@@ -97,26 +81,7 @@ class _Poller:
             self._epoll.close()
 
 
-class _Conn:
-    __slots__ = ("sock", "inbuf", "out", "authed", "limit", "waiter", "kind", "closing",
-                 "writing", "dirty", "big", "big_have")
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock: socket.socket | None = sock
-        self.inbuf: bytes | bytearray = b""
-        self.out: list[Out] = []
-        self.authed = False
-        self.limit = _PREAUTH_MAX_FRAME
-        self.waiter: Waiter | None = None
-        self.kind = 0
-        self.closing = False
-        self.writing = False
-        self.dirty = False
-        self.big: bytearray | None = None
-        self.big_have = 0
-
-
-class StoreServer:
+class StoreServer(RequestServer):
     """Listens on ``host:port`` and serves the store protocol from a daemon thread.
 
     On Linux, a server bound to a loopback or wildcard address, or to one of this
@@ -138,12 +103,7 @@ class StoreServer:
 
     def __init__(self, host: str, port: int, *, token: bytes | None, max_key_size: int,
                  max_value_size: int, backlog: int = 8192, unix_socket: bool = True) -> None:
-        self.max_key_size = max_key_size
-        self.max_value_size = max_value_size
-        # A multi_set or multi_get may carry several values; one frame holds up to twice the
-        # value limit, and no more than a u32 length can say.
-        self.max_frame = min(2 * max_value_size + (1 << 20), 0xFFFFFFFF)
-        self._token = token
+        super().__init__(token=token, max_key_size=max_key_size, max_value_size=max_value_size)
         try:
             infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                        flags=socket.AI_PASSIVE | socket.AI_NUMERICSERV)
@@ -183,20 +143,8 @@ class StoreServer:
         self._accepting = True
         self._rbuf = bytearray(_RECV_SIZE)
         self._rview = memoryview(self._rbuf)
-        self._conns: dict[int, _Conn] = {}
-        self._kv = KVState()
-        self._timers: list[tuple[float, int, Waiter]] = []
-        self._seq = itertools.count()
-        self._dirty: list[_Conn] = []
-        self._resume: list[_Conn] = []
+        self._conns: dict[int, Conn] = {}
         self._stop = False
-        self._handlers: dict[int, Callable[[_Conn, list[bytes]], None]] = {
-            w.SET: self._op_set, w.GET: self._op_get, w.ADD: self._op_add, w.CAS: self._op_cas,
-            w.WAIT: self._op_wait, w.CHECK: self._op_check, w.DELETE: self._op_delete,
-            w.NUM_KEYS: self._op_num_keys, w.MULTI_SET: self._op_multi_set,
-            w.APPEND: self._op_append, w.QPUSH: self._op_qpush, w.QPOP: self._op_qpop,
-            w.QLEN: self._op_qlen, w.LIST_KEYS: self._op_list_keys,
-        }
         self._thread = threading.Thread(target=self._run, name=f"gpucoll-store-server:{self.port}",
                                         daemon=True)
         self._thread.start()
@@ -232,7 +180,8 @@ class StoreServer:
         try:
             while not self._stop:
                 timers = self._timers
-                timeout = max(0.0, timers[0][0] - time.monotonic()) if timers else None
+                timeout = (min(max(0.0, timers[0][0] - time.monotonic()), w.MAX_TIMEOUT)
+                           if timers else None)
                 try:
                     events = poll(timeout)
                 except InterruptedError:
@@ -246,17 +195,23 @@ class StoreServer:
                         elif fd == wake_fd:
                             self._drain_wake()
                         continue
-                    if ev & _OUT:
-                        self._send(conn)
-                    if ev & _IN_ANY and conn.sock is not None:
-                        self._on_readable(conn)
+                    try:
+                        if ev & _OUT:
+                            self._send(conn)
+                        if ev & _IN_ANY and conn.sock is not None:
+                            self._on_readable(conn)
+                    except Exception:  # a bug serving one client must not stop the server
+                        self._drop(conn)
                 if self._timers:
                     self._expire()
                 while self._resume:
                     resume, self._resume = self._resume, []
                     for conn in resume:
                         if conn.sock is not None:
-                            self._process(conn)
+                            try:
+                                self._process(conn)
+                            except Exception:
+                                self._drop(conn)
                 if self._dirty:
                     dirty, self._dirty = self._dirty, []
                     for conn in dirty:
@@ -295,11 +250,11 @@ class StoreServer:
             sock.setblocking(False)
             if sock.family != socket.AF_UNIX:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock)
+            conn = Conn(sock)
             self._conns[sock.fileno()] = conn
             self._poller.register(sock.fileno(), _IN)
 
-    def _drop(self, conn: _Conn) -> None:
+    def _drop(self, conn: Conn) -> None:
         sock = conn.sock
         if sock is None:
             return
@@ -323,7 +278,7 @@ class StoreServer:
 
     # -- input ----------------------------------------------------------------------------
 
-    def _on_readable(self, conn: _Conn) -> None:
+    def _on_readable(self, conn: Conn) -> None:
         sock = conn.sock
         assert sock is not None
         if conn.big is not None:
@@ -349,7 +304,7 @@ class StoreServer:
             buf += self._rview[:n]
             conn.inbuf = buf
             if conn.waiter is not None or conn.writing:
-                if len(buf) > _PIPELINE_SLACK:
+                if len(buf) > PIPELINE_SLACK:
                     self._drop(conn)
                 return
             self._process(conn)
@@ -359,7 +314,7 @@ class StoreServer:
             return
         self._process(conn, self._rview, n)
 
-    def _process(self, conn: _Conn, view: memoryview | None = None, n: int = 0) -> None:
+    def _process(self, conn: Conn, view: memoryview | None = None, n: int = 0) -> None:
         """Serve the complete frames buffered for ``conn`` (or, with ``view``, the first
         ``n`` bytes of the shared receive buffer), in order, until one parks."""
         buf: bytes | bytearray | memoryview
@@ -369,10 +324,12 @@ class StoreServer:
         else:
             buf = view
         pos = 0
+        unpack = w.U32.unpack_from
         try:
             while n - pos >= 4 and conn.waiter is None and not conn.writing and not conn.closing:
-                (length,) = w.U32.unpack_from(buf, pos)
-                w.check_length(length, conn.limit)
+                (length,) = unpack(buf, pos)
+                if not 0 < length <= conn.limit:
+                    w.check_length(length, conn.limit)  # raises, with the message
                 end = pos + 4 + length
                 if end > n:
                     break
@@ -405,7 +362,7 @@ class StoreServer:
         if conn.out and not conn.writing:
             self._send(conn)
 
-    def _read_big(self, conn: _Conn, sock: socket.socket) -> bool:
+    def _read_big(self, conn: Conn, sock: socket.socket) -> bool:
         """Receive into the buffer of a large frame that is arriving, allocated at its
         final size once its header was seen (the size is within the connection's
         authenticated frame limit). Returns True once the frame is complete."""
@@ -430,65 +387,9 @@ class StoreServer:
         conn.inbuf = big
         return True
 
-    def _dispatch(self, conn: _Conn, code: int, fields: list[bytes]) -> None:
-        if not conn.authed:
-            self._hello(conn, code, fields)
-            return
-        w.check_arity(code, len(fields))
-        try:
-            self._handlers[code](conn, fields)
-        except DistStoreError as e:
-            self._reply(conn, w.ERROR, [str(e).encode()])
-        except w.ProtocolError:
-            raise
-        except Exception as e:  # a server bug must not take the other clients down
-            self._reply(conn, w.ERROR, [f"server error in {w.NAMES[code]}: "
-                                        f"{type(e).__name__}: {e}".encode()])
-            conn.closing = True
-
-    def _hello(self, conn: _Conn, code: int, fields: list[bytes]) -> None:
-        if code != w.HELLO or len(fields) != 3 or fields[0][:4] != w.MAGIC or len(fields[0]) != 6:
-            raise w.ProtocolError("the first frame must be HELLO")
-        version = int.from_bytes(fields[0][4:6], "little")
-        if version != w.VERSION:
-            self._reply(conn, w.ERROR, [f"protocol version {version} is not supported; "
-                                        f"this server speaks version {w.VERSION}".encode()])
-            conn.closing = True
-            return
-        if self._token is not None and not hmac.compare_digest(fields[1], self._token):
-            self._reply(conn, w.ERROR, [b"token rejected: the client's token does not match the "
-                                        b"server's (GPUCOLL_STORE_TOKEN)"])
-            conn.closing = True
-            return
-        conn.authed = True
-        conn.limit = self.max_frame
-        self._reply(conn, w.OK, [str(self.max_key_size).encode(), str(self.max_value_size).encode(),
-                                 str(self.max_frame).encode()])
-
     # -- output ---------------------------------------------------------------------------
 
-    def _queue(self, conn: _Conn, frame: bytes) -> None:
-        conn.out.append(frame)
-
-    def _reply(self, conn: _Conn, code: int, fields: list[bytes]) -> None:
-        size = 1 + 4 * len(fields) + sum(map(len, fields))
-        if size < _JOIN_THRESHOLD:
-            conn.out.append(w.encode_frame(code, fields))
-            return
-        out = conn.out
-        out.append(w.HEADER.pack(size, code))
-        for f in fields:
-            out.append(w.U32.pack(len(f)))
-            out.append(f)
-
-    def _reply_later(self, conn: _Conn) -> None:
-        """Flush ``conn`` at the end of this loop iteration (a reply made while serving
-        another connection)."""
-        if not conn.dirty:
-            conn.dirty = True
-            self._dirty.append(conn)
-
-    def _send(self, conn: _Conn) -> None:
+    def _send(self, conn: Conn) -> None:
         sock = conn.sock
         if sock is None:
             return
@@ -498,7 +399,7 @@ class StoreServer:
                 if len(out) == 1:
                     sent = sock.send(out[0])
                 else:
-                    if len(out) > 2 and sum(map(len, out)) < _JOIN_THRESHOLD:
+                    if len(out) > 2 and sum(map(len, out)) < JOIN_THRESHOLD:
                         out[:] = [b"".join(out)]
                         continue
                     sent = sock.sendmsg(out[:_IOV_MAX])
@@ -529,143 +430,3 @@ class StoreServer:
             if conn.inbuf:
                 self._resume.append(conn)
 
-    # -- waiting --------------------------------------------------------------------------
-
-    def _park(self, conn: _Conn, keys: list[bytes], timeout: float, kind: int,
-              queue: bool) -> None:
-        if queue:
-            got = self._kv.queue_pop_or_watch(keys[0], self._ready, conn)
-            if not isinstance(got, Waiter):
-                self._reply(conn, w.OK, [got])
-                return
-        else:
-            got2 = self._kv.get_or_watch(keys, self._ready, conn)
-            if not isinstance(got2, Waiter):
-                if kind == w.WAIT:
-                    self._queue(conn, _OK_EMPTY)
-                else:
-                    self._reply(conn, w.OK, got2)
-                return
-            got = got2
-        conn.waiter = got
-        conn.kind = kind
-        heapq.heappush(self._timers, (time.monotonic() + timeout, next(self._seq), got))
-
-    def _ready(self, waiter: Waiter, values: list[bytes]) -> None:
-        conn: _Conn = waiter.ctx
-        conn.waiter = None
-        if conn.sock is None:
-            return
-        if conn.kind == w.WAIT:
-            self._queue(conn, _OK_EMPTY)
-        else:
-            self._reply(conn, w.OK, values)
-        self._reply_later(conn)
-        if conn.inbuf:
-            self._resume.append(conn)
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        timers = self._timers
-        while timers and timers[0][0] <= now:
-            _, _, waiter = heapq.heappop(timers)
-            if not waiter.active:
-                continue
-            self._kv.cancel(waiter)
-            conn: _Conn = waiter.ctx
-            conn.waiter = None
-            if conn.sock is None:
-                continue
-            missing = waiter.keys if waiter.queue else self._kv.missing(waiter.keys)
-            self._reply(conn, w.TIMEOUT, missing)
-            self._reply_later(conn)
-            if conn.inbuf:
-                self._resume.append(conn)
-
-    # -- requests -------------------------------------------------------------------------
-
-    def _key(self, key: bytes) -> bytes:
-        if len(key) > self.max_key_size:
-            raise DistStoreError(f"key of {len(key)} bytes exceeds the server's limit of "
-                                 f"{self.max_key_size} bytes")
-        return key
-
-    def _value(self, value: bytes) -> bytes:
-        if len(value) > self.max_value_size:
-            raise DistStoreError(f"value of {len(value)} bytes exceeds the server's limit of "
-                                 f"{self.max_value_size} bytes")
-        return value
-
-    def _op_set(self, conn: _Conn, f: list[bytes]) -> None:
-        self._kv.set(self._key(f[0]), self._value(f[1]))
-        self._queue(conn, _OK_EMPTY)
-
-    def _op_get(self, conn: _Conn, f: list[bytes]) -> None:
-        self._blocking_read(conn, f, w.GET)
-
-    def _op_wait(self, conn: _Conn, f: list[bytes]) -> None:
-        self._blocking_read(conn, f, w.WAIT)
-
-    def _blocking_read(self, conn: _Conn, f: list[bytes], kind: int) -> None:
-        timeout = w.parse_timeout(f[0])
-        keys = f[1:]
-        if timeout <= 0:
-            missing = self._kv.missing(keys)
-            if missing:
-                self._reply(conn, w.TIMEOUT, missing)
-                return
-        self._park(conn, keys, max(timeout, 0.0), kind, queue=False)
-
-    def _op_add(self, conn: _Conn, f: list[bytes]) -> None:
-        total = self._kv.add(self._key(f[0]), w.parse_int(f[1], "add amount"))
-        self._queue(conn, w.encode_frame(w.OK, [str(total).encode()]))
-
-    def _op_cas(self, conn: _Conn, f: list[bytes]) -> None:
-        self._reply(conn, w.OK, [self._kv.compare_set(self._key(f[0]), f[1], self._value(f[2]))])
-
-    def _op_check(self, conn: _Conn, f: list[bytes]) -> None:
-        self._queue(conn, _ONE if self._kv.check(f) else _ZERO)
-
-    def _op_delete(self, conn: _Conn, f: list[bytes]) -> None:
-        self._queue(conn, _ONE if self._kv.delete(f[0]) else _ZERO)
-
-    def _op_num_keys(self, conn: _Conn, f: list[bytes]) -> None:
-        self._queue(conn, w.encode_frame(w.OK, [str(self._kv.num_keys()).encode()]))
-
-    def _op_multi_set(self, conn: _Conn, f: list[bytes]) -> None:
-        for i in range(0, len(f), 2):
-            self._key(f[i])
-            self._value(f[i + 1])
-        for i in range(0, len(f), 2):
-            self._kv.set(f[i], f[i + 1])
-        self._queue(conn, _OK_EMPTY)
-
-    def _op_append(self, conn: _Conn, f: list[bytes]) -> None:
-        key = self._key(f[0])
-        current = self._kv.data.get(key, b"")
-        if len(current) + len(f[1]) > self.max_value_size:
-            raise DistStoreError(f"append would grow the value to {len(current) + len(f[1])} bytes, "
-                                 f"over the server's limit of {self.max_value_size} bytes")
-        self._kv.append(key, f[1])
-        self._queue(conn, _OK_EMPTY)
-
-    def _op_qpush(self, conn: _Conn, f: list[bytes]) -> None:
-        self._kv.queue_push(self._key(f[0]), self._value(f[1]))
-        self._queue(conn, _OK_EMPTY)
-
-    def _op_qpop(self, conn: _Conn, f: list[bytes]) -> None:
-        timeout = w.parse_timeout(f[0])
-        if timeout <= 0:
-            value = self._kv.queue_pop_now(f[1])
-            if value is None:
-                self._queue(conn, w.encode_frame(w.EMPTY, []))
-            else:
-                self._reply(conn, w.OK, [value])
-            return
-        self._park(conn, [f[1]], timeout, w.QPOP, queue=True)
-
-    def _op_qlen(self, conn: _Conn, f: list[bytes]) -> None:
-        self._queue(conn, w.encode_frame(w.OK, [str(self._kv.queue_len(f[0])).encode()]))
-
-    def _op_list_keys(self, conn: _Conn, f: list[bytes]) -> None:
-        self._reply(conn, w.OK, self._kv.list_keys())

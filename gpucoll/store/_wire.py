@@ -23,7 +23,7 @@ from typing import Final, Union
 
 __all__ = [
     "ProtocolError", "encode_frame", "decode_fields", "FrameReader",
-    "MAGIC", "VERSION", "HEADER", "U32", "F64",
+    "MAGIC", "VERSION", "HEADER", "U32", "F64", "MAX_TIMEOUT",
 ]
 
 Buf = Union[bytes, bytearray, memoryview]
@@ -206,6 +206,11 @@ def check_arity(code: int, nfields: int) -> None:
         raise ProtocolError(f"multi_set takes key/value pairs; got {nfields} fields")
 
 
+MAX_TIMEOUT: Final = 1e6
+"""Longest wait the server parks a request for (11.6 days): a longer timeout means this
+one. Kernel timeouts (epoll, SO_RCVTIMEO) overflow not far beyond."""
+
+
 def timeout_field(seconds: float) -> bytes:
     """Encode a timeout in seconds as a field's bytes."""
     return F64.pack(seconds)
@@ -222,7 +227,7 @@ def parse_timeout(field: bytes) -> float:
     (t,) = F64.unpack(field)
     if t != t:
         raise ProtocolError("timeout is NaN")
-    return float(t)
+    return min(float(t), MAX_TIMEOUT)
 
 
 def parse_int(field: bytes, what: str) -> int:

@@ -2,7 +2,8 @@
 
 The master runs :class:`~gpucoll.store._server.StoreServer` on a background thread;
 every TCPStore, the master's included, is a client. A client keeps a small pool of
-connections, one per thread using it at once, each carrying one request at a time.
+connections (:class:`~gpucoll.store._client.Connection`), one per thread using it at
+once, each carrying one request at a time.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import os
 import socket
 import struct
-import sys
 import threading
 import time
 
@@ -19,7 +19,8 @@ from ..clusters.base import STORE_TOKEN_ENV
 from ..errors import DistNetworkError, DistStoreError, DistStoreTimeoutError
 from . import _wire as w
 from ._kv import HIDDEN_PREFIX
-from ._server import StoreServer, unix_socket_name
+from ._client import Connection, peer_uid, unix_names
+from ._server import StoreServer
 from .base import Store, Timeout, timeout_error
 
 __all__ = ["TCPStore"]
@@ -29,151 +30,11 @@ DEFAULT_MAX_VALUE_SIZE = 512 * 1024 * 1024
 _GRACE = 0.25
 """Seconds a client waits past a blocking request's timeout for the server's own
 timeout reply before it gives up on the connection."""
-_RECV_SIZE = 64 * 1024
+_HEAD1 = struct.Struct("<IBI")
+"""A frame's header and the length of its first field."""
 _MAX_TOKEN = 4096
 _WORKERS_KEY = HIDDEN_PREFIX + b"tcpstore/workers"
 _READY_KEY = HIDDEN_PREFIX + b"tcpstore/ready"
-
-
-class _ConnectionClosed(ConnectionError):
-    pass
-
-
-_KERNEL_TIMEOUTS = sys.platform.startswith("linux")
-"""On Linux a socket stays blocking and its timeout is SO_RCVTIMEO/SO_SNDTIMEO, so a
-request costs one send and one recv; Python's own socket timeouts add a poll() before
-each of them."""
-
-
-def _timeval(seconds: float) -> bytes:
-    whole = int(seconds)
-    return struct.pack("@ll", whole, int((seconds - whole) * 1e6))
-
-
-class _Connection:
-    """One authenticated socket to the server; one request at a time."""
-
-    __slots__ = ("sock", "timeout", "buf", "view")
-
-    def __init__(self, sock: socket.socket, timeout: float) -> None:
-        self.sock = sock
-        self.timeout = -1.0
-        # Replies land in one reused buffer: recv(n) would allocate n bytes each time.
-        self.buf = bytearray(_RECV_SIZE)
-        self.view = memoryview(self.buf)
-        if _KERNEL_TIMEOUTS:
-            sock.settimeout(None)
-        self.set_timeout(timeout)
-
-    def set_timeout(self, timeout: float) -> None:
-        if _KERNEL_TIMEOUTS:
-            tv = _timeval(timeout)
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-        else:
-            self.sock.settimeout(timeout)
-        self.timeout = timeout
-
-    def request(self, frame: bytes, timeout: float) -> tuple[int, list[bytes]]:
-        """Send one request and return the reply's ``(code, fields)``.
-
-        Raises:
-            TimeoutError: no complete reply within ``timeout`` (the connection is then
-                in an unknown state and must be closed).
-            OSError: the connection failed or was closed by the server.
-        """
-        if timeout != self.timeout:
-            self.set_timeout(timeout)
-        sock = self.sock
-        try:
-            sock.sendall(frame)
-            n = sock.recv_into(self.buf)
-        except BlockingIOError as e:  # SO_RCVTIMEO/SO_SNDTIMEO expired
-            raise TimeoutError(f"timed out after {timeout:g} s") from e
-        if n >= 5:
-            length, code = w.HEADER.unpack_from(self.buf)
-            if n == length + 4:
-                return code, w.decode_fields(self.view, 5, n)
-        return self._read_rest(bytes(self.view[:n]), timeout)
-
-    def _read_rest(self, data: bytes, timeout: float) -> tuple[int, list[bytes]]:
-        deadline = time.monotonic() + timeout
-        sock = self.sock
-        head = bytearray(data)
-        try:
-            while len(head) < 5:
-                if not data:
-                    raise _ConnectionClosed("the server closed the connection")
-                self._tick(deadline)
-                data = sock.recv(4096)
-                head += data
-            length, code = w.HEADER.unpack_from(head)
-            if length + 4 < len(head):
-                raise DistStoreError("protocol error: the server sent more than one reply")
-            buf = bytearray(length + 4)
-            buf[:len(head)] = head
-            view = memoryview(buf)
-            got = len(head)
-            while got < len(buf):
-                self._tick(deadline)
-                n = sock.recv_into(view[got:])
-                if n == 0:
-                    raise _ConnectionClosed("the server closed the connection mid-reply")
-                got += n
-        except BlockingIOError as e:
-            raise TimeoutError(f"timed out after {timeout:g} s") from e
-        fields = w.decode_fields(view, 5, len(buf))
-        view.release()
-        return code, fields
-
-    def _tick(self, deadline: float) -> None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("timed out reading a reply")
-        if left < 0.5 * self.timeout:  # a few setsockopt per large reply, not one per recv
-            self.set_timeout(left)
-
-    def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-
-
-def _unix_names(host: str, port: int) -> list[str]:
-    """Abstract Unix sockets that reach the server at ``host:port`` when it runs on this
-    host (see StoreServer), most specific first; [] when ``host`` is not local."""
-    if not sys.platform.startswith("linux") or not hasattr(socket, "AF_UNIX"):
-        return []
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                   flags=socket.AI_NUMERICSERV)
-    except OSError:
-        return []
-    names: list[str] = []
-    for family, _, _, _, addr in infos:
-        ip = str(addr[0])
-        if family not in (socket.AF_INET, socket.AF_INET6) or not _is_local(family, ip):
-            continue
-        name = unix_socket_name(ip, port)
-        if name not in names:
-            names.append(name)
-    if names:
-        names += [unix_socket_name("0.0.0.0", port), unix_socket_name("::", port)]
-    return names
-
-
-def _is_local(family: int, ip: str) -> bool:
-    """True if ``ip`` is an address of this host: binding a UDP socket to it succeeds
-    (no name service involved)."""
-    probe = socket.socket(family, socket.SOCK_DGRAM)
-    try:
-        probe.bind((ip, 0))
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
 
 
 class TCPStore(Store):
@@ -231,7 +92,7 @@ class TCPStore(Store):
                 raise ValueError(f"{name} must be an int in 1..{0x7FFF0000}; got {lim!r}")
         self._token = _token_bytes(token)
         self._closed = False
-        self._pool: list[_Connection] = []
+        self._pool: list[Connection] = []
         self._lock = threading.Lock()
         self._server: StoreServer | None = None
         self.world_size = world_size
@@ -243,7 +104,7 @@ class TCPStore(Store):
         self._port = port
         self._connect_host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
         self._where = f"TCPStore {host}:{port}"
-        self._unix = _unix_names(self._connect_host, port) if use_unix_socket else []
+        self._unix = unix_names(self._connect_host, port) if use_unix_socket else []
         self.max_key_size = max_key_size
         self.max_value_size = max_value_size
         self._max_frame = 0
@@ -288,7 +149,7 @@ class TCPStore(Store):
 
     # -- connections ----------------------------------------------------------------------
 
-    def _connect(self, deadline: float) -> _Connection:
+    def _connect(self, deadline: float) -> Connection:
         """Connect and say HELLO, retrying refused connections until ``deadline``."""
         delay = 0.01
         while True:
@@ -305,13 +166,15 @@ class TCPStore(Store):
             except OSError as e:
                 raise DistNetworkError(f"cannot connect to {self._where}: {e}") from e
 
-    def _open(self, timeout: float) -> _Connection:
+    def _open(self, timeout: float) -> Connection:
+        timeout = min(timeout, w.MAX_TIMEOUT)
         sock = self._open_socket(timeout)
         try:
-            conn = _Connection(sock, timeout)
+            # The timeout of every later request, already: one setsockopt pair per connection.
+            conn = Connection(sock, min(self._timeout + _GRACE, w.MAX_TIMEOUT))
             hello = w.encode_frame(w.HELLO, [w.MAGIC + w.VERSION.to_bytes(2, "little"),
                                              self._token or b"", b""])
-            code, fields = conn.request(hello, timeout)
+            code, fields = conn.request(hello, conn.timeout)
             if code == w.ERROR and fields:
                 raise DistStoreError(f"{self._where} refused the connection: "
                                      f"{fields[0].decode('utf-8', 'replace')}")
@@ -321,7 +184,6 @@ class TCPStore(Store):
             self.max_key_size = int(fields[0])
             self.max_value_size = int(fields[1])
             self._max_frame = int(fields[2])
-            conn.set_timeout(self._timeout + _GRACE)
             return conn
         except BaseException:
             sock.close()
@@ -333,7 +195,7 @@ class TCPStore(Store):
             ux.settimeout(timeout)
             try:
                 ux.connect(name)
-                if _peer_uid(ux) in (os.getuid(), 0):
+                if peer_uid(ux) in (os.getuid(), 0):
                     return ux
             except OSError:
                 pass
@@ -412,12 +274,23 @@ class TCPStore(Store):
     # -- the operations -------------------------------------------------------------------
 
     def _set(self, key: str, value: bytes) -> None:
-        self._simple(w.SET, [self._k(key), self._v(value)], "set")
+        self._call2(w.SET, self._k(key), self._v(value), "set")
+
+    def _call2(self, code: int, a: bytes, b: bytes, op: str) -> bytes | None:
+        """A two-field request with a reply of at most one field (the common ops)."""
+        frame = b"".join((_HEAD1.pack(9 + len(a) + len(b), code, len(a)), a, w.U32.pack(len(b)), b))
+        status, out = self._call(frame, self._timeout + _GRACE, op)
+        if status != w.OK:
+            raise DistStoreError(f"{op}: unexpected reply code {status} from {self._where}")
+        return out[0] if out else None
 
     def _blocking(self, code: int, keys: list[str], timeout: float, op: str) -> list[bytes]:
-        fields = [w.timeout_field(timeout)]
-        fields += [self._k(k) for k in keys]
-        status, out = self._call(w.encode_frame(code, fields), timeout + _GRACE, op)
+        if len(keys) == 1:
+            kb = self._k(keys[0])
+            frame = _HEAD1.pack(17 + len(kb), code, 8) + w.F64.pack(timeout) + w.U32.pack(len(kb)) + kb
+        else:
+            frame = w.encode_frame(code, [w.timeout_field(timeout)] + [self._k(k) for k in keys])
+        status, out = self._call(frame, timeout + _GRACE, op)
         if status == w.TIMEOUT:
             raise timeout_error(op, keys, [f.decode("utf-8", "replace") for f in out], timeout,
                                 self._where)
@@ -438,7 +311,10 @@ class TCPStore(Store):
             self._blocking(w.WAIT, keys, timeout, "wait")
 
     def _add(self, key: str, amount: int) -> int:
-        return int(self._simple(w.ADD, [self._k(key), str(amount).encode()], "add")[0])
+        total = self._call2(w.ADD, self._k(key), b"%d" % amount, "add")
+        if total is None:
+            raise DistStoreError(f"add: empty reply from {self._where}")
+        return int(total)
 
     def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         return self._simple(w.CAS, [self._k(key), expected, self._v(desired, "desired_value")],
@@ -487,16 +363,6 @@ class TCPStore(Store):
 
     def _list_keys(self) -> list[str]:
         return [k.decode("utf-8", "replace") for k in self._simple(w.LIST_KEYS, [], "list_keys")]
-
-
-def _peer_uid(sock: socket.socket) -> int:
-    """The uid of the process at the other end of a Unix socket (-1 if unknown): a
-    server squatting the abstract name under another user is not trusted."""
-    opt = getattr(socket, "SO_PEERCRED", None)
-    if opt is None:
-        return -1
-    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, opt, 12))
-    return int(uid)
 
 
 def _token_bytes(token: str | bytes | None) -> bytes | None:

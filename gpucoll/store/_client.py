@@ -1,0 +1,212 @@
+"""One client connection to a TCPStore server, and how a client finds the server.
+
+A :class:`Connection` sends one request and reads its reply with as few system calls
+as Python allows: the socket stays blocking with kernel timeouts (Linux), replies
+land in a reused buffer, and a short spin before blocking saves the wake-up when the
+server answers within microseconds.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import sys
+import time
+
+from ..errors import DistStoreError
+from . import _wire as w
+from ._server import unix_socket_name
+
+__all__ = ["Connection", "unix_names", "peer_uid"]
+
+_RECV_SIZE = 8 * 1024
+
+
+class _ConnectionClosed(ConnectionError):
+    pass
+
+
+_KERNEL_TIMEOUTS = sys.platform.startswith("linux")
+"""On Linux a socket stays blocking and its timeout is SO_RCVTIMEO/SO_SNDTIMEO, so a
+request costs one send and one recv; Python's own socket timeouts add a poll() before
+each of them."""
+
+
+_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
+_SPIN_SECONDS = 50e-6 if _KERNEL_TIMEOUTS and _DONTWAIT else 0.0
+_SPIN_BACKOFF_MIN = 8
+_SPIN_BACKOFF_MAX = 512
+
+
+def _timeval(seconds: float) -> bytes:
+    seconds = min(seconds, w.MAX_TIMEOUT)
+    whole = int(seconds)
+    return struct.pack("@ll", whole, int((seconds - whole) * 1e6))
+
+
+class Connection:
+    """One authenticated socket to the server; one request at a time."""
+
+    __slots__ = ("sock", "timeout", "buf", "view", "skip_spin", "backoff")
+
+    def __init__(self, sock: socket.socket, timeout: float) -> None:
+        self.sock = sock
+        self.timeout = -1.0
+        # Replies land in one reused buffer: recv(n) would allocate n bytes each time.
+        self.buf = bytearray(_RECV_SIZE)
+        self.view = memoryview(self.buf)
+        self.skip_spin = 0 if _SPIN_SECONDS else 1 << 62
+        self.backoff = _SPIN_BACKOFF_MIN
+        if _KERNEL_TIMEOUTS:
+            sock.settimeout(None)
+        self.set_timeout(timeout)
+
+    def set_timeout(self, timeout: float) -> None:
+        if _KERNEL_TIMEOUTS:
+            tv = _timeval(timeout)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        else:
+            self.sock.settimeout(min(timeout, w.MAX_TIMEOUT))
+        self.timeout = timeout
+
+    def request(self, frame: bytes, timeout: float) -> tuple[int, list[bytes]]:
+        """Send one request and return the reply's ``(code, fields)``.
+
+        Raises:
+            TimeoutError: no complete reply within ``timeout`` (the connection is then
+                in an unknown state and must be closed).
+            OSError: the connection failed or was closed by the server.
+        """
+        if timeout != self.timeout:
+            self.set_timeout(timeout)
+        sock = self.sock
+        try:
+            sock.sendall(frame)
+            if self.skip_spin:
+                self.skip_spin -= 1
+                n = sock.recv_into(self.buf)
+            else:
+                n = self._spin_recv()
+        except BlockingIOError as e:  # SO_RCVTIMEO/SO_SNDTIMEO expired
+            raise TimeoutError(f"timed out after {timeout:g} s") from e
+        if n >= 5:
+            length, code = w.HEADER.unpack_from(self.buf)
+            if n == length + 4:
+                return code, w.decode_fields(self.view, 5, n)
+        return self._read_rest(bytes(self.view[:n]), timeout)
+
+    def _spin_recv(self) -> int:
+        """Poll for the reply for up to _SPIN_SECONDS before blocking.
+
+        Waking a thread that slept costs tens of microseconds on a virtual machine,
+        more than a whole request to an idle server. Spinning pays only while the
+        server answers within the spin: a reply that takes longer (a busy server, a
+        parked get, more clients than cores) turns spinning off for the next few
+        requests, twice as many after each further miss (up to _SPIN_BACKOFF_MAX), so
+        contended clients leave the CPU to the server.
+        """
+        sock = self.sock
+        buf = self.buf
+        end = time.perf_counter() + _SPIN_SECONDS
+        while True:
+            try:
+                n = sock.recv_into(buf, 0, _DONTWAIT)
+                self.backoff = _SPIN_BACKOFF_MIN
+                return n
+            except BlockingIOError:
+                if time.perf_counter() > end:
+                    self.skip_spin = self.backoff
+                    self.backoff = min(2 * self.backoff, _SPIN_BACKOFF_MAX)
+                    return sock.recv_into(buf)
+
+    def _read_rest(self, data: bytes, timeout: float) -> tuple[int, list[bytes]]:
+        deadline = time.monotonic() + timeout
+        sock = self.sock
+        head = bytearray(data)
+        try:
+            while len(head) < 5:
+                if not data:
+                    raise _ConnectionClosed("the server closed the connection")
+                self._tick(deadline)
+                data = sock.recv(4096)
+                head += data
+            length, code = w.HEADER.unpack_from(head)
+            if length + 4 < len(head):
+                raise DistStoreError("protocol error: the server sent more than one reply")
+            buf = bytearray(length + 4)
+            buf[:len(head)] = head
+            view = memoryview(buf)
+            got = len(head)
+            while got < len(buf):
+                self._tick(deadline)
+                n = sock.recv_into(view[got:])
+                if n == 0:
+                    raise _ConnectionClosed("the server closed the connection mid-reply")
+                got += n
+        except BlockingIOError as e:
+            raise TimeoutError(f"timed out after {timeout:g} s") from e
+        fields = w.decode_fields(view, 5, len(buf))
+        view.release()
+        return code, fields
+
+    def _tick(self, deadline: float) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("timed out reading a reply")
+        if left < 0.5 * self.timeout:  # a few setsockopt per large reply, not one per recv
+            self.set_timeout(left)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def unix_names(host: str, port: int) -> list[str]:
+    """Abstract Unix sockets that reach the server at ``host:port`` when it runs on this
+    host (see StoreServer), most specific first; [] when ``host`` is not local."""
+    if not sys.platform.startswith("linux") or not hasattr(socket, "AF_UNIX"):
+        return []
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_NUMERICSERV)
+    except OSError:
+        return []
+    names: list[str] = []
+    for family, _, _, _, addr in infos:
+        ip = str(addr[0])
+        if family not in (socket.AF_INET, socket.AF_INET6) or not _is_local(family, ip):
+            continue
+        name = unix_socket_name(ip, port)
+        if name not in names:
+            names.append(name)
+    if names:
+        names += [unix_socket_name("0.0.0.0", port), unix_socket_name("::", port)]
+    return names
+
+
+def _is_local(family: int, ip: str) -> bool:
+    """True if ``ip`` is an address of this host: loopback, or binding a UDP socket to it
+    succeeds (no name service involved)."""
+    if ip.startswith("127.") or ip == "::1":
+        return True
+    probe = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        probe.bind((ip, 0))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a Unix socket (-1 if unknown): a
+    server squatting the abstract name under another user is not trusted."""
+    opt = getattr(socket, "SO_PEERCRED", None)
+    if opt is None:
+        return -1
+    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, opt, 12))
+    return int(uid)
