@@ -357,9 +357,11 @@ def test_server_gone_fails_blocked_and_later_calls_promptly(master: TCPStore) ->
 
 
 class _SilentServer:
-    """Accepts, answers HELLO, then never replies: a hung server."""
+    """Accepts, answers HELLO (with ``hello_reply``), then never replies: a hung server."""
 
-    def __init__(self) -> None:
+    def __init__(self, hello_reply: bytes = w.encode_frame(w.OK, [b"100", b"1000000", b"3000000"])
+                 ) -> None:
+        self.hello_reply = hello_reply
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen()
@@ -378,7 +380,7 @@ class _SilentServer:
             reader = w.FrameReader(1 << 20)
             while not reader.feed(conn.recv(65536)):
                 pass
-            conn.sendall(w.encode_frame(w.OK, [b"100", b"1000000", b"3000000"]))
+            conn.sendall(self.hello_reply)
 
     def close(self) -> None:
         self.sock.close()
@@ -397,6 +399,20 @@ def test_hung_server_calls_time_out() -> None:
                 call()
             assert time.monotonic() - t0 < 0.4 + 0.5
         c.close()
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize("reply", [
+    w.encode_frame(w.OK, [b"x", b"y", b"z"]),
+    w.encode_frame(w.OK, []),
+    w.encode_frame(w.TIMEOUT, [b"1", b"2", b"3"]),
+])
+def test_not_a_store_server_is_a_clear_error(reply: bytes) -> None:
+    srv = _SilentServer(reply)
+    try:
+        with pytest.raises(DistStoreError, match="is it a gpucoll TCPStore"):
+            TCPStore("127.0.0.1", srv.port, timeout=2, use_unix_socket=False)
     finally:
         srv.close()
 

@@ -101,24 +101,33 @@ class Connection:
 
         Waking a thread that slept costs tens of microseconds on a virtual machine,
         more than a whole request to an idle server. Spinning pays only while the
-        server answers within the spin: a reply that takes longer (a busy server, a
-        parked get, more clients than cores) turns spinning off for the next few
-        requests, twice as many after each further miss (up to _SPIN_BACKOFF_MAX), so
-        contended clients leave the CPU to the server.
+        server answers well within the spin: a reply that misses it, or arrives in its
+        second half (a busy server, a parked get, more clients than cores), turns
+        spinning off for the next few requests, twice as many after each further such
+        reply (up to _SPIN_BACKOFF_MAX), so contended clients leave the CPU to the
+        server.
         """
         sock = self.sock
         buf = self.buf
-        end = time.perf_counter() + _SPIN_SECONDS
+        start = time.perf_counter()
+        end = start + _SPIN_SECONDS
         while True:
             try:
                 n = sock.recv_into(buf, 0, _DONTWAIT)
-                self.backoff = _SPIN_BACKOFF_MIN
-                return n
             except BlockingIOError:
-                if time.perf_counter() > end:
-                    self.skip_spin = self.backoff
-                    self.backoff = min(2 * self.backoff, _SPIN_BACKOFF_MAX)
-                    return sock.recv_into(buf)
+                if time.perf_counter() < end:
+                    continue
+                self._back_off()
+                return sock.recv_into(buf)
+            if time.perf_counter() - start > 0.5 * _SPIN_SECONDS:
+                self._back_off()
+            else:
+                self.backoff = _SPIN_BACKOFF_MIN
+            return n
+
+    def _back_off(self) -> None:
+        self.skip_spin = self.backoff
+        self.backoff = min(2 * self.backoff, _SPIN_BACKOFF_MAX)
 
     def _read_rest(self, data: bytes, timeout: float) -> tuple[int, list[bytes]]:
         deadline = time.monotonic() + timeout

@@ -13,6 +13,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Sequence
 
 from .._timeouts import DEFAULT_TIMEOUT
 from ..clusters.base import STORE_TOKEN_ENV
@@ -21,7 +22,7 @@ from . import _wire as w
 from ._kv import HIDDEN_PREFIX
 from ._client import Connection, peer_uid, unix_names
 from ._server import StoreServer
-from .base import Store, Timeout, timeout_error
+from .base import Store, Timeout, ValueLike, timeout_error
 
 __all__ = ["TCPStore"]
 
@@ -32,6 +33,7 @@ _GRACE = 0.25
 timeout reply before it gives up on the connection."""
 _HEAD1 = struct.Struct("<IBI")
 """A frame's header and the length of its first field."""
+_U32 = w.U32
 _MAX_TOKEN = 4096
 _WORKERS_KEY = HIDDEN_PREFIX + b"tcpstore/workers"
 _READY_KEY = HIDDEN_PREFIX + b"tcpstore/ready"
@@ -147,6 +149,46 @@ class TCPStore(Store):
         if self._server is not None:
             self._server.close()
 
+    # -- the hot calls ----------------------------------------------------------------------
+    # Counters, barriers and address exchange are these four calls. They skip the generic
+    # layers (argument checks of Store, field lists) for the common argument types and
+    # fall back to them otherwise, so errors are the same.
+
+    def add(self, key: str, amount: int) -> int:
+        if type(key) is not str or type(amount) is not int:
+            return super().add(key, amount)
+        kb = key.encode()
+        if len(kb) > self.max_key_size:
+            self._k(key)  # raises, with the message
+        ab = b"%d" % amount
+        status, out = self._call(_HEAD1.pack(9 + len(kb) + len(ab), w.ADD, len(kb)) + kb +
+                                 _U32.pack(len(ab)) + ab, self._timeout + _GRACE, "add")
+        if status != w.OK or len(out) != 1:
+            raise DistStoreError(f"add: unexpected reply code {status} from {self._where}")
+        return int(out[0])
+
+    def get(self, key: str, *, timeout: Timeout | None = None) -> bytes:
+        if type(key) is not str or timeout is not None:
+            return super().get(key, timeout=timeout)
+        return self._blocking(w.GET, [key], self._timeout, "get")[0]
+
+    def set(self, key: str, value: ValueLike) -> None:
+        if type(key) is not str or type(value) is not bytes:
+            return super().set(key, value)
+        self._set(key, value)
+
+    def check(self, keys: str | Sequence[str]) -> bool:
+        if type(keys) is not list or len(keys) != 1 or type(keys[0]) is not str:
+            return super().check(keys)
+        kb = keys[0].encode()
+        if len(kb) > self.max_key_size:
+            self._k(keys[0])
+        status, out = self._call(_HEAD1.pack(5 + len(kb), w.CHECK, len(kb)) + kb,
+                                 self._timeout + _GRACE, "check")
+        if status != w.OK or len(out) != 1:
+            raise DistStoreError(f"check: unexpected reply code {status} from {self._where}")
+        return out[0] == b"1"
+
     # -- connections ----------------------------------------------------------------------
 
     def _connect(self, deadline: float) -> Connection:
@@ -178,12 +220,14 @@ class TCPStore(Store):
             if code == w.ERROR and fields:
                 raise DistStoreError(f"{self._where} refused the connection: "
                                      f"{fields[0].decode('utf-8', 'replace')}")
-            if code != w.OK or len(fields) != 3:
-                raise DistStoreError(f"{self._where} answered HELLO with code {code}; "
-                                     f"is it a gpucoll TCPStore?")
-            self.max_key_size = int(fields[0])
-            self.max_value_size = int(fields[1])
-            self._max_frame = int(fields[2])
+            try:
+                if code != w.OK or len(fields) != 3:
+                    raise ValueError(f"reply code {code} with {len(fields)} fields")
+                limits = [int(f) for f in fields]
+            except ValueError as e:
+                raise DistStoreError(f"{self._where} answered HELLO with something unexpected "
+                                     f"({e}); is it a gpucoll TCPStore?") from None
+            self.max_key_size, self.max_value_size, self._max_frame = limits
             return conn
         except BaseException:
             sock.close()
