@@ -80,9 +80,16 @@ class Connection:
         """
         if timeout != self.timeout:
             self.set_timeout(timeout)
+        try:
+            self.sock.sendall(frame)
+        except BlockingIOError as e:  # SO_SNDTIMEO expired
+            raise TimeoutError(f"timed out after {timeout:g} s") from e
+        return self.reply(timeout)
+
+    def reply(self, timeout: float) -> tuple[int, list[bytes]]:
+        """Read the reply to a request already sent (see :meth:`request`)."""
         sock = self.sock
         try:
-            sock.sendall(frame)
             if self.skip_spin:
                 self.skip_spin -= 1
                 n = sock.recv_into(self.buf)

@@ -116,6 +116,10 @@ def encode_frame(code: int, fields: "list[bytes] | tuple[bytes, ...]") -> bytes:
     return b"".join(parts)
 
 
+_COPY_WHOLE = 4096
+"""Frames up to this size are copied whole before being split (see decode_fields)."""
+
+
 def decode_fields(buf: Buf, start: int, end: int) -> list[bytes]:
     """Split ``buf[start:end]`` into its length-prefixed fields.
 
@@ -132,6 +136,12 @@ def decode_fields(buf: Buf, start: int, end: int) -> list[bytes]:
     """
     fields: list[bytes] = []
     unpack = U32.unpack_from
+    if type(buf) is not bytes and end - start <= _COPY_WHOLE:
+        # One copy of a small frame, then plain bytes slices: cheaper than a memoryview
+        # slice plus a copy per field (the server's add/get/set path).
+        buf = bytes(buf[start:end])
+        end -= start
+        start = 0
     pos = start
     while pos < end:
         if end - pos < 4:
@@ -140,8 +150,9 @@ def decode_fields(buf: Buf, start: int, end: int) -> list[bytes]:
         pos += 4
         if n > end - pos:
             raise ProtocolError(f"field of {n} bytes runs past the end of its frame")
-        # bytes(bytes_slice) is the slice itself; a bytearray/memoryview slice is copied once.
-        fields.append(bytes(buf[pos:pos + n]))
+        # A bytes slice is bytes already; a bytearray/memoryview slice is copied once.
+        field = buf[pos:pos + n]
+        fields.append(field if type(field) is bytes else bytes(field))
         pos += n
     return fields
 
