@@ -8,6 +8,7 @@ nothing heavy: the CLI parses and validates arguments before NumPy or CuPy load.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 __all__ = [
@@ -94,19 +95,24 @@ def size_sweep(minbytes: int, maxbytes: int, stepbytes: int, stepfactor: int,
     return sizes
 
 
+def _resolve(name: str, what: str, aliases: Mapping[str, str], known: Collection[str],
+             every: tuple[str, ...]) -> tuple[str, ...]:
+    key = name.strip().lower()
+    if key == "all":
+        return every
+    key = aliases.get(key, key)
+    if key not in known:
+        raise ValueError(f"unknown {what} {name!r}; expected one of {', '.join(every)} or all")
+    return (key,)
+
+
 def resolve_datatypes(name: str) -> tuple[str, ...]:
     """``-d`` value -> nccl-tests datatype names (``all`` gives every one).
 
     Raises:
         ValueError: unknown name.
     """
-    key = name.strip().lower()
-    if key == "all":
-        return ALL_DATATYPES
-    key = DATATYPE_ALIASES.get(key, key)
-    if key not in DATATYPES:
-        raise ValueError(f"unknown datatype {name!r}; expected one of {', '.join(ALL_DATATYPES)} or all")
-    return (key,)
+    return _resolve(name, "datatype", DATATYPE_ALIASES, DATATYPES, ALL_DATATYPES)
 
 
 def resolve_redops(name: str) -> tuple[str, ...]:
@@ -115,13 +121,7 @@ def resolve_redops(name: str) -> tuple[str, ...]:
     Raises:
         ValueError: unknown name.
     """
-    key = name.strip().lower()
-    if key == "all":
-        return ALL_REDOPS
-    key = REDOP_ALIASES.get(key, key)
-    if key not in REDOPS:
-        raise ValueError(f"unknown reduction {name!r}; expected one of {', '.join(ALL_REDOPS)} or all")
-    return (key,)
+    return _resolve(name, "reduction", REDOP_ALIASES, REDOPS, ALL_REDOPS)
 
 
 def is_integer_type(datatype: str) -> bool:
