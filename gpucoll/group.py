@@ -169,11 +169,13 @@ class ProcessGroup:
         timeout: seconds an op may take before the group is aborted.
         backend: ``"cpu"`` or ``"nccl"``.
         device_id: for NCCL groups, the CUDA device to bind now (else on first device op).
+        device_backend: for NCCL groups, a device backend already made for this group
+            (by :meth:`_split_device_backend` of its parent); used instead of a new one.
     """
 
     def __init__(self, store: Store, rank: int, size: int, *, group_name: str,
                  global_ranks: Sequence[int], timeout: float, backend: str = "cpu",
-                 device_id: int | None = None) -> None:
+                 device_id: int | None = None, device_backend: Backend | None = None) -> None:
         self._store = store
         self._rank = rank
         self._size = size
@@ -200,7 +202,16 @@ class ProcessGroup:
                                              timeout=timeout + _BACKEND_GRACE_S, group_name=group_name,
                                              device_id=None)
         self._nccl: Backend | None = None
-        if backend == "nccl" and device_id is not None:
+        # Bound to a device at creation on every rank: only then may new groups split
+        # its communicator (one made by a first device op might exist on some ranks
+        # and not yet on others when they create the next group).
+        self._bound = backend == "nccl" and (device_id is not None or device_backend is not None)
+        if device_backend is not None:
+            if backend != "nccl":
+                raise ValueError(f"group {group_name!r}: a device backend was given to a {backend} group")
+            self._nccl = device_backend
+            self._device_id = getattr(device_backend, "device", device_id)
+        elif backend == "nccl" and device_id is not None:
             try:
                 self._nccl = self._make_device_backend(device_id)
             except BaseException:
@@ -314,6 +325,35 @@ class ProcessGroup:
         return BACKENDS["nccl"](PrefixStore("nccl", self._store), self._rank, self._size,
                                 timeout=self.timeout + _BACKEND_GRACE_S, group_name=self.group_name,
                                 device_id=device_id)
+
+    def _split_device_backend(self, members: Sequence[int] | None, color: int, *, store: Store,
+                              group_name: str, timeout: float) -> tuple[bool, Backend | None]:
+        """The device backend of a new group carved out of this one with ``ncclCommSplit``.
+
+        Every rank of this group must call it for each new group, in the same order,
+        members or not, whenever this group's device backend can split (see
+        ``NCCLBackend.can_split``): NCCL's split is a collective of the parent
+        communicator.
+
+        Args:
+            members: the new group's members as ranks of this group, in its rank order;
+                None on a rank that joins no new group in this call.
+            color: tells apart the disjoint groups one call makes (split_group).
+            store: the new group's store (the one its ProcessGroup gets).
+            group_name, timeout: the new group's.
+
+        Returns:
+            ``(False, None)`` when no split is possible (a cpu group, a group not
+            bound to a device at creation, an NCCL without ncclCommSplit): the new
+            group then makes its own communicator. Else ``(True, backend)``, backend None on non-members.
+        """
+        nccl = self._nccl
+        if not self._bound or nccl is None or not getattr(nccl, "can_split", False):
+            return False, None
+        backend: Backend | None = nccl.split(  # type: ignore[attr-defined]
+            members, color=color, store=PrefixStore("nccl", store), group_name=group_name,
+            timeout=timeout + _BACKEND_GRACE_S)
+        return True, backend
 
     def _backend_for_all(self, bufs: Sequence[Buffer], names: Sequence[str]) -> Backend:
         first = bufs[0]

@@ -360,13 +360,34 @@ def _check_ranks(ranks: Any, world_size: int, name: str) -> list[int]:
     return out
 
 
-def _make_group(world: _World, name: str, global_ranks: list[int], my_global: int,
-                timeout: float | timedelta | None, backend: str | None) -> ProcessGroup:
+def _make_group(world: _World, name: str, global_ranks: list[int] | None, my_global: int,
+                timeout: float | timedelta | None, backend: str | None, *,
+                parent: ProcessGroup | None = None, parent_ranks: list[int] | None = None,
+                color: int = 0) -> ProcessGroup | None:
+    """Make group ``name`` on its members (``global_ranks``; None on a rank that joins
+    none) and return it; None on non-members.
+
+    With ``parent`` (whose ranks must all call, members or not) an NCCL group's
+    communicator is split from the parent's (``ncclCommSplit``) where that is possible;
+    ``parent_ranks`` are the members as parent ranks and ``color`` tells apart the
+    groups of one split_group call."""
     seconds = world.timeout if timeout is None else to_seconds(timeout, name="timeout")
     kind = world.backend if backend is None else normalize_backend(backend)
-    pg = ProcessGroup(PrefixStore(f"pg/{name}", world.store), global_ranks.index(my_global), len(global_ranks),
-                      group_name=name, global_ranks=global_ranks, timeout=seconds, backend=kind,
-                      device_id=world.device_id)
+    store = PrefixStore(f"pg/{name}", world.store)
+    device_backend = None
+    if parent is not None and kind == "nccl":
+        _, device_backend = parent._split_device_backend(parent_ranks, color, store=store, group_name=name,
+                                                         timeout=seconds)
+    if global_ranks is None:
+        return None
+    try:
+        pg = ProcessGroup(store, global_ranks.index(my_global), len(global_ranks), group_name=name,
+                          global_ranks=global_ranks, timeout=seconds, backend=kind, device_id=world.device_id,
+                          device_backend=device_backend)
+    except BaseException:
+        if device_backend is not None:
+            device_backend.shutdown()
+        raise
     world.groups.append(pg)
     return pg
 
@@ -407,9 +428,11 @@ def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | N
     world.made += 1
     name = f"group{world.made}"
     me = world.default.rank()
-    if me not in members:
-        return GroupMember.NON_GROUP_MEMBER
-    return _make_group(world, name, members, me, timeout, backend)
+    mine = members if me in members else None
+    # Every rank takes part: an NCCL group's communicator is split from the default
+    # group's where NCCL can (ncclCommSplit is a collective of the parent).
+    pg = _make_group(world, name, mine, me, timeout, backend, parent=world.default, parent_ranks=mine)
+    return GroupMember.NON_GROUP_MEMBER if pg is None else pg
 
 
 def split_group(parent_pg: ProcessGroup | None = None, split_ranks: Sequence[Sequence[int]] | None = None,
@@ -447,13 +470,16 @@ def split_group(parent_pg: ProcessGroup | None = None, split_ranks: Sequence[Seq
         splits.append(checked)
     parent._split_count += 1
     me = parent.rank()
+    seconds = parent.timeout if timeout is None else timeout
     for i, ranks in enumerate(splits):
         if me in ranks:
             name = f"{parent.group_name}.split{parent._split_count}.{i}"
             global_ranks = [parent.global_ranks[r] for r in ranks]
-            seconds = parent.timeout if timeout is None else timeout
-            return _make_group(world, name, global_ranks, parent.global_ranks[me], seconds, parent.backend_name)
-    return None
+            return _make_group(world, name, global_ranks, parent.global_ranks[me], seconds, parent.backend_name,
+                               parent=parent, parent_ranks=ranks, color=i)
+    # In no split: still part of the parent's ncclCommSplit (as NCCL_SPLIT_NOCOLOR).
+    name = f"{parent.group_name}.split{parent._split_count}.none"
+    return _make_group(world, name, None, parent.global_ranks[me], seconds, parent.backend_name, parent=parent)
 
 
 def new_subgroups(group_size: int | None = None, group: ProcessGroup | None = None,

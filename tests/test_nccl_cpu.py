@@ -994,8 +994,8 @@ def test_process_group_sync_async_hooks_and_coalescing(monkeypatch: pytest.Monke
         with coalescing(pg):
             pg.all_reduce(a, op=ReduceOp.BXOR)
             pg.all_reduce(b, op=ReduceOp.BXOR)
-        time.sleep(0.2)
-        assert read(rt, a.buf, np.int16).tolist() == [0 ^ 1] * 3 and read(rt, b.buf, np.int16).tolist() == [5 ^ 6] * 2
+        assert read_on_stream(rt, a.buf, np.int16).get(timeout=10).tolist() == [0 ^ 1] * 3
+        assert read_on_stream(rt, b.buf, np.int16).get(timeout=10).tolist() == [5 ^ 6] * 2
         deadline = time.monotonic() + 10
         while len(infos) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -1027,3 +1027,148 @@ def test_process_group_timeout_aborts_and_names_op_seq_group(monkeypatch: pytest
     assert "all_reduce (seq 3) on group 'g' failed" in first
     assert "(seq 2)" in first and "did not complete within the group's timeout" in first
     assert "all_reduce (seq 4) on group 'g' failed" in later and "(seq 2)" in later
+
+
+# ============================================================ new groups through the world API
+
+def run_worlds(size: int, body: Callable[[Any, FakeRuntime, int], Any], monkeypatch: pytest.MonkeyPatch, *,
+               features: Features = DEFAULT_FEATURES, eager: bool = True, timeout: float = 10.0) -> list[Any]:
+    """Run ``body(world_module, runtime, rank)`` on rank threads, each with its own default
+    group (backend "nccl", on the fake GPU), so that new_group and split_group run as in
+    a job. The world slot is made per thread for the test."""
+    from gpucoll import group as group_mod
+    from gpucoll import world as world_mod
+    from gpucoll.group import ProcessGroup
+
+    fabric = FakeFabric(hang_limit=30.0)
+    store = HashStore(timeout=30.0)
+    runtimes: dict[int, FakeRuntime] = {}
+    local = threading.local()
+
+    def make_nccl(store: Any, rank: int, size: int, *, timeout: float, group_name: str,
+                  device_id: int | None) -> NCCLBackend:
+        return NCCLBackend(store, rank, size, timeout=timeout, group_name=group_name, device_id=device_id,
+                           _runtime=runtimes[int(threading.current_thread().name[4:])])
+    monkeypatch.setitem(group_mod.BACKENDS, "nccl", make_nccl)
+    monkeypatch.setattr(world_mod, "_world", lambda: local.world)
+    monkeypatch.setattr(world_mod, "default_group", lambda: local.world.default)
+    results: list[Any] = [None] * size
+    errors: list[str | None] = [None] * size
+
+    def main(rank: int) -> None:
+        try:
+            runtimes[rank] = FakeRuntime(fabric, features=features)
+            device = 0 if eager else None
+            pg = ProcessGroup(PrefixStore("pg/default", store), rank, size, group_name="default",
+                              global_ranks=range(size), timeout=timeout, backend="nccl", device_id=device)
+            local.world = world_mod._World(store, False, pg, "nccl", timeout, device)
+            try:
+                results[rank] = body(world_mod, runtimes[rank], rank)
+            finally:
+                for g in [*local.world.groups, pg]:
+                    g._destroy()
+        except BaseException:
+            errors[rank] = traceback.format_exc()
+
+    threads = [threading.Thread(target=main, args=(r,), name=f"rank{r}") for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    fabric.close()
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    failed = [f"--- rank {r} ---\n{e}" for r, e in enumerate(errors) if e]
+    assert not failed, "\n".join(failed)
+    return results
+
+
+def _sum_over(pg: Any, rt: FakeRuntime, rank: int) -> float:
+    """all_reduce(SUM) of each member's global rank + 1 on ``pg``; the result as seen on the caller's stream."""
+    x = FakeDeviceArray(rt, np.full(3, rank + 1, np.float32))
+    pg.all_reduce(x)
+    values = read_on_stream(rt, x.buf, np.float32).get(timeout=10)
+    assert len(set(values.tolist())) == 1
+    return float(values[0])
+
+
+def _split_made(pg: Any) -> bool:
+    """True when the group's communicator came from ncclCommSplit (the fake names split worlds so)."""
+    return b"/split" in pg._nccl._comm.world.uid
+
+
+@pytest.mark.parametrize("size", [3, 4])
+def test_new_group_and_split_group_split_the_parent_communicator(size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpucoll.group import GroupMember
+
+    def body(w: Any, rt: FakeRuntime, rank: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        evens = w.new_group([r for r in range(size) if r % 2 == 0])
+        if rank % 2:
+            assert evens is GroupMember.NON_GROUP_MEMBER
+        else:
+            assert _split_made(evens) and evens.size() == (size + 1) // 2
+            assert evens._nccl.device == 0 and evens._device_id == 0
+            out["evens"] = _sum_over(evens, rt, rank)
+        # Two disjoint groups from one call; with 3 ranks, rank 2 is in neither.
+        pairs = [[0, 1], [2, 3]] if size == 4 else [[1, 0]]
+        mine = w.split_group(split_ranks=pairs)
+        if rank < 2 * len(pairs):
+            assert mine is not None and _split_made(mine) and mine.rank() == rank % 2
+            out["pair"] = _sum_over(mine, rt, rank)
+        else:
+            assert mine is None
+        # A split of a split; then new_subgroups (one new_group per block).
+        if mine is not None:
+            solo = w.split_group(mine, split_ranks=[[1], [0]])
+            assert solo.size() == 1 and _split_made(solo)
+            out["solo"] = _sum_over(solo, rt, rank)
+        sub, subs = w.new_subgroups(1)
+        assert len(subs) == size and sub.global_ranks == (rank,) and _split_made(sub)
+        out["sub"] = _sum_over(sub, rt, rank)
+        # The default group still works after all the splits.
+        out["all"] = _sum_over(w.default_group(), rt, rank)
+        return out
+    results = run_worlds(size, body, monkeypatch)
+    evens = sum(r + 1 for r in range(size) if r % 2 == 0)
+    for rank, got in enumerate(results):
+        assert got["all"] == size * (size + 1) / 2
+        assert got["sub"] == rank + 1 and got.get("solo", rank + 1) == rank + 1
+        assert got.get("evens", evens) == evens
+        if rank < (4 if size == 4 else 2):
+            assert got["pair"] == (3.0 if rank < 2 else 7.0)
+
+
+def test_new_groups_without_a_split_make_their_own_communicator(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NCCL without ncclCommSplit, and a default group created lazily: each new group
+    # gets a communicator of its own from a fresh unique id; non-members take no part.
+    for features, eager in ((Features(version=(2, 17, 1), comm_split=False), True), (DEFAULT_FEATURES, False)):
+        def body(w: Any, rt: FakeRuntime, rank: int) -> float | None:
+            _sum_over(w.default_group(), rt, rank)  # creates the default communicator (lazily or not)
+            assert w.default_group()._nccl.can_split is not eager  # lazily made: splittable, yet not split
+            g = w.new_group([0, 2])
+            if rank == 1:
+                return None
+            if eager:
+                assert g._nccl is not None and not _split_made(g)
+            else:
+                assert g._nccl is None  # created by the first device op
+            value = _sum_over(g, rt, rank)
+            assert not _split_made(g)
+            return value
+        assert run_worlds(3, body, monkeypatch, features=features, eager=eager) == [4.0, None, 4.0]
+
+
+def test_a_rank_that_never_joins_the_split_fails_the_others_in_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    def body(w: Any, rt: FakeRuntime, rank: int) -> str:
+        if rank == 2:
+            time.sleep(0.1)
+            return ""  # never calls new_group
+        t0 = time.monotonic()
+        with pytest.raises(DistBackendError) as err:
+            w.new_group([0, 1], timeout=1.0)
+        assert time.monotonic() - t0 < 8.0
+        return str(err.value)
+    results = run_worlds(3, body, monkeypatch, timeout=1.0)
+    for msg in results[:2]:
+        assert "only 2 of 3 ranks of group 'default' reached its split (ncclCommSplit)" in msg
+        assert "'group1'" in msg

@@ -93,18 +93,26 @@ def rendezvous(store: Any, rank: int, size: int, *, timeout: float, group_name: 
         raise DistBackendError(
             f"group {group_name!r}: rank {rank} did not get the NCCL unique id from rank 0 through the "
             f"store within {timeout:.3g} s: {exc}") from exc
-    try:
-        if store.add(_ARRIVED_KEY, 1) == size:
-            store.set(_ALL_ARRIVED_KEY, b"1")
-        store.wait([_ALL_ARRIVED_KEY], timeout)
-    except DistStoreError as exc:
-        try:
-            arrived = f"{store.add(_ARRIVED_KEY, 0)} of {size}"
-        except DistStoreError:
-            arrived = "not all"
+    arrived = _all_arrive(store, _ARRIVED_KEY, _ALL_ARRIVED_KEY, size, timeout)
+    if arrived is not None:
         raise DistBackendError(f"group {group_name!r}: only {arrived} ranks reached NCCL communicator "
-                               f"setup within {timeout:.3g} s") from exc
+                               f"setup within {timeout:.3g} s")
     return uid
+
+
+def _all_arrive(store: Any, counter: str, flag: str, size: int, timeout: float) -> str | None:
+    """Count this rank in at ``counter`` and wait until all ``size`` ranks are: None once
+    they are, else how many arrived ("k of n") when ``timeout`` seconds ran out."""
+    try:
+        if store.add(counter, 1) == size:
+            store.set(flag, b"1")
+        store.wait([flag], timeout)
+        return None
+    except DistStoreError:
+        try:
+            return f"{store.add(counter, 0)} of {size}"
+        except DistStoreError:
+            return f"not all {size}"
 
 
 class NCCLBackend:
@@ -173,6 +181,7 @@ class NCCLBackend:
         self._aborted: str | None = None
         self._closed: str | None = None
         self._coalescing: list[tuple[NCCLWork, Plan, Sequence[Buffer], list[Any]]] | None = None
+        self._splits = 0                    # ncclCommSplit calls so far (keys the check-in)
         if device_id is not None:
             count = self._rt.device_count()
             if not isinstance(device_id, int) or isinstance(device_id, bool) or not 0 <= device_id < count:
@@ -185,6 +194,19 @@ class NCCLBackend:
     def __repr__(self) -> str:
         where = f"cuda:{self._device}" if self._comm is not None else "not yet created"
         return f"<NCCLBackend group={self._group_name!r} rank={self.rank}/{self.size} {where}>"
+
+    @property
+    def device(self) -> int | None:
+        """The CUDA device of the communicator; None until it is created."""
+        return self._device if self._comm is not None else None
+
+    @property
+    def can_split(self) -> bool:
+        """True when :meth:`split` makes new communicators with ``ncclCommSplit``: the
+        communicator was created eagerly (``device_id`` given), the loaded NCCL has
+        ncclCommSplit (>= 2.18), and it is neither aborted nor shut down."""
+        return (self._eager and self._comm is not None and self._features.comm_split
+                and self._aborted is None and self._closed is None)
 
     # ----- the communicator -----
 
@@ -646,17 +668,19 @@ class NCCLBackend:
             group_name: the new group's name.
             timeout: the new group's timeout, seconds.
 
-        With an eagerly created communicator (``device_id`` given) and NCCL >= 2.18 the
+        When :attr:`can_split` (an eagerly created communicator and NCCL >= 2.18) the
         new communicator comes from ``ncclCommSplit``: no unique id round trip, and NCCL
-        may share resources with this one. Otherwise members build one from a fresh
-        unique id exchanged through ``store``, and non-members return at once.
+        may share resources with this one. Every rank first counts itself in through
+        this group's store, so a rank that never calls fails the others after
+        ``timeout`` seconds instead of hanging them. Otherwise members build one from a
+        fresh unique id exchanged through ``store``, and non-members return at once.
 
         Returns:
             The new group's backend on members; None elsewhere.
 
         Raises:
             ValueError: ``color`` < 0.
-            DistBackendError: the split failed.
+            DistBackendError: the split failed, or not every rank reached it in time.
         """
         if not isinstance(color, int) or color < 0:
             raise ValueError(f"color must be an int >= 0; got {color!r}")
@@ -664,11 +688,20 @@ class NCCLBackend:
         member = self.rank in members
         new_rank = members.index(self.rank) if member else -1
         with self._lock:
-            use_split = (self._eager and self._comm is not None and self._features.comm_split
-                         and self._aborted is None and self._closed is None)
-            if use_split:
+            if self.can_split:
                 comm = self._comm
                 assert comm is not None
+                # ncclCommSplit blocks until every rank of this group calls it: count the
+                # ranks in through the store first, so that one that never comes is a
+                # timeout naming how many did, not a hang inside NCCL.
+                self._splits += 1
+                key = f"nccl/split{self._splits}"
+                arrived = _all_arrive(self._store, f"{key}/arrived", f"{key}/all", self.size, timeout)
+                if arrived is not None:
+                    raise DistBackendError(
+                        f"new group {group_name!r}: only {arrived} ranks of group {self._group_name!r} reached "
+                        f"its split (ncclCommSplit) within {timeout:.3g} s; every rank of the parent group "
+                        "must create the new groups, in the same order")
                 # ncclCommSplit must not race ops still queued on this communicator.
                 if not self._drain(self._timeout):
                     raise DistBackendError(f"new group {group_name!r}: ops of group {self._group_name!r} "

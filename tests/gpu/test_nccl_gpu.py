@@ -389,6 +389,46 @@ def test_cupy_and_jax_interop(size: int) -> None:
         assert all(out["jax"].values()), out["jax"]
 
 
+def _new_groups_body() -> dict[str, Any]:
+    import cupy
+
+    import gpucoll
+
+    rank = _init()
+    size = gpucoll.get_world_size()
+    out: dict[str, Any] = {}
+
+    def total(group: Any) -> float:
+        x = cupy.full(1024, rank + 1, cupy.float32)
+        gpucoll.all_reduce(x, group=group)
+        values = cupy.asnumpy(x)
+        assert (values == values[0]).all()
+        return float(values[0])
+
+    from gpucoll.world import default_group
+
+    everyone = gpucoll.new_group()
+    out["can_split"] = bool(default_group()._nccl.can_split)
+    out["everyone"] = total(everyone)
+    first = gpucoll.new_group([0])  # rank 1 (if any) takes part in the split as a non-member
+    out["first"] = total(first) if rank == 0 else None
+    halves = gpucoll.split_group(split_ranks=[[r] for r in range(size)][::-1])
+    out["half"] = total(halves)
+    out["default"] = total(None)  # the parent still works after the splits
+    gpucoll.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_new_groups_split_the_default_communicator(size: int) -> None:
+    whole = size * (size + 1) / 2
+    for rank, out in enumerate(_spmd(_new_groups_body, size, timeout=300.0)):
+        assert out["everyone"] == whole and out["default"] == whole, out
+        assert out["first"] == (1.0 if rank == 0 else None), out
+        assert out["half"] == rank + 1, out
+        assert isinstance(out["can_split"], bool), out
+
+
 def _abort_body() -> dict[str, Any]:
     import cupy
 
