@@ -51,14 +51,21 @@ class Watchdog:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._brisk = False  # the thread polls briskly (device work was pending when it last looked)
 
     def track(self, work: Work, backend: Any, device: bool) -> None:
         """Watch ``work`` until it completes or times out."""
         with self._lock:
             self._pending.append((work, backend, device))
-        self._ensure_started()
-        if device:
-            self._queue.put(None)  # wake the thread so it switches to brisk polling
+            wake = device and not self._brisk
+            if wake:
+                self._brisk = True
+        if self._thread is None:
+            self._ensure_started()
+        if wake:
+            # Wake the thread so it switches to brisk polling; once brisk it needs no
+            # wake-up per op (that would cost the issuing thread the GIL every op).
+            self._queue.put(None)
 
     def completed(self, work: Work) -> None:
         """A done-callback: queue ``work`` for the hooks (runs on whichever thread finished it)."""
@@ -93,7 +100,7 @@ class Watchdog:
         stopping = False
         while not stopping:
             with self._lock:
-                brisk = any(device for _, _, device in self._pending)
+                brisk = self._brisk = any(device for _, _, device in self._pending)
             try:
                 item = self._queue.get(timeout=_DEVICE_POLL_S if brisk else _IDLE_POLL_S)
             except queue.Empty:
@@ -124,12 +131,21 @@ class Watchdog:
             return
         now = time.perf_counter()
         finished: set[int] = set()
-        for work, backend, _ in pending:
+        # A device backend runs its ops in order on one stream: once one of its works
+        # is still running, its later ones are too, and started later, so they can
+        # neither be complete nor time out first. Skip them (no query each).
+        running: set[int] = set()
+        for work, backend, device in pending:
+            if device:
+                if id(backend) in running:
+                    continue
             try:
                 done = work._poll()
             except Exception as exc:  # a device query failed: the op failed
                 work._set_exception(exc)
                 done = True
+            if device and not done:
+                running.add(id(backend))
             if done:
                 finished.add(id(work))
                 if work.exception() is not None and now - work._t0 >= self.timeout:

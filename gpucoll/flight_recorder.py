@@ -116,7 +116,7 @@ class FlightRecorder:
         entry = _Entry(work, backend, buf, peer)
         self._entries.append(entry)
         work._fr_entry = entry
-        if work.is_completed():  # it may have finished before the entry was attached
+        if work._done.is_set():  # it may have finished before the entry was attached
             entry.finish(work)
 
     def snapshot(self, reason: str = "") -> dict[str, Any]:

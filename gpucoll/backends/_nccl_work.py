@@ -43,6 +43,11 @@ class WorkOwner(Protocol):
 
     def abort(self, reason: str) -> None: ...
 
+    def _complete_earlier(self, work: NCCLWork) -> None:
+        """Complete, in issue order, the works issued before ``work`` (its stream ran
+        them first), so that completions and hooks follow issue order."""
+        ...
+
 
 class NCCLWork(Work):
     """Work of one NCCL op (or one coalesced batch of ops); see the module docstring.
@@ -137,6 +142,7 @@ class NCCLWork(Work):
             self._fail(why)
             return True
         self._ready = self._prev = None
+        self._owner._complete_earlier(self)
         self._set_result(active_duration=None if duration is None else duration / 1000.0)
         return True
 

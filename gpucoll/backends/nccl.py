@@ -167,6 +167,11 @@ class NCCLBackend:
         self._features = _runtime.features
         self._lock = threading.RLock()      # the issue path: one op at a time, in order
         self._state = threading.Lock()      # abort state and the pending list
+        # Held around the calls that use the communicator from any thread (the async
+        # error query, abort, destroy): the watchdog must never query a communicator
+        # that shutdown is destroying.
+        self._comm_lock = threading.Lock()
+        self._comm_gone = False
         self._eager = device_id is not None
         self._device = -1
         self._comm: Comm | None = None
@@ -264,18 +269,34 @@ class NCCLBackend:
         comm = self._comm
         if comm is None or not self._features.async_error:
             return None
-        try:
-            code = comm.async_error()
-        except Exception as exc:
-            code, detail = -1, str(exc)
-        else:
-            if code in (0, 7):  # ncclSuccess, ncclInProgress
-                return None
-            detail = comm.last_error()
+        with self._comm_lock:
+            if self._comm_gone:
+                return self._aborted
+            try:
+                code = comm.async_error()
+            except Exception as exc:
+                code, detail = -1, str(exc)
+            else:
+                if code in (0, 7):  # ncclSuccess, ncclInProgress
+                    return None
+                detail = comm.last_error()
         reason = (f"NCCL reported an asynchronous error on group {self._group_name!r}: "
                   f"{_nccl_lib.result_name(code)}" + (f" ({detail})" if detail else ""))
         self.abort(reason)
         return self._aborted
+
+    def _complete_earlier(self, work: NCCLWork) -> None:
+        pending, state = self._pending, self._state
+        while True:
+            with state:
+                if not pending or pending[0] is work:
+                    return
+                first = pending[0]
+            if not first._check_event():
+                return  # not issued yet (a coalescing member) or still running
+            with state:
+                if pending and pending[0] is first:
+                    pending.popleft()
 
     # ----- issuing -----
 
@@ -392,12 +413,12 @@ class NCCLBackend:
         if not captured:
             with self._state:
                 pending = self._pending
-                if len(pending) > _PRUNE_AT:
-                    # Normally the group's watchdog completes works (off this thread);
-                    # without one, completing them here releases their arrays.
-                    while pending and pending[0]._check_event():
-                        pending.popleft()
                 pending.extend(works)
+                prune = len(pending) > _PRUNE_AT
+            if prune:
+                # Normally the group's watchdog completes works (off this thread);
+                # without one, completing them here releases their arrays.
+                self._complete_earlier(works[0])
 
     def _run_phase(self, phase: Phase) -> None:
         pre, calls, post = phase
@@ -593,7 +614,10 @@ class NCCLBackend:
                 if prev != device:
                     rt.set_device(device)
                 try:
-                    comm.abort()
+                    with self._comm_lock:
+                        if not self._comm_gone:
+                            self._comm_gone = True
+                            comm.abort()
                 finally:
                     if prev != device:
                         rt.set_device(prev)
@@ -621,7 +645,9 @@ class NCCLBackend:
                 self.abort(f"{self._closed} while ops were still running after {self._timeout:.3g} s")
                 return
             try:
-                comm.destroy()
+                with self._comm_lock:
+                    self._comm_gone = True
+                    comm.destroy()
             except Exception as exc:
                 raise DistBackendError(f"destroying the NCCL communicator of group {self._group_name!r} "
                                        f"failed: {exc}") from exc

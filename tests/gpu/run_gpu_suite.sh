@@ -9,16 +9,23 @@
 # bench.txt and bench.json to OUTDIR, and prints the row to add to
 # docs/gpu-verification.md. Needs no network: CuPy, NCCL, pytest and numpy must be
 # installed already (jax with CUDA and torch are used when present).
+#
+# GPU_SUITE_PARTS picks what runs (default "env gpu cpu bench"); GPU_SUITE_PYTEST
+# adds pytest arguments to the gpu part (e.g. "-k reduction" or a path), so that a
+# machine whose commands are time-limited can run the suite in slices:
+#   GPU_SUITE_PARTS="env gpu" GPU_SUITE_PYTEST="tests/gpu -k 'not reduction'" tests/gpu/run_gpu_suite.sh OUT1
 set -uo pipefail
+OUTDIR="$(realpath -m "${1:-${OUT:-gpu-suite-out}}")"
 cd "$(dirname "$0")/../.."
-OUTDIR="${1:-${OUT:-gpu-suite-out}}"
 mkdir -p "$OUTDIR"
+PARTS=" ${GPU_SUITE_PARTS:-env gpu cpu bench} "
+rc=0
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_MULTI_RANK_GPU_ENABLE="${NCCL_MULTI_RANK_GPU_ENABLE:-1}"
 export XLA_PYTHON_CLIENT_PREALLOCATE="${XLA_PYTHON_CLIENT_PREALLOCATE:-false}"
 PY="${PYTHON:-python}"
 
-{
+[[ "$PARTS" == *" env "* ]] && {
   echo "date: $(date -u +%Y-%m-%dT%H:%MZ)"
   if command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader 2>&1 | sed 's/^/gpu: /'
@@ -46,16 +53,26 @@ except Exception as exc:
 EOF
 } 2>&1 | tee "$OUTDIR/environment.txt"
 
-# Every test marked gpu, wherever it lives (tests/gpu, the bench, the array layer, ...).
-"$PY" -m pytest tests -m gpu --require-gpu -p no:cacheprovider -rA \
-    --junitxml="$OUTDIR/junit.xml" 2>&1 | tee "$OUTDIR/pytest.txt"
-rc=${PIPESTATUS[0]}
-# The NCCL CPU-side tests again, against this machine's CuPy and NCCL.
-"$PY" -m pytest tests/test_nccl_cpu.py -p no:cacheprovider -q 2>&1 | tee -a "$OUTDIR/pytest.txt"
-rc2=${PIPESTATUS[0]}
-[ "$rc" -eq 0 ] && rc=$rc2
-
-"$PY" bench/nccl_overhead_bench.py --quick --json "$OUTDIR/bench.json" 2>&1 | tee "$OUTDIR/bench.txt"
+if [[ "$PARTS" == *" gpu "* ]]; then
+  # Every test marked gpu, wherever it lives (tests/gpu, the bench, the array layer, ...).
+  eval "set -- ${GPU_SUITE_PYTEST:-tests}"
+  "$PY" -m pytest "$@" -m gpu --require-gpu -p no:cacheprovider -rA \
+      --junitxml="$OUTDIR/junit.xml" 2>&1 | tee "$OUTDIR/pytest.txt"
+  part=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] && rc=$part
+fi
+if [[ "$PARTS" == *" cpu "* ]]; then
+  # The NCCL CPU-side tests again, against this machine's CuPy and NCCL.
+  "$PY" -m pytest tests/test_nccl_cpu.py -p no:cacheprovider -q 2>&1 | tee -a "$OUTDIR/pytest.txt"
+  part=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] && rc=$part
+fi
+if [[ "$PARTS" == *" bench "* ]]; then
+  "$PY" bench/nccl_overhead_bench.py --quick --json "$OUTDIR/bench.json" 2>&1 | tee "$OUTDIR/bench.txt"
+  part=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] && rc=$part
+fi
+[ -f "$OUTDIR/environment.txt" ] || exit "$rc"
 
 "$PY" - "$OUTDIR" <<'EOF'
 import re, sys, xml.etree.ElementTree as ET

@@ -6,8 +6,9 @@ method (CUDA cannot be forked). World size 1 always; world size 2 on the one GPU
 when the loaded NCCL is 2.30 or newer (NCCL_MULTI_RANK_GPU_ENABLE=1). Results are
 checked against NumPy references computed on the host (tests/_nccl_reference.py).
 
-This module imports neither CuPy nor JAX at import time: the spawned ranks import
-it to find their function, and the environment must be in place first.
+At import time this module only reads NCCL's version through CuPy (which starts
+neither CUDA nor NCCL): the spawned ranks import it to find their function, and
+their environment (NCCL_MULTI_RANK_GPU_ENABLE) must be in place before NCCL starts.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from gpucoll.testing import run_spmd  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-ENV = {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+# Two ranks share the one GPU (time-sliced without MPS): NVLS off keeps NCCL's setup lean.
+ENV = {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_NVLS_ENABLE": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 RAW = ("bfloat16", "float8_e4m3fn", "float8_e5m2")  # CuPy has no such dtypes: carried as uint
 
 
@@ -46,8 +48,8 @@ def _two_ranks_on_one_gpu() -> str | None:
     return None
 
 
-SIZES = [1, pytest.param(2, marks=pytest.mark.skipif(_two_ranks_on_one_gpu() is not None,
-                                                     reason=str(_two_ranks_on_one_gpu())))]
+_WHY_NOT_TWO = _two_ranks_on_one_gpu()
+SIZES = [1, pytest.param(2, marks=pytest.mark.skipif(_WHY_NOT_TWO is not None, reason=str(_WHY_NOT_TWO)))]
 
 
 def _spmd(fn: Any, size: int, *, timeout: float = 600.0, args: tuple[Any, ...] = ()) -> list[Any]:
@@ -305,7 +307,10 @@ def test_streams_hooks_and_memory(size: int) -> None:
         assert len(hooks) >= 2 and all(h[0] == "all_reduce" and h[1] >= 1 for h in hooks)
         for _, _, active, wall in hooks:
             assert 0.0 <= active <= wall + 0.05, hooks
-        assert max(h[2] for h in hooks) > 0.0, hooks  # the 256 MiB all_reduce took measurable time
+        if size > 1:
+            # the 256 MiB all_reduce took measurable time (on one rank NCCL skips an
+            # in-place all_reduce: nothing runs between the two events)
+            assert max(h[2] for h in hooks) > 0.0, hooks
         used, total, used2, total2 = out["pool"]
         assert used2 == used and total2 == total
 
@@ -436,7 +441,7 @@ def _abort_body() -> dict[str, Any]:
     from gpucoll.clusters.base import STORE_TOKEN_ENV
     from gpucoll.store import TCPStore
 
-    rank = _init(timeout=5.0)
+    rank = _init(timeout=10.0)  # generous: two ranks time-slice one GPU
     store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                      timeout=120.0, token=os.environ[STORE_TOKEN_ENV])
     x = cupy.ones(1 << 16, cupy.float32)
@@ -465,7 +470,7 @@ def _abort_body() -> dict[str, Any]:
     return out
 
 
-@pytest.mark.skipif(_two_ranks_on_one_gpu() is not None, reason=str(_two_ranks_on_one_gpu()))
+@pytest.mark.skipif(_WHY_NOT_TWO is not None, reason=str(_WHY_NOT_TWO))
 def test_watchdog_aborts_a_collective_that_one_rank_never_joins() -> None:
     import re
 
@@ -474,7 +479,7 @@ def test_watchdog_aborts_a_collective_that_one_rank_never_joins() -> None:
     m = re.search(r"all_reduce \(seq (\d+)\) on group 'default'", first)
     assert m, out
     assert "did not complete within the group's timeout" in first, out
-    assert 4.0 <= out["after_s"] < 30.0, out
+    assert 9.0 <= out["after_s"] < 40.0, out
     assert later != "completed?!", out
     # the later op names itself (a later seq) and the abort's reason
     m2 = re.search(r"all_reduce \(seq (\d+)\) on group 'default' failed", later)

@@ -1,0 +1,200 @@
+"""The NCCL backend's own Python cost per op, without a GPU.
+
+Drives ``gpucoll.all_reduce`` (array layer, ProcessGroup, watchdog, flight recorder,
+NCCL backend) and the NCCL backend alone through a runtime whose CUDA and NCCL calls
+do nothing, so what is timed is gpucoll's Python and nothing else. The "GPU" finishes
+each op ``--lag`` ops after it is issued (event queries say so), as a busy GPU would,
+so the completion path (the watchdog, the backend's pruning) runs as it does for real.
+
+This is not the issue's benchmark (that is ``nccl_overhead_bench.py``, on a GPU,
+against a bare ``cupy.cuda.nccl`` call and torch); it tracks the part of the host
+cost that gpucoll controls, on any machine. Add the cost of the CUDA calls gpucoll
+makes per op (two event records and two stream waits, plus the NCCL call itself) to
+compare with a GPU run.
+
+Usage::
+
+    python bench/nccl_python_overhead_bench.py [--ops 50000] [--repeat 5] [--lag 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from gpucoll import group as _group  # noqa: E402
+from gpucoll._buffer import DTYPES, Buffer, Device  # noqa: E402
+from gpucoll.backends._nccl_lib import Features  # noqa: E402
+from gpucoll.backends.nccl import NCCLBackend  # noqa: E402
+from gpucoll.group import ProcessGroup  # noqa: E402
+from gpucoll.reduce_op import ReduceOp  # noqa: E402
+from gpucoll.store import HashStore, PrefixStore  # noqa: E402
+
+
+class _Event:
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+
+def _nothing(*args: Any) -> None:
+    return None
+
+
+class _Comm:
+    """A one-rank communicator whose calls return at once."""
+
+    rank = 0
+    size = 1
+    all_reduce = reduce = broadcast = all_gather = reduce_scatter = send = recv = staticmethod(_nothing)
+
+    def async_error(self) -> int:
+        return 0
+
+    def last_error(self) -> str:
+        return ""
+
+    def abort(self) -> None:
+        pass
+
+    def destroy(self) -> None:
+        pass
+
+
+class _Stream:
+    ptr = 0x5000
+
+
+class NoopRuntime:
+    """A Runtime whose CUDA calls do nothing; event ``k`` has fired once ``lag`` more
+    events were made after it."""
+
+    features = Features(version=(2, 32, 3), all_to_all=True, gather=True, scatter=True)
+
+    def __init__(self, lag: int) -> None:
+        self._count = itertools.count(1)
+        self._made = 0
+        self._lag = lag
+        self.get_device: Callable[[], int] = lambda: 0
+        self.set_device: Callable[[int], None] = _nothing
+        self.record: Callable[[int, int], None] = _nothing
+        self.wait_event: Callable[[int, int], None] = _nothing
+        self.elapsed_ms: Callable[[int, int], float] = lambda a, b: 0.01
+        self.is_capturing: Callable[[int], bool] = lambda s: False
+        self.group_start: Callable[[], None] = _nothing
+        self.group_end: Callable[[], None] = _nothing
+
+    def device_count(self) -> int:
+        return 1
+
+    def compute_capability(self, device: int) -> tuple[int, int]:
+        return (9, 0)
+
+    def current_stream(self) -> int:
+        return 0x7000
+
+    def new_stream(self) -> Any:
+        return _Stream()
+
+    def event(self, pooled: bool = True) -> Any:
+        self._made = next(self._count)
+        return _Event(self._made)
+
+    def query(self, event: int) -> bool:
+        return event <= self._made - self._lag
+
+    def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        pass
+
+    def alloc(self, nbytes: int, stream: Any) -> tuple[int, Any]:
+        return 0x100000, object()
+
+    def prepare(self, kernel: str, device: int) -> None:
+        pass
+
+    def launch(self, kernel: str, n: int, args: tuple[Any, ...], stream: Any, device: int) -> None:
+        pass
+
+    def unique_id(self) -> bytes:
+        return bytes(128)
+
+    def new_comm(self, size: int, uid: bytes, rank: int) -> Any:
+        return _Comm()
+
+
+class DeviceArray:
+    """A 1 KiB float32 device array as Numba or torch publish one (CAI v3)."""
+
+    class _Device:
+        id = 0
+
+    device = _Device()
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {"shape": (256,), "typestr": "<f4", "data": (0x200000, False), "version": 3,
+                "strides": None, "stream": 1}
+
+
+def _per_op_us(call: Callable[[], Any], ops: int, repeat: int) -> float:
+    for _ in range(min(ops, 2000)):
+        call()
+    runs = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(ops):
+            call()
+        runs.append((time.perf_counter() - t0) / ops * 1e6)
+    return statistics.median(runs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ops", type=int, default=50000, help="ops per timed run")
+    ap.add_argument("--repeat", type=int, default=5, help="timed runs; the median is reported")
+    ap.add_argument("--lag", type=int, default=20, help="ops the fake GPU runs behind the host")
+    args = ap.parse_args(argv)
+
+    rt = NoopRuntime(args.lag)
+    backend = NCCLBackend(PrefixStore("b", HashStore()), 0, 1, timeout=60.0, group_name="b", device_id=0,
+                          _runtime=rt)
+    buf = Buffer(0x200000, 1024, DTYPES["float32"], (256,), Device("cuda", 0), stream=None)
+    saved = _group.BACKENDS["nccl"]
+    _group.BACKENDS["nccl"] = lambda store, rank, size, *, timeout, group_name, device_id: NCCLBackend(
+        store, rank, size, timeout=timeout, group_name=group_name, device_id=device_id, _runtime=rt)
+    try:
+        pg = ProcessGroup(PrefixStore("pg", HashStore()), 0, 1, group_name="g", global_ranks=[0], timeout=60.0,
+                          backend="nccl", device_id=0)
+        x = DeviceArray()
+        rows = [
+            ("backend: all_reduce(buf).wait()", _per_op_us(lambda: backend.all_reduce(buf, ReduceOp.SUM).wait(),
+                                                           args.ops, args.repeat)),
+            ("ProcessGroup.all_reduce(array)", _per_op_us(lambda: pg.all_reduce(x), args.ops, args.repeat)),
+            ("ProcessGroup.all_reduce(array, async_op=True).wait()",
+             _per_op_us(lambda: pg.all_reduce(x, async_op=True).wait(), args.ops, args.repeat)),
+        ]
+        pg._destroy()
+    finally:
+        _group.BACKENDS["nccl"] = saved
+        backend.shutdown()
+    print(f"# gpucoll's Python per op, no-op CUDA runtime (GPU {args.lag} ops behind), "
+          f"median of {args.repeat} x {args.ops} ops")
+    print("| path | µs per op |")
+    print("|---|---|")
+    for name, us in rows:
+        print(f"| {name} | {us:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
