@@ -131,7 +131,12 @@ def as_buffer(array: ArrayLike, *, name: str = "tensor", writable: bool = False)
             if not hasattr(cls, "__dlpack__"):
                 raise
         else:
-            return _from_cai(array, cai, name, writable)
+            # CAI before version 3 carries no stream: the producer's pending work is
+            # not ordered. A producer that also speaks DLPack (torch, JAX) gets the
+            # DLPack stream handshake instead, which orders it on our stream.
+            if (isinstance(cai, dict) and int(cai.get("version", 2)) >= 3) or not (
+                    hasattr(cls, "__dlpack__") and hasattr(cls, "__dlpack_device__")):
+                return _from_cai(array, cai, name, writable)
     if hasattr(cls, "__dlpack__") and hasattr(cls, "__dlpack_device__"):
         return _from_dlpack(array, name, writable)
     try:
@@ -230,6 +235,12 @@ def _normalise_stream(stream: Any) -> int | None:
 
 
 def _cuda_device_index(array: Any, ptr: int) -> int:
+    if type(array).__module__.startswith("cupy"):
+        # CuPy's __dlpack_device__ asks the driver for the pointer's attributes
+        # (managed or not) on every call; its Device object already knows.
+        index = getattr(getattr(array, "device", None), "id", None)
+        if isinstance(index, int):
+            return index
     dev = getattr(type(array), "__dlpack_device__", None)
     if dev is not None:
         try:
@@ -290,6 +301,20 @@ _capsule_get_name.restype = ctypes.c_char_p
 _capsule_get_name.argtypes = [ctypes.py_object]
 
 
+def consumer_stream() -> int:
+    """The stream gpucoll names in the DLPack handshake: CuPy's current stream of the
+    calling thread (the stream a device op then orders after), as DLPack spells it:
+    1 for the legacy default stream; 1 as well before CuPy is loaded or usable."""
+    cupy = sys.modules.get("cupy")
+    if cupy is None:
+        return 1
+    try:
+        ptr = int(cupy.cuda.get_current_stream().ptr)
+    except Exception:
+        return 1
+    return ptr if ptr else 1
+
+
 def _export_capsule(array: Any, stream: int | None) -> Any:
     try:
         return array.__dlpack__(stream=stream, max_version=(1, 0))
@@ -305,9 +330,10 @@ def _from_dlpack(array: Any, name: str, writable: bool) -> Buffer:
     kind, index = (int(v) for v in array.__dlpack_device__())
     if kind not in (_KDL_CPU, _KDL_CUDA, _KDL_CUDA_HOST, _KDL_CUDA_MANAGED):
         raise TypeError(f"{name} lives on DLPack device type {kind}; only CPU and CUDA memory are supported")
-    # stream=None asks a CUDA producer to make the data ready on the legacy default
-    # stream (the DLPack handshake), which every other stream then orders after.
-    capsule = _export_capsule(array, None)
+    # The DLPack handshake: a CUDA producer makes the data ready on the stream we
+    # name, the caller's current stream, after which the op is ordered (a Buffer
+    # with stream None). Host memory takes no stream.
+    capsule = _export_capsule(array, consumer_stream() if kind in (_KDL_CUDA, _KDL_CUDA_MANAGED) else None)
     cname = _capsule_get_name(capsule)
     if cname == b"dltensor_versioned":
         managed_v = _DLManagedTensorVersioned.from_address(_capsule_get_pointer(capsule, cname))

@@ -10,12 +10,14 @@ from __future__ import annotations
 import array as pyarray
 import ctypes
 import gc
+import sys
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 import pytest
 
+from gpucoll import array as array_mod
 from gpucoll._buffer import DTYPES, Buffer, Device
 from gpucoll.array import (NotContiguousError, as_buffer, copy_buffer, host_ndarray, is_device_array,
                            new_output, split_buffer, to_caller_type)
@@ -242,7 +244,52 @@ def test_dlpack_cuda_parsed_with_ctypes(versioned: bool) -> None:
     buf = as_buffer(fake, writable=True)
     assert buf.is_cuda and buf.device == Device("cuda", 1)
     assert (buf.ptr, buf.nbytes, buf.shape, buf.dtype.name) == (a.ctypes.data, 80, (2, 5), "int64")
-    assert buf.stream is None and fake.streams == [None]
+    # The DLPack handshake names the caller's stream: CuPy's current one, 1 (the
+    # legacy default stream) without a usable CuPy.
+    assert buf.stream is None and fake.streams == [array_mod.consumer_stream()]
+
+
+def test_dlpack_handshake_passes_the_current_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    class Stream:
+        ptr = 0xABC0
+
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=lambda: Stream()))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    assert array_mod.consumer_stream() == 0xABC0
+    fake = FakeDLPackCuda(np.zeros(4, np.float32))
+    assert as_buffer(fake).stream is None and fake.streams == [0xABC0]
+    Stream.ptr = 0  # the null stream is spelled 1 in DLPack
+    assert array_mod.consumer_stream() == 1
+    monkeypatch.delitem(sys.modules, "cupy")
+    assert array_mod.consumer_stream() == 1
+    cpu = FakeDLPackCpu(np.zeros(2))
+    as_buffer(cpu)
+    assert cpu.streams == [None]  # host memory: no stream
+
+
+def test_cai_v2_producers_that_speak_dlpack_get_the_handshake() -> None:
+    class TorchLike(FakeDLPackCuda):
+        """CAI v2 (no stream) plus DLPack, as PyTorch CUDA tensors and JAX GPU arrays."""
+
+        @property
+        def __cuda_array_interface__(self) -> dict[str, Any]:
+            return {"shape": self.a.shape, "typestr": self.a.dtype.str, "data": (self.a.ctypes.data, False),
+                    "version": 2, "strides": None}
+
+    t = TorchLike(np.arange(6, dtype=np.float32), device=3)
+    buf = as_buffer(t, writable=True)
+    assert t.streams == [array_mod.consumer_stream()] and buf.device == Device("cuda", 3)
+    assert (buf.ptr, buf.nbytes, buf.dtype.name) == (t.a.ctypes.data, 24, "float32")
+    # CAI v3 is read as it is (CuPy, Numba): no DLPack export
+    class V3(TorchLike):
+        @property
+        def __cuda_array_interface__(self) -> dict[str, Any]:
+            return {**super().__cuda_array_interface__, "version": 3, "stream": 5}
+
+    v3 = V3(np.zeros(2, np.float32))
+    assert as_buffer(v3).stream == 5 and v3.streams == []
 
 
 def test_dlpack_read_only_flag_of_versioned_capsule() -> None:
