@@ -88,9 +88,14 @@ class Device:
         return "cpu" if self.type == "cpu" else f"cuda:{self.index}"
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)
 class Buffer:
-    """Contiguous memory handed to a backend; see the module docstring for the contract."""
+    """Contiguous memory handed to a backend; see the module docstring for the contract.
+
+    Treat it as immutable (derive a new one with ``dataclasses.replace``). It is not
+    a frozen dataclass only because one is made per op and a frozen one costs five
+    times as much to construct (0.9 against 0.18 µs).
+    """
 
     ptr: int
     nbytes: int

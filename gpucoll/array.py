@@ -167,17 +167,23 @@ def _from_ndarray(a: np.ndarray, name: str, writable: bool, device: Device) -> B
 
 # ----- __cuda_array_interface__ -----
 
+_TYPESTRS: dict[str, DType] = {}  # typestr -> DType, for every typestr that names its type alone
+_CUDA: dict[int, Device] = {}       # index -> Device("cuda", index)
+
+
 def _from_cai(array: Any, cai: dict[str, Any], name: str, writable: bool) -> Buffer:
     try:
         ptr, readonly = cai["data"]
-        shape = tuple(int(s) for s in cai["shape"])
-        typestr = str(cai["typestr"])
+        shape = tuple(map(int, cai["shape"]))
+        typestr = cai["typestr"]
     except (KeyError, TypeError, ValueError) as exc:
         raise TypeError(f"{name}.__cuda_array_interface__ is malformed ({exc!r}): {cai!r}") from exc
     if cai.get("mask") is not None:
         raise ValueError(f"{name} is a masked device array; masks are not supported")
-    dtype = _dtype_of_typestr(typestr, array, name)
-    _check_c_strides(cai.get("strides"), shape, dtype.itemsize, name)
+    dtype = _TYPESTRS.get(typestr) or _dtype_of_typestr(str(typestr), array, name)
+    strides = cai.get("strides")
+    if strides is not None:
+        _check_c_strides(strides, shape, dtype.itemsize, name)
     if writable and readonly:
         raise ValueError(f"{name} is read-only device memory and this op writes into it; "
                          "use gpucoll.functional, which returns a new array")
@@ -185,9 +191,11 @@ def _from_cai(array: Any, cai: dict[str, Any], name: str, writable: bool) -> Buf
     for s in shape:
         numel *= s
     stream = cai.get("stream") if int(cai.get("version", 2)) >= 3 else None
-    return Buffer(int(ptr or 0), numel * dtype.itemsize, dtype, shape,
-                  Device("cuda", _cuda_device_index(array, int(ptr or 0))), bool(readonly),
-                  _normalise_stream(stream), array)
+    ptr = int(ptr or 0)
+    index = _cuda_device_index(array, ptr)
+    device = _CUDA.get(index) or _CUDA.setdefault(index, Device("cuda", index))
+    return Buffer(ptr, numel * dtype.itemsize, dtype, shape, device, bool(readonly),
+                  None if stream is None or stream == 1 or stream == 0 else _normalise_stream(stream), array)
 
 
 def _dtype_of_typestr(typestr: str, array: Any, name: str) -> DType:
@@ -210,9 +218,11 @@ def _dtype_of_typestr(typestr: str, array: Any, name: str) -> DType:
     names = {"b": "bool", "i": f"int{8 * itemsize}", "u": f"uint{8 * itemsize}",
              "f": f"float{8 * itemsize}", "c": f"complex{8 * itemsize}"}
     try:
-        return dtype_by_name(names[kind])
+        found = dtype_by_name(names[kind])
     except (KeyError, TypeError):
         raise TypeError(f"{name} has unsupported typestr {typestr!r}") from None
+    _TYPESTRS[typestr] = found
+    return found
 
 
 def _check_c_strides(strides: Any, shape: tuple[int, ...], itemsize: int, name: str) -> None:

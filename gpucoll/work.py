@@ -57,29 +57,32 @@ class Work:
         result: what :meth:`result` returns once complete (typically the output arrays).
     """
 
+    # Class-level defaults for what most Works never change: a Work is made per op,
+    # and every attribute set in __init__ costs the issuing thread.
+    seq: int = 0
+    group_name: str = ""
+    time_finished: float | None = None
+    active_duration: float | None = None
+    _source_rank: int = -1
+    # Made on first use: a small op's Work is created, completed and dropped in
+    # microseconds, and an Event plus a Future would cost more than the op itself.
+    _future: Future[list[Any]] | None = None
+    _exc: BaseException | None = None
+    _callbacks: list[Callable[[Work], None]] | None = None
+    # The group's flight-recorder entry for this op (see gpucoll.flight_recorder);
+    # updated on completion so the recorder needs no callback of its own.
+    _fr_entry: Any = None
+
     def __init__(self, op_type: str, *, keepalive: Sequence[Any] = (), result: list[Any] | None = None,
                  default_timeout: float | None = None) -> None:
         self.op_type = op_type
-        self.seq = 0
-        self.group_name = ""
         self.time_started = time.time()
         self._t0 = time.perf_counter()
-        self.time_finished: float | None = None
-        self.active_duration: float | None = None
         self._default_timeout = default_timeout
         self._keepalive: Sequence[Any] | None = keepalive
         self._result = result if result is not None else []
-        self._source_rank = -1
         self._lock = threading.Lock()
-        # Both made on first use: a small op's Work is created, completed and dropped in
-        # microseconds, and an Event plus a Future would cost more than the op itself.
-        self._future: Future[list[Any]] | None = None
         self._done = _Completion(self._lock)
-        self._exc: BaseException | None = None
-        self._callbacks: list[Callable[[Work], None]] = []
-        # The group's flight-recorder entry for this op (see gpucoll.flight_recorder);
-        # updated on completion so the recorder needs no callback of its own.
-        self._fr_entry: Any = None
 
     # ----- completion, called by backends (exactly once) -----
     def _set_result(self, *, active_duration: float | None = None, source_rank: int | None = None) -> None:
@@ -100,7 +103,7 @@ class Work:
             self._exc = exc
             self._keepalive = None
             event = self._done._set_locked()
-            callbacks, self._callbacks = self._callbacks, []
+            callbacks, self._callbacks = self._callbacks, None
             future = self._future
         if event is not None:
             event.set()
@@ -109,13 +112,16 @@ class Work:
             entry.finish(self)
         if future is not None:
             _resolve(future, self._result, exc)
-        for cb in callbacks:
-            cb(self)
+        if callbacks:
+            for cb in callbacks:
+                cb(self)
 
     def _add_done_callback(self, cb: Callable[[Work], None]) -> None:
         """Run ``cb(self)`` once complete (immediately, on this thread, if already complete)."""
         with self._lock:
             if not self._done.is_set():
+                if self._callbacks is None:
+                    self._callbacks = []
                 self._callbacks.append(cb)
                 return
         cb(self)

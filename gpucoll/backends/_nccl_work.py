@@ -60,18 +60,20 @@ class NCCLWork(Work):
         default_timeout: seconds :meth:`synchronize` waits when given no timeout.
     """
 
+    # Set by _issued/_doom; class-level defaults keep the per-op constructor short.
+    _device: int = 0
+    _ready: Event | None = None
+    _end: Event | None = None
+    _prev: Event | None = None
+    _streams: tuple[int, ...] = ()
+    _doomed: str | None = None
+    # A barrier is a host-side promise: its wait() blocks the host.
+    host_wait: bool = False
+
     def __init__(self, op_type: str, owner: WorkOwner, *, keepalive: Sequence[Any] = (),
                  result: list[Any] | None = None, default_timeout: float | None = None) -> None:
         super().__init__(op_type, keepalive=keepalive, result=result, default_timeout=default_timeout)
         self._owner = owner
-        self._device = 0
-        self._ready: Event | None = None
-        self._end: Event | None = None
-        self._prev: Event | None = None
-        self._streams: tuple[int, ...] = ()
-        self._doomed: str | None = None
-        # A barrier is a host-side promise: its wait() blocks the host.
-        self.host_wait = False
 
     # ----- set by the backend -----
 

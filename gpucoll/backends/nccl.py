@@ -341,6 +341,9 @@ class NCCLBackend:
                     f"{self._group_name!r}'s NCCL communicator; got one on {b.device}")
 
     def _caller_streams(self, bufs: Sequence[Buffer]) -> tuple[int, ...]:
+        if len(bufs) == 1:
+            s = bufs[0].stream
+            return (self._rt.current_stream() if s is None else s,)
         streams: list[int] = []
         current = -1
         for b in bufs:
@@ -429,8 +432,10 @@ class NCCLBackend:
             assert comm is not None
             created: list[int] = []
             try:
-                if any(s[0] in _REDUCING and isinstance(s[5], Premul) for s in calls):
-                    calls = [self._bind_premul(comm, s, created) for s in calls]
+                for s in calls:
+                    if s[0] in _REDUCING and type(s[5]) is Premul:
+                        calls = [self._bind_premul(comm, s, created) for s in calls]
+                        break
                 stream = self._stream_ptr
                 if len(calls) == 1:
                     step = calls[0]
