@@ -184,30 +184,19 @@ DEFAULT_FEATURES = Features(version=(2, 32, 3), all_to_all=True, gather=True, sc
 OLD_FEATURES = Features(version=(2, 19, 3), avg=True, premul_sum=False, fp8=False, comm_split=True)
 
 
-def run_world(size: int, body: Callable[[NCCLBackend, FakeRuntime, int], Any], *,
-              features: Features = DEFAULT_FEATURES, cc: tuple[int, int] = (9, 0), timeout: float = 10.0,
-              eager: bool = True, hang: float = 20.0, op_delay: float = 0.0,
-              shutdown: bool = True) -> list[Any]:
-    """Run ``body(backend, runtime, rank)`` on ``size`` rank threads sharing one fake GPU."""
-    fabric = FakeFabric(hang_limit=hang)
-    store = HashStore(timeout=timeout)
+def run_rank_threads(size: int, main: Callable[[int], Any], fabric: FakeFabric) -> list[Any]:
+    """Run ``main(rank)`` on ``size`` threads named ``rank<N>``; fail with every rank's
+    traceback if any raised, or if one is still running after 120 s (a hang)."""
     results: list[Any] = [None] * size
     errors: list[str | None] = [None] * size
 
-    def main(rank: int) -> None:
+    def wrapped(rank: int) -> None:
         try:
-            rt = FakeRuntime(fabric, features=features, cc=cc, op_delay=op_delay)
-            be = NCCLBackend(PrefixStore("pg/g", store), rank, size, timeout=timeout, group_name="g",
-                             device_id=0 if eager else None, _runtime=rt)
-            try:
-                results[rank] = body(be, rt, rank)
-            finally:
-                if shutdown:
-                    be.shutdown()
+            results[rank] = main(rank)
         except BaseException:
             errors[rank] = traceback.format_exc()
 
-    threads = [threading.Thread(target=main, args=(r,), name=f"rank{r}") for r in range(size)]
+    threads = [threading.Thread(target=wrapped, args=(r,), name=f"rank{r}") for r in range(size)]
     for t in threads:
         t.start()
     for t in threads:
@@ -216,6 +205,28 @@ def run_world(size: int, body: Callable[[NCCLBackend, FakeRuntime, int], Any], *
     assert not any(t.is_alive() for t in threads), "a rank hung"
     failed = [f"--- rank {r} ---\n{e}" for r, e in enumerate(errors) if e]
     assert not failed, "\n".join(failed)
+    return results
+
+
+def run_world(size: int, body: Callable[[NCCLBackend, FakeRuntime, int], Any], *,
+              features: Features = DEFAULT_FEATURES, cc: tuple[int, int] = (9, 0), timeout: float = 10.0,
+              eager: bool = True, hang: float = 20.0, op_delay: float = 0.0,
+              shutdown: bool = True) -> list[Any]:
+    """Run ``body(backend, runtime, rank)`` on ``size`` rank threads sharing one fake GPU."""
+    fabric = FakeFabric(hang_limit=hang)
+    store = HashStore(timeout=timeout)
+
+    def main(rank: int) -> Any:
+        rt = FakeRuntime(fabric, features=features, cc=cc, op_delay=op_delay)
+        be = NCCLBackend(PrefixStore("pg/g", store), rank, size, timeout=timeout, group_name="g",
+                         device_id=0 if eager else None, _runtime=rt)
+        try:
+            return body(be, rt, rank)
+        finally:
+            if shutdown:
+                be.shutdown()
+
+    results = run_rank_threads(size, main, fabric)
     assert not fabric.errors, fabric.errors
     return results
 
@@ -949,31 +960,17 @@ def run_groups(size: int, body: Callable[[Any, FakeRuntime, int], Any], monkeypa
         return NCCLBackend(store, rank, size, timeout=timeout, group_name=group_name, device_id=device_id,
                            _runtime=runtimes[rank])
     monkeypatch.setitem(group_mod.BACKENDS, "nccl", make_nccl)
-    results: list[Any] = [None] * size
-    errors: list[str | None] = [None] * size
 
-    def main(rank: int) -> None:
+    def main(rank: int) -> Any:
+        runtimes[rank] = FakeRuntime(fabric)
+        pg = ProcessGroup(PrefixStore("pg/g", store), rank, size, group_name="g",
+                          global_ranks=range(size), timeout=timeout, backend="nccl", device_id=0)
         try:
-            runtimes[rank] = FakeRuntime(fabric)
-            pg = ProcessGroup(PrefixStore("pg/g", store), rank, size, group_name="g",
-                              global_ranks=range(size), timeout=timeout, backend="nccl", device_id=0)
-            try:
-                results[rank] = body(pg, runtimes[rank], rank)
-            finally:
-                pg._destroy()
-        except BaseException:
-            errors[rank] = traceback.format_exc()
+            return body(pg, runtimes[rank], rank)
+        finally:
+            pg._destroy()
 
-    threads = [threading.Thread(target=main, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    fabric.close()
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    failed = [f"--- rank {r} ---\n{e}" for r, e in enumerate(errors) if e]
-    assert not failed, "\n".join(failed)
-    return results
+    return run_rank_threads(size, main, fabric)
 
 
 def test_process_group_sync_async_hooks_and_coalescing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1052,34 +1049,20 @@ def run_worlds(size: int, body: Callable[[Any, FakeRuntime, int], Any], monkeypa
     monkeypatch.setitem(group_mod.BACKENDS, "nccl", make_nccl)
     monkeypatch.setattr(world_mod, "_world", lambda: local.world)
     monkeypatch.setattr(world_mod, "default_group", lambda: local.world.default)
-    results: list[Any] = [None] * size
-    errors: list[str | None] = [None] * size
 
-    def main(rank: int) -> None:
+    def main(rank: int) -> Any:
+        runtimes[rank] = FakeRuntime(fabric, features=features)
+        device = 0 if eager else None
+        pg = ProcessGroup(PrefixStore("pg/default", store), rank, size, group_name="default",
+                          global_ranks=range(size), timeout=timeout, backend="nccl", device_id=device)
+        local.world = world_mod._World(store, False, pg, "nccl", timeout, device)
         try:
-            runtimes[rank] = FakeRuntime(fabric, features=features)
-            device = 0 if eager else None
-            pg = ProcessGroup(PrefixStore("pg/default", store), rank, size, group_name="default",
-                              global_ranks=range(size), timeout=timeout, backend="nccl", device_id=device)
-            local.world = world_mod._World(store, False, pg, "nccl", timeout, device)
-            try:
-                results[rank] = body(world_mod, runtimes[rank], rank)
-            finally:
-                for g in [*local.world.groups, pg]:
-                    g._destroy()
-        except BaseException:
-            errors[rank] = traceback.format_exc()
+            return body(world_mod, runtimes[rank], rank)
+        finally:
+            for g in [*local.world.groups, pg]:
+                g._destroy()
 
-    threads = [threading.Thread(target=main, args=(r,), name=f"rank{r}") for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    fabric.close()
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    failed = [f"--- rank {r} ---\n{e}" for r, e in enumerate(errors) if e]
-    assert not failed, "\n".join(failed)
-    return results
+    return run_rank_threads(size, main, fabric)
 
 
 def _sum_over(pg: Any, rt: FakeRuntime, rank: int) -> float:

@@ -286,15 +286,18 @@ class NCCLBackend:
         return self._aborted
 
     def _complete_earlier(self, work: NCCLWork) -> None:
-        pending, state = self._pending, self._state
+        pending = self._pending
         while True:
-            with state:
-                if not pending or pending[0] is work:
-                    return
+            # Peeking needs no lock (deque reads are atomic); popping does.
+            try:
                 first = pending[0]
+            except IndexError:
+                return
+            if first is work:
+                return
             if not first._check_event():
                 return  # not issued yet (a coalescing member) or still running
-            with state:
+            with self._state:
                 if pending and pending[0] is first:
                     pending.popleft()
 
