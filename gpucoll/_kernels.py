@@ -47,8 +47,8 @@ BLOCK = 256
 MAX_GRID = 4096  # enough blocks to fill any current GPU; the loops are grid-stride
 
 _HINT = ("gpucoll compiles its CUDA kernels (bitwise reductions, 16-bit integer reductions, integer "
-         "AVG/PREMUL_SUM) with NVRTC: pip install \"cupy-cuda12x[ctk]\" (or cupy-cuda13x[ctk]), or "
-         "install a CUDA toolkit")
+         "AVG/PREMUL_SUM) with NVRTC: pip install \"gpucoll[cuda12]\" (it brings nvidia-cuda-nvrtc-cu12; "
+         "\"gpucoll[cuda13]\" brings nvidia-cuda-nvrtc 13), or install a CUDA toolkit")
 
 
 def signature(name: str) -> str:

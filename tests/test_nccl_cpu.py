@@ -847,6 +847,34 @@ def test_kernels_compile_to_ptx_with_nvcc() -> None:
     assert len(entries) == 8 * 9 + 4 and "gpucoll_reduce_bxor_u64" in entries
 
 
+def test_kernels_compile_with_nvrtc_as_cupy_compiles_them() -> None:
+    # CuPy compiles kernels/reduce.cu with NVRTC on the GPU; NVRTC itself needs no
+    # GPU, so CI (which installs the extra's NVRTC wheel) compiles the same source.
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        version = nvrtc.getVersion()
+    except Exception as exc:
+        pytest.skip(f"no NVRTC here ({type(exc).__name__}: {exc}); the cuda12/cuda13 extras install it")
+    from gpucoll import _kernels
+
+    prog = nvrtc.createProgram(_kernels.source("reduce"), "reduce.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, ["-arch=compute_90"])
+        except Exception as exc:
+            log = nvrtc.getProgramLog(prog)
+            pytest.fail(f"NVRTC {version} rejected kernels/reduce.cu: {exc}\n{log!r}")
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    text = ptx.decode() if isinstance(ptx, bytes) else ptx
+    entries = {line.split()[2].split("(")[0] for line in text.splitlines() if line.startswith(".visible .entry")}
+    assert len(entries) == 8 * 9 + 4 and "gpucoll_reduce_bxor_u64" in entries
+    for name in entries:
+        _kernels.signature(name)  # every compiled kernel has a launch signature
+
+
 @pytest.mark.skipif(_has_gpu(), reason="a usable GPU is present")
 def test_compiling_kernels_without_a_gpu_is_a_clear_backend_error() -> None:
     from gpucoll import _kernels

@@ -394,6 +394,48 @@ def test_cupy_and_jax_interop(size: int) -> None:
         assert all(out["jax"].values()), out["jax"]
 
 
+def _torch_body() -> dict[str, Any]:
+    import gpucoll
+    import gpucoll.functional as F
+
+    rank = _init()
+    size = gpucoll.get_world_size()
+    total = sum(range(1, size + 1))
+    out: dict[str, Any] = {}
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("torch.cuda.is_available() is False")
+    except Exception as exc:
+        gpucoll.destroy_process_group()
+        return {"skip": f"no torch with CUDA ({type(exc).__name__}: {exc})"}
+    # torch publishes CAI v2 (no stream) and DLPack: gpucoll takes the DLPack handshake,
+    # here with work pending on a torch side stream.
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        t = torch.arange(1 << 20, dtype=torch.float32, device="cuda") * (rank + 1)
+        gpucoll.all_reduce(t)  # in place
+        b = torch.full((5,), rank + 1, dtype=torch.bfloat16, device="cuda")
+        yb = F.all_reduce(b)  # a new tensor of the caller's type
+    torch.cuda.synchronize()
+    want = torch.arange(1 << 20, dtype=torch.float32) * total
+    out["in_place"] = bool(torch.equal(t.cpu(), want))
+    out["bf16"] = isinstance(yb, torch.Tensor) and yb.dtype == torch.bfloat16 and yb.is_cuda and \
+        yb.float().cpu().tolist() == [float(total)] * 5
+    out["input_kept"] = b.float().cpu().tolist() == [float(rank + 1)] * 5
+    gpucoll.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_torch_interop(size: int) -> None:
+    for out in _spmd(_torch_body, size):
+        if "skip" in out:
+            pytest.skip(out["skip"])
+        assert all(out.values()), out
+
+
 def _new_groups_body() -> dict[str, Any]:
     import cupy
 
