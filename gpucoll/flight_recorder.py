@@ -19,7 +19,6 @@ import re
 import socket
 import tempfile
 import time
-from collections import deque
 from typing import Any
 
 from ._buffer import Buffer
@@ -52,18 +51,28 @@ def recorder_capacity() -> int:
 
 
 class _Entry:
-    """One op; filled at issue, completed by :meth:`finish` from ``Work._finish``."""
+    """One op; filled at issue, completed by :meth:`finish` from ``Work._finish``.
+
+    Entries are reused round the ring rather than made per op: an object made per op
+    and kept for ``capacity`` ops survives into the garbage collector's oldest
+    generation, and enough of those make Python run full collections, which cost
+    every op more than the entry itself.
+    """
 
     __slots__ = ("seq", "op_type", "backend", "shape", "dtype", "nbytes", "peer",
                  "time_started", "state", "time_finished", "active_duration", "error")
 
-    def __init__(self, work: Work, backend: str, buf: Buffer | None, peer: int) -> None:
+    def fill(self, work: Work, backend: str, buf: Buffer | None, peer: int) -> None:
         self.seq = work.seq
         self.op_type = work.op_type
         self.backend = backend
-        self.shape = buf.shape if buf is not None else None
-        self.dtype = buf.dtype.name if buf is not None else None
-        self.nbytes = buf.nbytes if buf is not None else 0
+        if buf is not None:
+            self.shape: tuple[int, ...] | None = buf.shape
+            self.dtype: str | None = buf.dtype.name
+            self.nbytes = buf.nbytes
+        else:
+            self.shape = self.dtype = None
+            self.nbytes = 0
         self.peer = peer
         self.time_started = work.time_started
         self.state = "scheduled"
@@ -72,6 +81,8 @@ class _Entry:
         self.error: str | None = None
 
     def finish(self, work: Work) -> None:
+        if self.seq != work.seq:
+            return  # reused for a newer op while this one was still running
         exc = work.exception()
         self.state = "completed" if exc is None else "failed"
         self.time_finished = work.time_finished
@@ -109,12 +120,20 @@ class FlightRecorder:
         self.global_rank = global_rank
         self.size = size
         self.capacity = capacity
-        self._entries: deque[_Entry] = deque(maxlen=capacity)
+        self._ring: list[_Entry | None] = [None] * capacity
+        self._next = 0      # the slot the next op takes
+        self._count = 0     # slots in use
 
     def record(self, work: Work, backend: str, buf: Buffer | None, peer: int = -1) -> None:
-        """Add ``work`` (already numbered) to the ring; its completion updates the entry."""
-        entry = _Entry(work, backend, buf, peer)
-        self._entries.append(entry)
+        """Add ``work`` (already numbered) to the ring, in place of the oldest entry once
+        full; its completion updates the entry."""
+        i = self._next
+        entry = self._ring[i]
+        if entry is None:
+            entry = self._ring[i] = _Entry()
+            self._count += 1
+        entry.fill(work, backend, buf, peer)
+        self._next = i + 1 if i + 1 < self.capacity else 0
         work._fr_entry = entry
         if work._done.is_set():  # it may have finished before the entry was attached
             entry.finish(work)
@@ -125,8 +144,14 @@ class FlightRecorder:
             "version": FORMAT_VERSION, "group": self.group_name, "rank": self.rank,
             "global_rank": self.global_rank, "size": self.size, "capacity": self.capacity,
             "pid": os.getpid(), "host": socket.gethostname(), "time": time.time(),
-            "reason": reason, "entries": [e.as_dict() for e in list(self._entries)],
+            "reason": reason, "entries": [e.as_dict() for e in self._in_order()],
         }
+
+    def _in_order(self) -> list[_Entry]:
+        """The entries, oldest first."""
+        ring, i = list(self._ring), self._next
+        return [e for e in (ring[i:] + ring[:i] if self._count == self.capacity else ring[:self._count])
+                if e is not None]
 
     def to_json(self, reason: str = "") -> str:
         """:meth:`snapshot` as JSON text."""

@@ -326,3 +326,24 @@ def test_hooks_with_the_cpu_backend() -> None:
     out = run_spmd(hooks_body, 3, timeout=60)
     assert out[1] == [("all_reduce", 1), ("all_reduce", 2), ("all_reduce", 3), ("all_reduce", 4), ("barrier", 5)]
     assert out[0][4] == ("send", 5) and out[2][4] == ("recv", 5)
+
+
+def test_flight_recorder_reuses_entries_and_a_late_finish_leaves_the_newer_op_alone() -> None:
+    from gpucoll.flight_recorder import FlightRecorder
+    from gpucoll.work import Work
+
+    fr = FlightRecorder("g", 0, 0, 1, capacity=2)
+    works = []
+    for seq in (1, 2, 3):
+        w = Work("all_reduce" if seq != 2 else "broadcast")
+        w.seq = seq
+        fr.record(w, "cpu", None)
+        works.append(w)
+    works[1]._set_result()
+    # Op 1 was still running when op 3 took its slot: its completion must not touch op 3's entry.
+    works[0]._set_exception(RuntimeError("late"))
+    entries = json.loads(fr.to_json())["entries"]
+    assert [(e["seq"], e["op_type"], e["state"]) for e in entries] == [(2, "broadcast", "completed"),
+                                                                        (3, "all_reduce", "scheduled")]
+    works[2]._set_result()
+    assert json.loads(fr.to_json())["entries"][1]["state"] == "completed"
