@@ -16,21 +16,50 @@ backend sees the call, with the same rules on every rank.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import threading
 import time
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from . import array as _array
 from ._buffer import Buffer, DType
 from .backends.base import Backend
-from .errors import BackendUnavailableError, DistBackendError
+from .errors import BackendUnavailableError, DistBackendError, DistError
 from .flight_recorder import FlightRecorder, recorder_capacity
 from .reduce_op import PremulSum, ReduceOp, ReduceOpLike, as_reduce_op
 from .store import PrefixStore, Store
 from .work import Work, WorkInfo
 from ._watchdog import Watchdog
 
-__all__ = ["ProcessGroup", "BACKENDS", "BackendFactory", "normalize_backend", "default_backend"]
+__all__ = ["ProcessGroup", "BACKENDS", "BackendFactory", "normalize_backend", "default_backend", "debug_level",
+           "DEBUG_ENV"]
+
+DEBUG_ENV = "GPUCOLL_DEBUG"
+_FINGERPRINT_BYTES = 256
+_SHAPES_MAY_DIFFER = frozenset({"all_to_all", "all_to_all_single"})  # per-peer sizes differ by design
+
+
+def debug_level() -> str:
+    """``GPUCOLL_DEBUG``: ``"OFF"`` (default) or ``"DETAIL"`` (every device collective is
+    first compared across ranks; see docs/process-groups.md).
+
+    Raises:
+        ValueError: any other value.
+    """
+    raw = os.environ.get(DEBUG_ENV, "").strip().upper() or "OFF"
+    if raw not in ("OFF", "DETAIL"):
+        raise ValueError(f"{DEBUG_ENV} must be OFF or DETAIL; got {os.environ.get(DEBUG_ENV)!r}")
+    return raw
+
+
+def _op_name(red: Any) -> str:
+    if red is None:
+        return ""
+    name = getattr(red, "name", None)
+    return str(name) if name is not None else type(red).__name__
 
 BackendFactory = Callable[..., Backend]
 
@@ -193,6 +222,7 @@ class ProcessGroup:
         self._abort_reason: str | None = None
         self._abort_lock = threading.Lock()
         self._hook_errors: list[tuple[Callable[[WorkInfo], None], BaseException]] = []
+        self._debug_detail = debug_level() == "DETAIL"
         capacity = recorder_capacity()
         self._recorder = FlightRecorder(group_name, rank, self.global_ranks[rank], size, capacity) \
             if capacity > 0 else None
@@ -364,9 +394,11 @@ class ProcessGroup:
         return self._backend_for(first, names[0])
 
     def _issue(self, backend: Backend, start: Callable[[], Work], buf: Buffer | None,
-               outputs: list[Any], peer: int = -1) -> Work:
+               outputs: list[Any], peer: int = -1, op: str = "", red: Any = None) -> Work:
         self._seq += 1
         seq = self._seq
+        if self._debug_detail and op and backend is not self._cpu:
+            self._check_across_ranks(op, seq, buf, peer, red)
         work = start()
         work.seq = seq
         work.group_name = self.group_name
@@ -377,6 +409,31 @@ class ProcessGroup:
         if self._hooks:
             work._add_done_callback(self._watchdog.completed)
         return work
+
+    def _check_across_ranks(self, op: str, seq: int, buf: Buffer | None, peer: int, red: Any) -> None:
+        """GPUCOLL_DEBUG=DETAIL: before a device collective, compare what every rank is
+        about to issue (through the CPU backend) and raise on every rank if they differ:
+        NCCL itself would hang or quietly compute garbage."""
+        shape = "" if buf is None or op in _SHAPES_MAY_DIFFER else str(tuple(buf.shape))
+        text = " ".join(x for x in (op, f"(seq {seq})", buf.dtype.name if buf is not None else "", shape,
+                                    f"root={peer}" if peer >= 0 else "", _op_name(red)) if x).encode()
+        if len(text) > _FINGERPRINT_BYTES:
+            text = text[:_FINGERPRINT_BYTES - 41] + b"#" + hashlib.sha1(text).hexdigest().encode()
+        mine = np.zeros(_FINGERPRINT_BYTES, np.uint8)
+        mine[:len(text)] = np.frombuffer(text, np.uint8)
+        rows = [np.zeros(_FINGERPRINT_BYTES, np.uint8) for _ in range(self._size)]
+        work = self._cpu.all_gather([_array.as_buffer(r, writable=True) for r in rows], _array.as_buffer(mine))
+        try:
+            work.wait(self.timeout)
+        except DistError as exc:
+            raise DistBackendError(f"GPUCOLL_DEBUG=DETAIL: checking {op} (seq {seq}) on group {self.group_name!r} "
+                                   f"across ranks failed: {exc}") from exc
+        seen = [bytes(r).rstrip(b"\0").decode(errors="replace") for r in rows]
+        if len(set(seen)) > 1:
+            listing = "; ".join(f"rank {i}: {t}" for i, t in enumerate(seen))
+            raise DistBackendError(f"GPUCOLL_DEBUG=DETAIL: the ranks of group {self.group_name!r} are about to "
+                                   f"issue different collectives, which NCCL would hang on or compute wrongly: "
+                                   f"{listing}")
 
     def _finish(self, backend: Backend, work: Work, async_op: bool) -> Work | None:
         """Return ``work`` (async) or wait for it as a synchronous op does."""
@@ -439,7 +496,7 @@ class ProcessGroup:
         if self._coalescing is not None:
             return self._coalescing._defer(self, "all_reduce", red, ("tensor", buf, tensor), async_op)  # type: ignore[no-any-return]
         backend = self._backend_for(buf, "tensor")
-        work = self._issue(backend, lambda: backend.all_reduce(buf, red), buf, [tensor])
+        work = self._issue(backend, lambda: backend.all_reduce(buf, red), buf, [tensor], op="all_reduce", red=red)
         return self._finish(backend, work, async_op)
 
     def all_reduce_coalesced(self, tensors: Sequence[Any], op: Any = ReduceOp.SUM,
@@ -454,7 +511,8 @@ class ProcessGroup:
         bufs = [_array.as_buffer(t, name=n, writable=True) for t, n in zip(tensors, names)]
         reds = [_check_op(op, b.dtype) for b in bufs]
         backend = self._backend_for_all(bufs, names)
-        work = self._issue(backend, lambda: backend.all_reduce_coalesced(bufs, reds[0]), bufs[0], list(tensors))
+        work = self._issue(backend, lambda: backend.all_reduce_coalesced(bufs, reds[0]), bufs[0], list(tensors),
+                           op="all_reduce_coalesced", red=reds[0])
         return self._finish(backend, work, async_op)
 
     def reduce(self, tensor: Any, dst: int, op: Any = ReduceOp.SUM, async_op: bool = False) -> Work | None:
@@ -466,7 +524,7 @@ class ProcessGroup:
         buf = _array.as_buffer(tensor, name="tensor", writable=True)
         red = _check_op(op, buf.dtype)
         backend = self._backend_for(buf, "tensor")
-        work = self._issue(backend, lambda: backend.reduce(buf, dst, red), buf, [tensor], dst)
+        work = self._issue(backend, lambda: backend.reduce(buf, dst, red), buf, [tensor], dst, op="reduce", red=red)
         return self._finish(backend, work, async_op)
 
     def reduce_scatter(self, output: Any, input_list: Sequence[Any], op: Any = ReduceOp.SUM,
@@ -479,7 +537,8 @@ class ProcessGroup:
         ins = self._list_like(input_list, "input_list", out, "output", writable=False)
         red = _check_op(op, out.dtype)
         backend = self._backend_for_all([out, *ins], ["output"] + [f"input_list[{i}]" for i in range(len(ins))])
-        work = self._issue(backend, lambda: backend.reduce_scatter(out, ins, red), out, [output])
+        work = self._issue(backend, lambda: backend.reduce_scatter(out, ins, red), out, [output], op="reduce_scatter",
+                           red=red)
         return self._finish(backend, work, async_op)
 
     def reduce_scatter_single(self, output: Any, input: Any, op: Any = ReduceOp.SUM,
@@ -494,7 +553,8 @@ class ProcessGroup:
             return self._coalescing._defer(self, "reduce_scatter_single", red,  # type: ignore[no-any-return]
                                            ("output", out, output, inp), async_op)
         backend = self._backend_for_all([out, inp], ["output", "input"])
-        work = self._issue(backend, lambda: backend.reduce_scatter_single(out, inp, red), out, [output])
+        work = self._issue(backend, lambda: backend.reduce_scatter_single(out, inp, red), out, [output],
+                           op="reduce_scatter_single", red=red)
         return self._finish(backend, work, async_op)
 
     # ----- data movement -----
@@ -506,7 +566,7 @@ class ProcessGroup:
         self._check_rank(src, "group_src")
         buf = _array.as_buffer(tensor, name="tensor", writable=True)
         backend = self._backend_for(buf, "tensor")
-        work = self._issue(backend, lambda: backend.broadcast(buf, src), buf, [tensor], src)
+        work = self._issue(backend, lambda: backend.broadcast(buf, src), buf, [tensor], src, op="broadcast")
         return self._finish(backend, work, async_op)
 
     def all_gather(self, tensor_list: Sequence[Any], tensor: Any, async_op: bool = False) -> Work | None:
@@ -517,7 +577,7 @@ class ProcessGroup:
         inp = _array.as_buffer(tensor, name="tensor")
         outs = self._list_like(tensor_list, "tensor_list", inp, "tensor", writable=True)
         backend = self._backend_for_all([inp, *outs], ["tensor"] + [f"tensor_list[{i}]" for i in range(len(outs))])
-        work = self._issue(backend, lambda: backend.all_gather(outs, inp), inp, list(tensor_list))
+        work = self._issue(backend, lambda: backend.all_gather(outs, inp), inp, list(tensor_list), op="all_gather")
         return self._finish(backend, work, async_op)
 
     def all_gather_single(self, output: Any, input: Any, async_op: bool = False) -> Work | None:
@@ -530,7 +590,7 @@ class ProcessGroup:
             return self._coalescing._defer(self, "all_gather_single", None,  # type: ignore[no-any-return]
                                            ("output_tensor", out, output, inp), async_op)
         backend = self._backend_for_all([out, inp], ["output_tensor", "input_tensor"])
-        work = self._issue(backend, lambda: backend.all_gather_single(out, inp), inp, [output])
+        work = self._issue(backend, lambda: backend.all_gather_single(out, inp), inp, [output], op="all_gather_single")
         return self._finish(backend, work, async_op)
 
     def all_gather_coalesced(self, output_lists: Sequence[Sequence[Any]], input_list: Sequence[Any],
@@ -550,7 +610,7 @@ class ProcessGroup:
             [f"output_tensor_lists[{k}][{r}]" for k, row in enumerate(outs) for r in range(len(row))]
         backend = self._backend_for_all(flat, names)
         work = self._issue(backend, lambda: backend.all_gather_coalesced(outs, ins), ins[0],
-                           [list(row) for row in output_lists])
+                           [list(row) for row in output_lists], op="all_gather_coalesced")
         return self._finish(backend, work, async_op)
 
     def gather(self, tensor: Any, gather_list: Sequence[Any] | None, dst: int,
@@ -572,7 +632,7 @@ class ProcessGroup:
                              f"{self._rank}, dst is {dst})")
         backend = self._backend_for_all([inp, *(outs or ())], ["tensor"] + ["gather_list"] * len(outs or ()))
         work = self._issue(backend, lambda: backend.gather(outs, inp, dst), inp,
-                           list(gather_list) if gather_list else [], dst)
+                           list(gather_list) if gather_list else [], dst, op="gather")
         return self._finish(backend, work, async_op)
 
     def scatter(self, tensor: Any, scatter_list: Sequence[Any] | None, src: int,
@@ -593,7 +653,7 @@ class ProcessGroup:
             raise ValueError(f"scatter_list must not be given on a non-source rank (this is rank "
                              f"{self._rank}, src is {src})")
         backend = self._backend_for_all([out, *(ins or ())], ["tensor"] + ["scatter_list"] * len(ins or ()))
-        work = self._issue(backend, lambda: backend.scatter(out, ins, src), out, [tensor], src)
+        work = self._issue(backend, lambda: backend.scatter(out, ins, src), out, [tensor], src, op="scatter")
         return self._finish(backend, work, async_op)
 
     def all_to_all(self, output_list: Sequence[Any], input_list: Sequence[Any],
@@ -614,7 +674,8 @@ class ProcessGroup:
         names = [f"output_tensor_list[{i}]" for i in range(len(outs))] + \
                 [f"input_tensor_list[{i}]" for i in range(len(ins))]
         backend = self._backend_for_all(outs + ins, names)
-        work = self._issue(backend, lambda: backend.all_to_all(outs, ins), ins[0], list(output_list))
+        work = self._issue(backend, lambda: backend.all_to_all(outs, ins), ins[0], list(output_list),
+                           op="all_to_all")
         return self._finish(backend, work, async_op)
 
     def all_to_all_single(self, output: Any, input: Any, output_split_sizes: Sequence[int] | None = None,
@@ -639,7 +700,7 @@ class ProcessGroup:
         in_counts = [r * row_in for r in in_rows]
         backend = self._backend_for_all([out, inp], ["output", "input"])
         work = self._issue(backend, lambda: backend.all_to_all_single(out, inp, out_counts, in_counts), inp,
-                           [output])
+                           [output], op="all_to_all_single")
         return self._finish(backend, work, async_op)
 
     # ----- point to point -----

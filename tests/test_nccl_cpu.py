@@ -1030,6 +1030,49 @@ def test_process_group_sync_async_hooks_and_coalescing(monkeypatch: pytest.Monke
     run_groups(2, body, monkeypatch)
 
 
+def test_debug_detail_catches_collectives_that_differ_across_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUCOLL_DEBUG", "detail")
+
+    def body(pg: Any, rt: FakeRuntime, rank: int) -> list[str]:
+        errors = []
+        # Different sizes: NCCL would hang or read past the smaller array.
+        x = FakeDeviceArray(rt, np.ones(4 * (rank + 1), np.float32))
+        with pytest.raises(DistBackendError) as e1:
+            pg.all_reduce(x)
+        errors.append(str(e1.value))
+        # Different roots, then different reduction ops.
+        y = FakeDeviceArray(rt, np.full(3, rank + 1, np.float32))
+        with pytest.raises(DistBackendError) as e2:
+            pg.broadcast(y, src=rank)
+        errors.append(str(e2.value))
+        with pytest.raises(DistBackendError) as e3:
+            pg.all_reduce(y, op=ReduceOp.SUM if rank == 0 else ReduceOp.MAX)
+        errors.append(str(e3.value))
+        # Matching ops go through, and per-peer sizes of all_to_all_single may differ.
+        pg.all_reduce(y)
+        assert read_on_stream(rt, y.buf, np.float32).get(timeout=10).tolist() == [3.0] * 3
+        # rank 0 sends 1 row to itself and 2 to rank 1; rank 1 sends 1 to each
+        out = FakeDeviceArray(rt, np.zeros(2 + rank, np.float32))
+        inp = FakeDeviceArray(rt, np.full(3 - rank, rank + 1, np.float32))
+        pg.all_to_all_single(out, inp, output_split_sizes=[[1, 1], [2, 1]][rank],
+                             input_split_sizes=[[1, 2], [1, 1]][rank])
+        got = read_on_stream(rt, out.buf, np.float32).get(timeout=10).tolist()
+        assert got == ([1.0, 2.0] if rank == 0 else [1.0, 1.0, 2.0]), got
+        return errors
+    results = run_groups(2, body, monkeypatch)
+    for errors in results:
+        sizes, roots, ops = errors
+        assert "rank 0: all_reduce (seq 1) float32 (4,) SUM" in sizes, sizes
+        assert "rank 1: all_reduce (seq 1) float32 (8,) SUM" in sizes, sizes
+        assert "group 'g'" in sizes and "GPUCOLL_DEBUG=DETAIL" in sizes
+        assert "root=0" in roots and "root=1" in roots
+        assert "SUM" in ops and "MAX" in ops
+    monkeypatch.setenv("GPUCOLL_DEBUG", "loud")
+    from gpucoll.group import debug_level
+    with pytest.raises(ValueError, match="GPUCOLL_DEBUG must be OFF or DETAIL"):
+        debug_level()
+
+
 def test_process_group_timeout_aborts_and_names_op_seq_group(monkeypatch: pytest.MonkeyPatch) -> None:
     shared = HashStore()
 

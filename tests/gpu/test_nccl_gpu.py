@@ -436,6 +436,35 @@ def test_torch_interop(size: int) -> None:
         assert all(out.values()), out
 
 
+def _debug_detail_body() -> dict[str, Any]:
+    import cupy
+
+    import gpucoll
+
+    os.environ["GPUCOLL_DEBUG"] = "DETAIL"  # read when the group is created
+    rank = _init()
+    out: dict[str, Any] = {}
+    x = cupy.ones(4 * (rank + 1), cupy.float32)
+    try:
+        gpucoll.all_reduce(x)  # different sizes: without the check NCCL would misbehave
+        out["mismatch"] = "not caught"
+    except gpucoll.DistBackendError as exc:
+        out["mismatch"] = str(exc)
+    y = cupy.full(3, rank + 1, cupy.float32)
+    gpucoll.all_reduce(y)
+    out["after"] = cupy.asnumpy(y).tolist()
+    gpucoll.destroy_process_group()
+    return out
+
+
+@pytest.mark.skipif(_WHY_NOT_TWO is not None, reason=str(_WHY_NOT_TWO))
+def test_debug_detail_catches_mismatched_collectives() -> None:
+    for out in _spmd(_debug_detail_body, 2, timeout=300.0):
+        assert "rank 0: all_reduce (seq 1) float32 (4,) SUM" in out["mismatch"], out
+        assert "rank 1: all_reduce (seq 1) float32 (8,) SUM" in out["mismatch"], out
+        assert out["after"] == [3.0] * 3, out
+
+
 def _new_groups_body() -> dict[str, Any]:
     import cupy
 
