@@ -52,6 +52,27 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._stopped = False
         self._brisk = False  # the thread polls briskly (device work was pending when it last looked)
+        # Device backends whose outstanding ops this thread watches through the backend
+        # (``_poll_pending``) rather than op by op: nothing is recorded per op, so a
+        # synchronous device op leaves no object behind for the watchdog to hold.
+        self._backends: list[Any] = []
+
+    def watch_backend(self, backend: Any) -> None:
+        """Watch every op outstanding on device ``backend`` (which must have
+        ``_pending`` and ``_poll_pending()``): complete them in issue order, time out
+        the oldest. Call after each op is issued; cheap once the thread is brisk."""
+        backends = self._backends
+        if not (backends and backends[0] is backend) and not any(b is backend for b in backends):
+            with self._lock:
+                if not any(b is backend for b in self._backends):
+                    self._backends = [*self._backends, backend]
+        if self._thread is None:
+            self._ensure_started()
+        if not self._brisk:
+            # The thread clears the flag before it looks at the backends' queues, and
+            # the op was queued before this read: either it sees the op or we wake it.
+            self._brisk = True
+            self._queue.put(None)
 
     def track(self, work: Work, backend: Any, device: bool) -> None:
         """Watch ``work`` until it completes or times out."""
@@ -99,8 +120,12 @@ class Watchdog:
     def _run(self) -> None:
         stopping = False
         while not stopping:
+            self._brisk = False
             with self._lock:
-                brisk = self._brisk = any(device for _, _, device in self._pending)
+                brisk = any(device for _, _, device in self._pending)
+            brisk = brisk or any(b._pending for b in self._backends)
+            if brisk:
+                self._brisk = True
             try:
                 item = self._queue.get(timeout=_DEVICE_POLL_S if brisk else _IDLE_POLL_S)
             except queue.Empty:
@@ -125,11 +150,18 @@ class Watchdog:
                 self._on_hook_error(hook, exc)
 
     def _poll(self) -> None:
+        now = time.perf_counter()
+        for backend in self._backends:
+            try:
+                oldest = backend._poll_pending()
+            except Exception:  # a backend's own failure handling never stops the watchdog
+                oldest = None
+            if oldest is not None and now - oldest._t0 > self.timeout:
+                self._on_timeout(oldest, backend)
         with self._lock:
             pending = list(self._pending)
         if not pending:
             return
-        now = time.perf_counter()
         finished: set[int] = set()
         # A device backend runs its ops in order on one stream: once one of its works
         # is still running, its later ones are too, and started later, so they can

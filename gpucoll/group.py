@@ -440,13 +440,19 @@ class ProcessGroup:
         device = backend is not self._cpu
         if async_op:
             if not work._done.is_set():
-                self._watchdog.track(work, backend, device)
+                if device and hasattr(backend, "_poll_pending"):
+                    self._watchdog.watch_backend(backend)
+                else:
+                    self._watchdog.track(work, backend, device)
             return work
         if device:
             # Makes the caller's stream wait (DESIGN.md, Streams); the host goes on.
             work.wait()
             if not work._done.is_set():
-                self._watchdog.track(work, backend, True)
+                if hasattr(backend, "_poll_pending"):
+                    self._watchdog.watch_backend(backend)
+                else:
+                    self._watchdog.track(work, backend, True)
             return None
         self._wait_host(work, backend)
         return None

@@ -1030,6 +1030,22 @@ def test_process_group_sync_async_hooks_and_coalescing(monkeypatch: pytest.Monke
     run_groups(2, body, monkeypatch)
 
 
+def test_the_watchdog_completes_device_ops_through_the_backend_not_op_by_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    def body(pg: Any, rt: FakeRuntime, rank: int) -> None:
+        arrays = [FakeDeviceArray(rt, np.full(2, rank + 1, np.float32)) for _ in range(40)]
+        refs = [weakref.ref(a) for a in arrays]
+        for a in arrays:
+            pg.all_reduce(a)
+        assert pg._watchdog.outstanding() == 0  # nothing recorded per device op
+        del arrays, a
+        deadline = time.monotonic() + 10
+        while (pg._nccl._pending or any(r() is not None for r in refs)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # every op completed by the watchdog, in order, and every array released
+        assert not pg._nccl._pending and all(r() is None for r in refs)
+    run_groups(2, body, monkeypatch)
+
+
 def test_debug_detail_catches_collectives_that_differ_across_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPUCOLL_DEBUG", "detail")
 

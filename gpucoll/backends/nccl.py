@@ -285,6 +285,23 @@ class NCCLBackend:
         self.abort(reason)
         return self._aborted
 
+    def _poll_pending(self) -> NCCLWork | None:
+        """For the group's watchdog: notice an asynchronous NCCL error (which aborts),
+        complete the ops that finished, in issue order, and return the oldest one still
+        running (None when none is). Never raises."""
+        self._failure()
+        pending = self._pending
+        while True:
+            try:
+                first = pending[0]
+            except IndexError:
+                return None
+            if not first._check_event():
+                return first
+            with self._state:
+                if pending and pending[0] is first:
+                    pending.popleft()
+
     def _complete_earlier(self, work: NCCLWork) -> None:
         pending = self._pending
         while True:
