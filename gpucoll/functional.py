@@ -70,8 +70,7 @@ def all_reduce(x: Any, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None
     pg = _pg(group)
     _, src = _input(x, "x")
     out, dst = _array.new_output(x, src.shape, src.dtype)
-    _array.copy_buffer(dst, src)
-    pg.all_reduce(dst, op)
+    pg._all_reduce_into(dst, src, op)  # out of place where the backend can (NCCL): no copy
     return _array.to_caller_type(out, x, src.dtype)
 
 

@@ -505,6 +505,29 @@ class ProcessGroup:
         work = self._issue(backend, lambda: backend.all_reduce(buf, red), buf, [tensor], op="all_reduce", red=red)
         return self._finish(backend, work, async_op)
 
+    def _all_reduce_into(self, output: Any, input: Any, op: Any = ReduceOp.SUM,
+                         async_op: bool = False) -> Work | None:
+        """``output`` = the reduction of every rank's ``input`` (the functional API's
+        all_reduce, gpucoll-bench's out-of-place all_reduce; ``input`` is left alone).
+        A device backend that reduces out of place (NCCL) does it in one op; otherwise
+        ``input`` is copied into ``output``, which is then reduced in place."""
+        self._check_usable()
+        out = _array.as_buffer(output, name="output", writable=True)
+        inp = _array.as_buffer(input, name="input")
+        if out.dtype != inp.dtype or out.numel != inp.numel:
+            raise ValueError(f"output ({out.dtype.name} x {out.numel}) must match input "
+                             f"({inp.dtype.name} x {inp.numel})")
+        red = _check_op(op, out.dtype)
+        into = None
+        if self._coalescing is None:
+            backend = self._backend_for_all([out, inp], ["output", "input"])
+            into = getattr(backend, "all_reduce_into", None)
+        if into is None:
+            _array.copy_buffer(out, inp)
+            return self.all_reduce(out, op, async_op)
+        work = self._issue(backend, lambda: into(out, inp, red), out, [output], op="all_reduce", red=red)
+        return self._finish(backend, work, async_op)
+
     def all_reduce_coalesced(self, tensors: Sequence[Any], op: Any = ReduceOp.SUM,
                              async_op: bool = False) -> Work | None:
         """All-reduce several arrays as one op."""

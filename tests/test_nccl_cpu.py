@@ -247,13 +247,21 @@ def _reduction_sweep(be: NCCLBackend, rt: FakeRuntime, rank: int, *, fp8: bool =
             ins = [make_input(name, n, r) for r in range(size)]
             ok = defined(name, op, fp8)
             want = reference(ins, name, op, size) if ok else None
-            for coll in ("all_reduce", "reduce", "reduce_scatter_single", "reduce_scatter", "coalesced"):
+            for coll in ("all_reduce", "all_reduce_into", "reduce", "reduce_scatter_single", "reduce_scatter",
+                         "coalesced"):
                 what = f"{coll} {name} {op}"
                 try:
                     if coll == "all_reduce":
                         buf = dev(rt, ins[rank], name)
                         be.all_reduce(buf, op).synchronize()
                         got, expect = read(rt, buf, dt), want
+                    elif coll == "all_reduce_into":
+                        inp = dev(rt, ins[rank], name)
+                        out = dev(rt, np.zeros(n, dt), name)
+                        be.all_reduce_into(out, inp, op).synchronize()
+                        got, expect = read(rt, out, dt), want
+                        if not np.array_equal(read(rt, inp, dt).view(np.uint8), ins[rank].view(np.uint8)):
+                            bad.append(f"{what}: the input was modified")
                     elif coll == "reduce":
                         buf = dev(rt, ins[rank], name)
                         dst = size - 1
@@ -1043,6 +1051,30 @@ def test_the_watchdog_completes_device_ops_through_the_backend_not_op_by_op(monk
             time.sleep(0.01)
         # every op completed by the watchdog, in order, and every array released
         assert not pg._nccl._pending and all(r() is None for r in refs)
+    run_groups(2, body, monkeypatch)
+
+
+def test_functional_all_reduce_on_nccl_is_out_of_place_without_a_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpucoll import array as array_mod
+
+    def no_copy(*args: Any) -> None:
+        raise AssertionError("the NCCL path must not copy the input first")
+    monkeypatch.setattr(array_mod, "copy_buffer", no_copy)
+
+    def body(pg: Any, rt: FakeRuntime, rank: int) -> None:
+        for name, op, values in (("float32", ReduceOp.SUM, [1.5, -2.0, 3.0]), ("int16", ReduceOp.BXOR, [5, 6, 7]),
+                                 ("int32", ReduceOp.AVG, [7, -7, 9])):
+            dt = np_dtype(name)
+            host = np.array(values, dt) * (rank + 1)
+            x = FakeDeviceArray(rt, host)
+            y = FakeDeviceArray(rt, np.zeros(3, dt))
+            pg._all_reduce_into(y, x, op)
+            got = read_on_stream(rt, y.buf, dt).get(timeout=10)
+            want = reference([np.array(values, dt) * (r + 1) for r in range(2)], name, op, 2)
+            assert close(got, want, name), (name, got, want)
+            assert read(rt, x.buf, dt).tolist() == host.tolist()  # the input is left alone
+        with pytest.raises(ValueError, match="must match input"):
+            pg._all_reduce_into(FakeDeviceArray(rt, np.zeros(2, np.float32)), FakeDeviceArray(rt, np.zeros(3, np.float32)))
     run_groups(2, body, monkeypatch)
 
 

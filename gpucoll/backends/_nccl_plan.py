@@ -271,17 +271,27 @@ class Planner:
 
     # ----- reductions -----
 
-    def all_reduce(self, buf: Buffer, op: ReduceOpLike) -> Plan:
+    def all_reduce(self, buf: Buffer, op: ReduceOpLike, src: Buffer | None = None) -> Plan:
+        """``buf`` = the reduction of every rank's ``buf`` (in place) or, with ``src``
+        (same dtype and size), of every rank's ``src`` (out of place; ``src`` is left
+        alone)."""
         red = self.reduction(buf.dtype, op)
         n, p = buf.numel, buf.ptr
         if n == 0:
             return []
+        s = p if src is None else src.ptr
+        pre: list[Step] = []
+        if s != p and (red.scale is not None or red.op is None):
+            # The fallbacks below work in place: start from a copy of the input.
+            pre.append(("copy", p, s, buf.nbytes))
+            s = p
         # all_reduce overwrites buf anyway, so PREMUL_SUM's fallback scales it in place.
-        pre: list[Step] = [self._scale(red, p, n)] if red.scale is not None else []
+        if red.scale is not None:
+            pre.append(self._scale(red, p, n))
         if red.op is None:
             return self._kernel_all_reduce(red, p, n, pre)
         post = [self._divide(red, p, n)] if red.divide else []
-        return [(pre, [("all_reduce", p, p, n * red.mult, red.dtype, red.op)], post)]
+        return [(pre, [("all_reduce", s, p, n * red.mult, red.dtype, red.op)], post)]
 
     def _exchange(self, red: Reduction, srcs: Sequence[int], counts: Sequence[int], chunk: int,
                   base: int | None) -> tuple[int, list[Step], list[Step]]:

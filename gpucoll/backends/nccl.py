@@ -541,6 +541,11 @@ class NCCLBackend:
     def all_reduce(self, buf: Buffer, op: ReduceOpLike) -> Work:
         return self._issue("all_reduce", (buf,), lambda p: p.all_reduce(buf, op))
 
+    def all_reduce_into(self, out: Buffer, inp: Buffer, op: ReduceOpLike) -> Work:
+        """Out-of-place all_reduce: ``out`` = the reduction of every rank's ``inp`` (same
+        dtype and size; ``inp`` is not written). NCCL does this natively: no copy."""
+        return self._issue("all_reduce", (out, inp), lambda p: p.all_reduce(out, op, inp))
+
     def all_reduce_coalesced(self, bufs: Sequence[Buffer], op: ReduceOpLike) -> Work:
         return self._issue("all_reduce_coalesced", bufs, lambda p: merge([p.all_reduce(b, op) for b in bufs]))
 

@@ -10,10 +10,12 @@ Each op follows its nccl-tests counterpart (``src/<op>.cu``):
   exactly nccl-tests' ``getBw`` for every op (all_gather: ``count*n*typesize``).
 - ``busbw = algbw * factor(n)`` with the factors of nccl-tests' PERFORMANCE.md.
 
-The calls go through gpucoll's public, torch.distributed-style API. Ops whose
-gpucoll form is in-place only (all_reduce, broadcast, reduce) have no separate
-out-of-place call; nor have alltoall and sendrecv an in-place one (nccl-tests
-reports "N/A" for them too). Those columns read N/A.
+The calls go through gpucoll's public, torch.distributed-style API. Out-of-place
+all_reduce goes through the path ``gpucoll.functional.all_reduce`` takes: NCCL
+reduces from one buffer into another (as nccl-tests does); the CPU backend copies
+the input into the output and reduces that in place. broadcast and reduce are
+in-place only in gpucoll, and alltoall and sendrecv have no in-place form
+(nccl-tests reports "N/A" for those too): those columns read N/A.
 """
 
 from __future__ import annotations
@@ -153,6 +155,12 @@ def _all_reduce(c: Call) -> list[Any]:
     return _works(gpucoll.all_reduce(c.out, op=c.redop, async_op=c.async_op))
 
 
+def _all_reduce_out_of_place(c: Call) -> list[Any]:
+    from gpucoll.world import default_group
+
+    return _works(default_group()._all_reduce_into(c.out, c.inp, c.redop, async_op=c.async_op))
+
+
 def _all_gather(c: Call) -> list[Any]:
     import gpucoll
 
@@ -219,7 +227,7 @@ def _sendrecv(c: Call) -> list[Any]:
 OPS: dict[str, OpSpec] = {
     s.name: s
     for s in (
-        OpSpec("all_reduce", _same, _allreduce_factor, True, False, None, _all_reduce),
+        OpSpec("all_reduce", _same, _allreduce_factor, True, False, _all_reduce_out_of_place, _all_reduce),
         OpSpec("all_gather", _gather_like, _spread_factor, False, False, _all_gather, _all_gather),
         OpSpec("reduce_scatter", _scatter_like, _spread_factor, True, False, _reduce_scatter,
                _reduce_scatter),
