@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import math
 import sys
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
@@ -187,9 +188,7 @@ def _from_cai(array: Any, cai: dict[str, Any], name: str, writable: bool) -> Buf
     if writable and readonly:
         raise ValueError(f"{name} is read-only device memory and this op writes into it; "
                          "use gpucoll.functional, which returns a new array")
-    numel = 1
-    for s in shape:
-        numel *= s
+    numel = math.prod(shape)
     stream = cai.get("stream") if int(cai.get("version", 2)) >= 3 else None
     ptr = int(ptr or 0)
     index = _cuda_device_index(array, ptr)
@@ -367,9 +366,7 @@ def _from_dlpack(array: Any, name: str, writable: bool) -> Buffer:
     if writable and readonly:
         raise ValueError(f"{name} ({type(array).__name__}) is immutable or read-only and this op writes "
                          "into it; use gpucoll.functional, which returns a new array")
-    numel = 1
-    for s in shape:
-        numel *= s
+    numel = math.prod(shape)
     ptr = int(tensor.data or 0) + int(tensor.byte_offset)
     nbytes = numel * dtype.itemsize
     if kind in (_KDL_CPU, _KDL_CUDA_HOST):
