@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 from .._timeouts import DEFAULT_TIMEOUT
 from ..errors import DistStoreError
@@ -51,12 +52,16 @@ class HashStore(Store):
             got = self._kv.get_or_watch(bkeys, _wake, threading.Event())
         if not isinstance(got, Waiter):
             return got
+        return self._await(got, timeout, op, keys, lambda: [k.decode() for k in self._kv.missing(bkeys)])
+
+    def _await(self, got: Waiter, timeout: float, op: str, keys: list[str],
+               missing: Callable[[], list[str]]) -> list[bytes]:
+        """Wait for a parked request; on timeout withdraw it and raise naming ``missing()``."""
         if not got.ctx.wait(timeout):
             with self._lock:
                 if got.active:
                     self._kv.cancel(got)
-                    missing = [k.decode() for k in self._kv.missing(bkeys)]
-                    raise timeout_error(op, keys, missing, timeout, "HashStore")
+                    raise timeout_error(op, keys, missing(), timeout, "HashStore")
         assert got.result is not None
         return got.result
 
@@ -113,13 +118,7 @@ class HashStore(Store):
             got = self._kv.queue_pop_or_watch(bkey, _wake, threading.Event())
         if not isinstance(got, Waiter):
             return got
-        if not got.ctx.wait(timeout):
-            with self._lock:
-                if got.active:
-                    self._kv.cancel(got)
-                    raise timeout_error("queue_pop", [key], [key], timeout, "HashStore")
-        assert got.result is not None
-        return got.result[0]
+        return self._await(got, timeout, "queue_pop", [key], lambda: [key])[0]
 
     def _queue_len(self, key: str) -> int:
         with self._lock:
