@@ -10,6 +10,7 @@ from __future__ import annotations
 import array as pyarray
 import ctypes
 import gc
+import os
 import sys
 from typing import Any
 
@@ -22,44 +23,14 @@ from gpucoll._buffer import DTYPES, Buffer, Device
 from gpucoll.array import (NotContiguousError, as_buffer, copy_buffer, host_ndarray, is_device_array,
                            new_output, split_buffer, to_caller_type)
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _fake_arrays import FakeCudaArray  # noqa: E402
+
 NUMPY_DTYPES = [n for n in DTYPES]
 
 
 def _np_dtype(name: str) -> np.dtype[Any]:
     return DTYPES[name].numpy()
-
-
-class FakeCudaArray:
-    """Publishes ``__cuda_array_interface__`` for a NumPy array's (host) memory."""
-
-    def __init__(self, a: np.ndarray, *, version: int = 3, stream: int | None = None, readonly: bool = False,
-                 strides: bool = False, typestr: str | None = None, dtype: Any = None,
-                 device: int | None = None) -> None:
-        self.a = a
-        self.version = version
-        self.stream = stream
-        self.readonly = readonly
-        self.strides = strides
-        self.typestr = typestr
-        self.dtype = dtype if dtype is not None else a.dtype
-        if device is not None:
-            self._device = device
-
-    @property
-    def __cuda_array_interface__(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "shape": self.a.shape,
-            "typestr": self.typestr or self.a.dtype.str,
-            "data": (self.a.ctypes.data, self.readonly),
-            "version": self.version,
-            "strides": self.a.strides if self.strides else None,
-        }
-        if self.version >= 3:
-            d["stream"] = self.stream
-        return d
-
-    def __dlpack_device__(self) -> tuple[int, int]:
-        return (2, getattr(self, "_device", 0))
 
 
 class FakeDLPackCuda:

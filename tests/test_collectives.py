@@ -7,12 +7,17 @@ per size runs all the checks (process start is the expensive part).
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any, Callable
 
 import numpy as np
 import pytest
 
 from gpucoll.testing import run_spmd
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _fake_arrays import FakeCudaArray  # noqa: E402
 
 DTYPE_NAMES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
                "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
@@ -345,21 +350,6 @@ def test_reference_is_independent() -> None:
 
 
 # ----- the device path, with a host stand-in for NCCL -----
-
-class FakeCudaArray:
-    """Host memory published through __cuda_array_interface__ (no GPU needed)."""
-
-    def __init__(self, a: np.ndarray) -> None:
-        self.a = a
-
-    @property
-    def __cuda_array_interface__(self) -> dict[str, Any]:
-        return {"shape": self.a.shape, "typestr": self.a.dtype.str, "data": (self.a.ctypes.data, False),
-                "version": 3, "strides": None, "stream": None}
-
-    def __dlpack_device__(self) -> tuple[int, int]:
-        return (2, 0)
-
 
 class HostStandInForNCCL:
     """Plays the NCCL backend on fake device arrays by handing their (host) memory to a

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -18,6 +19,9 @@ from gpucoll.errors import DistBackendError
 from gpucoll.store import HashStore
 from gpucoll.testing import run_spmd
 from gpucoll.work import Work, WorkInfo
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _fake_arrays import FakeCudaArray  # noqa: E402
 
 
 def wait_for(pred: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -153,19 +157,6 @@ class FakeDeviceBackend(ScriptedBackend):
         return w
 
 
-class FakeCudaArray:
-    def __init__(self, a: np.ndarray, device: int = 0) -> None:
-        self.a, self.device_index = a, device
-
-    @property
-    def __cuda_array_interface__(self) -> dict[str, Any]:
-        return {"shape": self.a.shape, "typestr": self.a.dtype.str, "data": (self.a.ctypes.data, False),
-                "version": 3, "strides": None, "stream": 7}
-
-    def __dlpack_device__(self) -> tuple[int, int]:
-        return (2, self.device_index)
-
-
 @pytest.fixture
 def scripted(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
     monkeypatch.setitem(group_module.BACKENDS, "cpu", ScriptedBackend)
@@ -201,7 +192,7 @@ def test_hooks_fire_off_the_callers_thread_with_workinfo(scripted: Any) -> None:
 def test_device_work_is_completed_by_the_watchdog(scripted: Any) -> None:
     seen: list[WorkInfo] = []
     scripted.register_on_completion_hook(seen.append)
-    arr = FakeCudaArray(np.zeros(4, np.float32))
+    arr = FakeCudaArray(np.zeros(4, np.float32), stream=7)
     assert gpucoll.all_reduce(arr) is None  # ordered on the stream; the host goes on
     backend = scripted._nccl
     assert isinstance(backend, FakeDeviceBackend) and backend.device_id == 0
@@ -211,7 +202,7 @@ def test_device_work_is_completed_by_the_watchdog(scripted: Any) -> None:
     wait_for(lambda: len(seen) == 1)
     assert seen[0].active_duration == 0.002 and seen[0].seq == 1
     with pytest.raises(ValueError, match="cuda:1 but group 'default' communicates on cuda:0"):
-        gpucoll.all_reduce(FakeCudaArray(np.zeros(4, np.float32), device=1))
+        gpucoll.all_reduce(FakeCudaArray(np.zeros(4, np.float32), stream=7, device=1))
 
 
 def test_timeout_aborts_names_the_op_and_dumps_the_flight_recorder(scripted: Any, tmp_path: Any) -> None:

@@ -14,6 +14,9 @@ import gpucoll
 from gpucoll.store import HashStore
 from gpucoll.testing import run_spmd
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _fake_arrays import FakeCudaArray  # noqa: E402
+
 
 @pytest.fixture
 def world_of_one() -> Any:
@@ -111,18 +114,6 @@ def test_nccl_availability_follows_the_backend_probe() -> None:
     usable = nccl_unavailable_reason() is None
     assert gpucoll.is_nccl_available() is usable
     assert default_backend() == ("nccl" if usable else "cpu")
-
-
-class FakeCudaArray:
-    """Host memory that claims to be on a GPU (enough to test dispatch)."""
-
-    def __init__(self, a: np.ndarray) -> None:
-        self.a = a
-
-    @property
-    def __cuda_array_interface__(self) -> dict[str, Any]:
-        return {"shape": self.a.shape, "typestr": self.a.dtype.str, "data": (self.a.ctypes.data, False),
-                "version": 3, "strides": None, "stream": None}
 
 
 def test_device_arrays_on_a_cpu_group_are_refused(world_of_one: Any) -> None:
