@@ -75,7 +75,14 @@ class Watchdog:
             self._queue.put(None)
 
     def track(self, work: Work, backend: Any, device: bool) -> None:
-        """Watch ``work`` until it completes or times out."""
+        """Watch ``work`` until it completes or times out. Device work of a backend that
+        keeps its own queue of outstanding ops is watched through that queue
+        (:meth:`watch_backend`), with nothing recorded per op."""
+        if device:
+            backends = self._backends
+            if (backends and backends[0] is backend) or hasattr(backend, "_poll_pending"):
+                self.watch_backend(backend)
+                return
         with self._lock:
             self._pending.append((work, backend, device))
             wake = device and not self._brisk

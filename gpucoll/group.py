@@ -357,7 +357,7 @@ class ProcessGroup:
                                 device_id=device_id)
 
     def _split_device_backend(self, members: Sequence[int] | None, color: int, *, store: Store,
-                              group_name: str, timeout: float) -> tuple[bool, Backend | None]:
+                              group_name: str, timeout: float) -> Backend | None:
         """The device backend of a new group carved out of this one with ``ncclCommSplit``.
 
         Every rank of this group must call it for each new group, in the same order,
@@ -373,17 +373,18 @@ class ProcessGroup:
             group_name, timeout: the new group's.
 
         Returns:
-            ``(False, None)`` when no split is possible (a cpu group, a group not
-            bound to a device at creation, an NCCL without ncclCommSplit): the new
-            group then makes its own communicator. Else ``(True, backend)``, backend None on non-members.
+            The new group's device backend on members; None on non-members, and
+            wherever no split is possible (a cpu group, a group not bound to a device
+            at creation, an NCCL without ncclCommSplit): the new group then makes its
+            own communicator.
         """
         nccl = self._nccl
         if not self._bound or nccl is None or not getattr(nccl, "can_split", False):
-            return False, None
+            return None
         backend: Backend | None = nccl.split(  # type: ignore[attr-defined]
             members, color=color, store=PrefixStore("nccl", store), group_name=group_name,
             timeout=timeout + _BACKEND_GRACE_S)
-        return True, backend
+        return backend
 
     def _backend_for_all(self, bufs: Sequence[Buffer], names: Sequence[str]) -> Backend:
         first = bufs[0]
@@ -440,19 +441,13 @@ class ProcessGroup:
         device = backend is not self._cpu
         if async_op:
             if not work._done.is_set():
-                if device and hasattr(backend, "_poll_pending"):
-                    self._watchdog.watch_backend(backend)
-                else:
-                    self._watchdog.track(work, backend, device)
+                self._watchdog.track(work, backend, device)
             return work
         if device:
             # Makes the caller's stream wait (DESIGN.md, Streams); the host goes on.
             work.wait()
             if not work._done.is_set():
-                if hasattr(backend, "_poll_pending"):
-                    self._watchdog.watch_backend(backend)
-                else:
-                    self._watchdog.track(work, backend, True)
+                self._watchdog.track(work, backend, True)
             return None
         self._wait_host(work, backend)
         return None

@@ -376,7 +376,7 @@ def _make_group(world: _World, name: str, global_ranks: list[int] | None, my_glo
     store = PrefixStore(f"pg/{name}", world.store)
     device_backend = None
     if parent is not None and kind == "nccl":
-        _, device_backend = parent._split_device_backend(parent_ranks, color, store=store, group_name=name,
+        device_backend = parent._split_device_backend(parent_ranks, color, store=store, group_name=name,
                                                          timeout=seconds)
     if global_ranks is None:
         return None

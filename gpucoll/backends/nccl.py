@@ -290,30 +290,25 @@ class NCCLBackend:
         complete the ops that finished, in issue order, and return the oldest one still
         running (None when none is). Never raises."""
         self._failure()
-        pending = self._pending
-        while True:
-            try:
-                first = pending[0]
-            except IndexError:
-                return None
-            if not first._check_event():
-                return first
-            with self._state:
-                if pending and pending[0] is first:
-                    pending.popleft()
+        return self._complete_until(None)
 
     def _complete_earlier(self, work: NCCLWork) -> None:
+        self._complete_until(work)
+
+    def _complete_until(self, stop: NCCLWork | None) -> NCCLWork | None:
+        """Complete and drop finished works from the head of the queue, up to ``stop``
+        (not included); the first one still running, or None."""
         pending = self._pending
         while True:
             # Peeking needs no lock (deque reads are atomic); popping does.
             try:
                 first = pending[0]
             except IndexError:
-                return
-            if first is work:
-                return
+                return None
+            if first is stop:
+                return None
             if not first._check_event():
-                return  # not issued yet (a coalescing member) or still running
+                return first
             with self._state:
                 if pending and pending[0] is first:
                     pending.popleft()
