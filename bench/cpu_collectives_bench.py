@@ -115,7 +115,7 @@ def gpucoll_rank(quick: bool, sizes: list[int]) -> dict[str, Any]:
 
 
 def run_gpucoll(world: int, quick: bool, sizes: list[int], transport: str) -> dict[str, Any]:
-    from gpucoll.backends.cpu import TRANSPORT_ENV
+    from gpucoll._backends.cpu.backend import TRANSPORT_ENV
     from gpucoll.testing import run_spmd
 
     # A stuck op fails after pg_timeout, a stuck job after timeout, each with the ranks' stacks.

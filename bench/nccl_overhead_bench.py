@@ -101,7 +101,7 @@ def _child_bare(rank: int, size: int, n: int, batch: int, batches: int, warmup: 
     import cupy
     from cupy.cuda import nccl
 
-    from gpucoll.backends._nccl_lib import comm_id_arg, normalise_unique_id
+    from gpucoll._backends.nccl.lib import comm_id_arg, normalise_unique_id
     from gpucoll.store import FileStore
 
     cupy.cuda.Device(0).use()
@@ -125,9 +125,9 @@ def _child_gpucoll(mode: str, rank: int, size: int, n: int, batch: int, batches:
 
     import gpucoll
     from gpucoll import array as garray
-    from gpucoll.backends.nccl import nccl_version
+    from gpucoll._backends.nccl.backend import nccl_version
     from gpucoll.store import FileStore
-    from gpucoll.world import default_group
+    from gpucoll._world import default_group
 
     cupy.cuda.Device(0).use()
     x = cupy.ones(n, cupy.float32)
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(res, f)
         return 0
 
-    from gpucoll.backends.nccl import nccl_unavailable_reason
+    from gpucoll._backends.nccl.backend import nccl_unavailable_reason
 
     reason = nccl_unavailable_reason()
     if reason is not None:

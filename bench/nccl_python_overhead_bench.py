@@ -31,12 +31,12 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from gpucoll import group as _group  # noqa: E402
+from gpucoll._group import registry as _group  # noqa: E402
 from gpucoll._buffer import DTYPES, Buffer, Device  # noqa: E402
-from gpucoll.backends._nccl_lib import Features  # noqa: E402
-from gpucoll.backends.nccl import NCCLBackend  # noqa: E402
-from gpucoll.group import ProcessGroup  # noqa: E402
-from gpucoll.reduce_op import ReduceOp  # noqa: E402
+from gpucoll._backends.nccl.lib import Features  # noqa: E402
+from gpucoll._backends.nccl.backend import NCCLBackend  # noqa: E402
+from gpucoll._group import ProcessGroup  # noqa: E402
+from gpucoll._reduce_op import ReduceOp  # noqa: E402
 from gpucoll.store import HashStore, PrefixStore  # noqa: E402
 
 

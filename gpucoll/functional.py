@@ -24,9 +24,9 @@ import numpy as np
 
 from . import array as _array
 from ._buffer import Buffer, DType
-from .collectives import _group_rank, _pg
-from .group import ProcessGroup
-from .reduce_op import ReduceOp
+from ._collectives import _group_rank, _pg
+from ._group import ProcessGroup
+from ._reduce_op import ReduceOp
 
 __all__ = ["all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather", "reduce_scatter",
            "all_to_all_single"]

@@ -20,8 +20,8 @@ import os
 import sys
 from typing import Mapping, Sequence
 
-from ._launch_agent import run_job
-from ._launch_config import LaunchConfig, resolve_nproc, resolve_token
+from ._launch.agent import run_job
+from ._launch.config import LaunchConfig, resolve_nproc, resolve_token
 
 __all__ = ["main", "build_config"]
 

@@ -1,7 +1,7 @@
 """An in-process fake of CUDA streams/events and NCCL communicators, for the NCCL
 backend's CPU tests.
 
-It implements gpucoll.backends._nccl_runtime's Runtime and Comm Protocols with the
+It implements gpucoll._backends.nccl.runtime's Runtime and Comm Protocols with the
 semantics the backend relies on, so that NCCLBackend runs unchanged on a machine
 without a GPU:
 
@@ -38,7 +38,7 @@ from typing import Any, Callable
 import numpy as np
 
 from gpucoll._buffer import Buffer, Device, DType
-from gpucoll.backends._nccl_lib import Features
+from gpucoll._backends.nccl.lib import Features
 
 NP_OF_NCCL = {0: "int8", 1: "uint8", 2: "int32", 3: "uint32", 4: "int64", 5: "uint64",
               6: "float16", 7: "float32", 8: "float64", 9: "bfloat16", 10: "float8_e4m3fn", 11: "float8_e5m2"}

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from gpucoll._buffer import DTYPES
-from gpucoll.reduce_op import ReduceOp, make_premul_sum
+from gpucoll._reduce_op import ReduceOp, make_premul_sum
 
 
 def np_dtype(name: str) -> np.dtype[Any]:

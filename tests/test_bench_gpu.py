@@ -36,7 +36,7 @@ def test_every_op_every_type_on_one_gpu(op: str, tmp_path: Any) -> None:
 
 
 def test_two_ranks_on_one_gpu_and_the_check_fails_when_corrupted() -> None:
-    from gpucoll.backends.nccl import nccl_version
+    from gpucoll._backends.nccl.backend import nccl_version
 
     if nccl_version() < (2, 30, 0):
         pytest.skip(f"two ranks on one GPU need NCCL >= 2.30; this is {'.'.join(map(str, nccl_version()))}")

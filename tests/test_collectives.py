@@ -360,7 +360,7 @@ class HostStandInForNCCL:
 
     def __init__(self, store: Any, rank: int, size: int, *, timeout: float, group_name: str,
                  device_id: int | None) -> None:
-        from gpucoll.backends.cpu import CPUBackend
+        from gpucoll._backends.cpu.backend import CPUBackend
 
         self.inner = CPUBackend(store, rank, size, timeout=timeout, group_name=group_name)
         self.rank, self.size, self.device_id = rank, size, device_id
@@ -391,7 +391,7 @@ class HostStandInForNCCL:
 
 def nccl_dispatch_body() -> list[str]:
     import gpucoll
-    from gpucoll import group as group_module
+    from gpucoll._group import registry as group_module
 
     group_module.BACKENDS["nccl"] = HostStandInForNCCL
     gpucoll.init_process_group("nccl", timeout=30)

@@ -44,7 +44,7 @@ def buf(a: np.ndarray[Any, Any]) -> Any:
 
 def make_backend(name: str, *, transport: str = "auto", timeout: float = 30.0) -> Any:
     """A CPUBackend for this rank over the job's TCPStore, in namespace ``name``."""
-    from gpucoll.backends.cpu import TRANSPORT_ENV, CPUBackend
+    from gpucoll._backends.cpu.backend import TRANSPORT_ENV, CPUBackend
     from gpucoll.clusters.base import STORE_TOKEN_ENV
     from gpucoll.store import PrefixStore, TCPStore
 
@@ -109,7 +109,7 @@ def valid(op: str, dtype: str) -> bool:
 
 
 def reduce_op(op: str) -> Any:
-    from gpucoll.reduce_op import ReduceOp, make_premul_sum
+    from gpucoll._reduce_op import ReduceOp, make_premul_sum
 
     return make_premul_sum(0.5) if op == "PREMUL_SUM" else ReduceOp[op]
 
@@ -461,7 +461,7 @@ def test_faults(world: int, transport: str) -> None:
 def public_api_body() -> dict[str, Any]:
     """The same backend under the public API: default group, object collectives, async."""
     import gpucoll
-    from gpucoll.world import default_group
+    from gpucoll._world import default_group
 
     r, n = gpucoll.get_rank(), gpucoll.get_world_size()
     x = data(r, 300_001, "float64", 1)

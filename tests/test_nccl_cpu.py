@@ -27,12 +27,12 @@ import numpy as np
 import pytest
 
 from gpucoll._buffer import DTYPES, Buffer, Device
-from gpucoll.backends import _nccl_lib
-from gpucoll.backends._nccl_lib import Features, features_of, version_tuple
-from gpucoll.backends._nccl_plan import KTYPES, Planner, kernel_name, resolve_reduction
-from gpucoll.backends.nccl import NCCLBackend, nccl_unavailable_reason, rendezvous
+from gpucoll._backends.nccl import lib as _nccl_lib
+from gpucoll._backends.nccl.lib import Features, features_of, version_tuple
+from gpucoll._backends.nccl.plan import KTYPES, Planner, kernel_name, resolve_reduction
+from gpucoll._backends.nccl.backend import NCCLBackend, nccl_unavailable_reason, rendezvous
 from gpucoll.errors import BackendUnavailableError, DistBackendError
-from gpucoll.reduce_op import ReduceOp, make_premul_sum
+from gpucoll._reduce_op import ReduceOp, make_premul_sum
 from gpucoll.store import HashStore, PrefixStore
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -49,7 +49,7 @@ def _has_gpu() -> bool:
 # ============================================================ import hygiene and availability
 
 def test_import_gpucoll_and_the_nccl_module_import_no_cupy() -> None:
-    code = ("import sys, gpucoll, gpucoll.backends.nccl, gpucoll._kernels\n"
+    code = ("import sys, gpucoll, gpucoll._backends.nccl.backend, gpucoll._backends.nccl.kernels\n"
             "print('cupy' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
@@ -74,7 +74,7 @@ def _run_python(code: str) -> str:
 def test_without_cupy_the_reason_names_cupy_and_the_install_command() -> None:
     out = _run_python(
         "import sys\nsys.modules['cupy'] = None\n"
-        "from gpucoll.backends.nccl import nccl_unavailable_reason\n"
+        "from gpucoll._backends.nccl.backend import nccl_unavailable_reason\n"
         "print(nccl_unavailable_reason())\n")
     assert "needs CuPy, which is not installed" in out
     assert 'pip install "gpucoll[cuda12]"' in out and "gpucoll[cuda13]" in out
@@ -84,7 +84,7 @@ def test_without_nccl_the_reason_names_the_nccl_library() -> None:
     out = _run_python(
         "import sys, types, cupy\n"
         "sys.modules['cupy.cuda.nccl'] = types.SimpleNamespace(available=False)\n"
-        "from gpucoll.backends.nccl import nccl_unavailable_reason\n"
+        "from gpucoll._backends.nccl.backend import nccl_unavailable_reason\n"
         "print(nccl_unavailable_reason())\n")
     assert "found no NCCL library (libnccl.so.2)" in out and "nvidia-nccl-cu12" in out
 
@@ -498,7 +498,7 @@ def test_in_place_all_reduce_allocates_no_device_memory() -> None:
 
 
 def test_completed_works_are_released_without_a_watchdog() -> None:
-    from gpucoll.backends.nccl import _PRUNE_AT
+    from gpucoll._backends.nccl.backend import _PRUNE_AT
 
     def body(be: NCCLBackend, rt: FakeRuntime, rank: int) -> None:
         owners = []
@@ -523,25 +523,6 @@ def test_graph_capture_joins_the_streams_and_completes_at_once() -> None:
         rt.capturing.clear()
         # In the fake the "graph" ran eagerly: the caller's stream still sees the result in order.
         assert read_on_stream(rt, buf, np.float32).get(timeout=10).tolist() == [2.0] * 4
-    run_world(2, body)
-
-
-def test_coalescing_issues_one_group_and_completes_every_member() -> None:
-    def body(be: NCCLBackend, rt: FakeRuntime, rank: int) -> None:
-        a = dev(rt, np.full(3, rank + 1, np.float32))
-        b = dev(rt, np.arange(4, dtype=np.int16) + rank)
-        be.start_coalescing()
-        wa = be.all_reduce(a, ReduceOp.SUM)
-        wb = be.all_reduce(b, ReduceOp.BOR)  # two phases, merged with a's one
-        assert not wa.is_completed()
-        batch = be.end_coalescing()
-        batch.wait()
-        batch.synchronize()
-        assert wa.is_completed() and wb.is_completed()
-        assert read(rt, a, np.float32).tolist() == [3.0] * 3
-        assert read(rt, b, np.int16).tolist() == [0 | 1, 1 | 2, 2 | 3, 3 | 4]
-        with pytest.raises(RuntimeError, match="not coalescing"):
-            be.end_coalescing()
     run_world(2, body)
 
 
@@ -592,8 +573,11 @@ def test_abort_fails_the_hung_op_and_every_later_one_naming_op_seq_group() -> No
 
 
 def test_an_asynchronous_nccl_error_aborts_the_group() -> None:
+    alive: list[Buffer] = []  # the aborted op may still run on the fake stream after body returns
+
     def body(be: NCCLBackend, rt: FakeRuntime, rank: int) -> None:
         buf = dev(rt, np.ones(4, np.float32))
+        alive.append(buf)
         be.all_reduce(buf, ReduceOp.SUM).synchronize()
         assert be._comm is not None
         be._comm.async_code = 6  # type: ignore[attr-defined]  # ncclRemoteError
@@ -724,7 +708,7 @@ def test_every_kernel_a_plan_can_name_is_in_the_kernel_source() -> None:
     lib = _host_kernels()
     missing = [n for n in sorted(names) if not hasattr(lib, n)]
     assert not missing
-    from gpucoll import _kernels
+    from gpucoll._backends.nccl import kernels as _kernels
     for n in names:
         assert _kernels.signature(n)
 
@@ -748,7 +732,7 @@ def _host_kernels() -> ctypes.CDLL:
         pytest.skip("no C++ compiler to build the kernels as host code")
     import tempfile
 
-    from gpucoll import _kernels
+    from gpucoll._backends.nccl import kernels as _kernels
 
     tmp = tempfile.mkdtemp(prefix="gpucoll-kernels-")
     prelude = os.path.join(tmp, "prelude.h")
@@ -766,7 +750,7 @@ def _host_kernels() -> ctypes.CDLL:
 
 def _launch_host(lib: ctypes.CDLL, name: str, n: int, args: tuple[Any, ...], grid: int = 2, block: int = 3) -> None:
     """Run kernel ``name`` as grid x block sequential 'threads' (the loops are grid-stride)."""
-    from gpucoll import _kernels
+    from gpucoll._backends.nccl import kernels as _kernels
 
     ctypes_of = {"p": ctypes.c_void_p, "q": ctypes.c_longlong, "i": ctypes.c_int, "d": ctypes.c_double}
     sig = _kernels.signature(name)
@@ -844,7 +828,7 @@ def test_kernels_compile_to_ptx_with_nvcc() -> None:
         pytest.skip("no nvcc here")
     import tempfile
 
-    from gpucoll import _kernels
+    from gpucoll._backends.nccl import kernels as _kernels
 
     out = os.path.join(tempfile.mkdtemp(prefix="gpucoll-ptx-"), "reduce.ptx")
     proc = subprocess.run([nvcc, "-ptx", "-arch=compute_80", "-o", out, str(_kernels.KERNEL_DIR / "reduce.cu")],
@@ -864,7 +848,7 @@ def test_kernels_compile_with_nvrtc_as_cupy_compiles_them() -> None:
         version = nvrtc.getVersion()
     except Exception as exc:
         pytest.skip(f"no NVRTC here ({type(exc).__name__}: {exc}); the cuda12/cuda13 extras install it")
-    from gpucoll import _kernels
+    from gpucoll._backends.nccl import kernels as _kernels
 
     prog = nvrtc.createProgram(_kernels.source("reduce"), "reduce.cu", [], [])
     try:
@@ -885,7 +869,7 @@ def test_kernels_compile_with_nvrtc_as_cupy_compiles_them() -> None:
 
 @pytest.mark.skipif(_has_gpu(), reason="a usable GPU is present")
 def test_compiling_kernels_without_a_gpu_is_a_clear_backend_error() -> None:
-    from gpucoll import _kernels
+    from gpucoll._backends.nccl import kernels as _kernels
 
     with pytest.raises(BackendUnavailableError, match="NVRTC"):
         _kernels.get_kernel("gpucoll_reduce_bxor_u8", 0)
@@ -896,7 +880,7 @@ def test_compiling_kernels_without_a_gpu_is_a_clear_backend_error() -> None:
 def test_cupy_adapter_binds_only_names_that_exist() -> None:
     from cupy.cuda import nccl
 
-    from gpucoll.backends._nccl_runtime import CudaRuntime, CupyComm
+    from gpucoll._backends.nccl.runtime import CudaRuntime, CupyComm
 
     lib = _nccl_lib.load()
     rt = CudaRuntime(lib)  # binds every CuPy function it will call
@@ -910,7 +894,7 @@ def test_cupy_adapter_binds_only_names_that_exist() -> None:
 
 
 def test_kernel_launch_passes_the_declared_c_types(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpucoll import _kernels
+    from gpucoll._backends.nccl import kernels as _kernels
 
     seen: list[Any] = []
 
@@ -943,7 +927,7 @@ def test_kernel_launch_passes_the_declared_c_types(monkeypatch: pytest.MonkeyPat
 
 
 def test_event_pool_reuses_events_once_dropped() -> None:
-    from gpucoll.backends._nccl_runtime import _EventPool
+    from gpucoll._backends.nccl.runtime import _EventPool
 
     made: list[int] = []
 
@@ -984,8 +968,8 @@ def run_groups(size: int, body: Callable[[Any, FakeRuntime, int], Any], monkeypa
                *, timeout: float = 10.0) -> list[Any]:
     """Run ``body(process_group, runtime, rank)`` on rank threads; the group's NCCL backend
     runs on the fake GPU."""
-    from gpucoll import group as group_mod
-    from gpucoll.group import ProcessGroup
+    from gpucoll._group import registry as group_mod
+    from gpucoll._group import ProcessGroup
 
     fabric = FakeFabric(hang_limit=30.0)
     store = HashStore(timeout=30.0)
@@ -1010,7 +994,7 @@ def run_groups(size: int, body: Callable[[Any, FakeRuntime, int], Any], monkeypa
 
 
 def test_process_group_sync_async_hooks_and_coalescing(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpucoll.collectives import coalescing
+    from gpucoll._collectives import coalescing
 
     def body(pg: Any, rt: FakeRuntime, rank: int) -> None:
         infos: list[Any] = []
@@ -1116,7 +1100,7 @@ def test_debug_detail_catches_collectives_that_differ_across_ranks(monkeypatch: 
         assert "root=0" in roots and "root=1" in roots
         assert "SUM" in ops and "MAX" in ops
     monkeypatch.setenv("GPUCOLL_DEBUG", "loud")
-    from gpucoll.group import debug_level
+    from gpucoll._group.registry import debug_level
     with pytest.raises(ValueError, match="GPUCOLL_DEBUG must be OFF or DETAIL"):
         debug_level()
 
@@ -1152,9 +1136,9 @@ def run_worlds(size: int, body: Callable[[Any, FakeRuntime, int], Any], monkeypa
     """Run ``body(world_module, runtime, rank)`` on rank threads, each with its own default
     group (backend "nccl", on the fake GPU), so that new_group and split_group run as in
     a job. The world slot is made per thread for the test."""
-    from gpucoll import group as group_mod
-    from gpucoll import world as world_mod
-    from gpucoll.group import ProcessGroup
+    from gpucoll._group import registry as group_mod
+    from gpucoll import _world as world_mod
+    from gpucoll._group import ProcessGroup
 
     fabric = FakeFabric(hang_limit=30.0)
     store = HashStore(timeout=30.0)
@@ -1200,7 +1184,7 @@ def _split_made(pg: Any) -> bool:
 
 @pytest.mark.parametrize("size", [3, 4])
 def test_new_group_and_split_group_split_the_parent_communicator(size: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpucoll.group import GroupMember
+    from gpucoll._group.member import GroupMember
 
     def body(w: Any, rt: FakeRuntime, rank: int) -> dict[str, Any]:
         out: dict[str, Any] = {}

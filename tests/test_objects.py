@@ -90,7 +90,7 @@ def test_object_collectives(world_size: int) -> None:
 def nccl_like_group_body() -> str:
     """Objects in a group created for NCCL go through its CPU backend, never a GPU."""
     import gpucoll
-    from gpucoll import group as group_module
+    from gpucoll._group import registry as group_module
 
     calls: list[str] = []
 
@@ -101,8 +101,8 @@ def nccl_like_group_body() -> str:
     group_module.BACKENDS["nccl"] = fake_nccl
     from gpucoll.store import PrefixStore
 
-    store = PrefixStore("nccl-objects", gpucoll.world.default_group().store)
-    g = group_module.ProcessGroup(store, gpucoll.get_rank(),
+    store = PrefixStore("nccl-objects", gpucoll._world.default_group().store)
+    g = gpucoll.ProcessGroup(store, gpucoll.get_rank(),
                                   gpucoll.get_world_size(), group_name="nccl-objects",
                                   global_ranks=range(gpucoll.get_world_size()), timeout=30.0, backend="nccl")
     out: list[Any] = [None] * gpucoll.get_world_size()

@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 
-from gpucoll._errorfile import read_error, write_error
-from gpucoll._launch_config import count_gpus, resolve_nproc, resolve_token
-from gpucoll._launch_output import OutputPump
-from gpucoll._launch_summary import RankExit, describe_code, failure_summary, launcher_exit_code, root_cause
+from gpucoll._launch.errorfile import read_error, write_error
+from gpucoll._launch.config import count_gpus, resolve_nproc, resolve_token
+from gpucoll._launch.output import OutputPump
+from gpucoll._launch.summary import RankExit, describe_code, failure_summary, launcher_exit_code, root_cause
 from gpucoll.run import _parser, build_config, main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,7 +124,7 @@ def test_codes() -> None:
 
 
 def _exit(rank: int, code: int, t: float, signalled_at: float | None = None, err_t: float | None = None) -> RankExit:
-    from gpucoll._errorfile import ErrorRecord
+    from gpucoll._launch.errorfile import ErrorRecord
 
     err = None if err_t is None else ErrorRecord("RuntimeError", f"r{rank}", "Traceback ...\nRuntimeError: r",
                                                   err_t, 100 + rank, "h", rank)

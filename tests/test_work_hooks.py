@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 import gpucoll
-from gpucoll import group as group_module
+from gpucoll._group import registry as group_module
 from gpucoll.errors import DistBackendError
 from gpucoll.store import HashStore
 from gpucoll.testing import run_spmd
-from gpucoll.work import Work, WorkInfo
+from gpucoll._work import Work, WorkInfo
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _fake_arrays import FakeCudaArray  # noqa: E402
@@ -164,7 +164,7 @@ def scripted(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
     monkeypatch.setenv("GPUCOLL_FLIGHT_RECORDER_DIR", str(tmp_path))
     gpucoll.init_process_group("nccl", store=HashStore(), rank=0, world_size=1, timeout=0.5)
     try:
-        yield gpucoll.world.default_group()
+        yield gpucoll._world.default_group()
     finally:
         if gpucoll.is_initialized():
             gpucoll.destroy_process_group()
@@ -248,7 +248,7 @@ def test_flight_recorder_on_request(scripted: Any, tmp_path: Any) -> None:
 
 
 def test_flight_recorder_size_is_configurable(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpucoll.flight_recorder import recorder_capacity
+    from gpucoll._flight_recorder import recorder_capacity
 
     monkeypatch.setenv("GPUCOLL_FLIGHT_RECORDER_SIZE", "3")
     assert recorder_capacity() == 3
@@ -257,7 +257,7 @@ def test_flight_recorder_size_is_configurable(monkeypatch: pytest.MonkeyPatch) -
     try:
         for _ in range(5):
             gpucoll.barrier()
-        seqs = [e["seq"] for e in json.loads(gpucoll.world.default_group().dump_flight_recorder())["entries"]]
+        seqs = [e["seq"] for e in json.loads(gpucoll._world.default_group().dump_flight_recorder())["entries"]]
         assert seqs == [3, 4, 5]
     finally:
         gpucoll.destroy_process_group()
@@ -275,7 +275,7 @@ def test_a_raising_hook_surfaces_at_destroy(monkeypatch: pytest.MonkeyPatch) -> 
         calls.append(info.seq)
         raise KeyError("hook bug")
 
-    gpucoll.world.default_group().register_on_completion_hook(bad_hook)
+    gpucoll._world.default_group().register_on_completion_hook(bad_hook)
     gpucoll.barrier()
     gpucoll.barrier()  # the group keeps working
     wait_for(lambda: len(calls) == 2)
@@ -290,7 +290,7 @@ def hooks_body() -> list[tuple[str, int]]:
     import gpucoll
 
     r, n = gpucoll.get_rank(), gpucoll.get_world_size()
-    pg = gpucoll.world.default_group()
+    pg = gpucoll._world.default_group()
     seen: list[tuple[str, int, int]] = []
     pg.register_on_completion_hook(lambda i: seen.append((i.op_type, i.seq, threading.get_ident())))
     x = np.ones(1000)
@@ -320,8 +320,8 @@ def test_hooks_with_the_cpu_backend() -> None:
 
 
 def test_flight_recorder_reuses_entries_and_a_late_finish_leaves_the_newer_op_alone() -> None:
-    from gpucoll.flight_recorder import FlightRecorder
-    from gpucoll.work import Work
+    from gpucoll._flight_recorder import FlightRecorder
+    from gpucoll._work import Work
 
     fr = FlightRecorder("g", 0, 0, 1, capacity=2)
     works = []

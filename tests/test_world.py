@@ -34,7 +34,7 @@ def test_world_of_one_with_a_store(world_of_one: Any) -> None:
     assert gpucoll.is_initialized() and gpucoll.is_available()
     assert (gpucoll.get_rank(), gpucoll.get_world_size(), gpucoll.get_backend()) == (0, 1, "cpu")
     assert gpucoll.get_process_group_ranks(None) == [0]
-    assert gpucoll.GroupMember.WORLD is gpucoll.world.default_group()
+    assert gpucoll.GroupMember.WORLD is gpucoll._world.default_group()
     x = np.arange(3.0)
     gpucoll.all_reduce(x)
     assert x.tolist() == [0.0, 1.0, 2.0]
@@ -44,7 +44,7 @@ def test_world_of_one_with_a_store(world_of_one: Any) -> None:
 
 def test_calls_after_destroy_raise() -> None:
     gpucoll.init_process_group("cpu", store=HashStore(), rank=0, world_size=1, timeout=20)
-    group = gpucoll.world.default_group()
+    group = gpucoll._world.default_group()
     gpucoll.destroy_process_group()
     assert not gpucoll.is_initialized() and gpucoll.GroupMember.WORLD is None
     with pytest.raises(RuntimeError, match="not initialized.*init_process_group"):
@@ -108,8 +108,8 @@ def test_env_init_names_missing_variables(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_nccl_availability_follows_the_backend_probe() -> None:
-    from gpucoll.backends.nccl import nccl_unavailable_reason
-    from gpucoll.group import default_backend
+    from gpucoll._backends.nccl.backend import nccl_unavailable_reason
+    from gpucoll._group.registry import default_backend
 
     usable = nccl_unavailable_reason() is None
     assert gpucoll.is_nccl_available() is usable

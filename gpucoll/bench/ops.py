@@ -156,7 +156,7 @@ def _all_reduce(c: Call) -> list[Any]:
 
 
 def _all_reduce_out_of_place(c: Call) -> list[Any]:
-    from gpucoll.world import default_group
+    from gpucoll._world import default_group
 
     return _works(default_group()._all_reduce_into(c.out, c.inp, c.redop, async_op=c.async_op))
 

@@ -77,7 +77,7 @@ def rank_info(kit: ArrayKit) -> RankInfo:
 
 
 def _redop_object(name: str) -> Any:
-    from ..reduce_op import ReduceOp, make_premul_sum
+    from .._reduce_op import ReduceOp, make_premul_sum
 
     if name == "premulsum":
         return make_premul_sum(PREMUL_FACTOR)

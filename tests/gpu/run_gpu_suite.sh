@@ -43,7 +43,7 @@ for mod in ("numpy", "cupy", "jax", "jaxlib", "torch", "ml_dtypes", "pytest"):
 try:
     import cupy
     print("cuda runtime:", cupy.cuda.runtime.runtimeGetVersion(), "driver:", cupy.cuda.runtime.driverGetVersion())
-    from gpucoll.backends import _nccl_lib
+    from gpucoll._backends.nccl import lib as _nccl_lib
     lib = _nccl_lib.load()
     print("nccl:", ".".join(map(str, lib.version)), "at", lib.library_path, lib.shim_error)
     print("features:", lib.features.describe())

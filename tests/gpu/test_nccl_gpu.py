@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _nccl_reference import DTYPE_NAMES, OPS, close, defined, make_input, np_dtype, reference  # noqa: E402
 
 from gpucoll._buffer import DTYPES  # noqa: E402
-from gpucoll.reduce_op import ReduceOp, make_premul_sum  # noqa: E402
+from gpucoll._reduce_op import ReduceOp, make_premul_sum  # noqa: E402
 from gpucoll.testing import run_spmd  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -38,7 +38,7 @@ RAW = ("bfloat16", "float8_e4m3fn", "float8_e5m2")  # CuPy has no such dtypes: c
 def _two_ranks_on_one_gpu() -> str | None:
     """Why two ranks cannot share the GPU here, or None if they can."""
     try:
-        from gpucoll.backends.nccl import nccl_version
+        from gpucoll._backends.nccl.backend import nccl_version
 
         version = nccl_version()
     except Exception as exc:  # no CuPy/NCCL: the gpu marker skips these tests anyway
@@ -119,7 +119,7 @@ def _reduction_sweep_body(n: int) -> list[str]:
     rank = _init()
     size = gpucoll.get_world_size()
     cc = cupy.cuda.Device(0).compute_capability
-    from gpucoll.backends.nccl import nccl_version
+    from gpucoll._backends.nccl.backend import nccl_version
     fp8 = nccl_version() >= (2, 24, 0) and int(cc) >= 90
     bad: list[str] = []
     for name in DTYPE_NAMES:
@@ -249,7 +249,7 @@ def _streams_hooks_memory_body() -> dict[str, Any]:
     import cupy
 
     import gpucoll
-    from gpucoll.world import default_group
+    from gpucoll._world import default_group
 
     rank = _init()
     size = gpucoll.get_world_size()
@@ -481,7 +481,7 @@ def _new_groups_body() -> dict[str, Any]:
         assert (values == values[0]).all()
         return float(values[0])
 
-    from gpucoll.world import default_group
+    from gpucoll._world import default_group
 
     everyone = gpucoll.new_group()
     out["can_split"] = bool(default_group()._nccl.can_split)

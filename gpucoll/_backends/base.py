@@ -1,0 +1,144 @@
+"""The Backend protocol: what a ProcessGroup asks of the CPU and NCCL backends.
+
+Beside :class:`Backend`, which every backend implements, each optional capability
+is a Protocol of its own; the group and its watchdog check for it once (with
+``isinstance``, when a backend is made or first watched) and are typed against it:
+
+- :class:`SplitsCommunicator`: new groups carved out of this one (``ncclCommSplit``);
+- :class:`ReducesInto`: out-of-place all_reduce in one op;
+- :class:`PollsPending`: the backend keeps its own queue of outstanding ops, which
+  the watchdog polls instead of tracking each op.
+
+A later capability (shrinking a communicator after a rank failure, say) is one more
+Protocol here and one ``isinstance`` where the group makes the backend.
+
+Rules every backend follows (ProcessGroup relies on them):
+
+- Ranks are *group* ranks, 0..size-1. The ProcessGroup has already validated
+  arguments that it can check locally (ranks in range, shapes/dtypes of output
+  lists consistent with the input, split sizes summing right, writable outputs).
+- Every op returns a :class:`~gpucoll._work.Work` at once (it may run in the
+  background) and completes it exactly once. Ops are issued in the same order on
+  every rank of a group and the backend runs them in issue order.
+- Buffers are contiguous (see ``gpucoll._buffer``). Outputs may alias inputs
+  only where the op is in-place by definition (``all_reduce``, ``broadcast``,
+  ``reduce``) or where the caller passed the same buffer (in-place all_gather:
+  input is the rank's slice of the output).
+- A failure (peer died, timeout, mismatch detected, abort) completes the Work with
+  a ``DistBackendError`` naming the op; after ``abort`` every pending and later op
+  fails the same way. Nothing hangs past the backend's timeout.
+- ``op`` is a validated ``ReduceOp`` or ``PremulSum`` (never bare PREMUL_SUM).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence, runtime_checkable
+
+from .._buffer import Buffer
+from .._reduce_op import ReduceOpLike
+from .._work import Work
+from ..store.base import Store
+
+__all__ = ["Backend", "SplitsCommunicator", "ReducesInto", "PollsPending"]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One group's collectives on one kind of memory."""
+
+    name: str  # "cpu" or "nccl"
+    rank: int  # this process's rank in the group
+    size: int  # the group's size
+
+    # --- reductions ---
+    def all_reduce(self, buf: Buffer, op: ReduceOpLike) -> Work: ...
+    def all_reduce_coalesced(self, bufs: Sequence[Buffer], op: ReduceOpLike) -> Work: ...
+    def reduce(self, buf: Buffer, dst: int, op: ReduceOpLike) -> Work: ...
+    def reduce_scatter(self, out: Buffer, inputs: Sequence[Buffer], op: ReduceOpLike) -> Work:
+        """``inputs`` has ``size`` buffers, each shaped like ``out``."""
+        ...
+    def reduce_scatter_single(self, out: Buffer, inp: Buffer, op: ReduceOpLike) -> Work:
+        """``inp`` holds ``size`` consecutive chunks of ``out.nbytes``."""
+        ...
+
+    # --- data movement ---
+    def broadcast(self, buf: Buffer, src: int) -> Work: ...
+    def all_gather(self, outs: Sequence[Buffer], inp: Buffer) -> Work:
+        """``outs`` has ``size`` buffers, each shaped like ``inp``."""
+        ...
+    def all_gather_single(self, out: Buffer, inp: Buffer) -> Work:
+        """``out`` is ``size`` consecutive chunks of ``inp.nbytes``."""
+        ...
+    def all_gather_coalesced(self, outs: Sequence[Sequence[Buffer]], inps: Sequence[Buffer]) -> Work: ...
+    def gather(self, outs: Sequence[Buffer] | None, inp: Buffer, dst: int) -> Work:
+        """``outs`` is given (``size`` buffers) on ``dst`` only."""
+        ...
+    def scatter(self, out: Buffer, inputs: Sequence[Buffer] | None, src: int) -> Work:
+        """``inputs`` is given (``size`` buffers) on ``src`` only."""
+        ...
+    def all_to_all(self, outs: Sequence[Buffer], inputs: Sequence[Buffer]) -> Work: ...
+    def all_to_all_single(self, out: Buffer, inp: Buffer,
+                          out_counts: Sequence[int], in_counts: Sequence[int]) -> Work:
+        """Counts are in *elements* per peer (``size`` entries each); chunks are
+        consecutive in rank order."""
+        ...
+
+    # --- point to point ---
+    def send(self, buf: Buffer, dst: int, tag: int) -> Work: ...
+    def recv(self, buf: Buffer, src: int | None, tag: int) -> Work:
+        """``src=None`` receives from any source; the Work's source_rank() says who."""
+        ...
+    def batch_p2p(self, ops: Sequence[tuple[str, Buffer, int, int]]) -> Work:
+        """``(kind, buf, peer, tag)`` with kind "send" or "recv"; all posted together
+        (NCCL: one group call), one Work for the batch."""
+        ...
+
+    # --- control ---
+    def barrier(self) -> Work: ...
+    def abort(self, reason: str) -> None:
+        """Fail every pending and later op with ``DistBackendError(reason)``; returns at once."""
+        ...
+    def shutdown(self) -> None:
+        """Release connections/communicators after the group is done; idempotent."""
+        ...
+
+
+@runtime_checkable
+class SplitsCommunicator(Protocol):
+    """A backend that makes the backends of new groups out of its own communicator."""
+
+    @property
+    def can_split(self) -> bool:
+        """True when :meth:`split` can be used now (it may depend on runtime state)."""
+        ...
+
+    def split(self, ranks: Sequence[int] | None, *, color: int = 0, store: Store, group_name: str,
+              timeout: float) -> Backend | None:
+        """Collective over this backend's group (every rank calls, in the same order):
+        the new group's backend on its members (``ranks``, as ranks of this group),
+        None on a rank that joins no new group."""
+        ...
+
+
+@runtime_checkable
+class ReducesInto(Protocol):
+    """A backend that all-reduces out of place in one op."""
+
+    def all_reduce_into(self, out: Buffer, inp: Buffer, op: ReduceOpLike) -> Work:
+        """``out`` = the reduction of every rank's ``inp``; ``inp`` is left alone."""
+        ...
+
+
+@runtime_checkable
+class PollsPending(Backend, Protocol):
+    """A backend that keeps its outstanding ops in issue order and lets the group's
+    watchdog complete them, so that nothing is recorded per op."""
+
+    def has_pending(self) -> bool:
+        """True while ops may still be outstanding (cheap; polled by the watchdog)."""
+        ...
+
+    def poll_pending(self) -> Work | None:
+        """Complete the finished ops in issue order; the oldest still running (None
+        when none is). Never raises."""
+        ...

@@ -1,0 +1,456 @@
+"""The CPU backend: every collective on host (NumPy-addressable) memory.
+
+Gloo-like. Peers connect once over TCP (addresses through the group's store, port
+0); ranks on one host move collective data through a shared-memory segment
+(:mod:`._cpu_shm`), ranks on several hosts through the TCP mesh
+(:mod:`._cpu_tcp_algos`). Reductions are NumPy ufuncs with ``out=``
+(:mod:`._cpu_reduce`). Point-to-point messages always use the TCP mesh.
+
+Execution: ops run one at a time, in issue order. A small op issued while nothing
+is queued runs at once on the caller's thread (no thread hand-off, which is most of
+a small op's cost); anything else goes to the backend's worker thread, so
+``async_op=True`` returns at once for large ops. See docs/cpu-backend.md.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..._buffer import Buffer
+from ...errors import DistBackendError, DistError
+from ..._reduce_op import PremulSum, ReduceOpLike
+from ..._work import Work
+from ...store.base import Store
+from .reduce import Array, Reducer, as_array, as_bytes, make_reducer
+from .tcp import KIND_P2P, Recv, TcpMesh, local_address
+from .tcp_algos import Ctx, TcpCollectives, signature
+
+__all__ = ["CPUBackend", "host_id"]
+
+INLINE_MAX = 1 << 20
+"""Ops whose buffers total at most this many bytes run on the caller's thread when
+nothing is queued."""
+
+TRANSPORT_ENV = "GPUCOLL_CPU_TRANSPORT"
+"""``auto`` (default: shared memory when every rank is on one host), ``shm`` or ``tcp``."""
+
+
+def host_id() -> str:
+    """Identifies this machine (and boot): ranks with equal ids can share memory."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "noboot"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _shm_supported() -> bool:
+    # The shared-memory protocol relies on x86-64's total store order (flags are plain
+    # stores after the data) and on Linux futexes for sleeping.
+    return sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
+
+
+class CPUBackend:
+    """The collectives of one process group on host memory.
+
+    Args:
+        store: a store private to this group (a PrefixStore), used to exchange
+            addresses and shared-memory segment names.
+        rank: this process's rank in the group.
+        size: the group's size.
+        timeout: seconds; bounds connecting and every op (a dead or stuck peer
+            surfaces as DistBackendError within it).
+        group_name: the group's name, used in errors.
+
+    Attributes:
+        transport: how collective data moves: ``"shm"`` (one host), ``"tcp"`` or
+            ``"local"`` (a group of one).
+        shm_unavailable: why a one-host group could not use shared memory ("" otherwise).
+
+    Raises:
+        ValueError: rank/size/timeout out of range.
+        DistNetworkError: peers did not connect within ``timeout``.
+
+    Example:
+        >>> be = CPUBackend(PrefixStore("pg0", store), rank, size, timeout=60.0, group_name="pg0")
+        >>> be.all_reduce(buf, ReduceOp.SUM).wait()
+    """
+
+    name = "cpu"
+
+    def __init__(self, store: Store, rank: int, size: int, *, timeout: float, group_name: str) -> None:
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"size must be an int >= 1; got {size!r}")
+        if not isinstance(rank, int) or not 0 <= rank < size:
+            raise ValueError(f"rank must be an int in [0, {size}); got {rank!r}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds; got {timeout!r}")
+        self.rank = rank
+        self.size = size
+        self.timeout = float(timeout)
+        self.group_name = group_name
+        self._seq = 0
+        self._p2p_seq = 0
+        self._cv = threading.Condition()
+        self._queue: deque[tuple[Work, Callable[[Ctx], None], str, int]] = deque()
+        self._busy = False
+        self._worker_idle = False
+        self._waiters = 0  # threads in shutdown() waiting for the queue to drain
+        self._worker: threading.Thread | None = None
+        self._reducers: dict[tuple[str, str], Reducer] = {}
+        self._views: dict[tuple[int, int, str], Array] = {}
+        self._error: DistBackendError | None = None
+        self._closed = False
+        mode = os.environ.get(TRANSPORT_ENV, "auto").strip().lower() or "auto"
+        if mode not in ("auto", "shm", "tcp"):
+            raise ValueError(f"{TRANSPORT_ENV} must be auto, shm or tcp; got {mode!r}")
+        me = host_id()
+        self._mesh = TcpMesh(store, rank, size, timeout=self.timeout, host_id=me,
+                             advertise=local_address(os.environ.get("MASTER_ADDR")),
+                             on_broken=self._on_broken)
+        self._coll: Any = TcpCollectives(self._mesh)
+        self.transport = "tcp" if size > 1 else "local"  # "shm" below when every rank shares a host
+        self.shm_unavailable = ""
+        if size > 1 and mode != "tcp" and _shm_supported():
+            same_host = all(store.get(f"tcp/{p}").decode().split("|")[0] == me for p in range(size))
+            if same_host:
+                from .shm import ShmUnavailable
+                from .shm_algos import ShmCollectives
+
+                try:
+                    self._coll = ShmCollectives(store, rank, size, timeout=self.timeout, mesh=self._mesh)
+                    self.transport = "shm"
+                except ShmUnavailable as exc:
+                    if mode == "shm":
+                        raise DistBackendError(f"{TRANSPORT_ENV}=shm but group {group_name!r} cannot use "
+                                               f"shared memory: {exc}") from exc
+                    self.shm_unavailable = str(exc)  # every rank falls back to TCP alike
+            elif mode == "shm":
+                raise ValueError(f"{TRANSPORT_ENV}=shm but the ranks of group {group_name!r} are on several hosts")
+
+    # ----- issuing and running ops -----
+    def _work(self, op_type: str, keep: Sequence[Any], *, p2p: bool = False) -> Work:
+        w = Work(op_type, keepalive=keep, default_timeout=self.timeout)
+        if p2p:
+            self._p2p_seq += 1
+            w.seq = self._p2p_seq
+        else:
+            self._seq += 1
+            w.seq = self._seq
+        w.group_name = self.group_name
+        return w
+
+    def _submit(self, work: Work, fn: Callable[[Ctx], None], nbytes: int, sig: int) -> Work:
+        # The op's name for errors, fixed now: the ProcessGroup renumbers work.seq later.
+        name = f"{work.op_type} (CPU op #{work.seq}) on group {self.group_name!r}"
+        with self._cv:
+            if self._error is not None or self._closed:
+                err = self._error or DistBackendError(f"group {self.group_name!r}: the CPU backend was shut down")
+                work._set_exception(DistBackendError(f"{name}: {err}"))
+                return work
+            inline = not self._busy and not self._queue and nbytes <= INLINE_MAX
+            if inline:
+                self._busy = True
+            else:
+                self._queue.append((work, fn, name, sig))
+                if self._worker is None:
+                    self._worker = threading.Thread(target=self._work_loop, daemon=True,
+                                                    name=f"gpucoll-cpu-{self.group_name}-r{self.rank}")
+                    self._worker.start()
+                elif self._worker_idle:
+                    self._cv.notify_all()
+        if inline:
+            try:
+                self._run(work, fn, name, sig)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    if self._queue or self._waiters:
+                        self._cv.notify_all()
+        return work
+
+    def _work_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and (not self._queue or self._busy):
+                    self._worker_idle = True
+                    self._cv.wait()
+                self._worker_idle = False
+                if not self._queue:
+                    return
+                work, fn, name, sig = self._queue.popleft()
+                self._busy = True
+            try:
+                self._run(work, fn, name, sig)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    if self._waiters:
+                        self._cv.notify_all()
+
+    def _run(self, work: Work, fn: Callable[[Ctx], None], name: str, sig: int) -> None:
+        ctx = Ctx(work.seq, time.monotonic() + self.timeout, name, sig, self._check)
+        t0 = time.perf_counter()
+        try:
+            if self._error is not None:
+                raise self._error
+            fn(ctx)
+        except BaseException as exc:
+            err = exc if isinstance(exc, DistError) else DistBackendError(f"{type(exc).__name__}: {exc}")
+            wrapped = DistBackendError(f"{name} failed: {err}")
+            wrapped.__cause__ = exc
+            # A collective that failed half-way leaves peers at different points of the
+            # protocol: the group cannot be trusted with another op.
+            self.abort(f"group {self.group_name!r} is unusable: {name} failed: {err}")
+            work._set_exception(wrapped)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        work._set_result(active_duration=time.perf_counter() - t0)
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _on_broken(self, err: BaseException) -> None:
+        self.abort(str(err))
+
+    def _collective(self, op_type: str, bufs: Sequence[Buffer], body: Callable[[Ctx], None],
+                    *sig: object) -> Work:
+        work = self._work(op_type, bufs)
+        return self._submit(work, body, sum(b.nbytes for b in bufs), signature(op_type, *sig))
+
+    def _reducer(self, op: ReduceOpLike, buf: Buffer) -> Reducer:
+        key = (_op_key(op), buf.dtype.name)
+        red = self._reducers.get(key)
+        if red is None:
+            red = self._reducers[key] = make_reducer(op, buf.dtype, self.size)
+        return red
+
+    def _arr(self, buf: Buffer) -> Array:
+        # A view only describes memory (the Buffer's owner keeps it alive), so a view made
+        # for an earlier Buffer at the same address, size and dtype is the same view.
+        key = (buf.ptr, buf.nbytes, buf.dtype.name)
+        a = self._views.get(key)
+        if a is None:
+            if len(self._views) >= 256:
+                self._views.clear()
+            a = self._views[key] = as_array(buf)  # the only call: everything else uses _arr
+        return a
+
+    # ----- reductions -----
+    def all_reduce(self, buf: Buffer, op: ReduceOpLike) -> Work:
+        red = self._reducer(op, buf)
+        x = self._arr(buf)
+        return self._collective("all_reduce", [buf], lambda c: self._coll.all_reduce(c, x, red),
+                                buf.dtype.name, buf.nbytes, _op_key(op))
+
+    def all_reduce_coalesced(self, bufs: Sequence[Buffer], op: ReduceOpLike) -> Work:
+        reds = [self._reducer(op, b) for b in bufs]
+        xs = [self._arr(b) for b in bufs]
+
+        def body(c: Ctx) -> None:
+            for x, red in zip(xs, reds):
+                self._coll.all_reduce(c, x, red)
+
+        return self._collective("all_reduce_coalesced", list(bufs), body,
+                                [(b.dtype.name, b.nbytes) for b in bufs], _op_key(op))
+
+    def reduce(self, buf: Buffer, dst: int, op: ReduceOpLike) -> Work:
+        red = self._reducer(op, buf)
+        x = self._arr(buf)
+        return self._collective("reduce", [buf], lambda c: self._coll.reduce(c, x, dst, red),
+                                buf.dtype.name, buf.nbytes, dst, _op_key(op))
+
+    def reduce_scatter(self, out: Buffer, inputs: Sequence[Buffer], op: ReduceOpLike) -> Work:
+        red = self._reducer(op, out)
+        o, ins = self._arr(out), [self._arr(b) for b in inputs]
+        return self._collective("reduce_scatter", [out, *inputs],
+                                lambda c: self._coll.reduce_scatter(c, o, ins, red),
+                                out.dtype.name, out.nbytes, _op_key(op))
+
+    def reduce_scatter_single(self, out: Buffer, inp: Buffer, op: ReduceOpLike) -> Work:
+        red = self._reducer(op, out)
+        o, i = self._arr(out), self._arr(inp)
+        ins = [i[k * o.size:(k + 1) * o.size] for k in range(self.size)]
+        return self._collective("reduce_scatter_single", [out, inp],
+                                lambda c: self._coll.reduce_scatter(c, o, ins, red),
+                                out.dtype.name, out.nbytes, _op_key(op))
+
+    # ----- data movement -----
+    def broadcast(self, buf: Buffer, src: int) -> Work:
+        x = self._arr(buf)
+        return self._collective("broadcast", [buf], lambda c: self._coll.broadcast(c, x, src),
+                                buf.dtype.name, buf.nbytes, src)
+
+    def all_gather(self, outs: Sequence[Buffer], inp: Buffer) -> Work:
+        os_, i = [self._arr(b) for b in outs], self._arr(inp)
+        return self._collective("all_gather", [*outs, inp], lambda c: self._coll.all_gather(c, os_, i),
+                                inp.dtype.name, inp.nbytes)
+
+    def all_gather_single(self, out: Buffer, inp: Buffer) -> Work:
+        o, i = self._arr(out), self._arr(inp)
+        os_ = [o[k * i.size:(k + 1) * i.size] for k in range(self.size)]
+        return self._collective("all_gather_single", [out, inp], lambda c: self._coll.all_gather(c, os_, i),
+                                inp.dtype.name, inp.nbytes)
+
+    def all_gather_coalesced(self, outs: Sequence[Sequence[Buffer]], inps: Sequence[Buffer]) -> Work:
+        oss = [[self._arr(b) for b in row] for row in outs]
+        ins = [self._arr(b) for b in inps]
+
+        def body(c: Ctx) -> None:
+            for row, i in zip(oss, ins):
+                self._coll.all_gather(c, row, i)
+
+        keep = [b for row in outs for b in row] + list(inps)
+        return self._collective("all_gather_coalesced", keep, body, [(b.dtype.name, b.nbytes) for b in inps])
+
+    def gather(self, outs: Sequence[Buffer] | None, inp: Buffer, dst: int) -> Work:
+        os_ = [self._arr(b) for b in outs] if outs is not None else None
+        i = self._arr(inp)
+        return self._collective("gather", [*(outs or ()), inp], lambda c: self._coll.gather(c, os_, i, dst),
+                                inp.dtype.name, inp.nbytes, dst)
+
+    def scatter(self, out: Buffer, inputs: Sequence[Buffer] | None, src: int) -> Work:
+        o = self._arr(out)
+        ins = [self._arr(b) for b in inputs] if inputs is not None else None
+        return self._collective("scatter", [out, *(inputs or ())], lambda c: self._coll.scatter(c, o, ins, src),
+                                out.dtype.name, out.nbytes, src)
+
+    def all_to_all(self, outs: Sequence[Buffer], inputs: Sequence[Buffer]) -> Work:
+        os_, ins = [self._arr(b) for b in outs], [self._arr(b) for b in inputs]
+        return self._collective("all_to_all", [*outs, *inputs], lambda c: self._coll.all_to_all(c, os_, ins),
+                                inputs[0].dtype.name if inputs else "")
+
+    def all_to_all_single(self, out: Buffer, inp: Buffer, out_counts: Sequence[int],
+                          in_counts: Sequence[int]) -> Work:
+        o, i = self._arr(out), self._arr(inp)
+        os_ = _split(o, out_counts)
+        ins = _split(i, in_counts)
+        return self._collective("all_to_all_single", [out, inp], lambda c: self._coll.all_to_all(c, os_, ins),
+                                inp.dtype.name)
+
+    # ----- point to point -----
+    def send(self, buf: Buffer, dst: int, tag: int) -> Work:
+        return self.batch_p2p([("send", buf, dst, tag)], op_type="send")
+
+    def recv(self, buf: Buffer, src: int | None, tag: int) -> Work:
+        return self.batch_p2p([("recv", buf, src, tag)], op_type="recv")
+
+    def batch_p2p(self, ops: Sequence[tuple[str, Buffer, Any, int]], *, op_type: str = "batch_isend_irecv") -> Work:
+        """Post every receive, then send everything; one Work completes when all are done."""
+        for kind, _, peer, _ in ops:
+            if kind not in ("send", "recv"):
+                raise ValueError(f"p2p op kind must be 'send' or 'recv'; got {kind!r}")
+            if peer == self.rank:
+                raise ValueError(f"cannot {kind} to/from this rank itself (rank {self.rank})")
+        work = self._work(op_type, [b for _, b, _, _ in ops], p2p=True)
+        name = f"{op_type} (p2p seq {work.seq}) on group {self.group_name!r}"
+        recvs = [(b, peer, tag) for kind, b, peer, tag in ops if kind == "recv"]
+        pending = [len(recvs) + 1]  # +1: the sends
+        lock = threading.Lock()
+        t0 = time.perf_counter()
+        source: list[int | None] = [None]
+
+        def one_done(err: BaseException | None, src: int | None) -> None:
+            with lock:
+                if src is not None:
+                    source[0] = src
+                pending[0] -= 1
+                last = pending[0] == 0
+            if err is not None:
+                work._set_exception(DistBackendError(f"{name} failed: {err}"))
+            elif last:
+                work._set_result(active_duration=time.perf_counter() - t0, source_rank=source[0])
+
+        if self._error is not None or self._closed:
+            one_done(self._error or DistBackendError("the CPU backend was shut down"), None)
+            return work
+        for b, peer, tag in recvs:
+            self._mesh.post(Recv(peer, KIND_P2P, tag, as_bytes(b), None,
+                                 on_done=lambda r: one_done(r.error, r.source)))
+        err: BaseException | None = None
+        try:
+            for kind, b, peer, tag in ops:
+                if kind == "send":
+                    self._mesh.send(peer, KIND_P2P, tag, as_bytes(b))
+        except DistError as exc:
+            err = exc
+        one_done(err, None)
+        return work
+
+    # ----- control -----
+    def barrier(self) -> Work:
+        return self._collective("barrier", [], lambda c: self._coll.barrier(c))
+
+    def abort(self, reason: str) -> None:
+        """Fail every pending and later op with ``DistBackendError(reason)``; returns at once."""
+        with self._cv:
+            first = self._error is None
+            if first:
+                self._error = DistBackendError(reason)
+            err = self._error
+            queued = list(self._queue)
+            self._queue.clear()
+            self._cv.notify_all()
+        assert err is not None
+        if first:
+            self._mesh.fail_all(err)
+            # Leaving the mesh tells every peer why at once (instead of after their timeout);
+            # on a thread, because a send may wait for a peer that stopped reading.
+            threading.Thread(target=self._mesh.close, args=(str(err),), daemon=True,
+                             name=f"gpucoll-cpu-abort-r{self.rank}").start()
+            abort = getattr(self._coll, "abort", None)
+            if abort is not None:
+                abort(err)
+        for work, _, name, _ in queued:
+            work._set_exception(DistBackendError(f"{name}: {err}"))
+
+    def shutdown(self) -> None:
+        """Finish queued ops (up to the timeout), say goodbye to peers and release everything."""
+        with self._cv:
+            if self._closed:
+                return
+            deadline = time.monotonic() + self.timeout
+            self._waiters += 1
+            while (self._queue or self._busy) and self._error is None and time.monotonic() < deadline:
+                self._cv.wait(0.1)
+            self._closed = True
+            self._cv.notify_all()
+        if self._queue or self._busy:
+            self.abort(f"group {self.group_name!r}: the CPU backend was shut down with ops still running")
+        with self._cv:
+            # An aborted op unwinds within one sleep slice; only then may its memory go.
+            deadline = time.monotonic() + 5.0
+            while self._busy and time.monotonic() < deadline:
+                self._cv.wait(0.05)
+            self._waiters -= 1
+            idle = not self._busy
+        close = getattr(self._coll, "close", None)
+        if close is not None and idle:
+            close()
+        self._mesh.close(reason=str(self._error) if self._error is not None else "")
+        if self._worker is not None and self._worker is not threading.current_thread():
+            self._worker.join(1.0)
+
+    def __repr__(self) -> str:
+        return f"<CPUBackend group={self.group_name!r} rank={self.rank}/{self.size} transport={self.transport}>"
+
+
+def _op_key(op: ReduceOpLike) -> str:
+    return f"premul({op.factor})" if isinstance(op, PremulSum) else op.name
+
+
+def _split(a: Array, counts: Sequence[int]) -> list[Array]:
+    offs = np.concatenate(([0], np.cumsum(np.asarray(counts, dtype=np.int64))))
+    return [a[int(offs[k]):int(offs[k + 1])] for k in range(len(counts))]

@@ -1,0 +1,268 @@
+"""A shared-memory segment for the ranks of one group on one host, and its flags.
+
+Layout (all offsets 4096-aligned after the control block)::
+
+    control   one 256-byte record per rank: progress counter, the peer it sleeps on,
+              two op headers (sequence, signature) by parity
+    small     2 slots per rank (by op parity), ``small_bytes`` each
+    bulk      2 buffers per rank (pipelined blocks), ``bulk_bytes`` each
+
+Each rank writes only its own record, slots and buffers; peers only read them. A
+rank publishes progress by raising its counter after writing data (plain stores,
+which x86-64 keeps in order), and peers wait for ``counter >= target``: first by
+spinning (the ~µs path when every rank has a core), then by sleeping on a futex on
+the counter's word, which the writer wakes when a peer has said it sleeps there.
+
+Life cycle: rank 0 creates the file under /dev/shm, every rank maps it, and rank 0
+unlinks it as soon as all have mapped it, so nothing is left behind even if every
+process is killed later.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import secrets
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from ...errors import DistBackendError
+
+__all__ = ["ShmSegment", "ShmUnavailable", "REC_WORDS", "futex_wait", "futex_wake"]
+
+REC_WORDS = 32  # u64 words per rank record (256 bytes: no false sharing between ranks)
+_CTR, _SLEEP, _HDR = 0, 1, 2  # word offsets in a record; headers at 2..5
+_SYS_FUTEX = 202  # x86-64
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # not FUTEX_PRIVATE: the word is shared between processes
+_EAGAIN, _EINTR, _ETIMEDOUT = 11, 4, 110
+
+
+class ShmUnavailable(Exception):
+    """The group's segment could not be created or mapped by some rank (every rank raises it)."""
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+
+
+def futex_wait(addr: int, expected: int, seconds: float) -> None:
+    """Sleep while the 32-bit word at ``addr`` equals ``expected``, at most ``seconds``.
+
+    Returns on a wake, a timeout, a signal, or when the word already differs.
+    """
+    ts = _Timespec(int(seconds), int((seconds % 1.0) * 1e9))
+    _syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAIT),
+             ctypes.c_uint32(expected & 0xFFFFFFFF), ctypes.byref(ts), None, ctypes.c_int(0))
+
+
+def futex_wake(addr: int) -> None:
+    """Wake every process sleeping on the 32-bit word at ``addr``."""
+    _syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAKE),
+             ctypes.c_int(0x7FFFFFFF), None, None, ctypes.c_int(0))
+
+
+class ShmSegment:
+    """The mapped segment and its progress flags, seen from one rank.
+
+    Args:
+        store: the group's store (segment name and "mapped" marks go through it).
+        rank, size: this rank and the group size.
+        small_bytes: bytes per small slot.
+        bulk_bytes: bytes per bulk buffer.
+        timeout: seconds to wait for every rank to map the segment.
+        spin_seconds: how long a wait spins before it sleeps.
+    """
+
+    def __init__(self, store: Any, rank: int, size: int, *, small_bytes: int, bulk_bytes: int,
+                 timeout: float, spin_seconds: float) -> None:
+        self.rank = rank
+        self.size = size
+        self.small_bytes = small_bytes
+        self.bulk_bytes = bulk_bytes
+        self.spin_seconds = spin_seconds
+        ctl = _round(size * REC_WORDS * 8)
+        self._small_off = ctl
+        self._bulk_off = ctl + 2 * size * small_bytes
+        total = self._bulk_off + 2 * size * bulk_bytes
+        self._mm, self.path = _map(store, rank, size, total, timeout)
+        self._anchor = ctypes.c_char.from_buffer(self._mm)
+        self._base = ctypes.addressof(self._anchor)
+        self._mv = memoryview(self._mm)
+        self.ctl = self._mv[:ctl].cast("Q")
+        self.raw = np.frombuffer(self._mm, dtype=np.uint8)
+        self.count = 0  # this rank's counter value (the only writer)
+        self._small = [[self.raw[o:o + small_bytes] for o in (self._small_off + (2 * r + p) * small_bytes
+                                                             for p in (0, 1))] for r in range(size)]
+        self._bulk = [[self.raw[o:o + bulk_bytes] for o in (self._bulk_off + (2 * r + b) * bulk_bytes
+                                                           for b in (0, 1))] for r in range(size)]
+        self._error: BaseException | None = None
+
+    # ----- data areas -----
+    def small(self, rank: int, parity: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """Rank ``rank``'s small slot of this parity."""
+        return self._small[rank][parity]
+
+    def bulk(self, rank: int, buf: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """Rank ``rank``'s bulk buffer ``buf`` (0 or 1)."""
+        return self._bulk[rank][buf]
+
+    # ----- headers -----
+    def write_header(self, parity: int, op: int, sig: int) -> None:
+        i = self.rank * REC_WORDS + _HDR + 2 * parity
+        self.ctl[i] = op
+        self.ctl[i + 1] = sig
+
+    def header(self, rank: int, parity: int) -> tuple[int, int]:
+        i = rank * REC_WORDS + _HDR + 2 * parity
+        return self.ctl[i], self.ctl[i + 1]
+
+    # ----- progress -----
+    def counter(self, rank: int) -> int:
+        v: int = self.ctl[rank * REC_WORDS + _CTR]
+        return v
+
+    def post(self) -> None:
+        """Raise this rank's counter by one and wake peers sleeping on it."""
+        self.count += 1
+        ctl, me = self.ctl, self.rank
+        ctl[me * REC_WORDS + _CTR] = self.count
+        mark = me + 1
+        for w in range(self.size):
+            if ctl[w * REC_WORDS + _SLEEP] == mark:
+                futex_wake(self._base + me * REC_WORDS * 8)
+                return
+
+    def wait(self, peer: int, target: int, deadline: float, check: Callable[[], None],
+             what: Callable[[], str]) -> None:
+        """Block until ``peer``'s counter reaches ``target``.
+
+        Raises:
+            DistBackendError: aborted (``check`` raises), or past ``deadline`` (monotonic).
+        """
+        ctl = self.ctl
+        idx = peer * REC_WORDS + _CTR
+        if ctl[idx] >= target:
+            return
+        spin_until = time.perf_counter() + self.spin_seconds
+        i = 0
+        while ctl[idx] < target:
+            i += 1
+            if i & 63 == 0:
+                if time.perf_counter() > spin_until:
+                    break
+                if i & 1023 == 0:
+                    os.sched_yield()
+        else:
+            return
+        me = self.rank * REC_WORDS + _SLEEP
+        addr = self._base + idx * 8
+        try:
+            while True:
+                ctl[me] = peer + 1
+                cur = ctl[idx]
+                if cur >= target:
+                    return  # progress wins over errors: a peer may post and then leave
+                check()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DistBackendError(f"{what()}: timed out waiting for rank {peer} "
+                                           f"(its progress {cur}, needed {target})")
+                # Short sleeps bound the cost of a wake that raced with going to sleep.
+                futex_wait(addr, cur, min(left, 0.02))
+        finally:
+            ctl[me] = 0
+
+    def wake_all(self) -> None:
+        """Wake every sleeper on every counter (abort: sleepers then see the error)."""
+        for r in range(self.size):
+            futex_wake(self._base + r * REC_WORDS * 8)
+
+    def close(self) -> None:
+        """Unmap the segment (deferred to process exit if an array view is still alive)."""
+        self.raw = np.empty(0, np.uint8)
+        self._small = self._bulk = []
+        del self._anchor
+        for view in (self.ctl, self._mv):
+            try:
+                view.release()
+            except (BufferError, ValueError):
+                pass
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+
+
+def _round(n: int, to: int = 4096) -> int:
+    return (n + to - 1) // to * to
+
+
+def _map(store: Any, rank: int, size: int, total: int, timeout: float) -> tuple[mmap.mmap, str]:
+    """Create (rank 0) or open the segment; every rank learns whether all of them mapped it.
+
+    Raises:
+        ShmUnavailable: some rank could not create or map it (on every rank alike).
+        DistBackendError: a rank did not report within ``timeout``.
+    """
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    mm: mmap.mmap | None = None
+    if rank == 0:
+        path = f"/dev/shm/gpucoll-{os.getpid()}-{secrets.token_hex(8)}"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, total)
+                # Reserve the pages now: on a full tmpfs this fails here with ENOSPC,
+                # instead of a SIGBUS at first touch in the middle of a collective.
+                os.posix_fallocate(fd, 0, total)
+                mm = mmap.mmap(fd, total, flags=flags)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            problems = [f"rank 0 could not create {total} bytes at {path}: {exc}"]
+            store.set("shm/name", ("!" + problems[0]).encode())
+        else:
+            problems = []
+            store.set("shm/name", path.encode())
+        try:
+            deadline = time.monotonic() + timeout
+            for peer in range(1, size):
+                if time.monotonic() > deadline:
+                    raise DistBackendError(f"rank {peer} did not map the shared-memory segment within {timeout:.3g} s")
+                mark = store.get(f"shm/mapped/{peer}").decode()
+                if mark not in ("1", "0"):  # "0": gave up because rank 0 failed
+                    problems.append(mark)
+        finally:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        store.set("shm/ready", ("!" + "; ".join(problems)).encode() if problems else b"1")
+    else:
+        path = store.get("shm/name").decode()
+        if path.startswith("!"):
+            store.set(f"shm/mapped/{rank}", b"0")
+        else:
+            try:
+                fd = os.open(path, os.O_RDWR)
+                try:
+                    mm = mmap.mmap(fd, total, flags=flags)
+                finally:
+                    os.close(fd)
+                store.set(f"shm/mapped/{rank}", b"1")
+            except OSError as exc:
+                store.set(f"shm/mapped/{rank}", f"rank {rank} could not map {path}: {exc}".encode())
+    ready = store.get("shm/ready").decode()
+    if ready != "1" or mm is None:
+        if mm is not None:
+            mm.close()
+        raise ShmUnavailable(ready.lstrip("!") or "the segment could not be mapped")
+    return mm, path

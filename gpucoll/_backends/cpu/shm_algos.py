@@ -1,0 +1,422 @@
+"""Collectives through the shared-memory segment (every rank of the group on one host).
+
+Protocol. Ops are numbered per group (``u``); op ``u`` uses slot/header parity
+``u % 2``. Every rank raises its counter the same number of times in an op, so the
+counter value ``base`` at the start of an op is the same on every rank and "rank j
+reached step k of this op" is ``counter[j] >= base + k``. Before it writes anything,
+a rank waits until every peer has *started* the previous op (so every peer has
+finished the op before it, the last user of this parity's slots), then writes its
+header ``(u, signature)``. The first time a rank sees a peer's progress in an op it
+compares that peer's header with its own: a different op, dtype, size or root raises
+DistBackendError before any foreign byte is read.
+
+Algorithms:
+
+- small (fits a ``SMALL_BYTES`` slot): one step. Each rank copies its data into its
+  slot and posts; readers copy or fold straight from the peers' slots. all_reduce
+  folds every rank's slot in rank order on every rank (bit-identical everywhere).
+- large: an entry step (every rank is inside the op, so the bulk buffers are free),
+  then blocks through two alternating ``BULK_BYTES`` buffers per rank. all_reduce
+  is a reduce-scatter (rank j folds slice j of every block, reading the others'
+  staged copies) followed by an all-gather of the folded slices; both cores work on
+  their own slices at once. Rooted ops pipeline: the root writes block k+1 while
+  the others copy block k.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from ...errors import DistBackendError
+from .reduce import Array, Reducer
+from .shm import REC_WORDS, ShmSegment
+from .tcp_algos import Ctx, chunk_bounds
+
+__all__ = ["ShmCollectives", "SMALL_BYTES", "BULK_BYTES"]
+
+SMALL_BYTES = 256 * 1024
+BULK_BYTES = 1 << 20
+SPIN_SECONDS = 200e-6
+SPIN_SECONDS_OVERSUBSCRIBED = 20e-6
+
+U8 = np.dtype(np.uint8)
+
+
+def _u8(a: Array) -> Array:
+    return a.view(U8) if a.size else np.empty(0, U8)
+
+
+class ShmCollectives:
+    """The collectives of one group whose ranks share a host.
+
+    Args:
+        store: the group's store (segment name exchange).
+        rank, size: this rank and the group size.
+        timeout: seconds for setting the segment up.
+        mesh: the group's TCP mesh: sleeping waits ask it whether the peer is gone.
+    """
+
+    def __init__(self, store: Any, rank: int, size: int, *, timeout: float, mesh: Any) -> None:
+        self.rank = rank
+        self.size = size
+        self.mesh = mesh
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+        spin = SPIN_SECONDS if size <= cores else SPIN_SECONDS_OVERSUBSCRIBED
+        self.seg = ShmSegment(store, rank, size, small_bytes=SMALL_BYTES, bulk_bytes=BULK_BYTES,
+                              timeout=timeout, spin_seconds=spin)
+        self._peers = [p for p in range(size) if p != rank]
+        self._u = 0
+        self._base = 0
+        self._floor = 0
+        self._parity = 0
+        self._sig = 0
+        self._checked: set[int] = set()
+
+    # ----- protocol -----
+    def _begin(self, ctx: Ctx) -> None:
+        seg = self.seg
+        ctl, floor = seg.ctl, self._floor
+        for j in self._peers:
+            if ctl[j * REC_WORDS] < floor:
+                seg.wait(j, self._floor, ctx.deadline, lambda: self._alive(ctx, j), ctx.what)
+        self._u += 1
+        self._base = seg.count
+        self._floor = self._base + 1
+        self._parity = self._u & 1
+        self._sig = ctx.sig
+        self._checked = set()
+        seg.write_header(self._parity, self._u, ctx.sig)
+
+    def _post(self) -> None:
+        self.seg.post()
+
+    def _wait(self, ctx: Ctx, j: int, step: int) -> None:
+        target = self._base + step
+        self.seg.wait(j, target, ctx.deadline, lambda: self._alive(ctx, j), ctx.what)
+        if j not in self._checked:
+            op, sig = self.seg.header(j, self._parity)
+            if op != self._u or sig != self._sig:
+                raise DistBackendError(
+                    f"{ctx.name}: rank {j} issued a different collective (its op #{op}, signature {sig:#x}; "
+                    f"this rank op #{self._u}, signature {self._sig:#x}): ops, dtypes, sizes or roots "
+                    "differ across ranks")
+            self._checked.add(j)
+
+    def _alive(self, ctx: Ctx, j: int) -> None:
+        ctx.check()
+        why = self.mesh.gone(j)
+        if why is not None:
+            raise DistBackendError(f"{ctx.name}: rank {j} {why}")
+
+    def _wait_all(self, ctx: Ctx, step: int, ranks: Sequence[int] | None = None) -> None:
+        for j in self._peers if ranks is None else ranks:
+            self._wait(ctx, j, step)
+
+    def _entry(self, ctx: Ctx) -> None:
+        """Begin a large op: post once, then wait until every peer is inside it too."""
+        self._begin(ctx)
+        self._post()
+        self._wait_all(ctx, 1)
+
+    # ----- reductions -----
+    def all_reduce(self, ctx: Ctx, x: Array, red: Reducer) -> None:
+        self._reduce(ctx, x, red, None)
+
+    def reduce(self, ctx: Ctx, x: Array, dst: int, red: Reducer) -> None:
+        self._reduce(ctx, x, red, dst)
+
+    def _reduce(self, ctx: Ctx, x: Array, red: Reducer, dst: int | None) -> None:
+        seg, r, n = self.seg, self.rank, self.size
+        nb = x.nbytes
+        if nb <= seg.small_bytes:
+            self._begin(ctx)
+            p = self._parity
+            np.copyto(seg.small(r, p)[:nb], _u8(x))
+            self._post()
+            if dst is not None and r != dst:
+                return
+            self._wait_all(ctx, 1)
+            red.fold(x, [seg.small(j, p)[:nb].view(x.dtype) for j in range(n)])
+            return
+        self._entry(ctx)
+        isz = x.itemsize
+        cap = seg.bulk_bytes // n // 64 * 64 // isz  # elements per rank slice per block
+        per_block = cap * n
+        gets = dst is None or r == dst
+        pending: tuple[int, Array, list[tuple[int, int]]] | None = None  # the block to copy out
+
+        def copy_out(k: int, blk: Array, bounds: list[tuple[int, int]]) -> None:
+            self._wait_all(ctx, 3 + 2 * k)
+            for j in self._peers:
+                lo, hi = bounds[j]
+                np.copyto(_u8(blk[lo:hi]), seg.bulk(j, k & 1)[j * cap * isz:(j * cap + hi - lo) * isz])
+
+        # Block k: stage the peers' slices (step 2+2k), fold this rank's slice once every
+        # peer staged (step 3+2k); the copy-out of block k-1 runs between posting and
+        # waiting, so a rank rarely waits for a peer that is still copying.
+        for k, start in enumerate(range(0, x.size, per_block)):
+            b = k & 1
+            blk = x[start:start + per_block]
+            bounds = chunk_bounds(blk.size, n)
+            mine = seg.bulk(r, b)
+            for j in self._peers:
+                lo, hi = bounds[j]
+                np.copyto(mine[j * cap * isz:(j * cap + hi - lo) * isz], _u8(blk[lo:hi]))
+            self._post()
+            if pending is not None:
+                copy_out(*pending)
+                pending = None
+            self._wait_all(ctx, 2 + 2 * k)
+            lo, hi = bounds[r]
+            res = mine[r * cap * isz:(r * cap + hi - lo) * isz].view(x.dtype)
+            parts = [blk[lo:hi] if j == r else seg.bulk(j, b)[r * cap * isz:(r * cap + hi - lo) * isz].view(x.dtype)
+                     for j in range(n)]
+            red.fold(res, parts)
+            if gets:
+                np.copyto(blk[lo:hi], res)
+                pending = (k, blk, bounds)
+            self._post()
+        if pending is not None:
+            copy_out(*pending)
+
+    def reduce_scatter(self, ctx: Ctx, out: Array, inputs: Sequence[Array], red: Reducer) -> None:
+        seg, r, n = self.seg, self.rank, self.size
+        nb = out.nbytes
+        res = out
+        if any(np.shares_memory(out, inputs[j]) for j in range(n) if j != 0):
+            res = np.empty_like(out)  # the fold may write out only where it may alias parts[0]
+        if n * nb <= seg.small_bytes:
+            self._begin(ctx)
+            p = self._parity
+            slot = seg.small(r, p)
+            for j in self._peers:
+                np.copyto(slot[j * nb:(j + 1) * nb], _u8(inputs[j]))
+            self._post()
+            self._wait_all(ctx, 1)
+            red.fold(res, [inputs[j] if j == r else seg.small(j, p)[r * nb:(r + 1) * nb].view(out.dtype)
+                           for j in range(n)])
+        else:
+            self._entry(ctx)
+            isz = out.itemsize
+            cap = seg.bulk_bytes // n // 64 * 64 // isz
+            for k, start in enumerate(range(0, out.size, cap)):
+                b, stop = k & 1, min(start + cap, out.size)
+                mine = seg.bulk(r, b)
+                m = (stop - start) * isz
+                for j in self._peers:
+                    np.copyto(mine[j * cap * isz:j * cap * isz + m], _u8(inputs[j][start:stop]))
+                self._post()
+                self._wait_all(ctx, 2 + k)
+                red.fold(res[start:stop], [inputs[j][start:stop] if j == r else
+                                           seg.bulk(j, b)[r * cap * isz:r * cap * isz + m].view(out.dtype)
+                                           for j in range(n)])
+        if res is not out:
+            np.copyto(out, res)
+
+    # ----- data movement -----
+    def broadcast(self, ctx: Ctx, x: Array, src: int) -> None:
+        seg, r = self.seg, self.rank
+        nb = x.nbytes
+        xb = _u8(x)
+        if nb <= seg.small_bytes:
+            self._begin(ctx)
+            p = self._parity
+            if r == src:
+                np.copyto(seg.small(r, p)[:nb], xb)
+                self._post()
+                return
+            self._post()
+            self._wait(ctx, src, 1)
+            np.copyto(xb, seg.small(src, p)[:nb])
+            return
+        self._entry(ctx)
+        bb = seg.bulk_bytes
+        others = self._peers if r == src else []
+        for k, start in enumerate(range(0, nb, bb)):
+            piece = xb[start:start + bb]
+            if r == src:
+                if k >= 2:
+                    self._wait_all(ctx, k, others)  # they copied block k-2 out of this buffer
+                np.copyto(seg.bulk(r, k & 1)[:piece.size], piece)
+                self._post()
+            else:
+                self._wait(ctx, src, 2 + k)
+                np.copyto(piece, seg.bulk(src, k & 1)[:piece.size])
+                self._post()
+
+    def all_gather(self, ctx: Ctx, outs: Sequence[Array], inp: Array) -> None:
+        seg, r = self.seg, self.rank
+        if not np.shares_memory(outs[r], inp):
+            np.copyto(outs[r], inp)
+        if self.size == 1:
+            return
+        nb = inp.nbytes
+        ib = _u8(inp)
+        if nb <= seg.small_bytes:
+            self._begin(ctx)
+            p = self._parity
+            np.copyto(seg.small(r, p)[:nb], ib)
+            self._post()
+            for j in self._peers:
+                self._wait(ctx, j, 1)
+                np.copyto(_u8(outs[j]), seg.small(j, p)[:nb])
+            return
+        self._entry(ctx)
+        bb = seg.bulk_bytes
+        for k, start in enumerate(range(0, nb, bb)):
+            piece = ib[start:start + bb]
+            np.copyto(seg.bulk(r, k & 1)[:piece.size], piece)
+            self._post()
+            for j in self._peers:
+                self._wait(ctx, j, 2 + k)
+                np.copyto(_u8(outs[j])[start:start + piece.size], seg.bulk(j, k & 1)[:piece.size])
+
+    def gather(self, ctx: Ctx, outs: Sequence[Array] | None, inp: Array, dst: int) -> None:
+        seg, r = self.seg, self.rank
+        if r == dst:
+            assert outs is not None
+            if not np.shares_memory(outs[r], inp):
+                np.copyto(outs[r], inp)
+        if self.size == 1:
+            return
+        nb = inp.nbytes
+        ib = _u8(inp)
+        if nb <= seg.small_bytes:
+            self._begin(ctx)
+            p = self._parity
+            if r != dst:
+                np.copyto(seg.small(r, p)[:nb], ib)
+                self._post()
+                return
+            self._post()
+            assert outs is not None
+            for j in self._peers:
+                self._wait(ctx, j, 1)
+                np.copyto(_u8(outs[j]), seg.small(j, p)[:nb])
+            return
+        self._entry(ctx)
+        bb = seg.bulk_bytes
+        for k, start in enumerate(range(0, nb, bb)):
+            size = min(bb, nb - start)
+            if r != dst:
+                if k >= 2:
+                    self._wait(ctx, dst, k)
+                np.copyto(seg.bulk(r, k & 1)[:size], ib[start:start + size])
+                self._post()
+            else:
+                assert outs is not None
+                for j in self._peers:
+                    self._wait(ctx, j, 2 + k)
+                    np.copyto(_u8(outs[j])[start:start + size], seg.bulk(j, k & 1)[:size])
+                self._post()
+
+    def scatter(self, ctx: Ctx, out: Array, inputs: Sequence[Array] | None, src: int) -> None:
+        seg, r, n = self.seg, self.rank, self.size
+        if r == src:
+            assert inputs is not None
+            if not np.shares_memory(out, inputs[r]):
+                np.copyto(out, inputs[r])
+        if n == 1:
+            return
+        nb = out.nbytes
+        ob = _u8(out)
+        if n * nb <= seg.small_bytes:
+            self._begin(ctx)
+            p = self._parity
+            if r == src:
+                assert inputs is not None
+                slot = seg.small(r, p)
+                for j in self._peers:
+                    np.copyto(slot[j * nb:(j + 1) * nb], _u8(inputs[j]))
+                self._post()
+                return
+            self._post()
+            self._wait(ctx, src, 1)
+            np.copyto(ob, seg.small(src, p)[r * nb:(r + 1) * nb])
+            return
+        self._entry(ctx)
+        cap = seg.bulk_bytes // n // 64 * 64
+        for k, start in enumerate(range(0, nb, cap)):
+            size = min(cap, nb - start)
+            if r == src:
+                assert inputs is not None
+                if k >= 2:
+                    self._wait_all(ctx, k)
+                mine = seg.bulk(r, k & 1)
+                for j in self._peers:
+                    np.copyto(mine[j * cap:j * cap + size], _u8(inputs[j])[start:start + size])
+                self._post()
+            else:
+                self._wait(ctx, src, 2 + k)
+                np.copyto(ob[start:start + size], seg.bulk(src, k & 1)[r * cap:r * cap + size])
+                self._post()
+
+    def all_to_all(self, ctx: Ctx, outs: Sequence[Array], inputs: Sequence[Array]) -> None:
+        seg, r, n = self.seg, self.rank, self.size
+        ins = list(inputs)
+        if any(np.shares_memory(o, i) for o in outs for i in inputs):
+            ins = [i.copy() for i in inputs]  # in place: keep the inputs while outputs are written
+        np.copyto(outs[r], ins[r])
+        if n == 1:
+            return
+        # Step 1: every rank publishes how many bytes it sends to each peer (and the data
+        # itself when all of it fits its slot), so every rank knows the whole size matrix.
+        sizes = [a.nbytes for a in ins]
+        head = 8 * (n + 1)
+        inline = head + sum(sizes[j] for j in self._peers) <= seg.small_bytes
+        self._begin(ctx)
+        p = self._parity
+        slot = seg.small(r, p)
+        slot[:head].view(np.uint64)[:] = [*sizes, int(inline)]
+        if inline:
+            off = head
+            for j in self._peers:
+                np.copyto(slot[off:off + sizes[j]], _u8(ins[j]))
+                off += sizes[j]
+        self._post()
+        matrix: dict[int, list[int]] = {}
+        for j in self._peers:
+            self._wait(ctx, j, 1)
+            row = [int(v) for v in seg.small(j, p)[:head].view(np.uint64)]
+            matrix[j] = row
+            if row[r] != outs[j].nbytes:
+                raise DistBackendError(
+                    f"{ctx.name}: rank {j} sends {row[r]} bytes to this rank, which expects "
+                    f"{outs[j].nbytes} bytes from it: split sizes differ across ranks")
+        if all(matrix[j][n] for j in self._peers) and inline:
+            for j in self._peers:
+                off = head + sum(matrix[j][i] for i in range(r) if i != j)
+                np.copyto(_u8(outs[j]), seg.small(j, p)[off:off + matrix[j][r]])
+            return
+        # Step 2: blocks through the bulk buffers (every peer is inside this op now).
+        cap = seg.bulk_bytes // n // 64 * 64
+        longest = max([sizes[j] for j in self._peers] + [matrix[i][j] for i in matrix for j in range(n) if j != i])
+        for k in range(-(-longest // cap)):
+            start = k * cap
+            mine = seg.bulk(r, k & 1)
+            for j in self._peers:
+                piece = _u8(ins[j])[start:start + cap]
+                np.copyto(mine[j * cap:j * cap + piece.size], piece)
+            self._post()
+            for j in self._peers:
+                self._wait(ctx, j, 2 + k)
+                dst = _u8(outs[j])[start:start + cap]
+                np.copyto(dst, seg.bulk(j, k & 1)[r * cap:r * cap + dst.size])
+
+    def barrier(self, ctx: Ctx) -> None:
+        self._begin(ctx)
+        self._post()
+        self._wait_all(ctx, 1)
+
+    # ----- control -----
+    def abort(self, err: BaseException) -> None:
+        self.seg.wake_all()
+
+    def close(self) -> None:
+        self.seg.close()

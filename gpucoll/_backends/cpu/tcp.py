@@ -1,0 +1,460 @@
+"""The CPU backend's TCP mesh: one connection per pair of ranks, tagged messages.
+
+Every rank listens on port 0 and publishes ``host:port`` plus a random nonce in the
+group's store; rank r connects to every lower rank, presenting that rank's nonce,
+and accepts the higher ones. After that the mesh is used for:
+
+- collective traffic between hosts (and on one host when shared memory is off),
+- point-to-point send/recv (any source included),
+- liveness: a connection that closes without a goodbye frame marks the whole mesh
+  broken, which fails every pending and later op naming the dead peer. A rank that
+  leaves after an error says why in its goodbye, so its peers' errors name the cause.
+
+One reader thread per peer reads frames as they come. A frame whose receive was
+already posted is read straight into the destination memory; an unexpected frame is
+buffered until its receive is posted. So a sender never waits for the receiving
+rank's program to reach its receive, and collectives, sends and receives cannot
+deadlock one another through the sockets.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ...errors import DistBackendError, DistNetworkError
+
+__all__ = ["TcpMesh", "Recv", "KIND_COLL", "KIND_P2P", "local_address"]
+
+KIND_COLL = 0
+KIND_P2P = 1
+_KIND_BYE = 2
+_HDR = struct.Struct("<B7xqQQ")  # kind, tag, nbytes, meta
+_HELLO = struct.Struct("<q32s")  # rank, listener's nonce
+_POLL = 0.5  # seconds between checks of the closed flag in blocking socket calls
+
+
+@dataclass(eq=False)
+class Recv:
+    """A posted receive: completes when a matching frame has been read into ``buf``."""
+
+    src: int | None
+    kind: int
+    tag: int
+    buf: memoryview | None  # None: take any size into a fresh bytearray (``data``)
+    meta: int | None = None  # expected sender meta (collectives); None: not checked
+    order: int = 0
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    source: int = -1
+    data: bytearray | None = None
+    on_done: Callable[[Recv], None] | None = None
+
+    def complete(self) -> None:
+        """Mark the receive finished (``error`` set or data in place) and run ``on_done``."""
+        self.done.set()
+        if self.on_done is not None:
+            self.on_done(self)
+
+    def wait(self, deadline: float, what: Callable[[], str], abort_check: Callable[[], None]) -> None:
+        """Block until the frame arrived; raise on failure or past ``deadline`` (monotonic)."""
+        while not self.done.wait(min(_POLL, max(0.0, deadline - time.monotonic()))):
+            abort_check()
+            if time.monotonic() >= deadline:
+                peer = "any rank" if self.src is None else f"rank {self.src}"
+                raise DistBackendError(f"{what()}: timed out waiting for data from {peer}")
+        if self.error is not None:
+            raise self.error
+
+
+def local_address(peer_hint: str | None) -> str:
+    """The local IP address that routes to ``peer_hint`` (the store's host), or loopback.
+
+    A UDP ``connect`` sends nothing; it only asks the kernel which source address it
+    would use, so no name resolution or traffic is involved.
+    """
+    override = os.environ.get("GPUCOLL_CPU_IFADDR")
+    if override:
+        return override
+    if not peer_hint or peer_hint in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((peer_hint, 9))
+            addr: str = s.getsockname()[0]
+            return addr
+    except OSError:
+        return "127.0.0.1"
+
+
+class TcpMesh:
+    """Connections to every peer of one group, with tag matching.
+
+    Args:
+        store: the group's private store (set/get of bytes).
+        rank, size: this rank and the group size.
+        timeout: seconds for connecting and for each blocking socket operation.
+        host_id: identifies this machine; peers with the same id connect over loopback.
+        advertise: address to publish for peers on other hosts.
+        on_broken: called once (from a reader thread) when a peer dies or the mesh breaks.
+    """
+
+    def __init__(self, store: Any, rank: int, size: int, *, timeout: float, host_id: str,
+                 advertise: str, on_broken: Callable[[BaseException], None]) -> None:
+        self.rank = rank
+        self.size = size
+        self.timeout = timeout
+        self._on_broken = on_broken
+        self._lock = threading.Lock()
+        self._arrived: dict[tuple[int, int, int], deque[Recv]] = {}
+        self._posted: dict[tuple[int, int, int], deque[Recv]] = {}
+        self._posted_any: dict[int, deque[Recv]] = {}
+        self._order = itertools.count()
+        self._socks: dict[int, socket.socket] = {}
+        self._send_locks = {p: threading.Lock() for p in range(size) if p != rank}
+        self._gone: dict[int, str] = {}  # peer -> why it is no longer reachable
+        self.broken: BaseException | None = None
+        self._closed = False
+        self._closing = False
+        self._threads: list[threading.Thread] = []
+        if size > 1:
+            self._connect(store, host_id, advertise)
+
+    # ----- setup -----
+    def _connect(self, store: Any, host_id: str, advertise: str) -> None:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.bind(("0.0.0.0", 0))
+            listener.listen(self.size)
+            nonce = secrets.token_bytes(32)
+            port = listener.getsockname()[1]
+            store.set(f"tcp/{self.rank}", f"{host_id}|{advertise}|{port}|{nonce.hex()}".encode())
+            deadline = time.monotonic() + self.timeout
+            for peer in range(self.rank):
+                peer_host, addr, peer_port, peer_nonce = store.get(f"tcp/{peer}").decode().split("|")
+                target = "127.0.0.1" if peer_host == host_id else addr
+                self._socks[peer] = self._dial(peer, target, int(peer_port), bytes.fromhex(peer_nonce), deadline)
+            while len(self._socks) < self.size - 1:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(self.size)) - set(self._socks) - {self.rank})
+                    raise DistNetworkError(f"CPU backend rank {self.rank}: ranks {missing} did not connect "
+                                           f"within {self.timeout:.3g} s")
+                listener.settimeout(left)
+                try:
+                    conn, _ = listener.accept()
+                except socket.timeout:
+                    continue
+                conn.settimeout(min(left, 10.0))
+                try:
+                    peer, got = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
+                except (OSError, EOFError):
+                    conn.close()
+                    continue
+                if got != nonce or not (self.rank < peer < self.size) or peer in self._socks:
+                    conn.close()  # a stranger, or a stale connection: ignore it
+                    continue
+                self._socks[peer] = conn
+        finally:
+            listener.close()
+        for peer, s in self._socks.items():
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.settimeout(_POLL)
+            t = threading.Thread(target=self._reader, args=(peer, s), daemon=True,
+                                 name=f"gpucoll-cpu-r{self.rank}-from{peer}")
+            t.start()
+            self._threads.append(t)
+
+    def _dial(self, peer: int, host: str, port: int, nonce: bytes, deadline: float) -> socket.socket:
+        delay = 0.01
+        while True:
+            try:
+                s = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
+                s.sendall(_HELLO.pack(self.rank, nonce))
+                return s
+            except OSError as exc:
+                if time.monotonic() + delay >= deadline:
+                    raise DistNetworkError(f"CPU backend rank {self.rank} could not connect to rank {peer} "
+                                           f"at {host}:{port}: {exc}") from exc
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+
+    # ----- receiving -----
+    def _reader(self, peer: int, s: socket.socket) -> None:
+        hdr = bytearray(_HDR.size)
+        why: str | None = None
+        err: BaseException | None = None
+        try:
+            while True:
+                if not self._read_into(s, memoryview(hdr), idle_ok=True):
+                    why = "closed its connection without shutting down (process died?)"
+                    break
+                kind, tag, nbytes, meta = _HDR.unpack(hdr)
+                if kind == _KIND_BYE:
+                    note = bytearray(nbytes)
+                    self._read_exact(s, memoryview(note))
+                    why = "shut down its CPU backend" + (f" after an error ({note.decode(errors='replace')})"
+                                                         if nbytes else "")
+                    self._peer_gone(peer, why, fatal=False)
+                    return
+                self._deliver(peer, s, kind, tag, nbytes, meta)
+        except (OSError, EOFError) as exc:
+            why, err = f"connection failed: {exc}", exc
+        except DistBackendError as exc:
+            why, err = str(exc), exc
+        if not self._closed:
+            self._peer_gone(peer, why or "connection lost", fatal=True, cause=err)
+
+    def _deliver(self, peer: int, s: socket.socket, kind: int, tag: int, nbytes: int, meta: int) -> None:
+        key = (peer, kind, tag)
+        with self._lock:
+            r = self._match_posted(key, tag if kind == KIND_P2P else None)
+        if r is None:
+            data = bytearray(nbytes)
+            self._read_exact(s, memoryview(data))
+            msg = Recv(peer, kind, tag, None, meta, next(self._order), data=data)
+            msg.source = peer
+            with self._lock:
+                r = self._match_posted(key, tag if kind == KIND_P2P else None)
+                if r is None:
+                    self._arrived.setdefault(key, deque()).append(msg)
+                    return
+            _fill(r, msg, peer)
+            return
+        if r.buf is not None and r.buf.nbytes != nbytes or (r.meta is not None and r.meta != meta):
+            self._read_exact(s, memoryview(bytearray(nbytes)))  # drain it, keep the stream in sync
+            r.error = _mismatch(peer, r, nbytes, meta)
+        elif r.buf is None:
+            r.data = bytearray(nbytes)
+            self._read_exact(s, memoryview(r.data))
+        else:
+            self._read_exact(s, r.buf)
+        r.source = peer
+        r.complete()
+
+    def _match_posted(self, key: tuple[int, int, int], any_tag: int | None) -> Recv | None:
+        q = self._posted.get(key)
+        qa = self._posted_any.get(any_tag) if any_tag is not None else None
+        if q and qa:
+            q = q if q[0].order < qa[0].order else qa
+        elif not q:
+            q = qa
+        if not q:
+            return None
+        return q.popleft()
+
+    def post(self, r: Recv) -> Recv:
+        """Post a receive; it completes (``r.done``) once a matching frame arrived."""
+        r.order = next(self._order)
+        with self._lock:
+            if self.broken is not None:
+                r.error = self.broken
+                r.complete()
+                return r
+            msg = self._take_arrived(r)
+            if msg is None:
+                if r.src is not None and r.src in self._gone:
+                    r.error = DistBackendError(f"rank {r.src} {self._gone[r.src]}")
+                    r.complete()
+                    return r
+                if r.src is None:
+                    self._posted_any.setdefault(r.tag, deque()).append(r)
+                else:
+                    self._posted.setdefault((r.src, r.kind, r.tag), deque()).append(r)
+                return r
+        _fill(r, msg, msg.source)
+        return r
+
+    def _take_arrived(self, r: Recv) -> Recv | None:
+        if r.src is not None:
+            q = self._arrived.get((r.src, r.kind, r.tag))
+            return q.popleft() if q else None
+        best: deque[Recv] | None = None
+        for (src, kind, tag), q in self._arrived.items():
+            if kind == r.kind and tag == r.tag and q and (best is None or q[0].order < best[0].order):
+                best = q
+        return best.popleft() if best else None
+
+    def cancel(self, r: Recv) -> None:
+        """Withdraw a posted receive that will not be waited for (after an error)."""
+        with self._lock:
+            q = self._posted_any.get(r.tag) if r.src is None else self._posted.get((r.src, r.kind, r.tag))
+            if q is not None and r in q:
+                q.remove(r)
+
+    def gone(self, peer: int) -> str | None:
+        """Why ``peer`` can no longer be reached, or None while it is connected."""
+        return self._gone.get(peer)
+
+    # ----- sending -----
+    def send(self, dst: int, kind: int, tag: int, payload: memoryview, meta: int = 0,
+             deadline: float | None = None) -> None:
+        """Send one frame to ``dst`` (returns once the kernel has it all).
+
+        Raises:
+            DistBackendError: the mesh is broken, ``dst`` is gone, or the send timed out.
+        """
+        if self.broken is not None:
+            raise self.broken
+        if dst in self._gone:
+            raise DistBackendError(f"rank {dst} {self._gone[dst]}")
+        s = self._socks[dst]
+        hdr = _HDR.pack(kind, tag, payload.nbytes, meta)
+        limit = deadline if deadline is not None else time.monotonic() + self.timeout
+        with self._send_locks[dst]:
+            try:
+                if payload.nbytes <= 16384:
+                    self._send_all(s, memoryview(hdr + payload), dst, limit)
+                else:
+                    self._send_all(s, memoryview(hdr), dst, limit)
+                    self._send_all(s, payload, dst, limit)
+            except OSError as exc:
+                raise DistBackendError(f"sending {payload.nbytes} bytes to rank {dst} failed: {exc}") from exc
+
+    def _send_all(self, s: socket.socket, data: memoryview, dst: int, deadline: float) -> None:
+        while data.nbytes:
+            try:
+                n = s.send(data)
+            except socket.timeout:
+                n = 0
+            data = data[n:]
+            if data.nbytes and n == 0:
+                if self.broken is not None:
+                    raise self.broken
+                if self._closed:
+                    raise DistBackendError("the CPU backend was shut down")
+                if time.monotonic() >= deadline:
+                    raise DistBackendError(f"sending to rank {dst} timed out after {self.timeout:.3g} s "
+                                           "(the peer stopped reading)")
+
+    # ----- socket helpers -----
+    def _read_into(self, s: socket.socket, view: memoryview, *, idle_ok: bool) -> bool:
+        """Fill ``view``; False on a clean EOF before the first byte."""
+        got = 0
+        while got < view.nbytes:
+            try:
+                n = s.recv_into(view[got:])
+            except socket.timeout:
+                if self._closed:
+                    raise EOFError("closed") from None
+                continue
+            if n == 0:
+                if got == 0 and idle_ok:
+                    return False
+                raise EOFError("connection closed in the middle of a frame")
+            got += n
+        return True
+
+    def _read_exact(self, s: socket.socket, view: memoryview) -> None:
+        self._read_into(s, view, idle_ok=False)
+
+    # ----- failure and shutdown -----
+    def _peer_gone(self, peer: int, why: str, *, fatal: bool, cause: BaseException | None = None) -> None:
+        err = DistBackendError(f"CPU backend: rank {peer} {why}")
+        if cause is not None:
+            err.__cause__ = cause
+        with self._lock:
+            self._gone[peer] = why
+            if fatal and self.broken is None:
+                self.broken = err
+            failed = [r for (src, _, _), q in self._posted.items() if src == peer or fatal for r in q]
+            for key in [k for k in self._posted if k[0] == peer or fatal]:
+                del self._posted[key]
+            if fatal:
+                failed += [r for q in self._posted_any.values() for r in q]
+                self._posted_any.clear()
+        for r in failed:
+            r.error = err
+            r.complete()
+        if fatal:
+            self._on_broken(err)
+
+    def fail_all(self, err: BaseException) -> None:
+        """Fail every posted receive and every later op with ``err`` (abort)."""
+        with self._lock:
+            if self.broken is None:
+                self.broken = err
+            failed = [r for q in itertools.chain(self._posted.values(), self._posted_any.values()) for r in q]
+            self._posted.clear()
+            self._posted_any.clear()
+        for r in failed:
+            r.error = err
+            r.complete()
+
+    def close(self, reason: str = "") -> None:
+        """Say goodbye to every peer and close the connections.
+
+        Args:
+            reason: why this rank leaves after an error (peers put it in their errors);
+                empty for a clean shutdown.
+        """
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        note = reason.encode()[:4000]
+        bye = _HDR.pack(_KIND_BYE, 0, len(note), 0) + note
+        for peer, s in self._socks.items():
+            if peer in self._gone:
+                continue
+            try:
+                with self._send_locks[peer]:
+                    self._send_all(s, memoryview(bye), peer, time.monotonic() + 1.0)
+            except (OSError, DistBackendError):
+                pass
+        self._closed = True
+        for s in self._socks.values():
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+        me = threading.current_thread()
+        for t in self._threads:
+            if t is not me:
+                t.join(2 * _POLL)
+
+
+def _fill(r: Recv, msg: Recv, peer: int) -> None:
+    data = msg.data or bytearray()
+    if r.meta is not None and msg.meta is not None and r.meta != msg.meta:
+        r.error = _mismatch(peer, r, len(data), msg.meta)
+    elif r.buf is None:
+        r.data = data
+    elif r.buf.nbytes != len(data):
+        r.error = _mismatch(peer, r, len(data), msg.meta)
+    else:
+        r.buf[:] = data
+    r.source = peer
+    r.complete()
+
+
+def _mismatch(peer: int, r: Recv, nbytes: int, meta: int | None) -> DistBackendError:
+    if r.meta is not None and meta is not None and r.meta != meta:
+        return DistBackendError(
+            f"rank {peer} issued a different collective (signature {meta:#x}, this rank {r.meta:#x}): "
+            "ops, dtypes, sizes or roots differ across ranks")
+    want = r.buf.nbytes if r.buf is not None else -1
+    what = "message" if r.kind == KIND_P2P else "collective chunk"
+    return DistBackendError(f"rank {peer} sent a {what} of {nbytes} bytes (tag {r.tag}) where this rank "
+                            f"expected {want} bytes: sizes or dtypes differ across ranks")
+
+
+def _recv_exact(s: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = s.recv_into(view[got:])
+        if k == 0:
+            raise EOFError("connection closed during handshake")
+        got += k
+    return bytes(buf)

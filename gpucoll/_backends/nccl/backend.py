@@ -1,0 +1,742 @@
+"""The NCCL backend: collectives on CUDA device memory through CuPy's NCCL binding.
+
+One :class:`NCCLBackend` per process group: one NCCL communicator, bound to one
+device, and one communication stream on it. See docs/nccl-backend.md for the
+design (streams, lifetimes, reductions NCCL lacks, abort) and
+:mod:`gpucoll._backends.nccl.plan` for how each op becomes NCCL calls.
+
+Importing this module imports no CuPy; constructing a backend does.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Sequence
+
+from ..._buffer import DTYPES, Buffer, Device
+from ...errors import BackendUnavailableError, DistBackendError, DistStoreError
+from ..._reduce_op import ReduceOpLike
+from ..._work import Work
+from ...store.base import Store
+from . import lib as _nccl_lib
+from .lib import NCCL_DTYPES, OP_SUM, normalise_unique_id
+from .plan import Phase, Plan, Planner, Premul, Step, merge
+from .runtime import Comm, Event, Runtime
+from .work import NCCLWork
+
+__all__ = ["NCCLBackend", "nccl_unavailable_reason", "is_nccl_available", "nccl_version", "rendezvous"]
+
+_REDUCING = frozenset({"all_reduce", "reduce", "reduce_scatter"})
+_UID_KEY = "nccl/unique_id"
+_ARRIVED_KEY = "nccl/arrived"
+_ALL_ARRIVED_KEY = "nccl/all_arrived"
+_PRUNE_AT = 64  # outstanding works kept before the issue path completes finished ones itself
+
+
+def nccl_unavailable_reason() -> str | None:
+    """Why the NCCL backend cannot run in this process, or None if it can.
+
+    Checks that CuPy imports, that it found an NCCL library, and that a CUDA device
+    is visible (which initialises the CUDA driver: fork no workers afterwards).
+
+    Example:
+        >>> reason = nccl_unavailable_reason()
+        >>> backend = "nccl" if reason is None else "cpu"
+    """
+    return _nccl_lib.unavailable_reason()
+
+
+def is_nccl_available() -> bool:
+    """True if the NCCL backend can run here (see :func:`nccl_unavailable_reason`)."""
+    return nccl_unavailable_reason() is None
+
+
+def nccl_version() -> tuple[int, int, int]:
+    """The (major, minor, patch) of the NCCL library CuPy loads; needs no GPU.
+
+    Raises:
+        BackendUnavailableError: CuPy or NCCL is not installed.
+    """
+    return _nccl_lib.load().version
+
+
+def rendezvous(store: Store, rank: int, size: int, *, timeout: float, group_name: str,
+               make_uid: Callable[[], bytes]) -> bytes:
+    """Agree on an NCCL unique id through ``store`` and wait until every rank has it.
+
+    Rank 0 calls ``make_uid`` and publishes the id; the others wait for it. Then every
+    rank counts itself in and waits for the last one: ``ncclCommInitRank`` blocks
+    until all ranks join, and a missing rank is better reported here, as a timeout
+    that says how many arrived, than as a hang inside NCCL.
+
+    Args:
+        store: the group's private store (keys ``nccl/...``; one communicator per store).
+        rank, size: this rank and the group size.
+        timeout: seconds to wait for rank 0's id and for all ranks to arrive.
+        group_name: for errors.
+        make_uid: makes a new unique id (``ncclGetUniqueId``); called on rank 0 only.
+
+    Returns:
+        The 128-byte unique id, the same on every rank.
+
+    Raises:
+        DistBackendError: the id or some ranks did not arrive within ``timeout``.
+    """
+    try:
+        if rank == 0:
+            uid = normalise_unique_id(make_uid())
+            store.set(_UID_KEY, uid)
+        else:
+            uid = normalise_unique_id(store.get(_UID_KEY, timeout=timeout))
+    except DistStoreError as exc:
+        raise DistBackendError(
+            f"group {group_name!r}: rank {rank} did not get the NCCL unique id from rank 0 through the "
+            f"store within {timeout:.3g} s: {exc}") from exc
+    arrived = _all_arrive(store, _ARRIVED_KEY, _ALL_ARRIVED_KEY, size, timeout)
+    if arrived is not None:
+        raise DistBackendError(f"group {group_name!r}: only {arrived} ranks reached NCCL communicator "
+                               f"setup within {timeout:.3g} s")
+    return uid
+
+
+def _all_arrive(store: Store, counter: str, flag: str, size: int, timeout: float) -> str | None:
+    """Count this rank in at ``counter`` and wait until all ``size`` ranks are: None once
+    they are, else how many arrived ("k of n") when ``timeout`` seconds ran out."""
+    try:
+        if store.add(counter, 1) == size:
+            store.set(flag, b"1")
+        store.wait([flag], timeout)
+        return None
+    except DistStoreError:
+        try:
+            return f"{store.add(counter, 0)} of {size}"
+        except DistStoreError:
+            return f"not all {size}"
+
+
+class NCCLBackend:
+    """One process group's collectives on CUDA memory (the Backend protocol).
+
+    Args:
+        store: the group's private store (a PrefixStore): rank 0 publishes the NCCL
+            unique id there.
+        rank, size: this process's rank in the group and the group's size.
+        timeout: seconds that communicator setup and :meth:`NCCLWork.synchronize`
+            wait; the group's watchdog enforces it on running ops.
+        group_name: the group's name, for errors.
+        device_id: the CUDA device of this rank. Given: the communicator is created
+            now (every rank must construct its backend). None: it is created by the
+            first op, on the device of that op's arrays.
+
+    Raises:
+        BackendUnavailableError: no CuPy, no NCCL library, or no CUDA device here.
+        ValueError: ``rank``/``size``/``device_id`` out of range.
+        DistBackendError: creating the communicator failed or timed out.
+
+    Example:
+        >>> backend = NCCLBackend(PrefixStore("g0/", store), rank, size, timeout=60.0,
+        ...                       group_name="g0", device_id=rank % 8)
+        >>> backend.all_reduce(as_buffer(cupy_array, writable=True), ReduceOp.SUM).wait()
+    """
+
+    name = "nccl"
+
+    def __init__(self, store: Store, rank: int, size: int, *, timeout: float, group_name: str,
+                 device_id: int | None, _runtime: Runtime | None = None, _comm: Comm | None = None) -> None:
+        for arg, value in (("rank", rank), ("size", size)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{arg} must be an int; got {type(value).__name__} {value!r}")
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"need 0 <= rank < size; got rank={rank}, size={size}")
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be positive seconds; got {timeout!r}")
+        self.rank = rank
+        self.size = size
+        self._store = store
+        self._timeout = float(timeout)
+        self._group_name = group_name
+        if _runtime is None:
+            reason = _nccl_lib.unavailable_reason()
+            if reason is not None:
+                raise BackendUnavailableError(f"the NCCL backend cannot run here: {reason}")
+            from .runtime import CudaRuntime
+
+            _runtime = CudaRuntime(_nccl_lib.load())
+        self._rt: Runtime = _runtime
+        self._features = _runtime.features
+        self._lock = threading.RLock()      # the issue path: one op at a time, in order
+        self._state = threading.Lock()      # abort state and the pending list
+        # Held around the calls that use the communicator from any thread (the async
+        # error query, abort, destroy): the watchdog must never query a communicator
+        # that shutdown is destroying.
+        self._comm_lock = threading.Lock()
+        self._comm_gone = False
+        self._eager = device_id is not None
+        self._device = -1
+        self._comm: Comm | None = None
+        self._stream: Any = None
+        self._stream_ptr = 0
+        self._planner: Planner | None = None
+        self._scratch = 0
+        self._keep: list[Any] = []          # backend-lifetime allocations (the barrier's scratch)
+        self._temps: list[Any] = []         # temporaries of the op being planned
+        self._last_end: Event | None = None
+        self._pending: deque[NCCLWork] = deque()
+        self._aborted: str | None = None
+        self._closed: str | None = None
+        self._splits = 0                    # ncclCommSplit calls so far (keys the check-in)
+        if device_id is not None:
+            count = self._rt.device_count()
+            if not isinstance(device_id, int) or isinstance(device_id, bool) or not 0 <= device_id < count:
+                raise ValueError(f"device_id must be a CUDA device index in [0, {count}); got {device_id!r}")
+            if _comm is not None:
+                self._adopt(_comm, device_id)
+            else:
+                self._create_comm(device_id)
+
+    def __repr__(self) -> str:
+        where = f"cuda:{self._device}" if self._comm is not None else "not yet created"
+        return f"<NCCLBackend group={self._group_name!r} rank={self.rank}/{self.size} {where}>"
+
+    @property
+    def device(self) -> int | None:
+        """The CUDA device of the communicator; None until it is created."""
+        return self._device if self._comm is not None else None
+
+    @property
+    def can_split(self) -> bool:
+        """True when :meth:`split` makes new communicators with ``ncclCommSplit``: the
+        communicator was created eagerly (``device_id`` given), the loaded NCCL has
+        ncclCommSplit (>= 2.18), and it is neither aborted nor shut down."""
+        return (self._eager and self._comm is not None and self._features.comm_split
+                and self._aborted is None and self._closed is None)
+
+    # ----- the communicator -----
+
+    def _create_comm(self, device: int) -> None:
+        rt = self._rt
+        prev = rt.get_device()
+        if prev != device:
+            rt.set_device(device)
+        try:
+            uid = rendezvous(self._store, self.rank, self.size, timeout=self._timeout,
+                             group_name=self._group_name, make_uid=rt.unique_id)
+            try:
+                comm = rt.new_comm(self.size, uid, self.rank)
+            except Exception as exc:
+                raise DistBackendError(
+                    f"creating the NCCL communicator of group {self._group_name!r} (rank {self.rank} of "
+                    f"{self.size}, cuda:{device}) failed: {type(exc).__name__}: {exc}. With several ranks "
+                    "on one GPU, NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1 are needed") from exc
+            self._adopt(comm, device)
+        finally:
+            if prev != device:
+                rt.set_device(prev)
+
+    def _adopt(self, comm: Comm, device: int) -> None:
+        rt = self._rt
+        prev = rt.get_device()
+        if prev != device:
+            rt.set_device(device)
+        try:
+            stream = rt.new_stream()
+            cc = rt.compute_capability(device)
+            scratch, owner = rt.alloc(4, stream)
+        finally:
+            if prev != device:
+                rt.set_device(prev)
+        self._keep.append(owner)
+        self._scratch = scratch
+        self._stream, self._stream_ptr = stream, int(stream.ptr)
+        self._planner = Planner(self.rank, self.size, self._features,
+                                self._features.fp8 and cc >= (9, 0), self._alloc_temp)
+        self._device = device
+        self._comm = comm
+
+    def _alloc_temp(self, nbytes: int) -> int:
+        ptr, owner = self._rt.alloc(nbytes, self._stream)
+        self._temps.append(owner)
+        return ptr
+
+    # ----- abort state, for NCCLWork -----
+
+    def _failure(self) -> str | None:
+        reason = self._aborted
+        if reason is not None:
+            return reason
+        comm = self._comm
+        if comm is None or not self._features.async_error:
+            return None
+        with self._comm_lock:
+            if self._comm_gone:
+                return self._aborted
+            try:
+                code = comm.async_error()
+            except Exception as exc:
+                code, detail = -1, str(exc)
+            else:
+                if code in (0, 7):  # ncclSuccess, ncclInProgress
+                    return None
+                detail = comm.last_error()
+        reason = (f"NCCL reported an asynchronous error on group {self._group_name!r}: "
+                  f"{_nccl_lib.result_name(code)}" + (f" ({detail})" if detail else ""))
+        self.abort(reason)
+        return self._aborted
+
+    def has_pending(self) -> bool:
+        """For the group's watchdog: True while issued ops may still be running."""
+        return bool(self._pending)
+
+    def poll_pending(self) -> NCCLWork | None:
+        """For the group's watchdog: notice an asynchronous NCCL error (which aborts),
+        complete the ops that finished, in issue order, and return the oldest one still
+        running (None when none is). Never raises."""
+        self._failure()
+        return self._complete_until(None)
+
+    def _complete_earlier(self, work: NCCLWork) -> None:
+        self._complete_until(work)
+
+    def _complete_until(self, stop: NCCLWork | None) -> NCCLWork | None:
+        """Complete and drop finished works from the head of the queue, up to ``stop``
+        (not included); the first one still running, or None."""
+        pending = self._pending
+        while True:
+            # Peeking needs no lock (deque reads are atomic); popping does.
+            try:
+                first = pending[0]
+            except IndexError:
+                return None
+            if first is stop:
+                return None
+            if not first._check_event():
+                return first
+            with self._state:
+                if pending and pending[0] is first:
+                    pending.popleft()
+
+    # ----- issuing -----
+
+    def _work(self, op_type: str, keep: Sequence[Any]) -> NCCLWork:
+        return NCCLWork(op_type, self, keepalive=list(keep), default_timeout=self._timeout)
+
+    def _issue(self, op_type: str, bufs: Sequence[Buffer], build: Callable[[Planner], Plan],
+               *, host_wait: bool = False) -> NCCLWork:
+        work = self._work(op_type, bufs)
+        work.host_wait = host_wait
+        with self._lock:
+            if self._aborted is not None or self._closed is not None:
+                work._doom(self._aborted or self._closed or "")
+                return work
+            if self._comm is None:
+                self._lazy_create(op_type, bufs)
+            self._check_devices(op_type, bufs)
+            assert self._planner is not None
+            temps: list[Any] = []
+            self._temps = temps
+            try:
+                plan = build(self._planner)
+            finally:
+                self._temps = []
+            self._launch(op_type, plan, [work], bufs, temps)
+        return work
+
+    def _lazy_create(self, op_type: str, bufs: Sequence[Buffer]) -> None:
+        cuda = [b for b in bufs if b.is_cuda]
+        if not cuda:
+            raise ValueError(f"{op_type}: the NCCL backend needs CUDA device arrays; got host memory")
+        self._create_comm(cuda[0].device.index)
+
+    def _check_devices(self, op_type: str, bufs: Sequence[Buffer]) -> None:
+        for b in bufs:
+            if b.device.type != "cuda" or b.device.index != self._device:
+                raise ValueError(
+                    f"{op_type}: every array must be on cuda:{self._device}, the device of group "
+                    f"{self._group_name!r}'s NCCL communicator; got one on {b.device}")
+
+    def _caller_streams(self, bufs: Sequence[Buffer]) -> tuple[int, ...]:
+        if len(bufs) == 1:
+            s = bufs[0].stream
+            return (self._rt.current_stream() if s is None else s,)
+        streams: list[int] = []
+        current = -1
+        for b in bufs:
+            s = b.stream
+            if s is None:
+                # No producer stream published (or the legacy default): the caller's
+                # current stream is where the data was made and will be used.
+                if current < 0:
+                    current = self._rt.current_stream()
+                s = current
+            if s not in streams:
+                streams.append(s)
+        if not streams:
+            streams.append(self._rt.current_stream())
+        return tuple(streams)
+
+    def _launch(self, op_type: str, plan: Plan, works: Sequence[NCCLWork], bufs: Sequence[Buffer],
+                temps: list[Any]) -> None:
+        rt, device, comm_stream = self._rt, self._device, self._stream_ptr
+        prev_device = rt.get_device()
+        if prev_device != device:
+            rt.set_device(device)
+        issuing = False
+        try:
+            for pre, _, post in plan:
+                if pre or post:
+                    for step in (*pre, *post):
+                        if step[0] == "kernel":
+                            rt.prepare(step[1], device)  # compile before any NCCL call is made
+            callers = self._caller_streams(bufs)
+            captured = False
+            for s in callers:
+                captured = captured or rt.is_capturing(s)
+            ready = rt.event(pooled=not captured)
+            for s in callers:
+                rt.record(ready.ptr, s)
+                rt.wait_event(comm_stream, ready.ptr)
+            issuing = True
+            for phase in plan:
+                self._run_phase(phase)
+            end = rt.event(pooled=not captured)
+            rt.record(end.ptr, comm_stream)
+            if captured:
+                # A capture must end with every forked stream joined: join the
+                # communication stream back into the callers' streams now.
+                for s in callers:
+                    rt.wait_event(s, end.ptr)
+        except (DistBackendError, BackendUnavailableError):
+            raise
+        except Exception as exc:
+            aborted = self._aborted
+            why = f"the communicator was aborted: {aborted}" if aborted else f"{type(exc).__name__}: {exc}"
+            if issuing and aborted is None:
+                # Part of the op may be queued on some ranks and not on others: the
+                # communicator is out of step and must not be used again.
+                self.abort(f"{op_type} failed while being issued ({why})")
+            raise DistBackendError(f"{op_type} on group {self._group_name!r} failed: {why}") from exc
+        finally:
+            if prev_device != device:
+                rt.set_device(prev_device)
+        if captured:
+            # The graph uses the temporaries whenever it is replayed: keep them as long
+            # as the backend lives.
+            self._keep.extend(temps)
+        else:
+            works[0]._keep_also(temps)
+        prev, self._last_end = self._last_end, (None if captured else end)
+        for w in works:
+            w._issued(device, ready, end, prev, callers, captured)
+        if not captured:
+            with self._state:
+                pending = self._pending
+                pending.extend(works)
+                prune = len(pending) > _PRUNE_AT
+            if prune:
+                # Normally the group's watchdog completes works (off this thread);
+                # without one, completing them here releases their arrays.
+                self._complete_earlier(works[0])
+
+    def _run_phase(self, phase: Phase) -> None:
+        pre, calls, post = phase
+        for step in pre:
+            self._local(step)
+        if calls:
+            comm = self._comm
+            assert comm is not None
+            created: list[int] = []
+            try:
+                for s in calls:
+                    if s[0] in _REDUCING and type(s[5]) is Premul:
+                        calls = [self._bind_premul(comm, s, created) for s in calls]
+                        break
+                stream = self._stream_ptr
+                if len(calls) == 1:
+                    step = calls[0]
+                    getattr(comm, step[0])(*step[1:], stream)
+                else:
+                    self._rt.group_start()
+                    try:
+                        for step in calls:
+                            getattr(comm, step[0])(*step[1:], stream)
+                    finally:
+                        self._rt.group_end()
+            finally:
+                # NCCL allows destroying an op once the calls that use it returned.
+                for op in created:
+                    comm.op_destroy(op)
+        for step in post:
+            self._local(step)
+
+    @staticmethod
+    def _bind_premul(comm: Comm, step: Step, created: list[int]) -> Step:
+        if step[0] not in _REDUCING or not isinstance(step[5], Premul):
+            return step
+        op = comm.premul_sum(step[5].scalar, step[5].dtype)
+        created.append(op)
+        return step[:5] + (op,) + step[6:]
+
+    def _local(self, step: Step) -> None:
+        if step[0] == "copy":
+            _, dst, src, nbytes = step
+            if nbytes:
+                self._rt.memcpy(dst, src, nbytes, self._stream_ptr)
+        elif step[0] == "kernel":
+            _, name, n, args = step
+            self._rt.launch(name, n, args, self._stream, self._device)
+        else:
+            raise AssertionError(f"unknown local step {step[0]!r}")
+
+    # ----- the Backend protocol: reductions -----
+
+    def all_reduce(self, buf: Buffer, op: ReduceOpLike) -> Work:
+        return self._issue("all_reduce", (buf,), lambda p: p.all_reduce(buf, op))
+
+    def all_reduce_into(self, out: Buffer, inp: Buffer, op: ReduceOpLike) -> Work:
+        """Out-of-place all_reduce: ``out`` = the reduction of every rank's ``inp`` (same
+        dtype and size; ``inp`` is not written). NCCL does this natively: no copy."""
+        return self._issue("all_reduce", (out, inp), lambda p: p.all_reduce(out, op, inp))
+
+    def all_reduce_coalesced(self, bufs: Sequence[Buffer], op: ReduceOpLike) -> Work:
+        return self._issue("all_reduce_coalesced", bufs, lambda p: merge([p.all_reduce(b, op) for b in bufs]))
+
+    def reduce(self, buf: Buffer, dst: int, op: ReduceOpLike) -> Work:
+        return self._issue("reduce", (buf,), lambda p: p.reduce(buf, dst, op))
+
+    def reduce_scatter(self, out: Buffer, inputs: Sequence[Buffer], op: ReduceOpLike) -> Work:
+        return self._issue("reduce_scatter", [out, *inputs], lambda p: p.reduce_scatter(out, inputs, op))
+
+    def reduce_scatter_single(self, out: Buffer, inp: Buffer, op: ReduceOpLike) -> Work:
+        return self._issue("reduce_scatter_single", (out, inp), lambda p: p.reduce_scatter_single(out, inp, op))
+
+    # ----- data movement -----
+
+    def broadcast(self, buf: Buffer, src: int) -> Work:
+        return self._issue("broadcast", (buf,), lambda p: p.broadcast(buf, src))
+
+    def all_gather(self, outs: Sequence[Buffer], inp: Buffer) -> Work:
+        return self._issue("all_gather", [inp, *outs], lambda p: p.all_gather(outs, inp))
+
+    def all_gather_single(self, out: Buffer, inp: Buffer) -> Work:
+        return self._issue("all_gather_single", (out, inp), lambda p: p.all_gather_single(out, inp))
+
+    def all_gather_coalesced(self, outs: Sequence[Sequence[Buffer]], inps: Sequence[Buffer]) -> Work:
+        bufs = [*inps, *(b for group in outs for b in group)]
+        return self._issue("all_gather_coalesced", bufs,
+                           lambda p: merge([p.all_gather(o, i) for o, i in zip(outs, inps)]))
+
+    def gather(self, outs: Sequence[Buffer] | None, inp: Buffer, dst: int) -> Work:
+        return self._issue("gather", [inp, *(outs or ())], lambda p: p.gather(outs, inp, dst))
+
+    def scatter(self, out: Buffer, inputs: Sequence[Buffer] | None, src: int) -> Work:
+        return self._issue("scatter", [out, *(inputs or ())], lambda p: p.scatter(out, inputs, src))
+
+    def all_to_all(self, outs: Sequence[Buffer], inputs: Sequence[Buffer]) -> Work:
+        return self._issue("all_to_all", [*inputs, *outs], lambda p: p.all_to_all(outs, inputs))
+
+    def all_to_all_single(self, out: Buffer, inp: Buffer,
+                          out_counts: Sequence[int], in_counts: Sequence[int]) -> Work:
+        return self._issue("all_to_all_single", (out, inp),
+                           lambda p: p.all_to_all_single(out, inp, out_counts, in_counts))
+
+    # ----- point to point -----
+
+    def send(self, buf: Buffer, dst: int, tag: int) -> Work:
+        return self._issue("send", (buf,), lambda p: p.p2p([("send", buf, dst)]))
+
+    def recv(self, buf: Buffer, src: int | None, tag: int) -> Work:
+        if src is None:
+            raise ValueError("recv from any source (src=None) is not possible with NCCL: name the "
+                             "source rank, or use host arrays (the CPU backend)")
+        return self._issue("recv", (buf,), lambda p: p.p2p([("recv", buf, src)]))
+
+    def batch_p2p(self, ops: Sequence[tuple[str, Buffer, int, int]]) -> Work:
+        for kind, _, peer, _ in ops:
+            if peer is None:
+                raise ValueError(f"batch_p2p: a {kind} with peer=None is not possible with NCCL")
+        return self._issue("batch_isend_irecv", [b for _, b, _, _ in ops],
+                           lambda p: p.p2p([(k, b, peer) for k, b, peer, _ in ops]))
+
+    # ----- control -----
+
+    def barrier(self) -> Work:
+        """An all_reduce of one int on every rank; its Work's wait() blocks the host."""
+        work = self._work("barrier", ())
+        work.host_wait = True
+        with self._lock:
+            if self._aborted is not None or self._closed is not None:
+                work._doom(self._aborted or self._closed or "")
+                return work
+            if self._comm is None:
+                self._create_comm(self._rt.get_device())
+            s = self._scratch
+            plan: Plan = [([], [("all_reduce", s, s, 1, NCCL_DTYPES["int32"], OP_SUM)], [])]
+            # stream=None: order after the caller's current stream, so that a completed
+            # barrier also means this rank's earlier GPU work is done.
+            scratch = Buffer(s, 4, DTYPES["int32"], (1,), Device("cuda", self._device), stream=None)
+            self._launch("barrier", plan, [work], (scratch,), [])
+        return work
+
+    def abort(self, reason: str) -> None:
+        """Abort the communicator: every pending and later op fails with
+        DistBackendError naming itself and ``reason``. Returns once NCCL's abort
+        returned; safe to call from any thread, more than once."""
+        with self._state:
+            if self._aborted is not None:
+                return
+            self._aborted = reason
+            pending = list(self._pending)
+            self._pending.clear()
+        comm = self._comm
+        if comm is not None:
+            rt, device = self._rt, self._device
+            try:
+                prev = rt.get_device()
+                if prev != device:
+                    rt.set_device(device)
+                try:
+                    with self._comm_lock:
+                        if not self._comm_gone:
+                            self._comm_gone = True
+                            comm.abort()
+                finally:
+                    if prev != device:
+                        rt.set_device(prev)
+            except Exception as exc:
+                self._aborted = f"{reason} (and ncclCommAbort failed: {exc})"
+        for w in pending:
+            w._poll()
+
+    def shutdown(self) -> None:
+        """Wait (up to the timeout) for queued ops, then destroy the communicator; abort
+        it instead if they do not finish. Idempotent; later ops fail."""
+        with self._lock:
+            if self._closed is not None:
+                return
+            comm = self._comm
+            drained = self._aborted is None and self._drain(self._timeout)
+            with self._state:
+                pending = list(self._pending)
+            for w in pending:
+                w._poll()  # complete what finished, before the flag below fails the rest
+            self._closed = f"the NCCL backend of group {self._group_name!r} was shut down"
+            if comm is None or self._aborted is not None:
+                return
+            if not drained:
+                self.abort(f"{self._closed} while ops were still running after {self._timeout:.3g} s")
+                return
+            try:
+                with self._comm_lock:
+                    self._comm_gone = True
+                    comm.destroy()
+            except Exception as exc:
+                raise DistBackendError(f"destroying the NCCL communicator of group {self._group_name!r} "
+                                       f"failed: {exc}") from exc
+
+    def _drain(self, timeout: float) -> bool:
+        """True once everything queued on the communication stream has finished."""
+        if self._comm is None:
+            return True
+        rt, device = self._rt, self._device
+        prev = rt.get_device()
+        if prev != device:
+            rt.set_device(device)
+        try:
+            marker = rt.event(pooled=False)
+            rt.record(marker.ptr, self._stream_ptr)
+            deadline = time.monotonic() + timeout
+            delay = 1e-4
+            while not rt.query(marker.ptr):
+                if time.monotonic() >= deadline or self._aborted is not None:
+                    return False
+                time.sleep(delay)
+                delay = min(delay * 2, 0.01)
+            return True
+        finally:
+            if prev != device:
+                rt.set_device(prev)
+
+    # ----- new groups -----
+
+    def split(self, ranks: Sequence[int] | None, *, color: int = 0, store: Store, group_name: str,
+              timeout: float) -> NCCLBackend | None:
+        """The backend of a new group carved out of this one. Every rank of this group
+        must call it, at the same point of its op sequence, whether it joins a new group
+        or not (that is how ``ncclCommSplit`` works).
+
+        Args:
+            ranks: the members of this rank's new group as ranks of this group, in the
+                new group's rank order; None (or a list without this rank) for a rank
+                that joins no new group.
+            color: tells new groups apart when one call makes several disjoint groups
+                (torch's ``split_group``): ranks passing the same ``ranks`` pass the same
+                color >= 0, different groups different colors.
+            store: the new group's private store (used when no split is possible).
+            group_name: the new group's name.
+            timeout: the new group's timeout, seconds.
+
+        When :attr:`can_split` (an eagerly created communicator and NCCL >= 2.18) the
+        new communicator comes from ``ncclCommSplit``: no unique id round trip, and NCCL
+        may share resources with this one. Every rank first counts itself in through
+        this group's store, so a rank that never calls fails the others after
+        ``timeout`` seconds instead of hanging them. Otherwise members build one from a
+        fresh unique id exchanged through ``store``, and non-members return at once.
+
+        Returns:
+            The new group's backend on members; None elsewhere.
+
+        Raises:
+            ValueError: ``color`` < 0.
+            DistBackendError: the split failed, or not every rank reached it in time.
+        """
+        if not isinstance(color, int) or color < 0:
+            raise ValueError(f"color must be an int >= 0; got {color!r}")
+        members = list(ranks) if ranks is not None else []
+        member = self.rank in members
+        new_rank = members.index(self.rank) if member else -1
+        with self._lock:
+            if self.can_split:
+                comm = self._comm
+                assert comm is not None
+                # ncclCommSplit blocks until every rank of this group calls it: count the
+                # ranks in through the store first, so that one that never comes is a
+                # timeout naming how many did, not a hang inside NCCL.
+                self._splits += 1
+                key = f"nccl/split{self._splits}"
+                arrived = _all_arrive(self._store, f"{key}/arrived", f"{key}/all", self.size, timeout)
+                if arrived is not None:
+                    raise DistBackendError(
+                        f"new group {group_name!r}: only {arrived} ranks of group {self._group_name!r} reached "
+                        f"its split (ncclCommSplit) within {timeout:.3g} s; every rank of the parent group "
+                        "must create the new groups, in the same order")
+                # ncclCommSplit must not race ops still queued on this communicator.
+                if not self._drain(self._timeout):
+                    raise DistBackendError(f"new group {group_name!r}: ops of group {self._group_name!r} "
+                                           f"did not finish within {self._timeout:.3g} s before the split")
+                rt, device = self._rt, self._device
+                prev = rt.get_device()
+                if prev != device:
+                    rt.set_device(device)
+                try:
+                    # NCCL_SPLIT_NOCOLOR (-1): this rank joins no new communicator.
+                    new = comm.split(color if member else -1, max(new_rank, 0))
+                except Exception as exc:
+                    raise DistBackendError(f"ncclCommSplit of group {self._group_name!r} into "
+                                           f"{group_name!r} failed: {exc}") from exc
+                finally:
+                    if prev != device:
+                        rt.set_device(prev)
+                if new is None:
+                    return None
+                if new.size != len(members) or new.rank != new_rank:
+                    raise DistBackendError(
+                        f"ncclCommSplit made group {group_name!r} with rank {new.rank} of {new.size}; expected "
+                        f"rank {new_rank} of {len(members)}: ranks passed different member lists for one color")
+                return NCCLBackend(store, new_rank, len(members), timeout=timeout, group_name=group_name,
+                                   device_id=device, _runtime=self._rt, _comm=new)
+        if not member:
+            return None
+        return NCCLBackend(store, new_rank, len(members), timeout=timeout, group_name=group_name,
+                           device_id=self._device if self._eager else None, _runtime=self._rt)

@@ -1,0 +1,427 @@
+"""CuPy and NCCL, loaded lazily: availability, version, unique ids, and a ctypes shim.
+
+Nothing here imports CuPy at module import time; :func:`load` does, once per
+process, and everything that needs CUDA goes through it.
+
+``cupy.cuda.nccl`` binds communicators and the five classic collectives. What it
+lacks (``ncclAlltoAll``/``ncclGather``/``ncclScatter`` from NCCL 2.28,
+``ncclRedOpCreatePreMulSum``, ``ncclCommGetAsyncError``, ``ncclGetLastError``) is
+called through :class:`NcclShim`, a ctypes view of *the same* ``libnccl`` that CuPy
+loaded (found in ``/proc/self/maps``, so two copies of NCCL never meet in one
+process). Each extra is used only where the loaded version has it
+(:class:`Features`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import struct
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Callable
+
+from ..._buffer import DType
+from ...errors import BackendUnavailableError
+
+__all__ = [
+    "INSTALL_HINT", "NCCL_DTYPES", "MOVE_DTYPE", "OP_SUM", "OP_PROD", "OP_MAX", "OP_MIN", "OP_AVG",
+    "Features", "NcclLib", "NcclShim", "version_tuple", "unavailable_reason", "load",
+    "normalise_unique_id", "comm_id_arg", "encode_scalar", "result_name",
+]
+
+INSTALL_HINT = ('install CuPy and NCCL for your CUDA major version: pip install "gpucoll[cuda12]" '
+                '(cupy-cuda12x + nvidia-nccl-cu12) or pip install "gpucoll[cuda13]"')
+
+# ncclRedOp_t (nccl.h)
+OP_SUM, OP_PROD, OP_MAX, OP_MIN, OP_AVG = 0, 1, 2, 3, 4
+
+# ncclDataType_t (nccl.h): the types NCCL can reduce. Everything moves as bytes (MOVE_DTYPE).
+NCCL_DTYPES: dict[str, int] = {
+    "int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5,
+    "float16": 6, "float32": 7, "float64": 8, "bfloat16": 9,
+    "float8_e4m3fn": 10, "float8_e5m2": 11,
+}
+MOVE_DTYPE = 1  # ncclUint8: data movement is bit-exact whatever the element type
+
+_SCALAR_HOST_IMMEDIATE = 1  # ncclScalarHostImmediate: NCCL reads the factor before returning
+_UNIQUE_ID_BYTES = 128
+
+_RESULTS = {
+    0: "ncclSuccess", 1: "ncclUnhandledCudaError", 2: "ncclSystemError", 3: "ncclInternalError",
+    4: "ncclInvalidArgument", 5: "ncclInvalidUsage", 6: "ncclRemoteError", 7: "ncclInProgress",
+    8: "ncclTimeout",
+}
+
+
+def result_name(code: int) -> str:
+    """NCCL's name for an ``ncclResult_t`` value (``"ncclRemoteError"``...)."""
+    return _RESULTS.get(code, f"ncclResult {code}")
+
+
+def version_tuple(code: int) -> tuple[int, int, int]:
+    """Decode ``ncclGetVersion``'s integer: 2.9 and later use major*10000+minor*100+patch,
+    earlier releases major*1000+minor*100+patch."""
+    if code >= 10000:
+        return code // 10000, (code % 10000) // 100, code % 100
+    return code // 1000, (code % 1000) // 100, code % 100
+
+
+@dataclass(frozen=True)
+class Features:
+    """What the loaded NCCL (and CuPy's binding of it) can do; see docs/nccl-backend.md.
+
+    Attributes:
+        version: NCCL's (major, minor, patch).
+        avg: ``ncclAvg`` (NCCL >= 2.10).
+        premul_sum: ``ncclRedOpCreatePreMulSum`` through the shim (NCCL >= 2.11).
+        fp8: float8 e4m3/e5m2 datatypes (NCCL >= 2.24; reductions also need sm_90).
+        all_to_all, gather, scatter: NCCL's own calls (NCCL >= 2.28, through the shim).
+        comm_split: ``ncclCommSplit`` through CuPy (NCCL >= 2.18).
+        async_error: ``ncclCommGetAsyncError`` through the shim.
+    """
+
+    version: tuple[int, int, int]
+    avg: bool = True
+    premul_sum: bool = True
+    fp8: bool = True
+    all_to_all: bool = False
+    gather: bool = False
+    scatter: bool = False
+    comm_split: bool = True
+    async_error: bool = True
+
+    def describe(self) -> str:
+        on = [name for name in ("avg", "premul_sum", "fp8", "all_to_all", "gather", "scatter",
+                                "comm_split", "async_error") if getattr(self, name)]
+        return f"NCCL {'.'.join(map(str, self.version))} ({', '.join(on) or 'no extras'})"
+
+
+# ----- the ctypes shim -----
+
+class NcclShim:
+    """ctypes calls into the libnccl that CuPy loaded, for what CuPy does not bind.
+
+    Every call releases the GIL (ctypes.CDLL does), so a hung NCCL never stalls
+    other Python threads. Functions that the library lacks are None.
+
+    Args:
+        path: the library to open; normally :func:`loaded_library_path`'s answer.
+
+    Raises:
+        OSError: the library cannot be opened.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        lib = ctypes.CDLL(path)
+        vp, c_int, c_size_t = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+        self._get_version = self._bind(lib, "ncclGetVersion", [ctypes.POINTER(c_int)])
+        self._async_error = self._bind(lib, "ncclCommGetAsyncError", [vp, ctypes.POINTER(c_int)])
+        self._error_string = self._bind(lib, "ncclGetErrorString", [c_int], ctypes.c_char_p)
+        self._last_error = self._bind(lib, "ncclGetLastError", [vp], ctypes.c_char_p)
+        self._premul = self._bind(lib, "ncclRedOpCreatePreMulSum",
+                                  [ctypes.POINTER(c_int), vp, c_int, c_int, vp])
+        self._op_destroy = self._bind(lib, "ncclRedOpDestroy", [c_int, vp])
+        self._group_start = self._bind(lib, "ncclGroupStart", [])
+        self._group_end = self._bind(lib, "ncclGroupEnd", [])
+        self.all_to_all_fn = self._bind(lib, "ncclAlltoAll", [vp, vp, c_size_t, c_int, vp, vp])
+        self.gather_fn = self._bind(lib, "ncclGather", [vp, vp, c_size_t, c_int, c_int, vp, vp])
+        self.scatter_fn = self._bind(lib, "ncclScatter", [vp, vp, c_size_t, c_int, c_int, vp, vp])
+
+    @staticmethod
+    def _bind(lib: ctypes.CDLL, name: str, argtypes: list[Any], restype: Any = ctypes.c_int) -> Any:
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            return None
+        fn.argtypes = argtypes
+        fn.restype = restype
+        return fn
+
+    def version(self) -> int:
+        """``ncclGetVersion`` of this library (the integer code)."""
+        out = ctypes.c_int(0)
+        self.check(self._get_version(ctypes.byref(out)), "ncclGetVersion")
+        return int(out.value)
+
+    def error_string(self, code: int) -> str:
+        if self._error_string is None:
+            return result_name(code)
+        raw = self._error_string(code)
+        return raw.decode(errors="replace") if raw else result_name(code)
+
+    def last_error(self, comm: int) -> str:
+        """NCCL's last error message for ``comm`` ('' when unknown or unsupported)."""
+        if self._last_error is None:
+            return ""
+        raw = self._last_error(comm)
+        return raw.decode(errors="replace") if raw else ""
+
+    def check(self, code: int, what: str) -> None:
+        """Raise RuntimeError naming ``what`` when ``code`` is not ncclSuccess."""
+        if code != 0:
+            raise RuntimeError(f"{what} failed: {result_name(code)}: {self.error_string(code)}")
+
+    def async_error(self, comm: int) -> int:
+        """``ncclCommGetAsyncError``: 0 while healthy, 7 (in progress) during nonblocking
+        calls, anything else is a failure of the communicator."""
+        if self._async_error is None or not comm:
+            return 0
+        out = ctypes.c_int(0)
+        self.check(self._async_error(comm, ctypes.byref(out)), "ncclCommGetAsyncError")
+        return int(out.value)
+
+    def premul_sum(self, comm: int, scalar: bytes, dtype: int) -> int:
+        """Create a PreMulSum op whose factor (``scalar``, encoded in ``dtype``) NCCL
+        reads before returning; destroy it with :meth:`op_destroy`."""
+        if self._premul is None:
+            raise RuntimeError("this NCCL has no ncclRedOpCreatePreMulSum")
+        op = ctypes.c_int(0)
+        holder = ctypes.create_string_buffer(scalar, len(scalar))
+        self.check(self._premul(ctypes.byref(op), ctypes.cast(holder, ctypes.c_void_p), dtype,
+                                _SCALAR_HOST_IMMEDIATE, comm), "ncclRedOpCreatePreMulSum")
+        return int(op.value)
+
+    def group_start(self) -> None:
+        self.check(self._group_start(), "ncclGroupStart")
+
+    def group_end(self) -> None:
+        """``ncclGroupEnd``, which can block until peers join (p2p connection setup):
+        through ctypes the GIL is released meanwhile, so the watchdog keeps running."""
+        self.check(self._group_end(), "ncclGroupEnd")
+
+    def op_destroy(self, comm: int, op: int) -> None:
+        if self._op_destroy is not None:
+            self.check(self._op_destroy(op, comm), "ncclRedOpDestroy")
+
+
+def loaded_library_path(fragment: str = "libnccl.so") -> str | None:
+    """The path of the already-loaded library whose file name contains ``fragment``.
+
+    Reads ``/proc/self/maps`` so that the answer is the very file the dynamic
+    linker mapped for CuPy; None where that file does not exist (not Linux) or the
+    library is not loaded.
+    """
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) == 6:
+                    path = parts[5].strip()
+                    if fragment in os.path.basename(path):
+                        return path
+    except OSError:
+        return None
+    return None
+
+
+def _find_library_path() -> str | None:
+    found = loaded_library_path()
+    if found is not None:
+        return found
+    try:
+        from cuda import pathfinder  # type: ignore[import-not-found,unused-ignore]
+
+        return str(pathfinder.load_nvidia_dynamic_lib("nccl").abs_path)
+    except Exception:
+        return None
+
+
+# ----- loading -----
+
+@dataclass(frozen=True)
+class NcclLib:
+    """CuPy, its NCCL binding, and facts about the loaded NCCL.
+
+    Attributes:
+        cupy: the ``cupy`` module.
+        nccl: ``cupy.cuda.nccl``.
+        version_code: ``ncclGetVersion``'s integer.
+        shim: ctypes view of the same library, or None if it could not be opened.
+        shim_error: why ``shim`` is None ('' otherwise).
+        features: what the loaded NCCL can do.
+    """
+
+    cupy: Any
+    nccl: Any
+    version_code: int
+    shim: NcclShim | None
+    shim_error: str
+    features: Features
+
+    @property
+    def version(self) -> tuple[int, int, int]:
+        return version_tuple(self.version_code)
+
+    @property
+    def library_path(self) -> str | None:
+        return self.shim.path if self.shim is not None else None
+
+
+def _import_cupy_nccl() -> tuple[ModuleType, ModuleType]:
+    try:
+        import cupy
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"the NCCL backend needs CuPy, which is not installed ({exc}); {INSTALL_HINT}") from exc
+    except Exception as exc:  # a broken CUDA install can fail CuPy's import in many ways
+        raise BackendUnavailableError(
+            f"CuPy failed to import ({type(exc).__name__}: {exc}); {INSTALL_HINT}") from exc
+    try:
+        from cupy.cuda import nccl
+    except Exception as exc:
+        raise BackendUnavailableError(
+            f"CuPy {cupy.__version__} cannot import its NCCL binding ({type(exc).__name__}: {exc}); "
+            f"{INSTALL_HINT}") from exc
+    if not getattr(nccl, "available", False) or not hasattr(nccl, "NcclCommunicator"):
+        raise BackendUnavailableError(
+            f"CuPy {cupy.__version__} found no NCCL library (libnccl.so.2); {INSTALL_HINT}")
+    return cupy, nccl
+
+
+@functools.lru_cache(maxsize=None)
+def load() -> NcclLib:
+    """Import CuPy and its NCCL binding, open the shim, and work out :class:`Features`.
+
+    Cached: the library is loaded once per process. Needs no GPU.
+
+    Raises:
+        BackendUnavailableError: CuPy is missing or broken, or it found no NCCL.
+    """
+    cupy, nccl = _import_cupy_nccl()
+    try:
+        code = int(nccl.get_version())
+    except Exception as exc:
+        raise BackendUnavailableError(f"ncclGetVersion failed ({exc}); {INSTALL_HINT}") from exc
+    shim: NcclShim | None = None
+    shim_error = ""
+    path = _find_library_path()
+    if path is None:
+        shim_error = "could not locate the libnccl that CuPy loaded"
+    else:
+        try:
+            shim = NcclShim(path)
+            if shim.version() != code:
+                shim_error = (f"{path} reports NCCL {shim.version()}, CuPy's NCCL reports {code}; "
+                              "not mixing two NCCL libraries")
+                shim = None
+        except (OSError, RuntimeError) as exc:
+            shim, shim_error = None, f"cannot open {path}: {exc}"
+    return NcclLib(cupy, nccl, code, shim, shim_error, features_of(code, shim, nccl))
+
+
+def features_of(code: int, shim: NcclShim | None, nccl: Any) -> Features:
+    """Work out :class:`Features` from a version code, the shim and CuPy's binding."""
+    v = version_tuple(code)
+    return Features(
+        version=v,
+        avg=v >= (2, 10, 0),
+        premul_sum=v >= (2, 11, 0) and shim is not None and shim._premul is not None
+        and shim._op_destroy is not None,
+        fp8=v >= (2, 24, 0),
+        all_to_all=v >= (2, 28, 0) and shim is not None and shim.all_to_all_fn is not None,
+        gather=v >= (2, 28, 0) and shim is not None and shim.gather_fn is not None,
+        scatter=v >= (2, 28, 0) and shim is not None and shim.scatter_fn is not None,
+        comm_split=v >= (2, 18, 0) and hasattr(getattr(nccl, "NcclCommunicator", None), "commSplit"),
+        async_error=shim is not None and shim._async_error is not None,
+    )
+
+
+def unavailable_reason(*, need_device: bool = True) -> str | None:
+    """Why the NCCL backend cannot run here, or None when it can.
+
+    Checks, in order: CuPy imports; CuPy found NCCL; (``need_device``) the CUDA
+    driver answers and shows at least one device. The device check initialises
+    the CUDA driver in this process: fork no workers after calling it.
+    """
+    try:
+        lib = load()
+    except BackendUnavailableError as exc:
+        return str(exc)
+    if not need_device:
+        return None
+    try:
+        count = int(lib.cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:
+        return (f"no usable CUDA device ({type(exc).__name__}: {exc}): the NCCL backend needs an NVIDIA "
+                f"GPU with a driver recent enough for CuPy {lib.cupy.__version__}'s CUDA; with an older "
+                'driver, install the CuPy build of its CUDA major version (pip install "gpucoll[cuda12]" '
+                'or "gpucoll[cuda13]"). Host arrays work with backend="cpu"')
+    if count < 1:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        return f"no CUDA device is visible{where}"
+    return None
+
+
+# ----- unique ids -----
+
+def normalise_unique_id(uid: Any) -> bytes:
+    """``get_unique_id()``'s answer as 128 bytes: CuPy >= 14 returns bytes, older CuPy a
+    tuple of signed chars."""
+    if isinstance(uid, (bytes, bytearray, memoryview)):
+        out = bytes(uid)
+    elif isinstance(uid, (tuple, list)):
+        out = bytes((int(c) & 0xFF) for c in uid)
+    else:
+        raise TypeError(f"an NCCL unique id must be bytes or a tuple of ints; got {type(uid).__name__}")
+    if len(out) != _UNIQUE_ID_BYTES:
+        raise ValueError(f"an NCCL unique id has {_UNIQUE_ID_BYTES} bytes; got {len(out)}")
+    return out
+
+
+def comm_id_arg(uid: bytes, cupy_version: str) -> bytes | tuple[int, ...]:
+    """The unique id in the form ``NcclCommunicator(ndev, commId, rank)`` takes: bytes
+    from CuPy 14 on, a tuple of signed chars before."""
+    major = int(str(cupy_version).split(".", 1)[0] or 0)
+    if major >= 14:
+        return uid
+    return tuple(b - 256 if b > 127 else b for b in uid)
+
+
+# ----- PREMUL_SUM factors -----
+
+def _bfloat16_bits(value: float) -> int:
+    bits = int(struct.unpack("<I", struct.pack("<f", value))[0])
+    if (bits & 0x7F800000) == 0x7F800000 and bits & 0x7FFFFF:
+        return 0x7FC0  # NaN
+    # Round to nearest, ties to even, as the hardware conversion does.
+    bits += 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16) & 0xFFFF
+
+
+_SCALAR_ENCODERS: dict[str, Callable[[float], bytes]] = {
+    "float64": lambda v: struct.pack("<d", v),
+    "float32": lambda v: struct.pack("<f", v),
+    "float16": lambda v: struct.pack("<e", v),
+    "bfloat16": lambda v: struct.pack("<H", _bfloat16_bits(v)),
+}
+
+
+def encode_scalar(factor: float, dtype: DType) -> bytes:
+    """``factor`` as one element of ``dtype`` (a float type), little-endian, for
+    ``ncclRedOpCreatePreMulSum``.
+
+    Raises:
+        TypeError: ``dtype`` is not a floating type, or a float8 type without ml_dtypes.
+        ValueError: ``factor`` does not fit in ``dtype``.
+    """
+    enc = _SCALAR_ENCODERS.get(dtype.name)
+    if enc is not None:
+        try:
+            return enc(float(factor))
+        except (OverflowError, struct.error) as exc:
+            raise ValueError(f"PREMUL_SUM factor {factor!r} is out of range for {dtype.name}") from exc
+    if dtype.name in ("float8_e4m3fn", "float8_e5m2"):
+        import numpy as np
+
+        try:
+            np_dtype = dtype.numpy()
+        except TypeError as exc:
+            raise TypeError(f"PREMUL_SUM on {dtype.name} needs ml_dtypes to encode the factor "
+                            "(pip install ml_dtypes)") from exc
+        encoded: bytes = np.asarray(factor, dtype=np.float32).astype(np_dtype).tobytes()
+        return encoded
+    raise TypeError(f"PREMUL_SUM factor cannot be encoded as {dtype.name}")

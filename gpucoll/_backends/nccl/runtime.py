@@ -1,0 +1,344 @@
+"""The CUDA and NCCL calls the NCCL backend makes, behind two small Protocols.
+
+:class:`Runtime` (streams, events, copies, temporaries, kernels, communicator
+creation) and :class:`Comm` (one NCCL communicator) are all the backend touches;
+:class:`CudaRuntime` and :class:`CupyComm` implement them over CuPy, binding CuPy's
+Cython functions directly so that the issue path adds no Python layer of its own.
+The CPU test suite drives the same backend through an in-process fake of these
+Protocols. Importing this module imports no CuPy.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Protocol
+
+from .lib import Features, NcclLib, comm_id_arg, normalise_unique_id, result_name
+
+__all__ = ["Event", "Comm", "Runtime", "CudaRuntime", "CupyComm", "NcclCallError"]
+
+_CUDA_ERROR_NOT_READY = 600
+_EVENT_DEFAULT = 0  # cudaEventDefault: timing enabled, so active_duration can be measured
+
+
+class NcclCallError(RuntimeError):
+    """An NCCL call made through the ctypes shim failed; ``code`` is its ncclResult_t."""
+
+    def __init__(self, what: str, code: int, detail: str = "") -> None:
+        super().__init__(f"{what} failed: {result_name(code)}" + (f": {detail}" if detail else ""))
+        self.code = code
+
+
+class Event(Protocol):
+    """A CUDA event owned by whoever holds this object."""
+
+    ptr: int
+
+
+class Comm(Protocol):
+    """One NCCL communicator. Pointers and streams are raw integers; counts are in
+    elements of ``dtype`` (an ncclDataType_t); the methods raise on NCCL errors."""
+
+    rank: int
+    size: int
+
+    # (send, recv, count, dtype, [op], [root | peer], stream), as properties so that
+    # CupyComm can bind CuPy's methods directly.
+    @property
+    def all_reduce(self) -> Callable[[int, int, int, int, int, int], None]: ...
+    @property
+    def reduce(self) -> Callable[[int, int, int, int, int, int, int], None]: ...
+    @property
+    def broadcast(self) -> Callable[[int, int, int, int, int, int], None]: ...
+    @property
+    def all_gather(self) -> Callable[[int, int, int, int, int], None]: ...
+    @property
+    def reduce_scatter(self) -> Callable[[int, int, int, int, int, int], None]: ...
+    @property
+    def send(self) -> Callable[[int, int, int, int, int], None]: ...
+    @property
+    def recv(self) -> Callable[[int, int, int, int, int], None]: ...
+
+    def all_to_all(self, send: int, recv: int, count: int, dtype: int, stream: int) -> None: ...
+    def gather(self, send: int, recv: int, count: int, dtype: int, root: int, stream: int) -> None: ...
+    def scatter(self, send: int, recv: int, count: int, dtype: int, root: int, stream: int) -> None: ...
+    def premul_sum(self, scalar: bytes, dtype: int) -> int: ...
+    def op_destroy(self, op: int) -> None: ...
+    def async_error(self) -> int: ...
+    def last_error(self) -> str: ...
+    def split(self, color: int, key: int) -> Comm | None: ...
+    def abort(self) -> None: ...
+    def destroy(self) -> None: ...
+
+
+class Runtime(Protocol):
+    """The CUDA side: one per process (its methods act on the calling thread's device).
+
+    The hot-path calls are read-only properties so that an implementation may bind
+    them to C functions directly (as :class:`CudaRuntime` does) or define methods.
+    """
+
+    features: Features
+
+    @property
+    def get_device(self) -> Callable[[], int]: ...
+    @property
+    def set_device(self) -> Callable[[int], None]: ...
+    @property
+    def record(self) -> Callable[[int, int], None]:
+        """(event, stream): record ``event`` on ``stream``."""
+        ...
+    @property
+    def wait_event(self) -> Callable[[int, int], None]:
+        """(stream, event): ``stream`` waits for ``event``."""
+        ...
+    @property
+    def elapsed_ms(self) -> Callable[[int, int], float]: ...
+    @property
+    def is_capturing(self) -> Callable[[int], bool]:
+        """True while the stream is being captured into a CUDA graph."""
+        ...
+    @property
+    def group_start(self) -> Callable[[], None]: ...
+    @property
+    def group_end(self) -> Callable[[], None]: ...
+
+    def device_count(self) -> int: ...
+    def compute_capability(self, device: int) -> tuple[int, int]: ...
+    def current_stream(self) -> int: ...
+    def new_stream(self) -> Any: ...
+    def event(self, pooled: bool = True) -> Event: ...
+    def query(self, event: int) -> bool: ...
+    def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None: ...
+    def alloc(self, nbytes: int, stream: Any) -> tuple[int, Any]: ...
+    def prepare(self, kernel: str, device: int) -> None: ...
+    def launch(self, kernel: str, n: int, args: tuple[Any, ...], stream: Any, device: int) -> None: ...
+    def unique_id(self) -> bytes: ...
+    def new_comm(self, size: int, uid: bytes, rank: int) -> Comm: ...
+
+
+class _PooledEvent:
+    """A CUDA event that goes back to its pool, not to cudaEventDestroy, when dropped:
+    creating events costs a driver call per op otherwise."""
+
+    __slots__ = ("ptr", "_pool")
+
+    def __init__(self, ptr: int, pool: _EventPool | None) -> None:
+        self.ptr = ptr
+        self._pool = pool
+
+    def __del__(self) -> None:
+        pool = self._pool
+        if pool is not None:
+            pool.release(self.ptr)
+        else:
+            _destroy_event(self.ptr)
+
+
+def _destroy_event(ptr: int) -> None:
+    try:
+        from cupy.cuda import runtime
+
+        runtime.eventDestroy(ptr)
+    except Exception:
+        pass  # interpreter shutdown or a dead context: nothing left to free
+
+
+class _EventPool:
+    def __init__(self, create: Callable[[int], int], limit: int = 1024) -> None:
+        self._create = create
+        self._free: list[int] = []
+        self._limit = limit
+        self._lock = threading.Lock()
+
+    def acquire(self) -> _PooledEvent:
+        with self._lock:
+            ptr = self._free.pop() if self._free else 0
+        return _PooledEvent(ptr or self._create(_EVENT_DEFAULT), self)
+
+    def release(self, ptr: int) -> None:
+        with self._lock:
+            if len(self._free) < self._limit:
+                self._free.append(ptr)
+                return
+        _destroy_event(ptr)
+
+
+class CudaRuntime:
+    """:class:`Runtime` over CuPy.
+
+    Args:
+        lib: the loaded CuPy/NCCL (:func:`gpucoll._backends.nccl.lib.load`).
+    """
+
+    def __init__(self, lib: NcclLib) -> None:
+        rt = lib.cupy.cuda.runtime
+        self.lib = lib
+        self.features = lib.features
+        self._cupy = lib.cupy
+        self._rt = rt
+        self.get_device = rt.getDevice
+        self.set_device = rt.setDevice
+        self.record = rt.eventRecord
+        self.wait_event = rt.streamWaitEvent
+        self.elapsed_ms = rt.eventElapsedTime
+        self.is_capturing = rt.streamIsCapturing
+        shim = lib.shim
+        if shim is not None and shim._group_start is not None and shim._group_end is not None:
+            self.group_start, self.group_end = shim.group_start, shim.group_end
+        else:
+            self.group_start, self.group_end = lib.nccl.groupStart, lib.nccl.groupEnd
+        self._event_query = rt.eventQuery
+        self._memcpy = rt.memcpyAsync
+        self._memcpy_kind = rt.memcpyDefault
+        self._get_current_stream = lib.cupy.cuda.get_current_stream
+        self._device_cls = lib.cupy.cuda.Device
+        self._stream_cls = lib.cupy.cuda.Stream
+        self._alloc = lib.cupy.cuda.alloc
+        self._create_event = rt.eventCreateWithFlags
+        self._device_count = rt.getDeviceCount
+        self._error = rt.CUDARuntimeError
+        self._pools: dict[int, _EventPool] = {}
+
+    def device_count(self) -> int:
+        return int(self._device_count())
+
+    def compute_capability(self, device: int) -> tuple[int, int]:
+        cc = str(self._device_cls(device).compute_capability)  # "90" for 9.0, "100" for 10.0
+        return int(cc[:-1]), int(cc[-1])
+
+    def current_stream(self) -> int:
+        return int(self._get_current_stream().ptr)
+
+    def new_stream(self) -> Any:
+        # Non-blocking: the communication stream must not serialise with the legacy
+        # default stream, only with what the backend makes it wait for.
+        return self._stream_cls(non_blocking=True)
+
+    def event(self, pooled: bool = True) -> Event:
+        """A timing-enabled event of the current device. Events recorded during CUDA
+        graph capture must not be reused outside it: ask for ``pooled=False`` then."""
+        if not pooled:
+            return _PooledEvent(self._create_event(_EVENT_DEFAULT), None)
+        device = self.get_device()
+        pool = self._pools.get(device)
+        if pool is None:
+            pool = self._pools.setdefault(device, _EventPool(self._create_event))
+        return pool.acquire()
+
+    def query(self, event: int) -> bool:
+        status = self._event_query(event)
+        if status == 0:
+            return True
+        if status == _CUDA_ERROR_NOT_READY:
+            return False
+        raise self._error(status)
+
+    def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self._memcpy(dst, src, nbytes, self._memcpy_kind, stream)
+
+    def alloc(self, nbytes: int, stream: Any) -> tuple[int, Any]:
+        # Allocated while the communication stream is current, CuPy's pool hands this
+        # block out again only in that stream's order.
+        with stream:
+            mem = self._alloc(max(nbytes, 1))
+        return int(mem.ptr), mem
+
+    def prepare(self, kernel: str, device: int) -> None:
+        from . import kernels as _kernels
+
+        _kernels.get_kernel(kernel, device)
+
+    def launch(self, kernel: str, n: int, args: tuple[Any, ...], stream: Any, device: int) -> None:
+        from . import kernels as _kernels
+
+        _kernels.launch(kernel, n, args, stream, device)
+
+    def unique_id(self) -> bytes:
+        return normalise_unique_id(self.lib.nccl.get_unique_id())
+
+    def new_comm(self, size: int, uid: bytes, rank: int) -> Comm:
+        comm = self.lib.nccl.NcclCommunicator(size, comm_id_arg(uid, self._cupy.__version__), rank)
+        return CupyComm(self.lib, comm, rank, size)
+
+
+class CupyComm:
+    """:class:`Comm` over ``cupy.cuda.nccl.NcclCommunicator`` plus the ctypes shim."""
+
+    def __init__(self, lib: NcclLib, comm: Any, rank: int, size: int) -> None:
+        self._lib = lib
+        self._comm = comm
+        self.rank = rank
+        self.size = size
+        # CuPy's methods take (buffers, count, datatype, [op], [root|peer], stream),
+        # the order of the plan steps: bind them as they are.
+        self.all_reduce = comm.allReduce
+        self.reduce = comm.reduce
+        self.broadcast = comm.broadcast
+        self.all_gather = comm.allGather
+        self.reduce_scatter = comm.reduceScatter
+        self.send = comm.send
+        self.recv = comm.recv
+
+    @property
+    def handle(self) -> int:
+        """The raw ``ncclComm_t`` (0 once destroyed or aborted)."""
+        return int(self._comm.comm)
+
+    def _shim_call(self, fn: Any, what: str, *args: Any) -> None:
+        if fn is None:
+            raise NcclCallError(what, 5, f"not in NCCL {'.'.join(map(str, self._lib.version))}")
+        code = fn(*args)
+        if code != 0:
+            shim = self._lib.shim
+            assert shim is not None
+            raise NcclCallError(what, code, shim.last_error(self.handle) or shim.error_string(code))
+
+    def all_to_all(self, send: int, recv: int, count: int, dtype: int, stream: int) -> None:
+        shim = self._lib.shim
+        self._shim_call(shim and shim.all_to_all_fn, "ncclAlltoAll", send, recv, count, dtype,
+                        self.handle, stream)
+
+    def gather(self, send: int, recv: int, count: int, dtype: int, root: int, stream: int) -> None:
+        shim = self._lib.shim
+        self._shim_call(shim and shim.gather_fn, "ncclGather", send, recv, count, dtype, root,
+                        self.handle, stream)
+
+    def scatter(self, send: int, recv: int, count: int, dtype: int, root: int, stream: int) -> None:
+        shim = self._lib.shim
+        self._shim_call(shim and shim.scatter_fn, "ncclScatter", send, recv, count, dtype, root,
+                        self.handle, stream)
+
+    def premul_sum(self, scalar: bytes, dtype: int) -> int:
+        shim = self._lib.shim
+        if shim is None:
+            raise NcclCallError("ncclRedOpCreatePreMulSum", 5, self._lib.shim_error)
+        return shim.premul_sum(self.handle, scalar, dtype)
+
+    def op_destroy(self, op: int) -> None:
+        shim = self._lib.shim
+        if shim is not None:
+            shim.op_destroy(self.handle, op)
+
+    def async_error(self) -> int:
+        shim = self._lib.shim
+        handle = self.handle
+        if shim is None or not handle:
+            return 0
+        return shim.async_error(handle)
+
+    def last_error(self) -> str:
+        shim = self._lib.shim
+        return shim.last_error(self.handle) if shim is not None else ""
+
+    def split(self, color: int, key: int) -> Comm | None:
+        new = self._comm.commSplit(color, key)
+        if new is None:
+            return None
+        return CupyComm(self._lib, new, int(new.rank_id()), int(new.size()))
+
+    def abort(self) -> None:
+        self._comm.abort()
+
+    def destroy(self) -> None:
+        self._comm.destroy()

@@ -1,0 +1,242 @@
+"""NCCLWork: the Work of an op on the GPU, completed by CUDA events.
+
+Two events bound each op: ``ready``, recorded on the caller's stream(s) and waited
+on by the communication stream before the op, and ``end``, recorded on the
+communication stream after it. The op is complete when ``end`` has fired.
+
+* :meth:`NCCLWork.wait` makes the caller's streams wait for ``end`` and returns at
+  once (torch's semantics: the host is not blocked); with an explicit ``timeout`` it
+  also blocks the host until completion, as torch does.
+* :meth:`NCCLWork.synchronize` blocks the host until ``end`` fires.
+* :meth:`NCCLWork.is_completed` and :meth:`NCCLWork._poll` (the group's watchdog)
+  query ``end`` without blocking; the first to see it fire completes the Work, which
+  releases the arrays it kept alive and fires completion hooks.
+
+``active_duration`` is the time from the op's start on the communication stream to
+``end``: the op starts once both its ``ready`` event and the previous op's ``end``
+have fired, so the duration is the smaller of the two elapsed times.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any, Protocol, Sequence
+
+from ..._timeouts import to_seconds
+from ...errors import DistBackendError, DistError
+from ..._work import Work
+from .runtime import Event, Runtime
+
+__all__ = ["NCCLWork", "WorkOwner"]
+
+
+class WorkOwner(Protocol):
+    """What an NCCLWork needs from its backend."""
+
+    _rt: Runtime
+    _aborted: str | None
+
+    def _failure(self) -> str | None:
+        """Why every pending op fails (abort, asynchronous NCCL error), or None."""
+        ...
+
+    def abort(self, reason: str) -> None: ...
+
+    def _complete_earlier(self, work: NCCLWork) -> None:
+        """Complete, in issue order, the works issued before ``work`` (its stream ran
+        them first), so that completions and hooks follow issue order."""
+        ...
+
+
+class NCCLWork(Work):
+    """Work of one NCCL op (or one coalesced batch of ops); see the module docstring.
+
+    Args:
+        op_type: the op's name.
+        owner: the backend that issued it.
+        keepalive: arrays, Buffers and temporaries to hold until the op completes.
+        result: what :meth:`result` returns.
+        default_timeout: seconds :meth:`synchronize` waits when given no timeout.
+    """
+
+    # Set by _issued/_doom; class-level defaults keep the per-op constructor short.
+    _device: int = 0
+    _ready: Event | None = None
+    _end: Event | None = None
+    _prev: Event | None = None
+    _streams: tuple[int, ...] = ()
+    _doomed: str | None = None
+    # A barrier is a host-side promise: its wait() blocks the host.
+    host_wait: bool = False
+
+    def __init__(self, op_type: str, owner: WorkOwner, *, keepalive: Sequence[Any] = (),
+                 result: list[Any] | None = None, default_timeout: float | None = None) -> None:
+        super().__init__(op_type, keepalive=keepalive, result=result, default_timeout=default_timeout)
+        self._owner = owner
+
+    # ----- set by the backend -----
+
+    def _issued(self, device: int, ready: Event, end: Event, prev: Event | None,
+                streams: tuple[int, ...], captured: bool) -> None:
+        self._device = device
+        self._streams = streams
+        if captured:
+            # Inside CUDA graph capture nothing runs until the graph is launched, and
+            # captured events cannot be queried: the op is complete as far as the
+            # host can ever tell. The caller's streams already wait for it.
+            self._set_result(active_duration=0.0)
+            return
+        self._ready, self._prev = ready, prev
+        self._end = end
+
+    def _doom(self, reason: str) -> None:
+        """Fail this Work the first time anyone looks at it (the ProcessGroup assigns
+        its sequence number after the backend returns it, and the error names it)."""
+        self._doomed = reason
+
+    def _keep_also(self, objs: Sequence[Any]) -> None:
+        """Also hold ``objs`` (the op's temporaries) until the op completes."""
+        if objs:
+            self._keepalive = [*(self._keepalive or ()), *objs]
+
+    def _fail(self, reason: str) -> None:
+        self._set_exception(DistBackendError(f"{self._name()} failed: {reason}"))
+
+    # ----- completion -----
+
+    def _poll(self) -> bool:
+        if self._done.is_set():
+            return True
+        if self._doomed is not None:
+            self._fail(self._doomed)
+            return True
+        reason = self._owner._failure()
+        if reason is not None:
+            self._fail(reason)
+            return True
+        return self._check_event()
+
+    def _check_event(self) -> bool:
+        """Complete the Work if its end event has fired; True once complete."""
+        if self._done.is_set():
+            return True
+        end = self._end
+        if end is None:
+            return False  # a member of a coalescing batch that has not been issued yet
+        rt = self._owner._rt
+        try:
+            prev_device = rt.get_device()
+            if prev_device != self._device:
+                rt.set_device(self._device)
+            try:
+                if not rt.query(end.ptr):
+                    return False
+                duration = self._active_ms(rt, end)
+            finally:
+                if prev_device != self._device:
+                    rt.set_device(prev_device)
+        except Exception as exc:
+            # A failed query means a sticky CUDA error (a kernel faulted): the
+            # communicator cannot be trusted after it.
+            why = f"CUDA reported {type(exc).__name__}: {exc} while checking {self._name()}"
+            self._owner.abort(why)
+            self._fail(why)
+            return True
+        self._ready = self._prev = None
+        self._owner._complete_earlier(self)
+        self._set_result(active_duration=None if duration is None else duration / 1000.0)
+        return True
+
+    def _active_ms(self, rt: Runtime, end: Event) -> float | None:
+        try:
+            ms = float("inf")
+            for start in (self._ready, self._prev):
+                if start is not None:
+                    ms = min(ms, rt.elapsed_ms(start.ptr, end.ptr))
+            return None if ms == float("inf") else max(ms, 0.0)
+        except Exception:
+            return None  # no timing (e.g. an event recorded on another device): host clock
+
+    def _raise_if_failed(self) -> None:
+        exc = self._exc
+        if exc is None:
+            return
+        if isinstance(exc, DistError):
+            raise exc
+        raise DistBackendError(f"{self._name()} failed: {exc}") from exc
+
+    # ----- the public surface -----
+
+    def is_completed(self) -> bool:
+        """True once the op finished on the GPU (or failed); never blocks."""
+        return self._poll()
+
+    def wait(self, timeout: float | timedelta | None = None) -> bool:
+        """Make the current stream (and the streams the op was issued from) wait for
+        the op; the host is not blocked.
+
+        Args:
+            timeout: when given, additionally block the host until the op completes,
+                at most this many seconds (torch's behaviour for an explicit timeout).
+
+        Returns:
+            True.
+
+        Raises:
+            DistBackendError: the op failed or was aborted (or, with ``timeout``, did
+                not complete in time).
+        """
+        if timeout is not None or self.host_wait:
+            self.synchronize(timeout)
+            return True
+        # Only flags here: the hot path of every synchronous op queries no event and
+        # no NCCL state (the watchdog does that).
+        if self._done.is_set() or self._doomed is not None or self._owner._aborted is not None:
+            self._poll()
+            self._raise_if_failed()
+            return True
+        end = self._end
+        if end is None:
+            return True  # not issued yet: the batch's own Work carries the wait
+        rt = self._owner._rt
+        prev_device = rt.get_device()
+        if prev_device != self._device:
+            rt.set_device(self._device)
+        try:
+            current = rt.current_stream()
+            for stream in self._streams:
+                rt.wait_event(stream, end.ptr)
+            if current not in self._streams:
+                rt.wait_event(current, end.ptr)
+        except Exception as exc:
+            raise DistBackendError(f"{self._name()}: making the caller's stream wait failed: {exc}") from exc
+        finally:
+            if prev_device != self._device:
+                rt.set_device(prev_device)
+        return True
+
+    def synchronize(self, timeout: float | timedelta | None = None) -> None:
+        """Block the host until the op completed on the GPU.
+
+        Args:
+            timeout: seconds (or timedelta); None uses the group's timeout.
+
+        Raises:
+            DistBackendError: the op failed, was aborted, or did not complete in time.
+        """
+        limit = (to_seconds(timeout, default=self._default_timeout)
+                 if timeout is not None or self._default_timeout is not None else None)
+        deadline = None if limit is None else time.monotonic() + limit
+        delay = 2e-5
+        while not self._poll():
+            if deadline is not None and time.monotonic() >= deadline:
+                raise DistBackendError(f"{self._name()} did not complete within {limit:.3g} s "
+                                       "(Work.synchronize)")
+            if self._end is None:
+                raise DistBackendError(f"{self._name()} was never issued: it is inside a coalescing "
+                                       "block that has not ended")
+            # Spin briefly for short ops, then back off so a long op costs no CPU.
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+        self._raise_if_failed()

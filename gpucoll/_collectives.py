@@ -1,0 +1,327 @@
+"""Module-level collectives with torch.distributed's names and argument order.
+
+Arrays are updated in place (``all_reduce(x)`` leaves the sum in ``x``); for
+immutable arrays (JAX) use :mod:`gpucoll.functional`. ``src``/``dst``/``peer`` are
+*global* ranks, as in torch; ``group_src``/``group_dst``/``group_peer`` give a
+rank inside ``group`` instead. ``async_op=True`` returns a :class:`~gpucoll._work.Work`;
+otherwise the call returns once the op is complete (host arrays) or ordered on the
+caller's stream (device arrays).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Sequence
+
+from . import _world
+from ._group import CoalescingManager, ProcessGroup
+from ._group import coalescing as _coalescing
+from ._reduce_op import ReduceOp
+from ._work import Work
+
+__all__ = [
+    "all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather", "all_gather_single",
+    "all_gather_into_tensor", "all_gather_coalesced", "gather", "scatter", "reduce_scatter",
+    "reduce_scatter_single", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "send", "recv",
+    "isend", "irecv", "P2POp", "batch_isend_irecv", "barrier", "monitored_barrier", "coalescing",
+    "CoalescingManager",
+]
+
+
+def _pg(group: Any) -> ProcessGroup:
+    if group is None:
+        world = _world._WORLD
+        if world is not None:
+            return world.default
+    return _world._resolve(group)
+
+
+def _group_rank(pg: ProcessGroup, rank: int | None, group_rank: int | None, name: str) -> int:
+    if group_rank is not None:
+        if rank is not None:
+            raise ValueError(f"pass either {name} (a global rank) or group_{name} (a group rank), not both; "
+                             f"got {name}={rank}, group_{name}={group_rank}")
+        return group_rank
+    if rank is None:
+        raise ValueError(f"{name} is required (a global rank), or group_{name} (a rank in the group)")
+    return pg.get_group_rank(rank, name)
+
+
+# ----- reductions -----
+
+def all_reduce(tensor: Any, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None,
+               async_op: bool = False) -> Work | None:
+    """Reduce ``tensor`` over all ranks of ``group``; every rank gets the result in place.
+
+    Args:
+        tensor: the array to reduce (writable, C-contiguous).
+        op: a :class:`ReduceOp` or :func:`make_premul_sum` (bitwise ops need int/bool).
+        group: the group (default group when None).
+        async_op: return a Work instead of waiting.
+
+    Returns:
+        A Work if ``async_op``, else None.
+
+    Raises:
+        ValueError/TypeError: bad array or op for the dtype.
+        DistBackendError: the op failed or timed out (a peer died, ...).
+
+    Example:
+        >>> x = np.full(4, gpucoll.get_rank(), np.float32)
+        >>> gpucoll.all_reduce(x, op=gpucoll.ReduceOp.MAX)   # x == world_size - 1
+    """
+    return _pg(group).all_reduce(tensor, op, async_op)
+
+
+def all_reduce_coalesced(tensors: Sequence[Any], op: Any = ReduceOp.SUM, group: ProcessGroup | None = None,
+                         async_op: bool = False) -> Work | None:
+    """All-reduce every array of ``tensors`` in one op (one Work)."""
+    return _pg(group).all_reduce_coalesced(tensors, op, async_op)
+
+
+def reduce(tensor: Any, dst: int | None = None, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None,
+           async_op: bool = False, group_dst: int | None = None) -> Work | None:
+    """Reduce ``tensor`` over the group into rank ``dst``'s array (other ranks' arrays are
+    left as the backend leaves them: unspecified, as in torch)."""
+    pg = _pg(group)
+    return pg.reduce(tensor, _group_rank(pg, dst, group_dst, "dst"), op, async_op)
+
+
+def reduce_scatter(output: Any, input_list: Sequence[Any], op: Any = ReduceOp.SUM,
+                   group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """Rank i receives the reduction over ranks of their ``input_list[i]`` in ``output``."""
+    return _pg(group).reduce_scatter(output, input_list, op, async_op)
+
+
+def reduce_scatter_single(output: Any, input: Any, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None,
+                          async_op: bool = False) -> Work | None:
+    """``input`` holds ``size`` equal consecutive chunks; rank i gets chunk i reduced over ranks.
+
+    ``output`` must have exactly ``input.size // group size`` elements (any shape).
+    """
+    return _pg(group).reduce_scatter_single(output, input, op, async_op)
+
+
+reduce_scatter_tensor = reduce_scatter_single
+"""torch's older name for :func:`reduce_scatter_single`."""
+
+
+# ----- data movement -----
+
+def broadcast(tensor: Any, src: int | None = None, group: ProcessGroup | None = None, async_op: bool = False,
+              group_src: int | None = None) -> Work | None:
+    """Copy rank ``src``'s ``tensor`` into every other rank's ``tensor``."""
+    pg = _pg(group)
+    return pg.broadcast(tensor, _group_rank(pg, src, group_src, "src"), async_op)
+
+
+def all_gather(tensor_list: Sequence[Any], tensor: Any, group: ProcessGroup | None = None,
+               async_op: bool = False) -> Work | None:
+    """``tensor_list[i]`` receives rank i's ``tensor`` on every rank (same shape and dtype)."""
+    return _pg(group).all_gather(tensor_list, tensor, async_op)
+
+
+def all_gather_single(output_tensor: Any, input_tensor: Any, group: ProcessGroup | None = None,
+                      async_op: bool = False) -> Work | None:
+    """Gather every rank's ``input_tensor`` into ``output_tensor`` as ``size`` consecutive chunks.
+
+    ``output_tensor`` must hold exactly ``size * input_tensor.size`` elements, e.g. shape
+    ``(size * n, ...)`` or ``(size, n, ...)``.
+
+    Example:
+        >>> out = np.empty(world * 4, np.float32)
+        >>> gpucoll.all_gather_single(out, np.full(4, rank, np.float32))
+    """
+    return _pg(group).all_gather_single(output_tensor, input_tensor, async_op)
+
+
+all_gather_into_tensor = all_gather_single
+"""torch's older name for :func:`all_gather_single`."""
+
+
+def all_gather_coalesced(output_tensor_lists: Sequence[Sequence[Any]], input_tensor_list: Sequence[Any],
+                         group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """Several all_gathers in one op: ``output_tensor_lists[k][r]`` gets rank r's ``input_tensor_list[k]``."""
+    return _pg(group).all_gather_coalesced(output_tensor_lists, input_tensor_list, async_op)
+
+
+def gather(tensor: Any, gather_list: Sequence[Any] | None = None, dst: int | None = None,
+           group: ProcessGroup | None = None, async_op: bool = False,
+           group_dst: int | None = None) -> Work | None:
+    """Rank ``dst`` receives every rank's ``tensor`` in ``gather_list`` (given on ``dst`` only)."""
+    pg = _pg(group)
+    return pg.gather(tensor, gather_list, _group_rank(pg, dst, group_dst, "dst"), async_op)
+
+
+def scatter(tensor: Any, scatter_list: Sequence[Any] | None = None, src: int | None = None,
+            group: ProcessGroup | None = None, async_op: bool = False,
+            group_src: int | None = None) -> Work | None:
+    """Rank i receives ``scatter_list[i]`` of rank ``src`` (given on ``src`` only) in ``tensor``."""
+    pg = _pg(group)
+    return pg.scatter(tensor, scatter_list, _group_rank(pg, src, group_src, "src"), async_op)
+
+
+def all_to_all(output_tensor_list: Sequence[Any], input_tensor_list: Sequence[Any],
+               group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """Rank i's ``input_tensor_list[j]`` lands in rank j's ``output_tensor_list[i]``."""
+    return _pg(group).all_to_all(output_tensor_list, input_tensor_list, async_op)
+
+
+def all_to_all_single(output: Any, input: Any, output_split_sizes: Sequence[int] | None = None,
+                      input_split_sizes: Sequence[int] | None = None, group: ProcessGroup | None = None,
+                      async_op: bool = False) -> Work | None:
+    """Split ``input`` along dim 0 and send piece j to rank j; ``output`` concatenates what
+    arrives, in rank order.
+
+    Args:
+        output_split_sizes: rows received from each rank (default: equal split).
+        input_split_sizes: rows sent to each rank (default: equal split).
+
+    Raises:
+        ValueError: split sizes of the wrong length, negative, or not summing to dim 0.
+    """
+    return _pg(group).all_to_all_single(output, input, output_split_sizes, input_split_sizes, async_op)
+
+
+# ----- point to point -----
+
+def send(tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+         group_dst: int | None = None) -> None:
+    """Send ``tensor`` to rank ``dst`` and wait until it is sent."""
+    pg = _pg(group)
+    pg.send(tensor, _group_rank(pg, dst, group_dst, "dst"), tag, async_op=False)
+
+
+def recv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+         group_src: int | None = None) -> int:
+    """Receive into ``tensor`` from rank ``src`` (None: from any rank).
+
+    Returns:
+        The sender's global rank (as torch), or its group rank when ``group_src`` was used.
+    """
+    pg = _pg(group)
+    peer = None if src is None and group_src is None else _group_rank(pg, src, group_src, "src")
+    work = pg.recv(tensor, peer, tag, async_op=False)
+    source = work._source_rank if peer is None else peer
+    return source if group_src is not None else pg.global_ranks[source]
+
+
+def isend(tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+          group_dst: int | None = None) -> Work:
+    """Start sending ``tensor`` to rank ``dst``; do not touch ``tensor`` until the Work completes."""
+    pg = _pg(group)
+    return pg.send(tensor, _group_rank(pg, dst, group_dst, "dst"), tag)
+
+
+def irecv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+          group_src: int | None = None) -> Work:
+    """Start receiving into ``tensor`` from rank ``src`` (None: any rank; then
+    ``work.source_rank()`` gives the sender's group rank)."""
+    pg = _pg(group)
+    peer = None if src is None and group_src is None else _group_rank(pg, src, group_src, "src")
+    return pg.recv(tensor, peer, tag)
+
+
+class P2POp:
+    """One send or receive for :func:`batch_isend_irecv`.
+
+    Args:
+        op: :func:`isend` or :func:`irecv` (or the strings ``"isend"``/``"irecv"``).
+        tensor: the array to send or receive into.
+        peer: the other side's global rank (or ``group_peer``).
+        group: the group (default group when None).
+        tag: message tag.
+        group_peer: the other side's rank in ``group``.
+    """
+
+    def __init__(self, op: Callable[..., Any] | str, tensor: Any, peer: int | None = None,
+                 group: ProcessGroup | None = None, tag: int = 0, group_peer: int | None = None) -> None:
+        kinds = {isend: "send", irecv: "recv", "isend": "send", "irecv": "recv", send: "send", recv: "recv"}
+        try:
+            self.kind = kinds[op]
+        except (KeyError, TypeError):
+            raise ValueError(f"op must be gpucoll.isend or gpucoll.irecv; got {op!r}") from None
+        self.op = op
+        self.tensor = tensor
+        self.group = _pg(group)
+        self.tag = tag
+        self.group_peer = _group_rank(self.group, peer, group_peer, "peer")
+        self.peer = self.group.get_global_rank(self.group_peer, "group_peer")
+
+    def __repr__(self) -> str:
+        return f"P2POp({self.kind}, peer={self.peer}, tag={self.tag}, group={self.group.group_name!r})"
+
+
+def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
+    """Post all sends and receives together (one NCCL group call on devices).
+
+    All ops must use the same group. Returns one Work per op; they are the same
+    batch Work, which completes when every op has.
+
+    Example:
+        >>> right, left = (rank + 1) % world, (rank - 1) % world
+        >>> works = gpucoll.batch_isend_irecv([gpucoll.P2POp(gpucoll.isend, x, right),
+        ...                                    gpucoll.P2POp(gpucoll.irecv, y, left)])
+        >>> for w in works: w.wait()
+    """
+    if not p2p_op_list or not all(isinstance(p, P2POp) for p in p2p_op_list):
+        raise ValueError("p2p_op_list must be a non-empty list of P2POp")
+    pg = p2p_op_list[0].group
+    if any(p.group is not pg for p in p2p_op_list):
+        raise ValueError("every P2POp of one batch_isend_irecv must use the same group")
+    work = pg.batch_p2p([(p.kind, p.tensor, p.group_peer, p.tag) for p in p2p_op_list])
+    return [work] * len(p2p_op_list)
+
+
+# ----- control -----
+
+def barrier(group: ProcessGroup | None = None, async_op: bool = False,
+            device_ids: Sequence[int] | None = None) -> Work | None:
+    """Wait until every rank of the group has reached the barrier.
+
+    Host-side: it does not wait for device work still queued on streams (call
+    ``work.synchronize()`` or synchronize the stream first). ``device_ids`` is
+    accepted for torch compatibility and ignored.
+    """
+    return _pg(group).barrier(async_op)
+
+
+def monitored_barrier(group: ProcessGroup | None = None, timeout: float | timedelta | None = None,
+                      wait_all_ranks: bool = False) -> None:
+    """A barrier that says which ranks did not arrive within ``timeout``.
+
+    Runs through the store, so it works even when a backend is stuck. Rank 0 collects
+    the arrivals and releases the others.
+
+    Args:
+        timeout: seconds (default: the group's timeout).
+        wait_all_ranks: report every missing rank, not just the first.
+
+    Raises:
+        DistBackendError: ranks did not arrive; the message lists them.
+    """
+    from ._timeouts import to_seconds
+
+    pg = _pg(group)
+    pg.monitored_barrier(to_seconds(timeout, default=pg.timeout), wait_all_ranks)
+
+
+@contextlib.contextmanager
+def coalescing(group: ProcessGroup | None = None, async_ops: bool = False) -> Iterator[CoalescingManager]:
+    """Batch the ops issued on ``group`` inside the block into one op.
+
+    Supported inside: ``all_reduce`` (all with the same op: one
+    ``all_reduce_coalesced``), ``all_gather_single`` (one ``all_gather_coalesced``),
+    ``reduce_scatter_single``, and ``isend``/``irecv`` (one batch). One kind per block.
+    The arrays' results are there when the block ends (or, with ``async_ops=True``,
+    after ``cm.wait()``); ops called with ``async_op=True`` inside return Works that
+    complete with the batch.
+
+    Example:
+        >>> with gpucoll.coalescing() as cm:
+        ...     for g in grads:
+        ...         gpucoll.all_reduce(g)
+    """
+    with _coalescing.block(_pg(group), async_ops) as cm:
+        yield cm

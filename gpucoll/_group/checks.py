@@ -1,0 +1,79 @@
+"""The checks every rank makes alike before a backend sees a call (no communication)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from .._buffer import Buffer, DType
+from .._reduce_op import PremulSum, ReduceOp, ReduceOpLike, as_reduce_op
+
+__all__ = ["_check_op", "_same_layout", "_row_elems", "_splits", "_op_name"]
+
+
+def _op_name(red: Any) -> str:
+    if red is None:
+        return ""
+    name = getattr(red, "name", None)
+    return str(name) if name is not None else type(red).__name__
+
+
+# ----- local validation, same on every rank -----
+
+_OP_KINDS: dict[ReduceOp, tuple[str, str]] = {
+    # op: (dtype kinds it is defined for, the error otherwise); SUM and PRODUCT: every kind.
+    ReduceOp.BAND: ("biu", "op={op} needs integer or bool arrays; got dtype {dtype}"),
+    ReduceOp.BOR: ("biu", "op={op} needs integer or bool arrays; got dtype {dtype}"),
+    ReduceOp.BXOR: ("biu", "op={op} needs integer or bool arrays; got dtype {dtype}"),
+    ReduceOp.MIN: ("biuf", "op={op} is undefined for complex dtype {dtype} (no ordering)"),
+    ReduceOp.MAX: ("biuf", "op={op} is undefined for complex dtype {dtype} (no ordering)"),
+    ReduceOp.AVG: ("iufc", "op={op} is undefined for bool arrays"),
+    ReduceOp.PREMUL_SUM: ("fc", "op={op} needs floating-point or complex arrays; got dtype {dtype}"),
+}
+"""The group's dtype-kind x op table (kinds: b bool, i/u integers, f floats, c complex),
+checked on every rank before any backend sees the op. A backend may refuse more
+(its own table: the NCCL planner refuses complex PRODUCT, which NCCL cannot do;
+the CPU backend computes it): docs/design.md, "As built"."""
+
+
+def _check_op(op: Any, dtype: DType) -> ReduceOpLike:
+    if op is ReduceOp.SUM:
+        return op
+    checked = as_reduce_op(op)
+    base = checked.op if isinstance(checked, PremulSum) else checked
+    rule = _OP_KINDS.get(base)
+    if rule is not None and dtype.kind not in rule[0]:
+        raise TypeError(rule[1].format(op=base.name, dtype=dtype.name))
+    return checked
+
+
+def _same_layout(buf: Buffer, ref: Buffer, name: str, ref_name: str) -> None:
+    if buf.dtype != ref.dtype:
+        raise TypeError(f"{name} has dtype {buf.dtype.name} but {ref_name} has {ref.dtype.name}; they must match")
+    if buf.nbytes != ref.nbytes:
+        raise ValueError(f"{name} has shape {buf.shape} ({buf.numel} elements) but {ref_name} has shape "
+                         f"{ref.shape} ({ref.numel} elements); they must match")
+
+
+def _row_elems(buf: Buffer, name: str) -> int:
+    if not buf.shape:
+        raise ValueError(f"{name} must have at least one dimension to be split along dim 0; got a 0-d array")
+    row = 1
+    for s in buf.shape[1:]:
+        row *= s
+    return row
+
+
+def _splits(sizes: Sequence[int] | None, dim0: int, n: int, name: str, tensor: str) -> list[int]:
+    if sizes is None or len(sizes) == 0:
+        if dim0 % n:
+            raise ValueError(f"{tensor} has {dim0} rows along dim 0, not divisible by the group size {n}; "
+                             f"pass {name}")
+        return [dim0 // n] * n
+    out = list(sizes)
+    if len(out) != n or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in out):
+        raise ValueError(f"{name} must be {n} non-negative ints (one per rank); got {sizes!r}")
+    if sum(out) != dim0:
+        raise ValueError(f"{name}={out} sums to {sum(out)} but {tensor} has {dim0} rows along dim 0")
+    return out
+
+

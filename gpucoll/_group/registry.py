@@ -1,0 +1,121 @@
+"""Backends by name, their spellings, and a group's device-backend lifecycle.
+
+``BACKENDS`` is the literal registry (name -> factory). A group always has a CPU
+backend; its device (NCCL) backend is made on first device op, at creation when
+``device_id`` is given, or split from its parent's communicator
+(:func:`split_device_backend`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Sequence
+
+from ..errors import BackendUnavailableError
+from .._backends.base import Backend, SplitsCommunicator
+from ..store import PrefixStore, Store
+
+__all__ = ["BACKENDS", "BackendFactory", "normalize_backend", "default_backend", "nccl_usable", "debug_level",
+           "make_device_backend", "split_device_backend"]
+
+DEBUG_ENV = "GPUCOLL_DEBUG"
+
+
+def debug_level() -> str:
+    """``GPUCOLL_DEBUG``: ``"OFF"`` (default) or ``"DETAIL"`` (every device collective is
+    first compared across ranks; see docs/process-groups.md).
+
+    Raises:
+        ValueError: any other value.
+    """
+    raw = os.environ.get(DEBUG_ENV, "").strip().upper() or "OFF"
+    if raw not in ("OFF", "DETAIL"):
+        raise ValueError(f"{DEBUG_ENV} must be OFF or DETAIL; got {os.environ.get(DEBUG_ENV)!r}")
+    return raw
+
+
+BackendFactory = Callable[..., Backend]
+
+
+def _make_cpu(store: Store, rank: int, size: int, *, timeout: float, group_name: str,
+              device_id: int | None) -> Backend:
+    from .._backends.cpu.backend import CPUBackend
+
+    backend: Backend = CPUBackend(store, rank, size, timeout=timeout, group_name=group_name)
+    return backend
+
+
+def _make_nccl(store: Store, rank: int, size: int, *, timeout: float, group_name: str,
+               device_id: int | None) -> Backend:
+    from .._backends.nccl.backend import NCCLBackend, nccl_unavailable_reason
+
+    reason = nccl_unavailable_reason()
+    if reason is not None:
+        raise BackendUnavailableError(f"group {group_name!r} needs the NCCL backend, which cannot run here: {reason}")
+    backend: Backend = NCCLBackend(store, rank, size, timeout=timeout, group_name=group_name,
+                                   device_id=device_id)
+    return backend
+
+
+BACKENDS: dict[str, BackendFactory] = {"cpu": _make_cpu, "nccl": _make_nccl}
+"""Backend constructors by name, called as ``factory(store, rank, size, *, timeout,
+group_name, device_id)``. ``cpu`` serves host arrays, objects and barriers in every
+group; ``nccl`` serves device arrays in groups created with backend "nccl"."""
+
+_BACKEND_GRACE_S = 0.5
+"""Backends get the group's timeout plus this, so that a stuck op is normally caught by
+the group's own wait or watchdog, whose error names the op, its sequence number and
+the flight-recorder dump. (An op the backend runs on the caller's thread can only
+time out inside the backend; its error is then reworded the same way.) A dead peer
+is still reported by the backend at once."""
+
+_ALIASES = {"cpu": "cpu", "gloo": "cpu", "nccl": "nccl", "cuda": "nccl", "cpu:gloo,cuda:nccl": "nccl"}
+
+
+def nccl_usable() -> bool:
+    """True when the NCCL backend can run here (CuPy, NCCL and a GPU); may import CuPy."""
+    try:
+        from .._backends.nccl.backend import nccl_unavailable_reason
+    except ImportError:
+        return False
+    return nccl_unavailable_reason() is None
+
+
+def default_backend() -> str:
+    """``"nccl"`` when a GPU and NCCL are usable, ``"cpu"`` otherwise."""
+    return "nccl" if nccl_usable() else "cpu"
+
+
+def normalize_backend(backend: str | None) -> str:
+    """Map a backend spelling to ``"cpu"`` or ``"nccl"`` (``None`` picks :func:`default_backend`).
+
+    ``"gloo"`` and torch's ``"cpu:gloo,cuda:nccl"`` are accepted so scripts port unchanged.
+
+    Raises:
+        ValueError: an unknown backend name.
+    """
+    if backend is None:
+        return default_backend()
+    if isinstance(backend, str):
+        name = _ALIASES.get(backend.strip().lower())
+        if name is not None:
+            return name
+    raise ValueError(f"backend must be one of 'cpu', 'nccl' (or 'gloo', None); got {backend!r}")
+
+
+
+def make_device_backend(store: Store, rank: int, size: int, *, timeout: float, group_name: str,
+                        device_id: int) -> Backend:
+    """A group's device backend on ``device_id``, in its own store namespace."""
+    return BACKENDS["nccl"](PrefixStore("nccl", store), rank, size, timeout=timeout + _BACKEND_GRACE_S,
+                            group_name=group_name, device_id=device_id)
+
+
+def split_device_backend(parent: Backend | None, members: Sequence[int] | None, color: int, *,
+                         store: Store, group_name: str, timeout: float) -> Backend | None:
+    """The device backend of a new group carved out of ``parent``'s communicator
+    (see ``ProcessGroup._split_device_backend``); None where ``parent`` cannot split."""
+    if not isinstance(parent, SplitsCommunicator) or not parent.can_split:
+        return None
+    return parent.split(members, color=color, store=PrefixStore("nccl", store), group_name=group_name,
+                        timeout=timeout + _BACKEND_GRACE_S)

@@ -1,0 +1,138 @@
+"""gpucoll-run's failure summary: which rank failed first, how, when, and its traceback's tail."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+from dataclasses import dataclass
+
+from .errorfile import ErrorRecord
+
+__all__ = ["RankExit", "describe_code", "launcher_exit_code", "failure_summary"]
+
+_TRACEBACK_LINES = 20
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """How one local rank ended.
+
+    Attributes:
+        rank, local_rank: its global and local rank.
+        pid: its process id.
+        code: its exit status as ``subprocess`` reports it (negative: killed by signal).
+        time: when the launcher saw it exit (seconds since the epoch).
+        signalled_at: when gpucoll-run sent it a stop signal, or None.
+        error: what it recorded in its error file, if anything.
+    """
+
+    rank: int
+    local_rank: int
+    pid: int
+    code: int
+    time: float
+    signalled_at: float | None
+    error: ErrorRecord | None
+
+    @property
+    def failed_by_itself(self) -> bool:
+        """It failed on its own account, not (only) because gpucoll-run stopped it."""
+        if self.code == 0:
+            return False
+        if self.signalled_at is None:
+            return True
+        # An exception recorded before the stop signal was the rank's own failure; one
+        # recorded after it (a KeyboardInterrupt from a forwarded SIGINT) was not.
+        return self.error is not None and self.error.timestamp < self.signalled_at
+
+    @property
+    def own_code(self) -> int:
+        """The exit status the rank's own failure gave: a rank that had recorded an
+        exception but was still exiting when the launcher's SIGTERM came counts as
+        Python's status for an uncaught exception, 1."""
+        if self.error is not None and self.signalled_at is not None and self.code < 0:
+            return 1
+        return self.code
+
+    @property
+    def failure_time(self) -> float:
+        return self.error.timestamp if self.error is not None else self.time
+
+
+def describe_code(code: int) -> str:
+    """``"exit code 3"`` or ``"signal SIGKILL (9)"`` for a ``subprocess`` return code."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"signal {name} ({-code})"
+
+
+def launcher_exit_code(code: int) -> int:
+    """The launcher's own exit status for a rank's return code (a signal N gives 128 + N)."""
+    return code if code >= 0 else 128 - code
+
+
+def root_cause(exits: list[RankExit]) -> RankExit | None:
+    """The rank whose failure came first: by its recorded exception's time, else its exit."""
+    failed = [e for e in exits if e.failed_by_itself]
+    return min(failed, key=lambda e: (e.failure_time, e.rank)) if failed else None
+
+
+def failure_summary(exits: list[RankExit], *, start: float, node_rank: int, reason: str = "") -> str:
+    """The text gpucoll-run prints when a job fails.
+
+    Args:
+        exits: every local rank's exit.
+        start: when the job started (seconds since the epoch).
+        node_rank: this node's index.
+        reason: why the launcher stopped the ranks when no local rank failed by itself
+            (a signal to the launcher, another node's failure).
+
+    Returns:
+        A multi-line summary.
+    """
+    root = root_cause(exits)
+    bar = "=" * 72
+    lines = [bar, "gpucoll-run: job failed" if root or not reason else f"gpucoll-run: {reason}"]
+    if root is not None:
+        lines += [
+            f"root cause: rank {root.rank} (local rank {root.local_rank} on node {node_rank}, "
+            f"host {socket.gethostname()}, pid {root.pid})",
+            f"  {describe_code(root.own_code)}" + (
+                f" (then {describe_code(root.code)} from gpucoll-run while exiting)"
+                if root.own_code != root.code else ""),
+            f"  time: {_clock(root.failure_time)} ({root.failure_time - start:.2f} s after start)",
+        ]
+        if root.error is not None:
+            lines.append(f"  error: {root.error.exc_type}: {root.error.message}")
+            tb = root.error.traceback.rstrip("\n").splitlines()
+            shown = tb[-_TRACEBACK_LINES:]
+            lines.append("  traceback" + (" (last lines)" if len(tb) > len(shown) else "") + ":")
+            lines += [f"    {line}" for line in shown]
+        else:
+            lines.append("  (no Python exception was recorded: the process exited or was killed)")
+        if reason:
+            lines.append(f"  then: {reason}")
+    others = [e for e in exits if e.failed_by_itself and e is not root]
+    for e in sorted(others, key=lambda e: e.rank):
+        what = f"{e.error.exc_type}: {e.error.message}" if e.error else "no exception recorded"
+        lines.append(f"also failed: rank {e.rank} ({describe_code(e.own_code)}; {_one_line(what)})")
+    stopped = sorted(e.rank for e in exits if e.signalled_at is not None and not e.failed_by_itself)
+    if stopped:
+        lines.append(f"stopped by gpucoll-run: rank{'s' if len(stopped) > 1 else ''} "
+                     f"{', '.join(map(str, stopped))}")
+    lines.append(bar)
+    return "\n".join(lines)
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) + f".{int(t % 1 * 1000):03d}"
+
+
+def _one_line(text: str, limit: int = 160) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

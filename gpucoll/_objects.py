@@ -1,0 +1,273 @@
+"""Collectives on Python objects and on raw bytes, always through the CPU backend.
+
+The ``*_object*`` functions (torch's names) pickle objects. **Unpickling data from
+another process can run arbitrary code**: use them only between processes you
+trust as much as your own (the ranks of one job). Programs that will not
+unpickle peer data use the ``*_bytes`` variants, which move ``bytes`` and never
+unpickle anything; serialize with JSON, msgpack or NumPy's ``.tobytes()`` instead.
+
+Every call is two CPU collectives (sizes, then data padded to the largest size)
+or two messages (size, then data) for send/recv. Objects never go through a GPU,
+not even in an NCCL group.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import _world
+from ._group import ProcessGroup
+from ._group.coalescing import refuse_inside
+
+__all__ = [
+    "all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list",
+    "send_object_list", "recv_object_list",
+    "all_gather_bytes", "gather_bytes", "broadcast_bytes", "scatter_bytes", "send_bytes", "recv_bytes",
+]
+
+
+def _pg(group: Any, what: str) -> ProcessGroup:
+    pg = _world._resolve(group)
+    pg._check_usable()
+    refuse_inside(pg, what)
+    return pg
+
+
+def _group_rank(pg: ProcessGroup, rank: int | None, group_rank: int | None, name: str) -> int:
+    from ._collectives import _group_rank as translate
+
+    return translate(pg, rank, group_rank, name)
+
+
+def _as_bytes(data: Any, name: str) -> bytes:
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return bytes(data)
+    raise TypeError(f"{name} must be bytes, bytearray or memoryview; got {type(data).__name__}")
+
+
+def _padded(data: bytes, cap: int) -> np.ndarray:
+    out = np.zeros(cap, np.uint8)
+    out[:len(data)] = np.frombuffer(data, np.uint8)
+    return out
+
+
+# ----- bytes -----
+
+def all_gather_bytes(data: bytes, group: ProcessGroup | None = None) -> list[bytes]:
+    """Every rank gets every rank's ``data``, in rank order.
+
+    Example:
+        >>> gpucoll.all_gather_bytes(f"host {socket.gethostname()}".encode())
+        [b'host a', b'host b']
+    """
+    pg = _pg(group, "all_gather_bytes")
+    payload = _as_bytes(data, "data")
+    n = pg.size()
+    sizes = np.empty(n, np.int64)
+    pg.all_gather_single(sizes, np.array([len(payload)], np.int64))
+    cap = int(sizes.max())
+    if cap == 0:
+        return [b""] * n
+    out = np.empty(n * cap, np.uint8)
+    pg.all_gather_single(out, _padded(payload, cap))
+    return [out[i * cap:i * cap + int(sizes[i])].tobytes() for i in range(n)]
+
+
+def gather_bytes(data: bytes, dst: int | None = None, group: ProcessGroup | None = None,
+                 group_dst: int | None = None) -> list[bytes] | None:
+    """Rank ``dst`` gets every rank's ``data`` (rank order); other ranks get None."""
+    pg = _pg(group, "gather_bytes")
+    root = _group_rank(pg, dst, group_dst, "dst")
+    pg._check_rank(root, "dst")
+    payload = _as_bytes(data, "data")
+    n = pg.size()
+    sizes = np.empty(n, np.int64)
+    pg.all_gather_single(sizes, np.array([len(payload)], np.int64))  # every rank needs the padding size
+    cap = int(sizes.max())
+    if cap == 0:
+        return [b""] * n if pg.rank() == root else None
+    outs = [np.empty(cap, np.uint8) for _ in range(n)] if pg.rank() == root else None
+    pg.gather(_padded(payload, cap), outs, root)
+    if outs is None:
+        return None
+    return [o[:int(sizes[i])].tobytes() for i, o in enumerate(outs)]
+
+
+def broadcast_bytes(data: bytes | None, src: int | None = None, group: ProcessGroup | None = None,
+                    group_src: int | None = None) -> bytes:
+    """Every rank gets rank ``src``'s ``data`` (ignored, may be None, elsewhere)."""
+    pg = _pg(group, "broadcast_bytes")
+    root = _group_rank(pg, src, group_src, "src")
+    pg._check_rank(root, "src")
+    payload = _as_bytes(data, "data") if pg.rank() == root else b""
+    size = np.array([len(payload)], np.int64)
+    pg.broadcast(size, root)
+    buf = _padded(payload, int(size[0])) if pg.rank() == root else np.empty(int(size[0]), np.uint8)
+    if buf.size:
+        pg.broadcast(buf, root)
+    return payload if pg.rank() == root else buf.tobytes()
+
+
+def scatter_bytes(data_list: Sequence[bytes] | None, src: int | None = None, group: ProcessGroup | None = None,
+                  group_src: int | None = None) -> bytes:
+    """Rank i gets ``data_list[i]`` of rank ``src`` (``data_list`` is given on ``src`` only)."""
+    pg = _pg(group, "scatter_bytes")
+    root = _group_rank(pg, src, group_src, "src")
+    pg._check_rank(root, "src")
+    n = pg.size()
+    sizes = np.empty(n, np.int64)
+    payloads: list[bytes] = []
+    if pg.rank() == root:
+        if data_list is None or len(data_list) != n:
+            raise ValueError(f"data_list must hold {n} bytes objects on the source rank; got "
+                             f"{None if data_list is None else len(data_list)}")
+        payloads = [_as_bytes(d, f"data_list[{i}]") for i, d in enumerate(data_list)]
+        sizes[:] = [len(p) for p in payloads]
+    pg.broadcast(sizes, root)
+    cap = int(sizes.max())
+    if cap == 0:
+        return b""
+    out = np.empty(cap, np.uint8)
+    ins = [_padded(p, cap) for p in payloads] if pg.rank() == root else None
+    pg.scatter(out, ins, root)
+    return out[:int(sizes[pg.rank()])].tobytes()
+
+
+def send_bytes(data: bytes, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+               group_dst: int | None = None) -> None:
+    """Send ``data`` to rank ``dst`` (two messages: its length, then the bytes)."""
+    pg = _pg(group, "send_bytes")
+    peer = _group_rank(pg, dst, group_dst, "dst")
+    payload = _as_bytes(data, "data")
+    pg.send(np.array([len(payload)], np.int64), peer, tag, async_op=False)
+    if payload:
+        pg.send(np.frombuffer(payload, np.uint8), peer, tag, async_op=False)
+
+
+def recv_bytes(src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+               group_src: int | None = None) -> tuple[bytes, int]:
+    """Receive bytes sent by :func:`send_bytes` from rank ``src`` (None: any rank).
+
+    Returns:
+        ``(data, sender's global rank)``, or its group rank when ``group_src`` was used.
+    """
+    pg = _pg(group, "recv_bytes")
+    peer = None if src is None and group_src is None else _group_rank(pg, src, group_src, "src")
+    size = np.empty(1, np.int64)
+    work = pg.recv(size, peer, tag, async_op=False)
+    source = work._source_rank if peer is None else peer
+    data = np.empty(int(size[0]), np.uint8)
+    if data.size:
+        pg.recv(data, source, tag, async_op=False)
+    return data.tobytes(), (source if group_src is not None else pg.global_ranks[source])
+
+
+# ----- pickled objects (trusted peers only) -----
+
+def _dumps(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _check_list(object_list: Any, name: str, length: int | None = None) -> None:
+    if not isinstance(object_list, list):
+        raise TypeError(f"{name} must be a list; got {type(object_list).__name__}")
+    if length is not None and len(object_list) != length:
+        raise ValueError(f"{name} must have {length} entries (one per rank); got {len(object_list)}")
+
+
+def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | None = None) -> None:
+    """Fill ``object_list`` (length = group size) with every rank's ``obj``. Pickles; see the
+    module docstring's security note.
+
+    Example:
+        >>> out = [None] * gpucoll.get_world_size()
+        >>> gpucoll.all_gather_object(out, {"rank": gpucoll.get_rank()})
+    """
+    pg = _world._resolve(group)
+    _check_list(object_list, "object_list", pg.size())
+    for i, data in enumerate(all_gather_bytes(_dumps(obj), group=pg)):
+        object_list[i] = pickle.loads(data)
+
+
+def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int | None = None,
+                  group: ProcessGroup | None = None, group_dst: int | None = None) -> None:
+    """Rank ``dst`` fills ``object_gather_list`` (length = group size) with every rank's ``obj``."""
+    pg = _world._resolve(group)
+    root = _group_rank(pg, dst, group_dst, "dst")
+    if pg.rank() == root:
+        _check_list(object_gather_list, "object_gather_list", pg.size())
+    datas = gather_bytes(_dumps(obj), group=pg, group_dst=root)
+    if datas is not None and object_gather_list is not None:
+        for i, data in enumerate(datas):
+            object_gather_list[i] = pickle.loads(data)
+
+
+def broadcast_object_list(object_list: list[Any], src: int | None = None, group: ProcessGroup | None = None,
+                          device: Any = None, group_src: int | None = None) -> None:
+    """Every rank's ``object_list`` gets rank ``src``'s entries (lists must be equally long).
+
+    ``device`` is accepted for torch compatibility and ignored: objects never use a GPU.
+    """
+    pg = _world._resolve(group)
+    _check_list(object_list, "object_list")
+    root = _group_rank(pg, src, group_src, "src")
+    data = broadcast_bytes(_dumps(list(object_list)) if pg.rank() == root else None, group=pg, group_src=root)
+    if pg.rank() != root:
+        received = pickle.loads(data)
+        if len(received) != len(object_list):
+            raise ValueError(f"object_list has {len(object_list)} entries here but {len(received)} on the "
+                             f"source rank; they must match")
+        object_list[:] = received
+
+
+def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_input_list: list[Any] | None = None,
+                        src: int | None = None, group: ProcessGroup | None = None,
+                        group_src: int | None = None) -> None:
+    """Rank i gets ``scatter_object_input_list[i]`` of rank ``src`` in ``scatter_object_output_list[0]``."""
+    pg = _world._resolve(group)
+    _check_list(scatter_object_output_list, "scatter_object_output_list")
+    if not scatter_object_output_list:
+        raise ValueError("scatter_object_output_list must have at least one entry")
+    root = _group_rank(pg, src, group_src, "src")
+    datas = None
+    if pg.rank() == root:
+        _check_list(scatter_object_input_list, "scatter_object_input_list", pg.size())
+        assert scatter_object_input_list is not None
+        datas = [_dumps(o) for o in scatter_object_input_list]
+    scatter_object_output_list[0] = pickle.loads(scatter_bytes(datas, group=pg, group_src=root))
+
+
+def send_object_list(object_list: list[Any], dst: int | None = None, group: ProcessGroup | None = None,
+                     device: Any = None, group_dst: int | None = None) -> None:
+    """Send the objects of ``object_list`` to rank ``dst`` (which calls :func:`recv_object_list`)."""
+    pg = _world._resolve(group)
+    _check_list(object_list, "object_list")
+    send_bytes(_dumps(list(object_list)), group=pg, group_dst=_group_rank(pg, dst, group_dst, "dst"))
+
+
+def recv_object_list(object_list: list[Any], src: int | None = None, group: ProcessGroup | None = None,
+                     device: Any = None, group_src: int | None = None) -> int:
+    """Fill ``object_list`` with the objects rank ``src`` (None: any rank) sent.
+
+    Returns:
+        The sender's global rank (its group rank when ``group_src`` was used).
+
+    Raises:
+        ValueError: the sender sent a different number of objects than ``object_list`` holds.
+    """
+    pg = _world._resolve(group)
+    _check_list(object_list, "object_list")
+    peer = None if src is None and group_src is None else _group_rank(pg, src, group_src, "src")
+    if peer is None:
+        data, source = recv_bytes(group=pg)
+    else:
+        data, _ = recv_bytes(group=pg, group_src=peer)
+        source = peer if group_src is not None else pg.global_ranks[peer]
+    received = pickle.loads(data)
+    if len(received) != len(object_list):
+        raise ValueError(f"object_list has {len(object_list)} entries but the sender sent {len(received)}")
+    object_list[:] = received
+    return source

@@ -1,0 +1,268 @@
+"""Work (the handle of an issued op) and WorkInfo (the record a completion hook gets).
+
+A backend creates one Work per op and completes it exactly once with
+:meth:`Work._set_result` or :meth:`Work._set_exception`. Device backends subclass
+Work and override :meth:`is_completed`, :meth:`wait` and :meth:`synchronize` to
+use CUDA events (DESIGN.md, Streams).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+from ._timeouts import to_seconds
+from .errors import DistBackendError, DistError
+
+__all__ = ["Work", "WorkInfo"]
+
+
+@dataclass(frozen=True)
+class WorkInfo:
+    """What a completion hook receives about one finished op.
+
+    Same fields as torch's ``WorkInfo``, in seconds (float) rather than timedelta:
+
+    Attributes:
+        op_type: the op's name, e.g. ``"all_reduce"``, ``"send"``, ``"barrier"``.
+        seq: the op's sequence number in its group (1, 2, ...; same on every rank
+            for collectives).
+        time_started: wall-clock time (``time.time()``) when the op was issued.
+        time_finished: wall-clock time when it was seen complete.
+        active_duration: seconds the op actually ran (CUDA events on GPUs; the
+            backend's own clock on CPU).
+        group_name: the process group's name.
+        success: False when the op raised or was aborted.
+    """
+
+    op_type: str
+    seq: int
+    time_started: float
+    time_finished: float
+    active_duration: float
+    group_name: str = ""
+    success: bool = True
+
+
+class Work:
+    """Handle of an asynchronous op (``async_op=True``), as in torch.distributed.
+
+    Args:
+        op_type: op name for errors, hooks and the flight recorder.
+        keepalive: objects (arrays, Buffers) to hold until the op completes.
+        result: what :meth:`result` returns once complete (typically the output arrays).
+    """
+
+    # Class-level defaults for what most Works never change: a Work is made per op,
+    # and every attribute set in __init__ costs the issuing thread.
+    seq: int = 0
+    group_name: str = ""
+    time_finished: float | None = None
+    active_duration: float | None = None
+    _source_rank: int = -1
+    # Made on first use: a small op's Work is created, completed and dropped in
+    # microseconds, and an Event plus a Future would cost more than the op itself.
+    _future: Future[list[Any]] | None = None
+    _exc: BaseException | None = None
+    _callbacks: list[Callable[[Work], None]] | None = None
+    # The group's flight-recorder entry for this op (see gpucoll._flight_recorder);
+    # updated on completion so the recorder needs no callback of its own.
+    _fr_entry: Any = None
+
+    def __init__(self, op_type: str, *, keepalive: Sequence[Any] = (), result: list[Any] | None = None,
+                 default_timeout: float | None = None) -> None:
+        self.op_type = op_type
+        self.time_started = time.time()
+        self._t0 = time.perf_counter()
+        self._default_timeout = default_timeout
+        self._keepalive: Sequence[Any] | None = keepalive
+        self._result = result if result is not None else []
+        self._lock = threading.Lock()
+        self._done = _Completion(self._lock)
+
+    # ----- completion, called by backends (exactly once) -----
+    def _set_result(self, *, active_duration: float | None = None, source_rank: int | None = None) -> None:
+        self._finish(None, active_duration, source_rank)
+
+    def _set_exception(self, exc: BaseException) -> None:
+        self._finish(exc, None, None)
+
+    def _finish(self, exc: BaseException | None, active: float | None, source_rank: int | None) -> None:
+        with self._lock:
+            if self._done.is_set():
+                return
+            now = time.perf_counter()
+            self.time_finished = self.time_started + (now - self._t0)
+            self.active_duration = active if active is not None else now - self._t0
+            if source_rank is not None:
+                self._source_rank = source_rank
+            self._exc = exc
+            self._keepalive = None
+            event = self._done._set_locked()
+            callbacks, self._callbacks = self._callbacks, None
+            future = self._future
+        if event is not None:
+            event.set()
+        entry = self._fr_entry
+        if entry is not None:
+            entry.finish(self)
+        if future is not None:
+            _resolve(future, self._result, exc)
+        if callbacks:
+            for cb in callbacks:
+                cb(self)
+
+    def _add_done_callback(self, cb: Callable[[Work], None]) -> None:
+        """Run ``cb(self)`` once complete (immediately, on this thread, if already complete)."""
+        with self._lock:
+            if not self._done.is_set():
+                if self._callbacks is None:
+                    self._callbacks = []
+                self._callbacks.append(cb)
+                return
+        cb(self)
+
+    def _poll(self) -> bool:
+        """Called by the group's watchdog thread: check for completion without blocking and,
+        for device work, complete the Work when its end event has fired. Host work is
+        completed by its backend's thread, so the base version only reports."""
+        return self._done.is_set()
+
+    # ----- the public surface -----
+    def is_completed(self) -> bool:
+        """True once the op finished (successfully or not); never blocks."""
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        """True if the op completed without error. Raises if it has not completed yet."""
+        if not self.is_completed():
+            raise RuntimeError(f"{self._name()} has not completed; call wait() first")
+        return self._exc is None
+
+    def exception(self) -> BaseException | None:
+        """The error the op failed with, or None (also None while still running)."""
+        return self._exc
+
+    def wait(self, timeout: float | timedelta | None = None) -> bool:
+        """Block until the op completes; re-raise its error.
+
+        Args:
+            timeout: seconds (or timedelta); None uses the group's timeout.
+
+        Returns:
+            True once completed.
+
+        Raises:
+            DistBackendError: the op failed, was aborted, or did not complete in time.
+        """
+        if self._done.is_set():
+            limit: float | None = 0.0
+        elif timeout is not None or self._default_timeout is not None:
+            limit = to_seconds(timeout, default=self._default_timeout)
+        else:
+            limit = None
+        if not self._done.wait(limit):
+            raise DistBackendError(
+                f"{self._name()} did not complete within {limit:.3g} s (Work.wait timeout)")
+        if self._exc is not None:
+            if isinstance(self._exc, DistError):
+                raise self._exc
+            raise DistBackendError(f"{self._name()} failed: {self._exc}") from self._exc
+        return True
+
+    def synchronize(self) -> None:
+        """Block the host until the op completed (same as wait() for host ops)."""
+        self.wait()
+
+    def result(self) -> list[Any]:
+        """The op's outputs (a list of arrays; empty for ops without outputs)."""
+        self.wait()
+        return self._result
+
+    def get_future(self) -> Future[list[Any]]:
+        """A ``concurrent.futures.Future`` resolved with :meth:`result` or the op's error."""
+        with self._lock:
+            future = self._future
+            if future is None:
+                future = self._future = Future()
+                done = self._done.is_set()
+            else:
+                done = False
+        if done:
+            _resolve(future, self._result, self._exc)
+        return future
+
+    def source_rank(self) -> int:
+        """For a recv from any source: the rank the message came from (after wait())."""
+        if self.op_type not in ("recv", "irecv", "recv_anysource"):
+            raise RuntimeError(f"source_rank() is only defined for recv; this Work is {self.op_type}")
+        self.wait()
+        return self._source_rank
+
+    def info(self) -> WorkInfo:
+        """This op's :class:`WorkInfo` (complete ops only)."""
+        if not self.is_completed():
+            raise RuntimeError(f"{self._name()} has not completed")
+        return WorkInfo(
+            op_type=self.op_type, seq=self.seq,
+            time_started=self.time_started,
+            time_finished=self.time_finished or self.time_started,
+            active_duration=self.active_duration or 0.0,
+            group_name=self.group_name, success=self._exc is None,
+        )
+
+    def _name(self) -> str:
+        group = f" on group {self.group_name!r}" if self.group_name else ""
+        return f"{self.op_type} (seq {self.seq}){group}"
+
+    def __repr__(self) -> str:
+        state = "completed" if self.is_completed() else "pending"
+        return f"<Work {self._name()} {state}>"
+
+
+def _resolve(future: Future[list[Any]], result: list[Any], exc: BaseException | None) -> None:
+    if exc is None:
+        future.set_result(result)
+    else:
+        future.set_exception(exc)
+
+
+class _Completion:
+    """``threading.Event``'s ``is_set``/``wait``/``set``, but the Event (a Condition and a
+    lock, ~2 us) is only made when a thread actually has to block."""
+
+    __slots__ = ("_flag", "_event", "_lock")
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._flag = False
+        self._event: threading.Event | None = None
+        self._lock = lock  # the owning Work's lock
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def _set_locked(self) -> threading.Event | None:
+        """Mark complete; the caller holds the lock and sets the returned Event after releasing it."""
+        self._flag = True
+        return self._event
+
+    def set(self) -> None:
+        with self._lock:
+            event = self._set_locked()
+        if event is not None:
+            event.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._flag:
+            return True
+        with self._lock:
+            if self._flag:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(timeout)

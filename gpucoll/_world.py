@@ -1,0 +1,550 @@
+"""The world API: the default process group and the groups made from it.
+
+torch.distributed's names and signatures: :func:`init_process_group`,
+:func:`destroy_process_group`, :func:`new_group`, :func:`split_group`,
+:func:`new_subgroups`, :func:`get_rank`, ... The module's only mutable state is
+the default-group slot, which holds the job's store, the default group and the
+groups made since (so that ``destroy_process_group()`` can tear them all down).
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.parse
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Sequence
+
+from ._timeouts import to_seconds
+from ._group import GroupMember, ProcessGroup, nccl_usable, normalize_backend
+from .store import FileStore, PrefixStore, Store, TCPStore
+
+__all__ = [
+    "init_process_group", "destroy_process_group", "is_initialized", "is_available", "is_nccl_available",
+    "get_rank", "get_world_size", "get_backend", "new_group", "split_group", "new_subgroups",
+    "new_subgroups_by_enumeration", "get_process_group_ranks", "get_group_rank", "get_global_rank",
+    "GroupMember", "default_group",
+]
+
+
+@dataclass(eq=False)
+class _World:
+    store: Store
+    owns_store: bool
+    default: ProcessGroup
+    backend: str
+    timeout: float
+    device_id: int | None
+    groups: list[ProcessGroup] = field(default_factory=list)
+    made: int = 0  # groups made by new_group so far: names them the same on every rank
+
+
+_WORLD: _World | None = None
+"""The default-group slot (None until init_process_group)."""
+
+
+def _world() -> _World:
+    world = _WORLD
+    if world is None:
+        raise RuntimeError("the default process group is not initialized; call gpucoll.init_process_group() "
+                           "first (or it was destroyed by destroy_process_group())")
+    return world
+
+
+def default_group() -> ProcessGroup:
+    """The default process group.
+
+    Raises:
+        RuntimeError: :func:`init_process_group` has not been called (or was undone).
+    """
+    world = _WORLD
+    if world is None:
+        _world()
+    assert world is not None
+    return world.default
+
+
+def _resolve(group: Any) -> ProcessGroup:
+    if group is None:
+        return default_group()
+    if isinstance(group, ProcessGroup):
+        return group
+    if group is GroupMember.NON_GROUP_MEMBER:
+        raise RuntimeError("this rank is not a member of the group (new_group returned "
+                           "GroupMember.NON_GROUP_MEMBER here); only members may use it")
+    raise TypeError(f"group must be a ProcessGroup or None; got {type(group).__name__}")
+
+
+# ----- init and teardown -----
+
+def init_process_group(backend: str | None = None, init_method: str | None = None,
+                       timeout: float | timedelta | None = None, world_size: int = -1, rank: int = -1,
+                       store: Store | None = None, group_name: str = "",
+                       device_id: Any = None) -> None:
+    """Join the job: connect to the rendezvous store and create the default process group.
+
+    Args:
+        backend: ``"nccl"`` (device arrays through NCCL, host arrays/objects through the
+            CPU backend), ``"cpu"`` (``"gloo"`` is an alias), or None: NCCL when a GPU and
+            NCCL are usable, else CPU.
+        init_method: ``"env://"`` (default: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT or
+            any launcher gpucoll detects: gpucoll-run, torchrun, Slurm, Open MPI, MPICH),
+            ``"tcp://host:port"`` (rank 0 serves the store there; needs ``rank`` and
+            ``world_size``) or ``"file:///path"`` (a FileStore on a shared filesystem).
+        timeout: seconds (or timedelta) for rendezvous and for every op; default 300.
+        world_size: number of processes; -1 reads it from the environment.
+        rank: this process's rank; -1 reads it from the environment.
+        store: an existing store to rendezvous through (then ``rank`` and ``world_size``
+            are required and ``init_method`` must be None). It is not closed on destroy.
+        group_name: the default group's name (default ``"default"``).
+        device_id: for NCCL, the CUDA device to bind now (int, ``"cuda:N"``, or an
+            object with ``.index``/``.id``); else the device of the first device array.
+
+    With ``env://``: when ``GPUCOLL_STORE_HOSTED=1`` (gpucoll-run, gpucoll.testing) every
+    rank is a client of the store at MASTER_ADDR:MASTER_PORT, presenting
+    ``GPUCOLL_STORE_TOKEN``; otherwise rank 0 serves it there. ``MASTER_PORT=0`` only
+    works when the store is hosted (ranks cannot otherwise learn the port rank 0 picks)
+    or with one rank.
+
+    Raises:
+        RuntimeError: the default group already exists.
+        ValueError: a bad argument or an incomplete environment (the message names it).
+        DistStoreError, DistNetworkError: the rendezvous failed or timed out.
+        BackendUnavailableError: ``backend="nccl"`` cannot run here.
+
+    Example:
+        >>> import gpucoll, numpy as np
+        >>> gpucoll.init_process_group("cpu")          # under gpucoll-run / torchrun
+        >>> x = np.ones(4, np.float32)
+        >>> gpucoll.all_reduce(x)                        # x == world_size everywhere
+        >>> gpucoll.destroy_process_group()
+    """
+    global _WORLD
+    if _WORLD is not None:
+        raise RuntimeError("the default process group is already initialized; "
+                           "call destroy_process_group() before init_process_group() again")
+    seconds = to_seconds(timeout, name="timeout")
+    name = normalize_backend(backend)
+    device = _device_index(device_id)
+    if not isinstance(group_name, str):
+        raise TypeError(f"group_name must be a str; got {type(group_name).__name__}")
+    for arg, value in (("world_size", world_size), ("rank", rank)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{arg} must be an int; got {type(value).__name__} {value!r}")
+    if store is not None:
+        if init_method is not None:
+            raise ValueError(f"pass either init_method or store, not both; got init_method={init_method!r}")
+        if world_size < 1 or rank < 0:
+            raise ValueError(f"with store=, world_size and rank are required; got world_size={world_size}, "
+                             f"rank={rank}")
+        if not isinstance(store, Store):
+            raise TypeError(f"store must be a gpucoll Store; got {type(store).__name__}")
+        owns = False
+    else:
+        store, rank, world_size = _rendezvous(init_method or "env://", rank, world_size, seconds)
+        owns = True
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}); got rank={rank}")
+    pg_name = group_name or "default"
+    try:
+        pg = ProcessGroup(PrefixStore(f"pg/{pg_name}", store), rank, world_size, group_name=pg_name,
+                          global_ranks=range(world_size), timeout=seconds, backend=name, device_id=device)
+    except BaseException:
+        if owns:
+            store.close()
+        raise
+    _WORLD = _World(store, owns, pg, name, seconds, device)
+    GroupMember._world = pg
+
+
+def _rendezvous(init_method: str, rank: int, world_size: int, timeout: float) -> tuple[Store, int, int]:
+    if not isinstance(init_method, str):
+        raise TypeError(f"init_method must be a str URL; got {type(init_method).__name__}")
+    url = urllib.parse.urlparse(init_method)
+    token = os.environ.get("GPUCOLL_STORE_TOKEN") or None
+    if url.scheme == "env":
+        return _env_rendezvous(rank, world_size, timeout, token)
+    if url.scheme == "tcp":
+        if world_size < 1 or rank < 0:
+            raise ValueError(f"init_method={init_method!r} needs rank and world_size; got rank={rank}, "
+                             f"world_size={world_size}")
+        host, port = url.hostname, url.port
+        if not host or port is None:
+            raise ValueError(f"init_method must look like tcp://host:port; got {init_method!r}")
+        return _tcp_store(host, port, rank, world_size, False, timeout, token), rank, world_size
+    if url.scheme == "file":
+        if world_size < 1 or rank < 0:
+            raise ValueError(f"init_method={init_method!r} needs rank and world_size; got rank={rank}, "
+                             f"world_size={world_size}")
+        path = urllib.parse.unquote(url.path)
+        if not path:
+            raise ValueError(f"init_method must look like file:///path/to/file; got {init_method!r}")
+        return FileStore(path, world_size, timeout=timeout), rank, world_size
+    raise ValueError(f"init_method must start with env://, tcp:// or file://; got {init_method!r}")
+
+
+def _env_rendezvous(rank: int, world_size: int, timeout: float, token: str | None) -> tuple[Store, int, int]:
+    try:
+        from .clusters import detect
+    except ImportError:  # pragma: no cover - the package always ships clusters
+        detect = None  # type: ignore[assignment]
+    env = detect() if detect is not None else None
+    hosted = False
+    if env is not None:
+        rank = env.rank if rank < 0 else rank
+        world_size = env.world_size if world_size < 1 else world_size
+        addr, port, hosted = env.master_addr, env.master_port, env.store_hosted
+    else:
+        addr = os.environ.get("MASTER_ADDR", "")
+        raw_port = os.environ.get("MASTER_PORT", "")
+        missing = [n for n, v in (("MASTER_ADDR", addr), ("MASTER_PORT", raw_port)) if not v]
+        if rank < 0:
+            missing.append("RANK")
+        if world_size < 1:
+            missing.append("WORLD_SIZE")
+        if missing:
+            raise ValueError(f"init_method='env://' needs {', '.join(missing)} in the environment (or run under "
+                             "gpucoll-run, torchrun, srun or mpirun), or pass rank=/world_size=")
+        try:
+            port = int(raw_port)
+        except ValueError:
+            raise ValueError(f"MASTER_PORT must be an integer; got {raw_port!r}") from None
+    return _tcp_store(addr, port, rank, world_size, hosted, timeout, token), rank, world_size
+
+
+def _tcp_store(host: str, port: int, rank: int, world_size: int, hosted: bool, timeout: float,
+               token: str | None) -> Store:
+    if hosted:
+        return TCPStore(host, port, world_size, is_master=False, timeout=timeout, token=token)
+    if port == 0 and world_size > 1:
+        raise ValueError("MASTER_PORT=0 needs a launcher that hosts the store (GPUCOLL_STORE_HOSTED=1): with "
+                         "rank 0 as the server, the other ranks cannot learn the port it picks. Set a port")
+    return TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout, token=token)
+
+
+def _device_index(device_id: Any) -> int | None:
+    if device_id is None:
+        return None
+    if isinstance(device_id, str):
+        text = device_id.strip().lower()
+        if text.startswith("cuda:") and text[5:].isdigit():
+            return int(text[5:])
+    elif isinstance(device_id, int) and not isinstance(device_id, bool):
+        if device_id >= 0:
+            return device_id
+    else:
+        for attr in ("index", "id"):  # torch.device, cupy.cuda.Device
+            index = getattr(device_id, attr, None)
+            if isinstance(index, int) and index >= 0:
+                return index
+    raise ValueError(f"device_id must be a CUDA device index >= 0, 'cuda:N' or a device object; got {device_id!r}")
+
+
+def destroy_process_group(group: ProcessGroup | None = None) -> None:
+    """Tear down ``group``, or with None every group and the default one (closing the store
+    that :func:`init_process_group` opened).
+
+    Later calls on a destroyed group raise RuntimeError.
+
+    Raises:
+        RuntimeError: ``group`` is None and nothing is initialized; or a completion hook
+            of a destroyed group raised (the first such error, after teardown).
+        DistBackendError: a backend failed to shut down (after everything else is torn down).
+    """
+    global _WORLD
+    if group is GroupMember.NON_GROUP_MEMBER:
+        return
+    if group is not None:
+        pg = _resolve(group)
+        world = _WORLD
+        if world is not None and pg is world.default:
+            destroy_process_group(None)
+            return
+        if world is not None and pg in world.groups:
+            world.groups.remove(pg)
+        pg._destroy()
+        return
+    world = _world()
+    _WORLD = None
+    GroupMember._world = None
+    first: BaseException | None = None
+    for pg in [*reversed(world.groups), world.default]:
+        try:
+            pg._destroy()
+        except BaseException as exc:
+            first = first or exc
+    if world.owns_store:
+        try:
+            world.store.close()
+        except Exception as exc:
+            first = first or exc
+    if first is not None:
+        raise first
+
+
+def is_initialized() -> bool:
+    """True between :func:`init_process_group` and :func:`destroy_process_group`."""
+    return _WORLD is not None
+
+
+def is_available() -> bool:
+    """True: gpucoll's CPU backend always works (torch's name, for porting)."""
+    return True
+
+
+def is_nccl_available() -> bool:
+    """True when the NCCL backend can run here: CuPy, NCCL and a CUDA device (imports CuPy)."""
+    return nccl_usable()
+
+
+# ----- queries -----
+
+def get_rank(group: ProcessGroup | None = None) -> int:
+    """This process's rank in ``group`` (default group when None); -1 if not a member."""
+    if group is GroupMember.NON_GROUP_MEMBER:
+        return -1
+    return _resolve(group).rank()
+
+
+def get_world_size(group: ProcessGroup | None = None) -> int:
+    """Number of ranks in ``group`` (default group when None); -1 if not a member."""
+    if group is GroupMember.NON_GROUP_MEMBER:
+        return -1
+    return _resolve(group).size()
+
+
+def get_backend(group: ProcessGroup | None = None) -> str:
+    """The group's backend: ``"cpu"`` or ``"nccl"``."""
+    return _resolve(group).backend_name
+
+
+def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:
+    """The global ranks of ``group``'s members, in group-rank order."""
+    return list(_resolve(group).global_ranks)
+
+
+def get_group_rank(group: ProcessGroup | None, global_rank: int) -> int:
+    """Translate a global rank to ``group``'s rank.
+
+    Raises:
+        ValueError: ``global_rank`` is not in ``group``.
+    """
+    return _resolve(group).get_group_rank(global_rank)
+
+
+def get_global_rank(group: ProcessGroup | None, group_rank: int) -> int:
+    """Translate ``group``'s rank to a global rank.
+
+    Raises:
+        ValueError: ``group_rank`` is out of range.
+    """
+    return _resolve(group).get_global_rank(group_rank)
+
+
+# ----- more groups -----
+
+def _check_unsupported(pg_options: Any) -> None:
+    if pg_options is not None:
+        raise ValueError(f"pg_options is not supported by gpucoll; got {pg_options!r}")
+
+
+def _check_ranks(ranks: Any, world_size: int, name: str) -> list[int]:
+    if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
+        raise TypeError(f"{name} must be a list of ints; got {type(ranks).__name__}")
+    out = list(ranks)
+    for r in out:
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size:
+            raise ValueError(f"{name} holds {r!r}, which is not a rank in [0, {world_size})")
+    if len(set(out)) != len(out):
+        raise ValueError(f"{name} holds duplicate ranks: {out}")
+    if not out:
+        raise ValueError(f"{name} must not be empty")
+    return out
+
+
+def _make_group(world: _World, name: str, global_ranks: list[int] | None, my_global: int,
+                timeout: float | timedelta | None, backend: str | None, *,
+                parent: ProcessGroup | None = None, parent_ranks: list[int] | None = None,
+                color: int = 0) -> ProcessGroup | None:
+    """Make group ``name`` on its members (``global_ranks``; None on a rank that joins
+    none) and return it; None on non-members.
+
+    With ``parent`` (whose ranks must all call, members or not) an NCCL group's
+    communicator is split from the parent's (``ncclCommSplit``) where that is possible;
+    ``parent_ranks`` are the members as parent ranks and ``color`` tells apart the
+    groups of one split_group call."""
+    seconds = world.timeout if timeout is None else to_seconds(timeout, name="timeout")
+    kind = world.backend if backend is None else normalize_backend(backend)
+    store = PrefixStore(f"pg/{name}", world.store)
+    device_backend = None
+    if parent is not None and kind == "nccl":
+        device_backend = parent._split_device_backend(parent_ranks, color, store=store, group_name=name,
+                                                         timeout=seconds)
+    if global_ranks is None:
+        return None
+    try:
+        pg = ProcessGroup(store, global_ranks.index(my_global), len(global_ranks), group_name=name,
+                          global_ranks=global_ranks, timeout=seconds, backend=kind, device_id=world.device_id,
+                          device_backend=device_backend)
+    except BaseException:
+        if device_backend is not None:
+            device_backend.shutdown()
+        raise
+    world.groups.append(pg)
+    return pg
+
+
+def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | None = None,
+              backend: str | None = None, pg_options: Any = None, use_local_synchronization: bool = False,
+              group_desc: str | None = None) -> Any:
+    """Create a group of some ranks of the default group. Every rank of the default group
+    must call it, in the same order (that is how groups get the same name everywhere).
+
+    Args:
+        ranks: global ranks of the members (sorted here, as torch does); None = all.
+        timeout: the group's timeout; the default group's when None.
+        backend: ``"cpu"``/``"nccl"``; the default group's when None.
+        pg_options: not supported (must be None).
+        use_local_synchronization: accepted for torch compatibility; creating a group
+            only ever synchronises its members.
+        group_desc: accepted for torch compatibility (not used).
+
+    Returns:
+        The new ProcessGroup on members; ``GroupMember.NON_GROUP_MEMBER`` elsewhere.
+
+    Raises:
+        ValueError: ranks out of range, duplicated or empty.
+
+    Example:
+        >>> evens = gpucoll.new_group([r for r in range(gpucoll.get_world_size()) if r % 2 == 0])
+        >>> if evens is not gpucoll.GroupMember.NON_GROUP_MEMBER:
+        ...     gpucoll.all_reduce(x, group=evens)
+    """
+    world = _world()
+    _check_unsupported(pg_options)
+    size = world.default.size()
+    members = sorted(_check_ranks(range(size) if ranks is None else ranks, size, "ranks"))
+    # Checked on every rank, members or not, so that all raise alike.
+    timeout = world.timeout if timeout is None else to_seconds(timeout, name="timeout")
+    backend = world.backend if backend is None else normalize_backend(backend)
+    world.made += 1
+    name = f"group{world.made}"
+    me = world.default.rank()
+    mine = members if me in members else None
+    # Every rank takes part: an NCCL group's communicator is split from the default
+    # group's where NCCL can (ncclCommSplit is a collective of the parent).
+    pg = _make_group(world, name, mine, me, timeout, backend, parent=world.default, parent_ranks=mine)
+    return GroupMember.NON_GROUP_MEMBER if pg is None else pg
+
+
+def split_group(parent_pg: ProcessGroup | None = None, split_ranks: Sequence[Sequence[int]] | None = None,
+                timeout: float | timedelta | None = None, pg_options: Any = None,
+                group_desc: str | None = None) -> ProcessGroup | None:
+    """Split ``parent_pg`` into disjoint groups; every rank of the parent must call it.
+
+    Args:
+        parent_pg: the group to split (default group when None).
+        split_ranks: lists of *parent-group* ranks, disjoint; a rank in none of them
+            gets None.
+        timeout: the new group's timeout (the parent's when None).
+        pg_options: not supported (must be None).
+        group_desc: accepted for torch compatibility (not used).
+
+    Returns:
+        The group this rank belongs to, or None.
+
+    Raises:
+        ValueError: ``split_ranks`` missing, out of range, or overlapping.
+    """
+    world = _world()
+    _check_unsupported(pg_options)
+    parent = _resolve(parent_pg)
+    parent._check_usable()
+    if not split_ranks:
+        raise ValueError("split_ranks is required: a list of lists of ranks of the parent group")
+    seen: set[int] = set()
+    splits = []
+    for i, ranks in enumerate(split_ranks):
+        checked = sorted(_check_ranks(ranks, parent.size(), f"split_ranks[{i}]"))
+        if seen & set(checked):
+            raise ValueError(f"split_ranks overlap: rank(s) {sorted(seen & set(checked))} appear in more than one split")
+        seen |= set(checked)
+        splits.append(checked)
+    parent._split_count += 1
+    me = parent.rank()
+    seconds = parent.timeout if timeout is None else timeout
+    for i, ranks in enumerate(splits):
+        if me in ranks:
+            name = f"{parent.group_name}.split{parent._split_count}.{i}"
+            global_ranks = [parent.global_ranks[r] for r in ranks]
+            return _make_group(world, name, global_ranks, parent.global_ranks[me], seconds, parent.backend_name,
+                               parent=parent, parent_ranks=ranks, color=i)
+    # In no split: still part of the parent's ncclCommSplit (as NCCL_SPLIT_NOCOLOR).
+    name = f"{parent.group_name}.split{parent._split_count}.none"
+    return _make_group(world, name, None, parent.global_ranks[me], seconds, parent.backend_name, parent=parent)
+
+
+def new_subgroups(group_size: int | None = None, group: ProcessGroup | None = None,
+                  timeout: float | timedelta | None = None, backend: str | None = None,
+                  pg_options: Any = None, group_desc: str | None = None) -> tuple[Any, list[Any]]:
+    """Cut the default group (or ``group``) into consecutive subgroups of ``group_size`` ranks.
+
+    Args:
+        group_size: ranks per subgroup; default LOCAL_WORLD_SIZE (ranks per node).
+        group: the group to cut (default group when None); all its ranks must call.
+
+    Returns:
+        ``(this rank's subgroup, all subgroups)`` (non-members' entries are
+        ``GroupMember.NON_GROUP_MEMBER``, as with new_group).
+
+    Raises:
+        ValueError: ``group_size`` missing, not positive, or not dividing the group size.
+
+    Example:
+        >>> node_group, _ = gpucoll.new_subgroups()   # one group per node
+    """
+    parent = _resolve(group)
+    if group_size is None:
+        raw = os.environ.get("LOCAL_WORLD_SIZE", "")
+        if not raw.isdigit():
+            raise ValueError("group_size is required when LOCAL_WORLD_SIZE is not set")
+        group_size = int(raw)
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be an int >= 1; got {group_size!r}")
+    if parent.size() % group_size:
+        raise ValueError(f"group_size={group_size} must divide the group size {parent.size()}")
+    ranks = list(parent.global_ranks)
+    chunks = [ranks[i:i + group_size] for i in range(0, len(ranks), group_size)]
+    return new_subgroups_by_enumeration(chunks, timeout=timeout, backend=backend, pg_options=pg_options)
+
+
+def new_subgroups_by_enumeration(ranks_per_subgroup_list: Sequence[Sequence[int]],
+                                 timeout: float | timedelta | None = None, backend: str | None = None,
+                                 pg_options: Any = None, group_desc: str | None = None) -> tuple[Any, list[Any]]:
+    """Create one subgroup per list of global ranks; every rank of the default group must call.
+
+    Returns:
+        ``(this rank's subgroup or None, all subgroups)``.
+
+    Raises:
+        ValueError: empty input, ranks out of range, or a rank in two subgroups.
+    """
+    world = _world()
+    _check_unsupported(pg_options)
+    if not ranks_per_subgroup_list:
+        raise ValueError("ranks_per_subgroup_list must not be empty")
+    size = world.default.size()
+    seen: set[int] = set()
+    for i, ranks in enumerate(ranks_per_subgroup_list):
+        checked = _check_ranks(ranks, size, f"ranks_per_subgroup_list[{i}]")
+        if seen & set(checked):
+            raise ValueError(f"rank(s) {sorted(seen & set(checked))} appear in more than one subgroup")
+        seen |= set(checked)
+    mine: Any = None
+    subgroups = []
+    for ranks in ranks_per_subgroup_list:
+        pg = new_group(ranks, timeout=timeout, backend=backend)
+        subgroups.append(pg)
+        if isinstance(pg, ProcessGroup):
+            mine = pg
+    return mine, subgroups
