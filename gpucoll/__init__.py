@@ -85,12 +85,15 @@ from ._world import new_subgroups as new_subgroups
 from ._world import new_subgroups_by_enumeration as new_subgroups_by_enumeration
 from ._world import split_group as split_group
 
+reduce_op = ReduceOp
+"""torch's legacy spelling (``dist.reduce_op.SUM``): the same class as :class:`ReduceOp`."""
+
 __version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailableError", "DistBackendError", "DistError", "DistNetworkError",
     "DistStoreError", "DistStoreTimeoutError",
-    "ReduceOp", "make_premul_sum", "Work", "WorkInfo",
+    "ReduceOp", "reduce_op", "make_premul_sum", "Work", "WorkInfo",
     # stores
     "Store", "HashStore", "FileStore", "TCPStore", "PrefixStore",
     # world API

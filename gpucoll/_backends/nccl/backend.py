@@ -21,102 +21,20 @@ from ..._reduce_op import ReduceOpLike
 from ..._work import Work
 from ...store.base import Store
 from . import lib as _nccl_lib
+from .bootstrap import is_nccl_available, nccl_unavailable_reason, nccl_version, rendezvous  # noqa: F401
 from .lib import NCCL_DTYPES, OP_SUM, normalise_unique_id
 from .plan import Phase, Plan, Planner, Premul, Step, merge
 from .runtime import Comm, Event, Runtime
+from .split import Splitting
 from .work import NCCLWork
 
 __all__ = ["NCCLBackend", "nccl_unavailable_reason", "is_nccl_available", "nccl_version", "rendezvous"]
 
 _REDUCING = frozenset({"all_reduce", "reduce", "reduce_scatter"})
-_UID_KEY = "nccl/unique_id"
-_ARRIVED_KEY = "nccl/arrived"
-_ALL_ARRIVED_KEY = "nccl/all_arrived"
 _PRUNE_AT = 64  # outstanding works kept before the issue path completes finished ones itself
 
 
-def nccl_unavailable_reason() -> str | None:
-    """Why the NCCL backend cannot run in this process, or None if it can.
-
-    Checks that CuPy imports, that it found an NCCL library, and that a CUDA device
-    is visible (which initialises the CUDA driver: fork no workers afterwards).
-
-    Example:
-        >>> reason = nccl_unavailable_reason()
-        >>> backend = "nccl" if reason is None else "cpu"
-    """
-    return _nccl_lib.unavailable_reason()
-
-
-def is_nccl_available() -> bool:
-    """True if the NCCL backend can run here (see :func:`nccl_unavailable_reason`)."""
-    return nccl_unavailable_reason() is None
-
-
-def nccl_version() -> tuple[int, int, int]:
-    """The (major, minor, patch) of the NCCL library CuPy loads; needs no GPU.
-
-    Raises:
-        BackendUnavailableError: CuPy or NCCL is not installed.
-    """
-    return _nccl_lib.load().version
-
-
-def rendezvous(store: Store, rank: int, size: int, *, timeout: float, group_name: str,
-               make_uid: Callable[[], bytes]) -> bytes:
-    """Agree on an NCCL unique id through ``store`` and wait until every rank has it.
-
-    Rank 0 calls ``make_uid`` and publishes the id; the others wait for it. Then every
-    rank counts itself in and waits for the last one: ``ncclCommInitRank`` blocks
-    until all ranks join, and a missing rank is better reported here, as a timeout
-    that says how many arrived, than as a hang inside NCCL.
-
-    Args:
-        store: the group's private store (keys ``nccl/...``; one communicator per store).
-        rank, size: this rank and the group size.
-        timeout: seconds to wait for rank 0's id and for all ranks to arrive.
-        group_name: for errors.
-        make_uid: makes a new unique id (``ncclGetUniqueId``); called on rank 0 only.
-
-    Returns:
-        The 128-byte unique id, the same on every rank.
-
-    Raises:
-        DistBackendError: the id or some ranks did not arrive within ``timeout``.
-    """
-    try:
-        if rank == 0:
-            uid = normalise_unique_id(make_uid())
-            store.set(_UID_KEY, uid)
-        else:
-            uid = normalise_unique_id(store.get(_UID_KEY, timeout=timeout))
-    except DistStoreError as exc:
-        raise DistBackendError(
-            f"group {group_name!r}: rank {rank} did not get the NCCL unique id from rank 0 through the "
-            f"store within {timeout:.3g} s: {exc}") from exc
-    arrived = _all_arrive(store, _ARRIVED_KEY, _ALL_ARRIVED_KEY, size, timeout)
-    if arrived is not None:
-        raise DistBackendError(f"group {group_name!r}: only {arrived} ranks reached NCCL communicator "
-                               f"setup within {timeout:.3g} s")
-    return uid
-
-
-def _all_arrive(store: Store, counter: str, flag: str, size: int, timeout: float) -> str | None:
-    """Count this rank in at ``counter`` and wait until all ``size`` ranks are: None once
-    they are, else how many arrived ("k of n") when ``timeout`` seconds ran out."""
-    try:
-        if store.add(counter, 1) == size:
-            store.set(flag, b"1")
-        store.wait([flag], timeout)
-        return None
-    except DistStoreError:
-        try:
-            return f"{store.add(counter, 0)} of {size}"
-        except DistStoreError:
-            return f"not all {size}"
-
-
-class NCCLBackend:
+class NCCLBackend(Splitting):
     """One process group's collectives on CUDA memory (the Backend protocol).
 
     Args:
@@ -658,85 +576,10 @@ class NCCLBackend:
             if prev != device:
                 rt.set_device(prev)
 
-    # ----- new groups -----
-
-    def split(self, ranks: Sequence[int] | None, *, color: int = 0, store: Store, group_name: str,
-              timeout: float) -> NCCLBackend | None:
-        """The backend of a new group carved out of this one. Every rank of this group
-        must call it, at the same point of its op sequence, whether it joins a new group
-        or not (that is how ``ncclCommSplit`` works).
-
-        Args:
-            ranks: the members of this rank's new group as ranks of this group, in the
-                new group's rank order; None (or a list without this rank) for a rank
-                that joins no new group.
-            color: tells new groups apart when one call makes several disjoint groups
-                (torch's ``split_group``): ranks passing the same ``ranks`` pass the same
-                color >= 0, different groups different colors.
-            store: the new group's private store (used when no split is possible).
-            group_name: the new group's name.
-            timeout: the new group's timeout, seconds.
-
-        When :attr:`can_split` (an eagerly created communicator and NCCL >= 2.18) the
-        new communicator comes from ``ncclCommSplit``: no unique id round trip, and NCCL
-        may share resources with this one. Every rank first counts itself in through
-        this group's store, so a rank that never calls fails the others after
-        ``timeout`` seconds instead of hanging them. Otherwise members build one from a
-        fresh unique id exchanged through ``store``, and non-members return at once.
-
-        Returns:
-            The new group's backend on members; None elsewhere.
-
-        Raises:
-            ValueError: ``color`` < 0.
-            DistBackendError: the split failed, or not every rank reached it in time.
-        """
-        if not isinstance(color, int) or color < 0:
-            raise ValueError(f"color must be an int >= 0; got {color!r}")
-        members = list(ranks) if ranks is not None else []
-        member = self.rank in members
-        new_rank = members.index(self.rank) if member else -1
-        with self._lock:
-            if self.can_split:
-                comm = self._comm
-                assert comm is not None
-                # ncclCommSplit blocks until every rank of this group calls it: count the
-                # ranks in through the store first, so that one that never comes is a
-                # timeout naming how many did, not a hang inside NCCL.
-                self._splits += 1
-                key = f"nccl/split{self._splits}"
-                arrived = _all_arrive(self._store, f"{key}/arrived", f"{key}/all", self.size, timeout)
-                if arrived is not None:
-                    raise DistBackendError(
-                        f"new group {group_name!r}: only {arrived} ranks of group {self._group_name!r} reached "
-                        f"its split (ncclCommSplit) within {timeout:.3g} s; every rank of the parent group "
-                        "must create the new groups, in the same order")
-                # ncclCommSplit must not race ops still queued on this communicator.
-                if not self._drain(self._timeout):
-                    raise DistBackendError(f"new group {group_name!r}: ops of group {self._group_name!r} "
-                                           f"did not finish within {self._timeout:.3g} s before the split")
-                rt, device = self._rt, self._device
-                prev = rt.get_device()
-                if prev != device:
-                    rt.set_device(device)
-                try:
-                    # NCCL_SPLIT_NOCOLOR (-1): this rank joins no new communicator.
-                    new = comm.split(color if member else -1, max(new_rank, 0))
-                except Exception as exc:
-                    raise DistBackendError(f"ncclCommSplit of group {self._group_name!r} into "
-                                           f"{group_name!r} failed: {exc}") from exc
-                finally:
-                    if prev != device:
-                        rt.set_device(prev)
-                if new is None:
-                    return None
-                if new.size != len(members) or new.rank != new_rank:
-                    raise DistBackendError(
-                        f"ncclCommSplit made group {group_name!r} with rank {new.rank} of {new.size}; expected "
-                        f"rank {new_rank} of {len(members)}: ranks passed different member lists for one color")
-                return NCCLBackend(store, new_rank, len(members), timeout=timeout, group_name=group_name,
-                                   device_id=device, _runtime=self._rt, _comm=new)
-        if not member:
-            return None
-        return NCCLBackend(store, new_rank, len(members), timeout=timeout, group_name=group_name,
-                           device_id=self._device if self._eager else None, _runtime=self._rt)
+    def _split_backend(self, store: Store, rank: int, size: int, *, timeout: float, group_name: str,
+                       device_id: int | None, comm: Comm | None) -> NCCLBackend:
+        if comm is None:
+            return NCCLBackend(store, rank, size, timeout=timeout, group_name=group_name, device_id=device_id,
+                               _runtime=self._rt)
+        return NCCLBackend(store, rank, size, timeout=timeout, group_name=group_name, device_id=device_id,
+                           _runtime=self._rt, _comm=comm)

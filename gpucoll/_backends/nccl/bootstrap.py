@@ -1,0 +1,99 @@
+"""Whether NCCL can run here, and the rendezvous that makes a communicator's unique id
+known to every rank through the group's store."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from ...errors import BackendUnavailableError, DistBackendError, DistStoreError
+from ...store.base import Store
+from . import lib as _nccl_lib
+from .lib import normalise_unique_id
+
+__all__ = ["nccl_unavailable_reason", "is_nccl_available", "nccl_version", "rendezvous"]
+
+_UID_KEY = "nccl/unique_id"
+_ARRIVED_KEY = "nccl/arrived"
+_ALL_ARRIVED_KEY = "nccl/all_arrived"
+
+
+def nccl_unavailable_reason() -> str | None:
+    """Why the NCCL backend cannot run in this process, or None if it can.
+
+    Checks that CuPy imports, that it found an NCCL library, and that a CUDA device
+    is visible (which initialises the CUDA driver: fork no workers afterwards).
+
+    Example:
+        >>> reason = nccl_unavailable_reason()
+        >>> backend = "nccl" if reason is None else "cpu"
+    """
+    return _nccl_lib.unavailable_reason()
+
+
+def is_nccl_available() -> bool:
+    """True if the NCCL backend can run here (see :func:`nccl_unavailable_reason`)."""
+    return nccl_unavailable_reason() is None
+
+
+def nccl_version() -> tuple[int, int, int]:
+    """The (major, minor, patch) of the NCCL library CuPy loads; needs no GPU.
+
+    Raises:
+        BackendUnavailableError: CuPy or NCCL is not installed.
+    """
+    return _nccl_lib.load().version
+
+
+def rendezvous(store: Store, rank: int, size: int, *, timeout: float, group_name: str,
+               make_uid: Callable[[], bytes]) -> bytes:
+    """Agree on an NCCL unique id through ``store`` and wait until every rank has it.
+
+    Rank 0 calls ``make_uid`` and publishes the id; the others wait for it. Then every
+    rank counts itself in and waits for the last one: ``ncclCommInitRank`` blocks
+    until all ranks join, and a missing rank is better reported here, as a timeout
+    that says how many arrived, than as a hang inside NCCL.
+
+    Args:
+        store: the group's private store (keys ``nccl/...``; one communicator per store).
+        rank, size: this rank and the group size.
+        timeout: seconds to wait for rank 0's id and for all ranks to arrive.
+        group_name: for errors.
+        make_uid: makes a new unique id (``ncclGetUniqueId``); called on rank 0 only.
+
+    Returns:
+        The 128-byte unique id, the same on every rank.
+
+    Raises:
+        DistBackendError: the id or some ranks did not arrive within ``timeout``.
+    """
+    try:
+        if rank == 0:
+            uid = normalise_unique_id(make_uid())
+            store.set(_UID_KEY, uid)
+        else:
+            uid = normalise_unique_id(store.get(_UID_KEY, timeout=timeout))
+    except DistStoreError as exc:
+        raise DistBackendError(
+            f"group {group_name!r}: rank {rank} did not get the NCCL unique id from rank 0 through the "
+            f"store within {timeout:.3g} s: {exc}") from exc
+    arrived = _all_arrive(store, _ARRIVED_KEY, _ALL_ARRIVED_KEY, size, timeout)
+    if arrived is not None:
+        raise DistBackendError(f"group {group_name!r}: only {arrived} ranks reached NCCL communicator "
+                               f"setup within {timeout:.3g} s")
+    return uid
+
+
+def _all_arrive(store: Store, counter: str, flag: str, size: int, timeout: float) -> str | None:
+    """Count this rank in at ``counter`` and wait until all ``size`` ranks are: None once
+    they are, else how many arrived ("k of n") when ``timeout`` seconds ran out."""
+    try:
+        if store.add(counter, 1) == size:
+            store.set(flag, b"1")
+        store.wait([flag], timeout)
+        return None
+    except DistStoreError:
+        try:
+            return f"{store.add(counter, 0)} of {size}"
+        except DistStoreError:
+            return f"not all {size}"

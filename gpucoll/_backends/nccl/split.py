@@ -1,0 +1,136 @@
+"""``ncclCommSplit`` for a new group, guarded so that a missing rank is a timeout, not a hang."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Sequence
+
+from ...errors import DistBackendError
+from ...store.base import Store
+from .bootstrap import _all_arrive
+from .runtime import Comm, Runtime
+
+__all__ = ["split_comm", "Splitting"]
+
+
+def split_comm(comm: Comm, rt: Runtime, device: int, store: Store, key: str, size: int, *, timeout: float,
+               parent_timeout: float, drain: Callable[[float], bool], parent_name: str, group_name: str,
+               color: int, new_rank: int) -> Comm | None:
+    """Split ``comm`` (of group ``parent_name``, ``size`` ranks) for new group ``group_name``;
+    the caller holds the parent backend's lock. ``color`` -1 joins no new communicator.
+    Returns the new communicator, or None on a rank that joins none."""
+    # ncclCommSplit blocks until every rank of this group calls it: count the
+    # ranks in through the store first, so that one that never comes is a
+    # timeout naming how many did, not a hang inside NCCL.
+    arrived = _all_arrive(store, f"{key}/arrived", f"{key}/all", size, timeout)
+    if arrived is not None:
+        raise DistBackendError(
+            f"new group {group_name!r}: only {arrived} ranks of group {parent_name!r} reached "
+            f"its split (ncclCommSplit) within {timeout:.3g} s; every rank of the parent group "
+            "must create the new groups, in the same order")
+    # ncclCommSplit must not race ops still queued on this communicator.
+    if not drain(parent_timeout):
+        raise DistBackendError(f"new group {group_name!r}: ops of group {parent_name!r} "
+                               f"did not finish within {parent_timeout:.3g} s before the split")
+    prev = rt.get_device()
+    if prev != device:
+        rt.set_device(device)
+    try:
+        # NCCL_SPLIT_NOCOLOR (-1): this rank joins no new communicator.
+        new = comm.split(color, new_rank)
+    except Exception as exc:
+        raise DistBackendError(f"ncclCommSplit of group {parent_name!r} into "
+                               f"{group_name!r} failed: {exc}") from exc
+    finally:
+        if prev != device:
+            rt.set_device(prev)
+    return new
+
+
+class Splitting:
+    """NCCLBackend's :meth:`split` (the :class:`~gpucoll._backends.base.SplitsCommunicator`
+    capability); the backend's state it uses is declared here."""
+
+    rank: int
+    size: int
+    _lock: threading.RLock
+    _comm: Comm | None
+    _rt: Runtime
+    _device: int
+    _store: Store
+    _timeout: float
+    _group_name: str
+    _eager: bool
+    _splits: int
+
+    @property
+    def can_split(self) -> bool:
+        raise NotImplementedError
+
+    def _drain(self, timeout: float) -> bool:
+        raise NotImplementedError
+
+    def _split_backend(self, store: Store, rank: int, size: int, *, timeout: float, group_name: str,
+                       device_id: int | None, comm: Comm | None) -> Any:
+        raise NotImplementedError
+
+    # ----- new groups -----
+
+    def split(self, ranks: Sequence[int] | None, *, color: int = 0, store: Store, group_name: str,
+              timeout: float) -> Any:
+        """The backend of a new group carved out of this one. Every rank of this group
+        must call it, at the same point of its op sequence, whether it joins a new group
+        or not (that is how ``ncclCommSplit`` works).
+
+        Args:
+            ranks: the members of this rank's new group as ranks of this group, in the
+                new group's rank order; None (or a list without this rank) for a rank
+                that joins no new group.
+            color: tells new groups apart when one call makes several disjoint groups
+                (torch's ``split_group``): ranks passing the same ``ranks`` pass the same
+                color >= 0, different groups different colors.
+            store: the new group's private store (used when no split is possible).
+            group_name: the new group's name.
+            timeout: the new group's timeout, seconds.
+
+        When :attr:`can_split` (an eagerly created communicator and NCCL >= 2.18) the
+        new communicator comes from ``ncclCommSplit``: no unique id round trip, and NCCL
+        may share resources with this one. Every rank first counts itself in through
+        this group's store, so a rank that never calls fails the others after
+        ``timeout`` seconds instead of hanging them. Otherwise members build one from a
+        fresh unique id exchanged through ``store``, and non-members return at once.
+
+        Returns:
+            The new group's backend on members; None elsewhere.
+
+        Raises:
+            ValueError: ``color`` < 0.
+            DistBackendError: the split failed, or not every rank reached it in time.
+        """
+        if not isinstance(color, int) or color < 0:
+            raise ValueError(f"color must be an int >= 0; got {color!r}")
+        members = list(ranks) if ranks is not None else []
+        member = self.rank in members
+        new_rank = members.index(self.rank) if member else -1
+        with self._lock:
+            if self.can_split:
+                comm = self._comm
+                assert comm is not None
+                self._splits += 1
+                device = self._device
+                new = split_comm(comm, self._rt, device, self._store, f"nccl/split{self._splits}", self.size,
+                                 timeout=timeout, parent_timeout=self._timeout, drain=self._drain,
+                                 parent_name=self._group_name, group_name=group_name,
+                                 color=color if member else -1, new_rank=max(new_rank, 0))
+                if new is None:
+                    return None
+                if new.size != len(members) or new.rank != new_rank:
+                    raise DistBackendError(
+                        f"ncclCommSplit made group {group_name!r} with rank {new.rank} of {new.size}; expected "
+                        f"rank {new_rank} of {len(members)}: ranks passed different member lists for one color")
+                return self._split_backend(store, new_rank, len(members), timeout=timeout,
+                                           group_name=group_name, device_id=device, comm=new)
+        if not member:
+            return None
+        return self._split_backend(store, new_rank, len(members), timeout=timeout, group_name=group_name,
+                                   device_id=self._device if self._eager else None, comm=None)

@@ -1,0 +1,151 @@
+"""The package's shape: public modules and their __all__, no import cycles, one home
+for GPUCOLL_* names, module sizes; and the wheel ships every module and the kernels."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pathlib
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+import gpucoll
+
+PKG = pathlib.Path(gpucoll.__file__).resolve().parent
+PUBLIC = {"gpucoll", "gpucoll.functional", "gpucoll.testing", "gpucoll.store", "gpucoll.clusters",
+          "gpucoll.errors", "gpucoll.array", "gpucoll.run", "gpucoll.bench"}
+"""The public modules (docs/design.md, "Layout"); their non-underscore submodules
+(``gpucoll.store.tcp``, ``gpucoll.clusters.slurm``, ``gpucoll.bench.cli``, ...) are
+public too and policed the same way."""
+
+
+def all_modules() -> list[str]:
+    names = []
+    for path in sorted(PKG.rglob("*.py")):
+        parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        names.append(".".join(parts))
+    return names
+
+
+def is_public(name: str) -> bool:
+    return not any(part.startswith("_") for part in name.split("."))
+
+
+def test_public_modules_are_exactly_the_documented_ones() -> None:
+    public = {m for m in all_modules() if is_public(m)}
+    stray = {m for m in public if m not in PUBLIC and not any(m.startswith(p + ".") for p in PUBLIC - {"gpucoll"})}
+    assert not stray, f"public (non-underscore) modules not in the documented list: {sorted(stray)}"
+    assert PUBLIC <= public
+
+
+@pytest.mark.parametrize("name", sorted(m for m in all_modules() if is_public(m) and m != "gpucoll.bench.__main__"))
+def test_every_public_module_has_a_resolvable_all_without_private_names(name: str) -> None:
+    module = importlib.import_module(name)
+    exported = getattr(module, "__all__", None)
+    assert isinstance(exported, list) and exported, f"{name} has no __all__"
+    assert len(exported) == len(set(exported)), f"duplicates in {name}.__all__"
+    for item in exported:
+        assert not item.startswith("_"), f"{name}.__all__ exports the private name {item!r}"
+        assert hasattr(module, item), f"{name}.__all__ names {item!r}, which does not resolve"
+
+
+def test_reduce_op_is_torchs_legacy_spelling_not_a_module() -> None:
+    assert gpucoll.reduce_op is gpucoll.ReduceOp
+    assert gpucoll.reduce_op.SUM is gpucoll.ReduceOp.SUM
+
+
+def imports_of(path: pathlib.Path, module: str) -> set[str]:
+    """Every gpucoll module ``module`` imports, at any level (function bodies included;
+    ``if TYPE_CHECKING:`` blocks excluded: they never run)."""
+    tree = ast.parse(path.read_text())
+    is_pkg = path.name == "__init__.py"
+    package = module if is_pkg else module.rpartition(".")[0]
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for b in node.body for n in ast.walk(b))
+    found: set[str] = set()
+    known = set(all_modules())
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("gpucoll"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("gpucoll"):
+                continue
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                found.add(sub if sub in known else target)
+    return {m for m in found if m in known and m != module}
+
+
+def test_no_import_cycles_in_the_package() -> None:
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PKG.rglob("*.py")):
+        parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        name = ".".join(parts)
+        # A package's __init__ runs before any of its modules; importing a submodule
+        # imports its parents, so a module depends on each parent package too.
+        deps = imports_of(path, name)
+        graph[name] = deps
+    # Parent packages re-export their children: edges parent -> child are expected,
+    # so only child -> (parent's other children ...) cycles are real. Check cycles on
+    # the module graph where importing "a.b" means importing "a.b" only.
+    cycles = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                cycles.append(stack[stack.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_modules_are_small_and_the_root_is_short() -> None:
+    big = {str(p.relative_to(PKG.parent)): n for p in PKG.rglob("*.py")
+           if (n := len(p.read_text().splitlines())) > 600}
+    assert not big, f"modules over 600 lines: {big}"
+    root = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(root) <= 16, f"{len(root)} modules directly in gpucoll/: {root}"
+
+
+@pytest.mark.slow
+def test_the_wheel_ships_every_module_and_the_kernels(tmp_path: pathlib.Path) -> None:
+    root = PKG.parent
+    if not (root / "pyproject.toml").is_file():
+        pytest.skip("gpucoll is not a source checkout here")
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           "-w", str(tmp_path), str(root)], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (wheel,) = tmp_path.glob("gpucoll-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = {str(p.relative_to(root)) for p in PKG.rglob("*.py")}
+    expected |= {str(p.relative_to(root)) for p in PKG.rglob("*.cu")} | {"gpucoll/py.typed"}
+    assert any(n.endswith(".cu") for n in expected)
+    missing = expected - names
+    assert not missing, f"the wheel lacks {sorted(missing)}"
