@@ -265,8 +265,8 @@ class FileLog:
                 self.offset = HEADER_LEN
                 self.sync(True)
                 self._admit()
-        self._write_records([w.encode_frame(w.SET, [self.user_key, "\n".join(
-            (self.me.machine, str(self.me.pid), self.me.start, self.me.host)).encode()])])
+        self.write_set(self.user_key, "\n".join(
+            (self.me.machine, str(self.me.pid), self.me.start, self.me.host)).encode())
 
     def _parse_header(self, head: bytes) -> Header:
         if not head.startswith(MAGIC):
