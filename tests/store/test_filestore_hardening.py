@@ -232,8 +232,11 @@ def test_foreign_file_and_other_version_are_refused_and_kept(tmp_path: Path) -> 
 
 
 def test_new_file_is_0600_with_a_header_and_creation_id(tmp_path: Path) -> None:
-    os.umask(0o022)
-    a, b = FileStore(tmp_path / "a", 3, timeout=5), FileStore(tmp_path / "b", 3, timeout=5)
+    old = os.umask(0o022)  # a permissive umask must not make the file readable by others
+    try:
+        a, b = FileStore(tmp_path / "a", 3, timeout=5), FileStore(tmp_path / "b", 3, timeout=5)
+    finally:
+        os.umask(old)
     heads = []
     for name in ("a", "b"):
         p = tmp_path / name
