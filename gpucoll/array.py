@@ -143,6 +143,11 @@ def as_buffer(array: ArrayLike, *, name: str = "tensor", writable: bool = False)
     try:
         view = memoryview(array)
     except TypeError:
+        if cls.__module__.split(".", 1)[0] == "jax" and "Tracer" in cls.__name__:
+            raise TypeError(
+                f"{name} is a JAX tracer ({cls.__name__}): the call is inside jax.jit, vmap or grad, "
+                "where arrays have no memory yet. Call gpucoll collectives on concrete arrays, "
+                "between jitted functions (docs/arrays.md)") from None
         raise TypeError(
             f"{name} must be an array (NumPy, CuPy, JAX, PyTorch, Numba, or anything with "
             f"__cuda_array_interface__, __dlpack__ or the buffer protocol); got {cls.__name__}"
@@ -365,7 +370,8 @@ def _from_dlpack(array: Any, name: str, writable: bool) -> Buffer:
         _check_c_strides(strides, shape, dtype.itemsize, name)
     if writable and readonly:
         raise ValueError(f"{name} ({type(array).__name__}) is immutable or read-only and this op writes "
-                         "into it; use gpucoll.functional, which returns a new array")
+                         "into it; use gpucoll.functional (all_reduce, broadcast, all_gather, "
+                         "reduce_scatter, gather, scatter, all_to_all, recv, ...), which returns a new array")
     numel = math.prod(shape)
     ptr = int(tensor.data or 0) + int(tensor.byte_offset)
     nbytes = numel * dtype.itemsize
