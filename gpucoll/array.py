@@ -473,13 +473,32 @@ def new_output(like: Any, shape: tuple[int, ...], dtype: DType) -> tuple[Any, Bu
     if not is_device_array(like):
         out = np.empty(shape, dtype.numpy())
         return out, _from_ndarray(out, "output", True, _CPU)
-    import cupy
-
     carrier = f"uint{8 * dtype.itemsize}" if dtype.name in _NOT_IN_CUPY else dtype.name
-    with cupy.cuda.Device(_cuda_device_index(like, 0)):
-        out = cupy.empty(shape, carrier)
+    out = _device_empty(like, shape, carrier)
     buf = as_buffer(out, name="output", writable=True)
     return out, (dataclasses.replace(buf, dtype=dtype) if carrier != dtype.name else buf)
+
+
+def _device_empty(like: Any, shape: tuple[int, ...], carrier: str) -> Any:
+    """A CuPy array for a device input's result; CUDA's own errors become a gpucoll error
+    that says what is missing (httpx-style conversion at the boundary)."""
+    from ._gpu_check import no_gpu_reason
+    from .errors import BackendUnavailableError
+
+    what = f"the input is a device array ({type(like).__name__}), and its result is allocated with CuPy"
+    reason = no_gpu_reason()
+    if reason is not None:
+        raise BackendUnavailableError(f"{what}, but {reason}. Pass host arrays (NumPy) instead")
+    try:
+        import cupy
+    except ImportError as exc:
+        raise BackendUnavailableError(f"{what}, which is not installed: pip install 'gpucoll[cuda12]' "
+                                      "(or [cuda13])") from exc
+    try:
+        with cupy.cuda.Device(_cuda_device_index(like, 0)):
+            return cupy.empty(shape, carrier)
+    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        raise BackendUnavailableError(f"{what}, but CUDA cannot allocate it: {exc}") from exc
 
 
 def copy_buffer(dst: Buffer, src: Buffer) -> None:
