@@ -88,9 +88,8 @@ def header_lines(cfg: BenchConfig, env: dict[str, Any], ranks: Sequence[RankInfo
     (``# nThread 1 nGpus 1 minBytes ...``) and the "Using devices" list."""
     step = f"{cfg.stepfactor}(factor)" if cfg.stepfactor > 1 else f"{cfg.stepbytes}(bytes)"
     lines = [
-        f"# Collective test starting: gpucoll-bench {cfg.op} (backend {cfg.backend}, world size "
-        f"{env['world_size']}, gpucoll {env['gpucoll_version']}"
-        + (f", NCCL {env['nccl']})" if "nccl" in env else ")"),
+        f"# Collective test starting: gpucoll-bench {cfg.op}  backend: {cfg.backend}  world size: "
+        f"{env['world_size']}  gpucoll {env['gpucoll_version']}" + (f"  NCCL {env['nccl']}" if "nccl" in env else ""),
         # One thread and one GPU per process: gpucoll-bench's only layout (-t 1 -g 1).
         f"# nThread 1 nGpus 1 minBytes {cfg.minbytes} maxBytes {cfg.maxbytes} step: {step} "
         f"warmup iters: {cfg.warmup_iters} iters: {cfg.iters} agg iters: 1 "
