@@ -49,7 +49,8 @@ class DType:
             import ml_dtypes  # noqa: F401  (registers bfloat16/float8 with NumPy)
         except ImportError as exc:
             raise TypeError(
-                f"dtype {self.name} needs the ml_dtypes package on the host (pip install ml_dtypes)"
+                f"dtype {self.name} needs the ml_dtypes package on the host, where NumPy has no {self.name}: "
+                'pip install ml_dtypes (or "gpucoll[lowp]"; the cuda12/cuda13/bench extras bring it)'
             ) from exc
         dt: np.dtype[Any] = np.dtype(getattr(ml_dtypes, self.name))
         return dt

@@ -17,6 +17,8 @@ from typing import Any, Sequence
 
 from ._timeouts import to_seconds
 from ._group import GroupMember, ProcessGroup, nccl_usable, normalize_backend
+from ._group.gpu_check import require_nccl
+from ._group.join import await_all_joined
 from .store import FileStore, PrefixStore, Store, TCPStore
 
 __all__ = [
@@ -125,6 +127,8 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                            "call destroy_process_group() before init_process_group() again")
     seconds = to_seconds(timeout, name="timeout")
     name = normalize_backend(backend)
+    if name == "nccl":
+        require_nccl()  # at init, as documented: not at the first device op
     device = _device_index(device_id)
     if not isinstance(group_name, str):
         raise TypeError(f"group_name must be a str; got {type(group_name).__name__}")
@@ -144,7 +148,15 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         store, rank, world_size = _rendezvous(init_method or "env://", rank, world_size, seconds)
         owns = True
     if not 0 <= rank < world_size:
+        if owns:
+            store.close()
         raise ValueError(f"rank must be in [0, world_size={world_size}); got rank={rank}")
+    if owns:
+        try:  # every rank, not only the store's host, says how many processes joined
+            await_all_joined(store, rank, world_size, seconds)
+        except BaseException:
+            store.close()
+            raise
     pg_name = group_name or "default"
     try:
         pg = ProcessGroup(PrefixStore(f"pg/{pg_name}", store), rank, world_size, group_name=pg_name,
@@ -163,6 +175,9 @@ def _rendezvous(init_method: str, rank: int, world_size: int, timeout: float) ->
     url = urllib.parse.urlparse(init_method)
     token = os.environ.get("GPUCOLL_STORE_TOKEN") or None
     if url.scheme == "env":
+        if init_method.strip().lower() != "env://":
+            raise ValueError(f"init_method={init_method!r} is not a rendezvous URL; did you mean 'env://' "
+                             "(RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from the environment)?")
         return _env_rendezvous(rank, world_size, timeout, token)
     if url.scheme == "tcp":
         if world_size < 1 or rank < 0:
@@ -203,13 +218,25 @@ def _env_rendezvous(rank: int, world_size: int, timeout: float, token: str | Non
         if world_size < 1:
             missing.append("WORLD_SIZE")
         if missing:
-            raise ValueError(f"init_method='env://' needs {', '.join(missing)} in the environment (or run under "
-                             "gpucoll-run, torchrun, srun or mpirun), or pass rank=/world_size=")
+            raise ValueError(_env_missing_message(missing, world_size))
         try:
             port = int(raw_port)
         except ValueError:
             raise ValueError(f"MASTER_PORT must be an integer; got {raw_port!r}") from None
     return _tcp_store(addr, port, rank, world_size, hosted, timeout, token), rank, world_size
+
+
+def _env_missing_message(missing: list[str], world_size: int) -> str:
+    """What env:// lacks, and only the remedies that apply to what was passed."""
+    text = f"init_method='env://' needs {', '.join(missing)} in the environment"
+    passable = [m for m in missing if m in ("RANK", "WORLD_SIZE")]
+    if passable:
+        text += " (or pass " + " and ".join(f"{m.lower()}=" for m in passable) + ")"
+    text += "; launchers set them all: gpucoll-run, torchrun, srun, mpirun"
+    if world_size == 1:
+        text += ("; a single process needs no environment with init_method='tcp://127.0.0.1:0', "
+                 "rank=0, world_size=1")
+    return text
 
 
 def _tcp_store(host: str, port: int, rank: int, world_size: int, hosted: bool, timeout: float,
@@ -219,7 +246,9 @@ def _tcp_store(host: str, port: int, rank: int, world_size: int, hosted: bool, t
     if port == 0 and world_size > 1:
         raise ValueError("MASTER_PORT=0 needs a launcher that hosts the store (GPUCOLL_STORE_HOSTED=1): with "
                          "rank 0 as the server, the other ranks cannot learn the port it picks. Set a port")
-    return TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout, token=token)
+    # wait_for_workers=False: await_all_joined counts the ranks on every rank, not on rank 0 only.
+    return TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout, token=token,
+                    wait_for_workers=False)
 
 
 def _device_index(device_id: Any) -> int | None:

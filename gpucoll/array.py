@@ -143,6 +143,11 @@ def as_buffer(array: ArrayLike, *, name: str = "tensor", writable: bool = False)
     try:
         view = memoryview(array)
     except TypeError:
+        if cls.__module__.split(".", 1)[0] == "jax" and "Tracer" in cls.__name__:
+            raise TypeError(
+                f"{name} is a JAX tracer ({cls.__name__}): the call is inside jax.jit, vmap or grad, "
+                "where arrays have no memory yet. Call gpucoll collectives on concrete arrays, "
+                "between jitted functions (docs/arrays.md)") from None
         raise TypeError(
             f"{name} must be an array (NumPy, CuPy, JAX, PyTorch, Numba, or anything with "
             f"__cuda_array_interface__, __dlpack__ or the buffer protocol); got {cls.__name__}"
@@ -365,7 +370,8 @@ def _from_dlpack(array: Any, name: str, writable: bool) -> Buffer:
         _check_c_strides(strides, shape, dtype.itemsize, name)
     if writable and readonly:
         raise ValueError(f"{name} ({type(array).__name__}) is immutable or read-only and this op writes "
-                         "into it; use gpucoll.functional, which returns a new array")
+                         "into it; use gpucoll.functional (all_reduce, broadcast, all_gather, "
+                         "reduce_scatter, gather, scatter, all_to_all, recv, ...), which returns a new array")
     numel = math.prod(shape)
     ptr = int(tensor.data or 0) + int(tensor.byte_offset)
     nbytes = numel * dtype.itemsize
@@ -467,13 +473,32 @@ def new_output(like: Any, shape: tuple[int, ...], dtype: DType) -> tuple[Any, Bu
     if not is_device_array(like):
         out = np.empty(shape, dtype.numpy())
         return out, _from_ndarray(out, "output", True, _CPU)
-    import cupy
-
     carrier = f"uint{8 * dtype.itemsize}" if dtype.name in _NOT_IN_CUPY else dtype.name
-    with cupy.cuda.Device(_cuda_device_index(like, 0)):
-        out = cupy.empty(shape, carrier)
+    out = _device_empty(like, shape, carrier)
     buf = as_buffer(out, name="output", writable=True)
     return out, (dataclasses.replace(buf, dtype=dtype) if carrier != dtype.name else buf)
+
+
+def _device_empty(like: Any, shape: tuple[int, ...], carrier: str) -> Any:
+    """A CuPy array for a device input's result; CUDA's own errors become a gpucoll error
+    that says what is missing (httpx-style conversion at the boundary)."""
+    from ._group.gpu_check import no_gpu_reason
+    from .errors import BackendUnavailableError
+
+    what = f"the input is a device array ({type(like).__name__}), and its result is allocated with CuPy"
+    reason = no_gpu_reason()
+    if reason is not None:
+        raise BackendUnavailableError(f"{what}, but {reason}. Pass host arrays (NumPy) instead")
+    try:
+        import cupy
+    except ImportError as exc:
+        raise BackendUnavailableError(f"{what}, which is not installed: pip install 'gpucoll[cuda12]' "
+                                      "(or [cuda13])") from exc
+    try:
+        with cupy.cuda.Device(_cuda_device_index(like, 0)):
+            return cupy.empty(shape, carrier)
+    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        raise BackendUnavailableError(f"{what}, but CUDA cannot allocate it: {exc}") from exc
 
 
 def copy_buffer(dst: Buffer, src: Buffer) -> None:

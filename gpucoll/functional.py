@@ -10,6 +10,10 @@ Inputs need not be contiguous: a non-contiguous input is copied to a contiguous
 one first (the in-place API raises instead). Every function is a collective: all
 ranks of the group call it with matching arrays.
 
+Inside ``jax.jit`` (or ``vmap``, ``grad``) the arrays are tracers with no memory
+yet: every function here raises a TypeError saying so. Call the collective on
+concrete arrays between jitted functions (see docs/arrays.md).
+
 Example:
     >>> import jax.numpy as jnp, gpucoll.functional as F
     >>> y = F.all_reduce(jnp.ones(4) * gpucoll.get_rank())   # a jax.Array
@@ -29,7 +33,7 @@ from ._group import ProcessGroup
 from ._reduce_op import ReduceOp
 
 __all__ = ["all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather", "reduce_scatter",
-           "all_to_all_single"]
+           "all_to_all_single", "all_to_all", "gather", "scatter", "send", "recv"]
 
 
 def _contiguous(x: Any) -> Any:
@@ -47,7 +51,21 @@ def _contiguous(x: Any) -> Any:
     raise TypeError(f"cannot make a contiguous copy of a non-contiguous {type(x).__name__}")
 
 
+def _not_traced(x: Any, name: str) -> None:
+    if type(x).__module__.split(".", 1)[0] == "jax" and "Tracer" in type(x).__name__:
+        import inspect
+
+        op = next((f.function for f in inspect.stack()[1:] if f.function in __all__ and f.filename == __file__),
+                  "collective")
+        raise TypeError(
+            f"gpucoll.functional.{op}: {name} is a JAX tracer ({type(x).__name__}), i.e. the call is "
+            "inside jax.jit, vmap or grad, where arrays have no memory yet. gpucoll collectives run "
+            "on concrete arrays: call them between jitted functions, e.g. "
+            "y = F.all_reduce(step1(x)); z = step2(y) with step1/step2 jitted (docs/arrays.md)")
+
+
 def _input(x: Any, name: str) -> tuple[Any, Buffer]:
+    _not_traced(x, name)
     try:
         return x, _array.as_buffer(x, name=name)
     except _array.NotContiguousError:
@@ -179,6 +197,138 @@ def all_to_all_single(x: Any, output_split_sizes: Sequence[int] | None = None,
     out, dst = _array.new_output(x, (rows, *inp.shape[1:]), inp.dtype)
     pg.all_to_all_single(dst, inp, output_split_sizes, input_split_sizes)
     return _array.to_caller_type(out, x, inp.dtype)
+
+
+def _pieces(buf: Buffer, n: int) -> list[Buffer]:
+    """``buf`` (a contiguous ``(n, *shape)`` array) as ``n`` Buffers of one ``shape`` each."""
+    step = buf.nbytes // n
+    return [dataclasses.replace(buf, ptr=buf.ptr + i * step, nbytes=step, shape=buf.shape[1:])
+            for i in range(n)]
+
+
+def _joined(out: Any, n: int, shape: tuple[int, ...], axis: int) -> Any:
+    """The ``(n, *shape)`` result of a gather as one array concatenated along ``axis``."""
+    if not shape:
+        return out
+    k = _axis(axis, len(shape))
+    if k:
+        xp = _namespace(out)
+        out = xp.ascontiguousarray(xp.moveaxis(out, 0, k))
+    joined = list(shape)
+    joined[k] *= n
+    return out.reshape(joined)
+
+
+def gather(x: Any, dst: int | None = None, group: ProcessGroup | None = None,
+           group_dst: int | None = None, axis: int = 0) -> Any:
+    """Return every rank's ``x`` concatenated along ``axis`` on rank ``dst``; None elsewhere.
+
+    Example:
+        >>> g = F.gather(jnp.full(2, gpucoll.get_rank()), dst=0)   # rank 0 of 3: [0 0 1 1 2 2]
+    """
+    pg = _pg(group)
+    root = _group_rank(pg, dst, group_dst, "dst")
+    n = pg.size()
+    _, inp = _input(x, "x")
+    if inp.shape:
+        _axis(axis, len(inp.shape))  # a bad axis fails on every rank, before any data moves
+    if pg.rank() != root:
+        pg.gather(inp, None, root)
+        return None
+    out, buf = _array.new_output(x, (n, *inp.shape), inp.dtype)
+    pg.gather(inp, _pieces(buf, n), root)
+    return _array.to_caller_type(_joined(out, n, inp.shape, axis), x, inp.dtype)
+
+
+def scatter(x: Any, src: int | None = None, group: ProcessGroup | None = None,
+            group_src: int | None = None, axis: int = 0) -> Any:
+    """Split rank ``src``'s ``x`` into group-size chunks along ``axis``; return this rank's chunk.
+
+    Every rank passes an ``x`` of the same shape and dtype (only rank ``src``'s values
+    are read), as :func:`broadcast`.
+
+    Raises:
+        ValueError: ``x`` is 0-d, or ``x.shape[axis]`` is not divisible by the group size.
+
+    Example:
+        >>> part = F.scatter(jnp.arange(6.0), src=0)   # rank r of 3 gets [2r, 2r+1]
+    """
+    pg = _pg(group)
+    root = _group_rank(pg, src, group_src, "src")
+    n = pg.size()
+    _, inp = _input(x, "x")
+    if not inp.shape:
+        raise ValueError("scatter needs an array with at least one dimension; got a 0-d array")
+    k = _axis(axis, len(inp.shape))
+    if inp.shape[k] % n:
+        raise ValueError(f"x.shape[{k}]={inp.shape[k]} is not divisible by the group size {n}")
+    m = inp.shape[k] // n
+    chunk = inp.shape[:k] + (m,) + inp.shape[k + 1:]
+    out, dst = _array.new_output(x, chunk, inp.dtype)
+    parts = None
+    if pg.rank() == root:
+        staged = inp
+        if k:  # bring each rank's chunk of axis k to the front, so that it is contiguous
+            view = _array.xp_view(inp)
+            xp = _namespace(view)
+            moved = xp.ascontiguousarray(xp.moveaxis(view.reshape(inp.shape[:k] + (n, m) + inp.shape[k + 1:]), k, 0))
+            staged = _retyped(_array.as_buffer(moved, name="x"), inp.dtype)
+        whole = dataclasses.replace(staged, shape=(n, *chunk))
+        parts = _pieces(whole, n)
+    pg.scatter(dst, parts, root)
+    return _array.to_caller_type(out, x, inp.dtype)
+
+
+def all_to_all(xs: Sequence[Any], group: ProcessGroup | None = None) -> list[Any]:
+    """Send ``xs[j]`` to rank j; return the list whose i-th array came from rank i.
+
+    The i-th result has the shape and dtype of ``xs[i]`` (rank i's ``xs[j]`` must match
+    rank j's ``xs[i]``). For one array split by rows, with per-rank sizes, see
+    :func:`all_to_all_single`.
+    """
+    pg = _pg(group)
+    n = pg.size()
+    if len(xs) != n:
+        raise ValueError(f"xs must have {n} arrays (one per rank); got {len(xs)}")
+    ins, outs, bufs = [], [], []
+    for i, x in enumerate(xs):
+        _, b = _input(x, f"xs[{i}]")
+        out, buf = _array.new_output(x, b.shape, b.dtype)
+        ins.append(b)
+        outs.append(out)
+        bufs.append(buf)
+    pg.all_to_all(bufs, ins)
+    return [_array.to_caller_type(o, x, b.dtype) for o, x, b in zip(outs, xs, ins)]
+
+
+def send(x: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+         group_dst: int | None = None) -> None:
+    """Send ``x`` to rank ``dst`` and wait until it is sent (``x`` is not modified)."""
+    pg = _pg(group)
+    _, inp = _input(x, "x")
+    pg.send(inp, _group_rank(pg, dst, group_dst, "dst"), tag, async_op=False)
+
+
+def recv(x: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+         group_src: int | None = None) -> Any:
+    """Return what rank ``src`` sent, as a new array shaped like ``x`` (``x`` gives the
+    shape, dtype and framework; its values are not read). ``src=None`` takes any rank;
+    :func:`gpucoll.recv` also tells which.
+
+    Example:
+        >>> if gpucoll.get_rank() == 1:
+        ...     y = F.recv(jnp.zeros(4), src=0)      # a new jax.Array
+    """
+    pg = _pg(group)
+    _not_traced(x, "x")
+    peer = None if src is None and group_src is None else _group_rank(pg, src, group_src, "src")
+    try:
+        like = _array.as_buffer(x, name="x")
+    except _array.NotContiguousError:
+        like = _array.as_buffer(_contiguous(x), name="x")
+    out, dst = _array.new_output(x, like.shape, like.dtype)
+    pg.recv(dst, peer, tag, async_op=False)
+    return _array.to_caller_type(out, x, like.dtype)
 
 
 def _namespace(arr: Any) -> Any:

@@ -48,6 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit_.code if isinstance(exit_.code, int) else 2
     try:
         config = build_config(args, os.environ)
+        _check_script(args)
     except ValueError as err:
         parser.print_usage(sys.stderr)
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
@@ -107,6 +108,21 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
     )
 
 
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def _check_script(args: argparse.Namespace) -> None:
+    """A script that is not there fails here, once, instead of on every rank."""
+    if args.module or os.path.isfile(args.script):
+        return
+    what = "is a directory" if os.path.isdir(args.script) else "does not exist"
+    raise ValueError(f"script {args.script!r} {what} (looked in {os.getcwd()}); give the path of a "
+                     "Python file, or -m MODULE to run a module")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gpucoll-run",
@@ -140,6 +156,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--join-timeout", type=float, default=300.0,
                    help="seconds to wait for node 0's store, or on node 0 for the other nodes to "
                         "finish (default 300)")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     p.add_argument("script", metavar="SCRIPT", help="the program: a Python file, or a module with -m")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...", help="its arguments")
     return p

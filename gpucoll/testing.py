@@ -103,6 +103,7 @@ def run_spmd(
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1; got {world_size!r}")
+    _check_not_importing_main()
     from .clusters.base import STORE_HOSTED_ENV, STORE_TOKEN_ENV
     from .store import TCPStore
 
@@ -144,6 +145,18 @@ def run_spmd(
             p.join(5)
         server.close()
         _rmtree(logdir)
+
+
+_UNGUARDED = ('put the code that calls run_spmd under `if __name__ == "__main__":` in your script: '
+              "run_spmd starts its ranks with multiprocessing's forkserver (or spawn) method, which imports the "
+              "script's main module again in a helper process, and that import must not start ranks itself")
+
+
+def _check_not_importing_main() -> None:
+    """Refuse a nested start while multiprocessing imports the main module in a child."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise RuntimeError("gpucoll.testing.run_spmd was called while a helper process was importing your "
+                           "script; " + _UNGUARDED)
 
 
 def _collect(procs: list[Any], readers: dict[Any, int], world_size: int, timeout: float,
@@ -194,7 +207,10 @@ def _fail(procs: list[Any], rank: int, tb: str, logdir: str, world_size: int) ->
     how = f"raised:\n{tb}" if tb else f"died with exit code {code}" + (
         f" (signal {signal.Signals(-code).name})" if code is not None and code < 0 else "")
     fail = RankFailure(rank, code, tb, _tail(logdir, rank))
-    log = f"\n--- rank {rank} log tail ---\n{fail.log_tail}" if fail.log_tail.strip() else ""
+    log = f"\n--- rank {rank} log tail ---\n{fail.log_tail}" if fail.log_tail.strip() else (
+        "\nIt wrote nothing to its log: it died before running fn, and its own error (if any) is on "
+        "this process's stderr above. If the script calls run_spmd at module level, "
+        + _UNGUARDED)
     raise SPMDError(f"rank {rank} of {world_size} {how}{log}", [fail])
 
 

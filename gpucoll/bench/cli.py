@@ -36,6 +36,15 @@ examples:
 """
 
 
+_NO_ARGS_HINT = """\
+Name a collective to measure, e.g.:
+  gpucoll-bench all_reduce                     2 ranks on the CPU, or one per GPU with NCCL
+  gpucoll-bench all_reduce -b 8 -e 64M -f 2    nccl-tests' size sweep flags
+  gpucoll-bench plot run.json --plot run.png   draw a saved run
+collectives: """ + ", ".join(op_names()) + """
+gpucoll-bench --help lists every flag; docs/benchmark.md explains the table."""
+
+
 def _size(text: str) -> int:
     try:
         return parse_size(text)
@@ -69,6 +78,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-z", "--blocking", type=int, default=0, help="1: wait for each op before the next")
     p.add_argument("-G", "--cudagraph", type=int, default=0,
                    help="CUDA graph launches (not supported by gpucoll-bench; must be 0)")
+    # nccl-tests' remaining flags, so that a pasted all_reduce_perf command line works.
+    p.add_argument("-t", "--nthreads", type=int, default=1,
+                   help="threads per process (nccl-tests); gpucoll-bench runs one: must be 1")
+    p.add_argument("-g", "--ngpus", type=int, default=1,
+                   help="GPUs per thread (nccl-tests); gpucoll-bench drives one per process: must be 1")
+    p.add_argument("-a", "--average", type=int, default=3, choices=(0, 1, 2, 3),
+                   help="time reported over ranks: 0 rank 0, 1 average, 2 minimum, 3 maximum "
+                        "(default 3; nccl-tests' default is 1)")
+    p.add_argument("-m", "--agg_iters", type=int, default=1,
+                   help="ops aggregated per group call (nccl-tests); gpucoll-bench issues one: must be 1")
+    p.add_argument("-p", "--parallel_init", type=int, default=0,
+                   help="initialise threads in parallel (nccl-tests); one thread per process here: must be 0")
+    p.add_argument("-N", "--run_cycles", type=int, default=1,
+                   help="run the whole sweep this many times (default 1; nccl-tests' 0, forever, is refused)")
+    p.add_argument("-C", "--report_cputime", type=int, default=0, choices=(0, 1),
+                   help="1: time only the issuing of the ops (host time until the last op is queued), "
+                        "not their completion (default 0)")
+    p.add_argument("-T", "--timeout_s", dest="timeout_short", type=float, default=None,
+                   help="same as --timeout (nccl-tests' spelling)")
+    p.add_argument("-R", "--local_register", type=int, default=0,
+                   help="NCCL buffer registration (nccl-tests); gpucoll does not register buffers: must be 0")
     p.add_argument("--backend", choices=("auto", "nccl", "cpu"), default="auto",
                    help="nccl (GPU arrays), cpu (NumPy arrays), or auto: nccl when a GPU is usable")
     p.add_argument("--nproc", type=int, default=None,
@@ -77,8 +107,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds (default 300)")
     p.add_argument("--json", metavar="FILE", help="write every row and the environment as JSON")
     p.add_argument("--csv", metavar="FILE", help="write every row and the environment as CSV")
-    p.add_argument("--plot", metavar="FILE.png", help="draw busbw and latency against size (needs matplotlib)")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="draw busbw and latency against size, in-place and out-of-place (needs matplotlib)")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     return p
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+_REFUSED_UNLESS = (
+    # (attribute, flag, accepted value, why any other value cannot mean anything here)
+    ("nthreads", "-t/--nthreads", 1,
+     "gpucoll-bench runs one thread per process; start more ranks instead (--nproc, gpucoll-run, srun, mpirun)"),
+    ("ngpus", "-g/--ngpus", 1,
+     "each gpucoll rank drives one GPU; start one rank per GPU instead (--nproc, gpucoll-run, srun, mpirun)"),
+    ("agg_iters", "-m/--agg_iters", 1,
+     "gpucoll has no NCCL group call to aggregate ops into; each op is issued on its own"),
+    ("parallel_init", "-p/--parallel_init", 0,
+     "there is one thread per process, so there is nothing to initialise in parallel"),
+    ("local_register", "-R/--local_register", 0,
+     "gpucoll does not register user buffers with NCCL (ncclCommRegister)"),
+)
+
+
+def _check_nccl_tests_flags(args: argparse.Namespace) -> None:
+    """Refuse, with the reason, values of nccl-tests' flags that mean nothing here."""
+    for attr, flag, ok, why in _REFUSED_UNLESS:
+        value = getattr(args, attr)
+        if value != ok:
+            raise ValueError(f"{flag} {value}: {why}. Use {flag.split('/')[0]} {ok} or leave it out.")
+    if args.run_cycles < 1:
+        raise ValueError(f"-N/--run_cycles {args.run_cycles}: gpucoll-bench runs a finite number of "
+                         "sweeps; give -N 1 or more (0, nccl-tests' 'forever', is not supported)")
+    if args.timeout_short is not None:
+        if args.timeout_short <= 0:
+            raise ValueError(f"-T {args.timeout_short}: the timeout must be > 0 seconds")
+        args.timeout = args.timeout_short
 
 
 def config_from_args(args: argparse.Namespace, backend: str) -> BenchConfig:
@@ -87,11 +155,13 @@ def config_from_args(args: argparse.Namespace, backend: str) -> BenchConfig:
     Raises:
         ValueError: an argument is out of range.
     """
+    _check_nccl_tests_flags(args)
     if args.cudagraph:
         raise ValueError(
-            f"-G/--cudagraph {args.cudagraph}: CUDA graph capture is not supported by gpucoll-bench "
-            "(gpucoll's NCCL ops record and poll CUDA events for Work and the watchdog, which a "
-            "capture forbids); the cpu backend has no GPU work to capture at all. Use -G 0.")
+            f"-G/--cudagraph {args.cudagraph}: gpucoll-bench does not replay CUDA graphs; it issues "
+            "each op through gpucoll's Python API, whose Work objects and watchdog poll CUDA events "
+            "from the host for every op (a graph replay would bypass them). Your own code may still "
+            "capture gpucoll's NCCL ops in a graph (docs/nccl-backend.md). Use -G 0.")
     if args.blocking not in (0, 1):
         raise ValueError(f"-z/--blocking must be 0 or 1; got {args.blocking}")
     sizes = size_sweep(args.minbytes, args.maxbytes, args.stepbytes, args.stepfactor)
@@ -101,7 +171,8 @@ def config_from_args(args: argparse.Namespace, backend: str) -> BenchConfig:
         warmup_iters=args.warmup_iters, check=args.check,
         datatypes=resolve_datatypes(args.datatype), redops=resolve_redops(args.redop),
         root=args.root, blocking=bool(args.blocking), cudagraph=args.cudagraph, backend=backend,
-        timeout=args.timeout, corrupt=os.environ.get(CORRUPT_ENV, "") == "1")
+        timeout=args.timeout, corrupt=os.environ.get(CORRUPT_ENV, "") == "1",
+        average=args.average, run_cycles=args.run_cycles, report_cputime=bool(args.report_cputime))
 
 
 def _gpu_count() -> tuple[int, str]:
@@ -184,6 +255,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    if not argv:
+        parser.print_usage()
+        print(_NO_ARGS_HINT)
+        return 2
     args = parser.parse_args(argv)
     try:
         if args.collective == "plot":
@@ -203,7 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             check_config(config_from_args(args, backend), nproc)
 
-            return run_local(nproc, [*argv, "--backend", backend], timeout=args.timeout)
+            return run_local(nproc, [*argv, "--backend", backend], timeout=args.timeout,
+                             typed=argv)
         if args.nproc is not None and args.nproc != world:
             raise ValueError(f"--nproc {args.nproc} given, but the launcher started {world} ranks; "
                              "drop --nproc under gpucoll-run, srun or mpirun")

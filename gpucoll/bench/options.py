@@ -159,6 +159,10 @@ class BenchConfig:
         timeout: process-group timeout in seconds.
         corrupt: test hook: perturb each checked output so the check must report wrong
             elements (set by the ``GPUCOLL_BENCH_CORRUPT=1`` environment variable).
+        average: how a time is combined over ranks (``-a``): 0 rank 0's, 1 the mean,
+            2 the minimum, 3 the maximum.
+        run_cycles: how many times the whole sweep runs (``-N``).
+        report_cputime: time only the issuing of the ops, not their completion (``-C 1``).
     """
 
     op: str
@@ -178,6 +182,9 @@ class BenchConfig:
     backend: str = "cpu"
     timeout: float = 300.0
     corrupt: bool = False
+    average: int = 3
+    run_cycles: int = 1
+    report_cputime: bool = False
 
     def __post_init__(self) -> None:
         if self.iters < 1:
@@ -190,6 +197,10 @@ class BenchConfig:
             raise ValueError(f"cudagraph must be >= 0; got {self.cudagraph}")
         if self.root < -1:
             raise ValueError(f"root must be a rank or -1 (every root); got {self.root}")
+        if self.average not in (0, 1, 2, 3):
+            raise ValueError(f"average must be 0 (rank 0), 1 (mean), 2 (min) or 3 (max); got {self.average}")
+        if self.run_cycles < 1:
+            raise ValueError(f"run_cycles must be >= 1; got {self.run_cycles}")
         if self.backend not in ("cpu", "nccl"):
             raise ValueError(f"backend must be 'cpu' or 'nccl'; got {self.backend!r}")
         for d in self.datatypes:

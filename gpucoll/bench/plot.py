@@ -1,4 +1,5 @@
-"""``--plot FILE.png``: bus bandwidth and latency against size, one line per series.
+"""``--plot FILE.png``: bus bandwidth and latency against size, one colour per series,
+out-of-place solid and in-place dashed (each labelled in the legend).
 
 Several runs (JSON documents, e.g. from two clusters) go on the same axes; a series
 is one (run, op, datatype, reduction, root). matplotlib (the ``bench`` extra) is
@@ -27,16 +28,23 @@ def _size_label(value: float, _pos: Any = None) -> str:
     return f"{value:g}"
 
 
-def _series(doc: dict[str, Any]) -> dict[tuple[str, str, str, int], list[tuple[int, float, float]]]:
-    out: dict[tuple[str, str, str, int], list[tuple[int, float, float]]] = {}
+_VARIANTS = (("oop", "out-of-place", "-"), ("ip", "in-place", "--"))
+
+
+def _series(doc: dict[str, Any]) -> dict[tuple[str, str, str, int], dict[str, list[tuple[int, float, float]]]]:
+    """Points per series and variant: ``{(op, type, redop, root): {"oop"|"ip": [(size, busbw, us)]}}``.
+
+    Both variants are drawn: in-place is what torch-style code (``all_reduce(x)``) runs,
+    out-of-place nccl-tests' headline and the functional API.
+    """
+    out: dict[tuple[str, str, str, int], dict[str, list[tuple[int, float, float]]]] = {}
     for row in doc["rows"]:
-        # Out-of-place when the op has it (nccl-tests' usual headline), else in-place.
-        prefix = "oop" if row.get("oop_time_us") is not None else "ip"
-        if row.get(f"{prefix}_time_us") is None:
-            continue
         key = (row["op"], row["type"], row["redop"], int(row["root"]))
-        out.setdefault(key, []).append((int(row["size"]), float(row[f"{prefix}_busbw_gbs"]),
-                                        float(row[f"{prefix}_time_us"])))
+        for prefix, _, _ in _VARIANTS:
+            if row.get(f"{prefix}_time_us") is None:
+                continue
+            out.setdefault(key, {}).setdefault(prefix, []).append(
+                (int(row["size"]), float(row[f"{prefix}_busbw_gbs"]), float(row[f"{prefix}_time_us"])))
     return out
 
 
@@ -64,15 +72,21 @@ def plot_runs(runs: Sequence[tuple[str, dict[str, Any]]], path: str) -> None:
     drawn = 0
     for label, doc in runs:
         series = _series(doc)
-        for (op, dtype, redop, root), points in series.items():
-            points.sort()
-            sizes = [p[0] for p in points]
+        for (op, dtype, redop, root), variants in series.items():
             name = f"{op} {dtype}" + (f" {redop}" if redop != "none" else "") + (
                 f" root {root}" if root >= 0 else "")
-            full = f"{label} | {name}"
-            line = ax_bw.plot(sizes, [p[1] for p in points], marker="o", markersize=3, label=full)[0]
-            ax_t.plot(sizes, [p[2] for p in points], marker="o", markersize=3, color=line.get_color())
-            drawn += 1
+            color = None
+            for prefix, where, style in _VARIANTS:
+                points = sorted(variants.get(prefix, []))
+                if not points:
+                    continue
+                sizes = [p[0] for p in points]
+                full = f"{label} | {name} | {where}"
+                line = ax_bw.plot(sizes, [p[1] for p in points], style, marker="o", markersize=3,
+                                  label=full, color=color)[0]
+                color = line.get_color()  # one colour per series, the line style tells the variant
+                ax_t.plot(sizes, [p[2] for p in points], style, marker="o", markersize=3, color=color)
+                drawn += 1
     if not drawn:
         plt.close(fig)
         raise ValueError("nothing to plot: the runs have no measured rows")

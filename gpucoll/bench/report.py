@@ -17,7 +17,9 @@ from __future__ import annotations
 import csv
 import datetime as _dt
 import json
+import os
 import platform
+import shlex
 import socket
 import sys
 from dataclasses import asdict
@@ -65,7 +67,8 @@ def environment(cfg: BenchConfig, world_size: int, device: str, argv: Sequence[s
         "world_size": world_size,
         "device": device,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["gpucoll-bench", *argv]),
+        # A local job's ranks get extra resolved arguments; the report keeps what was typed.
+        "command": os.environ.get("GPUCOLL_BENCH_COMMAND") or shlex.join(["gpucoll-bench", *argv]),
     }
     cupy_version = _version("cupy")
     if cupy_version is not None:
@@ -81,18 +84,23 @@ def environment(cfg: BenchConfig, world_size: int, device: str, argv: Sequence[s
 
 
 def header_lines(cfg: BenchConfig, env: dict[str, Any], ranks: Sequence[RankInfo]) -> list[str]:
-    """The lines above the table: parameters and the "Using devices" list."""
+    """The lines above the table, in nccl-tests' layout: the parameters line
+    (``# nThread 1 nGpus 1 minBytes ...``) and the "Using devices" list."""
     step = f"{cfg.stepfactor}(factor)" if cfg.stepfactor > 1 else f"{cfg.stepbytes}(bytes)"
     lines = [
-        f"# gpucoll-bench {cfg.op}  backend: {cfg.backend}  world size: {env['world_size']}  "
-        f"gpucoll {env['gpucoll_version']}" + (f"  NCCL {env['nccl']}" if "nccl" in env else ""),
-        f"# minBytes {cfg.minbytes} maxBytes {cfg.maxbytes} step: {step} warmup iters: "
-        f"{cfg.warmup_iters} iters: {cfg.iters} validation: {cfg.check} graph: {cfg.cudagraph}",
+        f"# Collective test starting: gpucoll-bench {cfg.op}  backend: {cfg.backend}  world size: "
+        f"{env['world_size']}  gpucoll {env['gpucoll_version']}" + (f"  NCCL {env['nccl']}" if "nccl" in env else ""),
+        # One thread and one GPU per process: gpucoll-bench's only layout (-t 1 -g 1).
+        f"# nThread 1 nGpus 1 minBytes {cfg.minbytes} maxBytes {cfg.maxbytes} step: {step} "
+        f"warmup iters: {cfg.warmup_iters} iters: {cfg.iters} agg iters: 1 "
+        f"validation: {cfg.check} graph: {cfg.cudagraph}",
     ]
     if cfg.blocking:
         lines.append("# Blocking Enabled: wait for completion after each collective")
     lines += ["#", "# Using devices"]
-    lines += [f"#  Rank {r.rank:2d} Pid {r.pid:6d} on {r.hostname:>10s} device {r.device}" for r in ranks]
+    # Group is nccl-tests' thread group: always 0 with one thread per process.
+    lines += [f"#  Rank {r.rank:2d} Group  0 Pid {r.pid:6d} on {r.hostname:>10s} device {r.device}"
+              for r in ranks]
     return lines + ["#"]
 
 

@@ -5,7 +5,8 @@ nccl-tests' ``TimeTest``). Then, per size and variant (out-of-place, in-place), 
 nccl-tests' ``BenchTime``: ``warmup_iters`` untimed ops (nccl-tests runs one), a
 barrier, then ``iters`` ops issued back to back and one wait at the end (``-z 1``:
 a wait after each op instead). Time per op is the elapsed time over ``iters``; the
-reported time is its maximum over ranks. Then ``check`` runs on fresh
+reported time is its maximum over ranks (``-a`` picks rank 0's, the mean or the
+minimum instead; ``-C 1`` stops the clock when the last op is issued). Then ``check`` runs on fresh
 deterministic inputs count the wrong elements on every rank (summed over ranks)
 against the exact expected output.
 """
@@ -92,6 +93,15 @@ def _allreduce_scalar(value: float, op: str) -> float:
     return float(buf[0])
 
 
+def _over_ranks(seconds: float, average: int, rank: int, size: int) -> float:
+    """Combine one time over the ranks as nccl-tests' ``-a``: 0 rank 0's, 1 mean, 2 min, 3 max."""
+    if average == 0:
+        return _allreduce_scalar(seconds if rank == 0 else 0.0, "SUM")
+    if average == 1:
+        return _allreduce_scalar(seconds, "SUM") / size
+    return _allreduce_scalar(seconds, "MIN" if average == 2 else "MAX")
+
+
 class _Variant:
     """The views of one variant of one size: input and output inside the run's buffers."""
 
@@ -122,19 +132,23 @@ class _Case:
     def _issue(self, caller: Caller, v: _Variant, async_op: bool) -> list[Any]:
         return caller(Call(v.inp, v.out, self.redop_obj, self.root, self.rank, self.size, async_op))
 
-    def _loop(self, caller: Caller, v: _Variant, iters: int) -> None:
+    def _loop(self, caller: Caller, v: _Variant, iters: int) -> float:
+        """Run ``iters`` ops; return the host time when the last one was issued."""
         if self.cfg.blocking:
             for _ in range(iters):
+                issued = time.perf_counter()
                 for w in self._issue(caller, v, False):
                     w.wait()
                 self.kit.synchronize()
-            return
+            return issued if iters else time.perf_counter()
         pending: list[Any] = []
         for _ in range(iters):
             pending.extend(self._issue(caller, v, True))
+        issued = time.perf_counter()
         for w in pending:
             w.wait()
         self.kit.synchronize()
+        return issued
 
     def warm(self, caller: Caller, v: _Variant) -> None:
         self._loop(caller, v, self.cfg.warmup_iters)
@@ -145,8 +159,9 @@ class _Case:
         self._loop(caller, v, self.cfg.warmup_iters)
         gpucoll.barrier()
         t0 = time.perf_counter()
-        self._loop(caller, v, self.cfg.iters)
-        seconds = _allreduce_scalar((time.perf_counter() - t0) / self.cfg.iters, "MAX")
+        issued = self._loop(caller, v, self.cfg.iters)
+        end = issued if self.cfg.report_cputime else time.perf_counter()
+        seconds = _over_ranks((end - t0) / self.cfg.iters, self.cfg.average, self.rank, self.size)
         algbw = nbytes / seconds / 1e9 if seconds > 0 else 0.0
         busbw = algbw * self.spec.busbw_factor(self.size)
         wrong = self.check(caller, v, lay) if self.cfg.check else None
@@ -224,6 +239,15 @@ def run_rank(cfg: BenchConfig, *, on_row: Callable[[Row], None] | None = None,
     kit = kit if kit is not None else make_kit(cfg.backend, int(os.environ.get("LOCAL_RANK", rank)))
     roots = (list(range(n)) if cfg.root == -1 else [cfg.root]) if spec.rooted else [-1]
     redops: list[str | None] = list(cfg.redops) if spec.reduces else [None]
+    rows: list[Row] = []
+    for _cycle in range(cfg.run_cycles):
+        rows += _sweep(cfg, spec, kit, rank, n, roots, redops, on_row, on_progress)
+    return rows
+
+
+def _sweep(cfg: BenchConfig, spec: OpSpec, kit: ArrayKit, rank: int, n: int, roots: list[int],
+           redops: list[str | None], on_row: Callable[[Row], None] | None,
+           on_progress: Callable[[str], None] | None) -> list[Row]:
     rows: list[Row] = []
     for datatype in cfg.datatypes:
         dtype = DATATYPES[datatype]

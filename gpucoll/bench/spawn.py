@@ -16,18 +16,24 @@ from __future__ import annotations
 
 import os
 import secrets
+import shlex
 import subprocess
 import sys
 import time
 from typing import Sequence
 
-__all__ = ["run_local", "GRACE_SECONDS"]
+__all__ = ["run_local", "GRACE_SECONDS", "COMMAND_ENV"]
 
 GRACE_SECONDS = 10.0
 """How long the other ranks may take to exit after rank 0 has."""
 
 
-def run_local(nproc: int, argv: Sequence[str], *, timeout: float, poll: float = 0.05) -> int:
+COMMAND_ENV = "GPUCOLL_BENCH_COMMAND"
+"""The command line the user typed, handed to the ranks for the report's ``command``."""
+
+
+def run_local(nproc: int, argv: Sequence[str], *, timeout: float, poll: float = 0.05,
+              typed: Sequence[str] | None = None) -> int:
     """Run ``python -m gpucoll.bench *argv`` on ``nproc`` local ranks; return the job's exit code.
 
     Args:
@@ -35,6 +41,8 @@ def run_local(nproc: int, argv: Sequence[str], *, timeout: float, poll: float = 
         argv: the benchmark's command line for every rank.
         timeout: seconds the store waits for a rank's request (the process group's timeout).
         poll: seconds between checks of the children.
+        typed: the arguments the user typed (``argv`` may add resolved ones); recorded
+            as the report's ``command``.
 
     Returns:
         0 when every rank exited 0; else the exit code of the first rank that failed
@@ -59,6 +67,7 @@ def run_local(nproc: int, argv: Sequence[str], *, timeout: float, poll: float = 
                 "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port),
                 STORE_HOSTED_ENV: "1", STORE_TOKEN_ENV: token,
+                COMMAND_ENV: shlex.join(["gpucoll-bench", *(argv if typed is None else typed)]),
             })
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "gpucoll.bench", *argv], env=env,

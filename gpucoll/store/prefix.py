@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..errors import DistError, DistStoreTimeoutError
 from .base import Store, check_key
 
 __all__ = ["PrefixStore"]
@@ -57,11 +58,29 @@ class PrefixStore(Store):
     def _set(self, key: str, value: bytes) -> None:
         self._store._set(self._p(key), value)
 
+    def _timed_out(self, exc: DistStoreTimeoutError, op: str, keys: list[str], timeout: float,
+                   queue: bool = False) -> DistStoreTimeoutError:
+        """The wrapped store's timeout, told in this store's keys (the ones the caller used)."""
+        try:
+            missing = keys if queue else [k for k in keys if not self._store._check([self._p(k)])]
+        except DistError:
+            missing = keys
+        what = "the queue is still empty" if queue else f"still missing: {missing}"
+        return DistStoreTimeoutError(
+            f"{op} of {keys} timed out after {timeout:g} s on {self!r} (keys under {self.prefix + '/'!r} "
+            f"of the wrapped store); {what}")
+
     def _get(self, keys: list[str], timeout: float) -> list[bytes]:
-        return self._store._get(self._ps(keys), timeout)
+        try:
+            return self._store._get(self._ps(keys), timeout)
+        except DistStoreTimeoutError as exc:
+            raise self._timed_out(exc, "get", keys, timeout) from exc
 
     def _wait(self, keys: list[str], timeout: float) -> None:
-        self._store._wait(self._ps(keys), timeout)
+        try:
+            self._store._wait(self._ps(keys), timeout)
+        except DistStoreTimeoutError as exc:
+            raise self._timed_out(exc, "wait", keys, timeout) from exc
 
     def _add(self, key: str, amount: int) -> int:
         return self._store._add(self._p(key), amount)
@@ -88,7 +107,11 @@ class PrefixStore(Store):
         self._store._queue_push(self._p(key), value)
 
     def _queue_pop(self, key: str, timeout: float | None) -> bytes:
-        return self._store._queue_pop(self._p(key), timeout)
+        try:
+            return self._store._queue_pop(self._p(key), timeout)
+        except DistStoreTimeoutError as exc:
+            raise self._timed_out(exc, "queue_pop", [key], self.timeout if timeout is None else timeout,
+                                  queue=True) from exc
 
     def _queue_len(self, key: str) -> int:
         return self._store._queue_len(self._p(key))

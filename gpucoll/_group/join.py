@@ -1,0 +1,66 @@
+"""Start-up head count: every rank learns how many of ``world_size`` processes joined.
+
+A wrong ``WORLD_SIZE`` (3 with 2 processes started) must give the same message on
+every rank, and soon: each rank adds itself to a counter in the job's store and
+waits until the counter reaches ``world_size``, saying on stderr after
+:data:`NOTICE_AFTER` seconds who is missing, and raising on every rank at the
+timeout. When the rank hosting the store gives up first, the others lose their
+connection; they report the head count they last saw instead of a bare
+"connection lost".
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from ..errors import DistError, DistStoreTimeoutError
+from ..store.base import Store
+
+__all__ = ["await_all_joined", "JOIN_KEY", "NOTICE_AFTER"]
+
+JOIN_KEY = "gpucoll/init/joined"
+NOTICE_AFTER = 10.0
+"""Seconds of waiting before a rank says on stderr that processes are missing."""
+
+
+def _message(joined: int, world_size: int, waited: float) -> str:
+    return (f"only {joined} of world_size={world_size} processes joined within {waited:g} s. "
+            f"Check that WORLD_SIZE={world_size} is the number of processes started (gpucoll-run "
+            "--nproc-per-node, torchrun, srun -n, mpirun -np) and that every one reaches "
+            "init_process_group; a smaller timeout= makes this error come sooner")
+
+
+def await_all_joined(store: Store, rank: int, world_size: int, timeout: float, *,
+                     poll: float = 0.2) -> None:
+    """Count this rank in and wait until ``world_size`` ranks are counted.
+
+    Counts in generations of ``world_size`` so that a store that outlives a group
+    (one hosted by a launcher) can count the next ``init_process_group`` too.
+
+    Raises:
+        DistStoreTimeoutError: fewer than ``world_size`` joined within ``timeout`` seconds
+            (or the store's host gave up waiting first), with the same message on every rank.
+    """
+    start = time.monotonic()
+    ticket = store.add(JOIN_KEY, 1)
+    target = ((ticket - 1) // world_size + 1) * world_size
+    base = target - world_size
+    seen, noticed, pause = ticket - base, False, 0.005
+    while seen < world_size:
+        waited = time.monotonic() - start
+        if waited >= timeout:
+            raise DistStoreTimeoutError(_message(seen, world_size, timeout))
+        if waited >= NOTICE_AFTER and not noticed:
+            noticed = True
+            print(f"gpucoll: rank {rank}: {seen} of world_size={world_size} processes have joined after "
+                  f"{waited:.0f} s; waiting up to {timeout:g} s. If only {seen} were started, WORLD_SIZE "
+                  "is wrong", file=sys.stderr, flush=True)
+        time.sleep(min(pause, max(0.0, timeout - waited)))
+        pause = min(pause * 2, poll)
+        try:
+            seen = min(store.add(JOIN_KEY, 0) - base, world_size)
+        except DistError as exc:
+            # The store's host (rank 0) timed out and closed it: say what it said.
+            raise DistStoreTimeoutError(_message(seen, world_size, timeout)
+                                        + f" (the store went away: {exc})") from exc
