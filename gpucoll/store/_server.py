@@ -45,6 +45,25 @@ def unix_socket_name(ip: str, port: int) -> str:
     return f"\0gpucoll-store/{ip}:{port}"
 
 
+def _listen(host: str, port: int, backlog: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE | socket.AI_NUMERICSERV)
+        family, stype, proto, _, addr = infos[0]
+        listener = socket.socket(family, stype, proto)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(addr)
+            listener.listen(backlog)
+            listener.setblocking(False)
+        except BaseException:
+            listener.close()
+            raise
+    except OSError as e:
+        raise DistNetworkError(f"TCPStore server cannot listen on {host!r}:{port}: {e}") from e
+    return listener
+
+
 class StoreServer(RequestServer):
     """Listens on ``host:port`` and serves the store protocol from a daemon thread.
 
@@ -66,23 +85,18 @@ class StoreServer(RequestServer):
     """
 
     def __init__(self, host: str, port: int, *, token: bytes | None, max_key_size: int,
-                 max_value_size: int, backlog: int = 8192, unix_socket: bool = True) -> None:
+                 max_value_size: int, backlog: int = 8192, unix_socket: bool = True,
+                 listen_fd: int | None = None) -> None:
         super().__init__(token=token, max_key_size=max_key_size, max_value_size=max_value_size)
-        try:
-            infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                       flags=socket.AI_PASSIVE | socket.AI_NUMERICSERV)
-            family, stype, proto, _, addr = infos[0]
-            listener = socket.socket(family, stype, proto)
+        if listen_fd is not None:
+            # A socket the caller bound and listens on (torch's master_listen_fd).
             try:
-                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                listener.bind(addr)
-                listener.listen(backlog)
+                listener = socket.socket(fileno=listen_fd)
                 listener.setblocking(False)
-            except BaseException:
-                listener.close()
-                raise
-        except OSError as e:
-            raise DistNetworkError(f"TCPStore server cannot listen on {host!r}:{port}: {e}") from e
+            except OSError as e:
+                raise DistNetworkError(f"TCPStore server cannot use listen_fd={listen_fd}: {e}") from e
+        else:
+            listener = _listen(host, port, backlog)
         self._listeners = [listener]
         bound = listener.getsockname()
         self.port: int = bound[1]
