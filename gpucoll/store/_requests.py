@@ -438,6 +438,17 @@ def torch_request(srv: RequestServer, conn: Conn, q: int, a: list[object]) -> No
         out.append(i64(0) if value is None else i64(1) + tw.string(value))
     elif q == Q.QUEUE_LEN:
         out.append(i64(kv.queue_len(_tkey(a[0]))))  # type: ignore[arg-type]
+    elif q == Q.BARRIER:
+        # The keys of Store.barrier, so that torch's and gpucoll's barriers meet.
+        key = _tkey(a[0])  # type: ignore[arg-type]
+        if kv.add(srv._key(key + b"/num_members"), 1) == a[1]:
+            kv.set(key + b"/last_member", b"1")
+        got3 = kv.wait_or_watch([key + b"/last_member"], srv._ready, conn)
+        if got3 is None:
+            out.append(tw.STOP_WAITING)
+        else:
+            conn.waiter = got3
+            conn.kind = _TORCH_WAIT
     elif q == Q.LIST_KEYS:
         keys = kv.list_keys()
         out.append(tw.U64.pack(len(keys)) + b"".join(tw.string(tw.KEY_PREFIX + k) for k in keys))

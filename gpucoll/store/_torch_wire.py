@@ -11,7 +11,9 @@ exchange on loopback. Integers are little-endian; there are no frames:
 A connection opens with VALIDATE (u32 magic) and PING (u32 nonce, echoed back).
 SET, APPEND, MULTI_SET and QUEUE_PUSH get no reply. A client's ``get`` is WAIT then
 GET; a WAIT that the client gives up on is followed by CANCEL_WAIT, answered with
-WAIT_CANCELED (after STOP_WAITING when the keys arrived meanwhile).
+WAIT_CANCELED (after STOP_WAITING when the keys arrived meanwhile). BARRIER (key, i64
+world size) is answered STOP_WAITING once that many have entered, and is cancelled the
+same way.
 
 gpucoll's own clients probe a server with VALIDATE and PING carrying
 :data:`PROBE_NONCE` (above any process id, so no torch client sends it): a torch
@@ -53,6 +55,7 @@ class Q:
     QUEUE_POP: Final = 15
     QUEUE_LEN: Final = 16
     LIST_KEYS: Final = 17
+    BARRIER: Final = 18
 
 
 MAGIC: Final = 0x3C85F7CE
@@ -78,14 +81,14 @@ _ARGS: Final[dict[int, str]] = {
     Q.VALIDATE: "u", Q.SET: "ss", Q.COMPARE_SET: "sss", Q.GET: "s", Q.ADD: "si", Q.CHECK: "L",
     Q.WAIT: "L", Q.GETNUMKEYS: "", Q.DELETE_KEY: "s", Q.APPEND: "ss", Q.MULTI_GET: "L",
     Q.MULTI_SET: "P", Q.CANCEL_WAIT: "", Q.PING: "u", Q.QUEUE_PUSH: "ss", Q.QUEUE_POP: "s",
-    Q.QUEUE_LEN: "s", Q.LIST_KEYS: "",
+    Q.QUEUE_LEN: "s", Q.LIST_KEYS: "", Q.BARRIER: "si",
 }
 NAMES: Final = {Q.VALIDATE: "validate", Q.SET: "set", Q.COMPARE_SET: "compare_set", Q.GET: "get",
                 Q.ADD: "add", Q.CHECK: "check", Q.WAIT: "wait", Q.GETNUMKEYS: "num_keys",
                 Q.DELETE_KEY: "delete_key", Q.APPEND: "append", Q.MULTI_GET: "multi_get",
                 Q.MULTI_SET: "multi_set", Q.CANCEL_WAIT: "cancel_wait", Q.PING: "ping",
                 Q.QUEUE_PUSH: "queue_push", Q.QUEUE_POP: "queue_pop", Q.QUEUE_LEN: "queue_len",
-                Q.LIST_KEYS: "list_keys"}
+                Q.LIST_KEYS: "list_keys", Q.BARRIER: "barrier"}
 
 
 class Incomplete(Exception):
