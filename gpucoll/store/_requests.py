@@ -19,7 +19,7 @@ import itertools
 import socket
 import struct
 import time
-from typing import Callable, Union
+from typing import Callable, Union, cast
 
 from ..errors import DistStoreError
 from . import _wire as w
@@ -380,7 +380,8 @@ def torch_request(srv: RequestServer, conn: Conn, q: int, a: list[object]) -> No
     elif q == Q.SET:
         kv.set(srv._key(_tkey(a[0])), srv._value(a[1]))  # type: ignore[arg-type]
     elif q == Q.GET or q == Q.MULTI_GET:
-        keys = [_tkey(k) for k in (a[0] if q == Q.MULTI_GET else [a[0]])]  # type: ignore[union-attr]
+        raw = cast("list[bytes]", a[0]) if q == Q.MULTI_GET else [cast(bytes, a[0])]
+        keys = [_tkey(k) for k in raw]
         got = kv.get_or_watch(keys, srv._ready, conn)
         if isinstance(got, Waiter):
             conn.waiter = got
@@ -422,7 +423,7 @@ def torch_request(srv: RequestServer, conn: Conn, q: int, a: list[object]) -> No
                 kv.queues[key] = queue
         out.append(i64(1 if found else 0))
     elif q == Q.APPEND:
-        srv._op_append(conn, [_tkey(a[0]), a[1]])  # type: ignore[list-item]
+        srv._op_append(conn, [_tkey(cast(bytes, a[0])), cast(bytes, a[1])])
         out.pop()  # torch's append has no reply
     elif q == Q.MULTI_SET:
         items: list[bytes] = a[0]  # type: ignore[assignment]
