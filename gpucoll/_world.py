@@ -223,7 +223,15 @@ def _env_rendezvous(rank: int, world_size: int, timeout: float, token: str | Non
             port = int(raw_port)
         except ValueError:
             raise ValueError(f"MASTER_PORT must be an integer; got {raw_port!r}") from None
-    return _tcp_store(addr, port, rank, world_size, hosted, timeout, token), rank, world_size
+    store = _tcp_store(addr, port, rank, world_size, hosted, timeout, token)
+    # -- torchrun (begin) ----------------------------------------------------------------
+    # torchrun's agent store outlives a restart of its workers: each attempt gets its own
+    # namespace so that restarted workers never read the previous attempt's keys.
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "").strip()
+    if hosted and restart and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store = PrefixStore(f"gpucoll/attempt{restart}", store, owns_store=True)
+    # -- torchrun (end) ------------------------------------------------------------------
+    return store, rank, world_size
 
 
 def _env_missing_message(missing: list[str], world_size: int) -> str:

@@ -391,8 +391,9 @@ class _SilentServer:
 def test_hung_server_calls_time_out() -> None:
     srv = _SilentServer()
     try:
-        c = TCPStore("127.0.0.1", srv.port, timeout=0.4, use_unix_socket=False)
-        for call in (lambda: c.set("k", b"v"), lambda: c.add("k", 1),
+        c = TCPStore("127.0.0.1", srv.port, timeout=0.4, use_unix_socket=False, protocol="gpucoll")
+        c.set("k", b"v")  # no round trip: a set does not wait for the server
+        for call in (lambda: c.check(["k"]), lambda: c.add("k", 1),
                      lambda: c.get("k", timeout=0.3), lambda: c.wait(["k"], timeout=0.3)):
             t0 = time.monotonic()
             with pytest.raises(DistStoreTimeoutError):
@@ -412,7 +413,7 @@ def test_not_a_store_server_is_a_clear_error(reply: bytes) -> None:
     srv = _SilentServer(reply)
     try:
         with pytest.raises(DistStoreError, match="is it a gpucoll TCPStore"):
-            TCPStore("127.0.0.1", srv.port, timeout=2, use_unix_socket=False)
+            TCPStore("127.0.0.1", srv.port, timeout=2, use_unix_socket=False, protocol="gpucoll")
     finally:
         srv.close()
 

@@ -12,6 +12,7 @@ GROUP_RANK             the node's index; default 0
 MASTER_ADDR            required when WORLD_SIZE > 1; default 127.0.0.1
 MASTER_PORT            required when WORLD_SIZE > 1; default 0 (bind any port)
 GPUCOLL_STORE_HOSTED   "1": a launcher serves the store, every rank is a client
+TORCHELASTIC_USE_AGENT_STORE  "True" (torchrun): the same, torchrun's agent serves it
 =====================  =========================================================
 """
 
@@ -79,6 +80,8 @@ def detect(environ: Mapping[str, str]) -> ClusterEnv | None:
         local_world_size=local_world_size,
         master_addr=master_addr or "127.0.0.1",
         master_port=master_port or 0,
-        store_hosted=environ.get(STORE_HOSTED_ENV, "").strip() == "1",
+        # torchrun's agent serves a TCPStore on MASTER_PORT and says so to its workers.
+        store_hosted=(environ.get(STORE_HOSTED_ENV, "").strip() == "1"
+                      or environ.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True"),
         node_rank=read_int(environ, "GROUP_RANK", default=0, source=SOURCE),
     )

@@ -47,7 +47,7 @@ def _timeval(seconds: float) -> bytes:
 class Connection:
     """One authenticated socket to the server; one request at a time."""
 
-    __slots__ = ("sock", "timeout", "buf", "view", "skip_spin", "backoff")
+    __slots__ = ("sock", "timeout", "buf", "view", "skip_spin", "backoff", "late", "pending")
 
     def __init__(self, sock: socket.socket, timeout: float) -> None:
         self.sock = sock
@@ -57,6 +57,9 @@ class Connection:
         self.view = memoryview(self.buf)
         self.skip_spin = 0 if _SPIN_SECONDS else 1 << 62
         self.backoff = _SPIN_BACKOFF_MIN
+        self.late: str | None = None
+        """The message of a LATE_ERROR (a failed quiet set) read before the last reply."""
+        self.pending = b""
         if _KERNEL_TIMEOUTS:
             sock.settimeout(None)
         self.set_timeout(timeout)
@@ -78,16 +81,27 @@ class Connection:
                 in an unknown state and must be closed).
             OSError: the connection failed or was closed by the server.
         """
+        self.send(frame, timeout)
+        code, fields = self.reply(timeout)
+        while code == w.LATE_ERROR:
+            self.late = fields[0].decode("utf-8", "replace") if fields else "(no message)"
+            code, fields = self.reply(timeout)
+        return code, fields
+
+    def send(self, frame: bytes, timeout: float) -> None:
+        """Send a request that has no reply (or whose reply :meth:`reply` reads)."""
         if timeout != self.timeout:
             self.set_timeout(timeout)
         try:
             self.sock.sendall(frame)
         except BlockingIOError as e:  # SO_SNDTIMEO expired
             raise TimeoutError(f"timed out after {timeout:g} s") from e
-        return self.reply(timeout)
 
     def reply(self, timeout: float) -> tuple[int, list[bytes]]:
         """Read the reply to a request already sent (see :meth:`request`)."""
+        if self.pending:
+            data, self.pending = self.pending, b""
+            return self._read_rest(data, timeout)
         sock = self.sock
         try:
             if self.skip_spin:
@@ -149,7 +163,10 @@ class Connection:
                 head += data
             length, code = w.HEADER.unpack_from(head)
             if length + 4 < len(head):
-                raise DistStoreError("protocol error: the server sent more than one reply")
+                if code != w.LATE_ERROR:
+                    raise DistStoreError("protocol error: the server sent more than one reply")
+                self.pending = bytes(head[length + 4:])
+                del head[length + 4:]
             buf = bytearray(length + 4)
             buf[:len(head)] = head
             view = memoryview(buf)

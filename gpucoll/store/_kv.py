@@ -34,10 +34,10 @@ class Waiter:
         active: False once notified or cancelled.
     """
 
-    __slots__ = ("keys", "missing", "notify", "ctx", "active", "queue", "result")
+    __slots__ = ("keys", "missing", "notify", "ctx", "active", "queue", "result", "presence")
 
     def __init__(self, keys: list[bytes], notify: Callable[[Waiter, list[bytes]], None],
-                 ctx: Any, queue: bool) -> None:
+                 ctx: Any, queue: bool, presence: bool = False) -> None:
         self.keys = keys
         self.missing = 0
         self.notify = notify
@@ -45,6 +45,8 @@ class Waiter:
         self.active = True
         self.queue = queue
         self.result: list[bytes] | None = None
+        self.presence = presence
+        """A ``wait`` (not a ``get``): a non-empty queue of a key's name satisfies it too."""
 
 
 class KVState:
@@ -121,6 +123,11 @@ class KVState:
         if queue is None:
             queue = self.queues[key] = deque()
         queue.append(value)
+        if len(queue) == 1 and key not in self.data:
+            # torch's rule: check/wait see a non-empty queue as its key being present.
+            waiters2 = self._key_waiters.pop(key, None)
+            if waiters2:
+                self._wake(waiters2)
 
     def queue_pop_now(self, key: bytes) -> bytes | None:
         queue = self.queues.get(key)
@@ -134,12 +141,16 @@ class KVState:
     # -- reads ----------------------------------------------------------------------------
 
     def check(self, keys: list[bytes]) -> bool:
+        """True if every key is set or names a non-empty queue (torch's rule)."""
         data = self.data
-        return all(k in data for k in keys)
+        queues = self.queues
+        return all(k in data or k in queues for k in keys)
 
     def missing(self, keys: list[bytes]) -> list[bytes]:
+        """The keys neither set nor naming a non-empty queue."""
         data = self.data
-        return [k for k in keys if k not in data]
+        queues = self.queues
+        return [k for k in keys if k not in data and k not in queues]
 
     def num_keys(self) -> int:
         return len(self.data) - self._hidden
@@ -162,6 +173,15 @@ class KVState:
         except KeyError:
             pass
         waiter = Waiter(keys, notify, ctx, queue=False)
+        self._register(waiter)
+        return waiter
+
+    def wait_or_watch(self, keys: list[bytes], notify: Callable[[Waiter, list[bytes]], None],
+                      ctx: Any) -> Waiter | None:
+        """None if every key is present (see :meth:`check`), else a registered Waiter."""
+        if self.check(keys):
+            return None
+        waiter = Waiter(keys, notify, ctx, queue=False, presence=True)
         self._register(waiter)
         return waiter
 
@@ -189,7 +209,11 @@ class KVState:
     def _register(self, waiter: Waiter) -> None:
         data = self.data
         table = self._key_waiters
-        missing = {k for k in waiter.keys if k not in data}
+        if waiter.presence:
+            queues = self.queues
+            missing = {k for k in waiter.keys if k not in data and k not in queues}
+        else:
+            missing = {k for k in waiter.keys if k not in data}
         waiter.missing = len(missing)
         for k in missing:
             waiters = table.get(k)
@@ -202,6 +226,14 @@ class KVState:
         data = self.data
         for waiter in waiters:
             if not waiter.active:
+                continue
+            if waiter.presence:
+                # A key can turn present twice (a queue, then a set): recount.
+                if not self.check(waiter.keys):
+                    self._register(waiter)
+                    continue
+                waiter.active = False
+                waiter.notify(waiter, [])
                 continue
             waiter.missing -= 1
             if waiter.missing:

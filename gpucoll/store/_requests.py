@@ -19,13 +19,15 @@ import itertools
 import socket
 import struct
 import time
-from typing import Callable, Union
+from typing import Callable, Union, cast
 
 from ..errors import DistStoreError
 from . import _wire as w
 from ._kv import KVState, Waiter
+from . import _torch_wire as tw
+from ._torch_wire import Q
 
-__all__ = ["RequestServer", "Conn", "JOIN_THRESHOLD", "PIPELINE_SLACK"]
+__all__ = ["RequestServer", "Conn", "JOIN_THRESHOLD", "PIPELINE_SLACK", "torch_request"]
 
 PREAUTH_MAX_FRAME = 8192
 PIPELINE_SLACK = 1 << 20
@@ -44,7 +46,7 @@ Out = Union[bytes, memoryview]
 
 class Conn:
     __slots__ = ("sock", "inbuf", "out", "authed", "limit", "waiter", "kind", "closing",
-                 "writing", "dirty", "big", "big_have")
+                 "writing", "dirty", "big", "big_have", "torch", "pinged")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock: socket.socket | None = sock
@@ -59,6 +61,9 @@ class Conn:
         self.dirty = False
         self.big: bytearray | None = None
         self.big_have = 0
+        self.torch = False
+        """Speaks torch's protocol (see _torch_wire)."""
+        self.pinged = False
 
 
 class RequestServer:
@@ -86,7 +91,7 @@ class RequestServer:
             w.WAIT: self._op_wait, w.CHECK: self._op_check, w.DELETE: self._op_delete,
             w.NUM_KEYS: self._op_num_keys, w.MULTI_SET: self._op_multi_set,
             w.APPEND: self._op_append, w.QPUSH: self._op_qpush, w.QPOP: self._op_qpop,
-            w.QLEN: self._op_qlen, w.LIST_KEYS: self._op_list_keys,
+            w.QLEN: self._op_qlen, w.LIST_KEYS: self._op_list_keys, w.SET_QUIET: self._op_set_quiet,
         }
         # Indexed by opcode: (fewest fields, most fields, handler), or None.
         self._table: list[tuple[int, int, Callable[[Conn, list[bytes]], None]] | None] = [None] * 256
@@ -190,7 +195,11 @@ class RequestServer:
         conn.waiter = None
         if conn.sock is None:
             return
-        if conn.kind == w.WAIT:
+        if conn.kind == _TORCH_WAIT:
+            conn.out.append(tw.STOP_WAITING)
+        elif conn.kind == _TORCH_GET:
+            conn.out.append(b"".join(map(tw.string, values)))
+        elif conn.kind == w.WAIT:
             self._queue(conn, _OK_EMPTY)
         else:
             self._reply(conn, w.OK, values)
@@ -234,17 +243,35 @@ class RequestServer:
         self._kv.set(self._key(f[0]), self._value(f[1]))
         self._queue(conn, _OK_EMPTY)
 
+    def _op_set_quiet(self, conn: Conn, f: list[bytes]) -> None:
+        try:
+            self._kv.set(self._key(f[0]), self._value(f[1]))
+        except DistStoreError as e:
+            self._reply(conn, w.LATE_ERROR, [f"set({f[0][:80]!r}) failed: {e}".encode()])
+
     def _op_get(self, conn: Conn, f: list[bytes]) -> None:
         self._blocking_read(conn, f, w.GET)
 
     def _op_wait(self, conn: Conn, f: list[bytes]) -> None:
-        self._blocking_read(conn, f, w.WAIT)
+        timeout = w.parse_timeout(f[0])
+        keys = f[1:]
+        if timeout <= 0:
+            missing = self._kv.missing(keys)
+            self._reply(conn, w.TIMEOUT, missing) if missing else self._queue(conn, _OK_EMPTY)
+            return
+        got = self._kv.wait_or_watch(keys, self._ready, conn)
+        if got is None:
+            self._queue(conn, _OK_EMPTY)
+            return
+        conn.waiter = got
+        conn.kind = w.WAIT
+        heapq.heappush(self._timers, (time.monotonic() + timeout, next(self._seq), got))
 
     def _blocking_read(self, conn: Conn, f: list[bytes], kind: int) -> None:
         timeout = w.parse_timeout(f[0])
         keys = f[1:]
         if timeout <= 0:
-            missing = self._kv.missing(keys)
+            missing = [k for k in keys if k not in self._kv.data]
             if missing:
                 self._reply(conn, w.TIMEOUT, missing)
                 return
@@ -310,3 +337,119 @@ class RequestServer:
 
     def _op_list_keys(self, conn: Conn, f: list[bytes]) -> None:
         self._reply(conn, w.OK, self._kv.list_keys())
+
+
+# -- torch's protocol ---------------------------------------------------------------------
+
+_TORCH_WAIT = 200
+_TORCH_GET = 201
+_TORCH_FORMAT = struct.Struct("<q")
+
+
+def _tkey(key: bytes) -> bytes:
+    """A torch client's key as gpucoll stores it: torch's client sends ``k`` as ``/k``."""
+    return key[1:] if key[:1] == tw.KEY_PREFIX else key
+
+
+def torch_request(srv: RequestServer, conn: Conn, q: int, a: list[object]) -> None:
+    """Serve one request of a torch client (see _torch_wire) on ``srv``'s store.
+
+    Failures (a value over the limit, ``add`` on a non-integer) raise DistStoreError
+    or ProtocolError, and the caller closes the connection, as torch's own server
+    does; the torch client then sees the connection reset.
+    """
+    kv = srv._kv
+    out = conn.out
+    i64 = _TORCH_FORMAT.pack
+    if not conn.pinged and q not in (Q.VALIDATE, Q.PING):
+        if srv._token is not None:
+            raise w.ProtocolError("torch clients cannot present this server's token")
+    if q == Q.VALIDATE:
+        if a[0] != tw.MAGIC:
+            raise w.ProtocolError(f"torch VALIDATE with a wrong magic number {a[0]:#x}")
+    elif q == Q.PING:
+        if a[0] == tw.PROBE_NONCE and not conn.pinged:
+            # A gpucoll client probing: it speaks gpucoll's protocol from here on.
+            out.append(tw.UPGRADE)
+            conn.torch = False
+            return
+        if srv._token is not None:
+            raise w.ProtocolError("torch clients cannot present this server's token")
+        conn.pinged = True
+        out.append(tw.U32.pack(int(a[0])))  # type: ignore[call-overload]
+    elif q == Q.SET:
+        kv.set(srv._key(_tkey(a[0])), srv._value(a[1]))  # type: ignore[arg-type]
+    elif q == Q.GET or q == Q.MULTI_GET:
+        raw = cast("list[bytes]", a[0]) if q == Q.MULTI_GET else [cast(bytes, a[0])]
+        keys = [_tkey(k) for k in raw]
+        got = kv.get_or_watch(keys, srv._ready, conn)
+        if isinstance(got, Waiter):
+            conn.waiter = got
+            conn.kind = _TORCH_GET
+        else:
+            out.append(b"".join(map(tw.string, got)))
+    elif q == Q.WAIT:
+        got2 = kv.wait_or_watch([_tkey(k) for k in a[0]], srv._ready, conn)  # type: ignore[attr-defined]
+        if got2 is None:
+            out.append(tw.STOP_WAITING)
+        else:
+            conn.waiter = got2
+            conn.kind = _TORCH_WAIT
+    elif q == Q.CANCEL_WAIT:
+        if conn.waiter is not None:
+            kv.cancel(conn.waiter)
+            conn.waiter = None
+        out.append(tw.WAIT_CANCELED)
+    elif q == Q.ADD:
+        try:
+            out.append(i64(kv.add(srv._key(_tkey(a[0])), int(a[1]))))  # type: ignore[arg-type, call-overload]
+        except struct.error as e:
+            raise w.ProtocolError(f"add: the sum does not fit torch's int64: {e}") from None
+    elif q == Q.CHECK:
+        out.append(tw.READY if kv.check([_tkey(k) for k in a[0]]) else tw.NOT_READY)  # type: ignore[attr-defined]
+    elif q == Q.COMPARE_SET:
+        out.append(tw.string(kv.compare_set(srv._key(_tkey(a[0])), a[1],  # type: ignore[arg-type]
+                                            srv._value(a[2]))))  # type: ignore[arg-type]
+    elif q == Q.GETNUMKEYS:
+        out.append(i64(kv.num_keys()))
+    elif q == Q.DELETE_KEY:
+        # torch's delete_key leaves a queue of the same name alone.
+        key = _tkey(a[0])  # type: ignore[arg-type]
+        found = kv.data.get(key) is not None
+        if found:
+            queue = kv.queues.pop(key, None)
+            kv.delete(key)
+            if queue is not None:
+                kv.queues[key] = queue
+        out.append(i64(1 if found else 0))
+    elif q == Q.APPEND:
+        srv._op_append(conn, [_tkey(cast(bytes, a[0])), cast(bytes, a[1])])
+        out.pop()  # torch's append has no reply
+    elif q == Q.MULTI_SET:
+        items: list[bytes] = a[0]  # type: ignore[assignment]
+        for j in range(0, len(items), 2):
+            srv._key(_tkey(items[j]))
+            srv._value(items[j + 1])
+        for j in range(0, len(items), 2):
+            kv.set(_tkey(items[j]), items[j + 1])
+    elif q == Q.QUEUE_PUSH:
+        kv.queue_push(srv._key(_tkey(a[0])), srv._value(a[1]))  # type: ignore[arg-type]
+    elif q == Q.QUEUE_POP:
+        value = kv.queue_pop_now(_tkey(a[0]))  # type: ignore[arg-type]
+        out.append(i64(0) if value is None else i64(1) + tw.string(value))
+    elif q == Q.QUEUE_LEN:
+        out.append(i64(kv.queue_len(_tkey(a[0]))))  # type: ignore[arg-type]
+    elif q == Q.BARRIER:
+        # The keys of Store.barrier, so that torch's and gpucoll's barriers meet.
+        key = _tkey(a[0])  # type: ignore[arg-type]
+        if kv.add(srv._key(key + b"/num_members"), 1) == a[1]:
+            kv.set(key + b"/last_member", b"1")
+        got3 = kv.wait_or_watch([key + b"/last_member"], srv._ready, conn)
+        if got3 is None:
+            out.append(tw.STOP_WAITING)
+        else:
+            conn.waiter = got3
+            conn.kind = _TORCH_WAIT
+    elif q == Q.LIST_KEYS:
+        keys = kv.list_keys()
+        out.append(tw.U64.pack(len(keys)) + b"".join(tw.string(tw.KEY_PREFIX + k) for k in keys))

@@ -3,8 +3,9 @@
 What a request does, and what it answers, is in :mod:`._requests`; this module
 moves bytes (see docs/stores.md):
 
-* One thread, one epoll set, non-blocking sockets: thousands of connections cost one
-  entry each, not a thread each.
+* One thread, one ``selectors`` set (epoll on Linux), non-blocking sockets: thousands
+  of connections cost one entry each, not a thread each. Each connection speaks
+  gpucoll's protocol or torch's, told apart by its first bytes.
 * Each ready connection is read into one reused buffer; every complete frame in it is
   served and the replies leave in one send. Replies that a write produces for parked
   requests on other connections leave at the end of the loop iteration.
@@ -17,15 +18,16 @@ moves bytes (see docs/stores.md):
 from __future__ import annotations
 
 import errno
-import select
+import selectors
 import socket
 import sys
 import threading
 import time
 
-from ..errors import DistNetworkError
+from ..errors import DistNetworkError, DistStoreError
 from . import _wire as w
-from ._requests import JOIN_THRESHOLD, PIPELINE_SLACK, RequestServer, Conn
+from . import _torch_wire as tw
+from ._requests import JOIN_THRESHOLD, PIPELINE_SLACK, RequestServer, Conn, torch_request
 
 __all__ = ["StoreServer"]
 
@@ -33,9 +35,9 @@ _RECV_SIZE = 256 * 1024
 _HEADER = w.HEADER
 _IOV_MAX = 512
 
-_IN = select.POLLIN
-_OUT = select.POLLOUT
-_IN_ANY = select.POLLIN | select.POLLERR | select.POLLHUP
+_IN = selectors.EVENT_READ
+_OUT = selectors.EVENT_WRITE
+_IN_ANY = selectors.EVENT_READ
 
 
 def unix_socket_name(ip: str, port: int) -> str:
@@ -43,43 +45,23 @@ def unix_socket_name(ip: str, port: int) -> str:
     return f"\0gpucoll-store/{ip}:{port}"
 
 
-class _Poller:
-    """epoll where there is one (Linux), poll elsewhere; both take seconds here."""
-
-    def __init__(self) -> None:
-        self._epoll = select.epoll() if hasattr(select, "epoll") else None
-        self._poll = None if self._epoll is not None else select.poll()
-
-    def register(self, fd: int, events: int) -> None:
-        if self._epoll is not None:
-            self._epoll.register(fd, events)
-        else:
-            assert self._poll is not None
-            self._poll.register(fd, events)
-
-    def modify(self, fd: int, events: int) -> None:
-        if self._epoll is not None:
-            self._epoll.modify(fd, events)
-        else:
-            assert self._poll is not None
-            self._poll.modify(fd, events)
-
-    def unregister(self, fd: int) -> None:
-        if self._epoll is not None:
-            self._epoll.unregister(fd)
-        else:
-            assert self._poll is not None
-            self._poll.unregister(fd)
-
-    def poll(self, timeout: float | None) -> list[tuple[int, int]]:
-        if self._epoll is not None:
-            return self._epoll.poll(-1 if timeout is None else timeout)
-        assert self._poll is not None
-        return self._poll.poll(None if timeout is None else timeout * 1000.0)
-
-    def close(self) -> None:
-        if self._epoll is not None:
-            self._epoll.close()
+def _listen(host: str, port: int, backlog: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE | socket.AI_NUMERICSERV)
+        family, stype, proto, _, addr = infos[0]
+        listener = socket.socket(family, stype, proto)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(addr)
+            listener.listen(backlog)
+            listener.setblocking(False)
+        except BaseException:
+            listener.close()
+            raise
+    except OSError as e:
+        raise DistNetworkError(f"TCPStore server cannot listen on {host!r}:{port}: {e}") from e
+    return listener
 
 
 class StoreServer(RequestServer):
@@ -103,23 +85,18 @@ class StoreServer(RequestServer):
     """
 
     def __init__(self, host: str, port: int, *, token: bytes | None, max_key_size: int,
-                 max_value_size: int, backlog: int = 8192, unix_socket: bool = True) -> None:
+                 max_value_size: int, backlog: int = 8192, unix_socket: bool = True,
+                 listen_fd: int | None = None) -> None:
         super().__init__(token=token, max_key_size=max_key_size, max_value_size=max_value_size)
-        try:
-            infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                       flags=socket.AI_PASSIVE | socket.AI_NUMERICSERV)
-            family, stype, proto, _, addr = infos[0]
-            listener = socket.socket(family, stype, proto)
+        if listen_fd is not None:
+            # A socket the caller bound and listens on (torch's master_listen_fd).
             try:
-                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                listener.bind(addr)
-                listener.listen(backlog)
+                listener = socket.socket(fileno=listen_fd)
                 listener.setblocking(False)
-            except BaseException:
-                listener.close()
-                raise
-        except OSError as e:
-            raise DistNetworkError(f"TCPStore server cannot listen on {host!r}:{port}: {e}") from e
+            except OSError as e:
+                raise DistNetworkError(f"TCPStore server cannot use listen_fd={listen_fd}: {e}") from e
+        else:
+            listener = _listen(host, port, backlog)
         self._listeners = [listener]
         bound = listener.getsockname()
         self.port: int = bound[1]
@@ -135,7 +112,7 @@ class StoreServer(RequestServer):
                 self.unix_name = name
             except OSError:
                 ux.close()  # the name is taken: clients simply use TCP
-        self._poller = _Poller()
+        self._poller = selectors.DefaultSelector()
         for ls in self._listeners:
             self._poller.register(ls.fileno(), _IN)
         self._wake_r, self._wake_w = socket.socketpair()
@@ -174,7 +151,7 @@ class StoreServer(RequestServer):
     # -- the loop -------------------------------------------------------------------------
 
     def _run(self) -> None:
-        poll = self._poller.poll
+        poll = self._poller.select
         conns = self._conns
         listeners = {ls.fileno(): ls for ls in self._listeners}
         wake_fd = self._wake_r.fileno()
@@ -187,7 +164,8 @@ class StoreServer(RequestServer):
                     events = poll(timeout)
                 except InterruptedError:
                     continue
-                for fd, ev in events:
+                for key, ev in events:
+                    fd = key.fd
                     conn = conns.get(fd)
                     if conn is None:
                         ls = listeners.get(fd)
@@ -292,6 +270,9 @@ class StoreServer(RequestServer):
             if self._read_big(conn, sock):
                 self._process(conn)
             return
+        if conn.torch:
+            self._read_torch(conn, sock)
+            return
         try:
             # Into one reused buffer: a fresh 256 KiB bytes per recv costs more than the
             # request (malloc, then a shrinking realloc).
@@ -338,12 +319,27 @@ class StoreServer(RequestServer):
     def _process(self, conn: Conn, view: memoryview | None = None, n: int = 0) -> None:
         """Serve the complete frames buffered for ``conn`` (or, with ``view``, the first
         ``n`` bytes of the shared receive buffer), in order, until one parks."""
+        if conn.torch:
+            self._process_torch(conn)
+            return
         buf: bytes | bytearray | memoryview
         if view is None:
             buf = conn.inbuf
             n = len(buf)
         else:
             buf = view
+        if not conn.authed and n and buf[0] == 0:
+            # gpucoll's HELLO never starts with a zero byte (see tcp.py); torch's VALIDATE does.
+            if n < len(tw.PREFIX):
+                conn.inbuf = bytes(buf[:n])
+                return
+            if bytes(buf[:len(tw.PREFIX)]) != tw.PREFIX:
+                self._drop(conn)
+                return
+            conn.torch = True
+            conn.inbuf = bytes(buf[:n])
+            self._process_torch(conn)
+            return
         pos = 0
         unpack = w.U32.unpack_from
         try:
@@ -382,6 +378,57 @@ class StoreServer(RequestServer):
         # Everything this read produced goes out in one send, now.
         if conn.out and not conn.writing:
             self._send(conn)
+
+    # -- torch's protocol -----------------------------------------------------------------
+
+    def _read_torch(self, conn: Conn, sock: socket.socket) -> None:
+        """Read from a torch client: its requests are not framed, so they are parsed as
+        they complete (see _torch_wire); a parked WAIT still lets CANCEL_WAIT through."""
+        try:
+            n = sock.recv_into(self._rbuf)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(conn)
+            return
+        if not n:
+            self._drop(conn)
+            return
+        if conn.inbuf:
+            buf = conn.inbuf if isinstance(conn.inbuf, bytearray) else bytearray(conn.inbuf)
+            buf += self._rview[:n]
+            conn.inbuf = buf
+        else:
+            conn.inbuf = bytes(self._rview[:n])
+        self._process_torch(conn)
+
+    def _process_torch(self, conn: Conn) -> None:
+        buf = conn.inbuf
+        n = len(buf)
+        pos = 0
+        limit = max(self.max_value_size, self.max_key_size)
+        try:
+            while pos < n and conn.torch and not conn.writing and not conn.closing:
+                if conn.waiter is not None and buf[pos] != tw.Q.CANCEL_WAIT:
+                    if n - pos > PIPELINE_SLACK:
+                        raise w.ProtocolError("a torch client flooded a parked request")
+                    break
+                try:
+                    q, args, end = tw.parse_request(buf, pos, n, limit)
+                except tw.Incomplete:
+                    break
+                pos = end
+                torch_request(self, conn, q, args)
+                if conn.sock is None:
+                    return
+        except (w.ProtocolError, DistStoreError):
+            self._drop(conn)
+            return
+        conn.inbuf = buf[pos:] if pos < n else b""
+        if conn.out and not conn.writing:
+            self._send(conn)
+        if not conn.torch and conn.inbuf and conn.sock is not None:
+            self._process(conn)  # a gpucoll client's probe: its HELLO follows
 
     def _read_big(self, conn: Conn, sock: socket.socket) -> bool:
         """Receive into the buffer of a large frame that is arriving, allocated at its

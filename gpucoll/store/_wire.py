@@ -52,6 +52,9 @@ QPUSH: Final = 12
 QPOP: Final = 13
 QLEN: Final = 14
 LIST_KEYS: Final = 15
+SET_QUIET: Final = 16
+"""``set`` with no reply on success; a failure is answered LATE_ERROR, ahead of the reply
+to the connection's next request."""
 # FileStore log records only (never sent over TCP).
 REC_DELETE: Final = 64
 REC_QPOP: Final = 65
@@ -64,6 +67,9 @@ ERROR: Final = 2
 """The request was understood but failed; one field, a UTF-8 message."""
 EMPTY: Final = 3
 """A non-blocking ``queue_pop`` found the queue empty."""
+LATE_ERROR: Final = 4
+"""An earlier SET_QUIET on this connection failed; one field, a UTF-8 message. The reply
+to the request in hand follows."""
 
 ARITY: Final[dict[int, tuple[int, int | None]]] = {
     # opcode: (minimum fields, maximum fields or None for "any")
@@ -82,12 +88,13 @@ ARITY: Final[dict[int, tuple[int, int | None]]] = {
     QPOP: (2, 2),         # timeout (<= 0: do not block), key
     QLEN: (1, 1),         # key
     LIST_KEYS: (0, 0),
+    SET_QUIET: (2, 2),    # key, value
 }
 
 NAMES: Final = {HELLO: "hello", SET: "set", GET: "get", ADD: "add", CAS: "compare_set",
                 WAIT: "wait", CHECK: "check", DELETE: "delete_key", NUM_KEYS: "num_keys",
                 MULTI_SET: "multi_set", APPEND: "append", QPUSH: "queue_push",
-                QPOP: "queue_pop", QLEN: "queue_len", LIST_KEYS: "list_keys"}
+                QPOP: "queue_pop", QLEN: "queue_len", LIST_KEYS: "list_keys", SET_QUIET: "set"}
 
 
 class ProtocolError(Exception):

@@ -10,15 +10,21 @@ implements. Differences from torch, on purpose:
 * ``num_keys`` and ``list_keys`` count only the caller's keys, not the store's own.
 * Timeouts raise :class:`~gpucoll.errors.DistStoreTimeoutError` naming the keys still
   missing; stores support ``close()`` and ``with``.
+
+A subclass may implement the protected methods (``_set``, ``_get``, ...; arguments
+arrive checked), or, torch's way, override the public ones (``set``, ``get``, ``add``,
+...) with plain methods; either kind works under PrefixStore and as
+``init_process_group(store=...)``.
 """
 
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from types import TracebackType
-from typing import Union
+from typing import Any, Callable, Union, cast
 
 from .._timeouts import DEFAULT_TIMEOUT, to_seconds
 from ..errors import DistStoreTimeoutError
@@ -195,51 +201,116 @@ class Store(abc.ABC):
                  tb: TracebackType | None) -> None:
         self.close()
 
+    # -- torch's extras -------------------------------------------------------------------
+
+    def barrier(self, key: str, world_size: int, timeout: Timeout | None = None) -> None:
+        """Block until ``world_size`` callers have entered the barrier named ``key``
+        (torch's ``Store.barrier``; one use per key).
+
+        Raises:
+            DistStoreTimeoutError: not all arrived within the timeout.
+        """
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1; got {world_size!r}")
+        key = check_key(key)
+        if self.add(f"{key}/num_members", 1) == world_size:
+            self.set(f"{key}/last_member", b"1")
+        self.wait([f"{key}/last_member"], timeout)
+
+    def clone(self) -> Store:
+        """Return a store on the same data that another thread may use (torch's ``clone``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support clone()")
+
+    def has_extended_api(self) -> bool:
+        """True: append, multi_get, multi_set and the queues are supported (torch's name)."""
+        return True
+
     # -- what each store implements -------------------------------------------------------
     # Arguments arrive validated: keys are str, values bytes, timeouts float seconds.
+    # A subclass written torch's way overrides the public methods instead (set, get, add,
+    # ...); these defaults then call them, so that PrefixStore and the process groups,
+    # which call the protected methods, work on it too.
 
-    @abc.abstractmethod
-    def _set(self, key: str, value: bytes) -> None: ...
+    def _public(self, name: str, protected: str) -> Callable[..., Any]:
+        method = getattr(type(self), name)
+        if method is getattr(Store, name):
+            raise NotImplementedError(f"{type(self).__name__} implements neither {name}() "
+                                      f"nor {protected}()")
+        return cast(Callable[..., Any], getattr(self, name))
 
-    @abc.abstractmethod
-    def _get(self, keys: list[str], timeout: float) -> list[bytes]: ...
+    def _overrides(self, name: str) -> bool:
+        return getattr(type(self), name) is not getattr(Store, name)
 
-    @abc.abstractmethod
-    def _wait(self, keys: list[str], timeout: float) -> None: ...
+    def _set(self, key: str, value: bytes) -> None:
+        self._public("set", "_set")(key, value)
 
-    @abc.abstractmethod
-    def _add(self, key: str, amount: int) -> int: ...
+    def _get(self, keys: list[str], timeout: float) -> list[bytes]:
+        if len(keys) != 1 and self._overrides("multi_get"):
+            return list(self.multi_get(keys))
+        get = self._public("get", "_get")
+        if self._overrides("wait"):
+            self.wait(keys, timeout)
+        return [_as_bytes(get(k)) for k in keys]
 
-    @abc.abstractmethod
-    def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes: ...
+    def _wait(self, keys: list[str], timeout: float) -> None:
+        if self._overrides("wait"):
+            self.wait(keys, timeout)
+            return
+        if self._overrides("check"):
+            deadline = time.monotonic() + timeout
+            delay = 0.001
+            while not self.check(keys):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise timeout_error("wait", keys, keys, timeout, type(self).__name__)
+                time.sleep(min(delay, left))
+                delay = min(2 * delay, 0.1)
+            return
+        get = self._public("get", "_wait")
+        for k in keys:
+            get(k)
 
-    @abc.abstractmethod
-    def _check(self, keys: list[str]) -> bool: ...
+    def _add(self, key: str, amount: int) -> int:
+        return int(self._public("add", "_add")(key, amount))
 
-    @abc.abstractmethod
-    def _delete_key(self, key: str) -> bool: ...
+    def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        return _as_bytes(self._public("compare_set", "_compare_set")(key, expected, desired))
 
-    @abc.abstractmethod
-    def _num_keys(self) -> int: ...
+    def _check(self, keys: list[str]) -> bool:
+        return bool(self._public("check", "_check")(keys))
 
-    @abc.abstractmethod
-    def _multi_set(self, keys: list[str], values: list[bytes]) -> None: ...
+    def _delete_key(self, key: str) -> bool:
+        return bool(self._public("delete_key", "_delete_key")(key))
 
-    @abc.abstractmethod
-    def _append(self, key: str, value: bytes) -> None: ...
+    def _num_keys(self) -> int:
+        return int(self._public("num_keys", "_num_keys")())
 
-    @abc.abstractmethod
-    def _queue_push(self, key: str, value: bytes) -> None: ...
+    def _multi_set(self, keys: list[str], values: list[bytes]) -> None:
+        if self._overrides("multi_set"):
+            self.multi_set(keys, values)
+            return
+        for k, v in zip(keys, values):
+            self._set(k, v)
 
-    @abc.abstractmethod
+    def _append(self, key: str, value: bytes) -> None:
+        self._public("append", "_append")(key, value)
+
+    def _queue_push(self, key: str, value: bytes) -> None:
+        self._public("queue_push", "_queue_push")(key, value)
+
     def _queue_pop(self, key: str, timeout: float | None) -> bytes:
         """Pop; ``timeout`` None means do not block (raise DistStoreError when empty)."""
+        return _as_bytes(self._public("queue_pop", "_queue_pop")(key, timeout is not None))
 
-    @abc.abstractmethod
-    def _queue_len(self, key: str) -> int: ...
+    def _queue_len(self, key: str) -> int:
+        return int(self._public("queue_len", "_queue_len")(key))
 
-    @abc.abstractmethod
-    def _list_keys(self) -> list[str]: ...
+    def _list_keys(self) -> list[str]:
+        return list(self._public("list_keys", "_list_keys")())
+
+
+def _as_bytes(value: object) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)  # type: ignore[call-overload]
 
 
 def check_key(key: object, name: str = "key") -> str:

@@ -71,8 +71,13 @@ class HashStore(Store):
         return self._block(keys, timeout, "get")
 
     def _wait(self, keys: list[str], timeout: float) -> None:
-        if keys:
-            self._block(keys, timeout, "wait")
+        if not keys:
+            return
+        bkeys = [k.encode() for k in keys]
+        with self._lock:
+            got = self._kv.wait_or_watch(bkeys, _wake, threading.Event())
+        if got is not None:
+            self._await(got, timeout, "wait", keys, lambda: [k.decode() for k in self._kv.missing(bkeys)])
 
     def _add(self, key: str, amount: int) -> int:
         with self._lock:

@@ -14,11 +14,12 @@ class PrefixStore(Store):
     ``num_keys`` and ``list_keys`` see only this namespace (torch's count every key
     of the underlying store). Timeouts default to the underlying store's; setting
     this store's timeout does not change the underlying one. Closing a PrefixStore
-    does not close the underlying store.
+    does not close the underlying store unless ``owns_store`` is True.
 
     Args:
         prefix: the namespace, a str.
         store: the store to wrap (any Store, another PrefixStore included).
+        owns_store: close ``store`` when this store is closed.
 
     Example:
         >>> base = HashStore()
@@ -27,13 +28,23 @@ class PrefixStore(Store):
         b'1'
     """
 
-    def __init__(self, prefix: str, store: Store) -> None:
+    def __init__(self, prefix: str, store: Store, *, owns_store: bool = False) -> None:
         check_key(prefix, "prefix")
         if not isinstance(store, Store):
             raise TypeError(f"store must be a gpucoll Store; got {type(store).__name__}")
         super().__init__(store.timeout)
         self._prefix = prefix + "/"
         self._store = store
+        self._owns = owns_store
+
+    def close(self) -> None:
+        """Close the underlying store if this one owns it (see ``owns_store``)."""
+        if self._owns:
+            self._store.close()
+
+    def clone(self) -> PrefixStore:
+        """The same namespace on a clone of the underlying store."""
+        return PrefixStore(self.prefix, self._store.clone(), owns_store=True)
 
     @property
     def prefix(self) -> str:

@@ -14,17 +14,22 @@ import struct
 import threading
 import time
 from collections.abc import Sequence
+from typing import Callable, TypeVar
 
 from .._timeouts import DEFAULT_TIMEOUT
 from ..clusters.base import STORE_TOKEN_ENV
 from ..errors import DistNetworkError, DistStoreError, DistStoreTimeoutError
+from . import _torch_wire as tw
 from . import _wire as w
 from ._kv import HIDDEN_PREFIX
 from ._client import Connection, peer_uid, unix_names
 from ._server import StoreServer
+from ._torch_client import TORCH_MAX_VALUE, TorchConnection, WaitTimedOut
 from .base import Store, Timeout, ValueLike, timeout_error
 
 __all__ = ["TCPStore"]
+
+_T = TypeVar("_T")
 
 DEFAULT_MAX_KEY_SIZE = 64 * 1024
 DEFAULT_MAX_VALUE_SIZE = 512 * 1024 * 1024
@@ -37,6 +42,18 @@ _U32 = w.U32
 _MAX_TOKEN = 4096
 _WORKERS_KEY = HIDDEN_PREFIX + b"tcpstore/workers"
 _READY_KEY = HIDDEN_PREFIX + b"tcpstore/ready"
+_PROBE_SECONDS = 10.0
+"""How long a client waits for a server to answer its first bytes before it says that the
+listener is not a store (torch's server may spend 5 s resolving the client's name)."""
+PROTOCOLS = ("auto", "gpucoll", "torch")
+
+_TENANTS: dict[int, list[object]] = {}
+"""Servers shared by ``multi_tenant=True`` masters of this process: port -> [server, users]."""
+_TENANTS_LOCK = threading.Lock()
+
+
+class _TorchServer(Exception):
+    """The server answered the probe as torch's TCPStore does."""
 
 
 class TCPStore(Store):
@@ -73,13 +90,28 @@ class TCPStore(Store):
         b'v'
     """
 
-    def __init__(self, host: str, port: int, world_size: int | None = None,
-                 is_master: bool = False, timeout: Timeout = DEFAULT_TIMEOUT,
-                 wait_for_workers: bool = True, token: str | bytes | None = None, *,
+    def __init__(self, host: str | None = None, port: int | None = None,
+                 world_size: int | None = None, is_master: bool = False,
+                 timeout: Timeout = DEFAULT_TIMEOUT, wait_for_workers: bool = True,
+                 token: str | bytes | None = None, *,
                  max_key_size: int = DEFAULT_MAX_KEY_SIZE,
                  max_value_size: int = DEFAULT_MAX_VALUE_SIZE,
-                 use_unix_socket: bool = True) -> None:
+                 use_unix_socket: bool = True, protocol: str = "auto",
+                 host_name: str | None = None, multi_tenant: bool = False,
+                 master_listen_fd: int | None = None, use_libuv: bool = True) -> None:
         super().__init__(timeout)
+        if host_name is not None:
+            if host is not None:
+                raise TypeError("pass host or host_name (torch's name), not both")
+            host = host_name
+        if host is None or port is None:
+            raise TypeError("TCPStore needs host (or host_name) and port")
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}; got {protocol!r}")
+        if master_listen_fd is not None and (not is_master or not isinstance(master_listen_fd, int)):
+            raise ValueError(f"master_listen_fd must be an int and needs is_master=True; "
+                             f"got {master_listen_fd!r} with is_master={is_master}")
+        del use_libuv  # torch's choice of server implementation; gpucoll has one (documented)
         if not isinstance(host, str):
             raise TypeError(f"host must be a str; got {type(host).__name__} {host!r}")
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
@@ -93,15 +125,20 @@ class TCPStore(Store):
             if not isinstance(lim, int) or not 1 <= lim <= 0x7FFF0000:
                 raise ValueError(f"{name} must be an int in 1..{0x7FFF0000}; got {lim!r}")
         self._token = _token_bytes(token)
+        self._token_given = token is not None
         self._closed = False
         self._pool: list[Connection] = []
+        self._tpool: list[TorchConnection] = []
         self._lock = threading.Lock()
         self._server: StoreServer | None = None
+        self._tenant_port: int | None = None
         self.world_size = world_size
         self.host = host
+        self._protocol = "gpucoll" if is_master else protocol
+        self._limit_name = "max_value_size"
         if is_master:
-            self._server = StoreServer(host, port, token=self._token, max_key_size=max_key_size,
-                                       max_value_size=max_value_size, unix_socket=use_unix_socket)
+            self._server = self._start_server(host, port, max_key_size, max_value_size,
+                                              use_unix_socket, multi_tenant, master_listen_fd)
             port = self._server.port
         self._port = port
         self._connect_host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
@@ -111,7 +148,7 @@ class TCPStore(Store):
         self.max_value_size = max_value_size
         self._max_frame = 0
         try:
-            self._pool.append(self._connect(time.monotonic() + self._timeout))
+            self._connect_first(time.monotonic() + self._timeout)
             if world_size is not None:
                 if self._add(_WORKERS_KEY.decode(), 1) == world_size:
                     self._set(_READY_KEY.decode(), b"1")
@@ -125,6 +162,42 @@ class TCPStore(Store):
     def port(self) -> int:
         """The server's port (the one picked when the master was given port 0)."""
         return self._port
+
+    @property
+    def protocol(self) -> str:
+        """The server's protocol: "gpucoll", or "torch" for a torch TCPStore server
+        (a torch master or torchrun's agent store), found at connect unless given."""
+        return self._protocol
+
+    def clone(self) -> TCPStore:
+        """A new client of the same server (its own connections; torch's ``clone``)."""
+        return TCPStore(self.host, self._port, timeout=self._timeout, token=self._token,
+                        use_unix_socket=bool(self._unix), protocol=self._protocol)
+
+    def _start_server(self, host: str, port: int, max_key_size: int, max_value_size: int,
+                      unix_socket: bool, multi_tenant: bool,
+                      listen_fd: int | None) -> StoreServer:
+        if not multi_tenant or port == 0:
+            server = StoreServer(host, port, token=self._token, max_key_size=max_key_size,
+                                 max_value_size=max_value_size, unix_socket=unix_socket,
+                                 listen_fd=listen_fd)
+            if multi_tenant:
+                with _TENANTS_LOCK:
+                    _TENANTS[server.port] = [server, 1]
+                self._tenant_port = server.port
+            return server
+        with _TENANTS_LOCK:
+            entry = _TENANTS.get(port)
+            if entry is not None and isinstance(entry[0], StoreServer) and entry[0].running:
+                entry[1] = int(entry[1]) + 1  # type: ignore[call-overload]
+                self._tenant_port = port
+                return entry[0]
+            server = StoreServer(host, port, token=self._token, max_key_size=max_key_size,
+                                 max_value_size=max_value_size, unix_socket=unix_socket,
+                                 listen_fd=listen_fd)
+            _TENANTS[port] = [server, 1]
+            self._tenant_port = port
+            return server
 
     @property
     def is_master(self) -> bool:
@@ -141,12 +214,25 @@ class TCPStore(Store):
         Calls blocked in other threads on this client, and every other client's
         calls, then fail with DistNetworkError.
         """
+        if self._closed:
+            return
         self._closed = True
         with self._lock:
             pool, self._pool = self._pool, []
+            tpool, self._tpool = self._tpool, []
         for conn in pool:
             conn.close()
+        for tconn in tpool:
+            tconn.close()
         if self._server is not None:
+            if self._tenant_port is not None:
+                with _TENANTS_LOCK:
+                    entry = _TENANTS.get(self._tenant_port)
+                    if entry is not None and entry[0] is self._server:
+                        entry[1] = int(entry[1]) - 1  # type: ignore[call-overload]
+                        if int(entry[1]) > 0:  # type: ignore[call-overload]
+                            return  # another multi_tenant store still uses the server
+                        del _TENANTS[self._tenant_port]
             self._server.close()
 
     # -- the hot calls ----------------------------------------------------------------------
@@ -155,7 +241,7 @@ class TCPStore(Store):
     # fall back to them otherwise, so errors are the same.
 
     def add(self, key: str, amount: int) -> int:
-        if type(key) is not str or type(amount) is not int:
+        if type(key) is not str or type(amount) is not int or self._tpool_mode:
             return super().add(key, amount)
         kb = key.encode()
         if len(kb) > self.max_key_size:
@@ -168,17 +254,18 @@ class TCPStore(Store):
         return int(out[0])
 
     def get(self, key: str, *, timeout: Timeout | None = None) -> bytes:
-        if type(key) is not str or timeout is not None:
+        if type(key) is not str or timeout is not None or self._tpool_mode:
             return super().get(key, timeout=timeout)
         return self._blocking(w.GET, [key], self._timeout, "get")[0]
 
     def set(self, key: str, value: ValueLike) -> None:
-        if type(key) is not str or type(value) is not bytes:
+        if type(key) is not str or type(value) is not bytes or self._tpool_mode:
             return super().set(key, value)
         self._set(key, value)
 
     def check(self, keys: str | Sequence[str]) -> bool:
-        if type(keys) is not list or len(keys) != 1 or type(keys[0]) is not str:
+        if (type(keys) is not list or len(keys) != 1 or type(keys[0]) is not str
+                or self._tpool_mode):
             return super().check(keys)
         kb = keys[0].encode()
         if len(kb) > self.max_key_size:
@@ -191,12 +278,43 @@ class TCPStore(Store):
 
     # -- connections ----------------------------------------------------------------------
 
-    def _connect(self, deadline: float) -> Connection:
+    _tpool_mode = False
+    """True once the server is known to speak torch's protocol."""
+
+    def _connect_first(self, deadline: float) -> None:
+        """Connect (finding the server's protocol when it is "auto") and pool the connection."""
+        if self._protocol == "torch":
+            self._use_torch()
+            self._tpool.append(self._connect(deadline, torch=True))  # type: ignore[arg-type]
+            return
+        try:
+            self._pool.append(self._connect(deadline))  # type: ignore[arg-type]
+            self._protocol = "gpucoll"
+        except _TorchServer:
+            self._use_torch()
+            self._tpool.append(self._connect(deadline, torch=True))  # type: ignore[arg-type]
+
+    def _use_torch(self) -> None:
+        if self._token_given or self._token is not None:
+            raise DistStoreError(
+                f"{self._where} is a torch TCPStore server, which has no token check; a token "
+                f"was given (token= or GPUCOLL_STORE_TOKEN): refusing to connect without it")
+        self._protocol = "torch"
+        self._tpool_mode = True
+        self._unix = []
+        self._where = f"torch TCPStore {self.host}:{self._port}"
+        # torch's libuv server resets a connection that sends a longer item.
+        self.max_value_size = min(self.max_value_size, TORCH_MAX_VALUE)
+        self.max_key_size = min(self.max_key_size, TORCH_MAX_VALUE - 1)
+        self._limit_name = "torch's server limit"
+
+    def _connect(self, deadline: float, torch: bool = False) -> Connection | TorchConnection:
         """Connect and say HELLO, retrying refused connections until ``deadline``."""
         delay = 0.01
         while True:
             try:
-                return self._open(max(0.05, deadline - time.monotonic()))
+                left = max(0.05, deadline - time.monotonic())
+                return self._open_torch(left) if torch else self._open(left, probe=True)
             except (ConnectionRefusedError, ConnectionResetError, ConnectionAbortedError,
                     TimeoutError) as e:
                 left = deadline - time.monotonic()
@@ -208,14 +326,59 @@ class TCPStore(Store):
             except OSError as e:
                 raise DistNetworkError(f"cannot connect to {self._where}: {e}") from e
 
-    def _open(self, timeout: float) -> Connection:
+    def _open_torch(self, timeout: float) -> TorchConnection:
         timeout = min(timeout, w.MAX_TIMEOUT)
         sock = self._open_socket(timeout)
         try:
+            return TorchConnection.open(sock, min(self._timeout + _GRACE, w.MAX_TIMEOUT))
+        except BaseException:
+            sock.close()
+            raise
+
+    def _hello(self) -> bytes:
+        token = self._token or b""
+        # A HELLO never starts with a zero byte: the server tells torch's clients (whose
+        # first byte is 0) from gpucoll's by it.
+        pad = b"" if (19 + len(token)) % 256 else b"\x01"
+        return w.encode_frame(w.HELLO, [w.MAGIC + w.VERSION.to_bytes(2, "little"), token, pad])
+
+    def _probe(self, sock: socket.socket, timeout: float) -> None:
+        """Read the answer to a probe (see _torch_wire): UPGRADE from a gpucoll server;
+        raise _TorchServer on torch's echo, DistStoreError on anything else."""
+        wait = min(timeout, _PROBE_SECONDS)
+        sock.settimeout(wait)
+        got = b""
+        try:
+            while len(got) < 4:
+                more = sock.recv(4 - len(got))
+                if not more:
+                    break
+                got += more
+        except TimeoutError:
+            raise DistStoreError(
+                f"{self._where} accepted the connection but did not answer within {wait:g} s: "
+                f"is it a TCPStore (gpucoll's or torch's)?") from None
+        except OSError as e:
+            got = got or f"({e})".encode()
+        if got == tw.UPGRADE:
+            return
+        if got == tw.U32.pack(tw.PROBE_NONCE):
+            raise _TorchServer()
+        raise DistStoreError(
+            f"{self._where} accepted the connection but answered {got[:16]!r} to the store "
+            f"greeting: it is not a TCPStore (neither gpucoll's nor torch 2.x's)")
+
+    def _open(self, timeout: float, probe: bool = False) -> Connection:
+        timeout = min(timeout, w.MAX_TIMEOUT)
+        sock = self._open_socket(timeout)
+        try:
+            if probe and self._protocol == "auto" and sock.family != socket.AF_UNIX:
+                # Is it gpucoll's server or torch's? One round trip tells (see _torch_wire).
+                sock.sendall(tw.PREFIX + bytes([tw.Q.PING]) + tw.U32.pack(tw.PROBE_NONCE))
+                self._probe(sock, timeout)
             # HELLO goes out first, so that it is there when the server accepts (it
             # reads a new connection at once); the socket options are set meanwhile.
-            sock.sendall(w.encode_frame(w.HELLO, [w.MAGIC + w.VERSION.to_bytes(2, "little"),
-                                                  self._token or b"", b""]))
+            sock.sendall(self._hello())
             # The timeout of every later request, already: one setsockopt pair per connection.
             conn = Connection(sock, min(self._timeout + _GRACE, w.MAX_TIMEOUT))
             # No spin for HELLO: the server accepts before it reads, so the reply seldom
@@ -254,6 +417,79 @@ class TCPStore(Store):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 
+    def _tcall(self, op: str, fn: Callable[[TorchConnection], _T]) -> _T:
+        """Run ``fn`` on a pooled connection to a torch server."""
+        if self._closed:
+            raise DistStoreError(f"{op} on a closed {self._where}")
+        try:
+            conn = self._tpool.pop()
+        except IndexError:
+            try:
+                conn = self._open_torch(self._timeout)
+            except OSError as e:
+                raise DistNetworkError(f"{op}: cannot reach {self._where}: {e}") from e
+        try:
+            result = fn(conn)
+        except TimeoutError as e:
+            conn.close()
+            raise DistStoreTimeoutError(f"{op} got no reply from {self._where} within "
+                                        f"{self._timeout:g} s") from e
+        except WaitTimedOut:
+            self._tpool.append(conn)
+            raise
+        except OSError as e:
+            conn.close()
+            raise DistNetworkError(f"{op}: lost the connection to {self._where}: {e} (torch's "
+                                   f"server resets a connection whose request it refuses)") from e
+        except BaseException:
+            conn.close()
+            raise
+        if self._closed:
+            conn.close()
+        else:
+            self._tpool.append(conn)
+        return result
+
+    def _twait(self, op: str, keys: list[str], timeout: float) -> list[bytes]:
+        bkeys = [self._k(k) for k in keys]
+        try:
+            self._tcall(op, lambda c: c.wait(bkeys, timeout, self._timeout + _GRACE))
+        except WaitTimedOut:
+            missing = [k for k in keys if not self._check([k])]
+            raise timeout_error(op, keys, missing, timeout, self._where) from None
+        return bkeys
+
+    def _send_only(self, frame: bytes, op: str) -> None:
+        """Send a request that is answered only when it fails (see SET_QUIET)."""
+        if self._closed:
+            raise DistStoreError(f"{op} on a closed {self._where}")
+        if len(frame) - 4 > self._max_frame:
+            raise ValueError(f"{op}: the request is {len(frame)} bytes, over the limit of "
+                             f"{self._max_frame} bytes of {self._where}")
+        try:
+            conn = self._pool.pop()
+        except IndexError:
+            try:
+                conn = self._open(self._timeout)
+            except OSError as e:
+                raise DistNetworkError(f"{op}: cannot reach {self._where}: {e}") from e
+        try:
+            conn.send(frame, self._timeout + _GRACE)
+        except TimeoutError as e:
+            conn.close()
+            raise DistStoreTimeoutError(f"{op} could not send to {self._where} within "
+                                        f"{self._timeout:g} s") from e
+        except OSError as e:
+            conn.close()
+            raise DistNetworkError(f"{op}: lost the connection to {self._where}: {e}") from e
+        except BaseException:
+            conn.close()
+            raise
+        if self._closed:
+            conn.close()
+        else:
+            self._pool.append(conn)
+
     def _call(self, frame: bytes, timeout: float, op: str) -> tuple[int, list[bytes]]:
         if self._closed:
             raise DistStoreError(f"{op} on a closed {self._where}")
@@ -285,6 +521,10 @@ class TCPStore(Store):
             conn.close()
         else:
             self._pool.append(conn)
+        if conn.late is not None:
+            late, conn.late = conn.late, None
+            raise DistStoreError(f"an earlier set on this connection to {self._where} failed: "
+                                 f"{late} (this {op} itself was carried out)")
         if code == w.ERROR:
             msg = fields[0].decode("utf-8", "replace") if fields else "(no message)"
             raise DistStoreError(f"{op} failed on {self._where}: {msg}")
@@ -317,13 +557,21 @@ class TCPStore(Store):
     def _v(self, value: bytes, name: str = "value") -> bytes:
         if len(value) > self.max_value_size:
             raise ValueError(f"{name} of {len(value)} bytes exceeds the limit of "
-                             f"{self.max_value_size} bytes of {self._where} (max_value_size)")
+                             f"{self.max_value_size} bytes of {self._where} ({self._limit_name})")
         return value
 
     # -- the operations -------------------------------------------------------------------
 
     def _set(self, key: str, value: bytes) -> None:
-        self._call2(w.SET, self._k(key), self._v(value), "set")
+        # No round trip: the server answers only a failure, read with the next reply on
+        # this connection (see docs/stores.md).
+        kb = self._k(key)
+        self._v(value)
+        if self._tpool_mode:
+            self._tcall("set", lambda c: c.set(kb, value))
+            return
+        self._send_only(b"".join((_HEAD1.pack(9 + len(kb) + len(value), w.SET_QUIET, len(kb)),
+                                  kb, w.U32.pack(len(value)), value)), "set")
 
     def _call2(self, code: int, a: bytes, b: bytes, op: str) -> bytes | None:
         """A two-field request with a reply of at most one field (the common ops)."""
@@ -350,38 +598,68 @@ class TCPStore(Store):
     def _get(self, keys: list[str], timeout: float) -> list[bytes]:
         if not keys:
             return []
+        if self._tpool_mode:
+            op = "get" if len(keys) == 1 else "multi_get"
+            bkeys = self._twait(op, keys, timeout)
+            return self._tcall(op, lambda c: c.get(bkeys))
         out = self._blocking(w.GET, keys, timeout, "get" if len(keys) == 1 else "multi_get")
         if len(out) != len(keys):
             raise DistStoreError(f"get: {len(out)} values for {len(keys)} keys from {self._where}")
         return out
 
     def _wait(self, keys: list[str], timeout: float) -> None:
-        if keys:
+        if keys and self._tpool_mode:
+            self._twait("wait", keys, timeout)
+        elif keys:
             self._blocking(w.WAIT, keys, timeout, "wait")
 
     def _add(self, key: str, amount: int) -> int:
+        if self._tpool_mode:
+            if not -(1 << 63) <= amount < (1 << 63):
+                raise ValueError(f"add: amount {amount} does not fit torch's int64")
+            kb = self._k(key)
+            return self._tcall("add", lambda c: c.add(kb, amount))
         total = self._call2(w.ADD, self._k(key), b"%d" % amount, "add")
         if total is None:
             raise DistStoreError(f"add: empty reply from {self._where}")
         return int(total)
 
     def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        if self._tpool_mode:
+            kb = self._k(key)
+            self._v(expected, "expected_value")
+            self._v(desired, "desired_value")
+            return self._tcall("compare_set", lambda c: c.compare_set(kb, expected, desired))
         return self._simple(w.CAS, [self._k(key), expected, self._v(desired, "desired_value")],
                             "compare_set")[0]
 
     def _check(self, keys: list[str]) -> bool:
         if not keys:
             return True
+        if self._tpool_mode:
+            bkeys = [self._k(k) for k in keys]
+            return self._tcall("check", lambda c: c.check(bkeys))
         return self._simple(w.CHECK, [self._k(k) for k in keys], "check")[0] == b"1"
 
     def _delete_key(self, key: str) -> bool:
+        if self._tpool_mode:
+            kb = self._k(key)
+            return self._tcall("delete_key", lambda c: c.delete_key(kb))
         return self._simple(w.DELETE, [self._k(key)], "delete_key")[0] == b"1"
 
     def _num_keys(self) -> int:
+        if self._tpool_mode:
+            return self._tcall("num_keys", lambda c: c.num_keys())
         return int(self._simple(w.NUM_KEYS, [], "num_keys")[0])
 
     def _multi_set(self, keys: list[str], values: list[bytes]) -> None:
         if not keys:
+            return
+        if self._tpool_mode:
+            bkeys = [self._k(k) for k in keys]
+            for v in values:
+                self._v(v, "values")
+            self._tcall("multi_set", lambda c: c.multi_set(bkeys, values))
             return
         fields: list[bytes] = []
         for k, v in zip(keys, values):
@@ -390,12 +668,24 @@ class TCPStore(Store):
         self._simple(w.MULTI_SET, fields, "multi_set")
 
     def _append(self, key: str, value: bytes) -> None:
+        if self._tpool_mode:
+            kb = self._k(key)
+            self._v(value)
+            self._tcall("append", lambda c: c.append(kb, value))
+            return
         self._simple(w.APPEND, [self._k(key), self._v(value)], "append")
 
     def _queue_push(self, key: str, value: bytes) -> None:
+        if self._tpool_mode:
+            kb = self._k(key)
+            self._v(value)
+            self._tcall("queue_push", lambda c: c.queue_push(kb, value))
+            return
         self._simple(w.QPUSH, [self._k(key), self._v(value)], "queue_push")
 
     def _queue_pop(self, key: str, timeout: float | None) -> bytes:
+        if self._tpool_mode:
+            return self._tqueue_pop(key, timeout)
         wait = 0.0 if timeout is None else timeout
         frame = w.encode_frame(w.QPOP, [w.timeout_field(wait), self._k(key)])
         status, out = self._call(frame, (wait or self._timeout) + _GRACE, "queue_pop")
@@ -407,10 +697,29 @@ class TCPStore(Store):
             raise timeout_error("queue_pop", [key], [key], wait, self._where)
         raise DistStoreError(f"queue_pop: unexpected reply code {status} from {self._where}")
 
+    def _tqueue_pop(self, key: str, timeout: float | None) -> bytes:
+        kb = self._k(key)
+        deadline = time.monotonic() + (timeout or 0.0)
+        while True:
+            if timeout is not None:
+                self._twait("queue_pop", [key], max(0.0, deadline - time.monotonic()))
+            value = self._tcall("queue_pop", lambda c: c.queue_pop_now(kb))
+            if value is not None:
+                return value
+            if timeout is None:
+                raise DistStoreError(f"queue_pop({key!r}, block=False): the queue is empty")
+            # Another client popped between the WAIT and the POP: wait again.
+
     def _queue_len(self, key: str) -> int:
+        if self._tpool_mode:
+            kb = self._k(key)
+            return self._tcall("queue_len", lambda c: c.queue_len(kb))
         return int(self._simple(w.QLEN, [self._k(key)], "queue_len")[0])
 
     def _list_keys(self) -> list[str]:
+        if self._tpool_mode:
+            keys = self._tcall("list_keys", lambda c: c.list_keys())
+            return [k.decode("utf-8", "replace") for k in keys if not k.startswith(HIDDEN_PREFIX)]
         return [k.decode("utf-8", "replace") for k in self._simple(w.LIST_KEYS, [], "list_keys")]
 
 
