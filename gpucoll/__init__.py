@@ -85,6 +85,9 @@ from .world import new_subgroups as new_subgroups
 from .world import new_subgroups_by_enumeration as new_subgroups_by_enumeration
 from .world import split_group as split_group
 
+# --- c10d extras: store collectives, device mesh, debug levels ---
+from ._store_collectives import StoreCollectives as StoreCollectives
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -107,4 +110,6 @@ __all__ = [
     "send_object_list", "recv_object_list", "all_gather_bytes", "gather_bytes", "broadcast_bytes",
     "scatter_bytes", "send_bytes", "recv_bytes",
     "functional",
+    # c10d extras
+    "StoreCollectives",
 ]
