@@ -87,6 +87,8 @@ from .world import split_group as split_group
 
 # --- c10d extras: store collectives, device mesh, debug levels ---
 from ._store_collectives import StoreCollectives as StoreCollectives
+from ._device_mesh import DeviceMesh as DeviceMesh
+from ._device_mesh import init_device_mesh as init_device_mesh
 
 __version__ = "0.1.0"
 
@@ -111,5 +113,5 @@ __all__ = [
     "scatter_bytes", "send_bytes", "recv_bytes",
     "functional",
     # c10d extras
-    "StoreCollectives",
+    "StoreCollectives", "DeviceMesh", "init_device_mesh",
 ]
