@@ -84,10 +84,18 @@ def _make_nccl(store: Store, rank: int, size: int, *, timeout: float, group_name
     return backend
 
 
-BACKENDS: dict[str, BackendFactory] = {"cpu": _make_cpu, "nccl": _make_nccl}
+def _make_fake(store: Store, rank: int, size: int, *, timeout: float, group_name: str,
+               device_id: int | None) -> Backend:
+    from .backends.fake import FakeBackend
+
+    return FakeBackend(store, rank, size, timeout=timeout, group_name=group_name)
+
+
+BACKENDS: dict[str, BackendFactory] = {"cpu": _make_cpu, "nccl": _make_nccl, "fake": _make_fake}
 """Backend constructors by name, called as ``factory(store, rank, size, *, timeout,
 group_name, device_id)``. ``cpu`` serves host arrays, objects and barriers in every
-group; ``nccl`` serves device arrays in groups created with backend "nccl"."""
+group; ``nccl`` serves device arrays in groups created with backend "nccl"; ``fake``
+serves everything in groups created with backend "fake" (no communication)."""
 
 _BACKEND_GRACE_S = 0.5
 """Backends get the group's timeout plus this, so that a stuck op is normally caught by
@@ -96,7 +104,8 @@ the flight-recorder dump. (An op the backend runs on the caller's thread can onl
 time out inside the backend; its error is then reworded the same way.) A dead peer
 is still reported by the backend at once."""
 
-_ALIASES = {"cpu": "cpu", "gloo": "cpu", "nccl": "nccl", "cuda": "nccl", "cpu:gloo,cuda:nccl": "nccl"}
+_ALIASES = {"cpu": "cpu", "gloo": "cpu", "nccl": "nccl", "cuda": "nccl", "cpu:gloo,cuda:nccl": "nccl",
+            "fake": "fake"}
 
 
 def nccl_usable() -> bool:
@@ -127,7 +136,7 @@ def normalize_backend(backend: str | None) -> str:
         name = _ALIASES.get(backend.strip().lower())
         if name is not None:
             return name
-    raise ValueError(f"backend must be one of 'cpu', 'nccl' (or 'gloo', None); got {backend!r}")
+    raise ValueError(f"backend must be one of 'cpu', 'nccl', 'fake' (or 'gloo', None); got {backend!r}")
 
 
 # ----- local validation, same on every rank -----
@@ -228,7 +237,8 @@ class ProcessGroup:
             if capacity > 0 else None
         self._watchdog = Watchdog(group_name, timeout, self._on_timeout, self._on_hook_error)
         self._hooks = self._watchdog.hooks
-        self._cpu: Backend = BACKENDS["cpu"](PrefixStore("cpu", store), rank, size,
+        # A "fake" group's one backend serves host and device arrays alike (backends/fake.py).
+        self._cpu: Backend = BACKENDS["fake" if backend == "fake" else "cpu"](PrefixStore("cpu", store), rank, size,
                                              timeout=timeout + _BACKEND_GRACE_S, group_name=group_name,
                                              device_id=None)
         self._nccl: Backend | None = None
@@ -335,7 +345,7 @@ class ProcessGroup:
                            "all_gather_single, reduce_scatter_single, isend and irecv can")
 
     def _backend_for(self, buf: Buffer, name: str) -> Backend:
-        if buf.device.type == "cpu":
+        if buf.device.type == "cpu" or self.backend_name == "fake":
             return self._cpu
         nccl = self._nccl
         if nccl is None:
@@ -803,6 +813,8 @@ class ProcessGroup:
             self._not_coalescable("monitored_barrier")
         self._seq += 1
         seq = self._seq
+        if self.backend_name == "fake":
+            return  # no other rank exists to wait for
         prefix = f"monitored_barrier/{seq}"
         what = f"monitored_barrier (seq {seq}) on group {self.group_name!r}"
         store = self._store

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from ._timeouts import to_seconds
 from .group import GroupMember, ProcessGroup, nccl_usable, normalize_backend
-from .store import FileStore, PrefixStore, Store, TCPStore
+from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
 
 __all__ = [
     "init_process_group", "destroy_process_group", "is_initialized", "is_available", "is_nccl_available",
@@ -86,7 +86,9 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     Args:
         backend: ``"nccl"`` (device arrays through NCCL, host arrays/objects through the
             CPU backend), ``"cpu"`` (``"gloo"`` is an alias), or None: NCCL when a GPU and
-            NCCL are usable, else CPU.
+            NCCL are usable, else CPU. ``"fake"``: no communication at all, every op
+            completes at once after its argument checks (torch's FakeProcessGroup; one
+            process plays any ``rank`` of any ``world_size``; ``store`` is optional).
         init_method: ``"env://"`` (default: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT or
             any launcher gpucoll detects: gpucoll-run, torchrun, Slurm, Open MPI, MPICH),
             ``"tcp://host:port"`` (rank 0 serves the store there; needs ``rank`` and
@@ -131,6 +133,8 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     for arg, value in (("world_size", world_size), ("rank", rank)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{arg} must be an int; got {type(value).__name__} {value!r}")
+    if store is None and name == "fake" and init_method is None:
+        store = HashStore()  # the fake backend talks to no one; torch passes a FakeStore here
     if store is not None:
         if init_method is not None:
             raise ValueError(f"pass either init_method or store, not both; got init_method={init_method!r}")
