@@ -89,6 +89,10 @@ from .world import split_group as split_group
 from ._store_collectives import StoreCollectives as StoreCollectives
 from ._device_mesh import DeviceMesh as DeviceMesh
 from ._device_mesh import init_device_mesh as init_device_mesh
+from ._debug import DebugLevel as DebugLevel
+from ._debug import get_debug_level as get_debug_level
+from ._debug import set_debug_level as set_debug_level
+from ._debug import set_debug_level_from_env as set_debug_level_from_env
 
 __version__ = "0.1.0"
 
@@ -114,4 +118,5 @@ __all__ = [
     "functional",
     # c10d extras
     "StoreCollectives", "DeviceMesh", "init_device_mesh",
+    "DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env",
 ]

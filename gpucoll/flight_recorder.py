@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from ._buffer import Buffer
+from ._debug import thread_stacks
 from .work import Work
 
 __all__ = ["FlightRecorder", "recorder_capacity", "SIZE_ENV", "DIR_ENV", "DEFAULT_CAPACITY"]
@@ -60,7 +61,7 @@ class _Entry:
     """
 
     __slots__ = ("seq", "op_type", "backend", "shape", "dtype", "nbytes", "peer",
-                 "time_started", "state", "time_finished", "active_duration", "error")
+                 "time_started", "state", "time_finished", "active_duration", "error", "where")
 
     def fill(self, work: Work, backend: str, buf: Buffer | None, peer: int) -> None:
         self.seq = work.seq
@@ -79,6 +80,7 @@ class _Entry:
         self.time_finished: float | None = None
         self.active_duration: float | None = None
         self.error: str | None = None
+        self.where = ""  # the caller's file:line, at debug level INFO and above
 
     def finish(self, work: Work) -> None:
         if self.seq != work.seq:
@@ -97,7 +99,7 @@ class _Entry:
             "peer": self.peer if self.peer >= 0 else None,
             "state": self.state, "time_started": self.time_started,
             "time_finished": self.time_finished, "active_duration": self.active_duration,
-            "error": self.error,
+            "error": self.error, "where": self.where or None,
         }
 
 
@@ -123,6 +125,7 @@ class FlightRecorder:
         self._ring: list[_Entry | None] = [None] * capacity
         self._next = 0      # the slot the next op takes
         self._count = 0     # slots in use
+        self.group_desc = ""  # set by the group
 
     def record(self, work: Work, backend: str, buf: Buffer | None, peer: int = -1) -> None:
         """Add ``work`` (already numbered) to the ring, in place of the oldest entry once
@@ -141,7 +144,8 @@ class FlightRecorder:
     def snapshot(self, reason: str = "") -> dict[str, Any]:
         """The recorder's content as a JSON-ready dict (oldest entry first)."""
         return {
-            "version": FORMAT_VERSION, "group": self.group_name, "rank": self.rank,
+            "version": FORMAT_VERSION, "group": self.group_name, "group_desc": self.group_desc,
+            "rank": self.rank,
             "global_rank": self.global_rank, "size": self.size, "capacity": self.capacity,
             "pid": os.getpid(), "host": socket.gethostname(), "time": time.time(),
             "reason": reason, "entries": [e.as_dict() for e in self._in_order()],
@@ -173,7 +177,9 @@ class FlightRecorder:
             safe = re.sub(r"[^A-Za-z0-9_.-]", "_", self.group_name)
             path = os.path.join(directory, f"{safe}-rank{self.global_rank}-pid{os.getpid()}-"
                                            f"{int(time.time() * 1000)}.json")
-        text = self.to_json(reason)
+        data = self.snapshot(reason)
+        data["stacks"] = thread_stacks()  # what every thread of the process was doing at the dump
+        text = json.dumps(data, indent=1)
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
