@@ -63,9 +63,10 @@ class _Entry:
     __slots__ = ("seq", "op_type", "backend", "shape", "dtype", "nbytes", "peer",
                  "time_started", "state", "time_finished", "active_duration", "error", "where")
 
-    def fill(self, work: Work, backend: str, buf: Buffer | None, peer: int) -> None:
-        self.seq = work.seq
-        self.op_type = work.op_type
+    def fill(self, seq: int, op_type: str, time_started: float, backend: str, buf: Buffer | None,
+             peer: int) -> None:
+        self.seq = seq
+        self.op_type = op_type
         self.backend = backend
         if buf is not None:
             self.shape: tuple[int, ...] | None = buf.shape
@@ -75,7 +76,7 @@ class _Entry:
             self.shape = self.dtype = None
             self.nbytes = 0
         self.peer = peer
-        self.time_started = work.time_started
+        self.time_started = time_started
         self.state = "scheduled"
         self.time_finished: float | None = None
         self.active_duration: float | None = None
@@ -130,13 +131,25 @@ class FlightRecorder:
     def record(self, work: Work, backend: str, buf: Buffer | None, peer: int = -1) -> None:
         """Add ``work`` (already numbered) to the ring, in place of the oldest entry once
         full; its completion updates the entry."""
+        self.attach(self.begin(work.seq, work.op_type, backend, buf, peer, work.time_started), work)
+
+    def begin(self, seq: int, op_type: str, backend: str, buf: Buffer | None, peer: int = -1,
+              time_started: float | None = None) -> _Entry:
+        """Add an op about to start (state "scheduled"), before its Work exists: a backend
+        that runs the op on the caller's thread returns the Work only when it is over,
+        and a dump (or the control plane) taken meanwhile must show the op."""
         i = self._next
         entry = self._ring[i]
         if entry is None:
             entry = self._ring[i] = _Entry()
             self._count += 1
-        entry.fill(work, backend, buf, peer)
+        entry.fill(seq, op_type, time.time() if time_started is None else time_started, backend, buf, peer)
         self._next = i + 1 if i + 1 < self.capacity else 0
+        return entry
+
+    def attach(self, entry: _Entry, work: Work) -> None:
+        """Tie ``entry`` (from :meth:`begin`) to the op's Work; its completion updates the entry."""
+        entry.op_type = work.op_type
         work._fr_entry = entry
         if work._done.is_set():  # it may have finished before the entry was attached
             entry.finish(work)

@@ -423,15 +423,20 @@ class ProcessGroup:
         seq = self._seq
         if self._debug_detail and op:
             self._check_across_ranks(op, seq, buf, peer, red)
+        recorder = self._recorder
+        entry = None
+        if recorder is not None:
+            # Recorded before it starts: a host op may run to its end inside start().
+            entry = recorder.begin(seq, op or start.__name__.strip("<>"), backend.name, buf, peer)
+            if self._debug_info:
+                entry.where = call_site()
         work = start()
         work.seq = seq
         work.group_name = self.group_name
         if outputs:
             work._result[:] = outputs
-        if self._recorder is not None:
-            self._recorder.record(work, backend.name, buf, peer)
-            if self._debug_info:
-                work._fr_entry.where = call_site()
+        if entry is not None:
+            recorder.attach(entry, work)  # type: ignore[union-attr]
         if self._hooks:
             work._add_done_callback(self._watchdog.completed)
         return work

@@ -37,6 +37,7 @@ class _World:
     device_id: int | None
     groups: list[ProcessGroup] = field(default_factory=list)
     made: int = 0  # groups made by new_group so far: names them the same on every rank
+    control_plane: Any = None  # this rank's control-plane server (GPUCOLL_CONTROL_PLANE), if any
 
 
 _WORLD: _World | None = None
@@ -158,7 +159,17 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         if owns:
             store.close()
         raise
-    _WORLD = _World(store, owns, pg, name, seconds, device)
+    world = _World(store, owns, pg, name, seconds, device)
+    from ._control_plane import maybe_start  # opt-in debugging server (off unless GPUCOLL_CONTROL_PLANE is set)
+
+    try:
+        world.control_plane = maybe_start(store, rank, world_size, lambda: [world.default, *world.groups])
+    except BaseException:
+        pg._destroy()
+        if owns:
+            store.close()
+        raise
+    _WORLD = world
 
 
 def _rendezvous(init_method: str, rank: int, world_size: int, timeout: float) -> tuple[Store, int, int]:
@@ -271,6 +282,8 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     world = _world()
     _WORLD = None
     first: BaseException | None = None
+    if world.control_plane is not None:
+        world.control_plane.close()
     for pg in [*reversed(world.groups), world.default]:
         try:
             pg._destroy()
