@@ -88,6 +88,15 @@ from ._world import split_group as split_group
 reduce_op = ReduceOp
 """torch's legacy spelling (``dist.reduce_op.SUM``): the same class as :class:`ReduceOp`."""
 
+# --- c10d extras: store collectives, device mesh, debug levels ---
+from .store._collectives import StoreCollectives as StoreCollectives
+from ._device_mesh import DeviceMesh as DeviceMesh
+from ._device_mesh import init_device_mesh as init_device_mesh
+from ._debug import DebugLevel as DebugLevel
+from ._debug import get_debug_level as get_debug_level
+from ._debug import set_debug_level as set_debug_level
+from ._debug import set_debug_level_from_env as set_debug_level_from_env
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -110,4 +119,7 @@ __all__ = [
     "send_object_list", "recv_object_list", "all_gather_bytes", "gather_bytes", "broadcast_bytes",
     "scatter_bytes", "send_bytes", "recv_bytes",
     "functional",
+    # c10d extras
+    "StoreCollectives", "DeviceMesh", "init_device_mesh",
+    "DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env",
 ]

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from ._buffer import Buffer
+from ._debug import thread_stacks
 from ._work import Work
 
 __all__ = ["FlightRecorder", "recorder_capacity", "SIZE_ENV", "DIR_ENV", "DEFAULT_CAPACITY"]
@@ -60,11 +61,12 @@ class _Entry:
     """
 
     __slots__ = ("seq", "op_type", "backend", "shape", "dtype", "nbytes", "peer",
-                 "time_started", "state", "time_finished", "active_duration", "error")
+                 "time_started", "state", "time_finished", "active_duration", "error", "where")
 
-    def fill(self, work: Work, backend: str, buf: Buffer | None, peer: int) -> None:
-        self.seq = work.seq
-        self.op_type = work.op_type
+    def fill(self, seq: int, op_type: str, time_started: float, backend: str, buf: Buffer | None,
+             peer: int) -> None:
+        self.seq = seq
+        self.op_type = op_type
         self.backend = backend
         if buf is not None:
             self.shape: tuple[int, ...] | None = buf.shape
@@ -74,11 +76,12 @@ class _Entry:
             self.shape = self.dtype = None
             self.nbytes = 0
         self.peer = peer
-        self.time_started = work.time_started
+        self.time_started = time_started
         self.state = "scheduled"
         self.time_finished: float | None = None
         self.active_duration: float | None = None
         self.error: str | None = None
+        self.where = ""  # the caller's file:line, at debug level INFO and above
 
     def finish(self, work: Work) -> None:
         if self.seq != work.seq:
@@ -97,7 +100,7 @@ class _Entry:
             "peer": self.peer if self.peer >= 0 else None,
             "state": self.state, "time_started": self.time_started,
             "time_finished": self.time_finished, "active_duration": self.active_duration,
-            "error": self.error,
+            "error": self.error, "where": self.where or None,
         }
 
 
@@ -123,17 +126,30 @@ class FlightRecorder:
         self._ring: list[_Entry | None] = [None] * capacity
         self._next = 0      # the slot the next op takes
         self._count = 0     # slots in use
+        self.group_desc = ""  # set by the group
 
     def record(self, work: Work, backend: str, buf: Buffer | None, peer: int = -1) -> None:
         """Add ``work`` (already numbered) to the ring, in place of the oldest entry once
         full; its completion updates the entry."""
+        self.attach(self.begin(work.seq, work.op_type, backend, buf, peer, work.time_started), work)
+
+    def begin(self, seq: int, op_type: str, backend: str, buf: Buffer | None, peer: int = -1,
+              time_started: float | None = None) -> _Entry:
+        """Add an op about to start (state "scheduled"), before its Work exists: a backend
+        that runs the op on the caller's thread returns the Work only when it is over,
+        and a dump (or the control plane) taken meanwhile must show the op."""
         i = self._next
         entry = self._ring[i]
         if entry is None:
             entry = self._ring[i] = _Entry()
             self._count += 1
-        entry.fill(work, backend, buf, peer)
+        entry.fill(seq, op_type, time.time() if time_started is None else time_started, backend, buf, peer)
         self._next = i + 1 if i + 1 < self.capacity else 0
+        return entry
+
+    def attach(self, entry: _Entry, work: Work) -> None:
+        """Tie ``entry`` (from :meth:`begin`) to the op's Work; its completion updates the entry."""
+        entry.op_type = work.op_type
         work._fr_entry = entry
         if work._done.is_set():  # it may have finished before the entry was attached
             entry.finish(work)
@@ -141,7 +157,8 @@ class FlightRecorder:
     def snapshot(self, reason: str = "") -> dict[str, Any]:
         """The recorder's content as a JSON-ready dict (oldest entry first)."""
         return {
-            "version": FORMAT_VERSION, "group": self.group_name, "rank": self.rank,
+            "version": FORMAT_VERSION, "group": self.group_name, "group_desc": self.group_desc,
+            "rank": self.rank,
             "global_rank": self.global_rank, "size": self.size, "capacity": self.capacity,
             "pid": os.getpid(), "host": socket.gethostname(), "time": time.time(),
             "reason": reason, "entries": [e.as_dict() for e in self._in_order()],
@@ -173,7 +190,9 @@ class FlightRecorder:
             safe = re.sub(r"[^A-Za-z0-9_.-]", "_", self.group_name)
             path = os.path.join(directory, f"{safe}-rank{self.global_rank}-pid{os.getpid()}-"
                                            f"{int(time.time() * 1000)}.json")
-        text = self.to_json(reason)
+        data = self.snapshot(reason)
+        data["stacks"] = thread_stacks()  # what every thread of the process was doing at the dump
+        text = json.dumps(data, indent=1)
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)

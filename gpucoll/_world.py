@@ -19,7 +19,7 @@ from ._timeouts import to_seconds
 from ._group import GroupMember, ProcessGroup, nccl_usable, normalize_backend
 from ._group.gpu_check import require_nccl
 from ._group.join import await_all_joined
-from .store import FileStore, PrefixStore, Store, TCPStore
+from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
 
 __all__ = [
     "init_process_group", "destroy_process_group", "is_initialized", "is_available", "is_nccl_available",
@@ -39,6 +39,7 @@ class _World:
     device_id: int | None
     groups: list[ProcessGroup] = field(default_factory=list)
     made: int = 0  # groups made by new_group so far: names them the same on every rank
+    control_plane: Any = None  # this rank's control-plane server (GPUCOLL_CONTROL_PLANE), if any
 
 
 _WORLD: _World | None = None
@@ -88,7 +89,9 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     Args:
         backend: ``"nccl"`` (device arrays through NCCL, host arrays/objects through the
             CPU backend), ``"cpu"`` (``"gloo"`` is an alias), or None: NCCL when a GPU and
-            NCCL are usable, else CPU.
+            NCCL are usable, else CPU. ``"fake"``: no communication at all, every op
+            completes at once after its argument checks (torch's FakeProcessGroup; one
+            process plays any ``rank`` of any ``world_size``; ``store`` is optional).
         init_method: ``"env://"`` (default: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT or
             any launcher gpucoll detects: gpucoll-run, torchrun, Slurm, Open MPI, MPICH),
             ``"tcp://host:port"`` (rank 0 serves the store there; needs ``rank`` and
@@ -135,6 +138,8 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     for arg, value in (("world_size", world_size), ("rank", rank)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{arg} must be an int; got {type(value).__name__} {value!r}")
+    if store is None and name == "fake" and init_method is None:
+        store = HashStore()  # the fake backend talks to no one; torch passes a FakeStore here
     if store is not None:
         if init_method is not None:
             raise ValueError(f"pass either init_method or store, not both; got init_method={init_method!r}")
@@ -160,12 +165,23 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     pg_name = group_name or "default"
     try:
         pg = ProcessGroup(PrefixStore(f"pg/{pg_name}", store), rank, world_size, group_name=pg_name,
-                          global_ranks=range(world_size), timeout=seconds, backend=name, device_id=device)
+                          global_ranks=range(world_size), timeout=seconds, backend=name, device_id=device,
+                          group_desc="default_pg")
     except BaseException:
         if owns:
             store.close()
         raise
-    _WORLD = _World(store, owns, pg, name, seconds, device)
+    world = _World(store, owns, pg, name, seconds, device)
+    from ._debug.control_plane import maybe_start  # opt-in debugging server (off unless GPUCOLL_CONTROL_PLANE is set)
+
+    try:
+        world.control_plane = maybe_start(store, rank, world_size, lambda: [world.default, *world.groups])
+    except BaseException:
+        pg._destroy()
+        if owns:
+            store.close()
+        raise
+    _WORLD = world
     GroupMember._world = pg
 
 
@@ -305,6 +321,8 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     _WORLD = None
     GroupMember._world = None
     first: BaseException | None = None
+    if world.control_plane is not None:
+        world.control_plane.close()
     for pg in [*reversed(world.groups), world.default]:
         try:
             pg._destroy()
@@ -385,6 +403,12 @@ def _check_unsupported(pg_options: Any) -> None:
         raise ValueError(f"pg_options is not supported by gpucoll; got {pg_options!r}")
 
 
+def _check_desc(group_desc: Any) -> str:
+    if group_desc is not None and not isinstance(group_desc, str):
+        raise TypeError(f"group_desc must be a str or None; got {type(group_desc).__name__}")
+    return group_desc or ""
+
+
 def _check_ranks(ranks: Any, world_size: int, name: str) -> list[int]:
     if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
         raise TypeError(f"{name} must be a list of ints; got {type(ranks).__name__}")
@@ -402,7 +426,7 @@ def _check_ranks(ranks: Any, world_size: int, name: str) -> list[int]:
 def _make_group(world: _World, name: str, global_ranks: list[int] | None, my_global: int,
                 timeout: float | timedelta | None, backend: str | None, *,
                 parent: ProcessGroup | None = None, parent_ranks: list[int] | None = None,
-                color: int = 0) -> ProcessGroup | None:
+                color: int = 0, group_desc: str | None = None) -> ProcessGroup | None:
     """Make group ``name`` on its members (``global_ranks``; None on a rank that joins
     none) and return it; None on non-members.
 
@@ -422,7 +446,7 @@ def _make_group(world: _World, name: str, global_ranks: list[int] | None, my_glo
     try:
         pg = ProcessGroup(store, global_ranks.index(my_global), len(global_ranks), group_name=name,
                           global_ranks=global_ranks, timeout=seconds, backend=kind, device_id=world.device_id,
-                          device_backend=device_backend)
+                          device_backend=device_backend, group_desc=_check_desc(group_desc))
     except BaseException:
         if device_backend is not None:
             device_backend.shutdown()
@@ -444,7 +468,8 @@ def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | N
         pg_options: not supported (must be None).
         use_local_synchronization: accepted for torch compatibility; creating a group
             only ever synchronises its members.
-        group_desc: accepted for torch compatibility (not used).
+        group_desc: a description kept by the group: shown in its repr, its errors and
+            its flight-recorder dumps.
 
     Returns:
         The new ProcessGroup on members; ``GroupMember.NON_GROUP_MEMBER`` elsewhere.
@@ -459,6 +484,7 @@ def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | N
     """
     world = _world()
     _check_unsupported(pg_options)
+    _check_desc(group_desc)
     size = world.default.size()
     members = sorted(_check_ranks(range(size) if ranks is None else ranks, size, "ranks"))
     # Checked on every rank, members or not, so that all raise alike.
@@ -470,7 +496,8 @@ def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | N
     mine = members if me in members else None
     # Every rank takes part: an NCCL group's communicator is split from the default
     # group's where NCCL can (ncclCommSplit is a collective of the parent).
-    pg = _make_group(world, name, mine, me, timeout, backend, parent=world.default, parent_ranks=mine)
+    pg = _make_group(world, name, mine, me, timeout, backend, parent=world.default, parent_ranks=mine,
+                     group_desc=group_desc)
     return GroupMember.NON_GROUP_MEMBER if pg is None else pg
 
 
@@ -485,7 +512,7 @@ def split_group(parent_pg: ProcessGroup | None = None, split_ranks: Sequence[Seq
             gets None.
         timeout: the new group's timeout (the parent's when None).
         pg_options: not supported (must be None).
-        group_desc: accepted for torch compatibility (not used).
+        group_desc: a description kept by the new groups (repr, errors, flight recorder).
 
     Returns:
         The group this rank belongs to, or None.
@@ -495,6 +522,7 @@ def split_group(parent_pg: ProcessGroup | None = None, split_ranks: Sequence[Seq
     """
     world = _world()
     _check_unsupported(pg_options)
+    _check_desc(group_desc)
     parent = _resolve(parent_pg)
     parent._check_usable()
     if not split_ranks:
@@ -515,7 +543,7 @@ def split_group(parent_pg: ProcessGroup | None = None, split_ranks: Sequence[Seq
             name = f"{parent.group_name}.split{parent._split_count}.{i}"
             global_ranks = [parent.global_ranks[r] for r in ranks]
             return _make_group(world, name, global_ranks, parent.global_ranks[me], seconds, parent.backend_name,
-                               parent=parent, parent_ranks=ranks, color=i)
+                               parent=parent, parent_ranks=ranks, color=i, group_desc=group_desc)
     # In no split: still part of the parent's ncclCommSplit (as NCCL_SPLIT_NOCOLOR).
     name = f"{parent.group_name}.split{parent._split_count}.none"
     return _make_group(world, name, None, parent.global_ranks[me], seconds, parent.backend_name, parent=parent)
@@ -552,7 +580,8 @@ def new_subgroups(group_size: int | None = None, group: ProcessGroup | None = No
         raise ValueError(f"group_size={group_size} must divide the group size {parent.size()}")
     ranks = list(parent.global_ranks)
     chunks = [ranks[i:i + group_size] for i in range(0, len(ranks), group_size)]
-    return new_subgroups_by_enumeration(chunks, timeout=timeout, backend=backend, pg_options=pg_options)
+    return new_subgroups_by_enumeration(chunks, timeout=timeout, backend=backend, pg_options=pg_options,
+                                        group_desc=group_desc)
 
 
 def new_subgroups_by_enumeration(ranks_per_subgroup_list: Sequence[Sequence[int]],
@@ -580,7 +609,7 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list: Sequence[Sequence[int]
     mine: Any = None
     subgroups = []
     for ranks in ranks_per_subgroup_list:
-        pg = new_group(ranks, timeout=timeout, backend=backend)
+        pg = new_group(ranks, timeout=timeout, backend=backend, group_desc=group_desc)
         subgroups.append(pg)
         if isinstance(pg, ProcessGroup):
             mine = pg

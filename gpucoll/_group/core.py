@@ -20,13 +20,14 @@ import numpy as np
 from .. import array as _array
 from .._buffer import Buffer
 from .._backends.base import Backend, ReducesInto
+from .._debug import DebugLevel, call_site, get_debug_level
 from ..errors import DistBackendError, DistError
 from .._flight_recorder import FlightRecorder, recorder_capacity
 from ..store import PrefixStore, Store
 from .._work import Work, WorkInfo
 from .checks import _op_name, _same_layout
 from .coalescing import CoalescingManager, _not_coalescable
-from .registry import _BACKEND_GRACE_S, BACKENDS, debug_level, make_device_backend, split_device_backend
+from .registry import _BACKEND_GRACE_S, BACKENDS, make_device_backend, split_device_backend
 from .watchdog import Watchdog
 
 __all__ = ["GroupCore"]
@@ -56,8 +57,10 @@ class GroupCore:
 
     def __init__(self, store: Store, rank: int, size: int, *, group_name: str,
                  global_ranks: Sequence[int], timeout: float, backend: str = "cpu",
-                 device_id: int | None = None, device_backend: Backend | None = None) -> None:
+                 device_id: int | None = None, device_backend: Backend | None = None,
+                 group_desc: str = "") -> None:
         self._store = store
+        self.group_desc = group_desc
         self._rank = rank
         self._size = size
         self.group_name = group_name
@@ -74,13 +77,18 @@ class GroupCore:
         self._abort_reason: str | None = None
         self._abort_lock = threading.Lock()
         self._hook_errors: list[tuple[Callable[[WorkInfo], None], BaseException]] = []
-        self._debug_detail = debug_level() == "DETAIL"
+        level = get_debug_level()
+        self._debug_detail = level >= DebugLevel.DETAIL
+        self._debug_info = level >= DebugLevel.INFO
         capacity = recorder_capacity()
         self._recorder = FlightRecorder(group_name, rank, self.global_ranks[rank], size, capacity) \
             if capacity > 0 else None
+        if self._recorder is not None:
+            self._recorder.group_desc = group_desc
         self._watchdog = Watchdog(group_name, timeout, self._on_timeout, self._on_hook_error)
         self._hooks = self._watchdog.hooks
-        self._cpu: Backend = BACKENDS["cpu"](PrefixStore("cpu", store), rank, size,
+        # A "fake" group's one backend serves host and device arrays alike (_backends/fake.py).
+        self._cpu: Backend = BACKENDS["fake" if backend == "fake" else "cpu"](PrefixStore("cpu", store), rank, size,
                                              timeout=timeout + _BACKEND_GRACE_S, group_name=group_name,
                                              device_id=None)
         self._nccl: Backend | None = None
@@ -138,8 +146,20 @@ class GroupCore:
 
     def __repr__(self) -> str:
         state = " destroyed" if self._destroyed else ""
-        return (f"<ProcessGroup {self.group_name!r} rank={self._rank}/{self._size} "
+        desc = f" desc={self.group_desc!r}" if self.group_desc else ""
+        return (f"<ProcessGroup {self.group_name!r}{desc} rank={self._rank}/{self._size} "
                 f"backend={self.backend_name}{state}>")
+
+    def _label(self) -> str:
+        """The group's name (and description) as errors show it."""
+        return f"{self.group_name!r} ({self.group_desc})" if self.group_desc else repr(self.group_name)
+
+    def get_sequence_number(self) -> int:
+        """The sequence number of the group's latest op (0 before any): every op a group
+        issues takes the next number, the same on every rank, so ranks whose numbers
+        differ have issued different numbers of ops. Also in errors, hooks' WorkInfo
+        and the flight recorder."""
+        return self._seq
 
     # ----- hooks, flight recorder -----
     def register_on_completion_hook(self, hook: Callable[[WorkInfo], None]) -> None:
@@ -187,7 +207,7 @@ class GroupCore:
         _not_coalescable(op)
 
     def _backend_for(self, buf: Buffer, name: str) -> Backend:
-        if buf.device.type == "cpu":
+        if buf.device.type == "cpu" or self.backend_name == "fake":
             return self._cpu
         nccl = self._nccl
         if nccl is None:
@@ -251,26 +271,35 @@ class GroupCore:
                outputs: list[Any], peer: int = -1, op: str = "", red: Any = None) -> Work:
         self._seq += 1
         seq = self._seq
-        if self._debug_detail and op and backend is not self._cpu:
+        if self._debug_detail and op:
             self._check_across_ranks(op, seq, buf, peer, red)
+        recorder = self._recorder
+        entry = None
+        if recorder is not None:
+            # Recorded before it starts: a host op may run to its end inside start().
+            entry = recorder.begin(seq, op or start.__name__.strip("<>"), backend.name, buf, peer)
+            if self._debug_info:
+                entry.where = call_site()
         work = start()
         work.seq = seq
         work.group_name = self.group_name
         if outputs:
             work._result[:] = outputs
-        if self._recorder is not None:
-            self._recorder.record(work, backend.name, buf, peer)
+        if recorder is not None and entry is not None:
+            recorder.attach(entry, work)
         if self._hooks:
             work._add_done_callback(self._watchdog.completed)
         return work
 
     def _check_across_ranks(self, op: str, seq: int, buf: Buffer | None, peer: int, red: Any) -> None:
-        """GPUCOLL_DEBUG=DETAIL: before a device collective, compare what every rank is
-        about to issue (through the CPU backend) and raise on every rank if they differ:
-        NCCL itself would hang or quietly compute garbage."""
+        """Debug level DETAIL: before a collective (any backend), compare what every rank
+        is about to issue (through the CPU backend) and raise on every rank if they
+        differ, naming the fields that differ and each rank's value: the backend itself
+        would hang, fail obscurely, or quietly compute garbage."""
         shape = "" if buf is None or op in _SHAPES_MAY_DIFFER else str(tuple(buf.shape))
-        text = " ".join(x for x in (op, f"(seq {seq})", buf.dtype.name if buf is not None else "", shape,
-                                    f"root={peer}" if peer >= 0 else "", _op_name(red)) if x).encode()
+        fields = (op, f"(seq {seq})", buf.dtype.name if buf is not None else "", shape,
+                  f"root={peer}" if peer >= 0 else "", _op_name(red))
+        text = "\x1f".join(fields).encode()
         if len(text) > _FINGERPRINT_BYTES:
             text = text[:_FINGERPRINT_BYTES - 41] + b"#" + hashlib.sha1(text).hexdigest().encode()
         mine = np.zeros(_FINGERPRINT_BYTES, np.uint8)
@@ -284,10 +313,18 @@ class GroupCore:
                                    f"across ranks failed: {exc}") from exc
         seen = [bytes(r).rstrip(b"\0").decode(errors="replace") for r in rows]
         if len(set(seen)) > 1:
-            listing = "; ".join(f"rank {i}: {t}" for i, t in enumerate(seen))
-            raise DistBackendError(f"GPUCOLL_DEBUG=DETAIL: the ranks of group {self.group_name!r} are about to "
-                                   f"issue different collectives, which NCCL would hang on or compute wrongly: "
-                                   f"{listing}")
+            per_rank = [t.split("\x1f") for t in seen]
+            names = ("op", "seq", "dtype", "shape", "root", "reduce op")
+            differ = []
+            for i, name in enumerate(names):
+                values = [f[i] if i < len(f) else "?" for f in per_rank]
+                if len(set(values)) > 1:
+                    differ.append(f"{name} (" + ", ".join(f"rank {r}: {v or '-'}" for r, v in enumerate(values)) + ")")
+            listing = "; ".join(f"rank {i}: {' '.join(x for x in f if x)}" for i, f in enumerate(per_rank))
+            raise DistBackendError(f"GPUCOLL_DEBUG=DETAIL: the ranks of group {self._label()} are about to "
+                                   f"issue different collectives, which the backend would hang on or compute "
+                                   f"wrongly; they differ in {'; '.join(differ) or 'their fingerprints'}. "
+                                   f"Each rank: {listing}")
 
     def _finish(self, backend: Backend, work: Work, async_op: bool) -> Work | None:
         """Return ``work`` (async) or wait for it as a synchronous op does."""
@@ -330,7 +367,7 @@ class GroupCore:
                     except OSError as exc:
                         where = f"flight recorder could not be written: {exc}"
                 self._abort_reason = (
-                    f"{work.op_type} (seq {work.seq}) on group {self.group_name!r} (rank {self._rank} of "
+                    f"{work.op_type} (seq {work.seq}) on group {self._label()} (rank {self._rank} of "
                     f"{self._size}) did not complete within the group's timeout of {self.timeout:g} s; "
                     f"the group's {backend.name} backend was aborted ({where})")
             reason = self._abort_reason

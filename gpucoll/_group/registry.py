@@ -8,9 +8,9 @@ backend; its device (NCCL) backend is made on first device op, at creation when
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Sequence
 
+from .._debug import get_debug_level
 from ..errors import BackendUnavailableError
 from .._backends.base import Backend, SplitsCommunicator
 from ..store import PrefixStore, Store
@@ -18,20 +18,13 @@ from ..store import PrefixStore, Store
 __all__ = ["BACKENDS", "BackendFactory", "normalize_backend", "default_backend", "nccl_usable", "debug_level",
            "make_device_backend", "split_device_backend"]
 
-DEBUG_ENV = "GPUCOLL_DEBUG"
-
-
 def debug_level() -> str:
-    """``GPUCOLL_DEBUG``: ``"OFF"`` (default) or ``"DETAIL"`` (every device collective is
-    first compared across ranks; see docs/process-groups.md).
+    """The debug level's name: ``"OFF"``, ``"INFO"`` or ``"DETAIL"`` (see gpucoll._debug).
 
     Raises:
-        ValueError: any other value.
+        ValueError: ``GPUCOLL_DEBUG`` (or ``TORCH_DISTRIBUTED_DEBUG``) holds another value.
     """
-    raw = os.environ.get(DEBUG_ENV, "").strip().upper() or "OFF"
-    if raw not in ("OFF", "DETAIL"):
-        raise ValueError(f"{DEBUG_ENV} must be OFF or DETAIL; got {os.environ.get(DEBUG_ENV)!r}")
-    return raw
+    return get_debug_level().name
 
 
 BackendFactory = Callable[..., Backend]
@@ -57,10 +50,18 @@ def _make_nccl(store: Store, rank: int, size: int, *, timeout: float, group_name
     return backend
 
 
-BACKENDS: dict[str, BackendFactory] = {"cpu": _make_cpu, "nccl": _make_nccl}
+def _make_fake(store: Store, rank: int, size: int, *, timeout: float, group_name: str,
+               device_id: int | None) -> Backend:
+    from .._backends.fake import FakeBackend
+
+    return FakeBackend(store, rank, size, timeout=timeout, group_name=group_name)
+
+
+BACKENDS: dict[str, BackendFactory] = {"cpu": _make_cpu, "nccl": _make_nccl, "fake": _make_fake}
 """Backend constructors by name, called as ``factory(store, rank, size, *, timeout,
 group_name, device_id)``. ``cpu`` serves host arrays, objects and barriers in every
-group; ``nccl`` serves device arrays in groups created with backend "nccl"."""
+group; ``nccl`` serves device arrays in groups created with backend "nccl"; ``fake``
+serves everything in groups created with backend "fake" (no communication)."""
 
 _BACKEND_GRACE_S = 0.5
 """Backends get the group's timeout plus this, so that a stuck op is normally caught by
@@ -69,7 +70,8 @@ the flight-recorder dump. (An op the backend runs on the caller's thread can onl
 time out inside the backend; its error is then reworded the same way.) A dead peer
 is still reported by the backend at once."""
 
-_ALIASES = {"cpu": "cpu", "gloo": "cpu", "nccl": "nccl", "cuda": "nccl", "cpu:gloo,cuda:nccl": "nccl"}
+_ALIASES = {"cpu": "cpu", "gloo": "cpu", "nccl": "nccl", "cuda": "nccl", "cpu:gloo,cuda:nccl": "nccl",
+            "fake": "fake"}
 
 
 def nccl_usable() -> bool:
@@ -100,7 +102,7 @@ def normalize_backend(backend: str | None) -> str:
         name = _ALIASES.get(backend.strip().lower())
         if name is not None:
             return name
-    raise ValueError(f"backend must be one of 'cpu', 'nccl' (or 'gloo', None); got {backend!r}")
+    raise ValueError(f"backend must be one of 'cpu', 'nccl', 'fake' (or 'gloo', None); got {backend!r}")
 
 
 

@@ -1,0 +1,278 @@
+"""DeviceMesh: ranks laid out as an n-d array, one process group per dimension.
+
+torch's ``init_device_mesh``/``DeviceMesh`` surface. The mesh is a NumPy array of
+global ranks; along each dimension the ranks that differ only in that coordinate
+form a group. Each dimension's groups come from ONE :func:`~gpucoll.split_group`
+of the default group (one ``ncclCommSplit`` where the default group is bound to a
+device), so a 3-d mesh costs three splits whatever the number of ranks. Sub-meshes
+(``mesh["dp"]``, ``mesh["dp", "tp"]``) reuse their parent's groups.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import _world
+from ._group import ProcessGroup
+
+__all__ = ["DeviceMesh", "init_device_mesh"]
+
+_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def _check_device_type(device_type: Any) -> str:
+    if not isinstance(device_type, str) or device_type.split(":")[0].lower() not in _DEVICE_TYPES:
+        raise ValueError(f"device_type must be 'cpu' or 'cuda'; got {device_type!r}")
+    return device_type.split(":")[0].lower()
+
+
+def _check_names(names: Any, ndim: int) -> tuple[str, ...] | None:
+    if names is None:
+        return None
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"mesh_dim_names must be a tuple of str; got {names!r}")
+    out = tuple(names)
+    if len(out) != ndim:
+        raise ValueError(f"mesh_dim_names must have one name per mesh dimension ({ndim}); got {out!r}")
+    if len(set(out)) != len(out):
+        raise ValueError(f"mesh_dim_names must be unique; got {out!r}")
+    return out
+
+
+class DeviceMesh:
+    """An n-d layout of ranks with a process group along each dimension.
+
+    Build one with :func:`init_device_mesh` (or ``DeviceMesh(device_type, mesh)`` for
+    an arbitrary layout of global ranks, or :meth:`from_group`). Every rank of the
+    default group must construct it, in the same order, like any group.
+
+    Attributes:
+        device_type: ``"cpu"`` or ``"cuda"``.
+        mesh: the global ranks, an ``np.ndarray`` of int64 (read-only).
+        mesh_dim_names: the dimensions' names, or None.
+
+    Example:
+        >>> mesh = gpucoll.init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp", "tp"))
+        >>> gpucoll.all_reduce(grads, group=mesh.get_group("dp"))
+        >>> tp = mesh["tp"]                 # the 1-d sub-mesh this rank is in
+    """
+
+    def __init__(self, device_type: str, mesh: Any, *, mesh_dim_names: Sequence[str] | None = None,
+                 _groups: Sequence[ProcessGroup | None] | None = None) -> None:
+        self.device_type = _check_device_type(device_type)
+        array = np.array(mesh, dtype=np.int64, copy=True)
+        if array.ndim == 0 or array.size == 0:
+            raise ValueError(f"mesh must be a non-empty array of ranks with at least one dimension; got {mesh!r}")
+        flat = array.ravel().tolist()
+        if len(set(flat)) != len(flat):
+            raise ValueError(f"mesh holds duplicate ranks: {array.tolist()}")
+        array.setflags(write=False)
+        self.mesh: np.ndarray[Any, np.dtype[np.int64]] = array
+        self.mesh_dim_names = _check_names(mesh_dim_names, array.ndim)
+        default = _world.default_group()
+        size = default.size()
+        if min(flat) < 0 or max(flat) >= size:
+            raise ValueError(f"mesh holds ranks outside the default group [0, {size}): {array.tolist()}")
+        self._rank = default.rank()
+        found = np.argwhere(array == self._rank)
+        self._coordinate: tuple[int, ...] | None = tuple(int(c) for c in found[0]) if len(found) else None
+        self._groups: list[ProcessGroup | None] = list(_groups) if _groups is not None else self._make_groups()
+
+    def _make_groups(self) -> list[ProcessGroup | None]:
+        """One split of the default group per dimension; every default-group rank calls it."""
+        groups: list[ProcessGroup | None] = []
+        for dim in range(self.mesh.ndim):
+            lines = np.moveaxis(self.mesh, dim, -1).reshape(-1, self.mesh.shape[dim]).tolist()
+            name = self.mesh_dim_names[dim] if self.mesh_dim_names else str(dim)
+            pg = _world.split_group(None, split_ranks=lines, group_desc=f"mesh_{name}")
+            groups.append(pg)
+        return groups
+
+    @staticmethod
+    def from_group(group: ProcessGroup | Sequence[ProcessGroup], device_type: str, mesh: Any = None, *,
+                   mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
+        """A mesh over existing groups (no new groups are made).
+
+        Args:
+            group: one group (a 1-d mesh of its ranks) or one group per dimension.
+            device_type: ``"cpu"`` or ``"cuda"``.
+            mesh: the global ranks' layout; required with a list of groups, where
+                group ``i`` must be this rank's line along dimension ``i``.
+            mesh_dim_names: names of the dimensions.
+
+        Raises:
+            ValueError: ``mesh`` missing or inconsistent with the groups.
+        """
+        if isinstance(group, ProcessGroup):
+            ranks = list(group.global_ranks)
+            if mesh is not None and np.array(mesh).ravel().tolist() != ranks:
+                raise ValueError(f"mesh {np.array(mesh).tolist()} must list the group's ranks {ranks}")
+            return DeviceMesh(device_type, ranks, mesh_dim_names=mesh_dim_names, _groups=[group])
+        groups = list(group)
+        if mesh is None:
+            raise ValueError("mesh is required when from_group is given a list of groups")
+        out = DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names, _groups=groups)
+        if len(groups) != out.ndim:
+            raise ValueError(f"from_group needs one group per mesh dimension ({out.ndim}); got {len(groups)}")
+        for dim, pg in enumerate(groups):
+            want = out._line(dim)
+            if want is not None and list(pg.global_ranks) != want:
+                raise ValueError(f"group {dim} ({pg.group_name!r}) has ranks {list(pg.global_ranks)} but this "
+                                 f"rank's line along dimension {dim} of the mesh is {want}")
+        return out
+
+    # ----- shape -----
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The mesh's shape."""
+        return tuple(int(s) for s in self.mesh.shape)
+
+    @property
+    def ndim(self) -> int:
+        """Number of mesh dimensions."""
+        return int(self.mesh.ndim)
+
+    def size(self, mesh_dim: int | str | None = None) -> int:
+        """Number of ranks in the mesh, or along ``mesh_dim``."""
+        if mesh_dim is None:
+            return int(self.mesh.size)
+        return self.shape[self._dim(mesh_dim)]
+
+    def _dim(self, mesh_dim: int | str | None) -> int:
+        if mesh_dim is None:
+            if self.ndim > 1:
+                raise RuntimeError(f"this DeviceMesh has {self.ndim} dimensions; pass mesh_dim (or use "
+                                   "get_all_groups() for every dimension's group)")
+            return 0
+        if isinstance(mesh_dim, str):
+            if not self.mesh_dim_names or mesh_dim not in self.mesh_dim_names:
+                raise KeyError(f"mesh_dim {mesh_dim!r} is not a dimension of this mesh; its names are "
+                               f"{list(self.mesh_dim_names or ())}")
+            return self.mesh_dim_names.index(mesh_dim)
+        if isinstance(mesh_dim, bool) or not isinstance(mesh_dim, int) or not -self.ndim <= mesh_dim < self.ndim:
+            raise ValueError(f"mesh_dim must be a dimension name or an int in [0, {self.ndim}); got {mesh_dim!r}")
+        return mesh_dim % self.ndim
+
+    def _line(self, dim: int) -> list[int] | None:
+        if self._coordinate is None:
+            return None
+        index: list[Any] = list(self._coordinate)
+        index[dim] = slice(None)
+        return [int(r) for r in self.mesh[tuple(index)].tolist()]
+
+    # ----- groups and coordinates -----
+    def get_group(self, mesh_dim: int | str | None = None) -> ProcessGroup:
+        """This rank's group along ``mesh_dim`` (optional on a 1-d mesh).
+
+        Raises:
+            RuntimeError: this rank is not in the mesh, or ``mesh_dim`` is missing on an n-d mesh.
+        """
+        dim = self._dim(mesh_dim)
+        pg = self._groups[dim]
+        if pg is None:
+            raise RuntimeError(f"rank {self._rank} is not in this DeviceMesh {self.mesh.tolist()}")
+        return pg
+
+    def get_all_groups(self) -> list[ProcessGroup]:
+        """This rank's group along each dimension, in dimension order."""
+        return [self.get_group(d) for d in range(self.ndim)]
+
+    def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
+        """This rank's coordinate along ``mesh_dim`` (= its rank in that dimension's group)."""
+        dim = self._dim(mesh_dim)
+        if self._coordinate is None:
+            raise RuntimeError(f"rank {self._rank} is not in this DeviceMesh {self.mesh.tolist()}")
+        return self._coordinate[dim]
+
+    def get_rank(self) -> int:
+        """This process's global rank."""
+        return self._rank
+
+    def get_coordinate(self) -> tuple[int, ...] | None:
+        """This rank's coordinates in the mesh (a tuple, as torch 2.13 returns), or None
+        if it is not in it."""
+        return self._coordinate
+
+    # ----- sub-meshes -----
+    def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
+        """The sub-mesh over the named dimensions (in the mesh's order) that holds this rank.
+
+        Raises:
+            KeyError: unknown names, or names out of the mesh's order.
+        """
+        wanted = (names,) if isinstance(names, str) else tuple(names)
+        if not self.mesh_dim_names:
+            raise RuntimeError("this DeviceMesh has no mesh_dim_names; sub-meshes are selected by name")
+        unknown = [n for n in wanted if n not in self.mesh_dim_names]
+        if unknown or not wanted:
+            raise KeyError(f"invalid mesh_dim_names {wanted!r}; this mesh's are {list(self.mesh_dim_names)}")
+        dims = [self.mesh_dim_names.index(n) for n in wanted]
+        if dims != sorted(dims) or len(set(dims)) != len(dims):
+            raise KeyError(f"mesh_dim_names {wanted!r} must be distinct and in the mesh's order "
+                           f"{list(self.mesh_dim_names)}")
+        if wanted == self.mesh_dim_names:
+            return self
+        if self._coordinate is None:
+            raise RuntimeError(f"rank {self._rank} is not in this DeviceMesh {self.mesh.tolist()}")
+        index = tuple(slice(None) if d in dims else self._coordinate[d] for d in range(self.ndim))
+        return DeviceMesh(self.device_type, self.mesh[index], mesh_dim_names=wanted,
+                          _groups=[self._groups[d] for d in dims])
+
+    # ----- identity -----
+    def __repr__(self) -> str:
+        dims = ", ".join(f"{n}={s}" for n, s in zip(self.mesh_dim_names, self.shape)) if self.mesh_dim_names \
+            else ", ".join(map(str, self.shape))
+        return f"DeviceMesh(({dims}), {self.device_type!r}, mesh={self.mesh.tolist()})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DeviceMesh):
+            return NotImplemented
+        return (self.device_type == other.device_type and self.mesh_dim_names == other.mesh_dim_names
+                and self.shape == other.shape and bool(np.array_equal(self.mesh, other.mesh)))
+
+    def __hash__(self) -> int:
+        return hash((self.device_type, self.mesh_dim_names, self.shape, tuple(self.mesh.ravel().tolist())))
+
+
+def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
+                     mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
+    """Lay the default group's ranks out in ``mesh_shape`` (row-major) and make a group per dimension.
+
+    Initializes the default group first if needed (``init_process_group`` with the
+    backend for ``device_type`` and the environment's rendezvous). Every rank must call it.
+
+    Args:
+        device_type: ``"cuda"`` (NCCL groups, split from the default group's
+            communicator) or ``"cpu"``.
+        mesh_shape: the mesh's shape; its product must be the world size.
+        mesh_dim_names: one unique name per dimension (for ``mesh["dp"]``, ``get_group("dp")``).
+
+    Raises:
+        ValueError: the shape does not multiply to the world size, bad names or device type.
+
+    Example:
+        >>> mesh = gpucoll.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        >>> mesh.get_coordinate()             # on rank 3: [1, 1]
+    """
+    kind = _check_device_type(device_type)
+    if isinstance(mesh_shape, int) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1
+                                              for s in mesh_shape):
+        raise ValueError(f"mesh_shape must be a tuple of ints >= 1; got {mesh_shape!r}")
+    shape = tuple(mesh_shape)
+    if not shape:
+        raise ValueError("mesh_shape must have at least one dimension")
+    _check_names(mesh_dim_names, len(shape))
+    try:
+        default = _world.default_group()
+    except RuntimeError:  # not initialized: join the job as torch does
+        _world.init_process_group("nccl" if kind == "cuda" else "cpu")
+        default = _world.default_group()
+    if kind == "cuda" and default.backend_name != "nccl":
+        raise ValueError(f"device_type='cuda' needs an NCCL default group; this one uses {default.backend_name!r} "
+                         "(init_process_group('nccl'))")
+    total = int(np.prod(shape))
+    if total != default.size():
+        raise ValueError(f"mesh_shape {shape} holds {total} ranks but the world size is {default.size()}")
+    return DeviceMesh(kind, np.arange(total).reshape(shape), mesh_dim_names=mesh_dim_names)
