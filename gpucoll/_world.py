@@ -10,7 +10,6 @@ groups made since (so that ``destroy_process_group()`` can tear them all down).
 from __future__ import annotations
 
 import os
-import urllib.parse
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Sequence
@@ -19,7 +18,8 @@ from ._timeouts import to_seconds
 from ._group import GroupMember, ProcessGroup, nccl_usable, normalize_backend
 from ._group.gpu_check import require_nccl
 from ._group.join import await_all_joined
-from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
+from ._rendezvous import rendezvous
+from .store import HashStore, PrefixStore, Store
 
 __all__ = [
     "init_process_group", "destroy_process_group", "is_initialized", "is_available", "is_nccl_available",
@@ -150,7 +150,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
             raise TypeError(f"store must be a gpucoll Store; got {type(store).__name__}")
         owns = False
     else:
-        store, rank, world_size = _rendezvous(init_method or "env://", rank, world_size, seconds)
+        store, rank, world_size = rendezvous(init_method or "env://", rank, world_size, seconds)
         owns = True
     if not 0 <= rank < world_size:
         if owns:
@@ -183,96 +183,6 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         raise
     _WORLD = world
     GroupMember._world = pg
-
-
-def _rendezvous(init_method: str, rank: int, world_size: int, timeout: float) -> tuple[Store, int, int]:
-    if not isinstance(init_method, str):
-        raise TypeError(f"init_method must be a str URL; got {type(init_method).__name__}")
-    url = urllib.parse.urlparse(init_method)
-    token = os.environ.get("GPUCOLL_STORE_TOKEN") or None
-    if url.scheme == "env":
-        if init_method.strip().lower() != "env://":
-            raise ValueError(f"init_method={init_method!r} is not a rendezvous URL; did you mean 'env://' "
-                             "(RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from the environment)?")
-        return _env_rendezvous(rank, world_size, timeout, token)
-    if url.scheme == "tcp":
-        if world_size < 1 or rank < 0:
-            raise ValueError(f"init_method={init_method!r} needs rank and world_size; got rank={rank}, "
-                             f"world_size={world_size}")
-        host, port = url.hostname, url.port
-        if not host or port is None:
-            raise ValueError(f"init_method must look like tcp://host:port; got {init_method!r}")
-        return _tcp_store(host, port, rank, world_size, False, timeout, token), rank, world_size
-    if url.scheme == "file":
-        if world_size < 1 or rank < 0:
-            raise ValueError(f"init_method={init_method!r} needs rank and world_size; got rank={rank}, "
-                             f"world_size={world_size}")
-        path = urllib.parse.unquote(url.path)
-        if not path:
-            raise ValueError(f"init_method must look like file:///path/to/file; got {init_method!r}")
-        return FileStore(path, world_size, timeout=timeout), rank, world_size
-    raise ValueError(f"init_method must start with env://, tcp:// or file://; got {init_method!r}")
-
-
-def _env_rendezvous(rank: int, world_size: int, timeout: float, token: str | None) -> tuple[Store, int, int]:
-    try:
-        from .clusters import detect
-    except ImportError:  # pragma: no cover - the package always ships clusters
-        detect = None  # type: ignore[assignment]
-    env = detect() if detect is not None else None
-    hosted = False
-    if env is not None:
-        rank = env.rank if rank < 0 else rank
-        world_size = env.world_size if world_size < 1 else world_size
-        addr, port, hosted = env.master_addr, env.master_port, env.store_hosted
-    else:
-        addr = os.environ.get("MASTER_ADDR", "")
-        raw_port = os.environ.get("MASTER_PORT", "")
-        missing = [n for n, v in (("MASTER_ADDR", addr), ("MASTER_PORT", raw_port)) if not v]
-        if rank < 0:
-            missing.append("RANK")
-        if world_size < 1:
-            missing.append("WORLD_SIZE")
-        if missing:
-            raise ValueError(_env_missing_message(missing, world_size))
-        try:
-            port = int(raw_port)
-        except ValueError:
-            raise ValueError(f"MASTER_PORT must be an integer; got {raw_port!r}") from None
-    store = _tcp_store(addr, port, rank, world_size, hosted, timeout, token)
-    # -- torchrun (begin) ----------------------------------------------------------------
-    # torchrun's agent store outlives a restart of its workers: each attempt gets its own
-    # namespace so that restarted workers never read the previous attempt's keys.
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "").strip()
-    if hosted and restart and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        store = PrefixStore(f"gpucoll/attempt{restart}", store, owns_store=True)
-    # -- torchrun (end) ------------------------------------------------------------------
-    return store, rank, world_size
-
-
-def _env_missing_message(missing: list[str], world_size: int) -> str:
-    """What env:// lacks, and only the remedies that apply to what was passed."""
-    text = f"init_method='env://' needs {', '.join(missing)} in the environment"
-    passable = [m for m in missing if m in ("RANK", "WORLD_SIZE")]
-    if passable:
-        text += " (or pass " + " and ".join(f"{m.lower()}=" for m in passable) + ")"
-    text += "; launchers set them all: gpucoll-run, torchrun, srun, mpirun"
-    if world_size == 1:
-        text += ("; a single process needs no environment with init_method='tcp://127.0.0.1:0', "
-                 "rank=0, world_size=1")
-    return text
-
-
-def _tcp_store(host: str, port: int, rank: int, world_size: int, hosted: bool, timeout: float,
-               token: str | None) -> Store:
-    if hosted:
-        return TCPStore(host, port, world_size, is_master=False, timeout=timeout, token=token)
-    if port == 0 and world_size > 1:
-        raise ValueError("MASTER_PORT=0 needs a launcher that hosts the store (GPUCOLL_STORE_HOSTED=1): with "
-                         "rank 0 as the server, the other ranks cannot learn the port it picks. Set a port")
-    # wait_for_workers=False: await_all_joined counts the ranks on every rank, not on rank 0 only.
-    return TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout, token=token,
-                    wait_for_workers=False)
 
 
 def _device_index(device_id: Any) -> int | None:

@@ -96,7 +96,7 @@ def call_site() -> str:
     import sys
 
     frame = sys._getframe(1)
-    package = os.path.dirname(os.path.abspath(__file__))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
     while frame is not None and frame.f_code.co_filename.startswith(package):
         frame = frame.f_back  # type: ignore[assignment]
     if frame is None:

@@ -8,20 +8,10 @@ CuPy upgrade.
 
 from __future__ import annotations
 
-import glob
-import sys
-
+from .._backends.devices import no_gpu_reason
 from ..errors import BackendUnavailableError
 
-__all__ = ["no_gpu_reason", "require_nccl"]
-
-
-def no_gpu_reason() -> str | None:
-    """"no /dev/nvidia* device" on a Linux machine without NVIDIA device nodes, else None.
-    Loads nothing (no CuPy, no CUDA driver)."""
-    if sys.platform.startswith("linux") and not glob.glob("/dev/nvidia[0-9]*"):
-        return "this machine has no /dev/nvidia* device (no NVIDIA GPU, or none passed into this container)"
-    return None
+__all__ = ["require_nccl"]
 
 
 def require_nccl() -> None:

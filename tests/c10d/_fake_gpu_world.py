@@ -13,7 +13,7 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
-from gpucoll.backends.nccl import NCCLBackend
+from gpucoll._backends.nccl.backend import NCCLBackend
 from gpucoll.store import HashStore, PrefixStore
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -48,9 +48,9 @@ def run_fake_gpu_worlds(size: int, body: Callable[[Any, FakeRuntime, int], Any],
                         *, timeout: float = 10.0, **runtime_kw: Any) -> list[Any]:
     """Run ``body(world_module, runtime, rank)`` on ``size`` threads named ``rank<N>``, each
     with its own default group; fail with every rank's traceback, or if one hangs."""
-    from gpucoll import group as group_mod
-    from gpucoll import world as world_mod
-    from gpucoll.group import ProcessGroup
+    from gpucoll._group import registry as group_mod
+    from gpucoll import _world as world_mod
+    from gpucoll._group import ProcessGroup
 
     fabric = FakeFabric(hang_limit=30.0)
     store = HashStore(timeout=30.0)

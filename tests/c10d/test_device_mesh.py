@@ -122,10 +122,10 @@ def _errors_and_from_group() -> dict[str, Any]:
         mesh["xx"]
     assert mesh["dp", "tp"] is mesh
     # from_group: one group -> 1-d mesh; a list of groups + the layout -> n-d mesh, no new groups
-    made = len(gpucoll.world._world().groups)
+    made = len(gpucoll._world._world().groups)
     one = gpucoll.DeviceMesh.from_group(mesh.get_group("tp"), "cpu", mesh_dim_names=("tp",))
     again = gpucoll.DeviceMesh.from_group(mesh.get_all_groups(), "cpu", mesh=mesh.mesh, mesh_dim_names=("dp", "tp"))
-    assert len(gpucoll.world._world().groups) == made
+    assert len(gpucoll._world._world().groups) == made
     assert again == mesh and hash(again) == hash(mesh) and one == mesh["tp"]
     with pytest.raises(ValueError, match="line along dimension 0"):
         gpucoll.DeviceMesh.from_group(mesh.get_all_groups()[::-1], "cpu", mesh=mesh.mesh)
