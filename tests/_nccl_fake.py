@@ -40,18 +40,10 @@ import numpy as np
 from gpucoll._buffer import Buffer, Device, DType
 from gpucoll._backends.nccl.lib import Features
 
+from _reference import np_dtype
+
 NP_OF_NCCL = {0: "int8", 1: "uint8", 2: "int32", 3: "uint32", 4: "int64", 5: "uint64",
               6: "float16", 7: "float32", 8: "float64", 9: "bfloat16", 10: "float8_e4m3fn", 11: "float8_e5m2"}
-
-
-def np_dtype(name: str) -> np.dtype[Any]:
-    try:
-        return np.dtype(name)
-    except TypeError:
-        import ml_dtypes
-
-        found: np.dtype[Any] = np.dtype(getattr(ml_dtypes, name))
-        return found
 
 
 class FakeError(RuntimeError):

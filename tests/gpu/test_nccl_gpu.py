@@ -14,19 +14,17 @@ their environment (NCCL_MULTI_RANK_GPU_ENABLE) must be in place before NCCL star
 from __future__ import annotations
 
 import os
-import sys
 import time
 from typing import Any
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _nccl_reference import DTYPE_NAMES, OPS, close, defined, make_input, np_dtype, reference  # noqa: E402
+from _reference import DTYPE_NAMES, OPS, close, defined, make_input, np_dtype, reference
 
-from gpucoll._buffer import DTYPES  # noqa: E402
-from gpucoll._reduce_op import ReduceOp, make_premul_sum  # noqa: E402
-from gpucoll.testing import run_spmd  # noqa: E402
+from gpucoll._buffer import DTYPES
+from gpucoll._reduce_op import ReduceOp, make_premul_sum
+from gpucoll.testing import run_spmd
 
 pytestmark = pytest.mark.gpu
 

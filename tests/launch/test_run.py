@@ -27,7 +27,7 @@ from gpucoll._launch.output import OutputPump
 from gpucoll._launch.summary import RankExit, describe_code, failure_summary, launcher_exit_code, root_cause
 from gpucoll.run import _parser, build_config, main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # -- configuration ---------------------------------------------------------------------

@@ -19,7 +19,7 @@ import pytest
 
 from gpucoll.clusters.base import SCHEDULER_PORT_BASE, SCHEDULER_PORT_SPAN
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun (Open MPI) is not installed")
 

@@ -1,8 +1,8 @@
-"""Reference reductions in NumPy for the NCCL backend's tests (CPU fake and GPU).
+"""The one reduction oracle of the tests (CPU backend, process groups, NCCL on the fake
+GPU and on a real one), and the one dtype-name -> NumPy dtype helper.
 
-Independent of the backend: the expected result of every (dtype, op) is computed
-here from its definition (docs/nccl-backend.md, "Reductions"), folding the ranks'
-inputs in rank order, in a wide type for floats.
+Independent of the library: the expected result of every (dtype, op) is computed here
+from its definition (docs/nccl-backend.md and docs/cpu-backend.md, "Reductions").
 """
 
 from __future__ import annotations
@@ -66,40 +66,51 @@ def make_input(name: str, n: int, rank: int, salt: int = 0) -> np.ndarray:
     return out
 
 
-def reference(ins: list[np.ndarray], name: str, op: Any, size: int) -> np.ndarray:
-    """The reduction of ``ins`` (rank order) by ``op`` as ``name`` defines it."""
-    dt = np_dtype(name)
-    out: np.ndarray
-    fn: Any
-    kind = DTYPES[name].kind
+LOW_PRECISION = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+
+
+def as_op(op: Any) -> Any:
+    """``op`` as a ReduceOp or a premultiplied sum; a name is looked up in ReduceOp, and
+    "PREMUL_SUM" stands for ``make_premul_sum(0.5)``."""
+    if isinstance(op, str):
+        return make_premul_sum(0.5) if op == "PREMUL_SUM" else ReduceOp[op]
+    return op
+
+
+def reference(ins: list[np.ndarray], name: str, op: Any, size: int | None = None) -> np.ndarray:
+    """The reduction of ``ins`` by ``op`` as the docs define it: a fold in rank order.
+
+    Low-precision floats accumulate in float32 and are rounded once at the end; every
+    other type accumulates in itself (integers wrap); bool folds logically (SUM/MAX/BOR
+    are "or", PRODUCT/MIN/BAND "and", BXOR "xor"); AVG divides by ``size`` (default
+    ``len(ins)``), truncating toward zero for integers, as C does; PREMUL_SUM scales every
+    input by the factor first. The CPU backend promises this bit for bit; the NCCL
+    backend within :func:`close`'s tolerance (its order of summation is a ring's).
+    """
+    op = as_op(op)
     base = op if isinstance(op, ReduceOp) else op.op
-    stack = np.stack(ins)
-    if kind == "b":
-        fn = {ReduceOp.SUM: np.logical_or, ReduceOp.MAX: np.logical_or, ReduceOp.BOR: np.logical_or,
-              ReduceOp.PRODUCT: np.logical_and, ReduceOp.MIN: np.logical_and, ReduceOp.BAND: np.logical_and,
-              ReduceOp.BXOR: np.logical_xor}[base]
-        out = fn.reduce(stack, axis=0)
-        return out
-    if kind in "iu":
-        if base is ReduceOp.PREMUL_SUM:
-            stack = np.multiply(stack, np.asarray(int(op.factor)).astype(dt), dtype=dt)
-            base = ReduceOp.SUM
-        fn = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PRODUCT: np.multiply, ReduceOp.MIN: np.minimum,
-              ReduceOp.MAX: np.maximum, ReduceOp.BAND: np.bitwise_and, ReduceOp.BOR: np.bitwise_or,
-              ReduceOp.BXOR: np.bitwise_xor}[base]
-        out = fn.reduce(stack, axis=0, dtype=dt)
-        if base is ReduceOp.AVG:  # truncate toward zero, as C does
-            out = np.array([(abs(int(v)) // size) * (1 if v >= 0 else -1) for v in out]).astype(dt)
-        return out
-    wide = stack.astype(np.complex128 if kind == "c" else np.float64)
+    n = len(ins) if size is None else size
+    dt = np_dtype(name)
+    acc_t = np.dtype(np.float32) if name in LOW_PRECISION else dt
+    vals = [np.asarray(x).astype(acc_t) for x in ins]
     if base is ReduceOp.PREMUL_SUM:
-        wide, base = wide * op.factor, ReduceOp.SUM
-    fn = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PRODUCT: np.multiply,
-          ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}[base]
-    out = fn.reduce(wide, axis=0)
+        # An integral factor for integer types, wrapped into the type as NCCL's scalar is.
+        factor = np.asarray(int(op.factor)).astype(acc_t) if acc_t.kind in "iu" else acc_t.type(op.factor)
+        vals = [np.multiply(v, factor, dtype=acc_t) for v in vals]
+        base = ReduceOp.SUM
+    fn: Any = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PRODUCT: np.multiply,
+               ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum, ReduceOp.BAND: np.bitwise_and,
+               ReduceOp.BOR: np.bitwise_or, ReduceOp.BXOR: np.bitwise_xor}[base]
+    acc = vals[0].copy()
+    for v in vals[1:]:
+        acc = fn(acc, v).astype(acc_t)
     if base is ReduceOp.AVG:
-        out = out / size
-    return out.astype(dt)
+        if acc_t.kind in "iu":
+            acc = np.where(acc < 0, -((-acc) // n), acc // n).astype(acc_t)
+        else:
+            acc = (acc / acc_t.type(n)).astype(acc_t)
+    out: np.ndarray = acc.astype(dt)
+    return out
 
 
 def close(got: np.ndarray, want: np.ndarray, name: str) -> bool:

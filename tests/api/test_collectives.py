@@ -7,17 +7,15 @@ per size runs all the checks (process start is the expensive part).
 
 from __future__ import annotations
 
-import os
-import sys
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
 
 from gpucoll.testing import run_spmd
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _fake_arrays import FakeCudaArray  # noqa: E402
+from _fake_arrays import FakeCudaArray
+from _reference import np_dtype, reference
 
 DTYPE_NAMES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
                "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
@@ -25,12 +23,6 @@ DTYPE_NAMES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "ui
 OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"]
 RTOL = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-6, "float64": 1e-12, "complex64": 1e-6,
         "complex128": 1e-12, "float8_e4m3fn": 0.07, "float8_e5m2": 0.13}
-
-
-def np_dtype(name: str) -> np.dtype[Any]:
-    from gpucoll._buffer import DTYPES
-
-    return DTYPES[name].numpy()
 
 
 def kind(name: str) -> str:
@@ -64,36 +56,6 @@ def make(name: str, shape: tuple[int, ...], rank: int, case: int) -> np.ndarray:
     if k == "c":
         return (ints + 1j * rng.integers(-2, 3, shape)).astype(np_dtype(name))
     return ints.astype(np_dtype(name))
-
-
-def reference(arrays: list[np.ndarray], op: str, name: str) -> np.ndarray:
-    dt = np_dtype(name)
-    k = kind(name)
-    n = len(arrays)
-    if k == "b":
-        stack = np.stack(arrays)
-        fold = {"SUM": np.any, "MAX": np.any, "BOR": np.any, "PRODUCT": np.all, "MIN": np.all,
-                "BAND": np.all}
-        if op == "BXOR":
-            return (stack.sum(axis=0) % 2).astype(bool)
-        return fold[op](stack, axis=0)
-    if k in "iu":
-        stack = np.stack(arrays)
-        if op == "SUM":
-            return np.add.reduce(stack, axis=0, dtype=dt)
-        if op == "PRODUCT":
-            return np.multiply.reduce(stack, axis=0, dtype=dt)
-        if op == "AVG":
-            total = stack.astype(np.int64).sum(axis=0)
-            return (np.trunc(total / n)).astype(dt)  # truncation toward zero, as in C and NCCL
-        ufunc = {"MIN": np.minimum, "MAX": np.maximum, "BAND": np.bitwise_and, "BOR": np.bitwise_or,
-                 "BXOR": np.bitwise_xor}[op]
-        return ufunc.reduce(stack, axis=0)
-    wide = np.stack([a.astype(np.complex128 if k == "c" else np.float64) for a in arrays])
-    out = {"SUM": lambda s: s.sum(axis=0), "AVG": lambda s: s.sum(axis=0) / n,
-           "PRODUCT": lambda s: s.prod(axis=0), "MIN": lambda s: s.min(axis=0),
-           "MAX": lambda s: s.max(axis=0), "PREMUL_SUM": lambda s: (0.5 * s).sum(axis=0)}[op](wide)
-    return out.astype(dt)
 
 
 def check(got: np.ndarray, want: np.ndarray, name: str, what: str) -> None:
@@ -130,7 +92,7 @@ def reductions_body() -> int:
                 continue
             op = op_of(opname)
             inputs = [make(name, shape, q, case) for q in range(n)]
-            want = reference(inputs, opname, name)
+            want = reference(inputs, name, opname)
             what = f"{opname} {name} n={n}"
 
             x = inputs[r].copy()
@@ -151,11 +113,11 @@ def reductions_body() -> int:
             pair = [inputs[r].copy(), inputs[r][:1].copy()]
             gpucoll.all_reduce_coalesced(pair, op=op)
             check(pair[0], want, name, "all_reduce_coalesced[0] " + what)
-            check(pair[1], reference([a[:1] for a in inputs], opname, name), name, "all_reduce_coalesced[1] " + what)
+            check(pair[1], reference([a[:1] for a in inputs], name, opname), name, "all_reduce_coalesced[1] " + what)
 
             # reduce_scatter: rank q's input is n chunks shaped like `shape`
             big = [np.concatenate([make(name, shape, q, case * 7 + c) for c in range(n)]) for q in range(n)]
-            want_rs = reference([b[r * 3:(r + 1) * 3] for b in big], opname, name)
+            want_rs = reference([b[r * 3:(r + 1) * 3] for b in big], name, opname)
             out = np.empty(shape, np_dtype(name))
             gpucoll.reduce_scatter_single(out, big[r], op=op)
             check(out, want_rs, name, "reduce_scatter_single " + what)
@@ -338,15 +300,15 @@ def test_point_to_point_and_coalescing(world_size: int) -> None:
 def test_reference_is_independent() -> None:
     """The reference itself, on cases worked out by hand."""
     a, b = np.array([1, -2], np.int8), np.array([3, 3], np.int8)
-    assert reference([a, b], "SUM", "int8").tolist() == [4, 1]
-    assert reference([a, b], "AVG", "int8").tolist() == [2, 0]  # -2+3=1, 1/2 truncates to 0
-    assert reference([np.array([-3], np.int8), np.array([0], np.int8)], "AVG", "int8").tolist() == [-1]
-    assert reference([a, b], "BXOR", "int8").tolist() == [1 ^ 3, -2 ^ 3]
+    assert reference([a, b], "int8", "SUM").tolist() == [4, 1]
+    assert reference([a, b], "int8", "AVG").tolist() == [2, 0]  # -2+3=1, 1/2 truncates to 0
+    assert reference([np.array([-3], np.int8), np.array([0], np.int8)], "int8", "AVG").tolist() == [-1]
+    assert reference([a, b], "int8", "BXOR").tolist() == [1 ^ 3, -2 ^ 3]
     t, f = np.array([True, False]), np.array([True, True])
-    assert reference([t, f], "SUM", "bool").tolist() == [True, True]
-    assert reference([t, f], "PRODUCT", "bool").tolist() == [True, False]
-    assert reference([t, f], "BXOR", "bool").tolist() == [False, True]
-    assert reference([np.array([2.0]), np.array([4.0])], "PREMUL_SUM", "float32").tolist() == [3.0]
+    assert reference([t, f], "bool", "SUM").tolist() == [True, True]
+    assert reference([t, f], "bool", "PRODUCT").tolist() == [True, False]
+    assert reference([t, f], "bool", "BXOR").tolist() == [False, True]
+    assert reference([np.array([2.0]), np.array([4.0])], "float32", "PREMUL_SUM").tolist() == [3.0]
 
 
 # ----- the device path, with a host stand-in for NCCL -----

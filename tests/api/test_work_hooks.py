@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -20,8 +19,7 @@ from gpucoll.store import HashStore
 from gpucoll.testing import run_spmd
 from gpucoll._work import Work, WorkInfo
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _fake_arrays import FakeCudaArray  # noqa: E402
+from _fake_arrays import FakeCudaArray
 
 
 def wait_for(pred: Callable[[], bool], timeout: float = 10.0) -> None:

@@ -14,8 +14,7 @@ import gpucoll
 from gpucoll.store import HashStore
 from gpucoll.testing import run_spmd
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _fake_arrays import FakeCudaArray  # noqa: E402
+from _fake_arrays import FakeCudaArray
 
 
 @pytest.fixture

@@ -18,6 +18,8 @@ import pytest
 
 from gpucoll.testing import run_spmd
 
+from _reference import np_dtype, reference
+
 LOW = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
           "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
@@ -26,12 +28,6 @@ OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM
 
 
 # ----- helpers used inside the ranks -----
-
-def _np_dtype(name: str) -> np.dtype[Any]:
-    from gpucoll._buffer import dtype_by_name
-
-    return dtype_by_name(name).numpy()
-
 
 def buf(a: np.ndarray[Any, Any]) -> Any:
     """A Buffer over a NumPy array (the array layer's job, done by hand here)."""
@@ -58,7 +54,7 @@ def make_backend(name: str, *, transport: str = "auto", timeout: float = 30.0) -
 def data(rank: int, n: int, dtype: str, case: int, op: str = "SUM") -> np.ndarray[Any, Any]:
     """Rank ``rank``'s deterministic input: small values, so integer folds do not overflow."""
     rng = np.random.default_rng([rank, case, n])
-    dt = _np_dtype(dtype)
+    dt = np_dtype(dtype)
     if dtype == "bool":
         return rng.integers(0, 2, n).astype(bool)
     if dt.kind in "iu":
@@ -72,31 +68,13 @@ def data(rank: int, n: int, dtype: str, case: int, op: str = "SUM") -> np.ndarra
     return vals.astype(dt)
 
 
-def ref_reduce(parts: list[np.ndarray[Any, Any]], op: str, factor: float = 0.5) -> np.ndarray[Any, Any]:
-    """The documented reduction, written with plain NumPy: a rank-order fold."""
-    dt = parts[0].dtype
-    acc_t = np.dtype(np.float32) if dt.name in LOW else dt
-    vals = [p.astype(acc_t) for p in parts]
-    if op == "PREMUL_SUM":
-        vals = [v * acc_t.type(factor) for v in vals]
-    fn = {"SUM": np.add, "AVG": np.add, "PREMUL_SUM": np.add, "PRODUCT": np.multiply,
-          "MIN": np.minimum, "MAX": np.maximum, "BAND": np.bitwise_and, "BOR": np.bitwise_or,
-          "BXOR": np.bitwise_xor}[op]
-    acc = vals[0].copy()
-    for v in vals[1:]:
-        acc = fn(acc, v).astype(acc_t)
-    if op == "AVG":
-        n = len(parts)
-        if acc_t.kind in "iu":
-            acc = np.where(acc < 0, -((-acc) // n), acc // n).astype(acc_t)
-        else:
-            acc = (acc / acc_t.type(n)).astype(acc_t)
-    out: np.ndarray[Any, Any] = acc.astype(dt)
-    return out
+def ref_reduce(parts: list[np.ndarray[Any, Any]], op: str) -> np.ndarray[Any, Any]:
+    """The one oracle (tests/_reference.py), which the CPU backend meets bit for bit."""
+    return reference(parts, parts[0].dtype.name, op)
 
 
 def valid(op: str, dtype: str) -> bool:
-    kind = _np_dtype(dtype).kind
+    kind = np_dtype(dtype).kind
     if op in ("BAND", "BOR", "BXOR"):
         return kind in "biu"
     if op in ("MIN", "MAX"):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import array as pyarray
 import ctypes
 import gc
-import os
 import sys
 from typing import Any
 
@@ -23,14 +22,10 @@ from gpucoll._buffer import DTYPES, Buffer, Device
 from gpucoll.array import (NotContiguousError, as_buffer, copy_buffer, host_ndarray, is_device_array,
                            new_output, split_buffer, to_caller_type)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _fake_arrays import FakeCudaArray  # noqa: E402
+from _fake_arrays import FakeCudaArray
+from _reference import np_dtype
 
 NUMPY_DTYPES = [n for n in DTYPES]
-
-
-def _np_dtype(name: str) -> np.dtype[Any]:
-    return DTYPES[name].numpy()
 
 
 class FakeDLPackCuda:
@@ -61,7 +56,7 @@ class FakeDLPackCpu(FakeDLPackCuda):
 
 @pytest.mark.parametrize("name", NUMPY_DTYPES)
 def test_numpy_every_dtype(name: str) -> None:
-    a = np.zeros((2, 3), _np_dtype(name))
+    a = np.zeros((2, 3), np_dtype(name))
     buf = as_buffer(a, writable=True)
     assert buf.ptr == a.ctypes.data
     assert buf.nbytes == a.nbytes == 6 * DTYPES[name].itemsize
@@ -170,7 +165,7 @@ def test_cai_readonly() -> None:
 
 @pytest.mark.parametrize("name", ["bfloat16", "float8_e4m3fn", "float8_e5m2"])
 def test_cai_opaque_typestr_uses_dtype_attribute(name: str) -> None:
-    a = np.zeros(4, _np_dtype(name))
+    a = np.zeros(4, np_dtype(name))
     assert a.dtype.str[1:] in ("V2", "V1", "f1")  # no typestr of their own
     buf = as_buffer(FakeCudaArray(a))
     assert buf.dtype.name == name and buf.nbytes == 4 * a.itemsize
@@ -274,7 +269,7 @@ def test_dlpack_read_only_flag_of_versioned_capsule() -> None:
 
 @pytest.mark.parametrize("name", [n for n in NUMPY_DTYPES if n not in ("bfloat16", "float8_e4m3fn", "float8_e5m2")])
 def test_dlpack_cpu_every_numpy_dtype(name: str) -> None:
-    a = np.ones(5, _np_dtype(name))
+    a = np.ones(5, np_dtype(name))
     buf = as_buffer(FakeDLPackCpu(a), writable=True)
     assert not buf.is_cuda and buf.dtype.name == name and buf.ptr == a.ctypes.data
     view = host_ndarray(buf)
@@ -321,7 +316,7 @@ def test_jax_arrays_are_read_only_and_zero_copy() -> None:
 @pytest.mark.parametrize("name", ["bfloat16", "float8_e4m3fn", "float8_e5m2"])
 def test_jax_low_precision_through_dlpack(name: str) -> None:
     jnp = pytest.importorskip("jax.numpy")
-    x = jnp.asarray(np.array([1, 2, -1], _np_dtype(name)))
+    x = jnp.asarray(np.array([1, 2, -1], np_dtype(name)))
     buf = as_buffer(x)
     assert buf.dtype.name == name
     np.testing.assert_array_equal(host_ndarray(buf).astype(np.float32), [1, 2, -1])
@@ -360,7 +355,7 @@ def test_to_caller_type_numpy_and_buffer_protocol() -> None:
 def test_to_caller_type_jax(name: str) -> None:
     jax = pytest.importorskip("jax")
     like = jax.numpy.zeros(2, dtype=name)
-    result = np.arange(3).astype(_np_dtype(name))
+    result = np.arange(3).astype(np_dtype(name))
     out = to_caller_type(result, like, DTYPES[name])
     assert isinstance(out, jax.Array)
     assert out.dtype == like.dtype
