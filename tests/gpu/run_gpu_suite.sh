@@ -63,7 +63,7 @@ if [[ "$PARTS" == *" gpu "* ]]; then
 fi
 if [[ "$PARTS" == *" cpu "* ]]; then
   # The NCCL CPU-side tests again, against this machine's CuPy and NCCL.
-  "$PY" -m pytest tests/test_nccl_cpu.py -p no:cacheprovider -q 2>&1 | tee -a "$OUTDIR/pytest.txt"
+  "$PY" -m pytest tests/nccl -p no:cacheprovider -q 2>&1 | tee -a "$OUTDIR/pytest.txt"
   part=${PIPESTATUS[0]}
   [ "$rc" -eq 0 ] && rc=$part
 fi

@@ -4,7 +4,7 @@ tests/gpu/run_gpu_suite.sh and docs/gpu-verification.md).
 Every test runs its ranks through gpucoll.testing.run_spmd with the spawn start
 method (CUDA cannot be forked). World size 1 always; world size 2 on the one GPU
 when the loaded NCCL is 2.30 or newer (NCCL_MULTI_RANK_GPU_ENABLE=1). Results are
-checked against NumPy references computed on the host (tests/_nccl_reference.py).
+checked against NumPy references computed on the host (tests/_reference.py).
 
 At import time this module only reads NCCL's version through CuPy (which starts
 neither CUDA nor NCCL): the spawned ranks import it to find their function, and
