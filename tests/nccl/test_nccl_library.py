@@ -39,6 +39,7 @@ def test_import_gpucoll_and_the_nccl_module_import_no_cupy() -> None:
     assert out.stdout.strip() == "False"
 
 
+@needs_cupy
 @pytest.mark.skipif(has_gpu(), reason="a usable GPU is present")
 def test_without_a_gpu_the_backend_is_unavailable_and_says_why() -> None:
     reason = nccl_unavailable_reason()
