@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import urllib.parse
 
+from .clusters._envvars import STORE_TOKEN_ENV
 from .store import FileStore, PrefixStore, Store, TCPStore
 
 __all__ = ["rendezvous"]
@@ -18,7 +19,7 @@ def rendezvous(init_method: str, rank: int, world_size: int, timeout: float) -> 
     if not isinstance(init_method, str):
         raise TypeError(f"init_method must be a str URL; got {type(init_method).__name__}")
     url = urllib.parse.urlparse(init_method)
-    token = os.environ.get("GPUCOLL_STORE_TOKEN") or None
+    token = os.environ.get(STORE_TOKEN_ENV) or None
     if url.scheme == "env":
         if init_method.strip().lower() != "env://":
             raise ValueError(f"init_method={init_method!r} is not a rendezvous URL; did you mean 'env://' "

@@ -20,6 +20,8 @@ import re
 import sys
 from typing import Any, Sequence
 
+from ..clusters._envvars import STORE_TOKEN_ENV
+
 __all__ = ["main", "analyse", "load_dumps"]
 
 _PACKAGE = "/gpucoll/"  # frames under a gpucoll package directory are the library's own
@@ -181,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_trace.add_argument("dir")
     p_status = sub.add_parser("status", help="ask every live rank of a job (through its store at HOST:PORT)")
     p_status.add_argument("address", metavar="HOST:PORT")
-    p_status.add_argument("--token", default=os.environ.get("GPUCOLL_STORE_TOKEN") or None,
+    p_status.add_argument("--token", default=os.environ.get(STORE_TOKEN_ENV) or None,
                           help="the store's token (default: $GPUCOLL_STORE_TOKEN)")
     p_status.add_argument("--timeout", type=float, default=10.0, help="seconds per request (default 10)")
     args = parser.parse_args(argv)

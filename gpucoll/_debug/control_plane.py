@@ -31,7 +31,8 @@ from . import thread_stacks
 
 __all__ = ["ControlPlaneServer", "maybe_start", "collect_job", "ENV", "STORE_PREFIX"]
 
-ENV = "GPUCOLL_CONTROL_PLANE"
+from ..clusters._envvars import CONTROL_PLANE_ENV as ENV
+
 STORE_PREFIX = "gpucoll/control_plane"
 
 

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 __all__ = ["ERROR_FILE_ENV", "ErrorRecord", "write_error", "read_error"]
 
-ERROR_FILE_ENV = "GPUCOLL_ERROR_FILE"
+from ..clusters._envvars import ERROR_FILE_ENV as ERROR_FILE_ENV
 
 
 @dataclass(frozen=True)

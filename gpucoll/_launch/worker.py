@@ -27,7 +27,8 @@ from typing import Callable
 
 from .errorfile import write_error
 
-LAUNCHER_PID_ENV = "GPUCOLL_LAUNCHER_PID"
+from ..clusters._envvars import LAUNCHER_PID_ENV as LAUNCHER_PID_ENV
+
 _PR_SET_PDEATHSIG = 1
 
 

@@ -24,8 +24,7 @@ from .options import BenchConfig, parse_size, resolve_datatypes, resolve_redops,
 
 __all__ = ["main", "build_parser", "config_from_args", "CORRUPT_ENV"]
 
-CORRUPT_ENV = "GPUCOLL_BENCH_CORRUPT"
-"""Test hook: "1" perturbs every checked output, so ``#wrong`` must come out non-zero."""
+from ..clusters._envvars import BENCH_CORRUPT_ENV as CORRUPT_ENV
 
 _EPILOG = """\
 examples:

@@ -25,6 +25,7 @@ import sys
 from dataclasses import asdict
 from typing import Any, Sequence
 
+from ..clusters._envvars import BENCH_COMMAND_ENV
 from .options import BenchConfig
 from .runner import Measurement, RankInfo, Row
 
@@ -68,7 +69,7 @@ def environment(cfg: BenchConfig, world_size: int, device: str, argv: Sequence[s
         "device": device,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         # A local job's ranks get extra resolved arguments; the report keeps what was typed.
-        "command": os.environ.get("GPUCOLL_BENCH_COMMAND") or shlex.join(["gpucoll-bench", *argv]),
+        "command": os.environ.get(BENCH_COMMAND_ENV) or shlex.join(["gpucoll-bench", *argv]),
     }
     cupy_version = _version("cupy")
     if cupy_version is not None:

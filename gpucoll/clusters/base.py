@@ -14,13 +14,8 @@ from typing import Mapping
 
 __all__ = ["ClusterEnv", "STORE_HOSTED_ENV", "STORE_TOKEN_ENV"]
 
-STORE_HOSTED_ENV = "GPUCOLL_STORE_HOSTED"
-"""Set to "1" by a launcher (gpucoll-run, gpucoll.testing) that already runs the job's
-TCPStore server at MASTER_ADDR:MASTER_PORT: then every rank, rank 0 included,
-connects as a client instead of rank 0 hosting the server."""
-
-STORE_TOKEN_ENV = "GPUCOLL_STORE_TOKEN"
-"""The shared secret a TCPStore client presents before any other request."""
+from ._envvars import STORE_HOSTED_ENV as STORE_HOSTED_ENV
+from ._envvars import STORE_TOKEN_ENV as STORE_TOKEN_ENV
 
 
 @dataclass(frozen=True)

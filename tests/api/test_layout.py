@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import importlib
 import pathlib
+import re
 import subprocess
 import sys
 import zipfile
@@ -124,6 +125,44 @@ def test_no_import_cycles_in_the_package() -> None:
         if node not in state:
             visit(node)
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+ENV_HOME = PKG / "clusters" / "_envvars.py"
+ENV_NAME = re.compile(r"GPUCOLL_[A-Z0-9_]*[A-Z0-9]")
+
+
+def test_every_gpucoll_variable_is_named_in_one_module() -> None:
+    """The rule: a string that is exactly a ``GPUCOLL_*`` name (what ``os.environ`` is
+    read or set with) appears only in gpucoll/clusters/_envvars.py; everywhere else code
+    uses its constants. Prose (docstrings, comments, messages) may mention the names,
+    and every name it mentions must be one of them, so a renamed or mistyped variable
+    cannot linger in a message or a docstring."""
+    from gpucoll.clusters import _envvars
+
+    home = {v for k, v in vars(_envvars).items() if k.endswith("_ENV")}
+    assert set(_envvars.NAMES) == home and len(_envvars.NAMES) == len(home)
+    spelled, unknown = [], []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = str(path.relative_to(PKG.parent))
+        text = path.read_text()
+        unknown += [f"{rel}: {m}" for m in ENV_NAME.findall(text) if m not in home]
+        if path == ENV_HOME:
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Constant) and isinstance(node.value, (str, bytes)):
+                value = node.value.decode() if isinstance(node.value, bytes) else node.value
+                if ENV_NAME.fullmatch(value.strip()):
+                    spelled.append(f"{rel}:{node.lineno}: {value!r}")
+    assert not spelled, "GPUCOLL_* names spelled outside gpucoll/clusters/_envvars.py: " + "; ".join(spelled)
+    assert not unknown, "GPUCOLL_* names mentioned but not defined in _envvars.py: " + "; ".join(unknown)
+
+
+def test_the_rule_catches_a_spelled_name(tmp_path: pathlib.Path) -> None:
+    """The check above is not vacuous: a reader spelling the name is a Constant it finds."""
+    tree = ast.parse('import os\nx = os.environ.get("GPUCOLL_DEBUG")\n"""Docs: GPUCOLL_DEBUG."""\n')
+    found = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+             and ENV_NAME.fullmatch(n.value.strip())]
+    assert found == ["GPUCOLL_DEBUG"]
 
 
 def test_modules_are_small_and_the_root_is_short() -> None:

@@ -40,8 +40,7 @@ INLINE_MAX = 1 << 20
 """Ops whose buffers total at most this many bytes run on the caller's thread when
 nothing is queued."""
 
-TRANSPORT_ENV = "GPUCOLL_CPU_TRANSPORT"
-"""``auto`` (default: shared memory when every rank is on one host), ``shm`` or ``tcp``."""
+from ...clusters._envvars import CPU_TRANSPORT_ENV as TRANSPORT_ENV
 
 
 def host_id() -> str:

@@ -30,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ...clusters._envvars import CPU_IFADDR_ENV
 from ...errors import DistBackendError, DistNetworkError
 
 __all__ = ["TcpMesh", "Recv", "KIND_COLL", "KIND_P2P", "local_address"]
@@ -81,7 +82,7 @@ def local_address(peer_hint: str | None) -> str:
     A UDP ``connect`` sends nothing; it only asks the kernel which source address it
     would use, so no name resolution or traffic is involved.
     """
-    override = os.environ.get("GPUCOLL_CPU_IFADDR")
+    override = os.environ.get(CPU_IFADDR_ENV)
     if override:
         return override
     if not peer_hint or peer_hint in ("localhost", "127.0.0.1", "::1"):

@@ -1,0 +1,67 @@
+"""Every ``GPUCOLL_*`` environment variable gpucoll reads or sets, named once.
+
+Code reads and sets them through these constants only; a string that is exactly a
+``GPUCOLL_*`` name appears nowhere else in the package (tests/api/test_layout.py
+checks, and checks that every ``GPUCOLL_*`` name mentioned in the package's prose
+(docstrings, comments, messages) is one of these). The rank-environment contract
+itself (which variables a launcher sets for each rank) is written in
+:mod:`gpucoll.clusters.env`.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# -- the job's store (set by launchers: gpucoll-run, gpucoll.testing, gpucoll-bench) -------
+
+STORE_HOSTED_ENV: Final = "GPUCOLL_STORE_HOSTED"
+"""Set to "1" by a launcher (gpucoll-run, gpucoll.testing) that already runs the job's
+TCPStore server at MASTER_ADDR:MASTER_PORT: then every rank, rank 0 included,
+connects as a client instead of rank 0 hosting the server."""
+
+STORE_TOKEN_ENV: Final = "GPUCOLL_STORE_TOKEN"
+"""The shared secret a TCPStore client presents before any other request."""
+
+# -- the launcher (gpucoll-run) and its workers ---------------------------------------------
+
+ERROR_FILE_ENV: Final = "GPUCOLL_ERROR_FILE"
+"""The file a rank writes its uncaught exception to, for the launcher's summary."""
+
+LAUNCHER_PID_ENV: Final = "GPUCOLL_LAUNCHER_PID"
+"""The launcher's pid, set for its workers: a worker whose parent is no longer the launcher
+(it died while the worker started) exits."""
+
+# -- debugging -------------------------------------------------------------------------------
+
+DEBUG_ENV: Final = "GPUCOLL_DEBUG"
+"""The debug level: OFF, INFO or DETAIL (torch's TORCH_DISTRIBUTED_DEBUG)."""
+
+FLIGHT_RECORDER_SIZE_ENV: Final = "GPUCOLL_FLIGHT_RECORDER_SIZE"
+"""How many recent ops each group's flight recorder keeps (0 turns it off)."""
+
+FLIGHT_RECORDER_DIR_ENV: Final = "GPUCOLL_FLIGHT_RECORDER_DIR"
+"""Where flight-recorder dumps go."""
+
+CONTROL_PLANE_ENV: Final = "GPUCOLL_CONTROL_PLANE"
+"""Start a rank's opt-in debugging server ("1", "HOST" or "HOST:PORT")."""
+
+# -- the CPU backend -------------------------------------------------------------------------
+
+CPU_TRANSPORT_ENV: Final = "GPUCOLL_CPU_TRANSPORT"
+"""``auto`` (default: shared memory when every rank is on one host), ``shm`` or ``tcp``."""
+
+CPU_IFADDR_ENV: Final = "GPUCOLL_CPU_IFADDR"
+"""The address the CPU backend's TCP transport listens on and publishes."""
+
+# -- gpucoll-bench ---------------------------------------------------------------------------
+
+BENCH_COMMAND_ENV: Final = "GPUCOLL_BENCH_COMMAND"
+"""The command line the user typed, handed to the ranks for the report's ``command``."""
+
+BENCH_CORRUPT_ENV: Final = "GPUCOLL_BENCH_CORRUPT"
+"""Test hook: "1" perturbs every checked output, so ``#wrong`` must come out non-zero."""
+
+NAMES: Final = (STORE_HOSTED_ENV, STORE_TOKEN_ENV, ERROR_FILE_ENV, LAUNCHER_PID_ENV, DEBUG_ENV,
+                FLIGHT_RECORDER_SIZE_ENV, FLIGHT_RECORDER_DIR_ENV, CONTROL_PLANE_ENV, CPU_TRANSPORT_ENV,
+                CPU_IFADDR_ENV, BENCH_COMMAND_ENV, BENCH_CORRUPT_ENV)
+"""Every name above."""
