@@ -104,7 +104,8 @@ def run_spmd(
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1; got {world_size!r}")
     _check_not_importing_main()
-    from .clusters.base import STORE_HOSTED_ENV, STORE_TOKEN_ENV
+    from .clusters.base import ClusterEnv
+    from .clusters.env import SOURCE, rank_environment
     from .store import TCPStore
 
     token = secrets.token_hex(16)
@@ -119,12 +120,9 @@ def run_spmd(
     try:
         for rank in range(world_size):
             rank_env = dict(env or {})
-            rank_env.update({
-                "RANK": str(rank), "WORLD_SIZE": str(world_size),
-                "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0",
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port),
-                STORE_HOSTED_ENV: "1", STORE_TOKEN_ENV: token,
-            })
+            rank_env.update(rank_environment(
+                ClusterEnv(SOURCE, rank, world_size, rank, world_size, "127.0.0.1", server.port, store_hosted=True),
+                token=token))
             r, w = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_rank_main,

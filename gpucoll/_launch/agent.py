@@ -31,7 +31,8 @@ from .nodes import NodeLink
 from .output import OutputPump
 from .summary import RankExit, describe_code, failure_summary, launcher_exit_code, root_cause
 from .worker import LAUNCHER_PID_ENV
-from ..clusters.base import STORE_HOSTED_ENV, STORE_TOKEN_ENV
+from ..clusters.base import ClusterEnv
+from ..clusters.env import SOURCE, rank_environment
 from ..errors import DistError
 
 __all__ = ["run_job"]
@@ -191,16 +192,7 @@ class _Agent:
     def _spawn(self, scratch: str, pump: OutputPump | None) -> None:
         cfg = self.config
         base = dict(os.environ)
-        base.update({
-            "WORLD_SIZE": str(cfg.world_size),
-            "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node),
-            "GROUP_RANK": str(cfg.node_rank),
-            "MASTER_ADDR": cfg.master_addr,
-            "MASTER_PORT": str(self.port),
-            STORE_HOSTED_ENV: "1",
-            STORE_TOKEN_ENV: cfg.token,
-            LAUNCHER_PID_ENV: str(os.getpid()),
-        })
+        base[LAUNCHER_PID_ENV] = str(os.getpid())
         if cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in base:
             # As torchrun does: N ranks each starting one OpenMP thread per core would
             # oversubscribe the node N times.
@@ -216,7 +208,10 @@ class _Agent:
                 os.unlink(error_file)
             except FileNotFoundError:
                 pass
-            env = dict(base, RANK=str(rank), LOCAL_RANK=str(local_rank), **{ERROR_FILE_ENV: error_file})
+            env = dict(base, **rank_environment(
+                ClusterEnv(SOURCE, rank, cfg.world_size, local_rank, cfg.nproc_per_node, cfg.master_addr,
+                           self.port, store_hosted=True, node_rank=cfg.node_rank), token=cfg.token))
+            env[ERROR_FILE_ENV] = error_file
             pipe = subprocess.PIPE if pump is not None else None
             proc = subprocess.Popen(
                 cmd, env=env, start_new_session=True, close_fds=True,

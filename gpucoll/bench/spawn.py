@@ -52,7 +52,8 @@ def run_local(nproc: int, argv: Sequence[str], *, timeout: float, poll: float = 
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1; got {nproc}")
-    from ..clusters import STORE_HOSTED_ENV, STORE_TOKEN_ENV
+    from ..clusters.base import ClusterEnv
+    from ..clusters.env import SOURCE, rank_environment
     from ..store import TCPStore
 
     token = secrets.token_hex(16)
@@ -61,13 +62,10 @@ def run_local(nproc: int, argv: Sequence[str], *, timeout: float, poll: float = 
     try:
         for rank in range(nproc):
             env = dict(os.environ)
-            env.update({
-                "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
-                "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port),
-                STORE_HOSTED_ENV: "1", STORE_TOKEN_ENV: token,
-                COMMAND_ENV: shlex.join(["gpucoll-bench", *(argv if typed is None else typed)]),
-            })
+            env.update(rank_environment(
+                ClusterEnv(SOURCE, rank, nproc, rank, nproc, "127.0.0.1", server.port, store_hosted=True),
+                token=token))
+            env[COMMAND_ENV] = shlex.join(["gpucoll-bench", *(argv if typed is None else typed)])
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "gpucoll.bench", *argv], env=env,
                 stdout=None if rank == 0 else subprocess.DEVNULL))

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .base import STORE_HOSTED_ENV, ClusterEnv, read_int, read_master_port
+from .base import STORE_HOSTED_ENV, STORE_TOKEN_ENV, ClusterEnv, read_int, read_master_port
 
-__all__ = ["detect", "SOURCE"]
+__all__ = ["detect", "rank_environment", "SOURCE"]
 
 SOURCE = "gpucoll-run/torchrun"
 
@@ -85,3 +85,43 @@ def detect(environ: Mapping[str, str]) -> ClusterEnv | None:
                       or environ.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True"),
         node_rank=read_int(environ, "GROUP_RANK", default=0, source=SOURCE),
     )
+
+
+def rank_environment(cluster: ClusterEnv, *, token: str | None = None) -> dict[str, str]:
+    """The variables a launcher sets for one rank: the inverse of :func:`detect`.
+
+    The rank-environment contract is written here once; ``gpucoll-run``,
+    :func:`gpucoll.testing.run_spmd` and ``gpucoll-bench`` build their ranks'
+    environments with it, and ``detect(rank_environment(c)) == c`` for every ``c``
+    whose ``source`` is :data:`SOURCE` (tests/launch/test_clusters.py checks).
+
+    Args:
+        cluster: the rank's place in the job.
+        token: the store's shared secret (``GPUCOLL_STORE_TOKEN``); not set when None.
+
+    Returns:
+        RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
+        MASTER_PORT (empty for port 0) and GPUCOLL_STORE_HOSTED ("1" or "0"): each set
+        either way, so that a value inherited from the launcher's own environment
+        cannot leak through; GPUCOLL_STORE_TOKEN when ``token`` is given.
+
+    Example:
+        >>> env = rank_environment(ClusterEnv(SOURCE, 1, 2, 1, 2, "127.0.0.1", 29500, True), token="t")
+        >>> env["RANK"], env["MASTER_PORT"], detect(env).store_hosted
+        ('1', '29500', True)
+    """
+    env = {
+        "RANK": str(cluster.rank),
+        "WORLD_SIZE": str(cluster.world_size),
+        "LOCAL_RANK": str(cluster.local_rank),
+        "LOCAL_WORLD_SIZE": str(cluster.local_world_size),
+        "GROUP_RANK": str(cluster.node_rank),
+        "MASTER_ADDR": cluster.master_addr,
+        # Port 0 ("bind any port") is how detect() reads an unset MASTER_PORT; set empty
+        # rather than left out, so that a value inherited by the rank cannot leak through.
+        "MASTER_PORT": str(cluster.master_port) if cluster.master_port else "",
+        STORE_HOSTED_ENV: "1" if cluster.store_hosted else "0",
+    }
+    if token is not None:
+        env[STORE_TOKEN_ENV] = token
+    return env

@@ -293,3 +293,42 @@ def test_cluster_env_rejects_inconsistent_values() -> None:
 
 def test_empty_torchrun_variables_count_as_unset() -> None:
     assert detect({"RANK": "", "WORLD_SIZE": " "}) is None
+
+
+# -- the rank-environment contract: rank_environment() is detect()'s inverse ---------------
+
+_PLACES = [
+    ClusterEnv(env.SOURCE, 0, 1, 0, 1, "127.0.0.1", 0),
+    ClusterEnv(env.SOURCE, 5, 8, 1, 4, "node7.cluster", 29500, store_hosted=True, node_rank=1),
+    ClusterEnv(env.SOURCE, 2, 3, 2, 3, "::1", 65535, store_hosted=False, node_rank=0),
+]
+
+
+@pytest.mark.parametrize("place", _PLACES, ids=lambda c: f"r{c.rank}of{c.world_size}")
+def test_rank_environment_round_trips_through_detect(place: ClusterEnv) -> None:
+    built = env.rank_environment(place, token="s3cret")
+    assert env.detect(built) == place
+    assert clusters.detect(built) == place  # and the env detector is the one that answers
+    assert built[clusters.STORE_TOKEN_ENV] == "s3cret"
+    assert set(built) == {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                          "MASTER_PORT", clusters.STORE_HOSTED_ENV, clusters.STORE_TOKEN_ENV}
+
+
+def test_rank_environment_overrides_an_inherited_hosted_flag_and_omits_a_missing_token() -> None:
+    place = ClusterEnv(env.SOURCE, 0, 2, 0, 2, "10.0.0.1", 1234, store_hosted=False)
+    inherited = {clusters.STORE_HOSTED_ENV: "1", "SLURM_PROCID": "3"}
+    built = env.rank_environment(place)
+    assert clusters.STORE_TOKEN_ENV not in built
+    assert clusters.detect({**inherited, **built}) == place
+
+
+@given(st.data())
+def test_rank_environment_round_trips_for_any_place(data: st.DataObject) -> None:
+    world = data.draw(st.integers(1, 4096))
+    local_world = data.draw(st.integers(1, min(world, 64)))
+    place = ClusterEnv(env.SOURCE, data.draw(st.integers(0, world - 1)), world,
+                       data.draw(st.integers(0, local_world - 1)), local_world,
+                       data.draw(st.sampled_from(["127.0.0.1", "node-3", "fe80::1", "a.b.c"])),
+                       data.draw(st.integers(1 if world > 1 else 0, 65535)),
+                       store_hosted=data.draw(st.booleans()), node_rank=data.draw(st.integers(0, 1000)))
+    assert env.detect(env.rank_environment(place)) == place
