@@ -17,8 +17,9 @@ from typing import Any, Callable, Iterator, Sequence
 from . import _world
 from ._group import CoalescingManager, ProcessGroup
 from ._group import coalescing as _coalescing
-from ._reduce_op import ReduceOp
+from ._reduce_op import ReduceOp, ReduceOpLike
 from ._work import Work
+from .array import ArrayLike
 
 __all__ = [
     "all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather", "all_gather_single",
@@ -50,7 +51,7 @@ def _group_rank(pg: ProcessGroup, rank: int | None, group_rank: int | None, name
 
 # ----- reductions -----
 
-def all_reduce(tensor: Any, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None,
+def all_reduce(tensor: ArrayLike, op: ReduceOpLike = ReduceOp.SUM, group: ProcessGroup | None = None,
                async_op: bool = False) -> Work | None:
     """Reduce ``tensor`` over all ranks of ``group``; every rank gets the result in place.
 
@@ -74,13 +75,13 @@ def all_reduce(tensor: Any, op: Any = ReduceOp.SUM, group: ProcessGroup | None =
     return _pg(group).all_reduce(tensor, op, async_op)
 
 
-def all_reduce_coalesced(tensors: Sequence[Any], op: Any = ReduceOp.SUM, group: ProcessGroup | None = None,
+def all_reduce_coalesced(tensors: Sequence[ArrayLike], op: ReduceOpLike = ReduceOp.SUM, group: ProcessGroup | None = None,
                          async_op: bool = False) -> Work | None:
     """All-reduce every array of ``tensors`` in one op (one Work)."""
     return _pg(group).all_reduce_coalesced(tensors, op, async_op)
 
 
-def reduce(tensor: Any, dst: int | None = None, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None,
+def reduce(tensor: ArrayLike, dst: int | None = None, op: ReduceOpLike = ReduceOp.SUM, group: ProcessGroup | None = None,
            async_op: bool = False, group_dst: int | None = None) -> Work | None:
     """Reduce ``tensor`` over the group into rank ``dst``'s array (other ranks' arrays are
     left as the backend leaves them: unspecified, as in torch)."""
@@ -88,13 +89,13 @@ def reduce(tensor: Any, dst: int | None = None, op: Any = ReduceOp.SUM, group: P
     return pg.reduce(tensor, _group_rank(pg, dst, group_dst, "dst"), op, async_op)
 
 
-def reduce_scatter(output: Any, input_list: Sequence[Any], op: Any = ReduceOp.SUM,
+def reduce_scatter(output: ArrayLike, input_list: Sequence[ArrayLike], op: ReduceOpLike = ReduceOp.SUM,
                    group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Rank i receives the reduction over ranks of their ``input_list[i]`` in ``output``."""
     return _pg(group).reduce_scatter(output, input_list, op, async_op)
 
 
-def reduce_scatter_single(output: Any, input: Any, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None,
+def reduce_scatter_single(output: ArrayLike, input: ArrayLike, op: ReduceOpLike = ReduceOp.SUM, group: ProcessGroup | None = None,
                           async_op: bool = False) -> Work | None:
     """``input`` holds ``size`` equal consecutive chunks; rank i gets chunk i reduced over ranks.
 
@@ -109,20 +110,20 @@ reduce_scatter_tensor = reduce_scatter_single
 
 # ----- data movement -----
 
-def broadcast(tensor: Any, src: int | None = None, group: ProcessGroup | None = None, async_op: bool = False,
+def broadcast(tensor: ArrayLike, src: int | None = None, group: ProcessGroup | None = None, async_op: bool = False,
               group_src: int | None = None) -> Work | None:
     """Copy rank ``src``'s ``tensor`` into every other rank's ``tensor``."""
     pg = _pg(group)
     return pg.broadcast(tensor, _group_rank(pg, src, group_src, "src"), async_op)
 
 
-def all_gather(tensor_list: Sequence[Any], tensor: Any, group: ProcessGroup | None = None,
+def all_gather(tensor_list: Sequence[ArrayLike], tensor: ArrayLike, group: ProcessGroup | None = None,
                async_op: bool = False) -> Work | None:
     """``tensor_list[i]`` receives rank i's ``tensor`` on every rank (same shape and dtype)."""
     return _pg(group).all_gather(tensor_list, tensor, async_op)
 
 
-def all_gather_single(output_tensor: Any, input_tensor: Any, group: ProcessGroup | None = None,
+def all_gather_single(output_tensor: ArrayLike, input_tensor: ArrayLike, group: ProcessGroup | None = None,
                       async_op: bool = False) -> Work | None:
     """Gather every rank's ``input_tensor`` into ``output_tensor`` as ``size`` consecutive chunks.
 
@@ -140,13 +141,13 @@ all_gather_into_tensor = all_gather_single
 """torch's older name for :func:`all_gather_single`."""
 
 
-def all_gather_coalesced(output_tensor_lists: Sequence[Sequence[Any]], input_tensor_list: Sequence[Any],
+def all_gather_coalesced(output_tensor_lists: Sequence[Sequence[ArrayLike]], input_tensor_list: Sequence[ArrayLike],
                          group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Several all_gathers in one op: ``output_tensor_lists[k][r]`` gets rank r's ``input_tensor_list[k]``."""
     return _pg(group).all_gather_coalesced(output_tensor_lists, input_tensor_list, async_op)
 
 
-def gather(tensor: Any, gather_list: Sequence[Any] | None = None, dst: int | None = None,
+def gather(tensor: ArrayLike, gather_list: Sequence[ArrayLike] | None = None, dst: int | None = None,
            group: ProcessGroup | None = None, async_op: bool = False,
            group_dst: int | None = None) -> Work | None:
     """Rank ``dst`` receives every rank's ``tensor`` in ``gather_list`` (given on ``dst`` only)."""
@@ -154,7 +155,7 @@ def gather(tensor: Any, gather_list: Sequence[Any] | None = None, dst: int | Non
     return pg.gather(tensor, gather_list, _group_rank(pg, dst, group_dst, "dst"), async_op)
 
 
-def scatter(tensor: Any, scatter_list: Sequence[Any] | None = None, src: int | None = None,
+def scatter(tensor: ArrayLike, scatter_list: Sequence[ArrayLike] | None = None, src: int | None = None,
             group: ProcessGroup | None = None, async_op: bool = False,
             group_src: int | None = None) -> Work | None:
     """Rank i receives ``scatter_list[i]`` of rank ``src`` (given on ``src`` only) in ``tensor``."""
@@ -162,13 +163,13 @@ def scatter(tensor: Any, scatter_list: Sequence[Any] | None = None, src: int | N
     return pg.scatter(tensor, scatter_list, _group_rank(pg, src, group_src, "src"), async_op)
 
 
-def all_to_all(output_tensor_list: Sequence[Any], input_tensor_list: Sequence[Any],
+def all_to_all(output_tensor_list: Sequence[ArrayLike], input_tensor_list: Sequence[ArrayLike],
                group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Rank i's ``input_tensor_list[j]`` lands in rank j's ``output_tensor_list[i]``."""
     return _pg(group).all_to_all(output_tensor_list, input_tensor_list, async_op)
 
 
-def all_to_all_single(output: Any, input: Any, output_split_sizes: Sequence[int] | None = None,
+def all_to_all_single(output: ArrayLike, input: ArrayLike, output_split_sizes: Sequence[int] | None = None,
                       input_split_sizes: Sequence[int] | None = None, group: ProcessGroup | None = None,
                       async_op: bool = False) -> Work | None:
     """Split ``input`` along dim 0 and send piece j to rank j; ``output`` concatenates what
@@ -186,14 +187,14 @@ def all_to_all_single(output: Any, input: Any, output_split_sizes: Sequence[int]
 
 # ----- point to point -----
 
-def send(tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+def send(tensor: ArrayLike, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
          group_dst: int | None = None) -> None:
     """Send ``tensor`` to rank ``dst`` and wait until it is sent."""
     pg = _pg(group)
     pg.send(tensor, _group_rank(pg, dst, group_dst, "dst"), tag, async_op=False)
 
 
-def recv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+def recv(tensor: ArrayLike, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
          group_src: int | None = None) -> int:
     """Receive into ``tensor`` from rank ``src`` (None: from any rank).
 
@@ -207,14 +208,14 @@ def recv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None,
     return source if group_src is not None else pg.global_ranks[source]
 
 
-def isend(tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+def isend(tensor: ArrayLike, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
           group_dst: int | None = None) -> Work:
     """Start sending ``tensor`` to rank ``dst``; do not touch ``tensor`` until the Work completes."""
     pg = _pg(group)
     return pg.send(tensor, _group_rank(pg, dst, group_dst, "dst"), tag)
 
 
-def irecv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+def irecv(tensor: ArrayLike, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
           group_src: int | None = None) -> Work:
     """Start receiving into ``tensor`` from rank ``src`` (None: any rank; then
     ``work.source_rank()`` gives the sender's group rank)."""

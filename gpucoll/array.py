@@ -27,14 +27,14 @@ import ctypes
 import dataclasses
 import math
 import sys
-from typing import Any, Protocol, TypeAlias, runtime_checkable
+from typing import Any, Protocol, TypeAlias, Union, runtime_checkable
 
 import numpy as np
 
 from ._buffer import DTYPES, Buffer, Device, DType, dtype_by_name
 
 __all__ = [
-    "ArrayLike", "SupportsCudaArrayInterface", "SupportsDLPack", "NotContiguousError", "xp_view",
+    "ArrayLike", "SupportsBuffer", "SupportsCudaArrayInterface", "SupportsDLPack", "NotContiguousError", "xp_view",
     "as_buffer", "host_ndarray", "split_buffer", "is_device_array", "new_output", "copy_buffer", "to_caller_type",
 ]
 
@@ -51,15 +51,28 @@ class SupportsCudaArrayInterface(Protocol):
 class SupportsDLPack(Protocol):
     """Arrays that export DLPack capsules (JAX, PyTorch, CuPy, NumPy, ...)."""
 
-    def __dlpack__(self, *, stream: int | None = None) -> Any: ...
+    def __dlpack__(self, *, stream: Any = None) -> Any: ...
 
     def __dlpack_device__(self) -> tuple[int, int]: ...
 
 
-ArrayLike: TypeAlias = Any
-"""What collectives accept: a NumPy array, :class:`SupportsCudaArrayInterface`,
-:class:`SupportsDLPack`, or any buffer-protocol object (see the module docstring).
-Spelled ``Any`` because the buffer protocol has no static type before Python 3.12."""
+if sys.version_info >= (3, 12):
+    from collections.abc import Buffer as SupportsBuffer
+else:
+    @runtime_checkable
+    class SupportsBuffer(Protocol):
+        """Objects that export the buffer protocol (``bytearray``, ``memoryview``, ...)."""
+
+        def __buffer__(self, flags: int, /) -> memoryview: ...
+
+
+ArrayLike: TypeAlias = Union["np.ndarray[Any, Any]", SupportsBuffer, SupportsDLPack, SupportsCudaArrayInterface]
+"""What collectives accept, as mpi4py's ``typing.Buffer`` spells it: a NumPy array, an
+object of the buffer protocol, a DLPack exporter (JAX, PyTorch, CuPy, ...) or a device
+array with ``__cuda_array_interface__`` (CuPy, Numba, ...). NumPy is named on its own
+because before Python 3.12 its stubs declare no ``__buffer__``; untyped arrays (CuPy)
+are ``Any`` to a type checker and pass too."""
+
 
 class NotContiguousError(ValueError):
     """The array is not C-contiguous (collectives work on one flat block of memory)."""
@@ -96,7 +109,7 @@ def _dtype_of_numpy(dt: np.dtype[Any], name: str) -> DType:
     return found
 
 
-def as_buffer(array: ArrayLike, *, name: str = "tensor", writable: bool = False) -> Buffer:
+def as_buffer(array: Any, *, name: str = "tensor", writable: bool = False) -> Buffer:
     """Describe ``array``'s memory as a :class:`Buffer`, without copying.
 
     Args:

@@ -30,7 +30,8 @@ from . import array as _array
 from ._buffer import Buffer, DType
 from ._collectives import _group_rank, _pg
 from ._group import ProcessGroup
-from ._reduce_op import ReduceOp
+from ._reduce_op import ReduceOp, ReduceOpLike
+from .array import ArrayLike
 
 __all__ = ["all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather", "reduce_scatter",
            "all_to_all_single", "all_to_all", "gather", "scatter", "send", "recv"]
@@ -79,7 +80,7 @@ def _axis(axis: int, ndim: int) -> int:
     return axis % ndim
 
 
-def all_reduce(x: Any, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None) -> Any:
+def all_reduce(x: ArrayLike, op: ReduceOpLike = ReduceOp.SUM, group: ProcessGroup | None = None) -> Any:
     """Return the reduction of ``x`` over the group (``x`` is not modified).
 
     Example:
@@ -92,7 +93,7 @@ def all_reduce(x: Any, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None
     return _array.to_caller_type(out, x, src.dtype)
 
 
-def all_reduce_coalesced(xs: Sequence[Any], op: Any = ReduceOp.SUM, group: ProcessGroup | None = None) -> list[Any]:
+def all_reduce_coalesced(xs: Sequence[ArrayLike], op: ReduceOpLike = ReduceOp.SUM, group: ProcessGroup | None = None) -> list[Any]:
     """Return the reductions of every array of ``xs``, as one op."""
     pg = _pg(group)
     outs, dsts, dtypes = [], [], []
@@ -107,7 +108,7 @@ def all_reduce_coalesced(xs: Sequence[Any], op: Any = ReduceOp.SUM, group: Proce
     return [_array.to_caller_type(o, x, d) for o, x, d in zip(outs, xs, dtypes)]
 
 
-def broadcast(x: Any, src: int | None = None, group: ProcessGroup | None = None,
+def broadcast(x: ArrayLike, src: int | None = None, group: ProcessGroup | None = None,
               group_src: int | None = None) -> Any:
     """Return rank ``src``'s ``x`` on every rank (``x`` gives the shape and dtype elsewhere)."""
     pg = _pg(group)
@@ -120,7 +121,7 @@ def broadcast(x: Any, src: int | None = None, group: ProcessGroup | None = None,
     return _array.to_caller_type(out, x, inp.dtype)
 
 
-def reduce(x: Any, dst: int | None = None, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None,
+def reduce(x: ArrayLike, dst: int | None = None, op: ReduceOpLike = ReduceOp.SUM, group: ProcessGroup | None = None,
            group_dst: int | None = None) -> Any:
     """Return the reduction of ``x`` over the group on rank ``dst``; None on other ranks."""
     pg = _pg(group)
@@ -132,7 +133,7 @@ def reduce(x: Any, dst: int | None = None, op: Any = ReduceOp.SUM, group: Proces
     return _array.to_caller_type(out, x, src.dtype) if pg.rank() == root else None
 
 
-def all_gather(x: Any, group: ProcessGroup | None = None, axis: int = 0) -> Any:
+def all_gather(x: ArrayLike, group: ProcessGroup | None = None, axis: int = 0) -> Any:
     """Return every rank's ``x`` concatenated along ``axis``, in rank order.
 
     A 0-d ``x`` gives a 1-d result of group-size elements.
@@ -153,7 +154,7 @@ def all_gather(x: Any, group: ProcessGroup | None = None, axis: int = 0) -> Any:
     return _array.to_caller_type(out, x, inp.dtype)
 
 
-def reduce_scatter(x: Any, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None, axis: int = 0) -> Any:
+def reduce_scatter(x: ArrayLike, op: ReduceOpLike = ReduceOp.SUM, group: ProcessGroup | None = None, axis: int = 0) -> Any:
     """Reduce ``x`` over the group and return this rank's chunk of the result along ``axis``.
 
     Raises:
@@ -182,7 +183,7 @@ def reduce_scatter(x: Any, op: Any = ReduceOp.SUM, group: ProcessGroup | None = 
     return _array.to_caller_type(out, x, dtype)
 
 
-def all_to_all_single(x: Any, output_split_sizes: Sequence[int] | None = None,
+def all_to_all_single(x: ArrayLike, output_split_sizes: Sequence[int] | None = None,
                       input_split_sizes: Sequence[int] | None = None,
                       group: ProcessGroup | None = None) -> Any:
     """Split ``x`` along dim 0 (``input_split_sizes`` rows per rank, default equal), exchange,
@@ -219,7 +220,7 @@ def _joined(out: Any, n: int, shape: tuple[int, ...], axis: int) -> Any:
     return out.reshape(joined)
 
 
-def gather(x: Any, dst: int | None = None, group: ProcessGroup | None = None,
+def gather(x: ArrayLike, dst: int | None = None, group: ProcessGroup | None = None,
            group_dst: int | None = None, axis: int = 0) -> Any:
     """Return every rank's ``x`` concatenated along ``axis`` on rank ``dst``; None elsewhere.
 
@@ -240,7 +241,7 @@ def gather(x: Any, dst: int | None = None, group: ProcessGroup | None = None,
     return _array.to_caller_type(_joined(out, n, inp.shape, axis), x, inp.dtype)
 
 
-def scatter(x: Any, src: int | None = None, group: ProcessGroup | None = None,
+def scatter(x: ArrayLike, src: int | None = None, group: ProcessGroup | None = None,
             group_src: int | None = None, axis: int = 0) -> Any:
     """Split rank ``src``'s ``x`` into group-size chunks along ``axis``; return this rank's chunk.
 
@@ -279,7 +280,7 @@ def scatter(x: Any, src: int | None = None, group: ProcessGroup | None = None,
     return _array.to_caller_type(out, x, inp.dtype)
 
 
-def all_to_all(xs: Sequence[Any], group: ProcessGroup | None = None) -> list[Any]:
+def all_to_all(xs: Sequence[ArrayLike], group: ProcessGroup | None = None) -> list[Any]:
     """Send ``xs[j]`` to rank j; return the list whose i-th array came from rank i.
 
     The i-th result has the shape and dtype of ``xs[i]`` (rank i's ``xs[j]`` must match
@@ -301,7 +302,7 @@ def all_to_all(xs: Sequence[Any], group: ProcessGroup | None = None) -> list[Any
     return [_array.to_caller_type(o, x, b.dtype) for o, x, b in zip(outs, xs, ins)]
 
 
-def send(x: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+def send(x: ArrayLike, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
          group_dst: int | None = None) -> None:
     """Send ``x`` to rank ``dst`` and wait until it is sent (``x`` is not modified)."""
     pg = _pg(group)
@@ -309,7 +310,7 @@ def send(x: Any, dst: int | None = None, group: ProcessGroup | None = None, tag:
     pg.send(inp, _group_rank(pg, dst, group_dst, "dst"), tag, async_op=False)
 
 
-def recv(x: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+def recv(x: ArrayLike, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
          group_src: int | None = None) -> Any:
     """Return what rank ``src`` sent, as a new array shaped like ``x`` (``x`` gives the
     shape, dtype and framework; its values are not read). ``src=None`` takes any rank;

@@ -16,17 +16,22 @@ backend sees the call, with the same rules on every rank.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Sequence, Union
 
 from .. import array as _array
+from ..array import ArrayLike
 from .._buffer import Buffer
-from .._reduce_op import ReduceOp
+from .._reduce_op import ReduceOp, ReduceOpLike
 from .._work import Work
 from .barrier import monitored_barrier
 from .checks import _check_op, _row_elems, _same_layout, _splits
 from .core import GroupCore
 
 __all__ = ["ProcessGroup"]
+
+ArrayOrBuffer = Union[ArrayLike, Buffer]
+"""What a ProcessGroup method takes: an :data:`~gpucoll.array.ArrayLike`, or a Buffer the
+library made already (functional passes those)."""
 
 
 class ProcessGroup(GroupCore):
@@ -38,7 +43,7 @@ class ProcessGroup(GroupCore):
     collectives are here, one thin method each.
     """
     # ----- reductions -----
-    def all_reduce(self, tensor: Any, op: Any = ReduceOp.SUM, async_op: bool = False) -> Work | None:
+    def all_reduce(self, tensor: ArrayOrBuffer, op: ReduceOpLike = ReduceOp.SUM, async_op: bool = False) -> Work | None:
         """Reduce ``tensor`` across the group, in place on every rank."""
         self._check_usable()
         buf = _array.as_buffer(tensor, name="tensor", writable=True)
@@ -72,7 +77,7 @@ class ProcessGroup(GroupCore):
         work = self._issue(backend, lambda: into(out, inp, red), out, [output], op="all_reduce", red=red)
         return self._finish(backend, work, async_op)
 
-    def all_reduce_coalesced(self, tensors: Sequence[Any], op: Any = ReduceOp.SUM,
+    def all_reduce_coalesced(self, tensors: Sequence[ArrayOrBuffer], op: ReduceOpLike = ReduceOp.SUM,
                              async_op: bool = False) -> Work | None:
         """All-reduce several arrays as one op."""
         self._check_usable()
@@ -88,7 +93,7 @@ class ProcessGroup(GroupCore):
                            op="all_reduce_coalesced", red=reds[0])
         return self._finish(backend, work, async_op)
 
-    def reduce(self, tensor: Any, dst: int, op: Any = ReduceOp.SUM, async_op: bool = False) -> Work | None:
+    def reduce(self, tensor: ArrayOrBuffer, dst: int, op: ReduceOpLike = ReduceOp.SUM, async_op: bool = False) -> Work | None:
         """Reduce ``tensor`` into rank ``dst``'s (group rank) copy."""
         self._check_usable()
         if self._coalescing is not None:
@@ -100,7 +105,7 @@ class ProcessGroup(GroupCore):
         work = self._issue(backend, lambda: backend.reduce(buf, dst, red), buf, [tensor], dst, op="reduce", red=red)
         return self._finish(backend, work, async_op)
 
-    def reduce_scatter(self, output: Any, input_list: Sequence[Any], op: Any = ReduceOp.SUM,
+    def reduce_scatter(self, output: ArrayOrBuffer, input_list: Sequence[ArrayOrBuffer], op: ReduceOpLike = ReduceOp.SUM,
                        async_op: bool = False) -> Work | None:
         """Reduce ``input_list[i]`` over ranks into rank i's ``output``."""
         self._check_usable()
@@ -114,7 +119,7 @@ class ProcessGroup(GroupCore):
                            red=red)
         return self._finish(backend, work, async_op)
 
-    def reduce_scatter_single(self, output: Any, input: Any, op: Any = ReduceOp.SUM,
+    def reduce_scatter_single(self, output: ArrayOrBuffer, input: ArrayOrBuffer, op: ReduceOpLike = ReduceOp.SUM,
                               async_op: bool = False) -> Work | None:
         """Reduce ``input`` (``size`` consecutive chunks) over ranks; rank i gets chunk i in ``output``."""
         self._check_usable()
@@ -131,7 +136,7 @@ class ProcessGroup(GroupCore):
         return self._finish(backend, work, async_op)
 
     # ----- data movement -----
-    def broadcast(self, tensor: Any, src: int, async_op: bool = False) -> Work | None:
+    def broadcast(self, tensor: ArrayOrBuffer, src: int, async_op: bool = False) -> Work | None:
         """Copy ``tensor`` from group rank ``src`` to every rank."""
         self._check_usable()
         if self._coalescing is not None:
@@ -142,7 +147,7 @@ class ProcessGroup(GroupCore):
         work = self._issue(backend, lambda: backend.broadcast(buf, src), buf, [tensor], src, op="broadcast")
         return self._finish(backend, work, async_op)
 
-    def all_gather(self, tensor_list: Sequence[Any], tensor: Any, async_op: bool = False) -> Work | None:
+    def all_gather(self, tensor_list: Sequence[ArrayOrBuffer], tensor: ArrayOrBuffer, async_op: bool = False) -> Work | None:
         """Gather every rank's ``tensor`` into ``tensor_list`` (one array per rank) on every rank."""
         self._check_usable()
         if self._coalescing is not None:
@@ -153,7 +158,7 @@ class ProcessGroup(GroupCore):
         work = self._issue(backend, lambda: backend.all_gather(outs, inp), inp, list(tensor_list), op="all_gather")
         return self._finish(backend, work, async_op)
 
-    def all_gather_single(self, output: Any, input: Any, async_op: bool = False) -> Work | None:
+    def all_gather_single(self, output: ArrayOrBuffer, input: ArrayOrBuffer, async_op: bool = False) -> Work | None:
         """Gather every rank's ``input`` into ``output`` (``size`` consecutive chunks, rank order)."""
         self._check_usable()
         out = _array.as_buffer(output, name="output_tensor", writable=True)
@@ -166,7 +171,7 @@ class ProcessGroup(GroupCore):
         work = self._issue(backend, lambda: backend.all_gather_single(out, inp), inp, [output], op="all_gather_single")
         return self._finish(backend, work, async_op)
 
-    def all_gather_coalesced(self, output_lists: Sequence[Sequence[Any]], input_list: Sequence[Any],
+    def all_gather_coalesced(self, output_lists: Sequence[Sequence[Any]], input_list: Sequence[ArrayOrBuffer],
                              async_op: bool = False) -> Work | None:
         """Several all_gathers as one op: ``output_lists[k][r]`` gets rank r's ``input_list[k]``."""
         self._check_usable()
@@ -186,7 +191,7 @@ class ProcessGroup(GroupCore):
                            [list(row) for row in output_lists], op="all_gather_coalesced")
         return self._finish(backend, work, async_op)
 
-    def gather(self, tensor: Any, gather_list: Sequence[Any] | None, dst: int,
+    def gather(self, tensor: ArrayOrBuffer, gather_list: Sequence[ArrayOrBuffer] | None, dst: int,
                async_op: bool = False) -> Work | None:
         """Gather every rank's ``tensor`` into ``gather_list`` on group rank ``dst``."""
         self._check_usable()
@@ -208,7 +213,7 @@ class ProcessGroup(GroupCore):
                            list(gather_list) if gather_list else [], dst, op="gather")
         return self._finish(backend, work, async_op)
 
-    def scatter(self, tensor: Any, scatter_list: Sequence[Any] | None, src: int,
+    def scatter(self, tensor: ArrayOrBuffer, scatter_list: Sequence[ArrayOrBuffer] | None, src: int,
                 async_op: bool = False) -> Work | None:
         """Send ``scatter_list[i]`` from group rank ``src`` into rank i's ``tensor``."""
         self._check_usable()
@@ -229,7 +234,7 @@ class ProcessGroup(GroupCore):
         work = self._issue(backend, lambda: backend.scatter(out, ins, src), out, [tensor], src, op="scatter")
         return self._finish(backend, work, async_op)
 
-    def all_to_all(self, output_list: Sequence[Any], input_list: Sequence[Any],
+    def all_to_all(self, output_list: Sequence[Any], input_list: Sequence[ArrayOrBuffer],
                    async_op: bool = False) -> Work | None:
         """Rank i sends ``input_list[j]`` to rank j, which receives it in ``output_list[i]``."""
         self._check_usable()
@@ -251,7 +256,7 @@ class ProcessGroup(GroupCore):
                            op="all_to_all")
         return self._finish(backend, work, async_op)
 
-    def all_to_all_single(self, output: Any, input: Any, output_split_sizes: Sequence[int] | None = None,
+    def all_to_all_single(self, output: ArrayOrBuffer, input: ArrayOrBuffer, output_split_sizes: Sequence[int] | None = None,
                           input_split_sizes: Sequence[int] | None = None,
                           async_op: bool = False) -> Work | None:
         """Split ``input`` along dim 0 (``input_split_sizes`` rows to each rank), exchange, and
@@ -277,7 +282,7 @@ class ProcessGroup(GroupCore):
         return self._finish(backend, work, async_op)
 
     # ----- point to point -----
-    def send(self, tensor: Any, dst: int, tag: int = 0, async_op: bool = True) -> Work:
+    def send(self, tensor: ArrayOrBuffer, dst: int, tag: int = 0, async_op: bool = True) -> Work:
         """Send ``tensor`` to group rank ``dst``; returns its Work (completed unless ``async_op``)."""
         self._check_usable()
         buf = self._p2p_check(tensor, dst, tag, "group_dst", writable=False)
@@ -288,7 +293,7 @@ class ProcessGroup(GroupCore):
         self._finish(backend, work, async_op)
         return work
 
-    def recv(self, tensor: Any, src: int | None, tag: int = 0, async_op: bool = True) -> Work:
+    def recv(self, tensor: ArrayOrBuffer, src: int | None, tag: int = 0, async_op: bool = True) -> Work:
         """Receive into ``tensor`` from group rank ``src`` (None: any rank); returns its Work
         (completed unless ``async_op``; ``work.source_rank()`` names the sender)."""
         self._check_usable()
