@@ -248,6 +248,7 @@ def test_a_second_death_during_recovery_still_ends_in_one_agreed_group() -> None
     for rank in (0, 1):
         assert results[rank]["ids"] == [0, 1]
         assert [s[0] for s in results[rank]["sums"]] == list(range(5))
+        assert results[rank]["recoveries"][0] > 2 * T  # a second agreement round ran
 
 
 def _bad_args() -> list[str]:
