@@ -195,11 +195,13 @@ def shrink(pg: ProcessGroup, exclude: list[int] | None, timeout: float, make: Ma
             new: ProcessGroup | None = None
             device: Backend | None = None
             try:
-                if shrinkable and round_ == 1:
+                if shrinkable and round_ == 1 and _all_can_shrink(store, base, me, members, timeout, label):
                     assert isinstance(nccl, ShrinksCommunicator)
                     gone = [r for r in candidates if r not in members]
                     device = nccl.shrink(gone, store=PrefixStore("nccl", PrefixStore(f"pg/{name}", root)),
                                          group_name=name, timeout=timeout + _BACKEND_GRACE_S)
+                elif round_ == 1:
+                    store.set(f"{base}/can_shrink/{me}", b"0")
                 new = make(name, members.index(me), members, device)
             except DistError as exc:
                 errors.append(f"round {round_}: {exc}")
@@ -214,8 +216,23 @@ def shrink(pg: ProcessGroup, exclude: list[int] | None, timeout: float, make: Ma
     finally:
         if shrinkable and nccl is not None:
             try:
+                nccl.abort(f"group {label} was shrunk")
                 nccl.shutdown()
             except Exception:  # the old communicator is gone either way
                 pass
     raise DistError(f"shrink_group of group {label} gave up after {MAX_ROUNDS} rounds, each ended by a failure "
                     f"while the new group was built: {'; '.join(errors[-3:]) or 'members went missing'}")
+
+
+def _all_can_shrink(store: Store, base: str, me: int, members: list[int], timeout: float, label: str) -> bool:
+    """Whether every member can carve the new communicator out of the old one
+    (``ncclCommShrink`` is a collective of the remaining ranks: all or none use it).
+    A member that does not say so in time fails this round's build."""
+    store.set(f"{base}/can_shrink/{me}", b"1")
+    keys = [f"{base}/can_shrink/{r}" for r in members]
+    try:
+        store.wait(keys, timeout=timeout)
+    except DistStoreError as exc:
+        raise DistError(f"shrink_group of group {label}: members did not report in time before the "
+                        f"communicator shrink: {exc}") from exc
+    return all(store.get(k) == b"1" for k in keys)
