@@ -190,7 +190,10 @@ def shrink(pg: ProcessGroup, exclude: list[int] | None, timeout: float, make: Ma
         for round_ in range(1, MAX_ROUNDS + 1):
             base = f"shrink/{round_}"
             if members is None:
-                members = _agree_members(store, base, me, candidates, timeout, label)
+                # After a failed build, members may still be inside theirs (bounded by the
+                # group's timeout): wait for them that much longer before leaving them out.
+                wait = timeout if round_ == 1 else timeout + pg.timeout + 2 * _BACKEND_GRACE_S
+                members = _agree_members(store, base, me, candidates, wait, label)
             name = f"{pg.group_name}.shrink{round_}"
             new: ProcessGroup | None = None
             device: Backend | None = None
