@@ -66,3 +66,25 @@ def test_an_nccl_group_shrinks_without_the_rank_that_stopped(monkeypatch: pytest
         assert got["shrunk_by_nccl"] is features.comm_shrink
         assert got["old_shrink_calls"] == ([((3,), 1)] if features.comm_shrink else [])  # NCCL_SHRINK_ABORT
     assert results[0]["sub"] == results[1]["sub"] == 3.0 and "sub" not in results[2]
+
+
+def test_the_shim_binds_ncclCommShrink_as_the_wheels_nccl_h_declares_it() -> None:
+    import ctypes
+    import re
+    from pathlib import Path
+
+    spec_root = pytest.importorskip("nvidia.nccl", reason="the nvidia-nccl-cu12 wheel brings nccl.h and libnccl")
+    base = Path(list(spec_root.__path__)[0])
+    header, libs = base / "include" / "nccl.h", sorted((base / "lib").glob("libnccl.so*"))
+    if not header.exists() or not libs:
+        pytest.skip("the NCCL wheel has no nccl.h or libnccl here")
+    from gpucoll._backends.nccl.lib import NcclShim
+
+    proto = re.search(r"ncclResult_t\s+ncclCommShrink\(([^)]*)\)", header.read_text())
+    assert proto is not None
+    c_types = {"ncclComm_t": ctypes.c_void_p, "int*": ctypes.POINTER(ctypes.c_int), "int": ctypes.c_int,
+               "ncclComm_t*": ctypes.POINTER(ctypes.c_void_p), "ncclConfig_t*": ctypes.c_void_p}
+    declared = [c_types[" ".join(p.split()[:-1]).replace(" *", "*")] for p in proto.group(1).split(",")]
+    shim = NcclShim(str(libs[0]))
+    assert shim.comm_shrink_fn is not None
+    assert list(shim.comm_shrink_fn.argtypes) == declared and shim.comm_shrink_fn.restype is ctypes.c_int
