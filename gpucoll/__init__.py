@@ -97,6 +97,11 @@ from ._debug import get_debug_level as get_debug_level
 from ._debug import set_debug_level as set_debug_level
 from ._debug import set_debug_level_from_env as set_debug_level_from_env
 
+# --- surviving rank failures (docs/fault-tolerance.md) ---
+from ._fault.api import grow_group as grow_group
+from ._fault.api import join_process_group as join_process_group
+from ._fault.api import shrink_group as shrink_group
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -122,4 +127,6 @@ __all__ = [
     # c10d extras
     "StoreCollectives", "DeviceMesh", "init_device_mesh",
     "DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env",
+    # fault tolerance
+    "shrink_group", "grow_group", "join_process_group",
 ]

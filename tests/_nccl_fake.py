@@ -268,6 +268,7 @@ class FakeComm:
         self.destroyed = False
         self.async_code = 0
         self.calls: list[tuple[Any, ...]] = []  # every call, for tests that check what was issued
+        self.shrink_calls: list[tuple[tuple[int, ...], int]] = []
 
     # -- the calls: buffered into the runtime's group, or run at once --
     def _call(self, kind: str, args: tuple[Any, ...], stream: int) -> None:
@@ -351,6 +352,28 @@ class FakeComm:
         uid = world.uid + f"/split{seq}/{color}".encode()
         new_world = self._rt.fabric.world(uid, len(members))
         return FakeComm(self._rt, new_world, new_rank)
+
+    def shrink(self, exclude: Sequence[int], flags: int) -> FakeComm:
+        """ncclCommShrink: a collective of the ranks not in ``exclude`` (the excluded
+        ones are dead and never call); renumbered in order."""
+        if not self._rt.features.comm_shrink:
+            raise FakeError("ncclCommShrink called but this NCCL lacks it")
+        world, rank = self.world, self.rank
+        gone = tuple(sorted(exclude))
+        if rank in gone:
+            raise FakeError(f"rank {rank} called ncclCommShrink excluding itself")
+        stay = [r for r in range(world.size) if r not in gone]
+        seq = next(self._seq)
+        with world.cond:
+            entry = world.splits.setdefault(seq, {})
+            entry[rank] = (hash(gone), flags)
+            world.cond.notify_all()
+        world.wait_until(rank, lambda: len(entry) == len(stay), "the other ranks to shrink")
+        if len({c for c, _ in entry.values()}) != 1:
+            raise FakeError(f"ranks passed different exclude lists to ncclCommShrink: {entry}")
+        self.shrink_calls.append((gone, flags))
+        uid = world.uid + f"/shrink{seq}".encode()
+        return FakeComm(self._rt, self._rt.fabric.world(uid, len(stay)), stay.index(rank))
 
     def abort(self) -> None:
         with self.world.cond:

@@ -7,10 +7,12 @@ is a Protocol of its own; the group and its watchdog check for it once (with
 - :class:`SplitsCommunicator`: new groups carved out of this one (``ncclCommSplit``);
 - :class:`ReducesInto`: out-of-place all_reduce in one op;
 - :class:`PollsPending`: the backend keeps its own queue of outstanding ops, which
-  the watchdog polls instead of tracking each op.
+  the watchdog polls instead of tracking each op;
+- :class:`ShrinksCommunicator`: the backend of a smaller group carved out of this
+  one after ranks failed (``ncclCommShrink``), used by ``shrink_group``.
 
-A later capability (shrinking a communicator after a rank failure, say) is one more
-Protocol here and one ``isinstance`` where the group makes the backend.
+A later capability is one more Protocol here and one ``isinstance`` where the group
+uses the backend.
 
 Rules every backend follows (ProcessGroup relies on them):
 
@@ -39,7 +41,7 @@ from .._reduce_op import ReduceOpLike
 from .._work import Work
 from ..store.base import Store
 
-__all__ = ["Backend", "SplitsCommunicator", "ReducesInto", "PollsPending"]
+__all__ = ["Backend", "SplitsCommunicator", "ReducesInto", "PollsPending", "ShrinksCommunicator"]
 
 
 @runtime_checkable
@@ -141,4 +143,26 @@ class PollsPending(Backend, Protocol):
     def poll_pending(self) -> Work | None:
         """Complete the finished ops in issue order; the oldest still running (None
         when none is). Never raises."""
+        ...
+
+
+@runtime_checkable
+class ShrinksCommunicator(Protocol):
+    """A backend that makes the backend of a smaller group out of its own communicator
+    after some of its ranks failed (``ncclCommShrink``, NCCL >= 2.27)."""
+
+    @property
+    def can_shrink(self) -> bool:
+        """True when :meth:`shrink` can be used now."""
+        ...
+
+    def shrink(self, exclude: Sequence[int], *, store: Store, group_name: str, timeout: float) -> Backend:
+        """Collective over this backend's remaining ranks (every rank not in ``exclude``
+        calls, each with the same ``exclude``): abort this communicator's pending ops and
+        return the new group's backend, its ranks renumbered in order. This backend is
+        shut down by the caller afterwards.
+
+        Raises:
+            DistBackendError: the shrink failed.
+        """
         ...

@@ -25,6 +25,7 @@ from .bootstrap import is_nccl_available, nccl_unavailable_reason, nccl_version,
 from .lib import NCCL_DTYPES, OP_SUM, normalise_unique_id
 from .plan import Phase, Plan, Planner, Premul, Step, merge
 from .runtime import Comm, Event, Runtime
+from .shrink import Shrinking
 from .split import Splitting
 from .work import NCCLWork
 
@@ -34,7 +35,7 @@ _REDUCING = frozenset({"all_reduce", "reduce", "reduce_scatter"})
 _PRUNE_AT = 64  # outstanding works kept before the issue path completes finished ones itself
 
 
-class NCCLBackend(Splitting):
+class NCCLBackend(Splitting, Shrinking):
     """One process group's collectives on CUDA memory (the Backend protocol).
 
     Args:

@@ -80,6 +80,10 @@ class Features:
         all_to_all, gather, scatter: NCCL's own calls (NCCL >= 2.28, through the shim).
         comm_split: ``ncclCommSplit`` through CuPy (NCCL >= 2.18).
         async_error: ``ncclCommGetAsyncError`` through the shim.
+        comm_shrink: ``ncclCommShrink`` usable by the runtime's communicators (NCCL >=
+            2.27). The shim binds it, but CuPy cannot adopt the raw communicator it
+            returns, so the CuPy runtime leaves this False and shrink_group builds a
+            fresh communicator through the store instead.
     """
 
     version: tuple[int, int, int]
@@ -91,10 +95,11 @@ class Features:
     scatter: bool = False
     comm_split: bool = True
     async_error: bool = True
+    comm_shrink: bool = False
 
     def describe(self) -> str:
         on = [name for name in ("avg", "premul_sum", "fp8", "all_to_all", "gather", "scatter",
-                                "comm_split", "async_error") if getattr(self, name)]
+                                "comm_split", "async_error", "comm_shrink") if getattr(self, name)]
         return f"NCCL {'.'.join(map(str, self.version))} ({', '.join(on) or 'no extras'})"
 
 
@@ -129,6 +134,10 @@ class NcclShim:
         self.all_to_all_fn = self._bind(lib, "ncclAlltoAll", [vp, vp, c_size_t, c_int, vp, vp])
         self.gather_fn = self._bind(lib, "ncclGather", [vp, vp, c_size_t, c_int, c_int, vp, vp])
         self.scatter_fn = self._bind(lib, "ncclScatter", [vp, vp, c_size_t, c_int, c_int, vp, vp])
+        # ncclResult_t ncclCommShrink(ncclComm_t comm, int* excludeRanksList, int excludeRanksCount,
+        #                             ncclComm_t* newcomm, ncclConfig_t* config, int shrinkFlags)  (nccl.h, 2.27+)
+        self.comm_shrink_fn = self._bind(lib, "ncclCommShrink",
+                                         [vp, ctypes.POINTER(c_int), c_int, ctypes.POINTER(vp), vp, c_int])
 
     @staticmethod
     def _bind(lib: ctypes.CDLL, name: str, argtypes: list[Any], restype: Any = ctypes.c_int) -> Any:

@@ -11,7 +11,7 @@ Protocols. Importing this module imports no CuPy.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 from .lib import Features, NcclLib, comm_id_arg, normalise_unique_id, result_name
 
@@ -67,6 +67,10 @@ class Comm(Protocol):
     def async_error(self) -> int: ...
     def last_error(self) -> str: ...
     def split(self, color: int, key: int) -> Comm | None: ...
+    def shrink(self, exclude: Sequence[int], flags: int) -> Comm:
+        """``ncclCommShrink``: this communicator without ``exclude`` (used only when
+        ``features.comm_shrink``)."""
+        ...
     def abort(self) -> None: ...
     def destroy(self) -> None: ...
 
@@ -336,6 +340,9 @@ class CupyComm:
         if new is None:
             return None
         return CupyComm(self._lib, new, int(new.rank_id()), int(new.size()))
+
+    def shrink(self, exclude: Sequence[int], flags: int) -> Comm:
+        raise NcclCallError("ncclCommShrink", 5, "CuPy cannot adopt the raw communicator ncclCommShrink returns")
 
     def abort(self) -> None:
         self._comm.abort()
