@@ -224,8 +224,11 @@ class CPUBackend:
         self.abort(str(err))
 
     def peer_gone(self, peer: int) -> str | None:
-        """Why group rank ``peer`` can no longer be reached (dead, or left), or None."""
-        return self._mesh.gone(peer)
+        """Why group rank ``peer`` died (its connection broke without a goodbye), or None.
+
+        A peer that only left after an error (its goodbye said why) may still be alive
+        and take part in store-based steps such as monitored_barrier."""
+        return self._mesh.dead(peer)
 
     def stalled(self) -> str:
         """What the op in progress is waiting for (named peers), for timeout messages."""

@@ -135,6 +135,7 @@ class TcpMesh:
         self._socks: dict[int, socket.socket] = {}
         self._send_locks = {p: threading.Lock() for p in range(size) if p != rank}
         self._gone: dict[int, str] = {}  # peer -> why it is no longer reachable
+        self._dead: set[int] = set()  # peers whose connection broke without a goodbye
         # Receives taken off the posted lists whose payload a reader is reading now:
         # the abort and peer-death paths fail these too.
         self._inflight: dict[int, Recv] = {}
@@ -290,18 +291,17 @@ class TcpMesh:
             _fill(r, msg, peer)
             return
         error: BaseException | None = None
-        try:
-            if r.buf is not None and r.buf.nbytes != nbytes or (r.meta is not None and r.meta != meta):
-                self._read_exact(s, memoryview(bytearray(nbytes)))  # drain it, keep the stream in sync
-                error = _mismatch(peer, r, nbytes, meta)
-            elif r.buf is None:
-                data = bytearray(nbytes)
-                self._read_exact(s, memoryview(data))
-                r.data = data
-            else:
-                self._read_exact(s, r.buf)
-        finally:
-            self._inflight.pop(peer, None)
+        # If reading fails, r stays in _inflight: the peer-death path fails it there.
+        if r.buf is not None and r.buf.nbytes != nbytes or (r.meta is not None and r.meta != meta):
+            self._read_exact(s, memoryview(bytearray(nbytes)))  # drain it, keep the stream in sync
+            error = _mismatch(peer, r, nbytes, meta)
+        elif r.buf is None:
+            data = bytearray(nbytes)
+            self._read_exact(s, memoryview(data))
+            r.data = data
+        else:
+            self._read_exact(s, r.buf)
+        self._inflight.pop(peer, None)
         r.source = peer
         r.finish(error)
 
@@ -358,6 +358,10 @@ class TcpMesh:
     def gone(self, peer: int) -> str | None:
         """Why ``peer`` can no longer be reached, or None while it is connected."""
         return self._gone.get(peer)
+
+    def dead(self, peer: int) -> str | None:
+        """Why ``peer``'s connection broke without a goodbye (it died), or None."""
+        return self._gone.get(peer) if peer in self._dead else None
 
     # ----- sending -----
     def send(self, dst: int, kind: int, tag: int, payload: memoryview, meta: int = 0,
@@ -459,6 +463,8 @@ class TcpMesh:
             err.__cause__ = cause
         with self._lock:
             self._gone[peer] = why
+            if fatal:
+                self._dead.add(peer)
             if fatal and self.broken is None:
                 self.broken = err
             failed = [r for (src, _, _), q in self._posted.items() if src == peer or fatal for r in q]
