@@ -226,7 +226,7 @@ def _pidns() -> str:
 def sweep_orphans() -> list[str]:
     """Unlink segments of this user whose creator (this pid namespace) is dead; return them."""
     mark = f"gpucoll-{_pidns()}-"
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir("/dev/shm")
     except OSError:
