@@ -9,10 +9,17 @@ unpickle anything; serialize with JSON, msgpack or NumPy's ``.tobytes()`` instea
 Every call is two CPU collectives (sizes, then data padded to the largest size)
 or two messages (size, then data) for send/recv. Objects never go through a GPU,
 not even in an NCCL group.
+
+Size limit: a payload (pickled object list) larger than ``GPUCOLL_MAX_OBJECT_BYTES``
+(default :data:`MAX_OBJECT_BYTES`, 2 GiB) is refused on every rank with the same
+ValueError after the size exchange and before any data moves, so the group stays
+usable. Bytes from peers arrive only over the group's authenticated transport
+(docs/security.md); nothing else is ever unpickled.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 from typing import Any, Sequence
 
@@ -27,6 +34,39 @@ __all__ = [
     "send_object_list", "recv_object_list",
     "all_gather_bytes", "gather_bytes", "broadcast_bytes", "scatter_bytes", "send_bytes", "recv_bytes",
 ]
+
+
+MAX_OBJECT_BYTES = 2 << 30
+"""Default limit on one rank's payload in the object and bytes collectives."""
+
+
+def _limit() -> int:
+    raw = os.environ.get("GPUCOLL_MAX_OBJECT_BYTES", "").strip()
+    if not raw:
+        return MAX_OBJECT_BYTES
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"GPUCOLL_MAX_OBJECT_BYTES must be a positive integer; got {raw!r}")
+    return int(raw)
+
+
+def _check_sizes(sizes: Any, what: str, ranks: Sequence[int] | None = None) -> None:
+    """Raise the same ValueError on every rank when a payload exceeds the limit.
+
+    ``sizes`` are what every rank learned in the size exchange; a negative entry is a
+    sender that found its own payload too large (and sent -size instead of data).
+    """
+    limit = _limit()
+    for i, n in enumerate(int(v) for v in sizes):
+        if abs(n) > limit or n < 0:
+            who = f"rank {ranks[i] if ranks is not None else i}"
+            raise ValueError(f"{what}: {who}'s payload of {abs(n)} bytes exceeds the limit of {limit} bytes "
+                             "(GPUCOLL_MAX_OBJECT_BYTES); nothing was sent and the group is still usable. "
+                             "Send large data as arrays (broadcast, all_gather) instead of objects")
+
+
+def _announced(payload: bytes) -> int:
+    """The size this rank announces: -len when over the limit (every rank then raises)."""
+    return -len(payload) if len(payload) > _limit() else len(payload)
 
 
 def _pg(group: Any, what: str) -> ProcessGroup:
@@ -67,7 +107,8 @@ def all_gather_bytes(data: bytes, group: ProcessGroup | None = None) -> list[byt
     payload = _as_bytes(data, "data")
     n = pg.size()
     sizes = np.empty(n, np.int64)
-    pg.all_gather_single(sizes, np.array([len(payload)], np.int64))
+    pg.all_gather_single(sizes, np.array([_announced(payload)], np.int64))
+    _check_sizes(sizes, "all_gather", pg.global_ranks)
     cap = int(sizes.max())
     if cap == 0:
         return [b""] * n
@@ -85,7 +126,8 @@ def gather_bytes(data: bytes, dst: int | None = None, group: ProcessGroup | None
     payload = _as_bytes(data, "data")
     n = pg.size()
     sizes = np.empty(n, np.int64)
-    pg.all_gather_single(sizes, np.array([len(payload)], np.int64))  # every rank needs the padding size
+    pg.all_gather_single(sizes, np.array([_announced(payload)], np.int64))  # every rank needs the padding size
+    _check_sizes(sizes, "gather", pg.global_ranks)
     cap = int(sizes.max())
     if cap == 0:
         return [b""] * n if pg.rank() == root else None
@@ -103,8 +145,9 @@ def broadcast_bytes(data: bytes | None, src: int | None = None, group: ProcessGr
     root = _group_rank(pg, src, group_src, "src")
     pg._check_rank(root, "src")
     payload = _as_bytes(data, "data") if pg.rank() == root else b""
-    size = np.array([len(payload)], np.int64)
+    size = np.array([_announced(payload)], np.int64)
     pg.broadcast(size, root)
+    _check_sizes(size, "broadcast", [pg.global_ranks[root]])
     buf = _padded(payload, int(size[0])) if pg.rank() == root else np.empty(int(size[0]), np.uint8)
     if buf.size:
         pg.broadcast(buf, root)
@@ -125,8 +168,9 @@ def scatter_bytes(data_list: Sequence[bytes] | None, src: int | None = None, gro
             raise ValueError(f"data_list must hold {n} bytes objects on the source rank; got "
                              f"{None if data_list is None else len(data_list)}")
         payloads = [_as_bytes(d, f"data_list[{i}]") for i, d in enumerate(data_list)]
-        sizes[:] = [len(p) for p in payloads]
+        sizes[:] = [_announced(p) for p in payloads]
     pg.broadcast(sizes, root)
+    _check_sizes(sizes, f"scatter from rank {pg.global_ranks[root]}")
     cap = int(sizes.max())
     if cap == 0:
         return b""
@@ -142,7 +186,8 @@ def send_bytes(data: bytes, dst: int | None = None, group: ProcessGroup | None =
     pg = _pg(group, "send_bytes")
     peer = _group_rank(pg, dst, group_dst, "dst")
     payload = _as_bytes(data, "data")
-    pg.send(np.array([len(payload)], np.int64), peer, tag, async_op=False)
+    pg.send(np.array([_announced(payload)], np.int64), peer, tag, async_op=False)
+    _check_sizes([_announced(payload)], "send", [pg.global_ranks[pg.rank()]])
     if payload:
         pg.send(np.frombuffer(payload, np.uint8), peer, tag, async_op=False)
 
@@ -159,6 +204,7 @@ def recv_bytes(src: int | None = None, group: ProcessGroup | None = None, tag: i
     size = np.empty(1, np.int64)
     work = pg.recv(size, peer, tag, async_op=False)
     source = work._source_rank if peer is None else peer
+    _check_sizes(size, "recv", [pg.global_ranks[source]])
     data = np.empty(int(size[0]), np.uint8)
     if data.size:
         pg.recv(data, source, tag, async_op=False)

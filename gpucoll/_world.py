@@ -17,7 +17,7 @@ from typing import Any, Sequence
 from ._timeouts import to_seconds
 from ._group import GroupMember, ProcessGroup, nccl_usable, normalize_backend
 from ._group.gpu_check import require_nccl
-from ._group.join import await_all_joined
+from ._group.join import await_all_joined, next_generation
 from ._rendezvous import rendezvous
 from .store import HashStore, PrefixStore, Store
 
@@ -31,7 +31,7 @@ __all__ = [
 
 @dataclass(eq=False)
 class _World:
-    store: Store
+    store: Store  # this init's namespace of the job's store (groups live under it)
     owns_store: bool
     default: ProcessGroup
     backend: str
@@ -40,6 +40,7 @@ class _World:
     groups: list[ProcessGroup] = field(default_factory=list)
     made: int = 0  # groups made by new_group so far: names them the same on every rank
     control_plane: Any = None  # this rank's control-plane server (GPUCOLL_CONTROL_PLANE), if any
+    job_store: Store | None = None  # the store itself (closed on destroy when owned)
 
 
 _WORLD: _World | None = None
@@ -164,18 +165,21 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
             raise
     pg_name = group_name or "default"
     try:
-        pg = ProcessGroup(PrefixStore(f"pg/{pg_name}", store), rank, world_size, group_name=pg_name,
+        # Each init of the default group gets its own namespace (generation) of the store:
+        # after destroy_process_group, a new init must not read the previous group's keys.
+        ns = PrefixStore(f"gpucoll/gen{next_generation(store, pg_name, world_size)}", store)
+        pg = ProcessGroup(PrefixStore(f"pg/{pg_name}", ns), rank, world_size, group_name=pg_name,
                           global_ranks=range(world_size), timeout=seconds, backend=name, device_id=device,
                           group_desc="default_pg")
     except BaseException:
         if owns:
             store.close()
         raise
-    world = _World(store, owns, pg, name, seconds, device)
+    world = _World(ns, owns, pg, name, seconds, device, job_store=store)
     from ._debug.control_plane import maybe_start  # opt-in debugging server (off unless GPUCOLL_CONTROL_PLANE is set)
 
     try:
-        world.control_plane = maybe_start(store, rank, world_size, lambda: [world.default, *world.groups])
+        world.control_plane = maybe_start(ns, rank, world_size, lambda: [world.default, *world.groups])
     except BaseException:
         pg._destroy()
         if owns:
@@ -238,9 +242,9 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
             pg._destroy()
         except BaseException as exc:
             first = first or exc
-    if world.owns_store:
+    if world.owns_store and world.job_store is not None:
         try:
-            world.store.close()
+            world.job_store.close()
         except Exception as exc:
             first = first or exc
     if first is not None:

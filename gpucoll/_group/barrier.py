@@ -3,20 +3,42 @@
 from __future__ import annotations
 
 import time
+from typing import Callable
 
-from ..errors import DistBackendError
+from ..errors import DistBackendError, DistStoreTimeoutError
 from ..store import Store
 
 __all__ = ["monitored_barrier"]
 
 
+_SLICE = 0.1  # seconds between checks of whether a peer is already known dead
+
+
+def _wait_for(store: Store, key: str, peer: int, deadline: float, gone: Callable[[int], str | None]) -> str | None:
+    """Wait for ``key``; None once it exists, else why not (``peer`` dead, or the deadline)."""
+    while True:
+        why = gone(peer)
+        if why is not None and not store.check([key]):
+            return f"rank {peer} {why}"
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None if store.check([key]) else "timeout"
+        try:
+            store.wait([key], min(_SLICE, left))
+            return None
+        except DistStoreTimeoutError:
+            continue
+
+
 def monitored_barrier(store: Store, rank: int, size: int, seq: int, group_name: str, timeout: float,
-                      wait_all_ranks: bool, last_release: str | None) -> str | None:
+                      wait_all_ranks: bool, last_release: str | None,
+                      gone: Callable[[int], str | None] = lambda peer: None) -> str | None:
     """Run monitored barrier number ``seq`` of group ``group_name`` through ``store``.
 
     Rank 0 waits up to ``timeout`` for every rank's arrival key, then releases the
     others with "ok" or with the list of missing ranks (so every rank that is still
-    alive raises the same error).
+    alive raises the same error). A rank that ``gone`` reports dead (the group's
+    transport saw it die) counts as missing at once, not after the timeout.
 
     Returns:
         The release key a later barrier deletes (rank 0 only; ``last_release`` elsewhere).
@@ -30,17 +52,13 @@ def monitored_barrier(store: Store, rank: int, size: int, seq: int, group_name: 
     if rank == 0:
         deadline = time.monotonic() + timeout
         missing: list[int] = []
+        notes: list[str] = []
         for r in range(1, size):
-            key = f"{prefix}/arrived/{r}"
-            left = deadline - time.monotonic()
-            try:
-                if left <= 0:
-                    if not store.check([key]):
-                        raise TimeoutError
-                else:
-                    store.wait([key], left)
-            except Exception:
+            why = _wait_for(store, f"{prefix}/arrived/{r}", r, deadline, gone)
+            if why is not None:
                 missing.append(r)
+                if why != "timeout":
+                    notes.append(why)
                 if not wait_all_ranks:
                     break
         verdict = "ok" if not missing else ",".join(map(str, missing))
@@ -53,14 +71,16 @@ def monitored_barrier(store: Store, rank: int, size: int, seq: int, group_name: 
                 store.delete_key(last_release)
             last_release = f"{prefix}/released"
     else:
-        try:
-            verdict = store.get(f"{prefix}/released", timeout=timeout + 2.0).decode()
-        except Exception as exc:
-            raise DistBackendError(f"{what}: rank 0 did not release the barrier within {timeout:g} s "
-                                   f"(rank 0 may be dead or stuck)") from exc
+        why = _wait_for(store, f"{prefix}/released", 0, time.monotonic() + timeout + 2.0, gone)
+        if why is not None:
+            cause = "rank 0 may be dead or stuck" if why == "timeout" else why
+            raise DistBackendError(f"{what}: rank 0 did not release the barrier within {timeout:g} s ({cause})")
+        verdict = store.get(f"{prefix}/released").decode()
+        notes = []
     if verdict != "ok":
         ranks = [int(r) for r in verdict.split(",")]
         scope = "ranks that did not arrive" if wait_all_ranks else "first rank that did not arrive"
         raise DistBackendError(f"{what}: {scope} within {timeout:g} s: {ranks}"
-                               f"{'' if wait_all_ranks else ' (pass wait_all_ranks=True to list all)'}")
+                               f"{'' if wait_all_ranks else ' (pass wait_all_ranks=True to list all)'}"
+                               + (f" ({'; '.join(notes)})" if notes else ""))
     return last_release

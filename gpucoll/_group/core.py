@@ -360,6 +360,8 @@ class GroupCore:
         """Abort ``backend`` over ``work`` (once per group), dump the flight recorder; the reason."""
         with self._abort_lock:
             if self._abort_reason is None:
+                stalled = getattr(backend, "stalled", None)
+                waiting = stalled() if stalled is not None else ""
                 where = "flight recorder off"
                 if self._recorder is not None:
                     try:
@@ -368,8 +370,9 @@ class GroupCore:
                         where = f"flight recorder could not be written: {exc}"
                 self._abort_reason = (
                     f"{work.op_type} (seq {work.seq}) on group {self._label()} (rank {self._rank} of "
-                    f"{self._size}) did not complete within the group's timeout of {self.timeout:g} s; "
-                    f"the group's {backend.name} backend was aborted ({where})")
+                    f"{self._size}) did not complete within the group's timeout of {self.timeout:g} s"
+                    + (f" (still waiting for {waiting})" if waiting else "")
+                    + f"; the group's {backend.name} backend was aborted ({where})")
             reason = self._abort_reason
         backend.abort(reason)
         work._set_exception(DistBackendError(reason))  # no-op if the op already failed

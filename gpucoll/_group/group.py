@@ -359,4 +359,5 @@ class ProcessGroup(GroupCore):
         if self.backend_name == "fake":
             return  # no other rank exists to wait for
         self._last_release = monitored_barrier(self._store, self._rank, self._size, self._seq, self.group_name,
-                                               timeout, wait_all_ranks, self._last_release)
+                                               timeout, wait_all_ranks, self._last_release,
+                                               getattr(self._cpu, "peer_gone", lambda peer: None))

@@ -17,7 +17,7 @@ import time
 from ..errors import DistError, DistStoreTimeoutError
 from ..store.base import Store
 
-__all__ = ["await_all_joined", "JOIN_KEY", "NOTICE_AFTER"]
+__all__ = ["await_all_joined", "next_generation", "JOIN_KEY", "NOTICE_AFTER"]
 
 JOIN_KEY = "gpucoll/init/joined"
 NOTICE_AFTER = 10.0
@@ -64,3 +64,15 @@ def await_all_joined(store: Store, rank: int, world_size: int, timeout: float, *
             # The store's host (rank 0) timed out and closed it: say what it said.
             raise DistStoreTimeoutError(_message(seen, world_size, timeout)
                                         + f" (the store went away: {exc})") from exc
+
+
+def next_generation(store: Store, name: str, world_size: int) -> int:
+    """The number of this ``init_process_group`` of group ``name`` on ``store`` (0, 1, ...).
+
+    Every rank takes a ticket; the ``world_size`` ranks of one init hold consecutive
+    tickets, because a rank cannot finish creating a group (and so start the next
+    init) before every rank took its ticket for this one. Each generation's keys live
+    in their own namespace, so an init never reads what an earlier one wrote.
+    """
+    ticket = store.add(f"gpucoll/generation/{name}/{world_size}", 1)
+    return (ticket - 1) // world_size

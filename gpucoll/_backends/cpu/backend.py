@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import platform
-import socket
 import sys
 import threading
 import time
@@ -31,6 +30,7 @@ from ..._reduce_op import PremulSum, ReduceOpLike
 from ..._work import Work
 from ...store.base import Store
 from .reduce import Array, Reducer, as_array, as_bytes, make_reducer
+from .auth import host_id
 from .tcp import KIND_P2P, Recv, TcpMesh, local_address
 from .tcp_algos import Ctx, TcpCollectives, signature
 
@@ -41,16 +41,6 @@ INLINE_MAX = 1 << 20
 nothing is queued."""
 
 from ...clusters._envvars import CPU_TRANSPORT_ENV as TRANSPORT_ENV
-
-
-def host_id() -> str:
-    """Identifies this machine (and boot): ranks with equal ids can share memory."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "noboot"
-    return f"{socket.gethostname()}/{boot}"
 
 
 def _shm_supported() -> bool:
@@ -120,6 +110,14 @@ class CPUBackend:
         self._coll: Any = TcpCollectives(self._mesh)
         self.transport = "tcp" if size > 1 else "local"  # "shm" below when every rank shares a host
         self.shm_unavailable = ""
+        try:
+            self._choose_transport(store, mode, me)
+        except BaseException as exc:
+            self._mesh.close(f"rank {rank} failed to set up group {group_name!r}: {exc}")
+            raise
+
+    def _choose_transport(self, store: Store, mode: str, me: str) -> None:
+        rank, size, group_name = self.rank, self.size, self.group_name
         if size > 1 and mode != "tcp" and _shm_supported():
             same_host = all(store.get(f"tcp/{p}").decode().split("|")[0] == me for p in range(size))
             if same_host:
@@ -223,6 +221,22 @@ class CPUBackend:
 
     def _on_broken(self, err: BaseException) -> None:
         self.abort(str(err))
+
+    def peer_gone(self, peer: int) -> str | None:
+        """Why group rank ``peer`` died (its connection broke without a goodbye), or None.
+
+        A peer that only left after an error (its goodbye said why) may still be alive
+        and take part in store-based steps such as monitored_barrier."""
+        return self._mesh.dead(peer)
+
+    def stalled(self) -> str:
+        """What the op in progress is waiting for (named peers), for timeout messages."""
+        waits = list(self._mesh.stalled())
+        seg = getattr(self._coll, "seg", None)
+        peer = getattr(seg, "waiting_for", None)
+        if peer is not None:
+            waits.insert(0, f"rank {peer} (shared-memory progress)")
+        return "; ".join(dict.fromkeys(waits))
 
     def _collective(self, op_type: str, bufs: Sequence[Buffer], body: Callable[[Ctx], None],
                     *sig: object) -> Work:

@@ -13,9 +13,13 @@ which x86-64 keeps in order), and peers wait for ``counter >= target``: first by
 spinning (the ~µs path when every rank has a core), then by sleeping on a futex on
 the counter's word, which the writer wakes when a peer has said it sleeps there.
 
-Life cycle: rank 0 creates the file under /dev/shm, every rank maps it, and rank 0
-unlinks it as soon as all have mapped it, so nothing is left behind even if every
-process is killed later.
+Life cycle: rank 0 publishes the segment's name, then creates the file under
+/dev/shm (mode 0600); every rank maps it, checking first that this user owns it and
+nobody else may open it. It is unlinked as soon as every rank has mapped it (by the
+last to map it, and by rank 0), so nothing is left behind if every process is killed
+later. A rank that fails during setup (rank 0 died half-way) unlinks the name it
+learned; and rank 0 removes segments left by creators that died before they could
+publish a name (the name holds the creator's pid namespace and pid).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ...errors import DistBackendError
+from ...errors import DistBackendError, DistStoreTimeoutError
 
 __all__ = ["ShmSegment", "ShmUnavailable", "REC_WORDS", "futex_wait", "futex_wake"]
 
@@ -82,7 +86,7 @@ class ShmSegment:
     """
 
     def __init__(self, store: Any, rank: int, size: int, *, small_bytes: int, bulk_bytes: int,
-                 timeout: float, spin_seconds: float) -> None:
+                 timeout: float, spin_seconds: float, gone: Callable[[int], str | None] | None = None) -> None:
         self.rank = rank
         self.size = size
         self.small_bytes = small_bytes
@@ -92,7 +96,8 @@ class ShmSegment:
         self._small_off = ctl
         self._bulk_off = ctl + 2 * size * small_bytes
         total = self._bulk_off + 2 * size * bulk_bytes
-        self._mm, self.path = _map(store, rank, size, total, timeout)
+        self.waiting_for: int | None = None  # the peer a sleeping wait waits for (timeout messages)
+        self._mm, self.path = _map(store, rank, size, total, timeout, gone or (lambda peer: None))
         self._anchor = ctypes.c_char.from_buffer(self._mm)
         self._base = ctypes.addressof(self._anchor)
         self._mv = memoryview(self._mm)
@@ -164,6 +169,7 @@ class ShmSegment:
             return
         me = self.rank * REC_WORDS + _SLEEP
         addr = self._base + idx * 8
+        self.waiting_for = peer
         try:
             while True:
                 ctl[me] = peer + 1
@@ -179,6 +185,7 @@ class ShmSegment:
                 futex_wait(addr, cur, min(left, 0.02))
         finally:
             ctl[me] = 0
+            self.waiting_for = None
 
     def wake_all(self) -> None:
         """Wake every sleeper on every counter (abort: sleepers then see the error)."""
@@ -205,20 +212,96 @@ def _round(n: int, to: int = 4096) -> int:
     return (n + to - 1) // to * to
 
 
-def _map(store: Any, rank: int, size: int, total: int, timeout: float) -> tuple[mmap.mmap, str]:
+_PREFIX = "/dev/shm/gpucoll-"
+_SLICE = 0.2  # seconds between liveness checks while waiting on the store
+
+
+def _pidns() -> str:
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "0"
+
+
+def sweep_orphans() -> list[str]:
+    """Unlink segments of this user whose creator (this pid namespace) is dead; return them."""
+    mark = f"gpucoll-{_pidns()}-"
+    removed: list[str] = []
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(mark):
+            continue
+        pid = name[len(mark):].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or another user's process): leave it
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        path = "/dev/shm/" + name
+        try:
+            if os.lstat(path).st_uid == os.getuid():
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
+def _unlink(path: str) -> None:
+    """Remove a segment of ours (never a file another user put at a forged name)."""
+    if not path.startswith(_PREFIX) or "/" in path[len(_PREFIX):]:
+        return
+    try:
+        if os.lstat(path).st_uid == os.getuid():
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+def _get(store: Any, key: str, deadline: float, peer: int, gone: Callable[[int], str | None]) -> str:
+    """``store.get(key)``, failing within moments once ``peer`` is known dead."""
+    while True:
+        why = gone(peer)
+        if why is not None:
+            raise DistBackendError(f"rank {peer} {why} while the shared-memory segment was set up")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DistBackendError(f"rank {peer} did not take part in setting up the shared-memory segment "
+                                   f"(no {key!r} in the store in time)")
+        try:
+            store.wait([key], min(_SLICE, left))
+        except DistStoreTimeoutError:
+            continue
+        value: str = store.get(key).decode()
+        return value
+
+
+def _map(store: Any, rank: int, size: int, total: int, timeout: float,
+         gone: Callable[[int], str | None]) -> tuple[mmap.mmap, str]:
     """Create (rank 0) or open the segment; every rank learns whether all of them mapped it.
 
     Raises:
         ShmUnavailable: some rank could not create or map it (on every rank alike).
-        DistBackendError: a rank did not report within ``timeout``.
+        DistBackendError: a rank did not report within ``timeout``, or died.
     """
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
     mm: mmap.mmap | None = None
+    deadline = time.monotonic() + timeout
     if rank == 0:
-        path = f"/dev/shm/gpucoll-{os.getpid()}-{secrets.token_hex(8)}"
+        sweep_orphans()
+        path = f"{_PREFIX}{_pidns()}-{os.getpid()}-{secrets.token_hex(8)}"
+        store.set("shm/name", path.encode())  # first: whoever learns the name can remove the file
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             try:
+                os.fchmod(fd, 0o600)  # whatever the umask
                 os.ftruncate(fd, total)
                 # Reserve the pages now: on a full tmpfs this fails here with ENOSPC,
                 # instead of a SIGBUS at first touch in the middle of a collective.
@@ -228,41 +311,64 @@ def _map(store: Any, rank: int, size: int, total: int, timeout: float) -> tuple[
                 os.close(fd)
         except OSError as exc:
             problems = [f"rank 0 could not create {total} bytes at {path}: {exc}"]
-            store.set("shm/name", ("!" + problems[0]).encode())
+            store.set("shm/created", ("!" + problems[0]).encode())
         else:
             problems = []
-            store.set("shm/name", path.encode())
+            store.set("shm/created", b"1")
+            _count_mapped(store, size, path)
         try:
-            deadline = time.monotonic() + timeout
             for peer in range(1, size):
-                if time.monotonic() > deadline:
-                    raise DistBackendError(f"rank {peer} did not map the shared-memory segment within {timeout:.3g} s")
-                mark = store.get(f"shm/mapped/{peer}").decode()
+                mark = _get(store, f"shm/mapped/{peer}", deadline, peer, gone)
                 if mark not in ("1", "0"):  # "0": gave up because rank 0 failed
                     problems.append(mark)
         finally:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            _unlink(path)
         store.set("shm/ready", ("!" + "; ".join(problems)).encode() if problems else b"1")
     else:
-        path = store.get("shm/name").decode()
-        if path.startswith("!"):
-            store.set(f"shm/mapped/{rank}", b"0")
-        else:
-            try:
-                fd = os.open(path, os.O_RDWR)
+        path = _get(store, "shm/name", deadline, 0, gone)
+        try:
+            created = _get(store, "shm/created", deadline, 0, gone)
+            if created != "1":
+                store.set(f"shm/mapped/{rank}", b"0")
+            else:
                 try:
-                    mm = mmap.mmap(fd, total, flags=flags)
-                finally:
-                    os.close(fd)
-                store.set(f"shm/mapped/{rank}", b"1")
-            except OSError as exc:
-                store.set(f"shm/mapped/{rank}", f"rank {rank} could not map {path}: {exc}".encode())
-    ready = store.get("shm/ready").decode()
+                    mm = _open_ours(path, total, flags)
+                    store.set(f"shm/mapped/{rank}", b"1")
+                    _count_mapped(store, size, path)
+                except OSError as exc:
+                    store.set(f"shm/mapped/{rank}", f"rank {rank} could not map {path}: {exc}".encode())
+            ready = _get(store, "shm/ready", deadline, 0, gone)
+        except BaseException:
+            _unlink(path)  # rank 0 died half-way: do not leave its segment behind
+            if mm is not None:
+                mm.close()
+            raise
+    if rank == 0:
+        ready = store.get("shm/ready").decode()
     if ready != "1" or mm is None:
         if mm is not None:
             mm.close()
         raise ShmUnavailable(ready.lstrip("!") or "the segment could not be mapped")
     return mm, path
+
+
+def _count_mapped(store: Any, size: int, path: str) -> None:
+    if store.add("shm/mapped_count", 1) >= size:
+        _unlink(path)  # the last rank to map it: nobody needs the name any more
+
+
+def _open_ours(path: str, total: int, flags: int) -> mmap.mmap:
+    """Map an existing segment, refusing one that is not this user's alone."""
+    if not path.startswith(_PREFIX) or "/" in path[len(_PREFIX):]:
+        raise OSError(f"{path!r} is not a gpucoll shared-memory segment name")
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise OSError(f"{path} belongs to uid {st.st_uid} with mode {st.st_mode & 0o777:o}; "
+                          f"expected uid {os.getuid()} and mode 600")
+        if st.st_size < total:
+            raise OSError(f"{path} holds {st.st_size} bytes; expected {total}")
+        return mmap.mmap(fd, total, flags=flags)
+    finally:
+        os.close(fd)

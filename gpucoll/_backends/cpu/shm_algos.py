@@ -69,7 +69,7 @@ class ShmCollectives:
             cores = os.cpu_count() or 1
         spin = SPIN_SECONDS if size <= cores else SPIN_SECONDS_OVERSUBSCRIBED
         self.seg = ShmSegment(store, rank, size, small_bytes=SMALL_BYTES, bulk_bytes=BULK_BYTES,
-                              timeout=timeout, spin_seconds=spin)
+                              timeout=timeout, spin_seconds=spin, gone=mesh.gone)
         self._peers = [p for p in range(size) if p != rank]
         self._u = 0
         self._base = 0

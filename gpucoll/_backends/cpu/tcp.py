@@ -1,8 +1,11 @@
 """The CPU backend's TCP mesh: one connection per pair of ranks, tagged messages.
 
-Every rank listens on port 0 and publishes ``host:port`` plus a random nonce in the
-group's store; rank r connects to every lower rank, presenting that rank's nonce,
-and accepts the higher ones. After that the mesh is used for:
+Every rank listens on port 0 of its advertised address (loopback for a one-host
+job) and publishes ``host identity|address|port`` in the group's store; rank r
+connects to every lower rank's published address and accepts the higher ones. Every
+connection is authenticated by a mutual handshake (:mod:`.auth`) before it counts;
+the listener runs the handshakes of several incoming connections at once and drops
+one that does not finish within ``HANDSHAKE_S``. After that the mesh is used for:
 
 - collective traffic between hosts (and on one host when shared memory is off),
 - point-to-point send/recv (any source included),
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import os
-import secrets
+import select
 import socket
 import struct
 import threading
@@ -32,6 +35,7 @@ from typing import Any, Callable
 
 from ...clusters._envvars import CPU_IFADDR_ENV
 from ...errors import DistBackendError, DistNetworkError
+from . import auth
 
 __all__ = ["TcpMesh", "Recv", "KIND_COLL", "KIND_P2P", "local_address"]
 
@@ -39,8 +43,10 @@ KIND_COLL = 0
 KIND_P2P = 1
 _KIND_BYE = 2
 _HDR = struct.Struct("<B7xqQQ")  # kind, tag, nbytes, meta
-_HELLO = struct.Struct("<q32s")  # rank, listener's nonce
 _POLL = 0.5  # seconds between checks of the closed flag in blocking socket calls
+_FINISH_LOCK = threading.Lock()
+HANDSHAKE_S = 5.0
+"""Seconds an incoming connection has to authenticate before it is dropped."""
 
 
 @dataclass(eq=False)
@@ -61,7 +67,15 @@ class Recv:
 
     def complete(self) -> None:
         """Mark the receive finished (``error`` set or data in place) and run ``on_done``."""
-        self.done.set()
+        self.finish(self.error)
+
+    def finish(self, error: BaseException | None) -> None:
+        """Complete once: the first call (data in place, or an abort's error) wins."""
+        with _FINISH_LOCK:
+            if self.done.is_set():
+                return
+            self.error = error
+            self.done.set()
         if self.on_done is not None:
             self.on_done(self)
 
@@ -103,8 +117,8 @@ class TcpMesh:
         store: the group's private store (set/get of bytes).
         rank, size: this rank and the group size.
         timeout: seconds for connecting and for each blocking socket operation.
-        host_id: identifies this machine; peers with the same id connect over loopback.
-        advertise: address to publish for peers on other hosts.
+        host_id: identifies this machine (published; the backend uses it to decide shared memory).
+        advertise: address to listen on and publish.
         on_broken: called once (from a reader thread) when a peer dies or the mesh breaks.
     """
 
@@ -122,6 +136,11 @@ class TcpMesh:
         self._socks: dict[int, socket.socket] = {}
         self._send_locks = {p: threading.Lock() for p in range(size) if p != rank}
         self._gone: dict[int, str] = {}  # peer -> why it is no longer reachable
+        self._dead: set[int] = set()  # peers whose connection broke without a goodbye
+        # Receives taken off the posted lists whose payload a reader is reading now:
+        # the abort and peer-death paths fail these too.
+        self._inflight: dict[int, Recv] = {}
+        self._sending: dict[int, int] = {}  # peer -> bytes of the frame being sent to it now
         self.broken: BaseException | None = None
         self._closed = False
         self._closing = False
@@ -131,39 +150,21 @@ class TcpMesh:
 
     # ----- setup -----
     def _connect(self, store: Any, host_id: str, advertise: str) -> None:
+        key, secret = auth.group_key(store)
+        # Listen on the advertised address only: loopback for a one-host job (store on
+        # loopback), the interface that routes to the store otherwise. Never 0.0.0.0.
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
-            listener.bind(("0.0.0.0", 0))
-            listener.listen(self.size)
-            nonce = secrets.token_bytes(32)
+            listener.bind((advertise, 0))
+            listener.listen(128)  # strangers may queue up too: they must not crowd out peers
             port = listener.getsockname()[1]
-            store.set(f"tcp/{self.rank}", f"{host_id}|{advertise}|{port}|{nonce.hex()}".encode())
+            store.set(f"tcp/{self.rank}", f"{host_id}|{advertise}|{port}".encode())
             deadline = time.monotonic() + self.timeout
             for peer in range(self.rank):
-                peer_host, addr, peer_port, peer_nonce = store.get(f"tcp/{peer}").decode().split("|")
-                target = "127.0.0.1" if peer_host == host_id else addr
-                self._socks[peer] = self._dial(peer, target, int(peer_port), bytes.fromhex(peer_nonce), deadline)
-            while len(self._socks) < self.size - 1:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    missing = sorted(set(range(self.size)) - set(self._socks) - {self.rank})
-                    raise DistNetworkError(f"CPU backend rank {self.rank}: ranks {missing} did not connect "
-                                           f"within {self.timeout:.3g} s")
-                listener.settimeout(left)
-                try:
-                    conn, _ = listener.accept()
-                except socket.timeout:
-                    continue
-                conn.settimeout(min(left, 10.0))
-                try:
-                    peer, got = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
-                except (OSError, EOFError):
-                    conn.close()
-                    continue
-                if got != nonce or not (self.rank < peer < self.size) or peer in self._socks:
-                    conn.close()  # a stranger, or a stale connection: ignore it
-                    continue
-                self._socks[peer] = conn
+                _, addr, peer_port = store.get(f"tcp/{peer}").decode().split("|")
+                # The published address, also on this host: "same hostname" is not "same host".
+                self._socks[peer] = self._dial(peer, addr, int(peer_port), key, secret, deadline)
+            self._accept(listener, key, secret, deadline)
         finally:
             listener.close()
         for peer, s in self._socks.items():
@@ -174,15 +175,73 @@ class TcpMesh:
             t.start()
             self._threads.append(t)
 
-    def _dial(self, peer: int, host: str, port: int, nonce: bytes, deadline: float) -> socket.socket:
+    def _accept(self, listener: socket.socket, key: bytes, secret: bool, deadline: float) -> None:
+        """Accept and authenticate the higher ranks, several handshakes at once.
+
+        A connection that does not complete its handshake within ``HANDSHAKE_S`` (idle,
+        slow or a stranger's) is dropped; it never holds up the others.
+        """
+        listener.setblocking(False)
+        pending: dict[socket.socket, _Handshake] = {}
+        rejected: list[str] = []
+        try:
+            while len(self._socks) < self.size - 1:
+                now = time.monotonic()
+                if now >= deadline:
+                    missing = sorted(set(range(self.size)) - set(self._socks) - {self.rank})
+                    extra = f"; rejected connections: {'; '.join(rejected[-3:])}" if rejected else ""
+                    raise DistNetworkError(f"CPU backend rank {self.rank}: ranks {missing} did not connect "
+                                           f"within {self.timeout:.3g} s{extra}")
+                for conn, hs in list(pending.items()):
+                    if now >= hs.deadline:
+                        del pending[conn]
+                        conn.close()
+                wait = min([deadline - now, *[hs.deadline - now for hs in pending.values()]])
+                ready, _, _ = select.select([listener, *pending], [], [], max(0.0, wait))
+                for s in ready:
+                    if s is listener:
+                        try:
+                            conn, _ = listener.accept()
+                        except (BlockingIOError, InterruptedError):
+                            continue
+                        conn.setblocking(False)
+                        pending[conn] = _Handshake(time.monotonic() + min(HANDSHAKE_S, self.timeout))
+                        continue
+                    hs = pending[s]
+                    try:
+                        peer = hs.step(s, self, key, secret)
+                    except (OSError, EOFError, auth.HandshakeError, struct.error) as exc:
+                        rejected.append(str(exc))
+                        del pending[s]
+                        s.close()
+                        continue
+                    if peer is not None:
+                        del pending[s]
+                        s.setblocking(True)
+                        self._socks[peer] = s
+        finally:
+            for conn in pending:
+                conn.close()
+
+    def _dial(self, peer: int, host: str, port: int, key: bytes, secret: bool, deadline: float) -> socket.socket:
         delay = 0.01
         while True:
+            s: socket.socket | None = None
             try:
                 s = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
-                s.sendall(_HELLO.pack(self.rank, nonce))
+                s.settimeout(max(0.1, min(HANDSHAKE_S, deadline - time.monotonic())))
+                auth.check_local_owner(s, peer, strict=not secret)
+                hello, nonce = auth.make_hello(self.rank, peer)
+                s.sendall(hello)
+                proof = auth.check_reply(key, self.rank, peer, nonce, _recv_exact(s, auth.REPLY.size))
+                s.sendall(proof)
+                if _recv_exact(s, 1) != auth.OK:
+                    raise auth.HandshakeError(f"rank {peer} refused the handshake")
                 return s
-            except OSError as exc:
-                if time.monotonic() + delay >= deadline:
+            except (OSError, EOFError, auth.HandshakeError) as exc:
+                if s is not None:
+                    s.close()
+                if isinstance(exc, auth.HandshakeError) or time.monotonic() + delay >= deadline:
                     raise DistNetworkError(f"CPU backend rank {self.rank} could not connect to rank {peer} "
                                            f"at {host}:{port}: {exc}") from exc
                 time.sleep(delay)
@@ -218,6 +277,8 @@ class TcpMesh:
         key = (peer, kind, tag)
         with self._lock:
             r = self._match_posted(key, tag if kind == KIND_P2P else None)
+            if r is not None:
+                self._inflight[peer] = r
         if r is None:
             data = bytearray(nbytes)
             self._read_exact(s, memoryview(data))
@@ -230,16 +291,20 @@ class TcpMesh:
                     return
             _fill(r, msg, peer)
             return
+        error: BaseException | None = None
+        # If reading fails, r stays in _inflight: the peer-death path fails it there.
         if r.buf is not None and r.buf.nbytes != nbytes or (r.meta is not None and r.meta != meta):
             self._read_exact(s, memoryview(bytearray(nbytes)))  # drain it, keep the stream in sync
-            r.error = _mismatch(peer, r, nbytes, meta)
+            error = _mismatch(peer, r, nbytes, meta)
         elif r.buf is None:
-            r.data = bytearray(nbytes)
-            self._read_exact(s, memoryview(r.data))
+            data = bytearray(nbytes)
+            self._read_exact(s, memoryview(data))
+            r.data = data
         else:
             self._read_exact(s, r.buf)
+        self._inflight.pop(peer, None)
         r.source = peer
-        r.complete()
+        r.finish(error)
 
     def _match_posted(self, key: tuple[int, int, int], any_tag: int | None) -> Recv | None:
         q = self._posted.get(key)
@@ -295,6 +360,10 @@ class TcpMesh:
         """Why ``peer`` can no longer be reached, or None while it is connected."""
         return self._gone.get(peer)
 
+    def dead(self, peer: int) -> str | None:
+        """Why ``peer``'s connection broke without a goodbye (it died), or None."""
+        return self._gone.get(peer) if peer in self._dead else None
+
     # ----- sending -----
     def send(self, dst: int, kind: int, tag: int, payload: memoryview, meta: int = 0,
              deadline: float | None = None) -> None:
@@ -311,6 +380,7 @@ class TcpMesh:
         hdr = _HDR.pack(kind, tag, payload.nbytes, meta)
         limit = deadline if deadline is not None else time.monotonic() + self.timeout
         with self._send_locks[dst]:
+            self._sending[dst] = payload.nbytes
             try:
                 if payload.nbytes <= 16384:
                     self._send_all(s, memoryview(hdr + payload), dst, limit)
@@ -318,7 +388,35 @@ class TcpMesh:
                     self._send_all(s, memoryview(hdr), dst, limit)
                     self._send_all(s, payload, dst, limit)
             except OSError as exc:
-                raise DistBackendError(f"sending {payload.nbytes} bytes to rank {dst} failed: {exc}") from exc
+                raise self._send_failed(dst, payload.nbytes, exc) from exc
+            finally:
+                self._sending.pop(dst, None)
+
+    def _send_failed(self, dst: int, nbytes: int, exc: OSError) -> DistBackendError:
+        """The error for a send that the peer's end broke: why the peer left, once known.
+
+        A peer that aborts says why in a goodbye frame before it closes; the reader of
+        that connection records it within moments of the broken pipe.
+        """
+        limit = time.monotonic() + 1.0
+        while dst not in self._gone and self.broken is None and time.monotonic() < limit:
+            time.sleep(0.01)
+        why = self._gone.get(dst)
+        if why is not None:
+            return DistBackendError(f"sending {nbytes} bytes to rank {dst} failed: rank {dst} {why}")
+        if self.broken is not None:
+            return DistBackendError(f"sending {nbytes} bytes to rank {dst} failed: {self.broken}")
+        return DistBackendError(f"sending {nbytes} bytes to rank {dst} failed: {exc}")
+
+    def stalled(self) -> list[str]:
+        """What this rank is waiting for now: peers whose data or reading it waits on."""
+        with self._lock:
+            out = [f"data from rank {src}" for (src, _, _), q in self._posted.items() if q]
+            if any(self._posted_any.values()):
+                out.append("data from any rank")
+        out += [f"rank {p} to read {n} bytes" for p, n in list(self._sending.items())]
+        out += [f"the rest of a frame from rank {p}" for p in list(self._inflight)]
+        return out
 
     def _send_all(self, s: socket.socket, data: memoryview, dst: int, deadline: float) -> None:
         while data.nbytes:
@@ -330,6 +428,8 @@ class TcpMesh:
             if data.nbytes and n == 0:
                 if self.broken is not None:
                     raise self.broken
+                if dst in self._gone:
+                    raise DistBackendError(f"sending to rank {dst} failed: rank {dst} {self._gone[dst]}")
                 if self._closed:
                     raise DistBackendError("the CPU backend was shut down")
                 if time.monotonic() >= deadline:
@@ -364,6 +464,8 @@ class TcpMesh:
             err.__cause__ = cause
         with self._lock:
             self._gone[peer] = why
+            if fatal:
+                self._dead.add(peer)
             if fatal and self.broken is None:
                 self.broken = err
             failed = [r for (src, _, _), q in self._posted.items() if src == peer or fatal for r in q]
@@ -372,9 +474,9 @@ class TcpMesh:
             if fatal:
                 failed += [r for q in self._posted_any.values() for r in q]
                 self._posted_any.clear()
+            failed += [r for p, r in list(self._inflight.items()) if p == peer or fatal]
         for r in failed:
-            r.error = err
-            r.complete()
+            r.finish(err)
         if fatal:
             self._on_broken(err)
 
@@ -384,11 +486,11 @@ class TcpMesh:
             if self.broken is None:
                 self.broken = err
             failed = [r for q in itertools.chain(self._posted.values(), self._posted_any.values()) for r in q]
+            failed += list(self._inflight.values())
             self._posted.clear()
             self._posted_any.clear()
         for r in failed:
-            r.error = err
-            r.complete()
+            r.finish(err)
 
     def close(self, reason: str = "") -> None:
         """Say goodbye to every peer and close the connections.
@@ -422,6 +524,44 @@ class TcpMesh:
         for t in self._threads:
             if t is not me:
                 t.join(2 * _POLL)
+
+
+class _Handshake:
+    """The listener's side of one incoming connection's handshake (non-blocking)."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self.buf = bytearray()
+        self.want = auth.HELLO.size
+        self.peer = -1
+        self.dialer_nonce = b""
+        self.nonce = b""
+
+    def step(self, s: socket.socket, mesh: TcpMesh, key: bytes, secret: bool) -> int | None:
+        """Read what arrived; the dialer's rank once it has proven itself, else None."""
+        chunk = s.recv(self.want - len(self.buf))
+        if not chunk:
+            raise EOFError("closed during the handshake")
+        self.buf += chunk
+        if len(self.buf) < self.want:
+            return None
+        data, self.buf = bytes(self.buf), bytearray()
+        if self.peer < 0:
+            magic, peer, target, self.dialer_nonce = auth.HELLO.unpack(data)
+            if magic != auth.MAGIC or target != mesh.rank or not mesh.rank < peer < mesh.size \
+                    or peer in mesh._socks:
+                raise auth.HandshakeError(f"a connection with a bad greeting (rank {peer}, for rank {target})")
+            auth.check_local_owner(s, peer, strict=not secret)
+            reply, self.nonce = auth.make_reply(key, mesh.rank, peer, self.dialer_nonce)
+            if s.send(reply) != len(reply):
+                raise auth.HandshakeError("could not answer the handshake at once")
+            self.peer, self.want = peer, auth.PROOF.size
+            return None
+        auth.check_proof(key, mesh.rank, self.peer, self.nonce, self.dialer_nonce, data)
+        if self.peer in mesh._socks:
+            raise auth.HandshakeError(f"rank {self.peer} connected twice")
+        s.send(auth.OK)
+        return self.peer
 
 
 def _fill(r: Recv, msg: Recv, peer: int) -> None:
