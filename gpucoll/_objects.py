@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import _world
+from .clusters._envvars import MAX_OBJECT_BYTES_ENV
 from ._group import ProcessGroup
 from ._group.coalescing import refuse_inside
 
@@ -41,7 +42,7 @@ MAX_OBJECT_BYTES = 2 << 30
 
 
 def _limit() -> int:
-    raw = os.environ.get("GPUCOLL_MAX_OBJECT_BYTES", "").strip()
+    raw = os.environ.get(MAX_OBJECT_BYTES_ENV, "").strip()
     if not raw:
         return MAX_OBJECT_BYTES
     if not raw.isdigit() or int(raw) < 1:

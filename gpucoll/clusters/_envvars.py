@@ -53,6 +53,9 @@ CPU_TRANSPORT_ENV: Final = "GPUCOLL_CPU_TRANSPORT"
 CPU_IFADDR_ENV: Final = "GPUCOLL_CPU_IFADDR"
 """The address the CPU backend's TCP transport listens on and publishes."""
 
+MAX_OBJECT_BYTES_ENV: Final = "GPUCOLL_MAX_OBJECT_BYTES"
+"""The largest payload (bytes) one rank may send in an object or bytes collective."""
+
 # -- gpucoll-bench ---------------------------------------------------------------------------
 
 BENCH_COMMAND_ENV: Final = "GPUCOLL_BENCH_COMMAND"
@@ -63,5 +66,5 @@ BENCH_CORRUPT_ENV: Final = "GPUCOLL_BENCH_CORRUPT"
 
 NAMES: Final = (STORE_HOSTED_ENV, STORE_TOKEN_ENV, ERROR_FILE_ENV, LAUNCHER_PID_ENV, DEBUG_ENV,
                 FLIGHT_RECORDER_SIZE_ENV, FLIGHT_RECORDER_DIR_ENV, CONTROL_PLANE_ENV, CPU_TRANSPORT_ENV,
-                CPU_IFADDR_ENV, BENCH_COMMAND_ENV, BENCH_CORRUPT_ENV)
+                CPU_IFADDR_ENV, MAX_OBJECT_BYTES_ENV, BENCH_COMMAND_ENV, BENCH_CORRUPT_ENV)
 """Every name above."""

@@ -21,10 +21,13 @@ import os
 import secrets
 import socket
 import struct
-from typing import Any
+from typing import Any, Container
+
+from ...clusters._envvars import STORE_TOKEN_ENV
 
 __all__ = ["host_id", "group_key", "peer_uid", "is_local_peer", "HELLO", "REPLY", "PROOF", "MAGIC",
-           "make_hello", "make_reply", "check_reply", "check_proof", "check_local_owner", "HandshakeError", "OK"]
+           "make_hello", "make_reply", "check_reply", "check_proof", "check_local_owner", "HandshakeError", "OK",
+           "ListenerHandshake", "recv_exact"]
 
 MAGIC = b"GPCCPU01"
 HELLO = struct.Struct("<8sqq32s")  # magic, dialer's rank, listener's rank, dialer's nonce
@@ -58,7 +61,7 @@ def host_id() -> str:
 
 def _store_token(store: Any) -> bytes | None:
     """The job store's token: GPUCOLL_STORE_TOKEN, else the token of the store under the prefixes."""
-    env = os.environ.get("GPUCOLL_STORE_TOKEN")
+    env = os.environ.get(STORE_TOKEN_ENV)
     if env:
         return env.encode()
     seen = 0
@@ -155,3 +158,53 @@ def check_local_owner(sock: socket.socket, peer: int, *, strict: bool) -> None:
         raise HandshakeError(f"the connection for rank {peer} comes from a process of uid {uid}, "
                              f"not this user (uid {os.getuid()})")
 
+
+class ListenerHandshake:
+    """The listener's side of one incoming connection's handshake (non-blocking)."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self.buf = bytearray()
+        self.want = HELLO.size
+        self.peer = -1
+        self.dialer_nonce = b""
+        self.nonce = b""
+
+    def step(self, s: socket.socket, rank: int, size: int, connected: Container[int], key: bytes,
+             secret: bool) -> int | None:
+        """Read what arrived; the dialer's rank once it has proven itself, else None."""
+        chunk = s.recv(self.want - len(self.buf))
+        if not chunk:
+            raise EOFError("closed during the handshake")
+        self.buf += chunk
+        if len(self.buf) < self.want:
+            return None
+        data, self.buf = bytes(self.buf), bytearray()
+        if self.peer < 0:
+            magic, peer, target, self.dialer_nonce = HELLO.unpack(data)
+            if magic != MAGIC or target != rank or not rank < peer < size \
+                    or peer in connected:
+                raise HandshakeError(f"a connection with a bad greeting (rank {peer}, for rank {target})")
+            check_local_owner(s, peer, strict=not secret)
+            reply, self.nonce = make_reply(key, rank, peer, self.dialer_nonce)
+            if s.send(reply) != len(reply):
+                raise HandshakeError("could not answer the handshake at once")
+            self.peer, self.want = peer, PROOF.size
+            return None
+        check_proof(key, rank, self.peer, self.nonce, self.dialer_nonce, data)
+        if self.peer in connected:
+            raise HandshakeError(f"rank {self.peer} connected twice")
+        s.send(OK)
+        return self.peer
+
+
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = s.recv_into(view[got:])
+        if k == 0:
+            raise EOFError("connection closed during handshake")
+        got += k
+    return bytes(buf)

@@ -182,7 +182,7 @@ class TcpMesh:
         slow or a stranger's) is dropped; it never holds up the others.
         """
         listener.setblocking(False)
-        pending: dict[socket.socket, _Handshake] = {}
+        pending: dict[socket.socket, auth.ListenerHandshake] = {}
         rejected: list[str] = []
         try:
             while len(self._socks) < self.size - 1:
@@ -205,11 +205,11 @@ class TcpMesh:
                         except (BlockingIOError, InterruptedError):
                             continue
                         conn.setblocking(False)
-                        pending[conn] = _Handshake(time.monotonic() + min(HANDSHAKE_S, self.timeout))
+                        pending[conn] = auth.ListenerHandshake(time.monotonic() + min(HANDSHAKE_S, self.timeout))
                         continue
                     hs = pending[s]
                     try:
-                        peer = hs.step(s, self, key, secret)
+                        peer = hs.step(s, self.rank, self.size, self._socks, key, secret)
                     except (OSError, EOFError, auth.HandshakeError, struct.error) as exc:
                         rejected.append(str(exc))
                         del pending[s]
@@ -233,9 +233,9 @@ class TcpMesh:
                 auth.check_local_owner(s, peer, strict=not secret)
                 hello, nonce = auth.make_hello(self.rank, peer)
                 s.sendall(hello)
-                proof = auth.check_reply(key, self.rank, peer, nonce, _recv_exact(s, auth.REPLY.size))
+                proof = auth.check_reply(key, self.rank, peer, nonce, auth.recv_exact(s, auth.REPLY.size))
                 s.sendall(proof)
-                if _recv_exact(s, 1) != auth.OK:
+                if auth.recv_exact(s, 1) != auth.OK:
                     raise auth.HandshakeError(f"rank {peer} refused the handshake")
                 return s
             except (OSError, EOFError, auth.HandshakeError) as exc:
@@ -526,44 +526,6 @@ class TcpMesh:
                 t.join(2 * _POLL)
 
 
-class _Handshake:
-    """The listener's side of one incoming connection's handshake (non-blocking)."""
-
-    def __init__(self, deadline: float) -> None:
-        self.deadline = deadline
-        self.buf = bytearray()
-        self.want = auth.HELLO.size
-        self.peer = -1
-        self.dialer_nonce = b""
-        self.nonce = b""
-
-    def step(self, s: socket.socket, mesh: TcpMesh, key: bytes, secret: bool) -> int | None:
-        """Read what arrived; the dialer's rank once it has proven itself, else None."""
-        chunk = s.recv(self.want - len(self.buf))
-        if not chunk:
-            raise EOFError("closed during the handshake")
-        self.buf += chunk
-        if len(self.buf) < self.want:
-            return None
-        data, self.buf = bytes(self.buf), bytearray()
-        if self.peer < 0:
-            magic, peer, target, self.dialer_nonce = auth.HELLO.unpack(data)
-            if magic != auth.MAGIC or target != mesh.rank or not mesh.rank < peer < mesh.size \
-                    or peer in mesh._socks:
-                raise auth.HandshakeError(f"a connection with a bad greeting (rank {peer}, for rank {target})")
-            auth.check_local_owner(s, peer, strict=not secret)
-            reply, self.nonce = auth.make_reply(key, mesh.rank, peer, self.dialer_nonce)
-            if s.send(reply) != len(reply):
-                raise auth.HandshakeError("could not answer the handshake at once")
-            self.peer, self.want = peer, auth.PROOF.size
-            return None
-        auth.check_proof(key, mesh.rank, self.peer, self.nonce, self.dialer_nonce, data)
-        if self.peer in mesh._socks:
-            raise auth.HandshakeError(f"rank {self.peer} connected twice")
-        s.send(auth.OK)
-        return self.peer
-
-
 def _fill(r: Recv, msg: Recv, peer: int) -> None:
     data = msg.data or bytearray()
     if r.meta is not None and msg.meta is not None and r.meta != msg.meta:
@@ -587,15 +549,3 @@ def _mismatch(peer: int, r: Recv, nbytes: int, meta: int | None) -> DistBackendE
     what = "message" if r.kind == KIND_P2P else "collective chunk"
     return DistBackendError(f"rank {peer} sent a {what} of {nbytes} bytes (tag {r.tag}) where this rank "
                             f"expected {want} bytes: sizes or dtypes differ across ranks")
-
-
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = s.recv_into(view[got:])
-        if k == 0:
-            raise EOFError("connection closed during handshake")
-        got += k
-    return bytes(buf)
