@@ -25,7 +25,7 @@ from ..errors import DistBackendError, DistError
 from .._flight_recorder import FlightRecorder, recorder_capacity
 from ..store import PrefixStore, Store
 from .._work import Work, WorkInfo
-from .checks import _op_name, _same_layout
+from .checks import _op_name, _real_view, _same_layout
 from .coalescing import CoalescingManager, _not_coalescable
 from .registry import _BACKEND_GRACE_S, BACKENDS, make_device_backend, split_device_backend
 from .watchdog import Watchdog
@@ -68,12 +68,14 @@ class GroupCore:
         self._to_group = {g: i for i, g in enumerate(self.global_ranks)}
         self.timeout = timeout
         self.backend_name = backend
+        self._backend_spelling = backend  # what get_backend() returns ("gloo" when created so)
         self._device_id = device_id
         self._seq = 0
         self._destroyed = False
         self._coalescing: CoalescingManager | None = None  # while a coalescing() block is open
         self._split_count = 0
         self._last_release: str | None = None  # monitored_barrier's key still to delete
+        self._monitored_seq = 0  # monitored barriers so far (p2p ops advance _seq unevenly across ranks)
         self._abort_reason: str | None = None
         self._abort_lock = threading.Lock()
         self._hook_errors: list[tuple[Callable[[WorkInfo], None], BaseException]] = []
@@ -199,7 +201,10 @@ class GroupCore:
                                "create a new one to run collectives")
 
     def _check_rank(self, r: Any, name: str) -> int:
-        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self._size:
+        if isinstance(r, bool) or not isinstance(r, int):
+            raise TypeError(f"{name} must be an int (a rank of group {self.group_name!r}); "
+                            f"got {type(r).__name__} {r!r}")
+        if not 0 <= r < self._size:
             raise ValueError(f"{name}={r!r} is out of range for group {self.group_name!r} of size {self._size}")
         return r
 
@@ -380,7 +385,9 @@ class GroupCore:
 
     # ----- helpers -----
     def _list_like(self, arrays: Sequence[Any], name: str, ref: Buffer, ref_name: str,
-                   writable: bool) -> list[Buffer]:
+                   writable: bool, views: bool = False) -> list[Buffer]:
+        """``arrays`` as Buffers: one per rank, each laid out like ``ref``; with ``views``
+        (data movement) complex arrays match, and are returned as, their real views."""
         if isinstance(arrays, (str, bytes)) or not hasattr(arrays, "__len__"):
             raise TypeError(f"{name} must be a list of {self._size} arrays; got {type(arrays).__name__}")
         if len(arrays) != self._size:
@@ -389,13 +396,30 @@ class GroupCore:
         bufs = []
         for i, a in enumerate(arrays):
             b = _array.as_buffer(a, name=f"{name}[{i}]", writable=writable)
-            _same_layout(b, ref, f"{name}[{i}]", ref_name)
-            bufs.append(b)
+            _same_layout(b, ref, f"{name}[{i}]", ref_name, views)
+            bufs.append(_real_view(b) if views else b)
+        return bufs
+
+    def _uneven_list(self, arrays: Sequence[Any], name: str, own: Buffer, own_name: str) -> list[Buffer]:
+        """One array per rank, all of ``own``'s dtype; ``arrays[rank]`` laid out like ``own``,
+        the others of any size (rank i's chunk: the same size on every rank, which the
+        backend checks across ranks)."""
+        if isinstance(arrays, (str, bytes)) or not hasattr(arrays, "__len__"):
+            raise TypeError(f"{name} must be a list of {self._size} arrays; got {type(arrays).__name__}")
+        if len(arrays) != self._size:
+            raise ValueError(f"{name} must have {self._size} arrays (one per rank of group "
+                             f"{self.group_name!r}); got {len(arrays)}")
+        bufs = [_array.as_buffer(a, name=f"{name}[{i}]") for i, a in enumerate(arrays)]
+        for i, b in enumerate(bufs):
+            if b.dtype != own.dtype:
+                raise ValueError(f"{name}[{i}] has dtype {b.dtype.name} but {own_name} has {own.dtype.name}; "
+                                 "they must match")
+        _same_layout(bufs[self._rank], own, f"{name}[{self._rank}] (this rank's chunk)", own_name)
         return bufs
 
     def _check_chunked(self, whole: Buffer, part: Buffer, whole_name: str, part_name: str) -> None:
         if whole.dtype != part.dtype:
-            raise TypeError(f"{whole_name} has dtype {whole.dtype.name} but {part_name} has {part.dtype.name}; "
+            raise ValueError(f"{whole_name} has dtype {whole.dtype.name} but {part_name} has {part.dtype.name}; "
                             "they must match")
         if whole.nbytes != part.nbytes * self._size:
             raise ValueError(f"{whole_name} (shape {whole.shape}) must hold exactly group size x "

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..._buffer import Buffer
 from ...errors import DistBackendError, DistError
-from ..._reduce_op import PremulSum, ReduceOpLike
+from ..._reduce_op import PremulSum, ReduceOp, ReduceOpLike
 from ..._work import Work
 from ...store.base import Store
 from .reduce import Array, Reducer, as_array, as_bytes, make_reducer
@@ -249,43 +249,90 @@ class CPUBackend:
         return a
 
     # ----- reductions -----
+    # PREMUL_SUM: each rank scales its own contribution by its own factor (factors may
+    # differ per rank, NCCL's per-rank scaling), then the ranks SUM; the factor is not
+    # part of the cross-rank signature.
+    def _sum_of(self, op: ReduceOpLike, buf: Buffer) -> tuple[Reducer, Callable[[Array], Array] | None]:
+        """The reducer to run and, for PREMUL_SUM, what scales this rank's contribution."""
+        if not isinstance(op, PremulSum):
+            return self._reducer(op, buf), None
+        scaler = self._reducer(op, buf)
+
+        def scaled(a: Array) -> Array:
+            out = np.empty_like(a)
+            np.copyto(out, scaler.contribution(a), casting="unsafe")
+            return out
+
+        return self._reducer(ReduceOp.SUM, buf), scaled
+
     def all_reduce(self, buf: Buffer, op: ReduceOpLike) -> Work:
-        red = self._reducer(op, buf)
+        red, scale = self._sum_of(op, buf)
         x = self._arr(buf)
-        return self._collective("all_reduce", [buf], lambda c: self._coll.all_reduce(c, x, red),
-                                buf.dtype.name, buf.nbytes, _op_key(op))
+
+        def body(c: Ctx) -> None:
+            if scale is not None:
+                np.copyto(x, scale(x))
+            self._coll.all_reduce(c, x, red)
+
+        return self._collective("all_reduce", [buf], body, buf.dtype.name, buf.nbytes, _sig_op(op))
 
     def all_reduce_coalesced(self, bufs: Sequence[Buffer], op: ReduceOpLike) -> Work:
-        reds = [self._reducer(op, b) for b in bufs]
+        plans = [self._sum_of(op, b) for b in bufs]
         xs = [self._arr(b) for b in bufs]
 
         def body(c: Ctx) -> None:
-            for x, red in zip(xs, reds):
+            for x, (red, scale) in zip(xs, plans):
+                if scale is not None:
+                    np.copyto(x, scale(x))
                 self._coll.all_reduce(c, x, red)
 
         return self._collective("all_reduce_coalesced", list(bufs), body,
-                                [(b.dtype.name, b.nbytes) for b in bufs], _op_key(op))
+                                [(b.dtype.name, b.nbytes) for b in bufs], _sig_op(op))
 
     def reduce(self, buf: Buffer, dst: int, op: ReduceOpLike) -> Work:
-        red = self._reducer(op, buf)
+        red, scale = self._sum_of(op, buf)
         x = self._arr(buf)
-        return self._collective("reduce", [buf], lambda c: self._coll.reduce(c, x, dst, red),
-                                buf.dtype.name, buf.nbytes, dst, _op_key(op))
+
+        def body(c: Ctx) -> None:
+            if scale is None:
+                self._coll.reduce(c, x, dst, red)
+                return
+            t = scale(x)  # a copy: a non-destination rank's array is left alone
+            self._coll.reduce(c, t, dst, red)
+            if self.rank == dst:
+                np.copyto(x, t)
+
+        return self._collective("reduce", [buf], body, buf.dtype.name, buf.nbytes, dst, _sig_op(op))
 
     def reduce_scatter(self, out: Buffer, inputs: Sequence[Buffer], op: ReduceOpLike) -> Work:
-        red = self._reducer(op, out)
+        red, scale = self._sum_of(op, out)
         o, ins = self._arr(out), [self._arr(b) for b in inputs]
-        return self._collective("reduce_scatter", [out, *inputs],
-                                lambda c: self._coll.reduce_scatter(c, o, ins, red),
-                                out.dtype.name, out.nbytes, _op_key(op))
+        sizes = [b.nbytes for b in inputs]  # rank k's chunk size: the same list on every rank
+        even = all(n == out.nbytes for n in sizes)
+
+        def body(c: Ctx) -> None:
+            mine = ins if scale is None else [scale(a) for a in ins]
+            if even:
+                self._coll.reduce_scatter(c, o, mine, red)
+                return
+            # Uneven chunks: every rank sends chunk k to rank k, which folds what it got in
+            # rank order (the order of the even algorithms).
+            parts = [np.empty_like(o) for _ in range(self.size)]
+            parts[self.rank] = mine[self.rank].copy()
+            self._coll.all_to_all(c, parts, mine)
+            red.fold(o, parts)
+
+        return self._collective("reduce_scatter", [out, *inputs], body, out.dtype.name, sizes, _sig_op(op))
 
     def reduce_scatter_single(self, out: Buffer, inp: Buffer, op: ReduceOpLike) -> Work:
-        red = self._reducer(op, out)
+        red, scale = self._sum_of(op, out)
         o, i = self._arr(out), self._arr(inp)
-        ins = [i[k * o.size:(k + 1) * o.size] for k in range(self.size)]
-        return self._collective("reduce_scatter_single", [out, inp],
-                                lambda c: self._coll.reduce_scatter(c, o, ins, red),
-                                out.dtype.name, out.nbytes, _op_key(op))
+
+        def body(c: Ctx) -> None:
+            src = i if scale is None else scale(i)
+            self._coll.reduce_scatter(c, o, [src[k * o.size:(k + 1) * o.size] for k in range(self.size)], red)
+
+        return self._collective("reduce_scatter_single", [out, inp], body, out.dtype.name, out.nbytes, _sig_op(op))
 
     # ----- data movement -----
     def broadcast(self, buf: Buffer, src: int) -> Work:
@@ -404,11 +451,12 @@ class CPUBackend:
             self._queue.clear()
             self._cv.notify_all()
         assert err is not None
-        if first:
-            self._mesh.fail_all(err)
+        mesh = getattr(self, "_mesh", None)  # None: a reader thread aborts while the mesh is being made
+        if first and mesh is not None:
+            mesh.fail_all(err)
             # Leaving the mesh tells every peer why at once (instead of after their timeout);
             # on a thread, because a send may wait for a peer that stopped reading.
-            threading.Thread(target=self._mesh.close, args=(str(err),), daemon=True,
+            threading.Thread(target=mesh.close, args=(str(err),), daemon=True,
                              name=f"gpucoll-cpu-abort-r{self.rank}").start()
             abort = getattr(self._coll, "abort", None)
             if abort is not None:
@@ -449,6 +497,11 @@ class CPUBackend:
 
 def _op_key(op: ReduceOpLike) -> str:
     return f"premul({op.factor})" if isinstance(op, PremulSum) else op.name
+
+
+def _sig_op(op: ReduceOpLike) -> str:
+    """The reduction as ranks must agree on it: PREMUL_SUM's factor may differ per rank."""
+    return op.op.name if isinstance(op, PremulSum) else op.name
 
 
 def _split(a: Array, counts: Sequence[int]) -> list[Array]:
