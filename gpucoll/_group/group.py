@@ -222,10 +222,10 @@ class ProcessGroup(GroupCore):
                 raise ValueError(f"gather_list is required on the destination rank {dst} "
                                  f"({self._size} arrays shaped like tensor)")
             outs = self._list_like(gather_list, "gather_list", inp, "tensor", writable=True, views=True)
-        inp = _real_view(inp)
         elif gather_list:
             raise ValueError(f"gather_list must not be given on a non-destination rank (this is rank "
                              f"{self._rank}, dst is {dst})")
+        inp = _real_view(inp)
         backend = self._backend_for_all([inp, *(outs or ())], ["tensor"] + ["gather_list"] * len(outs or ()))
         work = self._issue(backend, lambda: backend.gather(outs, inp, dst), inp,
                            list(gather_list) if gather_list else [], dst, op="gather")
