@@ -20,6 +20,7 @@ import numpy as np
 from .. import array as _array
 from .._buffer import Buffer
 from .._backends.base import Backend, ReducesInto
+from .._backends.mismatch import decode, describe, encode
 from .._debug import DebugLevel, call_site, get_debug_level
 from ..errors import DistBackendError, DistError
 from .._flight_recorder import FlightRecorder, recorder_capacity
@@ -301,10 +302,16 @@ class GroupCore:
         is about to issue (through the CPU backend) and raise on every rank if they
         differ, naming the fields that differ and each rank's value: the backend itself
         would hang, fail obscurely, or quietly compute garbage."""
-        shape = "" if buf is None or op in _SHAPES_MAY_DIFFER else str(tuple(buf.shape))
-        fields = (op, f"(seq {seq})", buf.dtype.name if buf is not None else "", shape,
-                  f"root={peer}" if peer >= 0 else "", _op_name(red))
-        text = "\x1f".join(fields).encode()
+        fields = [("op", op), ("seq", str(seq))]
+        if buf is not None:
+            fields.append(("dtype", buf.dtype.name))
+            if op not in _SHAPES_MAY_DIFFER:
+                fields.append(("shape", str(tuple(buf.shape))))
+        if peer >= 0:
+            fields.append(("root", str(peer)))
+        if red is not None:
+            fields.append(("reduce op", _op_name(red)))
+        text = encode(fields).encode()
         if len(text) > _FINGERPRINT_BYTES:
             text = text[:_FINGERPRINT_BYTES - 41] + b"#" + hashlib.sha1(text).hexdigest().encode()
         mine = np.zeros(_FINGERPRINT_BYTES, np.uint8)
@@ -318,18 +325,9 @@ class GroupCore:
                                    f"across ranks failed: {exc}") from exc
         seen = [bytes(r).rstrip(b"\0").decode(errors="replace") for r in rows]
         if len(set(seen)) > 1:
-            per_rank = [t.split("\x1f") for t in seen]
-            names = ("op", "seq", "dtype", "shape", "root", "reduce op")
-            differ = []
-            for i, name in enumerate(names):
-                values = [f[i] if i < len(f) else "?" for f in per_rank]
-                if len(set(values)) > 1:
-                    differ.append(f"{name} (" + ", ".join(f"rank {r}: {v or '-'}" for r, v in enumerate(values)) + ")")
-            listing = "; ".join(f"rank {i}: {' '.join(x for x in f if x)}" for i, f in enumerate(per_rank))
             raise DistBackendError(f"GPUCOLL_DEBUG=DETAIL: the ranks of group {self._label()} are about to "
                                    f"issue different collectives, which the backend would hang on or compute "
-                                   f"wrongly; they differ in {'; '.join(differ) or 'their fingerprints'}. "
-                                   f"Each rank: {listing}")
+                                   f"wrongly; " + describe({r: decode(t) for r, t in enumerate(seen)}))
 
     def _finish(self, backend: Backend, work: Work, async_op: bool) -> Work | None:
         """Return ``work`` (async) or wait for it as a synchronous op does."""
