@@ -17,7 +17,7 @@ from __future__ import annotations
 from .coalescing import CoalescingManager as CoalescingManager
 from .group import ProcessGroup as ProcessGroup
 from .member import GroupMember as GroupMember
-from .registry import Backend as Backend
+from .backend_name import Backend as Backend
 from .registry import default_backend as default_backend
 from .registry import nccl_usable as nccl_usable
 from .registry import normalize_backend as normalize_backend
