@@ -69,6 +69,7 @@ from ._objects import scatter_bytes as scatter_bytes
 from ._objects import scatter_object_list as scatter_object_list
 from ._objects import send_bytes as send_bytes
 from ._objects import send_object_list as send_object_list
+from ._group import Backend as Backend
 from ._world import destroy_process_group as destroy_process_group
 from ._world import get_backend as get_backend
 from ._world import get_global_rank as get_global_rank
@@ -114,7 +115,7 @@ __all__ = [
     "init_process_group", "destroy_process_group", "is_initialized", "is_available", "is_nccl_available",
     "get_rank", "get_world_size", "get_backend", "get_process_group_ranks", "get_group_rank",
     "get_global_rank", "new_group", "split_group", "new_subgroups", "new_subgroups_by_enumeration",
-    "ProcessGroup", "GroupMember",
+    "ProcessGroup", "GroupMember", "Backend",
     "all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather", "all_gather_single",
     "all_gather_into_tensor", "all_gather_coalesced", "gather", "scatter", "reduce_scatter",
     "reduce_scatter_single", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",

@@ -11,6 +11,7 @@ caller's stream (device arrays).
 from __future__ import annotations
 
 import contextlib
+import operator
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Sequence
 
@@ -38,15 +39,30 @@ def _pg(group: Any) -> ProcessGroup:
     return _world._resolve(group)
 
 
-def _group_rank(pg: ProcessGroup, rank: int | None, group_rank: int | None, name: str) -> int:
+def _group_rank(pg: ProcessGroup, rank: int | None, group_rank: int | None, name: str,
+                default: int | None = None) -> int:
+    """The group rank named by ``name`` (a global rank) or ``group_<name>`` (a group rank);
+    ``default`` (a group rank) when neither is given, else that is an error."""
     if group_rank is not None:
         if rank is not None:
             raise ValueError(f"pass either {name} (a global rank) or group_{name} (a group rank), not both; "
                              f"got {name}={rank}, group_{name}={group_rank}")
-        return group_rank
+        return _int_rank(group_rank, f"group_{name}")
     if rank is None:
+        if default is not None:
+            return default
         raise ValueError(f"{name} is required (a global rank), or group_{name} (a rank in the group)")
-    return pg.get_group_rank(rank, name)
+    return pg.get_group_rank(_int_rank(rank, name), name)
+
+
+def _int_rank(value: Any, name: str) -> int:
+    # bool is an int subclass and 1.0 == 1 hashes like 1: both would pass a lookup silently.
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{name} must be an int (a rank); got {type(value).__name__} {value!r}")
 
 
 # ----- reductions -----
@@ -143,24 +159,27 @@ all_gather_into_tensor = all_gather_single
 
 def all_gather_coalesced(output_tensor_lists: Sequence[Sequence[ArrayLike]], input_tensor_list: Sequence[ArrayLike],
                          group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
-    """Several all_gathers in one op: ``output_tensor_lists[k][r]`` gets rank r's ``input_tensor_list[k]``."""
+    """Several all_gathers in one op: ``output_tensor_lists[r][k]`` gets rank r's ``input_tensor_list[k]``
+    (torch's layout: one list per rank, each with one array per input; shapes may differ per input)."""
     return _pg(group).all_gather_coalesced(output_tensor_lists, input_tensor_list, async_op)
 
 
 def gather(tensor: ArrayLike, gather_list: Sequence[ArrayLike] | None = None, dst: int | None = None,
            group: ProcessGroup | None = None, async_op: bool = False,
            group_dst: int | None = None) -> Work | None:
-    """Rank ``dst`` receives every rank's ``tensor`` in ``gather_list`` (given on ``dst`` only)."""
+    """Rank ``dst`` (default: the group's rank 0, as torch) receives every rank's ``tensor`` in
+    ``gather_list`` (given on ``dst`` only)."""
     pg = _pg(group)
-    return pg.gather(tensor, gather_list, _group_rank(pg, dst, group_dst, "dst"), async_op)
+    return pg.gather(tensor, gather_list, _group_rank(pg, dst, group_dst, "dst", default=0), async_op)
 
 
 def scatter(tensor: ArrayLike, scatter_list: Sequence[ArrayLike] | None = None, src: int | None = None,
             group: ProcessGroup | None = None, async_op: bool = False,
             group_src: int | None = None) -> Work | None:
-    """Rank i receives ``scatter_list[i]`` of rank ``src`` (given on ``src`` only) in ``tensor``."""
+    """Rank i receives ``scatter_list[i]`` of rank ``src`` (default: the group's rank 0, as torch;
+    ``scatter_list`` given on ``src`` only) in ``tensor``."""
     pg = _pg(group)
-    return pg.scatter(tensor, scatter_list, _group_rank(pg, src, group_src, "src"), async_op)
+    return pg.scatter(tensor, scatter_list, _group_rank(pg, src, group_src, "src", default=0), async_op)
 
 
 def all_to_all(output_tensor_list: Sequence[ArrayLike], input_tensor_list: Sequence[ArrayLike],
@@ -296,7 +315,8 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: float | timede
     the arrivals and releases the others.
 
     Args:
-        timeout: seconds (default: the group's timeout).
+        timeout: seconds or ``timedelta`` (default: the group's timeout); 0 does not wait:
+            it fails at once unless every rank has already arrived.
         wait_all_ranks: report every missing rank, not just the first.
 
     Raises:
@@ -305,7 +325,7 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: float | timede
     from ._timeouts import to_seconds
 
     pg = _pg(group)
-    pg.monitored_barrier(to_seconds(timeout, default=pg.timeout), wait_all_ranks)
+    pg.monitored_barrier(to_seconds(timeout, default=pg.timeout, allow_zero=True), wait_all_ranks)
 
 
 @contextlib.contextmanager

@@ -11,16 +11,17 @@ should surface sooner)."""
 
 
 def to_seconds(timeout: float | int | timedelta | None, *, name: str = "timeout",
-               default: float | None = DEFAULT_TIMEOUT) -> float:
+               default: float | None = DEFAULT_TIMEOUT, allow_zero: bool = False) -> float:
     """Normalise a timeout given as seconds or ``timedelta`` to positive float seconds.
 
     Args:
         timeout: seconds (int or float), a ``datetime.timedelta``, or None for ``default``.
         name: the argument's name, used in error messages.
         default: value used when ``timeout`` is None.
+        allow_zero: accept 0 ("do not wait": monitored_barrier's check-once).
 
     Returns:
-        The timeout in seconds, a finite float > 0.
+        The timeout in seconds, a finite float > 0 (>= 0 with ``allow_zero``).
 
     Raises:
         TypeError: ``timeout`` is not a number or timedelta.
@@ -38,6 +39,7 @@ def to_seconds(timeout: float | int | timedelta | None, *, name: str = "timeout"
         raise TypeError(
             f"{name} must be seconds (int/float) or datetime.timedelta; got {type(timeout).__name__} {timeout!r}"
         )
-    if not (seconds > 0 and math.isfinite(seconds)):
-        raise ValueError(f"{name} must be a positive, finite number of seconds; got {timeout!r}")
+    if not ((seconds > 0 or (allow_zero and seconds == 0)) and math.isfinite(seconds)):
+        sign = "a non-negative" if allow_zero else "a positive"
+        raise ValueError(f"{name} must be {sign}, finite number of seconds; got {timeout!r}")
     return seconds

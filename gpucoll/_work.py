@@ -72,6 +72,9 @@ class Work:
     # The group's flight-recorder entry for this op (see gpucoll._flight_recorder);
     # updated on completion so the recorder needs no callback of its own.
     _fr_entry: Any = None
+    # all_reduce_coalesced(async_op=True): torch hands back a Future whose wait() gives the
+    # reduced arrays; such a Work's wait() returns result() instead of True.
+    _wait_gives_result: bool = False
 
     def __init__(self, op_type: str, *, keepalive: Sequence[Any] = (), result: list[Any] | None = None,
                  default_timeout: float | None = None) -> None:
@@ -147,14 +150,15 @@ class Work:
         """The error the op failed with, or None (also None while still running)."""
         return self._exc
 
-    def wait(self, timeout: float | timedelta | None = None) -> bool:
+    def wait(self, timeout: float | timedelta | None = None) -> Any:
         """Block until the op completes; re-raise its error.
 
         Args:
             timeout: seconds (or timedelta); None uses the group's timeout.
 
         Returns:
-            True once completed.
+            True once completed; for ``all_reduce_coalesced(..., async_op=True)`` the list
+            of reduced arrays (torch returns a Future there, whose ``wait()`` gives them).
 
         Raises:
             DistBackendError: the op failed, was aborted, or did not complete in time.
@@ -172,7 +176,11 @@ class Work:
             if isinstance(self._exc, DistError):
                 raise self._exc
             raise DistBackendError(f"{self._name()} failed: {self._exc}") from self._exc
-        return True
+        return self._waited()
+
+    def _waited(self) -> Any:
+        """What wait() returns once the op completed."""
+        return self._result if self._wait_gives_result else True
 
     def synchronize(self) -> None:
         """Block the host until the op completed (same as wait() for host ops)."""

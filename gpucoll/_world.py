@@ -15,7 +15,7 @@ from datetime import timedelta
 from typing import Any, Sequence
 
 from ._timeouts import to_seconds
-from ._group import GroupMember, ProcessGroup, nccl_usable, normalize_backend
+from ._group import Backend, GroupMember, ProcessGroup, nccl_usable, normalize_backend
 from ._group.gpu_check import require_nccl
 from ._group.join import await_all_joined, next_generation
 from ._rendezvous import rendezvous
@@ -39,6 +39,8 @@ class _World:
     device_id: int | None
     groups: list[ProcessGroup] = field(default_factory=list)
     made: int = 0  # groups made by new_group so far: names them the same on every rank
+    made_local: dict[tuple[int, ...], int] = field(default_factory=dict)  # per member set (local sync)
+    spelling: str = ""  # the backend as init_process_group was asked for it ("gloo" stays "gloo")
     control_plane: Any = None  # this rank's control-plane server (GPUCOLL_CONTROL_PLANE), if any
     job_store: Store | None = None  # the store itself (closed on destroy when owned)
 
@@ -175,7 +177,8 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         if owns:
             store.close()
         raise
-    world = _World(ns, owns, pg, name, seconds, device, job_store=store)
+    world = _World(ns, owns, _spelled(pg, backend), name, seconds, device, job_store=store,
+                   spelling=str(backend or ""))
     from ._debug.control_plane import maybe_start  # opt-in debugging server (off unless GPUCOLL_CONTROL_PLANE is set)
 
     try:
@@ -282,9 +285,16 @@ def get_world_size(group: ProcessGroup | None = None) -> int:
     return _resolve(group).size()
 
 
-def get_backend(group: ProcessGroup | None = None) -> str:
-    """The group's backend: ``"cpu"`` or ``"nccl"``."""
-    return _resolve(group).backend_name
+def get_backend(group: ProcessGroup | None = None) -> Backend:
+    """The group's backend, a :class:`Backend` (a str): ``"cpu"``, ``"nccl"``, or ``"gloo"``
+    for a CPU group created with that spelling (torch's name, which ported scripts compare with)."""
+    return Backend(_resolve(group)._backend_spelling)
+
+
+def _spelled(pg: ProcessGroup, asked: Any) -> ProcessGroup:
+    if isinstance(asked, str) and asked.strip().lower() == "gloo" and pg.backend_name == "cpu":
+        pg._backend_spelling = "gloo"
+    return pg
 
 
 def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:
@@ -366,7 +376,7 @@ def _make_group(world: _World, name: str, global_ranks: list[int] | None, my_glo
             device_backend.shutdown()
         raise
     world.groups.append(pg)
-    return pg
+    return _spelled(pg, world.spelling if backend is None or backend == world.backend else backend)
 
 
 def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | None = None,
@@ -380,8 +390,11 @@ def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | N
         timeout: the group's timeout; the default group's when None.
         backend: ``"cpu"``/``"nccl"``; the default group's when None.
         pg_options: not supported (must be None).
-        use_local_synchronization: accepted for torch compatibility; creating a group
-            only ever synchronises its members.
+        use_local_synchronization: only the members call (torch's meaning): the group is
+            named from its sorted member ranks and a count of such groups over the same
+            ranks, so disjoint groups created at once on different ranks never share a
+            name or a store namespace; an NCCL group then makes its own communicator
+            (no split of the default group's, which would need every rank).
         group_desc: a description kept by the group: shown in its repr, its errors and
             its flight-recorder dumps.
 
@@ -404,15 +417,31 @@ def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | N
     # Checked on every rank, members or not, so that all raise alike.
     timeout = world.timeout if timeout is None else to_seconds(timeout, name="timeout")
     backend = world.backend if backend is None else normalize_backend(backend)
-    world.made += 1
-    name = f"group{world.made}"
     me = world.default.rank()
     mine = members if me in members else None
-    # Every rank takes part: an NCCL group's communicator is split from the default
-    # group's where NCCL can (ncclCommSplit is a collective of the parent).
-    pg = _make_group(world, name, mine, me, timeout, backend, parent=world.default, parent_ranks=mine,
-                     group_desc=group_desc)
+    if use_local_synchronization:
+        if mine is None:
+            return GroupMember.NON_GROUP_MEMBER  # non-members need not call: nothing to count
+        key = tuple(members)
+        world.made_local[key] = n = world.made_local.get(key, 0) + 1
+        pg = _make_group(world, f"local.{_ranks_label(members)}.{n}", mine, me, timeout, backend,
+                         group_desc=group_desc)
+    else:
+        world.made += 1
+        # Every rank takes part: an NCCL group's communicator is split from the default
+        # group's where NCCL can (ncclCommSplit is a collective of the parent).
+        pg = _make_group(world, f"group{world.made}", mine, me, timeout, backend, parent=world.default,
+                         parent_ranks=mine, group_desc=group_desc)
     return GroupMember.NON_GROUP_MEMBER if pg is None else pg
+
+
+def _ranks_label(ranks: Sequence[int]) -> str:
+    """A name for a set of global ranks: the ranks themselves, or for many a digest of them."""
+    if len(ranks) <= 8:
+        return "_".join(map(str, ranks))
+    import hashlib
+
+    return f"{ranks[0]}-{ranks[-1]}x{len(ranks)}-{hashlib.sha1(repr(list(ranks)).encode()).hexdigest()[:16]}"
 
 
 def split_group(parent_pg: ProcessGroup | None = None, split_ranks: Sequence[Sequence[int]] | None = None,

@@ -17,9 +17,10 @@ from __future__ import annotations
 from .coalescing import CoalescingManager as CoalescingManager
 from .group import ProcessGroup as ProcessGroup
 from .member import GroupMember as GroupMember
+from .backend_name import Backend as Backend
 from .registry import default_backend as default_backend
 from .registry import nccl_usable as nccl_usable
 from .registry import normalize_backend as normalize_backend
 
-__all__ = ["ProcessGroup", "GroupMember", "CoalescingManager", "normalize_backend", "nccl_usable",
+__all__ = ["Backend", "ProcessGroup", "GroupMember", "CoalescingManager", "normalize_backend", "nccl_usable",
            "default_backend"]

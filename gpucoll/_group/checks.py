@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Sequence
 
-from .._buffer import Buffer, DType
+from .._buffer import DTYPES, Buffer, DType
 from .._reduce_op import PremulSum, ReduceOp, ReduceOpLike, as_reduce_op
 
-__all__ = ["_check_op", "_same_layout", "_row_elems", "_splits", "_op_name"]
+__all__ = ["_check_op", "_same_layout", "_real_view", "_row_elems", "_splits", "_op_name"]
 
 
 def _op_name(red: Any) -> str:
@@ -46,9 +47,23 @@ def _check_op(op: Any, dtype: DType) -> ReduceOpLike:
     return checked
 
 
-def _same_layout(buf: Buffer, ref: Buffer, name: str, ref_name: str) -> None:
-    if buf.dtype != ref.dtype:
-        raise TypeError(f"{name} has dtype {buf.dtype.name} but {ref_name} has {ref.dtype.name}; they must match")
+def _real_view(buf: Buffer) -> Buffer:
+    """A complex array as its real view (complex64 = 2 x float32, last dimension 2), as
+    torch's data-movement collectives treat complex tensors; other arrays unchanged."""
+    if buf.dtype.kind != "c":
+        return buf
+    real = DTYPES["float32" if buf.dtype.name == "complex64" else "float64"]
+    return replace(buf, dtype=real, shape=(*buf.shape, 2))
+
+
+def _same_layout(buf: Buffer, ref: Buffer, name: str, ref_name: str, views: bool = False) -> None:
+    """``buf`` must have ``ref``'s dtype and size (ValueError, torch's type); with
+    ``views`` (data movement) a complex array matches its real view."""
+    a, b = (_real_view(buf).dtype, _real_view(ref).dtype) if views else (buf.dtype, ref.dtype)
+    if a != b:
+        also = " (or its real view)" if views and ref.dtype.kind == "c" else ""
+        raise ValueError(f"{name} has dtype {buf.dtype.name} but {ref_name} has {ref.dtype.name}{also}; "
+                         "they must match")
     if buf.nbytes != ref.nbytes:
         raise ValueError(f"{name} has shape {buf.shape} ({buf.numel} elements) but {ref_name} has shape "
                          f"{ref.shape} ({ref.numel} elements); they must match")

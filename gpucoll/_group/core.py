@@ -20,12 +20,13 @@ import numpy as np
 from .. import array as _array
 from .._buffer import Buffer
 from .._backends.base import Backend, ReducesInto
+from .._backends.mismatch import decode, describe, encode
 from .._debug import DebugLevel, call_site, get_debug_level
 from ..errors import DistBackendError, DistError
 from .._flight_recorder import FlightRecorder, recorder_capacity
 from ..store import PrefixStore, Store
 from .._work import Work, WorkInfo
-from .checks import _op_name, _same_layout
+from .checks import _op_name, _real_view, _same_layout
 from .coalescing import CoalescingManager, _not_coalescable
 from .registry import _BACKEND_GRACE_S, BACKENDS, make_device_backend, split_device_backend
 from .watchdog import Watchdog
@@ -68,12 +69,14 @@ class GroupCore:
         self._to_group = {g: i for i, g in enumerate(self.global_ranks)}
         self.timeout = timeout
         self.backend_name = backend
+        self._backend_spelling = backend  # what get_backend() returns ("gloo" when created so)
         self._device_id = device_id
         self._seq = 0
         self._destroyed = False
         self._coalescing: CoalescingManager | None = None  # while a coalescing() block is open
         self._split_count = 0
         self._last_release: str | None = None  # monitored_barrier's key still to delete
+        self._monitored_seq = 0  # monitored barriers so far (p2p ops advance _seq unevenly across ranks)
         self._abort_reason: str | None = None
         self._abort_lock = threading.Lock()
         self._hook_errors: list[tuple[Callable[[WorkInfo], None], BaseException]] = []
@@ -199,7 +202,10 @@ class GroupCore:
                                "create a new one to run collectives")
 
     def _check_rank(self, r: Any, name: str) -> int:
-        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self._size:
+        if isinstance(r, bool) or not isinstance(r, int):
+            raise TypeError(f"{name} must be an int (a rank of group {self.group_name!r}); "
+                            f"got {type(r).__name__} {r!r}")
+        if not 0 <= r < self._size:
             raise ValueError(f"{name}={r!r} is out of range for group {self.group_name!r} of size {self._size}")
         return r
 
@@ -296,10 +302,16 @@ class GroupCore:
         is about to issue (through the CPU backend) and raise on every rank if they
         differ, naming the fields that differ and each rank's value: the backend itself
         would hang, fail obscurely, or quietly compute garbage."""
-        shape = "" if buf is None or op in _SHAPES_MAY_DIFFER else str(tuple(buf.shape))
-        fields = (op, f"(seq {seq})", buf.dtype.name if buf is not None else "", shape,
-                  f"root={peer}" if peer >= 0 else "", _op_name(red))
-        text = "\x1f".join(fields).encode()
+        fields = [("op", op), ("seq", str(seq))]
+        if buf is not None:
+            fields.append(("dtype", buf.dtype.name))
+            if op not in _SHAPES_MAY_DIFFER:
+                fields.append(("shape", str(tuple(buf.shape))))
+        if peer >= 0:
+            fields.append(("root", str(peer)))
+        if red is not None:
+            fields.append(("reduce op", _op_name(red)))
+        text = encode(fields).encode()
         if len(text) > _FINGERPRINT_BYTES:
             text = text[:_FINGERPRINT_BYTES - 41] + b"#" + hashlib.sha1(text).hexdigest().encode()
         mine = np.zeros(_FINGERPRINT_BYTES, np.uint8)
@@ -313,18 +325,9 @@ class GroupCore:
                                    f"across ranks failed: {exc}") from exc
         seen = [bytes(r).rstrip(b"\0").decode(errors="replace") for r in rows]
         if len(set(seen)) > 1:
-            per_rank = [t.split("\x1f") for t in seen]
-            names = ("op", "seq", "dtype", "shape", "root", "reduce op")
-            differ = []
-            for i, name in enumerate(names):
-                values = [f[i] if i < len(f) else "?" for f in per_rank]
-                if len(set(values)) > 1:
-                    differ.append(f"{name} (" + ", ".join(f"rank {r}: {v or '-'}" for r, v in enumerate(values)) + ")")
-            listing = "; ".join(f"rank {i}: {' '.join(x for x in f if x)}" for i, f in enumerate(per_rank))
             raise DistBackendError(f"GPUCOLL_DEBUG=DETAIL: the ranks of group {self._label()} are about to "
                                    f"issue different collectives, which the backend would hang on or compute "
-                                   f"wrongly; they differ in {'; '.join(differ) or 'their fingerprints'}. "
-                                   f"Each rank: {listing}")
+                                   f"wrongly; " + describe({r: decode(t) for r, t in enumerate(seen)}))
 
     def _finish(self, backend: Backend, work: Work, async_op: bool) -> Work | None:
         """Return ``work`` (async) or wait for it as a synchronous op does."""
@@ -383,7 +386,9 @@ class GroupCore:
 
     # ----- helpers -----
     def _list_like(self, arrays: Sequence[Any], name: str, ref: Buffer, ref_name: str,
-                   writable: bool) -> list[Buffer]:
+                   writable: bool, views: bool = False) -> list[Buffer]:
+        """``arrays`` as Buffers: one per rank, each laid out like ``ref``; with ``views``
+        (data movement) complex arrays match, and are returned as, their real views."""
         if isinstance(arrays, (str, bytes)) or not hasattr(arrays, "__len__"):
             raise TypeError(f"{name} must be a list of {self._size} arrays; got {type(arrays).__name__}")
         if len(arrays) != self._size:
@@ -392,13 +397,30 @@ class GroupCore:
         bufs = []
         for i, a in enumerate(arrays):
             b = _array.as_buffer(a, name=f"{name}[{i}]", writable=writable)
-            _same_layout(b, ref, f"{name}[{i}]", ref_name)
-            bufs.append(b)
+            _same_layout(b, ref, f"{name}[{i}]", ref_name, views)
+            bufs.append(_real_view(b) if views else b)
+        return bufs
+
+    def _uneven_list(self, arrays: Sequence[Any], name: str, own: Buffer, own_name: str) -> list[Buffer]:
+        """One array per rank, all of ``own``'s dtype; ``arrays[rank]`` laid out like ``own``,
+        the others of any size (rank i's chunk: the same size on every rank, which the
+        backend checks across ranks)."""
+        if isinstance(arrays, (str, bytes)) or not hasattr(arrays, "__len__"):
+            raise TypeError(f"{name} must be a list of {self._size} arrays; got {type(arrays).__name__}")
+        if len(arrays) != self._size:
+            raise ValueError(f"{name} must have {self._size} arrays (one per rank of group "
+                             f"{self.group_name!r}); got {len(arrays)}")
+        bufs = [_array.as_buffer(a, name=f"{name}[{i}]") for i, a in enumerate(arrays)]
+        for i, b in enumerate(bufs):
+            if b.dtype != own.dtype:
+                raise ValueError(f"{name}[{i}] has dtype {b.dtype.name} but {own_name} has {own.dtype.name}; "
+                                 "they must match")
+        _same_layout(bufs[self._rank], own, f"{name}[{self._rank}] (this rank's chunk)", own_name)
         return bufs
 
     def _check_chunked(self, whole: Buffer, part: Buffer, whole_name: str, part_name: str) -> None:
         if whole.dtype != part.dtype:
-            raise TypeError(f"{whole_name} has dtype {whole.dtype.name} but {part_name} has {part.dtype.name}; "
+            raise ValueError(f"{whole_name} has dtype {whole.dtype.name} but {part_name} has {part.dtype.name}; "
                             "they must match")
         if whole.nbytes != part.nbytes * self._size:
             raise ValueError(f"{whole_name} (shape {whole.shape}) must hold exactly group size x "

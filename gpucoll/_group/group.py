@@ -16,18 +16,23 @@ backend sees the call, with the same rules on every rank.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Sequence, Union
 
 from .. import array as _array
 from ..array import ArrayLike
 from .._buffer import Buffer
 from .._reduce_op import ReduceOp, ReduceOpLike
+from .._timeouts import to_seconds
 from .._work import Work
 from .barrier import monitored_barrier
-from .checks import _check_op, _row_elems, _same_layout, _splits
+from .checks import _check_op, _real_view, _row_elems, _splits
 from .core import GroupCore
 
-__all__ = ["ProcessGroup"]
+__all__ = ["ProcessGroup", "TAG_MAX"]
+
+TAG_MAX = 2**31 - 1
+"""The largest point-to-point tag (torch's tags are C ints; negative ones are refused)."""
 
 ArrayOrBuffer = Union[ArrayLike, Buffer]
 """What a ProcessGroup method takes: an :data:`~gpucoll.array.ArrayLike`, or a Buffer the
@@ -63,7 +68,7 @@ class ProcessGroup(GroupCore):
         self._check_usable()
         out = _array.as_buffer(output, name="output", writable=True)
         inp = _array.as_buffer(input, name="input")
-        if out.dtype != inp.dtype or out.numel != inp.numel:
+        if out.dtype != inp.dtype or out.numel != inp.numel:  # ValueError for both, as torch
             raise ValueError(f"output ({out.dtype.name} x {out.numel}) must match input "
                              f"({inp.dtype.name} x {inp.numel})")
         red = _check_op(op, out.dtype)
@@ -91,6 +96,7 @@ class ProcessGroup(GroupCore):
         backend = self._backend_for_all(bufs, names)
         work = self._issue(backend, lambda: backend.all_reduce_coalesced(bufs, reds[0]), bufs[0], list(tensors),
                            op="all_reduce_coalesced", red=reds[0])
+        work._wait_gives_result = True
         return self._finish(backend, work, async_op)
 
     def reduce(self, tensor: ArrayOrBuffer, dst: int, op: ReduceOpLike = ReduceOp.SUM, async_op: bool = False) -> Work | None:
@@ -107,12 +113,15 @@ class ProcessGroup(GroupCore):
 
     def reduce_scatter(self, output: ArrayOrBuffer, input_list: Sequence[ArrayOrBuffer], op: ReduceOpLike = ReduceOp.SUM,
                        async_op: bool = False) -> Work | None:
-        """Reduce ``input_list[i]`` over ranks into rank i's ``output``."""
+        """Reduce ``input_list[i]`` over ranks into rank i's ``output``.
+
+        As torch's: ``input_list[i]`` may have rank i's own size (uneven chunks), the
+        same on every rank; ``input_list[rank]`` must be laid out like ``output``."""
         self._check_usable()
         if self._coalescing is not None:
             self._not_coalescable("reduce_scatter")
         out = _array.as_buffer(output, name="output", writable=True)
-        ins = self._list_like(input_list, "input_list", out, "output", writable=False)
+        ins = self._uneven_list(input_list, "input_list", out, "output")
         red = _check_op(op, out.dtype)
         backend = self._backend_for_all([out, *ins], ["output"] + [f"input_list[{i}]" for i in range(len(ins))])
         work = self._issue(backend, lambda: backend.reduce_scatter(out, ins, red), out, [output], op="reduce_scatter",
@@ -153,7 +162,8 @@ class ProcessGroup(GroupCore):
         if self._coalescing is not None:
             self._not_coalescable("all_gather")
         inp = _array.as_buffer(tensor, name="tensor")
-        outs = self._list_like(tensor_list, "tensor_list", inp, "tensor", writable=True)
+        outs = self._list_like(tensor_list, "tensor_list", inp, "tensor", writable=True, views=True)
+        inp = _real_view(inp)
         backend = self._backend_for_all([inp, *outs], ["tensor"] + [f"tensor_list[{i}]" for i in range(len(outs))])
         work = self._issue(backend, lambda: backend.all_gather(outs, inp), inp, list(tensor_list), op="all_gather")
         return self._finish(backend, work, async_op)
@@ -173,19 +183,31 @@ class ProcessGroup(GroupCore):
 
     def all_gather_coalesced(self, output_lists: Sequence[Sequence[Any]], input_list: Sequence[ArrayOrBuffer],
                              async_op: bool = False) -> Work | None:
-        """Several all_gathers as one op: ``output_lists[k][r]`` gets rank r's ``input_list[k]``."""
+        """Several all_gathers as one op: ``output_lists[r][k]`` gets rank r's ``input_list[k]``
+        (torch's layout: one list per rank, each with one array per input)."""
         self._check_usable()
         if self._coalescing is not None:
             self._not_coalescable("all_gather_coalesced")
-        if len(output_lists) != len(input_list) or not input_list:
-            raise ValueError(f"output_tensor_lists must have one list per input ({len(input_list)}); "
-                             f"got {len(output_lists)}")
+        if isinstance(input_list, (str, bytes)) or not hasattr(input_list, "__len__") or not input_list:
+            raise ValueError("input_tensor_list must be a non-empty list of arrays")
+        if isinstance(output_lists, (str, bytes)) or not hasattr(output_lists, "__len__") \
+                or len(output_lists) != self._size:
+            got = len(output_lists) if hasattr(output_lists, "__len__") else type(output_lists).__name__
+            raise ValueError(f"output_tensor_lists must have {self._size} lists (one per rank of group "
+                             f"{self.group_name!r}), each with one array per input; got {got}")
         ins = [_array.as_buffer(t, name=f"input_tensor_list[{k}]") for k, t in enumerate(input_list)]
-        outs = [self._list_like(row, f"output_tensor_lists[{k}]", ins[k], f"input_tensor_list[{k}]", writable=True)
-                for k, row in enumerate(output_lists)]
+        for r, row in enumerate(output_lists):
+            if isinstance(row, (str, bytes)) or not hasattr(row, "__len__") or len(row) != len(ins):
+                got = len(row) if hasattr(row, "__len__") else type(row).__name__
+                raise ValueError(f"output_tensor_lists[{r}] must have {len(ins)} arrays (one per input); got {got}")
+        # The backends take the outputs per input (outs[k][r]): the transpose of torch's layout.
+        outs = [self._list_like([output_lists[r][k] for r in range(self._size)],
+                                f"output_tensor_lists[*][{k}]", ins[k], f"input_tensor_list[{k}]",
+                                writable=True, views=True) for k in range(len(ins))]
+        ins = [_real_view(b) for b in ins]
         flat = ins + [b for row in outs for b in row]
         names = [f"input_tensor_list[{k}]" for k in range(len(ins))] + \
-            [f"output_tensor_lists[{k}][{r}]" for k, row in enumerate(outs) for r in range(len(row))]
+            [f"output_tensor_lists[{r}][{k}]" for k in range(len(outs)) for r in range(self._size)]
         backend = self._backend_for_all(flat, names)
         work = self._issue(backend, lambda: backend.all_gather_coalesced(outs, ins), ins[0],
                            [list(row) for row in output_lists], op="all_gather_coalesced")
@@ -204,10 +226,11 @@ class ProcessGroup(GroupCore):
             if not gather_list:
                 raise ValueError(f"gather_list is required on the destination rank {dst} "
                                  f"({self._size} arrays shaped like tensor)")
-            outs = self._list_like(gather_list, "gather_list", inp, "tensor", writable=True)
+            outs = self._list_like(gather_list, "gather_list", inp, "tensor", writable=True, views=True)
         elif gather_list:
             raise ValueError(f"gather_list must not be given on a non-destination rank (this is rank "
                              f"{self._rank}, dst is {dst})")
+        inp = _real_view(inp)
         backend = self._backend_for_all([inp, *(outs or ())], ["tensor"] + ["gather_list"] * len(outs or ()))
         work = self._issue(backend, lambda: backend.gather(outs, inp, dst), inp,
                            list(gather_list) if gather_list else [], dst, op="gather")
@@ -226,10 +249,11 @@ class ProcessGroup(GroupCore):
             if not scatter_list:
                 raise ValueError(f"scatter_list is required on the source rank {src} "
                                  f"({self._size} arrays shaped like tensor)")
-            ins = self._list_like(scatter_list, "scatter_list", out, "tensor", writable=False)
+            ins = self._list_like(scatter_list, "scatter_list", out, "tensor", writable=False, views=True)
         elif scatter_list:
             raise ValueError(f"scatter_list must not be given on a non-source rank (this is rank "
                              f"{self._rank}, src is {src})")
+        out = _real_view(out)
         backend = self._backend_for_all([out, *(ins or ())], ["tensor"] + ["scatter_list"] * len(ins or ()))
         work = self._issue(backend, lambda: backend.scatter(out, ins, src), out, [tensor], src, op="scatter")
         return self._finish(backend, work, async_op)
@@ -247,7 +271,7 @@ class ProcessGroup(GroupCore):
         ins = [_array.as_buffer(t, name=f"input_tensor_list[{i}]") for i, t in enumerate(input_list)]
         for i, b in enumerate(outs + ins):
             if b.dtype != ins[0].dtype:
-                raise TypeError(f"all arrays of all_to_all must share one dtype; got {b.dtype.name} "
+                raise ValueError(f"all arrays of all_to_all must share one dtype; got {b.dtype.name} "
                                 f"and {ins[0].dtype.name}")
         names = [f"output_tensor_list[{i}]" for i in range(len(outs))] + \
                 [f"input_tensor_list[{i}]" for i in range(len(ins))]
@@ -267,7 +291,7 @@ class ProcessGroup(GroupCore):
         out = _array.as_buffer(output, name="output", writable=True)
         inp = _array.as_buffer(input, name="input")
         if out.dtype != inp.dtype:
-            raise TypeError(f"output has dtype {out.dtype.name} but input has {inp.dtype.name}; they must match")
+            raise ValueError(f"output has dtype {out.dtype.name} but input has {inp.dtype.name}; they must match")
         row_out, row_in = _row_elems(out, "output"), _row_elems(inp, "input")
         if row_out != row_in:
             raise ValueError(f"output rows (shape {out.shape}) and input rows (shape {inp.shape}) must have "
@@ -329,7 +353,9 @@ class ProcessGroup(GroupCore):
             if peer == self._rank:
                 raise ValueError(f"{name}={peer} is this rank itself; send/recv need another rank")
         if isinstance(tag, bool) or not isinstance(tag, int):
-            raise TypeError(f"tag must be an int; got {tag!r}")
+            raise TypeError(f"tag must be an int; got {type(tag).__name__} {tag!r}")
+        if not 0 <= tag <= TAG_MAX:
+            raise ValueError(f"tag={tag} is out of range: a tag must be in [0, {TAG_MAX}] (a C int, as torch's)")
         return _array.as_buffer(tensor, name="tensor", writable=writable)
 
     # ----- control -----
@@ -342,12 +368,14 @@ class ProcessGroup(GroupCore):
         work = self._issue(backend, backend.barrier, None, [])
         return self._finish(backend, work, async_op)
 
-    def monitored_barrier(self, timeout: float, wait_all_ranks: bool = False) -> None:
+    def monitored_barrier(self, timeout: float | timedelta | None = None, wait_all_ranks: bool = False) -> None:
         """A barrier through the store that names the ranks that did not arrive.
 
-        Rank 0 waits up to ``timeout`` for every rank's arrival key, then releases
-        the others with "ok" or with the list of missing ranks (so every rank that
-        is still alive raises the same error).
+        Rank 0 waits up to ``timeout`` (seconds or ``timedelta``; default the group's
+        timeout; 0: no waiting) for every rank's arrival key, then releases the others
+        with "ok" or with the list of missing ranks (so every rank that is still alive
+        raises the same error). Monitored barriers are numbered by a counter of their
+        own, so other ops (point-to-point ones included) may differ between ranks.
 
         Raises:
             DistBackendError: some ranks did not arrive in time (named in the message).
@@ -355,9 +383,11 @@ class ProcessGroup(GroupCore):
         self._check_usable()
         if self._coalescing is not None:
             self._not_coalescable("monitored_barrier")
+        seconds = to_seconds(timeout, default=self.timeout, allow_zero=True)
         self._seq += 1
+        self._monitored_seq += 1
         if self.backend_name == "fake":
             return  # no other rank exists to wait for
-        self._last_release = monitored_barrier(self._store, self._rank, self._size, self._seq, self.group_name,
-                                               timeout, wait_all_ranks, self._last_release,
+        self._last_release = monitored_barrier(self._store, self._rank, self._size, self._monitored_seq,
+                                               self.group_name, seconds, wait_all_ranks, self._last_release,
                                                getattr(self._cpu, "peer_gone", lambda peer: None))

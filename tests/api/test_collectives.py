@@ -155,11 +155,11 @@ def movement_body() -> int:
         gpucoll.all_gather_into_tensor(alias, mine)
         check(alias, np.stack(every), name, f"all_gather_into_tensor {name}")
 
-        lists = [[np.empty((2, 3), dt) for _ in range(n)], [np.empty(1, dt) for _ in range(n)]]
+        lists = [[np.empty((2, 3), dt), np.empty(1, dt)] for _ in range(n)]  # torch's [rank][input]
         gpucoll.all_gather_coalesced(lists, [mine, mine.reshape(-1)[:1].copy()])
         for q in range(n):
-            check(lists[0][q], every[q], name, f"all_gather_coalesced {name}")
-            check(lists[1][q], every[q].reshape(-1)[:1], name, f"all_gather_coalesced {name}")
+            check(lists[q][0], every[q], name, f"all_gather_coalesced {name}")
+            check(lists[q][1], every[q].reshape(-1)[:1], name, f"all_gather_coalesced {name}")
 
         gl = [np.empty((2, 3), dt) for _ in range(n)] if r == root else None
         gpucoll.gather(mine, gl, dst=root)

@@ -69,7 +69,8 @@ def test_tcp_init_method_port_zero_single_rank() -> None:
 def test_file_init_method_single_rank(tmp_path: Any) -> None:
     gpucoll.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1, timeout=20)
     try:
-        assert gpucoll.get_backend() == "cpu"
+        assert gpucoll.get_backend() == "gloo"  # the spelling asked for, as torch (the CPU backend runs)
+        assert gpucoll.GroupMember.WORLD.backend_name == "cpu"  # type: ignore[union-attr]
     finally:
         gpucoll.destroy_process_group()
 

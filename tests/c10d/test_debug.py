@@ -79,12 +79,12 @@ def test_detail_checks_cpu_collectives_and_names_what_differs(n: int) -> None:
     results = run_spmd(_detail_body, n, env={"GPUCOLL_DEBUG": "DETAIL"}, timeout=90)
     for rank, out in enumerate(results):
         assert "they differ in shape (rank 0: (4,), rank 1: (8,)" in out["shape"], out["shape"]
-        assert "rank 0: all_reduce (seq 1) float32 (4,) SUM" in out["shape"]
+        assert "rank 0: op=all_reduce seq=1 dtype=float32 shape=(4,) reduce op=SUM" in out["shape"]
         assert "'default' (default_pg)" in out["shape"]
         other = ", ".join(f"rank {r}: float32" for r in range(n - 1))
         assert f"differ in dtype ({other}, rank {n - 1}: float64)" in out["dtype"], out["dtype"]
         assert "differ in op (rank 0: broadcast, rank 1: all_reduce" in out["op"], out["op"]
-        roots = ", ".join(f"rank {r}: root={r}" for r in range(n))
+        roots = ", ".join(f"rank {r}: {r}" for r in range(n))
         assert f"root ({roots})" in out["root"], out["root"]
         assert out["after"] == [n * (n + 1) / 2] * 3
         assert out["seq"] == 5  # four refused ops took numbers too, on every rank alike

@@ -123,10 +123,10 @@ def test_debug_detail_catches_collectives_that_differ_across_ranks(monkeypatch: 
     results = run_groups(2, body, monkeypatch)
     for errors in results:
         sizes, roots, ops = errors
-        assert "rank 0: all_reduce (seq 1) float32 (4,) SUM" in sizes, sizes
-        assert "rank 1: all_reduce (seq 1) float32 (8,) SUM" in sizes, sizes
+        assert "rank 0: op=all_reduce seq=1 dtype=float32 shape=(4,) reduce op=SUM" in sizes, sizes
+        assert "rank 1: op=all_reduce seq=1 dtype=float32 shape=(8,) reduce op=SUM" in sizes, sizes
         assert "group 'g'" in sizes and "GPUCOLL_DEBUG=DETAIL" in sizes
-        assert "root=0" in roots and "root=1" in roots
+        assert "root (rank 0: 0, rank 1: 1)" in roots, roots
         assert "SUM" in ops and "MAX" in ops
     monkeypatch.setenv("GPUCOLL_DEBUG", "loud")
     from gpucoll._group.registry import debug_level

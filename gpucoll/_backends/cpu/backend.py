@@ -26,13 +26,14 @@ import numpy as np
 
 from ..._buffer import Buffer
 from ...errors import DistBackendError, DistError
-from ..._reduce_op import PremulSum, ReduceOpLike
+from ..._reduce_op import PremulSum, ReduceOp, ReduceOpLike
 from ..._work import Work
 from ...store.base import Store
 from .reduce import Array, Reducer, as_array, as_bytes, make_reducer
 from .auth import host_id
 from .tcp import KIND_P2P, Recv, TcpMesh, local_address
-from .tcp_algos import Ctx, TcpCollectives, signature
+from ..mismatch import Fields, SignatureMismatch, decode, describe, encode, signature
+from .tcp_algos import Ctx, TcpCollectives
 
 __all__ = ["CPUBackend", "host_id"]
 
@@ -100,6 +101,8 @@ class CPUBackend:
         self._views: dict[tuple[int, int, str], Array] = {}
         self._error: DistBackendError | None = None
         self._closed = False
+        self._store = store
+        self._sigs: dict[int, Fields] = {}  # signatures published (see _publish)
         mode = os.environ.get(TRANSPORT_ENV, "auto").strip().lower() or "auto"
         if mode not in ("auto", "shm", "tcp"):
             raise ValueError(f"{TRANSPORT_ENV} must be auto, shm or tcp; got {mode!r}")
@@ -204,6 +207,9 @@ class CPUBackend:
             fn(ctx)
         except BaseException as exc:
             err = exc if isinstance(exc, DistError) else DistBackendError(f"{type(exc).__name__}: {exc}")
+            mismatch = _find_mismatch(exc)
+            if mismatch is not None:
+                err = self._reworded(mismatch)
             wrapped = DistBackendError(f"{name} failed: {err}")
             wrapped.__cause__ = exc
             # A collective that failed half-way leaves peers at different points of the
@@ -239,9 +245,41 @@ class CPUBackend:
         return "; ".join(dict.fromkeys(waits))
 
     def _collective(self, op_type: str, bufs: Sequence[Buffer], body: Callable[[Ctx], None],
-                    *sig: object) -> Work:
+                    **fields: object) -> Work:
+        """Submit a collective; ``fields`` (dtype, count, root, reduce op, sizes...) are what
+        every rank must agree on: their digest is compared across ranks by the transport."""
+        named = [("op", op_type)] + [(k.replace("_", " "), _text(v)) for k, v in fields.items() if v is not None]
+        sig = signature(named)
+        if sig not in self._sigs and self.size > 1:
+            self._publish(sig, named)
         work = self._work(op_type, bufs)
-        return self._submit(work, body, sum(b.nbytes for b in bufs), signature(op_type, *sig))
+        return self._submit(work, body, sum(b.nbytes for b in bufs), sig)
+
+    # ----- the signature registry: readable mismatch errors -----
+    def _publish(self, sig: int, fields: Fields) -> None:
+        """Publish an op's fields under its signature, once per distinct signature (the
+        first op of each kind, dtype and size), before any peer can see the signature:
+        a rank that finds it differs from its own reads them to say what differs."""
+        if len(self._sigs) >= _SIG_CACHE:
+            return  # a job with this many distinct ops gets hash-only errors for the rest
+        try:
+            self._store.set(f"sig/{sig:016x}", encode(fields).encode())
+        except Exception:
+            return  # the readable error is a courtesy; the op itself goes on
+        self._sigs[sig] = fields
+
+    def _reworded(self, exc: SignatureMismatch) -> DistBackendError:
+        """``exc`` (signatures differ) as an error naming the fields that differ and both
+        ranks' values."""
+        theirs: Fields | None = None
+        try:
+            raw = self._store.get(f"sig/{exc.theirs:016x}", timeout=min(2.0, self.timeout))
+            theirs = decode(raw.decode(errors="replace"))
+        except Exception:
+            pass
+        text = describe({self.rank: self._sigs.get(exc.mine), exc.peer: theirs})
+        return DistBackendError(f"rank {exc.peer} issued a different collective from this rank "
+                                f"(rank {self.rank}); ops differ across ranks: {text}")
 
     def _reducer(self, op: ReduceOpLike, buf: Buffer) -> Reducer:
         key = (_op_key(op), buf.dtype.name)
@@ -262,60 +300,111 @@ class CPUBackend:
         return a
 
     # ----- reductions -----
+    # PREMUL_SUM: each rank scales its own contribution by its own factor (factors may
+    # differ per rank, NCCL's per-rank scaling), then the ranks SUM; the factor is not
+    # part of the cross-rank signature.
+    def _sum_of(self, op: ReduceOpLike, buf: Buffer) -> tuple[Reducer, Callable[[Array], Array] | None]:
+        """The reducer to run and, for PREMUL_SUM, what scales this rank's contribution."""
+        if not isinstance(op, PremulSum):
+            return self._reducer(op, buf), None
+        scaler = self._reducer(op, buf)
+
+        def scaled(a: Array) -> Array:
+            out = np.empty_like(a)
+            np.copyto(out, scaler.contribution(a), casting="unsafe")
+            return out
+
+        return self._reducer(ReduceOp.SUM, buf), scaled
+
     def all_reduce(self, buf: Buffer, op: ReduceOpLike) -> Work:
-        red = self._reducer(op, buf)
+        red, scale = self._sum_of(op, buf)
         x = self._arr(buf)
-        return self._collective("all_reduce", [buf], lambda c: self._coll.all_reduce(c, x, red),
-                                buf.dtype.name, buf.nbytes, _op_key(op))
+
+        def body(c: Ctx) -> None:
+            if scale is not None:
+                np.copyto(x, scale(x))
+            self._coll.all_reduce(c, x, red)
+
+        return self._collective("all_reduce", [buf], body, dtype=buf.dtype.name, count=buf.numel,
+                                reduce_op=_sig_op(op))
 
     def all_reduce_coalesced(self, bufs: Sequence[Buffer], op: ReduceOpLike) -> Work:
-        reds = [self._reducer(op, b) for b in bufs]
+        plans = [self._sum_of(op, b) for b in bufs]
         xs = [self._arr(b) for b in bufs]
 
         def body(c: Ctx) -> None:
-            for x, red in zip(xs, reds):
+            for x, (red, scale) in zip(xs, plans):
+                if scale is not None:
+                    np.copyto(x, scale(x))
                 self._coll.all_reduce(c, x, red)
 
         return self._collective("all_reduce_coalesced", list(bufs), body,
-                                [(b.dtype.name, b.nbytes) for b in bufs], _op_key(op))
+                                arrays=[f"{b.dtype.name} x {b.numel}" for b in bufs], reduce_op=_sig_op(op))
 
     def reduce(self, buf: Buffer, dst: int, op: ReduceOpLike) -> Work:
-        red = self._reducer(op, buf)
+        red, scale = self._sum_of(op, buf)
         x = self._arr(buf)
-        return self._collective("reduce", [buf], lambda c: self._coll.reduce(c, x, dst, red),
-                                buf.dtype.name, buf.nbytes, dst, _op_key(op))
+
+        def body(c: Ctx) -> None:
+            if scale is None:
+                self._coll.reduce(c, x, dst, red)
+                return
+            t = scale(x)  # a copy: a non-destination rank's array is left alone
+            self._coll.reduce(c, t, dst, red)
+            if self.rank == dst:
+                np.copyto(x, t)
+
+        return self._collective("reduce", [buf], body, dtype=buf.dtype.name, count=buf.numel, root=dst,
+                                reduce_op=_sig_op(op))
 
     def reduce_scatter(self, out: Buffer, inputs: Sequence[Buffer], op: ReduceOpLike) -> Work:
-        red = self._reducer(op, out)
+        red, scale = self._sum_of(op, out)
         o, ins = self._arr(out), [self._arr(b) for b in inputs]
-        return self._collective("reduce_scatter", [out, *inputs],
-                                lambda c: self._coll.reduce_scatter(c, o, ins, red),
-                                out.dtype.name, out.nbytes, _op_key(op))
+        sizes = [b.nbytes for b in inputs]  # rank k's chunk size: the same list on every rank
+        even = all(n == out.nbytes for n in sizes)
+
+        def body(c: Ctx) -> None:
+            mine = ins if scale is None else [scale(a) for a in ins]
+            if even:
+                self._coll.reduce_scatter(c, o, mine, red)
+                return
+            # Uneven chunks: every rank sends chunk k to rank k, which folds what it got in
+            # rank order (the order of the even algorithms).
+            parts = [np.empty_like(o) for _ in range(self.size)]
+            parts[self.rank] = mine[self.rank].copy()
+            self._coll.all_to_all(c, parts, mine)
+            red.fold(o, parts)
+
+        return self._collective("reduce_scatter", [out, *inputs], body, dtype=out.dtype.name,
+                                counts=[n // out.dtype.itemsize for n in sizes], reduce_op=_sig_op(op))
 
     def reduce_scatter_single(self, out: Buffer, inp: Buffer, op: ReduceOpLike) -> Work:
-        red = self._reducer(op, out)
+        red, scale = self._sum_of(op, out)
         o, i = self._arr(out), self._arr(inp)
-        ins = [i[k * o.size:(k + 1) * o.size] for k in range(self.size)]
-        return self._collective("reduce_scatter_single", [out, inp],
-                                lambda c: self._coll.reduce_scatter(c, o, ins, red),
-                                out.dtype.name, out.nbytes, _op_key(op))
+
+        def body(c: Ctx) -> None:
+            src = i if scale is None else scale(i)
+            self._coll.reduce_scatter(c, o, [src[k * o.size:(k + 1) * o.size] for k in range(self.size)], red)
+
+        return self._collective("reduce_scatter_single", [out, inp], body, dtype=out.dtype.name,
+                                count=out.numel, reduce_op=_sig_op(op))
 
     # ----- data movement -----
     def broadcast(self, buf: Buffer, src: int) -> Work:
         x = self._arr(buf)
         return self._collective("broadcast", [buf], lambda c: self._coll.broadcast(c, x, src),
-                                buf.dtype.name, buf.nbytes, src)
+                                dtype=buf.dtype.name, count=buf.numel, root=src)
 
     def all_gather(self, outs: Sequence[Buffer], inp: Buffer) -> Work:
         os_, i = [self._arr(b) for b in outs], self._arr(inp)
         return self._collective("all_gather", [*outs, inp], lambda c: self._coll.all_gather(c, os_, i),
-                                inp.dtype.name, inp.nbytes)
+                                dtype=inp.dtype.name, count=inp.numel)
 
     def all_gather_single(self, out: Buffer, inp: Buffer) -> Work:
         o, i = self._arr(out), self._arr(inp)
         os_ = [o[k * i.size:(k + 1) * i.size] for k in range(self.size)]
         return self._collective("all_gather_single", [out, inp], lambda c: self._coll.all_gather(c, os_, i),
-                                inp.dtype.name, inp.nbytes)
+                                dtype=inp.dtype.name, count=inp.numel)
 
     def all_gather_coalesced(self, outs: Sequence[Sequence[Buffer]], inps: Sequence[Buffer]) -> Work:
         oss = [[self._arr(b) for b in row] for row in outs]
@@ -326,24 +415,25 @@ class CPUBackend:
                 self._coll.all_gather(c, row, i)
 
         keep = [b for row in outs for b in row] + list(inps)
-        return self._collective("all_gather_coalesced", keep, body, [(b.dtype.name, b.nbytes) for b in inps])
+        return self._collective("all_gather_coalesced", keep, body,
+                                arrays=[f"{b.dtype.name} x {b.numel}" for b in inps])
 
     def gather(self, outs: Sequence[Buffer] | None, inp: Buffer, dst: int) -> Work:
         os_ = [self._arr(b) for b in outs] if outs is not None else None
         i = self._arr(inp)
         return self._collective("gather", [*(outs or ()), inp], lambda c: self._coll.gather(c, os_, i, dst),
-                                inp.dtype.name, inp.nbytes, dst)
+                                dtype=inp.dtype.name, count=inp.numel, root=dst)
 
     def scatter(self, out: Buffer, inputs: Sequence[Buffer] | None, src: int) -> Work:
         o = self._arr(out)
         ins = [self._arr(b) for b in inputs] if inputs is not None else None
         return self._collective("scatter", [out, *(inputs or ())], lambda c: self._coll.scatter(c, o, ins, src),
-                                out.dtype.name, out.nbytes, src)
+                                dtype=out.dtype.name, count=out.numel, root=src)
 
     def all_to_all(self, outs: Sequence[Buffer], inputs: Sequence[Buffer]) -> Work:
         os_, ins = [self._arr(b) for b in outs], [self._arr(b) for b in inputs]
         return self._collective("all_to_all", [*outs, *inputs], lambda c: self._coll.all_to_all(c, os_, ins),
-                                inputs[0].dtype.name if inputs else "")
+                                dtype=inputs[0].dtype.name if inputs else "")
 
     def all_to_all_single(self, out: Buffer, inp: Buffer, out_counts: Sequence[int],
                           in_counts: Sequence[int]) -> Work:
@@ -351,7 +441,7 @@ class CPUBackend:
         os_ = _split(o, out_counts)
         ins = _split(i, in_counts)
         return self._collective("all_to_all_single", [out, inp], lambda c: self._coll.all_to_all(c, os_, ins),
-                                inp.dtype.name)
+                                dtype=inp.dtype.name)
 
     # ----- point to point -----
     def send(self, buf: Buffer, dst: int, tag: int) -> Work:
@@ -417,11 +507,12 @@ class CPUBackend:
             self._queue.clear()
             self._cv.notify_all()
         assert err is not None
-        if first:
-            self._mesh.fail_all(err)
+        mesh = getattr(self, "_mesh", None)  # None: a reader thread aborts while the mesh is being made
+        if first and mesh is not None:
+            mesh.fail_all(err)
             # Leaving the mesh tells every peer why at once (instead of after their timeout);
             # on a thread, because a send may wait for a peer that stopped reading.
-            threading.Thread(target=self._mesh.close, args=(str(err),), daemon=True,
+            threading.Thread(target=mesh.close, args=(str(err),), daemon=True,
                              name=f"gpucoll-cpu-abort-r{self.rank}").start()
             abort = getattr(self._coll, "abort", None)
             if abort is not None:
@@ -462,6 +553,32 @@ class CPUBackend:
 
 def _op_key(op: ReduceOpLike) -> str:
     return f"premul({op.factor})" if isinstance(op, PremulSum) else op.name
+
+
+def _sig_op(op: ReduceOpLike) -> str:
+    """The reduction as ranks must agree on it: PREMUL_SUM's factor may differ per rank."""
+    return op.op.name if isinstance(op, PremulSum) else op.name
+
+
+_SIG_CACHE = 4096
+"""Distinct op signatures a backend publishes at most (one store key each)."""
+
+
+def _text(v: object) -> str:
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_text(x) for x in v) + "]"
+    return str(v)
+
+
+def _find_mismatch(exc: BaseException) -> SignatureMismatch | None:
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, SignatureMismatch):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _split(a: Array, counts: Sequence[int]) -> list[Array]:

@@ -8,7 +8,9 @@ a rank waits until every peer has *started* the previous op (so every peer has
 finished the op before it, the last user of this parity's slots), then writes its
 header ``(u, signature)``. The first time a rank sees a peer's progress in an op it
 compares that peer's header with its own: a different op, dtype, size or root raises
-DistBackendError before any foreign byte is read.
+DistBackendError before any foreign byte is read. Every rank waits for step 1 of every
+peer in every op (a broadcast root and a gather's senders too), so every rank compares
+every peer's header: no rank finishes an op its peers did not all issue.
 
 Algorithms:
 
@@ -31,6 +33,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ...errors import DistBackendError
+from ..mismatch import SignatureMismatch
 from .reduce import Array, Reducer
 from .shm import REC_WORDS, ShmSegment
 from .tcp_algos import Ctx, chunk_bounds
@@ -102,10 +105,10 @@ class ShmCollectives:
         if j not in self._checked:
             op, sig = self.seg.header(j, self._parity)
             if op != self._u or sig != self._sig:
-                raise DistBackendError(
+                raise SignatureMismatch(
                     f"{ctx.name}: rank {j} issued a different collective (its op #{op}, signature {sig:#x}; "
                     f"this rank op #{self._u}, signature {self._sig:#x}): ops, dtypes, sizes or roots "
-                    "differ across ranks")
+                    "differ across ranks", j, sig, self._sig)
             self._checked.add(j)
 
     def _alive(self, ctx: Ctx, j: int) -> None:
@@ -139,9 +142,9 @@ class ShmCollectives:
             p = self._parity
             np.copyto(seg.small(r, p)[:nb], _u8(x))
             self._post()
+            self._wait_all(ctx, 1)  # every rank, the non-destinations too: checks every header
             if dst is not None and r != dst:
                 return
-            self._wait_all(ctx, 1)
             red.fold(x, [seg.small(j, p)[:nb].view(x.dtype) for j in range(n)])
             return
         self._entry(ctx)
@@ -229,11 +232,10 @@ class ShmCollectives:
             p = self._parity
             if r == src:
                 np.copyto(seg.small(r, p)[:nb], xb)
-                self._post()
-                return
             self._post()
-            self._wait(ctx, src, 1)
-            np.copyto(xb, seg.small(src, p)[:nb])
+            self._wait_all(ctx, 1)  # the root too: it compares every peer's header
+            if r != src:
+                np.copyto(xb, seg.small(src, p)[:nb])
             return
         self._entry(ctx)
         bb = seg.bulk_bytes
@@ -292,12 +294,12 @@ class ShmCollectives:
             p = self._parity
             if r != dst:
                 np.copyto(seg.small(r, p)[:nb], ib)
-                self._post()
-                return
             self._post()
+            self._wait_all(ctx, 1)  # every rank compares every peer's header
+            if r != dst:
+                return
             assert outs is not None
             for j in self._peers:
-                self._wait(ctx, j, 1)
                 np.copyto(_u8(outs[j]), seg.small(j, p)[:nb])
             return
         self._entry(ctx)
@@ -334,11 +336,10 @@ class ShmCollectives:
                 slot = seg.small(r, p)
                 for j in self._peers:
                     np.copyto(slot[j * nb:(j + 1) * nb], _u8(inputs[j]))
-                self._post()
-                return
             self._post()
-            self._wait(ctx, src, 1)
-            np.copyto(ob, seg.small(src, p)[r * nb:(r + 1) * nb])
+            self._wait_all(ctx, 1)  # the root too: it compares every peer's header
+            if r != src:
+                np.copyto(ob, seg.small(src, p)[r * nb:(r + 1) * nb])
             return
         self._entry(ctx)
         cap = seg.bulk_bytes // n // 64 * 64

@@ -36,6 +36,7 @@ from typing import Any, Callable
 from ...clusters._envvars import CPU_IFADDR_ENV
 from ...errors import DistBackendError, DistNetworkError
 from . import auth
+from ..mismatch import SignatureMismatch
 
 __all__ = ["TcpMesh", "Recv", "KIND_COLL", "KIND_P2P", "local_address"]
 
@@ -542,9 +543,9 @@ def _fill(r: Recv, msg: Recv, peer: int) -> None:
 
 def _mismatch(peer: int, r: Recv, nbytes: int, meta: int | None) -> DistBackendError:
     if r.meta is not None and meta is not None and r.meta != meta:
-        return DistBackendError(
+        return SignatureMismatch(
             f"rank {peer} issued a different collective (signature {meta:#x}, this rank {r.meta:#x}): "
-            "ops, dtypes, sizes or roots differ across ranks")
+            "ops, dtypes, sizes or roots differ across ranks", peer, meta, r.meta)
     want = r.buf.nbytes if r.buf is not None else -1
     what = "message" if r.kind == KIND_P2P else "collective chunk"
     return DistBackendError(f"rank {peer} sent a {what} of {nbytes} bytes (tag {r.tag}) where this rank "

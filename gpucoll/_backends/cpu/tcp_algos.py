@@ -10,9 +10,12 @@ Algorithms, chosen by size (``SMALL`` bytes per rank):
 - large broadcasts: a pipelined chain (ring) of ``CHUNK``-byte pieces, so the root
   sends each byte once and every link carries data at the same time.
 
-Every frame carries the op's signature (kind, dtype, size, root), so a rank that
-issued a different collective, dtype or size gets a DistBackendError instead of
-reading foreign bytes into its arrays.
+Every frame carries the op's signature (kind, dtype, size, root, reduction), so a
+rank that issued a different collective, dtype or size gets a DistBackendError
+instead of reading foreign bytes into its arrays. In every op, every rank sends a
+step-0 frame to every peer and waits for one from every peer (an empty frame where
+no data flows: a broadcast root, a gather's non-destination ranks...), so every rank
+compares every peer's signature: no rank can finish an op its peers did not issue.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ SMALL = 64 * 1024
 CHUNK = 1 << 20
 _STEP_BITS = 21  # a frame's tag is (primitive op number << _STEP_BITS) | step
 _RESULT = 1 << 20  # steps of the all-gather half of a large all_reduce
+_EMPTY = np.empty(0, np.uint8)  # a frame that carries only its signature
 
 
 @dataclass
@@ -119,6 +123,11 @@ class TcpCollectives:
     def _peers(self) -> list[int]:
         return [p for p in range(self.size) if p != self.rank]
 
+    def _empties(self) -> list[tuple[int, Array]]:
+        """Empty receives from every peer: a rank that takes no data from them still hears
+        their step-0 frame, and so compares their signature with its own."""
+        return [(p, np.empty(0, np.uint8)) for p in self._peers()]
+
     # ----- reductions -----
     def all_reduce(self, ctx: Ctx, x: Array, red: Reducer) -> None:
         self._reduce(ctx, x, red, None)
@@ -134,11 +143,14 @@ class TcpCollectives:
             return
         peers = self._peers()
         if x.nbytes <= SMALL or x.size < n:
+            # Every rank hears from every peer at step 0 (empty frames where no data
+            # flows), so every rank compares every peer's signature, the root's included.
             if dst is not None and r != dst:
-                self._exchange(ctx, 0, [(dst, x)], [])
+                self._exchange(ctx, 0, [(p, x if p == dst else _EMPTY) for p in peers],
+                               [(p, np.empty(0, np.uint8)) for p in peers])
                 return
             parts = [np.empty_like(x) if p != r else x for p in range(n)]
-            self._exchange(ctx, 0, [] if dst is not None else [(p, x) for p in peers],
+            self._exchange(ctx, 0, [(p, _EMPTY if dst is not None else x) for p in peers],
                            [(p, parts[p]) for p in peers])
             if r != 0:
                 parts[r] = x.copy()
@@ -202,21 +214,24 @@ class TcpCollectives:
             return
         if x.nbytes <= SMALL or n == 2:
             if r == src:
-                self._exchange(ctx, 0, [(p, x) for p in self._peers()], [])
+                self._exchange(ctx, 0, [(p, x) for p in self._peers()], self._empties())
             else:
-                self._exchange(ctx, 0, [], [(src, x)])
+                self._exchange(ctx, 0, [(p, _EMPTY) for p in self._peers()],
+                               [(p, x if p == src else np.empty(0, np.uint8)) for p in self._peers()])
             return
+        # A round of empty frames first: every rank compares every peer's signature.
+        self._exchange(ctx, 0, [(p, _EMPTY) for p in self._peers()], self._empties())
         # Pipelined chain src -> src+1 -> ... : each piece is forwarded as soon as it lands.
         pos = (r - src) % n
         prev, nxt = (r - 1) % n, (r + 1) % n
         flat = x.view(np.uint8)
         pieces = [(i, min(i + CHUNK, flat.size)) for i in range(0, flat.size, CHUNK)]
-        posted = [] if pos == 0 else [self._post(ctx, prev, k, flat[a:b]) for k, (a, b) in enumerate(pieces)]
+        posted = [] if pos == 0 else [self._post(ctx, prev, 1 + k, flat[a:b]) for k, (a, b) in enumerate(pieces)]
         for k, (a, b) in enumerate(pieces):
             if pos != 0:
                 self._wait(ctx, [posted[k]])
             if pos != n - 1:
-                self._send(ctx, nxt, k, flat[a:b])
+                self._send(ctx, nxt, 1 + k, flat[a:b])
 
     def all_gather(self, ctx: Ctx, outs: Sequence[Array], inp: Array) -> None:
         r = self.rank
@@ -231,23 +246,24 @@ class TcpCollectives:
         r = self.rank
         self._begin()
         if r != dst:
-            self._exchange(ctx, 0, [(dst, inp)], [])
+            self._exchange(ctx, 0, [(p, inp if p == dst else _EMPTY) for p in self._peers()], self._empties())
             return
         assert outs is not None
         if not np.shares_memory(outs[r], inp):
             np.copyto(outs[r], inp)
-        self._exchange(ctx, 0, [], [(p, outs[p]) for p in self._peers()])
+        self._exchange(ctx, 0, [(p, _EMPTY) for p in self._peers()], [(p, outs[p]) for p in self._peers()])
 
     def scatter(self, ctx: Ctx, out: Array, inputs: Sequence[Array] | None, src: int) -> None:
         r = self.rank
         self._begin()
         if r != src:
-            self._exchange(ctx, 0, [], [(src, out)])
+            self._exchange(ctx, 0, [(p, _EMPTY) for p in self._peers()],
+                           [(p, out if p == src else np.empty(0, np.uint8)) for p in self._peers()])
             return
         assert inputs is not None
         if not np.shares_memory(out, inputs[r]):
             np.copyto(out, inputs[r])
-        self._exchange(ctx, 0, [(p, inputs[p]) for p in self._peers()], [])
+        self._exchange(ctx, 0, [(p, inputs[p]) for p in self._peers()], self._empties())
 
     def all_to_all(self, ctx: Ctx, outs: Sequence[Array], inputs: Sequence[Array]) -> None:
         r = self.rank

@@ -380,8 +380,28 @@ class Planner:
 
     def reduce_scatter(self, out: Buffer, inputs: Sequence[Buffer], op: ReduceOpLike) -> Plan:
         nb = out.nbytes
+        if any(b.nbytes != nb for b in inputs):
+            return self._reduce_scatter_uneven(out, inputs, op)
         base = inputs[0].ptr if adjacent(inputs, nb) else None
         return self._reduce_scatter(out, [b.ptr for b in inputs], base, op)
+
+    def _reduce_scatter_uneven(self, out: Buffer, inputs: Sequence[Buffer], op: ReduceOpLike) -> Plan:
+        """torch's list reduce_scatter with chunk j of rank j's own size: one grouped
+        ncclReduce per rank (root j gets chunk j). Only where NCCL reduces natively with no
+        pre-scaling (SUM, PRODUCT, MIN, MAX, AVG; not emulated or PREMUL_SUM ops)."""
+        red = self.reduction(out.dtype, op)
+        if red.op is None or red.scale is not None:
+            raise ValueError(f"reduce_scatter with input_list chunks of different sizes needs a reduction NCCL "
+                             f"runs natively (SUM, PRODUCT, MIN, MAX, AVG) for dtype {out.dtype.name}; got "
+                             f"{getattr(op, 'name', op)}: pass chunks of equal size")
+        r = self.rank
+        calls: list[Step] = []
+        for j, b in enumerate(inputs):
+            if b.numel:
+                calls.append(("reduce", b.ptr, out.ptr if j == r else b.ptr, b.numel * red.mult, red.dtype,
+                              red.op, j))
+        post = [self._divide(red, out.ptr, out.numel)] if red.divide and out.numel else []
+        return [([], calls, post)] if calls else []
 
     def reduce_scatter_single(self, out: Buffer, inp: Buffer, op: ReduceOpLike) -> Plan:
         nb = out.nbytes

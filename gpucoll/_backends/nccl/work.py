@@ -172,7 +172,7 @@ class NCCLWork(Work):
         """True once the op finished on the GPU (or failed); never blocks."""
         return self._poll()
 
-    def wait(self, timeout: float | timedelta | None = None) -> bool:
+    def wait(self, timeout: float | timedelta | None = None) -> Any:
         """Make the current stream (and the streams the op was issued from) wait for
         the op; the host is not blocked.
 
@@ -189,16 +189,16 @@ class NCCLWork(Work):
         """
         if timeout is not None or self.host_wait:
             self.synchronize(timeout)
-            return True
+            return self._waited()
         # Only flags here: the hot path of every synchronous op queries no event and
         # no NCCL state (the watchdog does that).
         if self._done.is_set() or self._doomed is not None or self._owner._aborted is not None:
             self._poll()
             self._raise_if_failed()
-            return True
+            return self._waited()
         end = self._end
         if end is None:
-            return True  # not issued yet: the batch's own Work carries the wait
+            return self._waited()  # not issued yet: the batch's own Work carries the wait
         rt = self._owner._rt
         prev_device = rt.get_device()
         if prev_device != self._device:
@@ -214,7 +214,7 @@ class NCCLWork(Work):
         finally:
             if prev_device != self._device:
                 rt.set_device(prev_device)
-        return True
+        return self._waited()
 
     def synchronize(self, timeout: float | timedelta | None = None) -> None:
         """Block the host until the op completed on the GPU.
