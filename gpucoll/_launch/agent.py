@@ -56,6 +56,13 @@ for group in groups:
     except OSError:
         pass
 shutil.rmtree(sys.argv[1], ignore_errors=True)
+for name in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else ():
+    parts = name.split("-")
+    if len(parts) == 3 and parts[0] == "gpucoll" and parts[1].isdigit() and int(parts[1]) in groups:
+        try:
+            os.unlink("/dev/shm/" + name)
+        except OSError:
+            pass
 """
 
 # The scratch folder (error files) is named after the launcher's pid and pid namespace,
@@ -160,6 +167,7 @@ class _Agent:
                     r.waiter.join(5.0)
             if pump is not None:
                 pump.join(5.0)
+            _remove_rank_segments([r.proc.pid for r in self.ranks])
             code, remote = self._decide()
             self._close_store()
             self._dismiss_reaper()
@@ -499,6 +507,26 @@ def _remove_stale_scratch() -> None:
             shutil.rmtree(path, ignore_errors=True)
         except PermissionError:
             continue
+
+
+def _remove_rank_segments(pids: list[int]) -> None:
+    """Unlink the CPU backend's shared-memory segments named after the (dead) ranks.
+
+    A group's first rank unlinks its segment once every rank has mapped it; a rank
+    killed before that leaves it in /dev/shm, named ``gpucoll-<its pid>-<hex>``.
+    """
+    wanted = {str(p) for p in pids}
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return
+    for name in names:
+        parts = name.split("-")
+        if len(parts) == 3 and parts[0] == "gpucoll" and parts[1] in wanted:
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except OSError:
+                pass
 
 
 def _killpg(pgid: int, sig: signal.Signals) -> None:
