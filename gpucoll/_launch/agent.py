@@ -334,10 +334,15 @@ class _Agent:
         if kind == "exit":
             r = self.ranks[event[1]]
             r.code, r.exit_time = int(event[2]), float(event[3])
-            if r.code != 0 and self._report_local_root() and not self.stop_reason:
+            if r.code == 0:
+                return
+            root = root_cause(self._exits(exited_only=True))
+            if root is not None and not self.stop_reason:
                 self.stop_reason = f"rank {r.rank} failed ({describe_code(r.code)})"
                 self.local_failure = True
                 self._stop(signal.SIGTERM)
+            if root is not None:
+                self._report_local_root(root)
         elif kind == "signal":
             signum = int(event[1])
             if self.stop_reason:
@@ -389,17 +394,13 @@ class _Agent:
                          r.killed_at if r.code is not None else (r.killed_at or now))
                 for r in self.ranks if r.code is not None or not exited_only]
 
-    def _report_local_root(self) -> bool:
-        """After a local rank's exit: tell the other nodes this node's root cause, when
-        it changed (a rank killed outright may be seen after one its death failed).
-        Returns whether any local rank failed on its own account."""
-        root = root_cause(self._exits(exited_only=True))
-        if root is None:
-            return False
+    def _report_local_root(self, root: RankExit) -> None:
+        """After a local rank's failure (and after stopping the others): tell the other
+        nodes this node's root cause, when it changed (a rank killed outright may be
+        seen after one that its death made fail)."""
         if self.link is not None and self.reported != (root.rank, root.own_code):
             self.reported = (root.rank, root.own_code)
             self.link.report_failure(failure_report(root, self.config.node_rank))
-        return True
 
     def _local_failure_code(self) -> int:
         root = root_cause(self._exits())

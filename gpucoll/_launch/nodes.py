@@ -35,6 +35,7 @@ __all__ = ["NodeLink", "FAILED_KEY", "done_key", "failure_key", "exited_key"]
 
 FAILED_KEY = "gpucoll-run/failed"
 _WATCH_SLICE = 60.0
+_REQUEST_TIMEOUT = 5.0
 
 
 def done_key(node: int) -> str:
@@ -73,6 +74,9 @@ class NodeLink:
         self._clients: list[Store] = []
         self._closing = threading.Event()
         self._control = self._connect()
+        # Reports must not hold a launcher up for the whole join timeout when node 0 is
+        # unreachable (a network partition): its ranks' stop waits on them.
+        self._control.set_timeout(min(timeout, _REQUEST_TIMEOUT))
 
     def _connect(self) -> Store:
         from ..store import TCPStore
