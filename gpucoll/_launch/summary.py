@@ -140,7 +140,7 @@ def failure_summary(exits: list[RankExit], *, start: float, node_rank: int, reas
     lines = [bar, "gpucoll-run: job failed" if root or remote or not reason else f"gpucoll-run: {reason}"]
     if remote is not None:
         lines += [
-            f"root cause: rank {remote.get('rank')} (on node {remote.get('node')}, host {remote.get('host')}, "
+            f"root cause: rank {remote.get('rank')} on node {remote.get('node')} (host {remote.get('host')}, "
             f"pid {remote.get('pid')}; reported by that node's launcher)",
             f"  {remote.get('what')}",
         ]
