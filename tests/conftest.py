@@ -16,6 +16,8 @@ import pytest
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--require-gpu", action="store_true", default=False,
                      help="fail (instead of skip) GPU tests when no usable GPU/NCCL is found")
+    parser.addoption("--soak", action="store_true", default=False,
+                     help="run the long fault-injection tests marked soak (skipped by default)")
 
 
 def _gpu_reason() -> str | None:
@@ -40,6 +42,11 @@ def _gpu_reason() -> str | None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("--soak"):
+        soak = pytest.mark.skip(reason="soak test: pass --soak to run it")
+        for it in items:
+            if it.get_closest_marker("soak"):
+                it.add_marker(soak)
     gpu_items = [it for it in items if it.get_closest_marker("gpu")]
     if not gpu_items:
         return

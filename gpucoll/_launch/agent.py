@@ -16,7 +16,6 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,7 +28,8 @@ from .errorfile import ERROR_FILE_ENV, read_error
 from .config import LaunchConfig
 from .nodes import NodeLink
 from .output import OutputPump
-from .summary import RankExit, describe_code, failure_summary, launcher_exit_code, root_cause
+from .summary import (RankExit, describe_code, failure_report, failure_summary, launcher_exit_code,
+                      report_key, root_cause)
 from .worker import LAUNCHER_PID_ENV
 from ..clusters.base import ClusterEnv
 from ..clusters.env import SOURCE, rank_environment
@@ -43,7 +43,7 @@ __all__ = ["run_job"]
 # died (even by SIGKILL): the reaper then kills every group, so the processes that
 # ranks started do not outlive the job either. ``-S``: no site imports, fast start.
 _REAPER = """
-import os, signal, sys
+import os, shutil, signal, sys
 groups = []
 for line in sys.stdin:
     line = line.strip()
@@ -56,7 +56,22 @@ for group in groups:
         os.killpg(group, signal.SIGKILL)
     except OSError:
         pass
+shutil.rmtree(sys.argv[1], ignore_errors=True)
+for name in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else ():
+    parts = name.split("-")
+    if len(parts) == 3 and parts[0] == "gpucoll" and parts[1].isdigit() and int(parts[1]) in groups:
+        try:
+            os.unlink("/dev/shm/" + name)
+        except OSError:
+            pass
 """
+
+# The scratch folder (error files) is named after the launcher's pid and pid namespace,
+# so that the next launch can tell a folder whose launcher is dead (and whose reaper
+# could not remove it) from a running job's.
+_SCRATCH_PREFIX = "gpucoll-run-"
+
+_SETTLE = 2.0  # seconds a launcher waits for other nodes' failure reports
 
 _FORWARDED = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM}
 
@@ -72,6 +87,7 @@ class _Rank:
     code: int | None = None
     exit_time: float = 0.0
     signalled_at: float | None = None
+    killed_at: float | None = None
     waiter: threading.Thread | None = field(default=None, repr=False)
 
 
@@ -106,6 +122,8 @@ class _Agent:
         self.server: Any = None
         self.port = config.master_port
         self.reaper: subprocess.Popen[bytes] | None = None
+        self.interrupted: int | None = None   # the signal that stopped the launcher, if any
+        self.reported: tuple[int, int] | None = None  # (rank, code) last reported to the other nodes
 
     # -- the job ----------------------------------------------------------------------
 
@@ -119,7 +137,8 @@ class _Agent:
             self._close_store()
             self._say("interrupted while connecting to the job's store")
             return 128 + signal.SIGINT
-        scratch = tempfile.mkdtemp(prefix="gpucoll-run-")
+        _remove_stale_scratch()
+        scratch = tempfile.mkdtemp(prefix=f"{_SCRATCH_PREFIX}{_pid_namespace()}-{os.getpid()}-")
         old_handlers = self._install_signal_handlers()
         try:
             return self._run(scratch, old_handlers)
@@ -134,7 +153,7 @@ class _Agent:
                 os.makedirs(cfg.log_dir, exist_ok=True)
             pump = OutputPump(self.stdout, self.stderr, prefix=cfg.prefix, log_dir=cfg.log_dir,
                               console=cfg.log_dir is None or cfg.tee) if cfg.pipes_output else None
-            self.reaper = subprocess.Popen([sys.executable, "-S", "-c", _REAPER], stdin=subprocess.PIPE,
+            self.reaper = subprocess.Popen([sys.executable, "-S", "-c", _REAPER, scratch], stdin=subprocess.PIPE,
                                            start_new_session=True, close_fds=True, bufsize=0)
             self._spawn(scratch, pump)
             if pump is not None:
@@ -149,10 +168,12 @@ class _Agent:
                     r.waiter.join(5.0)
             if pump is not None:
                 pump.join(5.0)
+            _remove_rank_segments([r.proc.pid for r in self.ranks])
+            code, remote = self._decide()
             self._close_store()
             self._dismiss_reaper()
             self._restore_signal_handlers(old_handlers)
-        return self._finish()
+        return self._finish(code, remote)
 
     def _open_store(self) -> bool:
         """Node 0 serves the job's store; every node connects its NodeLink to it."""
@@ -251,7 +272,9 @@ class _Agent:
 
     def _wait_rank(self, index: int) -> None:
         code = self.ranks[index].proc.wait()
-        self.events.put(("exit", index, code))
+        # The time is taken here, not when the main thread gets to the event: which rank
+        # failed first is decided by comparing it with other ranks' error times.
+        self.events.put(("exit", index, code, time.time()))
 
     def _drain_nonblocking(self) -> bool:
         """Handle events that arrived while starting ranks; False once stopping."""
@@ -305,15 +328,16 @@ class _Agent:
         kind = event[0]
         if kind == "exit":
             r = self.ranks[event[1]]
-            r.code, r.exit_time = int(event[2]), time.time()
-            if r.code != 0 and not self.stop_reason:
+            r.code, r.exit_time = int(event[2]), float(event[3])
+            if r.code == 0:
+                return
+            root = root_cause(self._exits(exited_only=True))
+            if root is not None and not self.stop_reason:
                 self.stop_reason = f"rank {r.rank} failed ({describe_code(r.code)})"
                 self.local_failure = True
-                if self.link is not None:
-                    self.link.report_failure({
-                        "node": self.config.node_rank, "rank": r.rank, "code": r.code,
-                        "host": socket.gethostname(), "what": describe_code(r.code)})
                 self._stop(signal.SIGTERM)
+            if root is not None:
+                self._report_local_root(root)
         elif kind == "signal":
             signum = int(event[1])
             if self.stop_reason:
@@ -321,6 +345,7 @@ class _Agent:
             else:
                 self.stop_reason = f"interrupted by {signal.Signals(signum).name}"
                 self.exit_code = 128 + signum
+                self.interrupted = signum
                 self._stop(_FORWARDED.get(signal.Signals(signum), signal.SIGTERM))
         elif kind in ("remote", "store_lost", "done_timeout"):
             if kind == "remote":
@@ -348,26 +373,72 @@ class _Agent:
 
     def _kill_all(self, sig: signal.Signals) -> None:
         # Exited ranks too: processes they started may still be running in their group.
+        now = time.time()
         for r in self.ranks:
+            if r.code is None and sig == signal.SIGKILL and r.killed_at is None:
+                r.killed_at = now
             _killpg(r.proc.pid, sig)
 
     # -- results ----------------------------------------------------------------------
 
-    def _exits(self) -> list[RankExit]:
+    def _exits(self, *, exited_only: bool = False) -> list[RankExit]:
+        now = time.time()
+        # A rank not reaped by now was SIGKILLed by the launcher's cleanup.
         return [RankExit(r.rank, r.local_rank, r.proc.pid, r.code if r.code is not None else -9,
-                         r.exit_time, r.signalled_at, read_error(r.error_file)) for r in self.ranks]
+                         r.exit_time if r.code is not None else now, r.signalled_at, read_error(r.error_file),
+                         r.killed_at if r.code is not None else (r.killed_at or now))
+                for r in self.ranks if r.code is not None or not exited_only]
+
+    def _report_local_root(self, root: RankExit) -> None:
+        """After a local rank's failure (and after stopping the others): tell the other
+        nodes this node's root cause, when it changed (a rank killed outright may be
+        seen after one that its death made fail)."""
+        if self.link is not None and self.reported != (root.rank, root.own_code):
+            self.reported = (root.rank, root.own_code)
+            self.link.report_failure(failure_report(root, self.config.node_rank))
 
     def _local_failure_code(self) -> int:
         root = root_cause(self._exits())
         return launcher_exit_code(root.own_code) if root is not None else 1
 
-    def _finish(self) -> int:
+    def _decide(self) -> tuple[int, dict[str, Any] | None]:
+        """The launcher's exit code and, when another node's rank is the job's root
+        cause, that node's report. Called once every local rank has exited."""
         code = self.exit_code if self.exit_code is not None else 1
+        if code == 0 or self.interrupted is not None:
+            if self.link is not None and code != 0:
+                self.link.report_exited()
+            return code, None
+        remote: dict[str, Any] | None = None
+        if self.link is not None:
+            root = root_cause(self._exits())
+            mine = failure_report(root, self.config.node_rank) if root is not None else None
+            # A local DistError, or no local failure at all, waits a moment for the node
+            # where the failure began to report it; a rank's own failure needs no wait.
+            settle = 0.0 if mine is not None and not mine["secondary"] else _SETTLE
+            reports = self.link.failures(settle)
+            if mine is not None:
+                reports.append(mine)
+            if reports:
+                best = min(reports, key=report_key)
+                if int(best["node"]) != self.config.node_rank:
+                    remote = best
+                code = launcher_exit_code(int(best["code"])) or 1
+            self.link.report_exited()
+            if self.config.hosts_store:
+                # Other launchers read the reports from this node's store: keep it up
+                # until they have (bounded, in case one of them is gone).
+                self.link.wait_exited(self.config.grace_period + _SETTLE + 3.0)
+        elif self.local_failure:
+            code = self._local_failure_code()
+        return code, remote
+
+    def _finish(self, code: int, remote: dict[str, Any] | None) -> int:
         if code != 0 and self.ranks:
             exits = self._exits()
             reason = "" if self.local_failure else self.stop_reason
             self._say(failure_summary(exits, start=self.start, node_rank=self.config.node_rank,
-                                      reason=reason), prefix=False)
+                                      reason=reason, remote=remote), prefix=False)
         elif code != 0 and self.stop_reason:
             self._say(self.stop_reason)
         return code
@@ -398,6 +469,60 @@ class _Agent:
     def _restore_signal_handlers(old: dict[int, Any]) -> None:
         for sig, handler in old.items():
             signal.signal(sig, handler)
+
+
+def _pid_namespace() -> str:
+    try:
+        return format(os.stat("/proc/self/ns/pid").st_ino, "x")
+    except OSError:
+        return "0"
+
+
+def _remove_stale_scratch() -> None:
+    """Remove scratch folders left by launchers of this pid namespace that are dead
+    (a launcher killed by SIGKILL whose reaper was killed too)."""
+    base = tempfile.gettempdir()
+    mine = f"{_SCRATCH_PREFIX}{_pid_namespace()}-"
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(mine)]
+    except OSError:
+        return
+    for name in names:
+        pid_text = name[len(mine):].split("-", 1)[0]
+        path = os.path.join(base, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not pid_text.isdigit() or st.st_uid != os.getuid() or not os.path.isdir(path) or os.path.islink(path):
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+            continue  # its launcher is alive (or the pid was reused: left for later)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:
+            continue
+
+
+def _remove_rank_segments(pids: list[int]) -> None:
+    """Unlink the CPU backend's shared-memory segments named after the (dead) ranks.
+
+    A group's first rank unlinks its segment once every rank has mapped it; a rank
+    killed before that leaves it in /dev/shm, named ``gpucoll-<its pid>-<hex>``.
+    """
+    wanted = {str(p) for p in pids}
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return
+    for name in names:
+        parts = name.split("-")
+        if len(parts) == 3 and parts[0] == "gpucoll" and parts[1] in wanted:
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except OSError:
+                pass
 
 
 def _killpg(pgid: int, sig: signal.Signals) -> None:

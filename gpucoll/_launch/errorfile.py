@@ -16,6 +16,8 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 
+from ..errors import DistError
+
 __all__ = ["ERROR_FILE_ENV", "ErrorRecord", "write_error", "read_error"]
 
 from ..clusters._envvars import ERROR_FILE_ENV as ERROR_FILE_ENV
@@ -33,6 +35,9 @@ class ErrorRecord:
         pid: the worker's process id.
         hostname: the worker's host.
         rank: the worker's RANK, or -1 when unknown.
+        secondary: the exception is a :class:`gpucoll.errors.DistError` or was raised
+            while handling one (its ``__cause__``/``__context__`` chain holds one): the
+            rank most likely failed because a peer did, not on its own account.
     """
 
     exc_type: str
@@ -42,6 +47,18 @@ class ErrorRecord:
     pid: int
     hostname: str
     rank: int
+    secondary: bool = False
+
+
+def _chain_has_dist_error(exc: BaseException) -> bool:
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, DistError):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 def write_error(exc: BaseException, path: str | None = None) -> str | None:
@@ -74,6 +91,7 @@ def write_error(exc: BaseException, path: str | None = None) -> str | None:
         pid=os.getpid(),
         hostname=socket.gethostname(),
         rank=int(rank_raw) if rank_raw.isdigit() else -1,
+        secondary=_chain_has_dist_error(exc),
     )
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -103,6 +121,7 @@ def read_error(path: str) -> ErrorRecord | None:
             pid=int(data["pid"]),
             hostname=str(data["hostname"]),
             rank=int(data["rank"]),
+            secondary=bool(data.get("secondary", False)),
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None

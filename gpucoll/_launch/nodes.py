@@ -5,6 +5,12 @@ as a client and:
 
 - watches ``gpucoll-run/failed``: the first launcher whose rank fails writes a
   short description there, and every other launcher stops its ranks;
+- writes its node's root cause to ``gpucoll-run/failure/<node>`` (rewritten when a
+  better one turns up), and reads the other nodes' when the job has failed, so that
+  every launcher names the same root cause and exits with its code: a rank's own
+  failure before a DistError it caused elsewhere, then the earliest;
+- sets ``gpucoll-run/exited/<node>`` once it has decided; node 0 keeps the store up
+  (bounded) until every launcher has, so that they can all read the reports;
 - treats losing the store as a failure of node 0, so that ranks on other nodes
   never outlive the job;
 - sets ``gpucoll-run/done/<node>`` when its ranks all succeeded. Node 0 keeps
@@ -19,19 +25,29 @@ from __future__ import annotations
 import json
 import queue
 import threading
+import time
 from typing import Any
 
 from ..errors import DistError, DistStoreTimeoutError
 from ..store.base import Store
 
-__all__ = ["NodeLink", "FAILED_KEY", "done_key"]
+__all__ = ["NodeLink", "FAILED_KEY", "done_key", "failure_key", "exited_key"]
 
 FAILED_KEY = "gpucoll-run/failed"
 _WATCH_SLICE = 60.0
+_REQUEST_TIMEOUT = 5.0
 
 
 def done_key(node: int) -> str:
     return f"gpucoll-run/done/{node}"
+
+
+def failure_key(node: int) -> str:
+    return f"gpucoll-run/failure/{node}"
+
+
+def exited_key(node: int) -> str:
+    return f"gpucoll-run/exited/{node}"
 
 
 class NodeLink:
@@ -58,6 +74,9 @@ class NodeLink:
         self._clients: list[Store] = []
         self._closing = threading.Event()
         self._control = self._connect()
+        # Reports must not hold a launcher up for the whole join timeout when node 0 is
+        # unreachable (a network partition): its ranks' stop waits on them.
+        self._control.set_timeout(min(timeout, _REQUEST_TIMEOUT))
 
     def _connect(self) -> Store:
         from ..store import TCPStore
@@ -85,11 +104,44 @@ class NodeLink:
                 self._events.put(("store_lost", f"lost the job's store at {self._addr}:{self._port}: {err}"))
 
     def report_failure(self, info: dict[str, Any]) -> None:
-        """Tell every node that this one failed; the first report wins."""
+        """Tell every node that this one failed (its root cause so far, ``info``)."""
+        text = json.dumps(info)
         try:
-            self._control.compare_set(FAILED_KEY, "", json.dumps(info))
+            self._control.set(failure_key(self._node_rank), text)
+            self._control.compare_set(FAILED_KEY, "", text)  # the trigger: the first one wins
         except (DistError, OSError):
             pass  # the store is gone: the other launchers notice that by themselves
+
+    def failures(self, settle: float) -> list[dict[str, Any]]:
+        """The other nodes' failure reports; waits up to ``settle`` seconds for one that
+        is a rank's own failure (not a DistError) when none is there yet."""
+        others = [n for n in range(self._nnodes) if n != self._node_rank]
+        deadline = time.monotonic() + settle
+        found: dict[int, dict[str, Any]] = {}
+        while True:
+            for n in others:
+                try:
+                    if self._control.check([failure_key(n)]):
+                        found[n] = json.loads(self._control.get(failure_key(n)).decode("utf-8"))
+                except (DistError, OSError, ValueError):
+                    return list(found.values())
+            if any(not r.get("secondary") for r in found.values()) or time.monotonic() >= deadline:
+                return list(found.values())
+            time.sleep(0.05)
+
+    def report_exited(self) -> None:
+        """This launcher has read the reports and decided its exit code."""
+        try:
+            self._control.set(exited_key(self._node_rank), "1")
+        except (DistError, OSError):
+            pass
+
+    def wait_exited(self, timeout: float) -> None:
+        """Node 0: wait (bounded) until every launcher has read the failure reports."""
+        try:
+            self._control.wait([exited_key(n) for n in range(self._nnodes)], timeout=timeout)
+        except (DistError, OSError):
+            pass  # a launcher that is gone reads nothing more
 
     def report_done(self) -> None:
         """Tell node 0 that this node's ranks all succeeded."""

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from .errorfile import ErrorRecord
 
-__all__ = ["RankExit", "describe_code", "launcher_exit_code", "failure_summary"]
+__all__ = ["RankExit", "describe_code", "launcher_exit_code", "root_cause", "failure_report", "report_key",
+           "failure_summary"]
 
 _TRACEBACK_LINES = 20
 
@@ -25,6 +26,7 @@ class RankExit:
         time: when the launcher saw it exit (seconds since the epoch).
         signalled_at: when gpucoll-run sent it a stop signal, or None.
         error: what it recorded in its error file, if anything.
+        killed_at: when gpucoll-run sent it SIGKILL (after the grace period), or None.
     """
 
     rank: int
@@ -34,17 +36,28 @@ class RankExit:
     time: float
     signalled_at: float | None
     error: ErrorRecord | None
+    killed_at: float | None = None
 
     @property
     def failed_by_itself(self) -> bool:
         """It failed on its own account, not (only) because gpucoll-run stopped it."""
         if self.code == 0:
             return False
-        if self.signalled_at is None:
+        if self.signalled_at is None or self.time < self.signalled_at:
             return True
         # An exception recorded before the stop signal was the rank's own failure; one
         # recorded after it (a KeyboardInterrupt from a forwarded SIGINT) was not.
-        return self.error is not None and self.error.timestamp < self.signalled_at
+        if self.error is not None:
+            return self.error.timestamp < self.signalled_at
+        # Dead by a SIGKILL that gpucoll-run had not sent: someone else killed it (its
+        # exit was only seen after the launcher had begun stopping the job).
+        return self.code == -signal.SIGKILL and self.killed_at is None
+
+    @property
+    def secondary(self) -> bool:
+        """Its recorded error is a DistError (or raised while handling one): most likely
+        the consequence of another rank's failure rather than a failure of its own."""
+        return self.error is not None and self.error.secondary
 
     @property
     def own_code(self) -> int:
@@ -77,12 +90,37 @@ def launcher_exit_code(code: int) -> int:
 
 
 def root_cause(exits: list[RankExit]) -> RankExit | None:
-    """The rank whose failure came first: by its recorded exception's time, else its exit."""
+    """The rank whose failure came first, among those that failed on their own account.
+
+    A rank whose error is a DistError (a peer closed its connection, a collective
+    timed out) failed because of another rank's failure; it is the root cause only
+    when no rank failed otherwise. Among the rest, the earliest failure wins: by the
+    recorded exception's time, else by the exit the launcher saw.
+    """
     failed = [e for e in exits if e.failed_by_itself]
-    return min(failed, key=lambda e: (e.failure_time, e.rank)) if failed else None
+    primary = [e for e in failed if not e.secondary]
+    pool = primary or failed
+    return min(pool, key=lambda e: (e.failure_time, e.rank)) if pool else None
 
 
-def failure_summary(exits: list[RankExit], *, start: float, node_rank: int, reason: str = "") -> str:
+def failure_report(root: RankExit, node_rank: int) -> dict[str, object]:
+    """What one node's launcher tells the others about its root cause (JSON-able)."""
+    what = f"{root.error.exc_type}: {root.error.message}" if root.error else ""
+    return {"node": node_rank, "rank": root.rank, "code": root.own_code, "host": socket.gethostname(),
+            "what": describe_code(root.own_code), "time": root.failure_time,
+            "secondary": root.secondary, "error": _one_line(what), "pid": root.pid}
+
+
+def report_key(report: dict[str, object]) -> tuple[bool, float, int]:
+    """Order of precedence between nodes' reports: own failures before DistErrors, then time.
+
+    Times come from different hosts' clocks; the first criterion does not depend on them.
+    """
+    return (bool(report.get("secondary")), float(str(report.get("time", 0.0))), int(str(report.get("rank", 0))))
+
+
+def failure_summary(exits: list[RankExit], *, start: float, node_rank: int, reason: str = "",
+                    remote: dict[str, object] | None = None) -> str:
     """The text gpucoll-run prints when a job fails.
 
     Args:
@@ -91,13 +129,23 @@ def failure_summary(exits: list[RankExit], *, start: float, node_rank: int, reas
         node_rank: this node's index.
         reason: why the launcher stopped the ranks when no local rank failed by itself
             (a signal to the launcher, another node's failure).
+        remote: another node's report (see :func:`failure_report`) when it, not a
+            local rank, is the job's root cause.
 
     Returns:
         A multi-line summary.
     """
-    root = root_cause(exits)
+    root = root_cause(exits) if remote is None else None
     bar = "=" * 72
-    lines = [bar, "gpucoll-run: job failed" if root or not reason else f"gpucoll-run: {reason}"]
+    lines = [bar, "gpucoll-run: job failed" if root or remote or not reason else f"gpucoll-run: {reason}"]
+    if remote is not None:
+        lines += [
+            f"root cause: rank {remote.get('rank')} on node {remote.get('node')} (host {remote.get('host')}, "
+            f"pid {remote.get('pid')}; reported by that node's launcher)",
+            f"  {remote.get('what')}",
+        ]
+        if remote.get("error"):
+            lines.append(f"  error: {remote.get('error')}")
     if root is not None:
         lines += [
             f"root cause: rank {root.rank} (local rank {root.local_rank} on node {node_rank}, "
@@ -118,6 +166,8 @@ def failure_summary(exits: list[RankExit], *, start: float, node_rank: int, reas
         if reason:
             lines.append(f"  then: {reason}")
     others = [e for e in exits if e.failed_by_itself and e is not root]
+    if remote is not None and others:
+        lines.append("on this node:")
     for e in sorted(others, key=lambda e: e.rank):
         what = f"{e.error.exc_type}: {e.error.message}" if e.error else "no exception recorded"
         lines.append(f"also failed: rank {e.rank} ({describe_code(e.own_code)}; {_one_line(what)})")

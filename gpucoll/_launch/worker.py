@@ -6,7 +6,7 @@ It runs the user's script or module as ``__main__`` (``sys.argv`` and ``sys.path
 as ``python script.py`` / ``python -m module`` would set them) after three
 preparations:
 
-- an uncaught exception is recorded in the rank's error file (GPUCOLL_ERROR_FILE)
+- an uncaught exception (and a non-zero ``sys.exit``) is recorded in the rank's error file (GPUCOLL_ERROR_FILE)
   and then reported as Python would (``sys.excepthook``, exit status 1; a
   KeyboardInterrupt still ends the process by SIGINT);
 - on Linux the process asks the kernel to SIGKILL it when the launcher dies, so
@@ -60,7 +60,15 @@ def main(argv: list[str]) -> int:
         run = lambda: runpy.run_path(script, run_name="__main__")  # noqa: E731
     try:
         run()
-    except SystemExit:
+    except SystemExit as exit_:
+        if exit_.code not in (None, 0):
+            # Recorded too: its time tells the launcher which rank failed first, which
+            # the exit it sees later (after other ranks' errors) cannot.
+            exit_.__traceback__ = _user_frames(exit_.__traceback__)
+            try:
+                write_error(exit_)
+            except OSError:
+                pass
         raise
     except BaseException as exc:
         _report(exc)
