@@ -71,6 +71,8 @@ class CPUBackend:
         timeout: seconds; bounds connecting and every op (a dead or stuck peer
             surfaces as DistBackendError within it).
         group_name: the group's name, used in errors.
+        transport: ``"auto"``, ``"shm"`` or ``"tcp"`` (``CPUOptions.transport``); None
+            reads ``GPUCOLL_CPU_TRANSPORT`` (default auto).
 
     Attributes:
         transport: how collective data moves: ``"shm"`` (one host), ``"tcp"`` or
@@ -88,7 +90,8 @@ class CPUBackend:
 
     name = "cpu"
 
-    def __init__(self, store: Store, rank: int, size: int, *, timeout: float, group_name: str) -> None:
+    def __init__(self, store: Store, rank: int, size: int, *, timeout: float, group_name: str,
+                 transport: str | None = None) -> None:
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"size must be an int >= 1; got {size!r}")
         if not isinstance(rank, int) or not 0 <= rank < size:
@@ -111,9 +114,11 @@ class CPUBackend:
         self._views: dict[tuple[int, int, str], Array] = {}
         self._error: DistBackendError | None = None
         self._closed = False
-        mode = os.environ.get(TRANSPORT_ENV, "auto").strip().lower() or "auto"
+        source = "transport" if transport is not None else TRANSPORT_ENV
+        mode = (transport if transport is not None else os.environ.get(TRANSPORT_ENV, "auto")).strip().lower()
+        mode = mode or "auto"
         if mode not in ("auto", "shm", "tcp"):
-            raise ValueError(f"{TRANSPORT_ENV} must be auto, shm or tcp; got {mode!r}")
+            raise ValueError(f"{source} must be auto, shm or tcp; got {mode!r}")
         me = host_id()
         self._mesh = TcpMesh(store, rank, size, timeout=self.timeout, host_id=me,
                              advertise=local_address(os.environ.get("MASTER_ADDR")),
@@ -132,11 +137,11 @@ class CPUBackend:
                     self.transport = "shm"
                 except ShmUnavailable as exc:
                     if mode == "shm":
-                        raise DistBackendError(f"{TRANSPORT_ENV}=shm but group {group_name!r} cannot use "
+                        raise DistBackendError(f"{source}=shm but group {group_name!r} cannot use "
                                                f"shared memory: {exc}") from exc
                     self.shm_unavailable = str(exc)  # every rank falls back to TCP alike
             elif mode == "shm":
-                raise ValueError(f"{TRANSPORT_ENV}=shm but the ranks of group {group_name!r} are on several hosts")
+                raise ValueError(f"{source}=shm but the ranks of group {group_name!r} are on several hosts")
 
     # ----- issuing and running ops -----
     def _work(self, op_type: str, keep: Sequence[Any], *, p2p: bool = False) -> Work:
