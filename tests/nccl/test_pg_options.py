@@ -162,7 +162,8 @@ def test_the_shim_binds_the_config_taking_calls_as_nccl_h_declares_them() -> Non
     for name, fn in (("ncclCommInitRankConfig", shim.init_rank_config_fn), ("ncclCommSplit", shim.comm_split_fn)):
         proto = re.search(rf"ncclResult_t\s+{name}\(([^)]*)\)", text)
         assert proto is not None and fn is not None
-        declared = [c_types[" ".join(p.split()[:-1]).replace(" *", "*")] for p in proto.group(1).split(",")]
+        params = [re.sub(r"\s*\*\s*", "* ", p.strip()) for p in proto.group(1).split(",")]  # "T *x" -> "T* x"
+        declared = [c_types[" ".join(p.split()[:-1])] for p in params]
         assert list(fn.argtypes) == declared and fn.restype is ctypes.c_int
     assert ctypes.sizeof(UniqueId) == int(re.search(r"#define NCCL_UNIQUE_ID_BYTES (\d+)", text).group(1))  # type: ignore[union-attr]
     assert config_pointer(None) is None and config_pointer({}) is None

@@ -315,10 +315,9 @@ def cupy_config(lib: NcclLib, config: Mapping[str, Any] | None) -> Any:
             f"NcclCommunicator takes {'only ' + ', '.join(sorted(can)) if can else 'no config'} "
             "(cupy.cuda.nccl.NcclConfig); leave them unset, or set NCCL's environment variables "
             "(NCCL_CGA_CLUSTER_SIZE, NCCL_MIN_CTAS, NCCL_MAX_CTAS, NCCL_NET, NCCL_COMM_BLOCKING, ...)")
-    cfg = cls() if cls is not None else None
-    for name, value in config.items():
-        setattr(cfg, name, int(value))
-    return cfg
+    assert cls is not None  # every field was refused otherwise
+    # NcclConfig(split_share=...): its attributes are read-only.
+    return cls(**{name: int(value) for name, value in config.items()})
 
 
 class CupyComm:
