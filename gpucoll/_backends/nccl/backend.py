@@ -21,7 +21,7 @@ from ..._reduce_op import ReduceOpLike
 from ..._work import Work
 from ...store.base import Store
 from . import lib as _nccl_lib
-from .config import check_config, check_value
+from .config import usable_config
 from .bootstrap import is_nccl_available, nccl_unavailable_reason, nccl_version, rendezvous  # noqa: F401
 from .lib import NCCL_DTYPES, OP_SUM, normalise_unique_id
 from .plan import Phase, Plan, Planner, Premul, Step, merge
@@ -123,16 +123,8 @@ class NCCLBackend(Splitting, Shrinking):
                 self._create_comm(device_id)
 
     def _checked_config(self, config: Mapping[str, Any] | None) -> dict[str, Any]:
-        """``config`` without unset fields, refused where this backend, the loaded NCCL or
-        the runtime cannot apply it (BackendUnavailableError, ValueError, TypeError)."""
-        out = {name: check_value(name, value) for name, value in (config or {}).items() if value is not None}
-        if out.get("blocking") is False:
-            raise ValueError("NCCL config field blocking=False is not supported: the NCCL backend drives "
-                             "its communicators in blocking mode")
-        check_config(out, self._features.version)
-        if out:
-            self._rt.check_config(out)
-        return out
+        """``config``'s set fields, refused where the loaded NCCL or the runtime cannot apply them."""
+        return usable_config(config, self._features.version, self._rt.check_config)
 
     def __repr__(self) -> str:
         where = f"cuda:{self._device}" if self._comm is not None else "not yet created"

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ...errors import BackendUnavailableError
 
 __all__ = ["ConfigField", "FIELDS", "FIELD_NAMES", "NCCL_API_MAGIC", "CONFIG_LAYOUT_VERSION", "UNDEF_INT",
-           "NcclConfigStruct", "check_value", "check_config", "make_struct"]
+           "NcclConfigStruct", "check_value", "check_config", "usable_config", "make_struct"]
 
 NCCL_API_MAGIC = 0xCAFEBEEF
 """nccl.h's NCCL_API_MAGIC: NCCL_CONFIG_INITIALIZER's ``magic``."""
@@ -128,6 +128,26 @@ def check_config(fields: Mapping[str, Any], version: tuple[int, int, int]) -> No
         raise BackendUnavailableError(
             f"the loaded NCCL {'.'.join(map(str, version))} is too old for the NCCL config field(s) "
             f"{', '.join(old)}; upgrade NCCL or leave them unset")
+
+
+def usable_config(config: Mapping[str, Any] | None, version: tuple[int, int, int],
+                  runtime_check: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """``config``'s set fields, checked: their values, ``blocking=False`` (the NCCL backend
+    drives communicators in blocking mode), the loaded NCCL's ``version``, and what the
+    runtime can apply (``runtime_check``, called only when a field is set).
+
+    Raises:
+        TypeError, ValueError: a bad value, or blocking=False.
+        BackendUnavailableError: a field the NCCL or the runtime cannot apply.
+    """
+    out = {name: check_value(name, value) for name, value in (config or {}).items() if value is not None}
+    if out.get("blocking") is False:
+        raise ValueError("NCCL config field blocking=False is not supported: the NCCL backend drives "
+                         "its communicators in blocking mode")
+    check_config(out, version)
+    if out:
+        runtime_check(out)
+    return out
 
 
 def make_struct(fields: Mapping[str, Any]) -> NcclConfigStruct:
