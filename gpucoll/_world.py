@@ -18,6 +18,7 @@ from ._timeouts import to_seconds
 from ._group import Backend, GroupMember, ProcessGroup, nccl_usable, normalize_backend
 from ._group.gpu_check import require_nccl
 from ._group.join import await_all_joined, next_generation
+from ._group.options import PGOptions, coerce_options, options_timeout
 from ._rendezvous import rendezvous
 from .store import HashStore, PrefixStore, Store
 
@@ -85,7 +86,7 @@ def _resolve(group: Any) -> ProcessGroup:
 
 def init_process_group(backend: str | None = None, init_method: str | None = None,
                        timeout: float | timedelta | None = None, world_size: int = -1, rank: int = -1,
-                       store: Store | None = None, group_name: str = "",
+                       store: Store | None = None, group_name: str = "", pg_options: Any = None,
                        device_id: Any = None) -> None:
     """Join the job: connect to the rendezvous store and create the default process group.
 
@@ -105,6 +106,10 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         store: an existing store to rendezvous through (then ``rank`` and ``world_size``
             are required and ``init_method`` must be None). It is not closed on destroy.
         group_name: the default group's name (default ``"default"``).
+        pg_options: :class:`~gpucoll.NCCLOptions` for an NCCL group (its ncclConfig_t,
+            stream priority, timeout; torch's ``ProcessGroupNCCL.Options`` shape is
+            accepted too), :class:`~gpucoll.CPUOptions` for a CPU group (transport,
+            timeout), or None. A timeout given here applies when ``timeout`` is None.
         device_id: for NCCL, the CUDA device to bind now (int, ``"cuda:N"``, or an
             object with ``.index``/``.id``); else the device of the first device array.
 
@@ -131,8 +136,9 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     if _WORLD is not None:
         raise RuntimeError("the default process group is already initialized; "
                            "call destroy_process_group() before init_process_group() again")
-    seconds = to_seconds(timeout, name="timeout")
     name = normalize_backend(backend)
+    options = coerce_options(pg_options, name)
+    seconds = to_seconds(timeout if timeout is not None else options_timeout(options), name="timeout")
     if name == "nccl":
         require_nccl()  # at init, as documented: not at the first device op
     device = _device_index(device_id)
@@ -172,7 +178,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         ns = PrefixStore(f"gpucoll/gen{next_generation(store, pg_name, world_size)}", store)
         pg = ProcessGroup(PrefixStore(f"pg/{pg_name}", ns), rank, world_size, group_name=pg_name,
                           global_ranks=range(world_size), timeout=seconds, backend=name, device_id=device,
-                          group_desc="default_pg")
+                          group_desc="default_pg", pg_options=options)
     except BaseException:
         if owns:
             store.close()
@@ -322,9 +328,14 @@ def get_global_rank(group: ProcessGroup | None, group_rank: int) -> int:
 
 # ----- more groups -----
 
-def _check_unsupported(pg_options: Any) -> None:
-    if pg_options is not None:
-        raise ValueError(f"pg_options is not supported by gpucoll; got {pg_options!r}")
+def _group_options(pg_options: Any, backend: str, timeout: float | timedelta | None,
+                   default: float) -> tuple[PGOptions | None, float]:
+    """``pg_options`` coerced for a ``backend`` group, and the group's timeout: ``timeout``,
+    else the options', else ``default``."""
+    options = coerce_options(pg_options, backend)
+    if timeout is None:
+        timeout = options_timeout(options)
+    return options, default if timeout is None else to_seconds(timeout, name="timeout")
 
 
 def _check_desc(group_desc: Any) -> str:
@@ -350,27 +361,29 @@ def _check_ranks(ranks: Any, world_size: int, name: str) -> list[int]:
 def _make_group(world: _World, name: str, global_ranks: list[int] | None, my_global: int,
                 timeout: float | timedelta | None, backend: str | None, *,
                 parent: ProcessGroup | None = None, parent_ranks: list[int] | None = None,
-                color: int = 0, group_desc: str | None = None) -> ProcessGroup | None:
+                color: int = 0, group_desc: str | None = None,
+                pg_options: PGOptions | None = None) -> ProcessGroup | None:
     """Make group ``name`` on its members (``global_ranks``; None on a rank that joins
     none) and return it; None on non-members.
 
     With ``parent`` (whose ranks must all call, members or not) an NCCL group's
     communicator is split from the parent's (``ncclCommSplit``) where that is possible;
     ``parent_ranks`` are the members as parent ranks and ``color`` tells apart the
-    groups of one split_group call."""
+    groups of one split_group call; ``pg_options`` are already coerced."""
     seconds = world.timeout if timeout is None else to_seconds(timeout, name="timeout")
     kind = world.backend if backend is None else normalize_backend(backend)
     store = PrefixStore(f"pg/{name}", world.store)
     device_backend = None
     if parent is not None and kind == "nccl":
         device_backend = parent._split_device_backend(parent_ranks, color, store=store, group_name=name,
-                                                         timeout=seconds)
+                                                         timeout=seconds, pg_options=pg_options)
     if global_ranks is None:
         return None
     try:
         pg = ProcessGroup(store, global_ranks.index(my_global), len(global_ranks), group_name=name,
                           global_ranks=global_ranks, timeout=seconds, backend=kind, device_id=world.device_id,
-                          device_backend=device_backend, group_desc=_check_desc(group_desc))
+                          device_backend=device_backend, group_desc=_check_desc(group_desc),
+                          pg_options=pg_options)
     except BaseException:
         if device_backend is not None:
             device_backend.shutdown()
@@ -389,7 +402,10 @@ def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | N
         ranks: global ranks of the members (sorted here, as torch does); None = all.
         timeout: the group's timeout; the default group's when None.
         backend: ``"cpu"``/``"nccl"``; the default group's when None.
-        pg_options: not supported (must be None).
+        pg_options: :class:`~gpucoll.NCCLOptions` (NCCL groups: passed to the new
+            communicator's ncclCommSplit / ncclCommInitRankConfig) or
+            :class:`~gpucoll.CPUOptions` (CPU groups); a timeout there applies when
+            ``timeout`` is None.
         use_local_synchronization: only the members call (torch's meaning): the group is
             named from its sorted member ranks and a count of such groups over the same
             ranks, so disjoint groups created at once on different ranks never share a
@@ -410,13 +426,12 @@ def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | N
         ...     gpucoll.all_reduce(x, group=evens)
     """
     world = _world()
-    _check_unsupported(pg_options)
     _check_desc(group_desc)
     size = world.default.size()
     members = sorted(_check_ranks(range(size) if ranks is None else ranks, size, "ranks"))
     # Checked on every rank, members or not, so that all raise alike.
-    timeout = world.timeout if timeout is None else to_seconds(timeout, name="timeout")
     backend = world.backend if backend is None else normalize_backend(backend)
+    options, timeout = _group_options(pg_options, backend, timeout, world.timeout)
     me = world.default.rank()
     mine = members if me in members else None
     if use_local_synchronization:
@@ -425,13 +440,13 @@ def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | N
         key = tuple(members)
         world.made_local[key] = n = world.made_local.get(key, 0) + 1
         pg = _make_group(world, f"local.{_ranks_label(members)}.{n}", mine, me, timeout, backend,
-                         group_desc=group_desc)
+                         group_desc=group_desc, pg_options=options)
     else:
         world.made += 1
         # Every rank takes part: an NCCL group's communicator is split from the default
         # group's where NCCL can (ncclCommSplit is a collective of the parent).
         pg = _make_group(world, f"group{world.made}", mine, me, timeout, backend, parent=world.default,
-                         parent_ranks=mine, group_desc=group_desc)
+                         parent_ranks=mine, group_desc=group_desc, pg_options=options)
     return GroupMember.NON_GROUP_MEMBER if pg is None else pg
 
 
@@ -454,7 +469,8 @@ def split_group(parent_pg: ProcessGroup | None = None, split_ranks: Sequence[Seq
         split_ranks: lists of *parent-group* ranks, disjoint; a rank in none of them
             gets None.
         timeout: the new group's timeout (the parent's when None).
-        pg_options: not supported (must be None).
+        pg_options: the new groups' options (see :func:`new_group`); None: the
+            parent's options, as torch does.
         group_desc: a description kept by the new groups (repr, errors, flight recorder).
 
     Returns:
@@ -464,10 +480,11 @@ def split_group(parent_pg: ProcessGroup | None = None, split_ranks: Sequence[Seq
         ValueError: ``split_ranks`` missing, out of range, or overlapping.
     """
     world = _world()
-    _check_unsupported(pg_options)
     _check_desc(group_desc)
     parent = _resolve(parent_pg)
     parent._check_usable()
+    options, seconds = _group_options(parent.pg_options if pg_options is None else pg_options,
+                                      parent.backend_name, timeout, parent.timeout)
     if not split_ranks:
         raise ValueError("split_ranks is required: a list of lists of ranks of the parent group")
     seen: set[int] = set()
@@ -480,16 +497,17 @@ def split_group(parent_pg: ProcessGroup | None = None, split_ranks: Sequence[Seq
         splits.append(checked)
     parent._split_count += 1
     me = parent.rank()
-    seconds = parent.timeout if timeout is None else timeout
     for i, ranks in enumerate(splits):
         if me in ranks:
             name = f"{parent.group_name}.split{parent._split_count}.{i}"
             global_ranks = [parent.global_ranks[r] for r in ranks]
             return _make_group(world, name, global_ranks, parent.global_ranks[me], seconds, parent.backend_name,
-                               parent=parent, parent_ranks=ranks, color=i, group_desc=group_desc)
+                               parent=parent, parent_ranks=ranks, color=i, group_desc=group_desc,
+                               pg_options=options)
     # In no split: still part of the parent's ncclCommSplit (as NCCL_SPLIT_NOCOLOR).
     name = f"{parent.group_name}.split{parent._split_count}.none"
-    return _make_group(world, name, None, parent.global_ranks[me], seconds, parent.backend_name, parent=parent)
+    return _make_group(world, name, None, parent.global_ranks[me], seconds, parent.backend_name, parent=parent,
+                       pg_options=options)
 
 
 def new_subgroups(group_size: int | None = None, group: ProcessGroup | None = None,
@@ -539,7 +557,7 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list: Sequence[Sequence[int]
         ValueError: empty input, ranks out of range, or a rank in two subgroups.
     """
     world = _world()
-    _check_unsupported(pg_options)
+    coerce_options(pg_options, world.backend if backend is None else normalize_backend(backend))
     if not ranks_per_subgroup_list:
         raise ValueError("ranks_per_subgroup_list must not be empty")
     size = world.default.size()
@@ -552,7 +570,7 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list: Sequence[Sequence[int]
     mine: Any = None
     subgroups = []
     for ranks in ranks_per_subgroup_list:
-        pg = new_group(ranks, timeout=timeout, backend=backend, group_desc=group_desc)
+        pg = new_group(ranks, timeout=timeout, backend=backend, pg_options=pg_options, group_desc=group_desc)
         subgroups.append(pg)
         if isinstance(pg, ProcessGroup):
             mine = pg

@@ -39,6 +39,7 @@ import numpy as np
 
 from gpucoll._buffer import Buffer, Device, DType
 from gpucoll._backends.nccl.lib import Features
+from gpucoll.errors import BackendUnavailableError
 
 from _reference import np_dtype
 
@@ -120,6 +121,7 @@ class FakeEvent:
 
 class FakeStream:
     def __init__(self, fabric: FakeFabric, name: str) -> None:
+        self.high_priority = False
         self.ptr = next(fabric.handles)
         self.name = name
         self._fabric = fabric
@@ -257,8 +259,10 @@ _COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatt
 
 
 class FakeComm:
-    def __init__(self, runtime: FakeRuntime, world: FakeWorld, rank: int) -> None:
+    def __init__(self, runtime: FakeRuntime, world: FakeWorld, rank: int,
+                 config: dict[str, Any] | None = None) -> None:
         self._rt = runtime
+        self.config = config  # the ncclConfig_t fields it was made with (None: NCCL's defaults)
         self.world = world
         self.rank = rank
         self.size = world.size
@@ -337,7 +341,8 @@ class FakeComm:
     def last_error(self) -> str:
         return "injected by the test" if self.async_code else ""
 
-    def split(self, color: int, key: int) -> FakeComm | None:
+    def split(self, color: int, key: int, config: dict[str, Any] | None = None) -> FakeComm | None:
+        self._rt.configs.append(("split", None if config is None else dict(config)))
         world, rank = self.world, self.rank
         seq = next(self._seq)
         with world.cond:
@@ -351,9 +356,9 @@ class FakeComm:
         new_rank = [r for _, r in members].index(rank)
         uid = world.uid + f"/split{seq}/{color}".encode()
         new_world = self._rt.fabric.world(uid, len(members))
-        return FakeComm(self._rt, new_world, new_rank)
+        return FakeComm(self._rt, new_world, new_rank, config)
 
-    def shrink(self, exclude: Sequence[int], flags: int) -> FakeComm:
+    def shrink(self, exclude: Sequence[int], flags: int, config: dict[str, Any] | None = None) -> FakeComm:
         """ncclCommShrink: a collective of the ranks not in ``exclude`` (the excluded
         ones are dead and never call); renumbered in order."""
         if not self._rt.features.comm_shrink:
@@ -372,8 +377,9 @@ class FakeComm:
         if len({c for c, _ in entry.values()}) != 1:
             raise FakeError(f"ranks passed different exclude lists to ncclCommShrink: {entry}")
         self.shrink_calls.append((gone, flags))
+        self._rt.configs.append(("shrink", None if config is None else dict(config)))
         uid = world.uid + f"/shrink{seq}".encode()
-        return FakeComm(self._rt, self._rt.fabric.world(uid, len(stay)), stay.index(rank))
+        return FakeComm(self._rt, self._rt.fabric.world(uid, len(stay)), stay.index(rank), config)
 
     def abort(self) -> None:
         with self.world.cond:
@@ -419,8 +425,12 @@ class FakeRuntime:
     """One rank's view of the fake GPU (a Runtime)."""
 
     def __init__(self, fabric: FakeFabric, *, features: Features | None = None, devices: int = 1,
-                 cc: tuple[int, int] = (9, 0), op_delay: float = 0.0) -> None:
+                 cc: tuple[int, int] = (9, 0), op_delay: float = 0.0,
+                 refuse_config: frozenset[str] = frozenset()) -> None:
         self.fabric = fabric
+        # ncclConfig_t fields every communicator was made with: ("init"|"split"|"shrink", fields or None)
+        self.configs: list[tuple[str, dict[str, Any] | None]] = []
+        self.refuse_config = refuse_config  # fields this runtime cannot apply (as CuPy's cannot most)
         self.features = features or Features(version=(2, 32, 3), all_to_all=True, gather=True, scatter=True)
         self._devices = devices
         self._cc = cc
@@ -457,8 +467,10 @@ class FakeRuntime:
     def set_current_stream(self, ptr: int) -> None:
         self._current = ptr
 
-    def new_stream(self) -> FakeStream:
-        return FakeStream(self.fabric, "comm")
+    def new_stream(self, high_priority: bool = False) -> FakeStream:
+        stream = FakeStream(self.fabric, "comm")
+        stream.high_priority = high_priority
+        return stream
 
     def _stream(self, ptr: int) -> FakeStream:
         try:
@@ -539,13 +551,19 @@ class FakeRuntime:
     def unique_id(self) -> bytes:
         return os.urandom(128)
 
-    def new_comm(self, size: int, uid: bytes, rank: int) -> FakeComm:
+    def check_config(self, config: dict[str, Any]) -> None:
+        refused = sorted(set(config) & self.refuse_config)
+        if refused:
+            raise BackendUnavailableError(f"NCCL config field(s) {', '.join(refused)} cannot be applied (fake)")
+
+    def new_comm(self, size: int, uid: bytes, rank: int, config: dict[str, Any] | None = None) -> FakeComm:
+        self.configs.append(("init", None if config is None else dict(config)))
         world = self.fabric.world(uid, size)
         with world.cond:
             world.joined.add(rank)
             world.cond.notify_all()
         world.wait_until(rank, lambda: len(world.joined) == size, "every rank to create the communicator")
-        return FakeComm(self, world, rank)
+        return FakeComm(self, world, rank, config)
 
     def group_start(self) -> None:
         if self._depth == 0:

@@ -34,7 +34,7 @@ Rules every backend follows (ProcessGroup relies on them):
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 from .._buffer import Buffer
 from .._reduce_op import ReduceOpLike
@@ -118,10 +118,12 @@ class SplitsCommunicator(Protocol):
         ...
 
     def split(self, ranks: Sequence[int] | None, *, color: int = 0, store: Store, group_name: str,
-              timeout: float) -> Backend | None:
+              timeout: float, config: Mapping[str, Any] | None = None,
+              high_priority: bool = False) -> Backend | None:
         """Collective over this backend's group (every rank calls, in the same order):
         the new group's backend on its members (``ranks``, as ranks of this group),
-        None on a rank that joins no new group."""
+        None on a rank that joins no new group. ``config``/``high_priority``: the new
+        group's NCCLOptions (ncclConfig_t fields by name; stream priority)."""
         ...
 
 
@@ -159,7 +161,8 @@ class ShrinksCommunicator(Protocol):
         """True when :meth:`shrink` can be used now."""
         ...
 
-    def shrink(self, exclude: Sequence[int], *, store: Store, group_name: str, timeout: float) -> Backend:
+    def shrink(self, exclude: Sequence[int], *, store: Store, group_name: str, timeout: float,
+               config: Mapping[str, Any] | None = None, high_priority: bool = False) -> Backend:
         """Collective over this backend's remaining ranks (every rank not in ``exclude``
         calls, each with the same ``exclude``): abort this communicator's pending ops and
         return the new group's backend, its ranks renumbered in order. This backend is

@@ -12,6 +12,7 @@ from .. import _world
 from .._backends.base import Backend
 from .._group import ProcessGroup, normalize_backend
 from .._group.grow import offer_seats, take_seat
+from .._group.options import coerce_options, options_timeout
 from .._group.shrink import check_exclusions, shrink
 from .._rendezvous import rendezvous
 from .._timeouts import to_seconds
@@ -40,7 +41,10 @@ def shrink_group(ranks_to_exclude: Any = None, group: ProcessGroup | None = None
         timeout: seconds each agreement step waits for ranks that have not arrived;
             the group's timeout when None. Recovery takes about this long when a
             rank is missing, and no longer than the build when none is.
-        pg_options: not supported (must be None).
+        pg_options: the new group's :class:`~gpucoll.NCCLOptions` (its config reaches
+            ncclCommShrink, or the fresh communicator's ncclCommInitRankConfig) or
+            :class:`~gpucoll.CPUOptions`; None keeps the group's own. A timeout there
+            becomes the new group's (else it keeps the old one's).
 
     Returns:
         The new group. The old one is destroyed (its pending Work failed with
@@ -60,9 +64,10 @@ def shrink_group(ranks_to_exclude: Any = None, group: ProcessGroup | None = None
         ...     gpucoll.all_reduce(grads)       # retry the step among the survivors
     """
     world = _world._world()
-    _world._check_unsupported(pg_options)
     pg = _world._resolve(group)
     pg._check_usable()
+    options = pg.pg_options if pg_options is None else coerce_options(pg_options, pg.backend_name)
+    new_timeout = pg.timeout if pg_options is None else (options_timeout(options) or pg.timeout)
     exclude = check_exclusions(ranks_to_exclude, pg)
     seconds = pg.timeout if timeout is None else to_seconds(timeout, name="timeout")
     is_default = pg is world.default
@@ -70,13 +75,13 @@ def shrink_group(ranks_to_exclude: Any = None, group: ProcessGroup | None = None
     def make(name: str, rank: int, members: list[int], device: Backend | None) -> ProcessGroup:
         global_ranks = list(range(len(members))) if is_default else [pg.global_ranks[r] for r in members]
         return ProcessGroup(PrefixStore(f"pg/{name}", world.store), rank, len(members), group_name=name,
-                            global_ranks=global_ranks, timeout=pg.timeout, backend=pg.backend_name,
+                            global_ranks=global_ranks, timeout=new_timeout, backend=pg.backend_name,
                             device_id=pg._device_id if pg._bound else None, device_backend=device,
-                            group_desc=pg.group_desc)
+                            group_desc=pg.group_desc, pg_options=options)
 
     if pg in world.groups:
         world.groups.remove(pg)
-    new = shrink(pg, exclude, seconds, make, world.store)
+    new = shrink(pg, exclude, seconds, make, world.store, options)
     if is_default:
         world.default = new
         _world.GroupMember._world = new

@@ -28,7 +28,8 @@ from ..store import PrefixStore, Store
 from .._work import Work, WorkInfo
 from .checks import _op_name, _real_view, _same_layout
 from .coalescing import CoalescingManager, _not_coalescable
-from .registry import _BACKEND_GRACE_S, BACKENDS, make_device_backend, split_device_backend
+from .options import PGOptions
+from .registry import _BACKEND_GRACE_S, BACKENDS, backend_kwargs, make_device_backend, split_device_backend
 from .watchdog import Watchdog
 
 __all__ = ["GroupCore"]
@@ -54,13 +55,16 @@ class GroupCore:
         device_id: for NCCL groups, the CUDA device to bind now (else on first device op).
         device_backend: for NCCL groups, a device backend already made for this group
             (by :meth:`_split_device_backend` of its parent); used instead of a new one.
+        pg_options: the group's :class:`~gpucoll.NCCLOptions` / :class:`~gpucoll.CPUOptions`
+            (already coerced); kept as ``pg_options``.
     """
 
     def __init__(self, store: Store, rank: int, size: int, *, group_name: str,
                  global_ranks: Sequence[int], timeout: float, backend: str = "cpu",
                  device_id: int | None = None, device_backend: Backend | None = None,
-                 group_desc: str = "") -> None:
+                 group_desc: str = "", pg_options: PGOptions | None = None) -> None:
         self._store = store
+        self.pg_options = pg_options
         self.group_desc = group_desc
         self._rank = rank
         self._size = size
@@ -93,7 +97,7 @@ class GroupCore:
         # A "fake" group's one backend serves host and device arrays alike (_backends/fake.py).
         self._cpu: Backend = BACKENDS["fake" if backend == "fake" else "cpu"](PrefixStore("cpu", store), rank, size,
                                              timeout=timeout + _BACKEND_GRACE_S, group_name=group_name,
-                                             device_id=None)
+                                             device_id=None, **backend_kwargs(pg_options, "cpu"))
         self._nccl: Backend | None = None
         self._nccl_into: ReducesInto | None = None  # the device backend, if it reduces out of place
         # Bound to a device at creation on every rank: only then may new groups split
@@ -231,7 +235,7 @@ class GroupCore:
     def _make_device_backend(self, device_id: int) -> Backend:
         self._device_id = device_id
         return make_device_backend(self._store, self._rank, self._size, timeout=self.timeout,
-                                   group_name=self.group_name, device_id=device_id)
+                                   group_name=self.group_name, device_id=device_id, pg_options=self.pg_options)
 
     def _set_device_backend(self, backend: Backend) -> Backend:
         self._nccl = backend
@@ -239,7 +243,8 @@ class GroupCore:
         return backend
 
     def _split_device_backend(self, members: Sequence[int] | None, color: int, *, store: Store,
-                              group_name: str, timeout: float) -> Backend | None:
+                              group_name: str, timeout: float,
+                              pg_options: PGOptions | None = None) -> Backend | None:
         """The device backend of a new group carved out of this one with ``ncclCommSplit``.
 
         Every rank of this group must call it for each new group, in the same order,
@@ -252,7 +257,7 @@ class GroupCore:
                 None on a rank that joins no new group in this call.
             color: tells apart the disjoint groups one call makes (split_group).
             store: the new group's store (the one its ProcessGroup gets).
-            group_name, timeout: the new group's.
+            group_name, timeout, pg_options: the new group's.
 
         Returns:
             The new group's device backend on members; None on non-members, and
@@ -263,7 +268,7 @@ class GroupCore:
         if not self._bound:
             return None
         return split_device_backend(self._nccl, members, color, store=store, group_name=group_name,
-                                    timeout=timeout)
+                                    timeout=timeout, pg_options=pg_options)
 
     def _backend_for_all(self, bufs: Sequence[Buffer], names: Sequence[str]) -> Backend:
         first = bufs[0]

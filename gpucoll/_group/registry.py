@@ -8,15 +8,16 @@ backend; its device (NCCL) backend is made on first device op, at creation when
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from .._debug import get_debug_level
 from ..errors import BackendUnavailableError
 from .._backends.base import Backend, SplitsCommunicator
 from ..store import PrefixStore, Store
+from .options import CPUOptions, NCCLOptions, PGOptions
 
 __all__ = ["BACKENDS", "BackendFactory", "normalize_backend", "default_backend", "nccl_usable", "debug_level",
-           "make_device_backend", "split_device_backend"]
+           "make_device_backend", "split_device_backend", "backend_kwargs"]
 
 def debug_level() -> str:
     """The debug level's name: ``"OFF"``, ``"INFO"`` or ``"DETAIL"`` (see gpucoll._debug).
@@ -31,22 +32,22 @@ BackendFactory = Callable[..., Backend]
 
 
 def _make_cpu(store: Store, rank: int, size: int, *, timeout: float, group_name: str,
-              device_id: int | None) -> Backend:
+              device_id: int | None, transport: str | None = None) -> Backend:
     from .._backends.cpu.backend import CPUBackend
 
-    backend: Backend = CPUBackend(store, rank, size, timeout=timeout, group_name=group_name)
+    backend: Backend = CPUBackend(store, rank, size, timeout=timeout, group_name=group_name, transport=transport)
     return backend
 
 
 def _make_nccl(store: Store, rank: int, size: int, *, timeout: float, group_name: str,
-               device_id: int | None) -> Backend:
+               device_id: int | None, **options: Any) -> Backend:
     from .._backends.nccl.backend import NCCLBackend, nccl_unavailable_reason
 
     reason = nccl_unavailable_reason()
     if reason is not None:
         raise BackendUnavailableError(f"group {group_name!r} needs the NCCL backend, which cannot run here: {reason}")
     backend: Backend = NCCLBackend(store, rank, size, timeout=timeout, group_name=group_name,
-                                   device_id=device_id)
+                                   device_id=device_id, **options)
     return backend
 
 
@@ -59,7 +60,7 @@ def _make_fake(store: Store, rank: int, size: int, *, timeout: float, group_name
 
 BACKENDS: dict[str, BackendFactory] = {"cpu": _make_cpu, "nccl": _make_nccl, "fake": _make_fake}
 """Backend constructors by name, called as ``factory(store, rank, size, *, timeout,
-group_name, device_id)``. ``cpu`` serves host arrays, objects and barriers in every
+group_name, device_id, **backend_kwargs(pg_options))`` (no options: no extra keywords). ``cpu`` serves host arrays, objects and barriers in every
 group; ``nccl`` serves device arrays in groups created with backend "nccl"; ``fake``
 serves everything in groups created with backend "fake" (no communication)."""
 
@@ -106,18 +107,34 @@ def normalize_backend(backend: str | None) -> str:
 
 
 
+def backend_kwargs(pg_options: PGOptions | None, kind: str) -> dict[str, Any]:
+    """The keywords a ``kind`` ("cpu"/"nccl") backend takes from ``pg_options``: ``config``
+    and ``high_priority`` (NCCLOptions), ``transport`` (CPUOptions); only those set."""
+    out: dict[str, Any] = {}
+    if kind == "nccl" and isinstance(pg_options, NCCLOptions):
+        if pg_options.config:
+            out["config"] = pg_options.config
+        if pg_options.is_high_priority_stream:
+            out["high_priority"] = True
+    elif kind == "cpu" and isinstance(pg_options, CPUOptions) and pg_options.transport is not None:
+        out["transport"] = pg_options.transport
+    return out
+
+
 def make_device_backend(store: Store, rank: int, size: int, *, timeout: float, group_name: str,
-                        device_id: int) -> Backend:
+                        device_id: int, pg_options: PGOptions | None = None) -> Backend:
     """A group's device backend on ``device_id``, in its own store namespace."""
     return BACKENDS["nccl"](PrefixStore("nccl", store), rank, size, timeout=timeout + _BACKEND_GRACE_S,
-                            group_name=group_name, device_id=device_id)
+                            group_name=group_name, device_id=device_id, **backend_kwargs(pg_options, "nccl"))
 
 
 def split_device_backend(parent: Backend | None, members: Sequence[int] | None, color: int, *,
-                         store: Store, group_name: str, timeout: float) -> Backend | None:
+                         store: Store, group_name: str, timeout: float,
+                         pg_options: PGOptions | None = None) -> Backend | None:
     """The device backend of a new group carved out of ``parent``'s communicator
-    (see ``ProcessGroup._split_device_backend``); None where ``parent`` cannot split."""
+    (see ``ProcessGroup._split_device_backend``); None where ``parent`` cannot split.
+    ``pg_options``: the new group's."""
     if not isinstance(parent, SplitsCommunicator) or not parent.can_split:
         return None
     return parent.split(members, color=color, store=PrefixStore("nccl", store), group_name=group_name,
-                        timeout=timeout + _BACKEND_GRACE_S)
+                        timeout=timeout + _BACKEND_GRACE_S, **backend_kwargs(pg_options, "nccl"))

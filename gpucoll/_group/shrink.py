@@ -33,7 +33,8 @@ from .._backends.base import Backend, ShrinksCommunicator
 from ..errors import DistError, DistStoreError
 from ..store import PrefixStore, Store
 from .group import ProcessGroup
-from .registry import _BACKEND_GRACE_S
+from .options import PGOptions
+from .registry import _BACKEND_GRACE_S, backend_kwargs
 
 __all__ = ["shrink", "abort_group", "check_exclusions", "MAX_ROUNDS"]
 
@@ -163,7 +164,8 @@ MakeGroup = Callable[[str, int, list[int], "Backend | None"], ProcessGroup]
 """``make(name, rank, old_ranks_of_members, device_backend)`` -> the new group."""
 
 
-def shrink(pg: ProcessGroup, exclude: list[int] | None, timeout: float, make: MakeGroup, root: Store) -> ProcessGroup:
+def shrink(pg: ProcessGroup, exclude: list[int] | None, timeout: float, make: MakeGroup, root: Store,
+           pg_options: PGOptions | None = None) -> ProcessGroup:
     """Abort ``pg`` and return the group of its remaining ranks (see the module doc).
 
     Args:
@@ -173,6 +175,7 @@ def shrink(pg: ProcessGroup, exclude: list[int] | None, timeout: float, make: Ma
         make: builds the new group from its name, this rank's new rank, the members
             (as ranks of ``pg``, in order) and a device backend already made (or None).
         root: the store under which groups keep their namespaces (``pg/<name>``).
+        pg_options: the new group's options; NCCL ones reach ncclCommShrink's config.
 
     Raises:
         DistError: this rank was excluded, or no group could be built in ``MAX_ROUNDS`` rounds.
@@ -202,7 +205,8 @@ def shrink(pg: ProcessGroup, exclude: list[int] | None, timeout: float, make: Ma
                     assert isinstance(nccl, ShrinksCommunicator)
                     gone = [r for r in candidates if r not in members]
                     device = nccl.shrink(gone, store=PrefixStore("nccl", PrefixStore(f"pg/{name}", root)),
-                                         group_name=name, timeout=timeout + _BACKEND_GRACE_S)
+                                         group_name=name, timeout=timeout + _BACKEND_GRACE_S,
+                                         **backend_kwargs(pg_options, "nccl"))
                 elif round_ == 1:
                     store.set(f"{base}/can_shrink/{me}", b"0")
                 new = make(name, members.index(me), members, device)

@@ -61,6 +61,8 @@ class CPUBackend:
         timeout: seconds; bounds connecting and every op (a dead or stuck peer
             surfaces as DistBackendError within it).
         group_name: the group's name, used in errors.
+        transport: ``"auto"``, ``"shm"`` or ``"tcp"`` (``CPUOptions.transport``); None
+            reads ``GPUCOLL_CPU_TRANSPORT`` (default auto).
 
     Attributes:
         transport: how collective data moves: ``"shm"`` (one host), ``"tcp"`` or
@@ -78,7 +80,8 @@ class CPUBackend:
 
     name = "cpu"
 
-    def __init__(self, store: Store, rank: int, size: int, *, timeout: float, group_name: str) -> None:
+    def __init__(self, store: Store, rank: int, size: int, *, timeout: float, group_name: str,
+                 transport: str | None = None) -> None:
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"size must be an int >= 1; got {size!r}")
         if not isinstance(rank, int) or not 0 <= rank < size:
@@ -103,9 +106,11 @@ class CPUBackend:
         self._closed = False
         self._store = store
         self._sigs: dict[int, Fields] = {}  # signatures published (see _publish)
-        mode = os.environ.get(TRANSPORT_ENV, "auto").strip().lower() or "auto"
+        source = "transport" if transport is not None else TRANSPORT_ENV
+        mode = (transport if transport is not None else os.environ.get(TRANSPORT_ENV, "auto")).strip().lower()
+        mode = mode or "auto"
         if mode not in ("auto", "shm", "tcp"):
-            raise ValueError(f"{TRANSPORT_ENV} must be auto, shm or tcp; got {mode!r}")
+            raise ValueError(f"{source} must be auto, shm or tcp; got {mode!r}")
         me = host_id()
         self._mesh = TcpMesh(store, rank, size, timeout=self.timeout, host_id=me,
                              advertise=local_address(os.environ.get("MASTER_ADDR")),
@@ -114,12 +119,12 @@ class CPUBackend:
         self.transport = "tcp" if size > 1 else "local"  # "shm" below when every rank shares a host
         self.shm_unavailable = ""
         try:
-            self._choose_transport(store, mode, me)
+            self._choose_transport(store, mode, me, source)
         except BaseException as exc:
             self._mesh.close(f"rank {rank} failed to set up group {group_name!r}: {exc}")
             raise
 
-    def _choose_transport(self, store: Store, mode: str, me: str) -> None:
+    def _choose_transport(self, store: Store, mode: str, me: str, source: str) -> None:
         rank, size, group_name = self.rank, self.size, self.group_name
         if size > 1 and mode != "tcp" and _shm_supported():
             same_host = all(store.get(f"tcp/{p}").decode().split("|")[0] == me for p in range(size))
@@ -132,11 +137,11 @@ class CPUBackend:
                     self.transport = "shm"
                 except ShmUnavailable as exc:
                     if mode == "shm":
-                        raise DistBackendError(f"{TRANSPORT_ENV}=shm but group {group_name!r} cannot use "
+                        raise DistBackendError(f"{source}=shm but group {group_name!r} cannot use "
                                                f"shared memory: {exc}") from exc
                     self.shm_unavailable = str(exc)  # every rank falls back to TCP alike
             elif mode == "shm":
-                raise ValueError(f"{TRANSPORT_ENV}=shm but the ranks of group {group_name!r} are on several hosts")
+                raise ValueError(f"{source}=shm but the ranks of group {group_name!r} are on several hosts")
 
     # ----- issuing and running ops -----
     def _work(self, op_type: str, keep: Sequence[Any], *, p2p: bool = False) -> Work:

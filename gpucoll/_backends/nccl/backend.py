@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ..._buffer import DTYPES, Buffer, Device
 from ...errors import BackendUnavailableError, DistBackendError, DistStoreError
@@ -21,6 +21,7 @@ from ..._reduce_op import ReduceOpLike
 from ..._work import Work
 from ...store.base import Store
 from . import lib as _nccl_lib
+from .config import usable_config
 from .bootstrap import is_nccl_available, nccl_unavailable_reason, nccl_version, rendezvous  # noqa: F401
 from .lib import NCCL_DTYPES, OP_SUM, normalise_unique_id
 from .plan import Phase, Plan, Planner, Premul, Step, merge
@@ -48,6 +49,9 @@ class NCCLBackend(Splitting, Shrinking):
         device_id: the CUDA device of this rank. Given: the communicator is created
             now (every rank must construct its backend). None: it is created by the
             first op, on the device of that op's arrays.
+        config: ``ncclConfig_t`` fields by gpucoll name (``NCCLOptions.config``) for
+            ``ncclCommInitRankConfig``; None or empty: NCCL's defaults.
+        high_priority: make the communication stream at the device's highest priority.
 
     Raises:
         BackendUnavailableError: no CuPy, no NCCL library, or no CUDA device here.
@@ -63,7 +67,8 @@ class NCCLBackend(Splitting, Shrinking):
     name = "nccl"
 
     def __init__(self, store: Store, rank: int, size: int, *, timeout: float, group_name: str,
-                 device_id: int | None, _runtime: Runtime | None = None, _comm: Comm | None = None) -> None:
+                 device_id: int | None, config: Mapping[str, Any] | None = None, high_priority: bool = False,
+                 _runtime: Runtime | None = None, _comm: Comm | None = None) -> None:
         for arg, value in (("rank", rank), ("size", size)):
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{arg} must be an int; got {type(value).__name__} {value!r}")
@@ -85,6 +90,8 @@ class NCCLBackend(Splitting, Shrinking):
             _runtime = CudaRuntime(_nccl_lib.load())
         self._rt: Runtime = _runtime
         self._features = _runtime.features
+        self.config: dict[str, Any] = self._checked_config(config)
+        self._high_priority = bool(high_priority)
         self._lock = threading.RLock()      # the issue path: one op at a time, in order
         self._state = threading.Lock()      # abort state and the pending list
         # Held around the calls that use the communicator from any thread (the async
@@ -115,6 +122,10 @@ class NCCLBackend(Splitting, Shrinking):
             else:
                 self._create_comm(device_id)
 
+    def _checked_config(self, config: Mapping[str, Any] | None) -> dict[str, Any]:
+        """``config``'s set fields, refused where the loaded NCCL or the runtime cannot apply them."""
+        return usable_config(config, self._features.version, self._rt.check_config)
+
     def __repr__(self) -> str:
         where = f"cuda:{self._device}" if self._comm is not None else "not yet created"
         return f"<NCCLBackend group={self._group_name!r} rank={self.rank}/{self.size} {where}>"
@@ -143,7 +154,7 @@ class NCCLBackend(Splitting, Shrinking):
             uid = rendezvous(self._store, self.rank, self.size, timeout=self._timeout,
                              group_name=self._group_name, make_uid=rt.unique_id)
             try:
-                comm = rt.new_comm(self.size, uid, self.rank)
+                comm = rt.new_comm(self.size, uid, self.rank, self.config or None)
             except Exception as exc:
                 raise DistBackendError(
                     f"creating the NCCL communicator of group {self._group_name!r} (rank {self.rank} of "
@@ -160,7 +171,7 @@ class NCCLBackend(Splitting, Shrinking):
         if prev != device:
             rt.set_device(device)
         try:
-            stream = rt.new_stream()
+            stream = rt.new_stream(self._high_priority) if self._high_priority else rt.new_stream()
             cc = rt.compute_capability(device)
             scratch, owner = rt.alloc(4, stream)
         finally:
@@ -578,9 +589,10 @@ class NCCLBackend(Splitting, Shrinking):
                 rt.set_device(prev)
 
     def _split_backend(self, store: Store, rank: int, size: int, *, timeout: float, group_name: str,
-                       device_id: int | None, comm: Comm | None) -> NCCLBackend:
+                       device_id: int | None, comm: Comm | None, config: Mapping[str, Any] | None = None,
+                       high_priority: bool = False) -> NCCLBackend:
         if comm is None:
             return NCCLBackend(store, rank, size, timeout=timeout, group_name=group_name, device_id=device_id,
-                               _runtime=self._rt)
+                               config=config, high_priority=high_priority, _runtime=self._rt)
         return NCCLBackend(store, rank, size, timeout=timeout, group_name=group_name, device_id=device_id,
-                           _runtime=self._rt, _comm=comm)
+                           config=config, high_priority=high_priority, _runtime=self._rt, _comm=comm)

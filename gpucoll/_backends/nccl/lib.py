@@ -28,7 +28,7 @@ from ...errors import BackendUnavailableError
 __all__ = [
     "INSTALL_HINT", "NCCL_DTYPES", "MOVE_DTYPE", "OP_SUM", "OP_PROD", "OP_MAX", "OP_MIN", "OP_AVG",
     "Features", "NcclLib", "NcclShim", "version_tuple", "unavailable_reason", "load",
-    "normalise_unique_id", "comm_id_arg", "encode_scalar", "result_name",
+    "normalise_unique_id", "comm_id_arg", "encode_scalar", "result_name", "UniqueId", "config_pointer",
 ]
 
 INSTALL_HINT = ('install CuPy and NCCL for your CUDA major version: pip install "gpucoll[cuda12]" '
@@ -105,6 +105,23 @@ class Features:
 
 # ----- the ctypes shim -----
 
+class UniqueId(ctypes.Structure):
+    """``ncclUniqueId`` (passed by value to ncclCommInitRank*)."""
+
+    _fields_ = [("internal", ctypes.c_char * _UNIQUE_ID_BYTES)]
+
+
+def config_pointer(fields: dict[str, Any] | None) -> Any:
+    """The ``ncclConfig_t*`` argument for ``fields`` (gpucoll names): None (NULL) when
+    nothing is set, else a reference to a struct made as NCCL_CONFIG_INITIALIZER makes
+    it. Check the fields against the loaded version first (config.check_config)."""
+    if not fields:
+        return None
+    from .config import make_struct
+
+    return ctypes.byref(make_struct(fields))
+
+
 class NcclShim:
     """ctypes calls into the libnccl that CuPy loaded, for what CuPy does not bind.
 
@@ -138,6 +155,11 @@ class NcclShim:
         #                             ncclComm_t* newcomm, ncclConfig_t* config, int shrinkFlags)  (nccl.h, 2.27+)
         self.comm_shrink_fn = self._bind(lib, "ncclCommShrink",
                                          [vp, ctypes.POINTER(c_int), c_int, ctypes.POINTER(vp), vp, c_int])
+        # The config-taking constructors (nccl.h); ``config`` is an ncclConfig_t* made by
+        # config.make_struct (or NULL): see config_pointer.
+        self.init_rank_config_fn = self._bind(lib, "ncclCommInitRankConfig",
+                                              [ctypes.POINTER(vp), c_int, UniqueId, c_int, vp])
+        self.comm_split_fn = self._bind(lib, "ncclCommSplit", [vp, c_int, c_int, ctypes.POINTER(vp), vp])
 
     @staticmethod
     def _bind(lib: ctypes.CDLL, name: str, argtypes: list[Any], restype: Any = ctypes.c_int) -> Any:

@@ -11,7 +11,9 @@ Protocols. Importing this module imports no CuPy.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+from ...errors import BackendUnavailableError
 
 from .lib import Features, NcclLib, comm_id_arg, normalise_unique_id, result_name
 
@@ -66,8 +68,11 @@ class Comm(Protocol):
     def op_destroy(self, op: int) -> None: ...
     def async_error(self) -> int: ...
     def last_error(self) -> str: ...
-    def split(self, color: int, key: int) -> Comm | None: ...
-    def shrink(self, exclude: Sequence[int], flags: int) -> Comm:
+    def split(self, color: int, key: int, config: Mapping[str, Any] | None = None) -> Comm | None:
+        """``ncclCommSplit``; ``config``: the new communicator's ncclConfig_t fields by
+        gpucoll name (None: NCCL's defaults, inherited from this one)."""
+        ...
+    def shrink(self, exclude: Sequence[int], flags: int, config: Mapping[str, Any] | None = None) -> Comm:
         """``ncclCommShrink``: this communicator without ``exclude`` (used only when
         ``features.comm_shrink``)."""
         ...
@@ -110,7 +115,7 @@ class Runtime(Protocol):
     def device_count(self) -> int: ...
     def compute_capability(self, device: int) -> tuple[int, int]: ...
     def current_stream(self) -> int: ...
-    def new_stream(self) -> Any: ...
+    def new_stream(self, high_priority: bool = False) -> Any: ...
     def event(self, pooled: bool = True) -> Event: ...
     def query(self, event: int) -> bool: ...
     def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None: ...
@@ -118,7 +123,13 @@ class Runtime(Protocol):
     def prepare(self, kernel: str, device: int) -> None: ...
     def launch(self, kernel: str, n: int, args: tuple[Any, ...], stream: Any, device: int) -> None: ...
     def unique_id(self) -> bytes: ...
-    def new_comm(self, size: int, uid: bytes, rank: int) -> Comm: ...
+    def new_comm(self, size: int, uid: bytes, rank: int, config: Mapping[str, Any] | None = None) -> Comm:
+        """``ncclCommInitRank(Config)``; ``config``: ncclConfig_t fields by gpucoll name."""
+        ...
+    def check_config(self, config: Mapping[str, Any]) -> None:
+        """Raise BackendUnavailableError naming the fields of ``config`` this runtime
+        cannot apply (the loaded NCCL's version is checked apart)."""
+        ...
 
 
 class _PooledEvent:
@@ -214,9 +225,13 @@ class CudaRuntime:
     def current_stream(self) -> int:
         return int(self._get_current_stream().ptr)
 
-    def new_stream(self) -> Any:
+    def new_stream(self, high_priority: bool = False) -> Any:
         # Non-blocking: the communication stream must not serialise with the legacy
         # default stream, only with what the backend makes it wait for.
+        if high_priority:
+            # CUDA clamps a priority beyond cudaDeviceGetStreamPriorityRange (which CuPy
+            # does not bind) to the greatest one.
+            return self._stream_cls(non_blocking=True, priority=_HIGHEST_PRIORITY)
         return self._stream_cls(non_blocking=True)
 
     def event(self, pooled: bool = True) -> Event:
@@ -261,9 +276,48 @@ class CudaRuntime:
     def unique_id(self) -> bytes:
         return normalise_unique_id(self.lib.nccl.get_unique_id())
 
-    def new_comm(self, size: int, uid: bytes, rank: int) -> Comm:
-        comm = self.lib.nccl.NcclCommunicator(size, comm_id_arg(uid, self._cupy.__version__), rank)
+    def check_config(self, config: Mapping[str, Any]) -> None:
+        cupy_config(self.lib, config)
+
+    def new_comm(self, size: int, uid: bytes, rank: int, config: Mapping[str, Any] | None = None) -> Comm:
+        cfg = cupy_config(self.lib, config)
+        uid_arg = comm_id_arg(uid, self._cupy.__version__)
+        if cfg is None:
+            comm = self.lib.nccl.NcclCommunicator(size, uid_arg, rank)
+        else:
+            comm = self.lib.nccl.NcclCommunicator(size, uid_arg, rank, cfg)
         return CupyComm(self.lib, comm, rank, size)
+
+
+_HIGHEST_PRIORITY = -1000
+CUPY_CONFIG_FIELDS = frozenset({"split_share"})
+"""The ncclConfig_t fields CuPy's ``NcclConfig`` can carry (CuPy 14)."""
+
+
+def cupy_config(lib: NcclLib, config: Mapping[str, Any] | None) -> Any:
+    """``config`` as CuPy's ``NcclConfig`` (None when nothing is set).
+
+    CuPy's ``NcclCommunicator`` creates the communicator and owns it, and its
+    ``NcclConfig`` carries ``split_share`` only: a raw communicator made through the
+    shim's ``ncclCommInitRankConfig`` could not be handed to it.
+
+    Raises:
+        BackendUnavailableError: a set field CuPy cannot carry (naming it).
+    """
+    if not config:
+        return None
+    cls = getattr(lib.nccl, "NcclConfig", None)
+    can = {name for name in CUPY_CONFIG_FIELDS if cls is not None and hasattr(cls, name)}
+    refused = sorted(name for name in config if name not in can)
+    if refused:
+        raise BackendUnavailableError(
+            f"NCCL config field(s) {', '.join(refused)} cannot be applied: CuPy {lib.cupy.__version__}'s "
+            f"NcclCommunicator takes {'only ' + ', '.join(sorted(can)) if can else 'no config'} "
+            "(cupy.cuda.nccl.NcclConfig); leave them unset, or set NCCL's environment variables "
+            "(NCCL_CGA_CLUSTER_SIZE, NCCL_MIN_CTAS, NCCL_MAX_CTAS, NCCL_NET, NCCL_COMM_BLOCKING, ...)")
+    assert cls is not None  # every field was refused otherwise
+    # NcclConfig(split_share=...): its attributes are read-only.
+    return cls(**{name: int(value) for name, value in config.items()})
 
 
 class CupyComm:
@@ -335,13 +389,14 @@ class CupyComm:
         shim = self._lib.shim
         return shim.last_error(self.handle) if shim is not None else ""
 
-    def split(self, color: int, key: int) -> Comm | None:
-        new = self._comm.commSplit(color, key)
+    def split(self, color: int, key: int, config: Mapping[str, Any] | None = None) -> Comm | None:
+        cfg = cupy_config(self._lib, config)
+        new = self._comm.commSplit(color, key) if cfg is None else self._comm.commSplit(color, key, cfg)
         if new is None:
             return None
         return CupyComm(self._lib, new, int(new.rank_id()), int(new.size()))
 
-    def shrink(self, exclude: Sequence[int], flags: int) -> Comm:
+    def shrink(self, exclude: Sequence[int], flags: int, config: Mapping[str, Any] | None = None) -> Comm:
         raise NcclCallError("ncclCommShrink", 5, "CuPy cannot adopt the raw communicator ncclCommShrink returns")
 
     def abort(self) -> None:

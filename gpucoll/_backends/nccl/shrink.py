@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from ...errors import DistBackendError
 from ...store.base import Store
@@ -35,7 +35,11 @@ class Shrinking:
         raise NotImplementedError
 
     def _split_backend(self, store: Store, rank: int, size: int, *, timeout: float, group_name: str,
-                       device_id: int | None, comm: Comm | None) -> Any:
+                       device_id: int | None, comm: Comm | None, config: Mapping[str, Any] | None = None,
+                       high_priority: bool = False) -> Any:
+        raise NotImplementedError
+
+    def _checked_config(self, config: Mapping[str, Any] | None) -> dict[str, Any]:
         raise NotImplementedError
 
     @property
@@ -45,16 +49,19 @@ class Shrinking:
         return (self._eager and self._comm is not None and self._features.comm_shrink
                 and self._aborted is None and self._closed is None)
 
-    def shrink(self, exclude: Sequence[int], *, store: Store, group_name: str, timeout: float) -> Any:
+    def shrink(self, exclude: Sequence[int], *, store: Store, group_name: str, timeout: float,
+               config: Mapping[str, Any] | None = None, high_priority: bool = False) -> Any:
         """The backend of group ``group_name``: this communicator without the ranks in
         ``exclude``, made with ``ncclCommShrink(..., NCCL_SHRINK_ABORT)``; every rank not
         excluded calls it with the same list. This backend is aborted afterwards (its
-        pending ops fail); the caller shuts it down.
+        pending ops fail); the caller shuts it down. ``config`` (ncclConfig_t fields, None:
+        inherited) reaches ncclCommShrink; ``high_priority`` is the new stream's priority.
 
         Raises:
             DistBackendError: :attr:`can_shrink` is False, or NCCL's shrink failed.
         """
         gone = sorted(set(exclude))
+        config = self._checked_config(config)
         with self._lock:
             comm = self._comm
             if not self.can_shrink or comm is None:
@@ -65,7 +72,8 @@ class Shrinking:
             if prev != device:
                 rt.set_device(device)
             try:
-                new = comm.shrink(gone, NCCL_SHRINK_ABORT)
+                new = (comm.shrink(gone, NCCL_SHRINK_ABORT, config) if config
+                       else comm.shrink(gone, NCCL_SHRINK_ABORT))
             except Exception as exc:
                 raise DistBackendError(f"ncclCommShrink of group {self._group_name!r} without ranks {gone} "
                                        f"failed: {exc}") from exc
@@ -78,4 +86,4 @@ class Shrinking:
             raise DistBackendError(f"ncclCommShrink made {group_name!r} with rank {new.rank} of {new.size}; "
                                    f"expected rank {expected.index(self.rank)} of {len(expected)}")
         return self._split_backend(store, new.rank, new.size, timeout=timeout, group_name=group_name,
-                                   device_id=device, comm=new)
+                                   device_id=device, comm=new, config=config, high_priority=high_priority)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ...errors import DistBackendError
 from ...store.base import Store
@@ -15,9 +15,10 @@ __all__ = ["split_comm", "Splitting"]
 
 def split_comm(comm: Comm, rt: Runtime, device: int, store: Store, key: str, size: int, *, timeout: float,
                parent_timeout: float, drain: Callable[[float], bool], parent_name: str, group_name: str,
-               color: int, new_rank: int) -> Comm | None:
+               color: int, new_rank: int, config: Mapping[str, Any] | None = None) -> Comm | None:
     """Split ``comm`` (of group ``parent_name``, ``size`` ranks) for new group ``group_name``;
     the caller holds the parent backend's lock. ``color`` -1 joins no new communicator.
+    ``config``: the new communicator's ncclConfig_t fields (None: inherited).
     Returns the new communicator, or None on a rank that joins none."""
     # ncclCommSplit blocks until every rank of this group calls it: count the
     # ranks in through the store first, so that one that never comes is a
@@ -37,7 +38,7 @@ def split_comm(comm: Comm, rt: Runtime, device: int, store: Store, key: str, siz
         rt.set_device(device)
     try:
         # NCCL_SPLIT_NOCOLOR (-1): this rank joins no new communicator.
-        new = comm.split(color, new_rank)
+        new = comm.split(color, new_rank, config) if config else comm.split(color, new_rank)
     except Exception as exc:
         raise DistBackendError(f"ncclCommSplit of group {parent_name!r} into "
                                f"{group_name!r} failed: {exc}") from exc
@@ -71,13 +72,17 @@ class Splitting:
         raise NotImplementedError
 
     def _split_backend(self, store: Store, rank: int, size: int, *, timeout: float, group_name: str,
-                       device_id: int | None, comm: Comm | None) -> Any:
+                       device_id: int | None, comm: Comm | None, config: Mapping[str, Any] | None = None,
+                       high_priority: bool = False) -> Any:
+        raise NotImplementedError
+
+    def _checked_config(self, config: Mapping[str, Any] | None) -> dict[str, Any]:
         raise NotImplementedError
 
     # ----- new groups -----
 
     def split(self, ranks: Sequence[int] | None, *, color: int = 0, store: Store, group_name: str,
-              timeout: float) -> Any:
+              timeout: float, config: Mapping[str, Any] | None = None, high_priority: bool = False) -> Any:
         """The backend of a new group carved out of this one. Every rank of this group
         must call it, at the same point of its op sequence, whether it joins a new group
         or not (that is how ``ncclCommSplit`` works).
@@ -92,6 +97,9 @@ class Splitting:
             store: the new group's private store (used when no split is possible).
             group_name: the new group's name.
             timeout: the new group's timeout, seconds.
+            config: the new group's ncclConfig_t fields (NCCLOptions.config), passed to
+                ncclCommSplit (or ncclCommInitRankConfig); None: NCCL's defaults.
+            high_priority: the new group's stream priority (NCCLOptions).
 
         When :attr:`can_split` (an eagerly created communicator and NCCL >= 2.18) the
         new communicator comes from ``ncclCommSplit``: no unique id round trip, and NCCL
@@ -105,10 +113,12 @@ class Splitting:
 
         Raises:
             ValueError: ``color`` < 0.
+            BackendUnavailableError: a config field the loaded NCCL or runtime cannot apply.
             DistBackendError: the split failed, or not every rank reached it in time.
         """
         if not isinstance(color, int) or color < 0:
             raise ValueError(f"color must be an int >= 0; got {color!r}")
+        config = self._checked_config(config)
         members = list(ranks) if ranks is not None else []
         member = self.rank in members
         new_rank = members.index(self.rank) if member else -1
@@ -121,7 +131,7 @@ class Splitting:
                 new = split_comm(comm, self._rt, device, self._store, f"nccl/split{self._splits}", self.size,
                                  timeout=timeout, parent_timeout=self._timeout, drain=self._drain,
                                  parent_name=self._group_name, group_name=group_name,
-                                 color=color if member else -1, new_rank=max(new_rank, 0))
+                                 color=color if member else -1, new_rank=max(new_rank, 0), config=config)
                 if new is None:
                     return None
                 if new.size != len(members) or new.rank != new_rank:
@@ -129,8 +139,10 @@ class Splitting:
                         f"ncclCommSplit made group {group_name!r} with rank {new.rank} of {new.size}; expected "
                         f"rank {new_rank} of {len(members)}: ranks passed different member lists for one color")
                 return self._split_backend(store, new_rank, len(members), timeout=timeout,
-                                           group_name=group_name, device_id=device, comm=new)
+                                           group_name=group_name, device_id=device, comm=new, config=config,
+                                           high_priority=high_priority)
         if not member:
             return None
         return self._split_backend(store, new_rank, len(members), timeout=timeout, group_name=group_name,
-                                   device_id=self._device if self._eager else None, comm=None)
+                                   device_id=self._device if self._eager else None, comm=None, config=config,
+                                   high_priority=high_priority)
