@@ -19,9 +19,10 @@ usable. Bytes from peers arrive only over the group's authenticated transport
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 
@@ -29,6 +30,30 @@ from . import _world
 from .clusters._envvars import MAX_OBJECT_BYTES_ENV
 from ._group import ProcessGroup
 from ._group.coalescing import refuse_inside
+from .errors import DistError
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _named(fn: _F) -> _F:
+    """A DistError raised inside an object or bytes collective names the call the user
+    made (``scatter_object_list``), not only the array collectives it is built from."""
+    op = fn.__name__
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except DistError as exc:
+            if str(exc).startswith(op):
+                raise
+            try:
+                named = type(exc)(f"{op}: {exc}")
+            except Exception:  # an error type that wants other arguments keeps its own text
+                raise exc from None
+            raise named from exc
+
+    return wrapper  # type: ignore[return-value]
 
 __all__ = [
     "all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list",
@@ -97,6 +122,7 @@ def _padded(data: bytes, cap: int) -> np.ndarray:
 
 # ----- bytes -----
 
+@_named
 def all_gather_bytes(data: bytes, group: ProcessGroup | None = None) -> list[bytes]:
     """Every rank gets every rank's ``data``, in rank order.
 
@@ -118,6 +144,7 @@ def all_gather_bytes(data: bytes, group: ProcessGroup | None = None) -> list[byt
     return [out[i * cap:i * cap + int(sizes[i])].tobytes() for i in range(n)]
 
 
+@_named
 def gather_bytes(data: bytes, dst: int | None = None, group: ProcessGroup | None = None,
                  group_dst: int | None = None) -> list[bytes] | None:
     """Rank ``dst`` gets every rank's ``data`` (rank order); other ranks get None."""
@@ -139,6 +166,7 @@ def gather_bytes(data: bytes, dst: int | None = None, group: ProcessGroup | None
     return [o[:int(sizes[i])].tobytes() for i, o in enumerate(outs)]
 
 
+@_named
 def broadcast_bytes(data: bytes | None, src: int | None = None, group: ProcessGroup | None = None,
                     group_src: int | None = None) -> bytes:
     """Every rank gets rank ``src``'s ``data`` (ignored, may be None, elsewhere)."""
@@ -155,6 +183,7 @@ def broadcast_bytes(data: bytes | None, src: int | None = None, group: ProcessGr
     return payload if pg.rank() == root else buf.tobytes()
 
 
+@_named
 def scatter_bytes(data_list: Sequence[bytes] | None, src: int | None = None, group: ProcessGroup | None = None,
                   group_src: int | None = None) -> bytes:
     """Rank i gets ``data_list[i]`` of rank ``src`` (``data_list`` is given on ``src`` only)."""
@@ -181,6 +210,7 @@ def scatter_bytes(data_list: Sequence[bytes] | None, src: int | None = None, gro
     return out[:int(sizes[pg.rank()])].tobytes()
 
 
+@_named
 def send_bytes(data: bytes, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
                group_dst: int | None = None) -> None:
     """Send ``data`` to rank ``dst`` (two messages: its length, then the bytes)."""
@@ -193,6 +223,7 @@ def send_bytes(data: bytes, dst: int | None = None, group: ProcessGroup | None =
         pg.send(np.frombuffer(payload, np.uint8), peer, tag, async_op=False)
 
 
+@_named
 def recv_bytes(src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
                group_src: int | None = None) -> tuple[bytes, int]:
     """Receive bytes sent by :func:`send_bytes` from rank ``src`` (None: any rank).
@@ -225,6 +256,7 @@ def _check_list(object_list: Any, name: str, length: int | None = None) -> None:
         raise ValueError(f"{name} must have {length} entries (one per rank); got {len(object_list)}")
 
 
+@_named
 def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | None = None) -> None:
     """Fill ``object_list`` (length = group size) with every rank's ``obj``. Pickles; see the
     module docstring's security note.
@@ -239,6 +271,7 @@ def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | No
         object_list[i] = pickle.loads(data)
 
 
+@_named
 def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int | None = None,
                   group: ProcessGroup | None = None, group_dst: int | None = None) -> None:
     """Rank ``dst`` fills ``object_gather_list`` (length = group size) with every rank's ``obj``."""
@@ -252,6 +285,7 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
             object_gather_list[i] = pickle.loads(data)
 
 
+@_named
 def broadcast_object_list(object_list: list[Any], src: int | None = None, group: ProcessGroup | None = None,
                           device: Any = None, group_src: int | None = None) -> None:
     """Every rank's ``object_list`` gets rank ``src``'s entries (lists must be equally long).
@@ -270,6 +304,7 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None, group:
         object_list[:] = received
 
 
+@_named
 def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_input_list: list[Any] | None = None,
                         src: int | None = None, group: ProcessGroup | None = None,
                         group_src: int | None = None) -> None:
@@ -287,6 +322,7 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
     scatter_object_output_list[0] = pickle.loads(scatter_bytes(datas, group=pg, group_src=root))
 
 
+@_named
 def send_object_list(object_list: list[Any], dst: int | None = None, group: ProcessGroup | None = None,
                      device: Any = None, group_dst: int | None = None) -> None:
     """Send the objects of ``object_list`` to rank ``dst`` (which calls :func:`recv_object_list`)."""
@@ -295,6 +331,7 @@ def send_object_list(object_list: list[Any], dst: int | None = None, group: Proc
     send_bytes(_dumps(list(object_list)), group=pg, group_dst=_group_rank(pg, dst, group_dst, "dst"))
 
 
+@_named
 def recv_object_list(object_list: list[Any], src: int | None = None, group: ProcessGroup | None = None,
                      device: Any = None, group_src: int | None = None) -> int:
     """Fill ``object_list`` with the objects rank ``src`` (None: any rank) sent.

@@ -204,7 +204,6 @@ def test_hosts_run_a_job(tmp_path: Path, n: int, nproc: int) -> None:
     _assert_clean(tmp_path, out, n * nproc)
 
 
-@pytest.mark.xfail(strict=True, reason="same-hostname host identity (transport)")
 def test_hosts_with_the_same_hostname_run_a_job(tmp_path: Path) -> None:
     script = write_script(tmp_path, "job.py", JOB)
     with hosts(2) as h:

@@ -116,8 +116,10 @@ def test_two_nodes_agree_on_the_root_cause(tmp_path: Path, victim: int, mode: st
 
 
 HANG = """
-    import os, time
+    import os, sys, time
     print(f"PID {os.environ['RANK']} {os.getpid()}", flush=True)
+    with open(os.path.join(sys.argv[1], "started-" + os.environ["RANK"]), "w") as f:
+        f.write(str(os.getpid()))
     time.sleep(120)
 """
 
@@ -125,20 +127,25 @@ HANG = """
 def test_a_sigkilled_launcher_leaves_no_scratch_folder_and_no_rank(tmp_path: Path) -> None:
     script = write_script(tmp_path, "hang.py", HANG)
     tmpdir = tmp_path / "tmp"
-    proc = start(launcher_cmd("--nproc-per-node", "3", script), cwd=tmp_path, env=job_env(tmpdir))
+    marks = tmp_path / "started"
+    marks.mkdir()
+    proc = start(launcher_cmd("--nproc-per-node", "3", script, str(marks)), cwd=tmp_path, env=job_env(tmpdir))
     try:
         deadline = time.monotonic() + 30
         while not scratch_left(tmpdir) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(scratch_left(tmpdir)) == 1, "the launcher made no scratch folder"
-        time.sleep(1.0)  # the ranks are started
+        while len(list(marks.iterdir())) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)  # every rank has started and printed its pid
+        assert len(list(marks.iterdir())) == 3, "the ranks did not start"
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
         out = proc.stdout.read() if proc.stdout else ""
     finally:
         kill_tree(proc)
-    pids = pids_printed(out)
-    assert len(pids) == 3, out
+    del out  # the launcher died before it could forward every rank's output: pids come from the marks
+    pids = {int(m.name.split("-")[1]): int(m.read_text()) for m in marks.iterdir()}
+    assert sorted(pids) == [0, 1, 2]
     assert wait_gone(pids.values(), 10.0) == [], "ranks outlived their SIGKILLed launcher"
     deadline = time.monotonic() + 10
     while scratch_left(tmpdir) and time.monotonic() < deadline:
