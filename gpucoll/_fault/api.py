@@ -113,9 +113,13 @@ def grow_group(num_new_ranks: int = 1, *, timeout: float | timedelta | None = No
     pg = world.default
     pg._check_usable()
     seconds = pg.timeout if timeout is None else to_seconds(timeout, name="timeout")
+    # Tickets and seats live at the root of the job's store, where a new process looks;
+    # the groups live in this init's namespace of it (its generation), which the seat names.
+    root = world.job_store if world.job_store is not None else world.store
+    namespace = world.store.prefix if isinstance(world.store, PrefixStore) and root is not world.store else ""
     info = {"backend": world.backend, "timeout": pg.timeout, "made": world.made, "desc": pg.group_desc,
-            "bound": pg._bound}
-    plan = offer_seats(pg, world.store, num_new_ranks, seconds, info)
+            "bound": pg._bound, "namespace": namespace}
+    plan = offer_seats(pg, root, num_new_ranks, seconds, info)
     new = ProcessGroup(PrefixStore(f"pg/{plan['name']}", world.store), pg.rank(), plan["size"],
                        group_name=plan["name"], global_ranks=range(plan["size"]), timeout=pg.timeout,
                        backend=pg.backend_name, device_id=pg._device_id if pg._bound else None,
@@ -161,14 +165,15 @@ def join_process_group(init_method: str | None = None, *, store: Store | None = 
         if seat.get("bound") and device is None:
             raise ValueError("join_process_group: the job's NCCL group is bound to a device on every rank; "
                              "pass device_id= (the CUDA device this process uses)")
-        pg = ProcessGroup(PrefixStore(f"pg/{seat['name']}", store), seat["rank"], seat["size"],
+        ns: Store = PrefixStore(seat["namespace"], store) if seat.get("namespace") else store
+        pg = ProcessGroup(PrefixStore(f"pg/{seat['name']}", ns), seat["rank"], seat["size"],
                           group_name=seat["name"], global_ranks=range(seat["size"]), timeout=seat["timeout"],
                           backend=backend, device_id=device, group_desc=seat.get("desc", ""))
     except BaseException:
         if owns:
             store.close()
         raise
-    world = _world._World(store, owns, pg, backend, float(seat["timeout"]), device)
+    world = _world._World(ns, owns, pg, backend, float(seat["timeout"]), device, job_store=store)
     world.made = int(seat["made"])
     _world._WORLD = world
     _world.GroupMember._world = pg

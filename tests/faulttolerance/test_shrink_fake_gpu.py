@@ -4,8 +4,6 @@ the store otherwise; rank 3 plays the dead rank by never calling."""
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any
 
 import numpy as np
@@ -14,8 +12,7 @@ import pytest
 import gpucoll
 from gpucoll._backends.nccl.lib import Features
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "c10d"))
-from _fake_gpu_world import FakeDeviceArray, run_fake_gpu_worlds  # noqa: E402
+from _fake_gpu_world import FakeDeviceArray, run_fake_gpu_worlds
 
 WITH_SHRINK = Features(version=(2, 32, 3), all_to_all=True, gather=True, scatter=True, comm_shrink=True)
 WITHOUT_SHRINK = Features(version=(2, 26, 0), all_to_all=False, gather=False, scatter=False, comm_shrink=False)

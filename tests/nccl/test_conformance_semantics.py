@@ -6,17 +6,14 @@ and ValueError (torch's type) for dtype mismatches. Expected values come from Nu
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "c10d"))
-from _fake_gpu_world import FakeDeviceArray, run_fake_gpu_worlds  # noqa: E402
+from _fake_gpu_world import FakeDeviceArray, run_fake_gpu_worlds
 
-import gpucoll  # noqa: E402
+import gpucoll
 
 
 def _val(r: int, n: int, k: int = 0) -> np.ndarray:

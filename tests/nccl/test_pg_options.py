@@ -7,9 +7,7 @@ timeout in real multi-process worlds."""
 from __future__ import annotations
 
 import ctypes
-import os
 import re
-import sys
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,8 +23,7 @@ from gpucoll._group.options import coerce_options
 from gpucoll.errors import BackendUnavailableError
 from gpucoll.testing import run_spmd
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "c10d"))
-from _fake_gpu_world import FakeDeviceArray, run_fake_gpu_worlds  # noqa: E402
+from _fake_gpu_world import FakeDeviceArray, run_fake_gpu_worlds
 
 NEW = Features(version=(2, 32, 3), all_to_all=True, gather=True, scatter=True, comm_shrink=True)
 NO_SPLIT = Features(version=(2, 32, 3), all_to_all=True, gather=True, scatter=True, comm_split=False)
