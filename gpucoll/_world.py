@@ -186,9 +186,10 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     world = _World(ns, owns, _spelled(pg, backend), name, seconds, device, job_store=store,
                    spelling=str(backend or ""))
     from ._debug.control_plane import maybe_start  # opt-in debugging server (off unless GPUCOLL_CONTROL_PLANE is set)
+    # Published at the root of the job's store, where gpucoll-debug status looks (the newest init wins).
 
     try:
-        world.control_plane = maybe_start(ns, rank, world_size, lambda: [world.default, *world.groups])
+        world.control_plane = maybe_start(store, rank, world_size, lambda: [world.default, *world.groups])
     except BaseException:
         pg._destroy()
         if owns:
