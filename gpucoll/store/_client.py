@@ -15,7 +15,7 @@ import time
 
 from ..errors import DistStoreError
 from . import _wire as w
-from ._server import unix_socket_name
+from ._server import peer_uid, unix_socket_name
 
 __all__ = ["Connection", "unix_names", "peer_uid"]
 
@@ -233,13 +233,3 @@ def _is_local(family: int, ip: str) -> bool:
         return False
     finally:
         probe.close()
-
-
-def peer_uid(sock: socket.socket) -> int:
-    """The uid of the process at the other end of a Unix socket (-1 if unknown): a
-    server squatting the abstract name under another user is not trusted."""
-    opt = getattr(socket, "SO_PEERCRED", None)
-    if opt is None:
-        return -1
-    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, opt, 12))
-    return int(uid)

@@ -12,14 +12,14 @@ import time
 from typing import Callable, TypeVar
 
 from ..clusters.base import STORE_TOKEN_ENV
-from ..errors import DistNetworkError, DistStoreError, DistStoreTimeoutError
+from ..errors import DistError, DistNetworkError, DistStoreError, DistStoreTimeoutError
 from . import _torch_wire as tw
 from . import _wire as w
 from ._client import Connection, peer_uid
 from ._torch_client import TORCH_MAX_VALUE, TorchConnection, WaitTimedOut
 from .base import Store
 
-__all__ = ["StoreLinks", "GRACE", "token_bytes"]
+__all__ = ["StoreLinks", "ServerRestarted", "GRACE", "token_bytes"]
 
 _T = TypeVar("_T")
 
@@ -30,6 +30,10 @@ _MAX_TOKEN = 4096
 _PROBE_SECONDS = 10.0
 """How long a client waits for a server to answer its first bytes before it says that the
 listener is not a store (torch's server may spend 5 s resolving the client's name)."""
+
+
+class ServerRestarted(DistStoreError):
+    """The server a client reconnected to is not the one it first said HELLO to."""
 
 
 class _TorchServer(Exception):
@@ -58,6 +62,8 @@ class StoreLinks(Store):
 
     _tpool_mode = False
     """True once the server is known to speak torch's protocol."""
+    _instance: bytes | None = None
+    """The server instance id this client first said HELLO to (see _check_instance)."""
 
     def _connect_first(self, deadline: float) -> None:
         """Connect (finding the server's protocol when it is "auto") and pool the connection."""
@@ -167,17 +173,33 @@ class StoreLinks(Store):
                 raise DistStoreError(f"{self._where} refused the connection: "
                                      f"{fields[0].decode('utf-8', 'replace')}")
             try:
-                if code != w.OK or len(fields) != 3:
+                if code != w.OK or len(fields) not in (3, 4):
                     raise ValueError(f"reply code {code} with {len(fields)} fields")
-                limits = [int(f) for f in fields]
+                limits = [int(f) for f in fields[:3]]
             except ValueError as e:
                 raise DistStoreError(f"{self._where} answered HELLO with something unexpected "
                                      f"({e}); is it a gpucoll TCPStore?") from None
+            self._check_instance(fields[3] if len(fields) == 4 else b"")
             self.max_key_size, self.max_value_size, self._max_frame = limits
             return conn
         except BaseException:
             sock.close()
             raise
+
+    def _check_instance(self, instance: bytes) -> None:
+        """Remember the server's instance id at the first HELLO; a later connection to
+        another instance means the server restarted, and every key, counter and waiter
+        this client relied on is gone: fail rather than carry on with an empty store."""
+        if self._instance is None:
+            self._instance = instance
+            return
+        if instance != self._instance:
+            raise ServerRestarted(
+                f"{self._where} restarted: this client first connected to server instance "
+                f"{self._instance.decode(errors='replace') or '(unnamed)'}, and the server now "
+                f"listening there is instance {instance.decode(errors='replace') or '(unnamed)'}. "
+                f"The store this job used died with the first one (its keys, counters and "
+                f"waiters are gone); the job cannot continue on the new, empty store")
 
     def _open_socket(self, timeout: float) -> socket.socket:
         for name in self._unix:
@@ -250,7 +272,7 @@ class StoreLinks(Store):
                                         f"{self._timeout:g} s") from e
         except OSError as e:
             conn.close()
-            raise DistNetworkError(f"{op}: lost the connection to {self._where}: {e}") from e
+            raise self._lost(op, e) from e
         except BaseException:
             conn.close()
             raise
@@ -258,6 +280,19 @@ class StoreLinks(Store):
             conn.close()
         else:
             self._pool.append(conn)
+
+    def _lost(self, op: str, e: OSError) -> Exception:
+        """The error for a connection that broke under ``op``: says so when the server
+        restarted (one new connection, within a second, tells)."""
+        if not self._closed:
+            try:
+                self._pool.append(self._open(min(1.0, self._timeout)))
+            except ServerRestarted as restarted:
+                return DistNetworkError(f"{op}: lost the connection to {self._where}: {e}; "
+                                        f"{restarted}")
+            except (OSError, DistError):
+                pass
+        return DistNetworkError(f"{op}: lost the connection to {self._where}: {e}")
 
     def _call(self, frame: bytes, timeout: float, op: str) -> tuple[int, list[bytes]]:
         if self._closed:
@@ -282,7 +317,7 @@ class StoreLinks(Store):
                                         f"{timeout:g} s") from e
         except OSError as e:
             conn.close()
-            raise DistNetworkError(f"{op}: lost the connection to {self._where}: {e}") from e
+            raise self._lost(op, e) from e
         except BaseException:
             conn.close()
             raise

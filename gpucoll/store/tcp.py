@@ -154,8 +154,12 @@ class TCPStore(StoreLinks):
 
     def clone(self) -> TCPStore:
         """A new client of the same server (its own connections; torch's ``clone``)."""
-        return TCPStore(self.host, self._port, timeout=self._timeout, token=self._token,
+        twin = TCPStore(self.host, self._port, timeout=self._timeout, token=self._token,
                         use_unix_socket=bool(self._unix), protocol=self._protocol)
+        if self._instance is not None and twin._instance != self._instance:
+            twin.close()
+            self._check_instance(twin._instance or b"")  # raises: the server restarted
+        return twin
 
     def _start_server(self, host: str, port: int, max_key_size: int, max_value_size: int,
                       unix_socket: bool, multi_tenant: bool,
