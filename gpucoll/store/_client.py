@@ -17,7 +17,7 @@ from ..errors import DistStoreError
 from . import _wire as w
 from ._server import peer_uid, unix_socket_name
 
-__all__ = ["Connection", "unix_names", "peer_uid"]
+__all__ = ["Connection", "unix_names", "peer_uid", "is_local_host"]
 
 _RECV_SIZE = 8 * 1024
 
@@ -218,6 +218,16 @@ def unix_names(host: str, port: int) -> list[str]:
     if names:
         names += [unix_socket_name("0.0.0.0", port), unix_socket_name("::", port)]
     return names
+
+
+def is_local_host(host: str) -> bool:
+    """True if every address ``host`` resolves to is this host's (loopback included)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    addrs = [(f, str(a[0])) for f, _, _, _, a in infos if f in (socket.AF_INET, socket.AF_INET6)]
+    return bool(addrs) and all(_is_local(f, ip) for f, ip in addrs)
 
 
 def _is_local(family: int, ip: str) -> bool:

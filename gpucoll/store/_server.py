@@ -37,7 +37,7 @@ import time
 from ..errors import DistNetworkError, DistStoreError
 from . import _wire as w
 from . import _torch_wire as tw
-from ._requests import JOIN_THRESHOLD, PIPELINE_SLACK, RequestServer, Conn, torch_request
+from ._requests import JOIN_THRESHOLD, PIPELINE_SLACK, PREAUTH_MAX_FRAME, RequestServer, Conn, torch_request
 
 __all__ = ["StoreServer", "peer_uid", "unix_socket_name"]
 
@@ -509,7 +509,8 @@ class StoreServer(RequestServer):
         buf = conn.inbuf
         n = len(buf)
         pos = 0
-        limit = max(self.max_value_size, self.max_key_size)
+        # Before its PING a torch client has sent nothing but VALIDATE: no long items.
+        limit = max(self.max_value_size, self.max_key_size) if conn.pinged else PREAUTH_MAX_FRAME
         try:
             while pos < n and conn.torch and not conn.writing and not conn.closing:
                 if conn.waiter is not None and buf[pos] != tw.Q.CANCEL_WAIT:
