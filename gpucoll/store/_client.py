@@ -15,9 +15,9 @@ import time
 
 from ..errors import DistStoreError
 from . import _wire as w
-from ._server import peer_uid, unix_socket_name
+from ._sockets import unix_socket_name
 
-__all__ = ["Connection", "unix_names", "peer_uid", "is_local_host"]
+__all__ = ["Connection", "unix_names", "is_local_host"]
 
 _RECV_SIZE = 8 * 1024
 

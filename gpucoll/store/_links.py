@@ -15,7 +15,8 @@ from ..clusters.base import STORE_TOKEN_ENV
 from ..errors import DistError, DistNetworkError, DistStoreError, DistStoreTimeoutError
 from . import _torch_wire as tw
 from . import _wire as w
-from ._client import Connection, peer_uid
+from ._client import Connection
+from ._sockets import peer_uid
 from ._torch_client import TORCH_MAX_VALUE, TorchConnection, WaitTimedOut
 from .base import Store
 

@@ -29,7 +29,6 @@ import os
 import resource
 import selectors
 import socket
-import struct
 import sys
 import threading
 import time
@@ -37,9 +36,10 @@ import time
 from ..errors import DistNetworkError, DistStoreError
 from . import _wire as w
 from . import _torch_wire as tw
+from ._sockets import listen, peer_uid, unix_socket_name
 from ._requests import JOIN_THRESHOLD, PIPELINE_SLACK, PREAUTH_MAX_FRAME, RequestServer, Conn, torch_request
 
-__all__ = ["StoreServer", "peer_uid", "unix_socket_name"]
+__all__ = ["StoreServer"]
 
 _RECV_SIZE = 256 * 1024
 _BIG_CHUNK = 1 << 20
@@ -56,42 +56,6 @@ _IOV_MAX = 512
 _IN = selectors.EVENT_READ
 _OUT = selectors.EVENT_WRITE
 _IN_ANY = selectors.EVENT_READ
-
-
-def unix_socket_name(ip: str, port: int) -> str:
-    """The abstract Unix socket a server bound to ``ip:port`` also listens on."""
-    return f"\0gpucoll-store/{ip}:{port}"
-
-
-def peer_uid(sock: socket.socket) -> int:
-    """The uid of the process at the other end of a Unix socket (-1 if unknown)."""
-    opt = getattr(socket, "SO_PEERCRED", None)
-    if opt is None:
-        return -1
-    try:
-        _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, opt, 12))
-    except OSError:
-        return -1
-    return int(uid)
-
-
-def _listen(host: str, port: int, backlog: int) -> socket.socket:
-    try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                   flags=socket.AI_PASSIVE | socket.AI_NUMERICSERV)
-        family, stype, proto, _, addr = infos[0]
-        listener = socket.socket(family, stype, proto)
-        try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind(addr)
-            listener.listen(backlog)
-            listener.setblocking(False)
-        except BaseException:
-            listener.close()
-            raise
-    except OSError as e:
-        raise DistNetworkError(f"TCPStore server cannot listen on {host!r}:{port}: {e}") from e
-    return listener
 
 
 class StoreServer(RequestServer):
@@ -137,7 +101,7 @@ class StoreServer(RequestServer):
             except OSError as e:
                 raise DistNetworkError(f"TCPStore server cannot use listen_fd={listen_fd}: {e}") from e
         else:
-            listener = _listen(host, port, backlog)
+            listener = listen(host, port, backlog)
         self._listeners = [listener]
         bound = listener.getsockname()
         self.port: int = bound[1]
