@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import urllib.parse
+import warnings
 
 from .clusters._envvars import STORE_TOKEN_ENV
 from .store import FileStore, PrefixStore, Store, TCPStore
+from .store._client import is_local_host
 
 __all__ = ["rendezvous"]
 
@@ -93,8 +95,34 @@ def _env_missing_message(missing: list[str], world_size: int) -> str:
     return text
 
 
+_warned_no_token = False
+
+
+def _warn_if_open(host: str, port: int, world_size: int, token: str | None) -> None:
+    """Once per process, loudly: a job across hosts whose store has no token (see
+    docs/security.md)."""
+    global _warned_no_token
+    if token is not None or _warned_no_token or world_size < 2:
+        return
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "") or world_size)
+    except ValueError:
+        local = world_size
+    if local >= world_size and is_local_host(host):
+        return  # one host
+    _warned_no_token = True
+    warnings.warn(
+        f"gpucoll: this job spans several hosts and its store ({host}:{port}) has no token: any "
+        f"process that can reach that port can read and overwrite the job's keys (transport "
+        f"addresses, object-collective payloads) and pose as a rank. Set the same secret on every "
+        f"rank before launching, e.g. export GPUCOLL_STORE_TOKEN=$(python -c \"import secrets; "
+        f"print(secrets.token_hex(16))\") (gpucoll-run sets one itself). See docs/security.md",
+        RuntimeWarning, stacklevel=4)
+
+
 def _tcp_store(host: str, port: int, rank: int, world_size: int, hosted: bool, timeout: float,
                token: str | None) -> Store:
+    _warn_if_open(host, port, world_size, token)
     if hosted:
         return TCPStore(host, port, world_size, is_master=False, timeout=timeout, token=token)
     if port == 0 and world_size > 1:

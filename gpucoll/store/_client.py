@@ -15,9 +15,9 @@ import time
 
 from ..errors import DistStoreError
 from . import _wire as w
-from ._server import unix_socket_name
+from ._sockets import unix_socket_name
 
-__all__ = ["Connection", "unix_names", "peer_uid"]
+__all__ = ["Connection", "unix_names", "is_local_host"]
 
 _RECV_SIZE = 8 * 1024
 
@@ -220,6 +220,16 @@ def unix_names(host: str, port: int) -> list[str]:
     return names
 
 
+def is_local_host(host: str) -> bool:
+    """True if every address ``host`` resolves to is this host's (loopback included)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    addrs = [(f, str(a[0])) for f, _, _, _, a in infos if f in (socket.AF_INET, socket.AF_INET6)]
+    return bool(addrs) and all(_is_local(f, ip) for f, ip in addrs)
+
+
 def _is_local(family: int, ip: str) -> bool:
     """True if ``ip`` is an address of this host: loopback, or binding a UDP socket to it
     succeeds (no name service involved)."""
@@ -233,13 +243,3 @@ def _is_local(family: int, ip: str) -> bool:
         return False
     finally:
         probe.close()
-
-
-def peer_uid(sock: socket.socket) -> int:
-    """The uid of the process at the other end of a Unix socket (-1 if unknown): a
-    server squatting the abstract name under another user is not trusted."""
-    opt = getattr(socket, "SO_PEERCRED", None)
-    if opt is None:
-        return -1
-    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, opt, 12))
-    return int(uid)

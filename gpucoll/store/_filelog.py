@@ -190,8 +190,10 @@ class FileLog:
     is garbage-collected.
     """
 
-    def __init__(self, path: str, world_size: int | None) -> None:
+    def __init__(self, path: str, world_size: int | None, lock_timeout: float = 300.0) -> None:
         self.path = path
+        self.lock_timeout = lock_timeout
+        """Seconds to wait for the file lock before failing (the store's timeout)."""
         self.world_size = world_size
         self.kv = KVState()
         self.offset = 0
@@ -227,8 +229,36 @@ class FileLog:
     # -- locking --------------------------------------------------------------------------
 
     def _flock(self, op: int) -> None:
+        """Take (or, with LOCK_UN, release) the file lock, waiting at most lock_timeout:
+        a process stopped or stuck while it holds the lock must not block every other
+        one for good."""
         try:
-            fcntl.flock(self.fd, op)
+            if op == fcntl.LOCK_UN:
+                fcntl.flock(self.fd, op)
+                return
+            try:
+                fcntl.flock(self.fd, op | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                pass
+            # Busy: poll, starting fast (a holder keeps it for microseconds) and backing
+            # off to a few milliseconds; every waiter polls the same way.
+            deadline = time.monotonic() + self.lock_timeout
+            delay = _LOCK_POLL_MIN
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DistStoreError(
+                        f"FileStore could not lock {self.path!r} within {self.lock_timeout:g} s: "
+                        f"{_lock_holders(self.fd)} holds it (stopped, stuck, or a very long "
+                        f"operation); the store's timeout bounds this wait")
+                time.sleep(min(delay, left))
+                delay = min(2 * delay, _LOCK_POLL_MAX)
+                try:
+                    fcntl.flock(self.fd, op | fcntl.LOCK_NB)
+                    return
+                except BlockingIOError:
+                    continue
         except OSError as e:
             raise DistStoreError(f"FileStore cannot lock {self.path!r}: {e}") from e
 
@@ -462,11 +492,11 @@ class FileLog:
                 self.fd = -1
                 return
             try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX)
-            except OSError as e:
+                self._flock(fcntl.LOCK_EX)
+            except DistStoreError:
                 os.close(self.fd)
                 self.fd = -1
-                raise DistStoreError(f"FileStore cannot lock {self.path!r}: {e}") from e
+                raise
             try:
                 self.sync(True)
                 self._write_records([w.encode_frame(w.REC_DELETE, [self.user_key])])
@@ -504,6 +534,33 @@ def _close_quietly(log: FileLog) -> None:
         log.close()
     except Exception:  # noqa: BLE001
         pass
+
+
+_LOCK_POLL_MIN = 50e-6
+_LOCK_POLL_MAX = 5e-3
+
+
+def _lock_holders(fd: int) -> str:
+    """Who holds the flock on ``fd``'s file, from /proc/locks (Linux): "pid N (name,
+    state S)"; "another process" when that cannot be told."""
+    try:
+        st = os.fstat(fd)
+        with open("/proc/locks", "rb") as f:
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return "another process"
+    ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    found = []
+    for line in lines:
+        parts = line.split()
+        if "->" in parts or len(parts) < 6 or parts[1] != "FLOCK" or parts[5] != ident:
+            continue  # "->" marks a waiter, not a holder
+        pid = parts[4]
+        name = _read_text(f"/proc/{pid}/comm") or "?"
+        st2 = _start_time(int(pid)) if pid.isdigit() else None
+        state = f", state {st2[1]}" if st2 else ""
+        found.append(f"pid {pid} ({name}{state})")
+    return " and ".join(found) if found else "another process"
 
 
 def _procs(users: list[User]) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import heapq
 import hmac
 import itertools
+import os
 import socket
 import struct
 import time
@@ -46,7 +47,7 @@ Out = Union[bytes, memoryview]
 
 class Conn:
     __slots__ = ("sock", "inbuf", "out", "authed", "limit", "waiter", "kind", "closing",
-                 "writing", "dirty", "big", "big_have", "torch", "pinged")
+                 "writing", "dirty", "big", "big_have", "big_need", "torch", "pinged", "later")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock: socket.socket | None = sock
@@ -61,9 +62,13 @@ class Conn:
         self.dirty = False
         self.big: bytearray | None = None
         self.big_have = 0
+        self.big_need = 0
+        """Size of the large frame arriving in ``big``, which grows as it arrives."""
         self.torch = False
         """Speaks torch's protocol (see _torch_wire)."""
         self.pinged = False
+        self.later = False
+        """Its turn ended with whole frames buffered; served next loop iteration."""
 
 
 class RequestServer:
@@ -81,6 +86,12 @@ class RequestServer:
         # value limit, and no more than a u32 length can say.
         self.max_frame = min(2 * max_value_size + (1 << 20), 0xFFFFFFFF)
         self._token = token
+        self.instance_id = os.urandom(8).hex().encode()
+        """Sent with every HELLO reply: a client that reconnects to a different id knows
+        that the server restarted (and that the store it had is gone)."""
+        self._pending: dict[Conn, float] = {}
+        """Connections that have not said HELLO (or torch's PING) yet, oldest first, and
+        when each is dropped if it still has not."""
         self._kv = KVState()
         self._timers: list[tuple[float, int, Waiter]] = []
         self._seq = itertools.count()
@@ -137,9 +148,10 @@ class RequestServer:
             conn.closing = True
             return
         conn.authed = True
+        self._pending.pop(conn, None)
         conn.limit = self.max_frame
         self._reply(conn, w.OK, [str(self.max_key_size).encode(), str(self.max_value_size).encode(),
-                                 str(self.max_frame).encode()])
+                                 str(self.max_frame).encode(), self.instance_id])
 
     # -- replies out ----------------------------------------------------------------------
 
@@ -376,6 +388,7 @@ def torch_request(srv: RequestServer, conn: Conn, q: int, a: list[object]) -> No
         if srv._token is not None:
             raise w.ProtocolError("torch clients cannot present this server's token")
         conn.pinged = True
+        srv._pending.pop(conn, None)
         out.append(tw.U32.pack(int(a[0])))  # type: ignore[call-overload]
     elif q == Q.SET:
         kv.set(srv._key(_tkey(a[0])), srv._value(a[1]))  # type: ignore[arg-type]

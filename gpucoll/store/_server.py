@@ -9,15 +9,24 @@ moves bytes (see docs/stores.md):
 * Each ready connection is read into one reused buffer; every complete frame in it is
   served and the replies leave in one send. Replies that a write produces for parked
   requests on other connections leave at the end of the loop iteration.
-* A frame too large for one read gets a buffer of its final size once its header is
-  in; large replies leave by sendmsg without being copied.
+* A frame too large for one read gets a buffer that grows with what arrives (never
+  more than twice what was received, plus one chunk): an announced length costs
+  nothing until its bytes come. Large replies leave by sendmsg without being copied.
 * Anything that does not parse, a wrong token, or an absurd length drops that
   connection only. Nothing here resolves names.
+* A connection that has not said HELLO (or torch's PING) within ``hello_timeout`` is
+  dropped, and at most ``max_pending`` such connections are kept (the oldest goes
+  first): idle or slow connections cannot hold the server's descriptors. Out of
+  descriptors, the server drops its oldest such connection to accept a new one.
+* Fairness: one connection's turn serves at most ``_TURN_FRAMES`` frames; the rest of
+  its input waits for the next loop iteration, behind every other ready connection.
 """
 
 from __future__ import annotations
 
 import errno
+import os
+import resource
 import selectors
 import socket
 import sys
@@ -27,41 +36,26 @@ import time
 from ..errors import DistNetworkError, DistStoreError
 from . import _wire as w
 from . import _torch_wire as tw
-from ._requests import JOIN_THRESHOLD, PIPELINE_SLACK, RequestServer, Conn, torch_request
+from ._sockets import listen, peer_uid, unix_socket_name
+from ._requests import JOIN_THRESHOLD, PIPELINE_SLACK, PREAUTH_MAX_FRAME, RequestServer, Conn, torch_request
 
 __all__ = ["StoreServer"]
 
 _RECV_SIZE = 256 * 1024
+_BIG_CHUNK = 1 << 20
+"""A large frame's buffer starts at most this big and at most doubles per growth."""
+HELLO_TIMEOUT = 5.0
+"""Seconds a new connection has to say HELLO (torch's clients: VALIDATE and PING)."""
+MAX_PENDING = 256
+"""Connections that have not said HELLO yet, at most (the oldest is dropped for a new one)."""
+_TURN_FRAMES = 64
+"""Frames served from one connection before the others get their turn."""
 _HEADER = w.HEADER
 _IOV_MAX = 512
 
 _IN = selectors.EVENT_READ
 _OUT = selectors.EVENT_WRITE
 _IN_ANY = selectors.EVENT_READ
-
-
-def unix_socket_name(ip: str, port: int) -> str:
-    """The abstract Unix socket a server bound to ``ip:port`` also listens on."""
-    return f"\0gpucoll-store/{ip}:{port}"
-
-
-def _listen(host: str, port: int, backlog: int) -> socket.socket:
-    try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                   flags=socket.AI_PASSIVE | socket.AI_NUMERICSERV)
-        family, stype, proto, _, addr = infos[0]
-        listener = socket.socket(family, stype, proto)
-        try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind(addr)
-            listener.listen(backlog)
-            listener.setblocking(False)
-        except BaseException:
-            listener.close()
-            raise
-    except OSError as e:
-        raise DistNetworkError(f"TCPStore server cannot listen on {host!r}:{port}: {e}") from e
-    return listener
 
 
 class StoreServer(RequestServer):
@@ -79,6 +73,9 @@ class StoreServer(RequestServer):
         max_key_size, max_value_size: limits on one key and one value, in bytes.
         backlog: listen backlog (the kernel caps it at ``net.core.somaxconn``).
         unix_socket: also listen on the abstract Unix socket (Linux only).
+        hello_timeout: seconds a new connection has to complete its HELLO.
+        max_pending: connections without a completed HELLO kept at most (bounded
+            further by a quarter of the descriptor limit).
 
     Raises:
         DistNetworkError: the address cannot be bound.
@@ -86,8 +83,16 @@ class StoreServer(RequestServer):
 
     def __init__(self, host: str, port: int, *, token: bytes | None, max_key_size: int,
                  max_value_size: int, backlog: int = 8192, unix_socket: bool = True,
-                 listen_fd: int | None = None) -> None:
+                 listen_fd: int | None = None, hello_timeout: float = HELLO_TIMEOUT,
+                 max_pending: int = MAX_PENDING) -> None:
         super().__init__(token=token, max_key_size=max_key_size, max_value_size=max_value_size)
+        self.hello_timeout = float(hello_timeout)
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if 0 < soft != resource.RLIM_INFINITY:
+            max_pending = min(max_pending, soft // 4)
+        self.max_pending = max(1, max_pending)
+        self._later: list[Conn] = []
+        """Connections whose turn ended with whole frames still buffered."""
         if listen_fd is not None:
             # A socket the caller bound and listens on (torch's master_listen_fd).
             try:
@@ -96,7 +101,7 @@ class StoreServer(RequestServer):
             except OSError as e:
                 raise DistNetworkError(f"TCPStore server cannot use listen_fd={listen_fd}: {e}") from e
         else:
-            listener = _listen(host, port, backlog)
+            listener = listen(host, port, backlog)
         self._listeners = [listener]
         bound = listener.getsockname()
         self.port: int = bound[1]
@@ -160,6 +165,11 @@ class StoreServer(RequestServer):
                 timers = self._timers
                 timeout = (min(max(0.0, timers[0][0] - time.monotonic()), w.MAX_TIMEOUT)
                            if timers else None)
+                if self._pending:
+                    first = max(0.0, next(iter(self._pending.values())) - time.monotonic())
+                    timeout = first if timeout is None else min(timeout, first)
+                if self._later:
+                    timeout = 0.0
                 try:
                     events = poll(timeout)
                 except InterruptedError:
@@ -177,12 +187,23 @@ class StoreServer(RequestServer):
                     try:
                         if ev & _OUT:
                             self._send(conn)
-                        if ev & _IN_ANY and conn.sock is not None:
+                        if ev & _IN_ANY and conn.sock is not None and not conn.later:
                             self._on_readable(conn)
                     except Exception:  # a bug serving one client must not stop the server
                         self._drop(conn)
                 if self._timers:
                     self._expire()
+                if self._pending:
+                    self._expire_pending()
+                if self._later:
+                    later, self._later = self._later, []
+                    for conn in later:
+                        conn.later = False
+                        if conn.sock is not None and conn.waiter is None and not conn.writing:
+                            try:
+                                self._process(conn)
+                            except Exception:
+                                self._drop(conn)
                 while self._resume:
                     resume, self._resume = self._resume, []
                     for conn in resume:
@@ -212,6 +233,29 @@ class StoreServer(RequestServer):
         except OSError:
             pass
 
+    def _expire_pending(self) -> None:
+        """Drop the connections that did not say HELLO in time (oldest first)."""
+        now = time.monotonic()
+        pending = self._pending
+        while pending:
+            conn, deadline = next(iter(pending.items()))
+            if deadline > now:
+                return
+            del pending[conn]
+            if not (conn.authed or conn.pinged):
+                self._drop(conn)
+
+    def _evict_pending(self) -> bool:
+        """Drop the oldest connection that has not said HELLO; False if there is none."""
+        pending = self._pending
+        while pending:
+            conn = next(iter(pending))
+            del pending[conn]
+            if conn.sock is not None and not (conn.authed or conn.pinged):
+                self._drop(conn)
+                return True
+        return False
+
     def _accept(self, listener: socket.socket) -> None:
         while True:
             try:
@@ -220,16 +264,29 @@ class StoreServer(RequestServer):
                 return
             except OSError as e:
                 if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    # Out of descriptors: stop accepting until a connection closes, rather
-                    # than spin on a listener that stays readable.
+                    # Out of descriptors: make room by dropping the oldest connection that
+                    # has not said HELLO; with none, stop accepting until a connection
+                    # closes, rather than spin on a listener that stays readable.
+                    if self._evict_pending():
+                        continue
                     for ls in self._listeners:
                         self._poller.unregister(ls.fileno())
                     self._accepting = False
                 return
-            sock.setblocking(False)
-            if sock.family != socket.AF_UNIX:
+            if sock.family == socket.AF_UNIX:
+                # Same host, through the abstract name: only this user's processes (and
+                # root's) may use it; others must come by TCP, where the token applies.
+                uid = peer_uid(sock)
+                if uid not in (os.getuid(), 0):
+                    sock.close()
+                    continue
+            else:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setblocking(False)
             conn = Conn(sock)
+            if len(self._pending) >= self.max_pending:
+                self._evict_pending()
+            self._pending[conn] = time.monotonic() + self.hello_timeout
             self._conns[sock.fileno()] = conn
             self._poller.register(sock.fileno(), _IN)
             # A client sends HELLO right after connecting: it is often here already, and
@@ -244,6 +301,7 @@ class StoreServer(RequestServer):
         if sock is None:
             return
         conn.sock = None
+        self._pending.pop(conn, None)
         if conn.waiter is not None:
             self._kv.cancel(conn.waiter)
             conn.waiter = None
@@ -342,6 +400,7 @@ class StoreServer(RequestServer):
             return
         pos = 0
         unpack = w.U32.unpack_from
+        turn = _TURN_FRAMES
         try:
             while n - pos >= 4 and conn.waiter is None and not conn.writing and not conn.closing:
                 (length,) = unpack(buf, pos)
@@ -350,6 +409,13 @@ class StoreServer(RequestServer):
                 end = pos + 4 + length
                 if end > n:
                     break
+                if not turn:
+                    # The others' turn: the rest waits for the next loop iteration.
+                    if not conn.later:
+                        conn.later = True
+                        self._later.append(conn)
+                    break
+                turn -= 1
                 code = buf[pos + 4]
                 fields = w.decode_fields(buf, pos + 5, end)
                 pos = end
@@ -366,14 +432,15 @@ class StoreServer(RequestServer):
         elif pos:
             conn.inbuf = buf[pos:]  # type: ignore[assignment]
         rest = conn.inbuf
-        if len(rest) >= 4 and conn.authed and conn.waiter is None and not conn.writing:
+        if (len(rest) >= 4 and conn.authed and conn.waiter is None and not conn.writing
+                and not conn.later):
             (length,) = w.U32.unpack_from(rest, 0)
             if length + 4 > _RECV_SIZE:
-                # Too big for one read: give it a buffer of its final size now.
-                big = bytearray(length + 4)
-                big[:len(rest)] = rest
-                conn.big = big
+                # Too big for one read: it gets a buffer that grows as its bytes arrive
+                # (see _read_big), never one of the announced size up front.
+                conn.big = bytearray(rest)
                 conn.big_have = len(rest)
+                conn.big_need = length + 4
                 conn.inbuf = b""
         # Everything this read produced goes out in one send, now.
         if conn.out and not conn.writing:
@@ -406,7 +473,8 @@ class StoreServer(RequestServer):
         buf = conn.inbuf
         n = len(buf)
         pos = 0
-        limit = max(self.max_value_size, self.max_key_size)
+        # Before its PING a torch client has sent nothing but VALIDATE: no long items.
+        limit = max(self.max_value_size, self.max_key_size) if conn.pinged else PREAUTH_MAX_FRAME
         try:
             while pos < n and conn.torch and not conn.writing and not conn.closing:
                 if conn.waiter is not None and buf[pos] != tw.Q.CANCEL_WAIT:
@@ -431,15 +499,19 @@ class StoreServer(RequestServer):
             self._process(conn)  # a gpucoll client's probe: its HELLO follows
 
     def _read_big(self, conn: Conn, sock: socket.socket) -> bool:
-        """Receive into the buffer of a large frame that is arriving, allocated at its
-        final size once its header was seen (the size is within the connection's
-        authenticated frame limit). Returns True once the frame is complete."""
+        """Receive a large frame (within the connection's authenticated frame limit)
+        into a buffer that grows as it fills: by at most its size, and at least
+        _BIG_CHUNK, up to the announced size. A client announcing a gigabyte and
+        sending a few bytes costs a few bytes. Returns True once the frame is complete."""
         big = conn.big
         assert big is not None
-        view = memoryview(big)
+        need = conn.big_need
         try:
-            while conn.big_have < len(big):
-                got = sock.recv_into(view[conn.big_have:])
+            while conn.big_have < need:
+                if conn.big_have == len(big):
+                    big += bytes(min(need - len(big), max(len(big), _BIG_CHUNK)))
+                with memoryview(big) as view:
+                    got = sock.recv_into(view[conn.big_have:])
                 if not got:
                     self._drop(conn)
                     return False
@@ -449,8 +521,6 @@ class StoreServer(RequestServer):
         except OSError:
             self._drop(conn)
             return False
-        finally:
-            view.release()
         conn.big = None
         conn.inbuf = big
         return True

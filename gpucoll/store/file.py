@@ -68,12 +68,16 @@ class FileStore(Store):
             raise ValueError(f"world_size must be None or an int >= 1; got {world_size!r}")
         self._path = os.fspath(file_name)
         self.world_size = world_size
-        self._log = FileLog(self._path, world_size)
+        self._log = FileLog(self._path, world_size, self._timeout)
         if self._log.fresh_start:
             warnings.warn(self._log.fresh_start, RuntimeWarning, stacklevel=2)
         # Closes the log when the store is garbage-collected or the interpreter exits
         # (torch's FileStore does so in its destructor).
         self._finalizer = weakref.finalize(self, finalize, self._log)
+
+    def set_timeout(self, timeout: Timeout) -> None:
+        super().set_timeout(timeout)
+        self._log.lock_timeout = self._timeout  # waiting for the file lock is bounded too
 
     @property
     def path(self) -> str:

@@ -8,43 +8,30 @@ once, each carrying one request at a time.
 
 from __future__ import annotations
 
-import os
-import socket
 import struct
 import threading
 import time
 from collections.abc import Sequence
-from typing import Callable, TypeVar
 
 from .._timeouts import DEFAULT_TIMEOUT
-from ..clusters.base import STORE_TOKEN_ENV
-from ..errors import DistNetworkError, DistStoreError, DistStoreTimeoutError
-from . import _torch_wire as tw
+from ..errors import DistStoreError, DistStoreTimeoutError
 from . import _wire as w
 from ._kv import HIDDEN_PREFIX
-from ._client import Connection, peer_uid, unix_names
+from ._client import Connection, unix_names
+from ._links import GRACE as _GRACE, StoreLinks, token_bytes as _token_bytes
 from ._server import StoreServer
-from ._torch_client import TORCH_MAX_VALUE, TorchConnection, WaitTimedOut
-from .base import Store, Timeout, ValueLike, timeout_error
+from ._torch_client import TorchConnection, WaitTimedOut
+from .base import Timeout, ValueLike, timeout_error
 
 __all__ = ["TCPStore"]
 
-_T = TypeVar("_T")
-
 DEFAULT_MAX_KEY_SIZE = 64 * 1024
 DEFAULT_MAX_VALUE_SIZE = 512 * 1024 * 1024
-_GRACE = 0.25
-"""Seconds a client waits past a blocking request's timeout for the server's own
-timeout reply before it gives up on the connection."""
 _HEAD1 = struct.Struct("<IBI")
 """A frame's header and the length of its first field."""
 _U32 = w.U32
-_MAX_TOKEN = 4096
 _WORKERS_KEY = HIDDEN_PREFIX + b"tcpstore/workers"
 _READY_KEY = HIDDEN_PREFIX + b"tcpstore/ready"
-_PROBE_SECONDS = 10.0
-"""How long a client waits for a server to answer its first bytes before it says that the
-listener is not a store (torch's server may spend 5 s resolving the client's name)."""
 PROTOCOLS = ("auto", "gpucoll", "torch")
 
 _TENANTS: dict[int, list[object]] = {}
@@ -52,11 +39,7 @@ _TENANTS: dict[int, list[object]] = {}
 _TENANTS_LOCK = threading.Lock()
 
 
-class _TorchServer(Exception):
-    """The server answered the probe as torch's TCPStore does."""
-
-
-class TCPStore(Store):
+class TCPStore(StoreLinks):
     """A store on a TCP server that one process (the master) runs on a background thread.
 
     Args:
@@ -171,8 +154,12 @@ class TCPStore(Store):
 
     def clone(self) -> TCPStore:
         """A new client of the same server (its own connections; torch's ``clone``)."""
-        return TCPStore(self.host, self._port, timeout=self._timeout, token=self._token,
+        twin = TCPStore(self.host, self._port, timeout=self._timeout, token=self._token,
                         use_unix_socket=bool(self._unix), protocol=self._protocol)
+        if self._instance is not None and twin._instance != self._instance:
+            twin.close()
+            self._check_instance(twin._instance or b"")  # raises: the server restarted
+        return twin
 
     def _start_server(self, host: str, port: int, max_key_size: int, max_value_size: int,
                       unix_socket: bool, multi_tenant: bool,
@@ -276,180 +263,6 @@ class TCPStore(Store):
             raise DistStoreError(f"check: unexpected reply code {status} from {self._where}")
         return out[0] == b"1"
 
-    # -- connections ----------------------------------------------------------------------
-
-    _tpool_mode = False
-    """True once the server is known to speak torch's protocol."""
-
-    def _connect_first(self, deadline: float) -> None:
-        """Connect (finding the server's protocol when it is "auto") and pool the connection."""
-        if self._protocol == "torch":
-            self._use_torch()
-            self._tpool.append(self._connect(deadline, torch=True))  # type: ignore[arg-type]
-            return
-        try:
-            self._pool.append(self._connect(deadline))  # type: ignore[arg-type]
-            self._protocol = "gpucoll"
-        except _TorchServer:
-            self._use_torch()
-            self._tpool.append(self._connect(deadline, torch=True))  # type: ignore[arg-type]
-
-    def _use_torch(self) -> None:
-        if self._token_given or self._token is not None:
-            raise DistStoreError(
-                f"{self._where} is a torch TCPStore server, which has no token check; a token "
-                f"was given (token= or GPUCOLL_STORE_TOKEN): refusing to connect without it")
-        self._protocol = "torch"
-        self._tpool_mode = True
-        self._unix = []
-        self._where = f"torch TCPStore {self.host}:{self._port}"
-        # torch's libuv server resets a connection that sends a longer item.
-        self.max_value_size = min(self.max_value_size, TORCH_MAX_VALUE)
-        self.max_key_size = min(self.max_key_size, TORCH_MAX_VALUE - 1)
-        self._limit_name = "torch's server limit"
-
-    def _connect(self, deadline: float, torch: bool = False) -> Connection | TorchConnection:
-        """Connect and say HELLO, retrying refused connections until ``deadline``."""
-        delay = 0.01
-        while True:
-            try:
-                left = max(0.05, deadline - time.monotonic())
-                return self._open_torch(left) if torch else self._open(left, probe=True)
-            except (ConnectionRefusedError, ConnectionResetError, ConnectionAbortedError,
-                    TimeoutError) as e:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise DistStoreTimeoutError(
-                        f"could not connect to {self._where} within {self._timeout:g} s: {e}") from e
-                time.sleep(min(delay, left))
-                delay = min(2 * delay, 0.5)
-            except OSError as e:
-                raise DistNetworkError(f"cannot connect to {self._where}: {e}") from e
-
-    def _open_torch(self, timeout: float) -> TorchConnection:
-        timeout = min(timeout, w.MAX_TIMEOUT)
-        sock = self._open_socket(timeout)
-        try:
-            return TorchConnection.open(sock, min(self._timeout + _GRACE, w.MAX_TIMEOUT))
-        except BaseException:
-            sock.close()
-            raise
-
-    def _hello(self) -> bytes:
-        token = self._token or b""
-        # A HELLO never starts with a zero byte: the server tells torch's clients (whose
-        # first byte is 0) from gpucoll's by it.
-        pad = b"" if (19 + len(token)) % 256 else b"\x01"
-        return w.encode_frame(w.HELLO, [w.MAGIC + w.VERSION.to_bytes(2, "little"), token, pad])
-
-    def _probe(self, sock: socket.socket, timeout: float) -> None:
-        """Read the answer to a probe (see _torch_wire): UPGRADE from a gpucoll server;
-        raise _TorchServer on torch's echo, DistStoreError on anything else."""
-        wait = min(timeout, _PROBE_SECONDS)
-        sock.settimeout(wait)
-        got = b""
-        try:
-            while len(got) < 4:
-                more = sock.recv(4 - len(got))
-                if not more:
-                    break
-                got += more
-        except TimeoutError:
-            raise DistStoreError(
-                f"{self._where} accepted the connection but did not answer within {wait:g} s: "
-                f"is it a TCPStore (gpucoll's or torch's)?") from None
-        except OSError as e:
-            got = got or f"({e})".encode()
-        if got == tw.UPGRADE:
-            return
-        if got == tw.U32.pack(tw.PROBE_NONCE):
-            raise _TorchServer()
-        raise DistStoreError(
-            f"{self._where} accepted the connection but answered {got[:16]!r} to the store "
-            f"greeting: it is not a TCPStore (neither gpucoll's nor torch 2.x's)")
-
-    def _open(self, timeout: float, probe: bool = False) -> Connection:
-        timeout = min(timeout, w.MAX_TIMEOUT)
-        sock = self._open_socket(timeout)
-        try:
-            if probe and self._protocol == "auto" and sock.family != socket.AF_UNIX:
-                # Is it gpucoll's server or torch's? One round trip tells (see _torch_wire).
-                sock.sendall(tw.PREFIX + bytes([tw.Q.PING]) + tw.U32.pack(tw.PROBE_NONCE))
-                self._probe(sock, timeout)
-            # HELLO goes out first, so that it is there when the server accepts (it
-            # reads a new connection at once); the socket options are set meanwhile.
-            sock.sendall(self._hello())
-            # The timeout of every later request, already: one setsockopt pair per connection.
-            conn = Connection(sock, min(self._timeout + _GRACE, w.MAX_TIMEOUT))
-            # No spin for HELLO: the server accepts before it reads, so the reply seldom
-            # arrives within the spin, which would then only burn 50 us of CPU.
-            conn.skip_spin = max(conn.skip_spin, 1)
-            code, fields = conn.reply(conn.timeout)
-            if code == w.ERROR and fields:
-                raise DistStoreError(f"{self._where} refused the connection: "
-                                     f"{fields[0].decode('utf-8', 'replace')}")
-            try:
-                if code != w.OK or len(fields) != 3:
-                    raise ValueError(f"reply code {code} with {len(fields)} fields")
-                limits = [int(f) for f in fields]
-            except ValueError as e:
-                raise DistStoreError(f"{self._where} answered HELLO with something unexpected "
-                                     f"({e}); is it a gpucoll TCPStore?") from None
-            self.max_key_size, self.max_value_size, self._max_frame = limits
-            return conn
-        except BaseException:
-            sock.close()
-            raise
-
-    def _open_socket(self, timeout: float) -> socket.socket:
-        for name in self._unix:
-            ux = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            ux.settimeout(timeout)
-            try:
-                ux.connect(name)
-                if peer_uid(ux) in (os.getuid(), 0):
-                    return ux
-            except OSError:
-                pass
-            ux.close()
-        # create_connection resolves forward only; nothing on this path asks for a peer's name.
-        sock = socket.create_connection((self._connect_host, self._port), timeout=timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
-
-    def _tcall(self, op: str, fn: Callable[[TorchConnection], _T]) -> _T:
-        """Run ``fn`` on a pooled connection to a torch server."""
-        if self._closed:
-            raise DistStoreError(f"{op} on a closed {self._where}")
-        try:
-            conn = self._tpool.pop()
-        except IndexError:
-            try:
-                conn = self._open_torch(self._timeout)
-            except OSError as e:
-                raise DistNetworkError(f"{op}: cannot reach {self._where}: {e}") from e
-        try:
-            result = fn(conn)
-        except TimeoutError as e:
-            conn.close()
-            raise DistStoreTimeoutError(f"{op} got no reply from {self._where} within "
-                                        f"{self._timeout:g} s") from e
-        except WaitTimedOut:
-            self._tpool.append(conn)
-            raise
-        except OSError as e:
-            conn.close()
-            raise DistNetworkError(f"{op}: lost the connection to {self._where}: {e} (torch's "
-                                   f"server resets a connection whose request it refuses)") from e
-        except BaseException:
-            conn.close()
-            raise
-        if self._closed:
-            conn.close()
-        else:
-            self._tpool.append(conn)
-        return result
-
     def _twait(self, op: str, keys: list[str], timeout: float) -> list[bytes]:
         bkeys = [self._k(k) for k in keys]
         try:
@@ -458,77 +271,6 @@ class TCPStore(Store):
             missing = [k for k in keys if not self._check([k])]
             raise timeout_error(op, keys, missing, timeout, self._where) from None
         return bkeys
-
-    def _send_only(self, frame: bytes, op: str) -> None:
-        """Send a request that is answered only when it fails (see SET_QUIET)."""
-        if self._closed:
-            raise DistStoreError(f"{op} on a closed {self._where}")
-        if len(frame) - 4 > self._max_frame:
-            raise ValueError(f"{op}: the request is {len(frame)} bytes, over the limit of "
-                             f"{self._max_frame} bytes of {self._where}")
-        try:
-            conn = self._pool.pop()
-        except IndexError:
-            try:
-                conn = self._open(self._timeout)
-            except OSError as e:
-                raise DistNetworkError(f"{op}: cannot reach {self._where}: {e}") from e
-        try:
-            conn.send(frame, self._timeout + _GRACE)
-        except TimeoutError as e:
-            conn.close()
-            raise DistStoreTimeoutError(f"{op} could not send to {self._where} within "
-                                        f"{self._timeout:g} s") from e
-        except OSError as e:
-            conn.close()
-            raise DistNetworkError(f"{op}: lost the connection to {self._where}: {e}") from e
-        except BaseException:
-            conn.close()
-            raise
-        if self._closed:
-            conn.close()
-        else:
-            self._pool.append(conn)
-
-    def _call(self, frame: bytes, timeout: float, op: str) -> tuple[int, list[bytes]]:
-        if self._closed:
-            raise DistStoreError(f"{op} on a closed {self._where}")
-        if len(frame) - 4 > self._max_frame:
-            raise ValueError(f"{op}: the request is {len(frame)} bytes, over the limit of "
-                             f"{self._max_frame} bytes of {self._where}")
-        try:
-            conn = self._pool.pop()
-        except IndexError:
-            # Several threads at once, or the last connection broke: one more connection.
-            # The server is known to have existed, so a refusal is not retried.
-            try:
-                conn = self._open(self._timeout)
-            except OSError as e:
-                raise DistNetworkError(f"{op}: cannot reach {self._where}: {e}") from e
-        try:
-            code, fields = conn.request(frame, timeout)
-        except TimeoutError as e:
-            conn.close()
-            raise DistStoreTimeoutError(f"{op} got no reply from {self._where} within "
-                                        f"{timeout:g} s") from e
-        except OSError as e:
-            conn.close()
-            raise DistNetworkError(f"{op}: lost the connection to {self._where}: {e}") from e
-        except BaseException:
-            conn.close()
-            raise
-        if self._closed:
-            conn.close()
-        else:
-            self._pool.append(conn)
-        if conn.late is not None:
-            late, conn.late = conn.late, None
-            raise DistStoreError(f"an earlier set on this connection to {self._where} failed: "
-                                 f"{late} (this {op} itself was carried out)")
-        if code == w.ERROR:
-            msg = fields[0].decode("utf-8", "replace") if fields else "(no message)"
-            raise DistStoreError(f"{op} failed on {self._where}: {msg}")
-        return code, fields
 
     def _simple(self, code: int, fields: list[bytes], op: str) -> list[bytes]:
         status, out = self._call(w.encode_frame(code, fields), self._timeout + _GRACE, op)
@@ -721,17 +463,3 @@ class TCPStore(Store):
             keys = self._tcall("list_keys", lambda c: c.list_keys())
             return [k.decode("utf-8", "replace") for k in keys if not k.startswith(HIDDEN_PREFIX)]
         return [k.decode("utf-8", "replace") for k in self._simple(w.LIST_KEYS, [], "list_keys")]
-
-
-def _token_bytes(token: str | bytes | None) -> bytes | None:
-    if token is None:
-        token = os.environ.get(STORE_TOKEN_ENV) or None
-        if token is None:
-            return None
-    if isinstance(token, str):
-        token = token.encode()
-    if not isinstance(token, bytes):
-        raise TypeError(f"token must be str, bytes or None; got {type(token).__name__}")
-    if len(token) > _MAX_TOKEN:
-        raise ValueError(f"token must be at most {_MAX_TOKEN} bytes; got {len(token)}")
-    return token or None

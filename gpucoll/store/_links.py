@@ -1,0 +1,350 @@
+"""The connection side of a TCPStore client: finding the server, saying HELLO, and
+carrying one request on a pooled connection (gpucoll's protocol or torch's).
+
+:class:`TCPStore` (in ``tcp``) builds on :class:`StoreLinks`; the operations are there.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Callable, TypeVar
+
+from ..clusters.base import STORE_TOKEN_ENV
+from ..errors import DistError, DistNetworkError, DistStoreError, DistStoreTimeoutError
+from . import _torch_wire as tw
+from . import _wire as w
+from ._client import Connection
+from ._sockets import peer_uid
+from ._torch_client import TORCH_MAX_VALUE, TorchConnection, WaitTimedOut
+from .base import Store
+
+__all__ = ["StoreLinks", "ServerRestarted", "GRACE", "token_bytes"]
+
+_T = TypeVar("_T")
+
+GRACE = 0.25
+"""Seconds a client waits past a blocking request's timeout for the server's own
+timeout reply before it gives up on the connection."""
+_MAX_TOKEN = 4096
+_PROBE_SECONDS = 10.0
+"""How long a client waits for a server to answer its first bytes before it says that the
+listener is not a store (torch's server may spend 5 s resolving the client's name)."""
+
+
+class ServerRestarted(DistStoreError):
+    """The server a client reconnected to is not the one it first said HELLO to."""
+
+
+class _TorchServer(Exception):
+    """The server answered the probe as torch's TCPStore does."""
+
+
+class StoreLinks(Store):
+    """A TCPStore client's connections: a pool of gpucoll connections (or, against a
+    torch server, of torch connections), each carrying one request at a time."""
+
+    host: str
+    _port: int
+    _token: bytes | None
+    _token_given: bool
+    _closed: bool
+    _pool: list[Connection]
+    _tpool: list[TorchConnection]
+    _protocol: str
+    _where: str
+    _unix: list[str]
+    _connect_host: str
+    _limit_name: str
+    _max_frame: int
+    max_key_size: int
+    max_value_size: int
+
+    _tpool_mode = False
+    """True once the server is known to speak torch's protocol."""
+    _instance: bytes | None = None
+    """The server instance id this client first said HELLO to (see _check_instance)."""
+
+    def _connect_first(self, deadline: float) -> None:
+        """Connect (finding the server's protocol when it is "auto") and pool the connection."""
+        if self._protocol == "torch":
+            self._use_torch()
+            self._tpool.append(self._connect(deadline, torch=True))  # type: ignore[arg-type]
+            return
+        try:
+            self._pool.append(self._connect(deadline))  # type: ignore[arg-type]
+            self._protocol = "gpucoll"
+        except _TorchServer:
+            self._use_torch()
+            self._tpool.append(self._connect(deadline, torch=True))  # type: ignore[arg-type]
+
+    def _use_torch(self) -> None:
+        if self._token_given or self._token is not None:
+            raise DistStoreError(
+                f"{self._where} is a torch TCPStore server, which has no token check; a token "
+                f"was given (token= or GPUCOLL_STORE_TOKEN): refusing to connect without it")
+        self._protocol = "torch"
+        self._tpool_mode = True
+        self._unix = []
+        self._where = f"torch TCPStore {self.host}:{self._port}"
+        # torch's libuv server resets a connection that sends a longer item.
+        self.max_value_size = min(self.max_value_size, TORCH_MAX_VALUE)
+        self.max_key_size = min(self.max_key_size, TORCH_MAX_VALUE - 1)
+        self._limit_name = "torch's server limit"
+
+    def _connect(self, deadline: float, torch: bool = False) -> Connection | TorchConnection:
+        """Connect and say HELLO, retrying refused connections until ``deadline``."""
+        delay = 0.01
+        while True:
+            try:
+                left = max(0.05, deadline - time.monotonic())
+                return self._open_torch(left) if torch else self._open(left, probe=True)
+            except (ConnectionRefusedError, ConnectionResetError, ConnectionAbortedError,
+                    TimeoutError) as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DistStoreTimeoutError(
+                        f"could not connect to {self._where} within {self._timeout:g} s: {e}") from e
+                time.sleep(min(delay, left))
+                delay = min(2 * delay, 0.5)
+            except OSError as e:
+                raise DistNetworkError(f"cannot connect to {self._where}: {e}") from e
+
+    def _open_torch(self, timeout: float) -> TorchConnection:
+        timeout = min(timeout, w.MAX_TIMEOUT)
+        sock = self._open_socket(timeout)
+        try:
+            return TorchConnection.open(sock, min(self._timeout + GRACE, w.MAX_TIMEOUT))
+        except BaseException:
+            sock.close()
+            raise
+
+    def _hello(self) -> bytes:
+        token = self._token or b""
+        # A HELLO never starts with a zero byte: the server tells torch's clients (whose
+        # first byte is 0) from gpucoll's by it.
+        pad = b"" if (19 + len(token)) % 256 else b"\x01"
+        return w.encode_frame(w.HELLO, [w.MAGIC + w.VERSION.to_bytes(2, "little"), token, pad])
+
+    def _probe(self, sock: socket.socket, timeout: float) -> None:
+        """Read the answer to a probe (see _torch_wire): UPGRADE from a gpucoll server;
+        raise _TorchServer on torch's echo, DistStoreError on anything else."""
+        wait = min(timeout, _PROBE_SECONDS)
+        sock.settimeout(wait)
+        got = b""
+        try:
+            while len(got) < 4:
+                more = sock.recv(4 - len(got))
+                if not more:
+                    break
+                got += more
+        except TimeoutError:
+            raise DistStoreError(
+                f"{self._where} accepted the connection but did not answer within {wait:g} s: "
+                f"is it a TCPStore (gpucoll's or torch's)?") from None
+        except OSError as e:
+            got = got or f"({e})".encode()
+        if got == tw.UPGRADE:
+            return
+        if got == tw.U32.pack(tw.PROBE_NONCE):
+            raise _TorchServer()
+        raise DistStoreError(
+            f"{self._where} accepted the connection but answered {got[:16]!r} to the store "
+            f"greeting: it is not a TCPStore (neither gpucoll's nor torch 2.x's)")
+
+    def _open(self, timeout: float, probe: bool = False) -> Connection:
+        timeout = min(timeout, w.MAX_TIMEOUT)
+        sock = self._open_socket(timeout)
+        try:
+            if probe and self._protocol == "auto" and sock.family != socket.AF_UNIX:
+                # Is it gpucoll's server or torch's? One round trip tells (see _torch_wire).
+                sock.sendall(tw.PREFIX + bytes([tw.Q.PING]) + tw.U32.pack(tw.PROBE_NONCE))
+                self._probe(sock, timeout)
+            # HELLO goes out first, so that it is there when the server accepts (it
+            # reads a new connection at once); the socket options are set meanwhile.
+            sock.sendall(self._hello())
+            # The timeout of every later request, already: one setsockopt pair per connection.
+            conn = Connection(sock, min(self._timeout + GRACE, w.MAX_TIMEOUT))
+            # No spin for HELLO: the server accepts before it reads, so the reply seldom
+            # arrives within the spin, which would then only burn 50 us of CPU.
+            conn.skip_spin = max(conn.skip_spin, 1)
+            code, fields = conn.reply(conn.timeout)
+            if code == w.ERROR and fields:
+                raise DistStoreError(f"{self._where} refused the connection: "
+                                     f"{fields[0].decode('utf-8', 'replace')}")
+            try:
+                if code != w.OK or len(fields) not in (3, 4):
+                    raise ValueError(f"reply code {code} with {len(fields)} fields")
+                limits = [int(f) for f in fields[:3]]
+            except ValueError as e:
+                raise DistStoreError(f"{self._where} answered HELLO with something unexpected "
+                                     f"({e}); is it a gpucoll TCPStore?") from None
+            self._check_instance(fields[3] if len(fields) == 4 else b"")
+            self.max_key_size, self.max_value_size, self._max_frame = limits
+            return conn
+        except BaseException:
+            sock.close()
+            raise
+
+    def _check_instance(self, instance: bytes) -> None:
+        """Remember the server's instance id at the first HELLO; a later connection to
+        another instance means the server restarted, and every key, counter and waiter
+        this client relied on is gone: fail rather than carry on with an empty store."""
+        if self._instance is None:
+            self._instance = instance
+            return
+        if instance != self._instance:
+            raise ServerRestarted(
+                f"{self._where} restarted: this client first connected to server instance "
+                f"{self._instance.decode(errors='replace') or '(unnamed)'}, and the server now "
+                f"listening there is instance {instance.decode(errors='replace') or '(unnamed)'}. "
+                f"The store this job used died with the first one (its keys, counters and "
+                f"waiters are gone); the job cannot continue on the new, empty store")
+
+    def _open_socket(self, timeout: float) -> socket.socket:
+        for name in self._unix:
+            ux = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            ux.settimeout(timeout)
+            try:
+                ux.connect(name)
+                if peer_uid(ux) in (os.getuid(), 0):
+                    return ux
+            except OSError:
+                pass
+            ux.close()
+        # create_connection resolves forward only; nothing on this path asks for a peer's name.
+        sock = socket.create_connection((self._connect_host, self._port), timeout=timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def _tcall(self, op: str, fn: Callable[[TorchConnection], _T]) -> _T:
+        """Run ``fn`` on a pooled connection to a torch server."""
+        if self._closed:
+            raise DistStoreError(f"{op} on a closed {self._where}")
+        try:
+            conn = self._tpool.pop()
+        except IndexError:
+            try:
+                conn = self._open_torch(self._timeout)
+            except OSError as e:
+                raise DistNetworkError(f"{op}: cannot reach {self._where}: {e}") from e
+        try:
+            result = fn(conn)
+        except TimeoutError as e:
+            conn.close()
+            raise DistStoreTimeoutError(f"{op} got no reply from {self._where} within "
+                                        f"{self._timeout:g} s") from e
+        except WaitTimedOut:
+            self._tpool.append(conn)
+            raise
+        except OSError as e:
+            conn.close()
+            raise DistNetworkError(f"{op}: lost the connection to {self._where}: {e} (torch's "
+                                   f"server resets a connection whose request it refuses)") from e
+        except BaseException:
+            conn.close()
+            raise
+        if self._closed:
+            conn.close()
+        else:
+            self._tpool.append(conn)
+        return result
+
+    def _send_only(self, frame: bytes, op: str) -> None:
+        """Send a request that is answered only when it fails (see SET_QUIET)."""
+        if self._closed:
+            raise DistStoreError(f"{op} on a closed {self._where}")
+        if len(frame) - 4 > self._max_frame:
+            raise ValueError(f"{op}: the request is {len(frame)} bytes, over the limit of "
+                             f"{self._max_frame} bytes of {self._where}")
+        try:
+            conn = self._pool.pop()
+        except IndexError:
+            try:
+                conn = self._open(self._timeout)
+            except OSError as e:
+                raise DistNetworkError(f"{op}: cannot reach {self._where}: {e}") from e
+        try:
+            conn.send(frame, self._timeout + GRACE)
+        except TimeoutError as e:
+            conn.close()
+            raise DistStoreTimeoutError(f"{op} could not send to {self._where} within "
+                                        f"{self._timeout:g} s") from e
+        except OSError as e:
+            conn.close()
+            raise self._lost(op, e) from e
+        except BaseException:
+            conn.close()
+            raise
+        if self._closed:
+            conn.close()
+        else:
+            self._pool.append(conn)
+
+    def _lost(self, op: str, e: OSError) -> Exception:
+        """The error for a connection that broke under ``op``: says so when the server
+        restarted (one new connection, within a second, tells)."""
+        if not self._closed:
+            try:
+                self._pool.append(self._open(min(1.0, self._timeout)))
+            except ServerRestarted as restarted:
+                return DistNetworkError(f"{op}: lost the connection to {self._where}: {e}; "
+                                        f"{restarted}")
+            except (OSError, DistError):
+                pass
+        return DistNetworkError(f"{op}: lost the connection to {self._where}: {e}")
+
+    def _call(self, frame: bytes, timeout: float, op: str) -> tuple[int, list[bytes]]:
+        if self._closed:
+            raise DistStoreError(f"{op} on a closed {self._where}")
+        if len(frame) - 4 > self._max_frame:
+            raise ValueError(f"{op}: the request is {len(frame)} bytes, over the limit of "
+                             f"{self._max_frame} bytes of {self._where}")
+        try:
+            conn = self._pool.pop()
+        except IndexError:
+            # Several threads at once, or the last connection broke: one more connection.
+            # The server is known to have existed, so a refusal is not retried.
+            try:
+                conn = self._open(self._timeout)
+            except OSError as e:
+                raise DistNetworkError(f"{op}: cannot reach {self._where}: {e}") from e
+        try:
+            code, fields = conn.request(frame, timeout)
+        except TimeoutError as e:
+            conn.close()
+            raise DistStoreTimeoutError(f"{op} got no reply from {self._where} within "
+                                        f"{timeout:g} s") from e
+        except OSError as e:
+            conn.close()
+            raise self._lost(op, e) from e
+        except BaseException:
+            conn.close()
+            raise
+        if self._closed:
+            conn.close()
+        else:
+            self._pool.append(conn)
+        if conn.late is not None:
+            late, conn.late = conn.late, None
+            raise DistStoreError(f"an earlier set on this connection to {self._where} failed: "
+                                 f"{late} (this {op} itself was carried out)")
+        if code == w.ERROR:
+            msg = fields[0].decode("utf-8", "replace") if fields else "(no message)"
+            raise DistStoreError(f"{op} failed on {self._where}: {msg}")
+        return code, fields
+
+def token_bytes(token: str | bytes | None) -> bytes | None:
+    if token is None:
+        token = os.environ.get(STORE_TOKEN_ENV) or None
+        if token is None:
+            return None
+    if isinstance(token, str):
+        token = token.encode()
+    if not isinstance(token, bytes):
+        raise TypeError(f"token must be str, bytes or None; got {type(token).__name__}")
+    if len(token) > _MAX_TOKEN:
+        raise ValueError(f"token must be at most {_MAX_TOKEN} bytes; got {len(token)}")
+    return token or None
+
