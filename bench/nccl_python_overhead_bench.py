@@ -103,7 +103,7 @@ class NoopRuntime:
     def current_stream(self) -> int:
         return 0x7000
 
-    def new_stream(self) -> Any:
+    def new_stream(self, high_priority: bool = False) -> Any:
         return _Stream()
 
     def event(self, pooled: bool = True) -> Any:
@@ -132,8 +132,11 @@ class NoopRuntime:
     def unique_id(self) -> bytes:
         return bytes(128)
 
-    def new_comm(self, size: int, uid: bytes, rank: int) -> Any:
+    def new_comm(self, size: int, uid: bytes, rank: int, config: Any = None) -> Any:
         return _Comm()
+
+    def check_config(self, config: Any) -> None:
+        pass
 
 
 class DeviceArray:
