@@ -106,6 +106,7 @@ class CPUBackend:
         self._closed = False
         self._store = store
         self._sigs: dict[int, Fields] = {}  # signatures published (see _publish)
+        self._sig_of: dict[tuple[object, ...], int] = {}  # an op's kind and fields -> its signature
         source = "transport" if transport is not None else TRANSPORT_ENV
         mode = (transport if transport is not None else os.environ.get(TRANSPORT_ENV, "auto")).strip().lower()
         mode = mode or "auto"
@@ -253,12 +254,26 @@ class CPUBackend:
                     **fields: object) -> Work:
         """Submit a collective; ``fields`` (dtype, count, root, reduce op, sizes...) are what
         every rank must agree on: their digest is compared across ranks by the transport."""
+        # Repeated ops (the common case) find their signature, computed and published
+        # the first time, in one dict look-up: no digest and no store access per op.
+        key = (op_type, *fields.items())
+        sig = self._sig_of.get(key)
+        if sig is None:
+            sig = self._signature(key, op_type, fields)
+        work = self._work(op_type, bufs)
+        return self._submit(work, body, sum(b.nbytes for b in bufs), sig)
+
+    def _signature(self, key: tuple[object, ...], op_type: str, fields: dict[str, object]) -> int:
+        """An op's signature, the first time its kind and fields are seen: digest them,
+        publish them (see :meth:`_publish`) and remember the signature under ``key``."""
         named = [("op", op_type)] + [(k.replace("_", " "), _text(v)) for k, v in fields.items() if v is not None]
         sig = signature(named)
         if sig not in self._sigs and self.size > 1:
             self._publish(sig, named)
-        work = self._work(op_type, bufs)
-        return self._submit(work, body, sum(b.nbytes for b in bufs), sig)
+        if len(self._sig_of) >= _SIG_CACHE:
+            self._sig_of.clear()  # bounded: a job with this many distinct ops recomputes some
+        self._sig_of[key] = sig
+        return sig
 
     # ----- the signature registry: readable mismatch errors -----
     def _publish(self, sig: int, fields: Fields) -> None:
@@ -344,7 +359,7 @@ class CPUBackend:
                 self._coll.all_reduce(c, x, red)
 
         return self._collective("all_reduce_coalesced", list(bufs), body,
-                                arrays=[f"{b.dtype.name} x {b.numel}" for b in bufs], reduce_op=_sig_op(op))
+                                arrays=tuple(f"{b.dtype.name} x {b.numel}" for b in bufs), reduce_op=_sig_op(op))
 
     def reduce(self, buf: Buffer, dst: int, op: ReduceOpLike) -> Work:
         red, scale = self._sum_of(op, buf)
@@ -381,7 +396,7 @@ class CPUBackend:
             red.fold(o, parts)
 
         return self._collective("reduce_scatter", [out, *inputs], body, dtype=out.dtype.name,
-                                counts=[n // out.dtype.itemsize for n in sizes], reduce_op=_sig_op(op))
+                                counts=tuple(n // out.dtype.itemsize for n in sizes), reduce_op=_sig_op(op))
 
     def reduce_scatter_single(self, out: Buffer, inp: Buffer, op: ReduceOpLike) -> Work:
         red, scale = self._sum_of(op, out)
@@ -421,7 +436,7 @@ class CPUBackend:
 
         keep = [b for row in outs for b in row] + list(inps)
         return self._collective("all_gather_coalesced", keep, body,
-                                arrays=[f"{b.dtype.name} x {b.numel}" for b in inps])
+                                arrays=tuple(f"{b.dtype.name} x {b.numel}" for b in inps))
 
     def gather(self, outs: Sequence[Buffer] | None, inp: Buffer, dst: int) -> Work:
         os_ = [self._arr(b) for b in outs] if outs is not None else None
