@@ -58,6 +58,17 @@ def _mismatch_body() -> dict[str, Any]:
 
     out["gather_root"] = _outcome(gather_or_scatter)
     g = fresh()
+
+    def after_repeats() -> None:
+        # Every rank has issued this op before (its signature is remembered, not recomputed):
+        # a mismatch is still caught, on every rank, with the fields named.
+        for _ in range(3):
+            gpucoll.all_reduce(np.ones(5, np.float32), group=g)
+            gpucoll.reduce_scatter(np.zeros(2, np.float32), [np.ones(2, np.float32)] * n, group=g)
+        gpucoll.all_reduce(np.ones(5 if rank == 0 else 7, np.float32), group=g)
+
+    out["repeated"] = _outcome(after_repeats)
+    g = fresh()
     z = np.full(2, float(rank + 1), np.float32)
     gpucoll.all_reduce(z, group=g)  # a fresh group still works
     out["after"] = z.tolist()
@@ -69,7 +80,7 @@ def test_every_rank_raises_and_names_what_differs(transport: str) -> None:
     n = 3
     results = run_spmd(_mismatch_body, n, env={"GPUCOLL_CPU_TRANSPORT": transport}, timeout=120)
     for rank, out in enumerate(results):
-        for case in ("op", "self_root", "two_roots", "dtype", "count", "gather_root"):
+        for case in ("op", "self_root", "two_roots", "dtype", "count", "gather_root", "repeated"):
             assert out[case].startswith("raised: "), (rank, case, out[case])
         assert out["self_root_data"] == [float(rank)] * 3  # nobody took anyone's data
         assert out["after"] == [6.0, 6.0]
@@ -82,6 +93,9 @@ def test_every_rank_raises_and_names_what_differs(transport: str) -> None:
                "dtype (rank 0: float64, rank 2: float32)" in o["dtype"] for o in results), results
     assert all("float64" in o["dtype"] and "float32" in o["dtype"] for o in results)
     assert all("count" in o["count"] and "5" in o["count"] and "7" in o["count"] for o in results)
+    assert any("count (rank 0: 5, rank 1: 7)" in o["repeated"] or
+               "count (rank 0: 5, rank 2: 7)" in o["repeated"] for o in results), [o["repeated"] for o in results]
+    assert all("5" in o["repeated"] and "7" in o["repeated"] for o in results), [o["repeated"] for o in results]
     assert all("root" in o["self_root"] for o in results), [o["self_root"] for o in results]
 
 
