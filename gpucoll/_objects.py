@@ -75,24 +75,28 @@ def _limit() -> int:
     return int(raw)
 
 
-def _check_sizes(sizes: Any, what: str, ranks: Sequence[int] | None = None) -> None:
+def _check_sizes(sizes: Any, what: str, ranks: Sequence[int] | None = None, limit: int | None = None) -> None:
     """Raise the same ValueError on every rank when a payload exceeds the limit.
 
     ``sizes`` are what every rank learned in the size exchange; a negative entry is a
     sender that found its own payload too large (and sent -size instead of data).
+    ``limit``: :func:`_limit`'s value where the caller already read it.
     """
-    limit = _limit()
-    for i, n in enumerate(int(v) for v in sizes):
-        if abs(n) > limit or n < 0:
+    if limit is None:
+        limit = _limit()
+    values = sizes.tolist() if isinstance(sizes, np.ndarray) else [int(v) for v in sizes]
+    for i, n in enumerate(values):
+        if n < 0 or n > limit:
             who = f"rank {ranks[i] if ranks is not None else i}"
             raise ValueError(f"{what}: {who}'s payload of {abs(n)} bytes exceeds the limit of {limit} bytes "
                              "(GPUCOLL_MAX_OBJECT_BYTES); nothing was sent and the group is still usable. "
                              "Send large data as arrays (broadcast, all_gather) instead of objects")
 
 
-def _announced(payload: bytes) -> int:
+def _announced(payload: bytes, limit: int | None = None) -> int:
     """The size this rank announces: -len when over the limit (every rank then raises)."""
-    return -len(payload) if len(payload) > _limit() else len(payload)
+    n = len(payload)
+    return -n if n > (_limit() if limit is None else limit) else n
 
 
 def _pg(group: Any, what: str) -> ProcessGroup:
@@ -134,8 +138,9 @@ def all_gather_bytes(data: bytes, group: ProcessGroup | None = None) -> list[byt
     payload = _as_bytes(data, "data")
     n = pg.size()
     sizes = np.empty(n, np.int64)
-    pg.all_gather_single(sizes, np.array([_announced(payload)], np.int64))
-    _check_sizes(sizes, "all_gather", pg.global_ranks)
+    limit = _limit()  # read once per call
+    pg.all_gather_single(sizes, np.array([_announced(payload, limit)], np.int64))
+    _check_sizes(sizes, "all_gather", pg.global_ranks, limit)
     cap = int(sizes.max())
     if cap == 0:
         return [b""] * n
@@ -154,8 +159,9 @@ def gather_bytes(data: bytes, dst: int | None = None, group: ProcessGroup | None
     payload = _as_bytes(data, "data")
     n = pg.size()
     sizes = np.empty(n, np.int64)
-    pg.all_gather_single(sizes, np.array([_announced(payload)], np.int64))  # every rank needs the padding size
-    _check_sizes(sizes, "gather", pg.global_ranks)
+    limit = _limit()  # read once per call
+    pg.all_gather_single(sizes, np.array([_announced(payload, limit)], np.int64))  # every rank needs the padding size
+    _check_sizes(sizes, "gather", pg.global_ranks, limit)
     cap = int(sizes.max())
     if cap == 0:
         return [b""] * n if pg.rank() == root else None
