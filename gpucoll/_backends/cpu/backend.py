@@ -254,26 +254,19 @@ class CPUBackend:
                     **fields: object) -> Work:
         """Submit a collective; ``fields`` (dtype, count, root, reduce op, sizes...) are what
         every rank must agree on: their digest is compared across ranks by the transport."""
-        # Repeated ops (the common case) find their signature, computed and published
-        # the first time, in one dict look-up: no digest and no store access per op.
+        # A repeated op finds its signature (digested and published the first time) in
+        # one dict look-up: no digest and no store access per op.
         key = (op_type, *fields.items())
         sig = self._sig_of.get(key)
         if sig is None:
-            sig = self._signature(key, op_type, fields)
-        work = self._work(op_type, bufs)
-        return self._submit(work, body, sum(b.nbytes for b in bufs), sig)
-
-    def _signature(self, key: tuple[object, ...], op_type: str, fields: dict[str, object]) -> int:
-        """An op's signature, the first time its kind and fields are seen: digest them,
-        publish them (see :meth:`_publish`) and remember the signature under ``key``."""
-        named = [("op", op_type)] + [(k.replace("_", " "), _text(v)) for k, v in fields.items() if v is not None]
-        sig = signature(named)
-        if sig not in self._sigs and self.size > 1:
-            self._publish(sig, named)
-        if len(self._sig_of) >= _SIG_CACHE:
-            self._sig_of.clear()  # bounded: a job with this many distinct ops recomputes some
-        self._sig_of[key] = sig
-        return sig
+            named = [("op", op_type)] + [(k.replace("_", " "), _text(v)) for k, v in fields.items() if v is not None]
+            sig = signature(named)
+            if sig not in self._sigs and self.size > 1:
+                self._publish(sig, named)
+            if len(self._sig_of) >= _SIG_CACHE:
+                self._sig_of.clear()  # bounded: a job with this many distinct ops recomputes some
+            self._sig_of[key] = sig
+        return self._submit(self._work(op_type, bufs), body, sum(b.nbytes for b in bufs), sig)
 
     # ----- the signature registry: readable mismatch errors -----
     def _publish(self, sig: int, fields: Fields) -> None:
