@@ -75,8 +75,13 @@ def test_torch_client_every_call(gpucoll_port: int) -> None:
         _torch_client(gpucoll_port, 0.3).get("missing")
     t.set("gone", "1")
     assert t.delete_key("gone") and not t.delete_key("gone") and not g.check(["gone"])
+    # torch's client does not wait for a reply to APPEND, and a server orders requests per
+    # connection only: a round trip on the writer's own connection orders it before the
+    # other client's request.
     t.append("ap", "x")
+    assert t.get("ap") == b"x"
     g.append("ap", b"y")
+    assert g.get("ap") == b"xy"
     assert t.get("ap") == b"xy"
     assert t.multi_get(["ap", "n"]) == [b"xy", b"6"]
     t.multi_set(["m1", "m2"], ["1", "2"])
@@ -176,6 +181,7 @@ def test_gpucoll_client_every_call(torch_server: Any) -> None:
     assert c.delete_key("k") and not c.delete_key("k")
     c.append("ap", b"x")
     c.append("ap", b"y")
+    assert c.get("ap") == b"xy"  # a round trip on c's connection: both appends are served
     assert srv.get("ap") == b"xy"
     assert c.multi_get(["ap", "n"]) == [b"xy", b"6"]
     c.multi_set(["m1", "m2"], [b"1", b"2"])
