@@ -251,20 +251,33 @@ class StoreLinks(Store):
             self._tpool.append(conn)
         return result
 
-    def _send_only(self, frame: bytes, op: str) -> None:
-        """Send a request that is answered only when it fails (see SET_QUIET)."""
+    def _checkout(self, frame: bytes, op: str) -> Connection:
+        """A pooled connection for ``frame`` (a new one when none is free), after the
+        checks every request makes."""
         if self._closed:
             raise DistStoreError(f"{op} on a closed {self._where}")
         if len(frame) - 4 > self._max_frame:
             raise ValueError(f"{op}: the request is {len(frame)} bytes, over the limit of "
                              f"{self._max_frame} bytes of {self._where}")
         try:
-            conn = self._pool.pop()
+            return self._pool.pop()
         except IndexError:
+            # Several threads at once, or the last connection broke: one more connection.
+            # The server is known to have existed, so a refusal is not retried.
             try:
-                conn = self._open(self._timeout)
+                return self._open(self._timeout)
             except OSError as e:
                 raise DistNetworkError(f"{op}: cannot reach {self._where}: {e}") from e
+
+    def _checkin(self, conn: Connection) -> None:
+        if self._closed:
+            conn.close()
+        else:
+            self._pool.append(conn)
+
+    def _send_only(self, frame: bytes, op: str) -> None:
+        """Send a request that is answered only when it fails (see SET_QUIET)."""
+        conn = self._checkout(frame, op)
         try:
             conn.send(frame, self._timeout + GRACE)
         except TimeoutError as e:
@@ -277,10 +290,7 @@ class StoreLinks(Store):
         except BaseException:
             conn.close()
             raise
-        if self._closed:
-            conn.close()
-        else:
-            self._pool.append(conn)
+        self._checkin(conn)
 
     def _lost(self, op: str, e: OSError) -> Exception:
         """The error for a connection that broke under ``op``: says so when the server
@@ -296,20 +306,7 @@ class StoreLinks(Store):
         return DistNetworkError(f"{op}: lost the connection to {self._where}: {e}")
 
     def _call(self, frame: bytes, timeout: float, op: str) -> tuple[int, list[bytes]]:
-        if self._closed:
-            raise DistStoreError(f"{op} on a closed {self._where}")
-        if len(frame) - 4 > self._max_frame:
-            raise ValueError(f"{op}: the request is {len(frame)} bytes, over the limit of "
-                             f"{self._max_frame} bytes of {self._where}")
-        try:
-            conn = self._pool.pop()
-        except IndexError:
-            # Several threads at once, or the last connection broke: one more connection.
-            # The server is known to have existed, so a refusal is not retried.
-            try:
-                conn = self._open(self._timeout)
-            except OSError as e:
-                raise DistNetworkError(f"{op}: cannot reach {self._where}: {e}") from e
+        conn = self._checkout(frame, op)
         try:
             code, fields = conn.request(frame, timeout)
         except TimeoutError as e:
@@ -322,10 +319,7 @@ class StoreLinks(Store):
         except BaseException:
             conn.close()
             raise
-        if self._closed:
-            conn.close()
-        else:
-            self._pool.append(conn)
+        self._checkin(conn)
         if conn.late is not None:
             late, conn.late = conn.late, None
             raise DistStoreError(f"an earlier set on this connection to {self._where} failed: "
