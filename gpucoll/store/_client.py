@@ -83,6 +83,11 @@ class Connection:
         """
         self.send(frame, timeout)
         code, fields = self.reply(timeout)
+        return self.skip_late(code, fields, timeout)
+
+    def skip_late(self, code: int, fields: list[bytes], timeout: float) -> tuple[int, list[bytes]]:
+        """Read past LATE_ERROR replies (a failed quiet set, kept in :attr:`late`) to the
+        reply of the request itself."""
         while code == w.LATE_ERROR:
             self.late = fields[0].decode("utf-8", "replace") if fields else "(no message)"
             code, fields = self.reply(timeout)
@@ -102,15 +107,26 @@ class Connection:
         if self.pending:
             data, self.pending = self.pending, b""
             return self._read_rest(data, timeout)
-        sock = self.sock
         try:
-            if self.skip_spin:
-                self.skip_spin -= 1
-                n = sock.recv_into(self.buf)
-            else:
-                n = self._spin_recv()
+            n = self.recv_first()
         except BlockingIOError as e:  # SO_RCVTIMEO/SO_SNDTIMEO expired
             raise TimeoutError(f"timed out after {timeout:g} s") from e
+        return self.parse(n, timeout)
+
+    def recv_first(self) -> int:
+        """Receive the first bytes of a reply into :attr:`buf` (spinning first, unless
+        spinning is backed off); returns how many arrived, 0 when the server closed.
+
+        Raises:
+            BlockingIOError: the kernel timeout expired (Linux).
+        """
+        if self.skip_spin:
+            self.skip_spin -= 1
+            return self.sock.recv_into(self.buf)
+        return self._spin_recv()
+
+    def parse(self, n: int, timeout: float) -> tuple[int, list[bytes]]:
+        """The reply whose first ``n`` bytes are in :attr:`buf`, read to its end."""
         if n >= 5:
             length, code = w.HEADER.unpack_from(self.buf)
             if n == length + 4:

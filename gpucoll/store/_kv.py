@@ -75,17 +75,23 @@ class KVState:
             data[key] = value
 
     def add(self, key: bytes, amount: int) -> int:
-        current = self.data.get(key)
+        return int(self.add_text(key, amount))
+
+    def add_text(self, key: bytes, amount: int) -> bytes:
+        """:meth:`add`, returning the new value as stored (decimal ASCII)."""
+        data = self.data
+        current = data.get(key)
         if current is None:
-            total = amount
-        else:
-            try:
-                total = int(current) + amount
-            except ValueError:
-                raise DistStoreError(
-                    f"add({_show(key)}, {amount}): the key holds {current[:60]!r}, "
-                    f"not a decimal integer") from None
-        self.set(key, str(total).encode())
+            total = b"%d" % amount
+            self.set(key, total)  # wakes the waiters on a new key
+            return total
+        try:
+            total = b"%d" % (int(current) + amount)
+        except ValueError:
+            raise DistStoreError(
+                f"add({_show(key)}, {amount}): the key holds {current[:60]!r}, "
+                f"not a decimal integer") from None
+        data[key] = total  # an existing key: nobody waits on it
         return total
 
     def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes:

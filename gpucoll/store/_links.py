@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import time
 from typing import Callable, TypeVar
 
@@ -28,6 +29,8 @@ GRACE = 0.25
 """Seconds a client waits past a blocking request's timeout for the server's own
 timeout reply before it gives up on the connection."""
 _MAX_TOKEN = 4096
+_REPLY1 = struct.Struct("<IBI")
+"""A reply's header and its first field's length."""
 _PROBE_SECONDS = 10.0
 """How long a client waits for a server to answer its first bytes before it says that the
 listener is not a store (torch's server may spend 5 s resolving the client's name)."""
@@ -63,6 +66,8 @@ class StoreLinks(Store):
 
     _tpool_mode = False
     """True once the server is known to speak torch's protocol."""
+    _last_add: tuple[str | None, int, bytes] = (None, 0, b"")
+    """The last add's key, amount and request frame, sent again when they repeat."""
     _instance: bytes | None = None
     """The server instance id this client first said HELLO to (see _check_instance)."""
 
@@ -280,16 +285,8 @@ class StoreLinks(Store):
         conn = self._checkout(frame, op)
         try:
             conn.send(frame, self._timeout + GRACE)
-        except TimeoutError as e:
-            conn.close()
-            raise DistStoreTimeoutError(f"{op} could not send to {self._where} within "
-                                        f"{self._timeout:g} s") from e
-        except OSError as e:
-            conn.close()
-            raise self._lost(op, e) from e
-        except BaseException:
-            conn.close()
-            raise
+        except BaseException as e:
+            raise self._broken(conn, e, op, self._timeout, "could not send to")
         self._checkin(conn)
 
     def _lost(self, op: str, e: OSError) -> Exception:
@@ -306,19 +303,66 @@ class StoreLinks(Store):
         return DistNetworkError(f"{op}: lost the connection to {self._where}: {e}")
 
     def _call(self, frame: bytes, timeout: float, op: str) -> tuple[int, list[bytes]]:
+        """Send one request on a pooled connection and return its reply's ``(code, fields)``."""
         conn = self._checkout(frame, op)
         try:
-            code, fields = conn.request(frame, timeout)
-        except TimeoutError as e:
-            conn.close()
-            raise DistStoreTimeoutError(f"{op} got no reply from {self._where} within "
-                                        f"{timeout:g} s") from e
-        except OSError as e:
-            conn.close()
-            raise self._lost(op, e) from e
-        except BaseException:
-            conn.close()
-            raise
+            if conn.pending:
+                code, fields = conn.request(frame, timeout)
+                return self._answered(conn, code, fields, op)
+            conn.send(frame, timeout)
+            n = conn.recv_first()
+        except BaseException as e:
+            raise self._broken(conn, e, op, timeout)
+        return self._finish(conn, n, timeout, op)
+
+    def _ask(self, frame: bytes, op: str) -> bytes | bytearray:
+        """Send a request answered by OK with one field (add, check) and return that field.
+
+        The hot path of counters: when a pooled connection is ready (no spin due, nothing
+        buffered, the store's timeout set) and the whole reply arrives in one read, the
+        reply is taken apart here, with no further call; anything else is :meth:`_call`'s
+        or :meth:`_finish`'s.
+        """
+        pool = self._pool
+        timeout = self._timeout + GRACE
+        if pool and not self._closed and len(frame) - 4 <= self._max_frame:
+            conn = pool.pop()
+            if conn.skip_spin and not conn.pending and conn.timeout == timeout:
+                conn.skip_spin -= 1
+                try:
+                    conn.sock.sendall(frame)
+                    n = conn.sock.recv_into(conn.buf)
+                except BaseException as e:
+                    raise self._broken(conn, e, op, timeout)
+                buf = conn.buf
+                length, code, size = _REPLY1.unpack_from(buf)
+                if n == length + 4 and size == n - 9 and code == w.OK:
+                    if self._closed:
+                        conn.close()
+                    else:
+                        pool.append(conn)
+                    return buf[9:n]
+                code, fields = self._finish(conn, n, timeout, op)
+            else:
+                pool.append(conn)
+                code, fields = self._call(frame, timeout, op)
+        else:
+            code, fields = self._call(frame, timeout, op)
+        if code != w.OK or len(fields) != 1:
+            raise DistStoreError(f"{op}: unexpected reply code {code} from {self._where}")
+        return fields[0]
+
+    def _finish(self, conn: Connection, n: int, timeout: float, op: str) -> tuple[int, list[bytes]]:
+        """Read the rest of a reply whose first ``n`` bytes are in ``conn.buf``."""
+        try:
+            code, fields = conn.skip_late(*conn.parse(n, timeout), timeout)
+        except BaseException as e:
+            raise self._broken(conn, e, op, timeout)
+        return self._answered(conn, code, fields, op)
+
+    def _answered(self, conn: Connection, code: int, fields: list[bytes],
+                  op: str) -> tuple[int, list[bytes]]:
+        """Pool ``conn`` again and raise the errors its reply (or an earlier one) reports."""
         self._checkin(conn)
         if conn.late is not None:
             late, conn.late = conn.late, None
@@ -328,6 +372,21 @@ class StoreLinks(Store):
             msg = fields[0].decode("utf-8", "replace") if fields else "(no message)"
             raise DistStoreError(f"{op} failed on {self._where}: {msg}")
         return code, fields
+
+    def _broken(self, conn: Connection, e: BaseException, op: str, timeout: float,
+                what: str = "got no reply from") -> BaseException:
+        """Close a connection that failed under ``op`` and return the error to raise."""
+        conn.close()
+        err: BaseException
+        if isinstance(e, (TimeoutError, BlockingIOError)):  # BlockingIOError: SO_RCVTIMEO/SNDTIMEO
+            err = DistStoreTimeoutError(f"{op} {what} {self._where} within {timeout:g} s")
+        elif isinstance(e, OSError):
+            err = self._lost(op, e)
+        else:
+            return e
+        err.__cause__ = e
+        return err
+
 
 def token_bytes(token: str | bytes | None) -> bytes | None:
     if token is None:

@@ -297,7 +297,7 @@ class RequestServer:
             amount = int(text) if len(text) <= 64 else w.parse_int(text, "add amount")
         except ValueError:
             raise w.ProtocolError(f"add amount must be a decimal integer; got {text[:80]!r}") from None
-        total = b"%d" % self._kv.add(key, amount)
+        total = self._kv.add_text(key, amount)
         conn.out.append(_ONE_FIELD.pack(5 + len(total), w.OK, len(total)) + total)
 
     def _op_cas(self, conn: Conn, f: list[bytes]) -> None:

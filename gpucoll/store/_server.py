@@ -3,7 +3,7 @@
 What a request does, and what it answers, is in :mod:`._requests`; this module
 moves bytes (see docs/stores.md):
 
-* One thread, one ``selectors`` set (epoll on Linux), non-blocking sockets: thousands
+* One thread, one epoll set (a ``selectors`` set elsewhere), non-blocking sockets: thousands
   of connections cost one entry each, not a thread each. Each connection speaks
   gpucoll's protocol or torch's, told apart by its first bytes.
 * Each ready connection is read into one reused buffer; every complete frame in it is
@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import os
 import resource
+import select
 import selectors
 import socket
 import sys
@@ -53,9 +54,42 @@ _TURN_FRAMES = 64
 _HEADER = w.HEADER
 _IOV_MAX = 512
 
-_IN = selectors.EVENT_READ
-_OUT = selectors.EVENT_WRITE
-_IN_ANY = selectors.EVENT_READ
+
+
+class _Selector:
+    """``select.epoll``'s interface over a ``selectors`` set, where there is no epoll."""
+
+    def __init__(self) -> None:
+        self._sel = selectors.DefaultSelector()
+
+    def register(self, fd: int, events: int) -> None:
+        self._sel.register(fd, events)
+
+    def modify(self, fd: int, events: int) -> None:
+        self._sel.modify(fd, events)
+
+    def unregister(self, fd: int) -> None:
+        self._sel.unregister(fd)
+
+    def poll(self, timeout: float = -1) -> list[tuple[int, int]]:
+        return [(key.fd, ev) for key, ev in self._sel.select(None if timeout < 0 else timeout)]
+
+    def close(self) -> None:
+        self._sel.close()
+
+
+if hasattr(select, "epoll"):
+    # epoll itself: its events come as (fd, mask) pairs, with no per-event Python object
+    # (a selectors set builds one per ready connection).
+    _new_poller = select.epoll
+    _IN = select.EPOLLIN
+    _OUT = select.EPOLLOUT
+    _IN_ANY = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
+else:
+    _new_poller = _Selector  # type: ignore[assignment,misc]
+    _IN = selectors.EVENT_READ
+    _OUT = selectors.EVENT_WRITE
+    _IN_ANY = selectors.EVENT_READ
 
 
 class StoreServer(RequestServer):
@@ -117,7 +151,7 @@ class StoreServer(RequestServer):
                 self.unix_name = name
             except OSError:
                 ux.close()  # the name is taken: clients simply use TCP
-        self._poller = selectors.DefaultSelector()
+        self._poller = _new_poller()
         for ls in self._listeners:
             self._poller.register(ls.fileno(), _IN)
         self._wake_r, self._wake_w = socket.socketpair()
@@ -156,7 +190,7 @@ class StoreServer(RequestServer):
     # -- the loop -------------------------------------------------------------------------
 
     def _run(self) -> None:
-        poll = self._poller.select
+        poll = self._poller.poll
         conns = self._conns
         listeners = {ls.fileno(): ls for ls in self._listeners}
         wake_fd = self._wake_r.fileno()
@@ -171,11 +205,10 @@ class StoreServer(RequestServer):
                 if self._later:
                     timeout = 0.0
                 try:
-                    events = poll(timeout)
+                    events = poll(-1 if timeout is None else timeout)
                 except InterruptedError:
                     continue
-                for key, ev in events:
-                    fd = key.fd
+                for fd, ev in events:
                     conn = conns.get(fd)
                     if conn is None:
                         ls = listeners.get(fd)

@@ -149,6 +149,13 @@ def decode_fields(buf: Buf, start: int, end: int) -> list[bytes]:
         buf = bytes(buf[start:end])
         end -= start
         start = 0
+    if type(buf) is bytes and end - start >= 4:
+        # One or two fields (most requests and replies): no loop.
+        mid = start + 4 + U32.unpack_from(buf, start)[0]
+        if mid == end:
+            return [buf[start + 4:end]]
+        if mid + 4 <= end and mid + 4 + U32.unpack_from(buf, mid)[0] == end:
+            return [buf[start + 4:mid], buf[mid + 4:end]]
     pos = start
     while pos < end:
         if end - pos < 4:
