@@ -300,6 +300,25 @@ class RequestServer:
         total = self._kv.add_text(key, amount)
         conn.out.append(_ONE_FIELD.pack(5 + len(total), w.OK, len(total)) + total)
 
+    def quick_add(self, buf: bytearray, n: int) -> bytes | None:
+        """The reply to the ADD frame in ``buf[:n]``, in the usual case: well formed, a
+        key within the limit, an amount of a few digits, and the key absent or holding an
+        integer. None for anything else: the frame then takes the general path, which
+        gives the same answer or the error. (Counters are the store's hottest request;
+        this serves one with no field list and no dispatch.)"""
+        unpack = w.U32.unpack_from
+        end = 9 + unpack(buf, 5)[0]
+        if end + 4 > n or end - 9 > self.max_key_size:
+            return None
+        start = end + 4
+        if start + unpack(buf, end)[0] != n or n - start > 20:
+            return None
+        try:
+            total = self._kv.add_text(bytes(buf[9:end]), int(buf[start:n]))
+        except (ValueError, DistStoreError):
+            return None
+        return _ONE_FIELD.pack(5 + len(total), w.OK, len(total)) + total
+
     def _op_cas(self, conn: Conn, f: list[bytes]) -> None:
         self._reply(conn, w.OK, [self._kv.compare_set(self._key(f[0]), f[1], self._value(f[2]))])
 

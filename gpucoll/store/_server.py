@@ -52,6 +52,7 @@ MAX_PENDING = 256
 _TURN_FRAMES = 64
 """Frames served from one connection before the others get their turn."""
 _HEADER = w.HEADER
+_ADD = w.ADD
 _IOV_MAX = 512
 
 
@@ -396,6 +397,20 @@ class StoreServer(RequestServer):
             # bookkeeping of _process (same checks, same order).
             length, code = _HEADER.unpack_from(self._rbuf)
             if n == length + 4 and length <= conn.limit:
+                if code == _ADD and not conn.out:
+                    reply = self.quick_add(self._rbuf, n)
+                    if reply is not None:
+                        try:
+                            sent = sock.send(reply)
+                        except (BlockingIOError, InterruptedError):
+                            sent = 0
+                        except OSError:
+                            self._drop(conn)
+                            return
+                        if sent != len(reply):
+                            conn.out.append(memoryview(reply)[sent:])
+                            self._send(conn)
+                        return
                 try:
                     fields = w.decode_fields(self._rview, 5, n)
                     self._dispatch(conn, code, fields)
