@@ -306,6 +306,8 @@ class RequestServer:
         integer. None for anything else: the frame then takes the general path, which
         gives the same answer or the error. (Counters are the store's hottest request;
         this serves one with no field list and no dispatch.)"""
+        if n < 13:
+            return None
         unpack = w.U32.unpack_from
         end = 9 + unpack(buf, 5)[0]
         if end + 4 > n or end - 9 > self.max_key_size:

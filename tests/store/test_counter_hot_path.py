@@ -1,0 +1,242 @@
+"""The counter hot path, end to end and against the general path.
+
+The client serves ``add``/``check`` through a lean path when a pooled connection is
+ready (no spin due) and the reply arrives whole; the server serves a well-formed ADD
+in place (``quick_add``). Every test here runs the same calls through both client
+paths, and the server's quick path is checked against its general one (``_op_add``,
+the reference), so a divergence between them fails.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection as Pipe
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpucoll.errors import DistNetworkError, DistStoreError, DistStoreTimeoutError
+from gpucoll.store import TCPStore
+from gpucoll.store import _wire as w
+from gpucoll.store._requests import Conn, RequestServer
+
+
+
+def _lean(store: TCPStore) -> None:
+    """Every pooled connection takes the lean path on its next requests."""
+    for conn in store._pool:
+        conn.skip_spin = 1 << 30
+
+
+def _general(store: TCPStore) -> None:
+    """Every pooled connection takes the general path (a spin is due) on its next request."""
+    for conn in store._pool:
+        conn.skip_spin = 0
+
+
+PATHS: dict[str, Callable[[TCPStore], None]] = {"lean": _lean, "general": _general}
+
+
+@pytest.fixture(params=["unix", "tcp"])
+def master(request: pytest.FixtureRequest) -> Iterator[TCPStore]:
+    m = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=10,
+                 max_value_size=100, use_unix_socket=request.param == "unix")
+    try:
+        yield m
+    finally:
+        m.close()
+
+
+def _client(m: TCPStore, **kw: Any) -> TCPStore:
+    kw.setdefault("timeout", 10)
+    return TCPStore("127.0.0.1", m.port, use_unix_socket=m._server is not None
+                    and m._server.unix_name is not None, **kw)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_add_and_check_follow_a_reference_counter(master: TCPStore, path: str) -> None:
+    c = _client(master)
+    try:
+        ref: dict[str, int] = {}
+        ops = ([("a", 1)] * 5 + [("a", 7), ("b", 1), ("a", 1), ("b", -3), ("a", 0)]
+               + [("big", 10**30), ("big", 1), ("big", -(10**31))] + [("a", 1)] * 3
+               + [("c" * 200, 2), ("c" * 200, 2)])
+        for key, amount in ops:
+            PATHS[path](c)
+            ref[key] = ref.get(key, 0) + amount
+            assert c.add(key, amount) == ref[key], (key, amount)
+            PATHS[path](c)
+            assert c.check([key]) is True
+            PATHS[path](c)
+            assert c.check([key + "/absent"]) is False
+        for key, total in ref.items():
+            assert master.get(key) == str(total).encode()
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_add_on_a_non_integer_is_an_error_and_the_connection_stays_usable(
+        master: TCPStore, path: str) -> None:
+    c = _client(master)
+    try:
+        c.set("text", b"not a number")
+        PATHS[path](c)
+        with pytest.raises(DistStoreError, match="add.*not a decimal integer"):
+            c.add("text", 1)
+        PATHS[path](c)
+        assert c.add("n", 2) == 2
+        assert master.get("text") == b"not a number"
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("op", ["add", "check"])
+def test_a_failed_quiet_set_surfaces_on_the_next_call(master: TCPStore, path: str, op: str) -> None:
+    c = _client(master)
+    try:
+        # The server's limit is 100 bytes; a client that believes otherwise sends the
+        # set, which the server refuses after the client has returned.
+        c.max_value_size = 1000
+        c.set("big", b"x" * 500)
+        PATHS[path](c)
+        with pytest.raises(DistStoreError, match=rf"earlier set.*exceeds.*this {op} itself was"):
+            if op == "add":
+                c.add("after", 5)
+            else:
+                c.check(["after"])
+        if op == "add":
+            assert master.get("after") == b"5"  # it was carried out
+        PATHS[path](c)
+        assert c.add("after", 1) == (6 if op == "add" else 1)
+        assert not master.check(["big"])
+    finally:
+        c.close()
+
+
+# -- a server in another process, to stop and kill ---------------------------------------
+
+def _serve(conn: Pipe) -> None:
+    m = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=30)
+    conn.send(m.port)
+    conn.recv()
+
+
+@pytest.fixture
+def remote() -> Iterator[tuple[Any, int]]:
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_serve, args=(child,), daemon=True)
+    proc.start()
+    assert parent.poll(30), "store server did not start"
+    port = parent.recv()
+    try:
+        yield proc, port
+    finally:
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        proc.join(10)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("op", ["add", "check"])
+def test_a_stalled_server_times_out_naming_the_call(remote: tuple[Any, int], path: str,
+                                                    op: str) -> None:
+    proc, port = remote
+    c = TCPStore("127.0.0.1", port, timeout=0.5)
+    try:
+        assert c.add("warm", 1) == 1
+        os.kill(proc.pid, signal.SIGSTOP)
+        PATHS[path](c)
+        t0 = time.monotonic()
+        with pytest.raises(DistStoreTimeoutError, match=rf"{op} got no reply from .* within"):
+            c.add("n", 1) if op == "add" else c.check(["n"])
+        assert time.monotonic() - t0 < 5
+        os.kill(proc.pid, signal.SIGCONT)
+        assert c.add("warm", 1) == 2  # a fresh connection; the store carries on
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_dead_server_is_a_network_error_naming_the_call(remote: tuple[Any, int],
+                                                          path: str) -> None:
+    proc, port = remote
+    c = TCPStore("127.0.0.1", port, timeout=5)
+    try:
+        assert c.add("warm", 1) == 1
+        proc.kill()
+        proc.join(10)
+        PATHS[path](c)
+        t0 = time.monotonic()
+        with pytest.raises(DistNetworkError, match="add"):
+            c.add("n", 1)
+        assert time.monotonic() - t0 < 5
+    finally:
+        c.close()
+
+
+# -- the server's quick add against its general path --------------------------------------
+
+def _frame(key: bytes, amount: bytes) -> bytes:
+    return w.encode_frame(w.ADD, [key, amount])
+
+
+def _general_reply(server: RequestServer, frame: bytes) -> bytes | str:
+    conn = Conn(None)  # type: ignore[arg-type]
+    try:
+        fields = w.decode_fields(frame, 5, len(frame))
+        server._op_add(conn, fields)
+    except (DistStoreError, w.ProtocolError, ValueError) as e:
+        return type(e).__name__
+    return b"".join(bytes(p) for p in conn.out)
+
+
+values = st.one_of(st.integers(-10**25, 10**25).map(lambda i: b"%d" % i),
+                   st.sampled_from([b"", b"x", b" 3", b"1_000", b"--1"]))
+amounts = st.one_of(st.integers(-10**40, 10**40).map(lambda i: b"%d" % i),
+                    st.sampled_from([b"", b"abc", b" 7 ", b"1_0", b"+5", b"\xff"]))
+keys = st.binary(min_size=0, max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(state=st.dictionaries(keys, values, max_size=4), key=keys, amount=amounts,
+       tail=st.binary(max_size=16))
+def test_quick_add_answers_as_the_general_path_or_leaves_the_frame_to_it(
+        state: dict[bytes, bytes], key: bytes, amount: bytes, tail: bytes) -> None:
+    quick = RequestServer(token=None, max_key_size=8, max_value_size=1 << 20)
+    general = RequestServer(token=None, max_key_size=8, max_value_size=1 << 20)
+    for k, v in state.items():
+        quick._kv.set(k, v)
+        general._kv.set(k, v)
+    frame = _frame(key, amount)
+    # The receive buffer holds whatever came before; only its first n bytes are the frame.
+    buf = bytearray(frame + tail)
+    reply = quick.quick_add(buf, len(frame))
+    if reply is None:
+        assert quick._kv.data == state  # left untouched for the general path
+        return
+    assert reply == _general_reply(general, frame)
+    assert quick._kv.data == general._kv.data
+
+
+@settings(max_examples=200, deadline=None)
+@given(body=st.binary(max_size=40), n_extra=st.integers(0, 8))
+def test_quick_add_never_misreads_a_malformed_frame(body: bytes, n_extra: int) -> None:
+    server = RequestServer(token=None, max_key_size=64, max_value_size=1 << 20)
+    frame = w.HEADER.pack(1 + len(body), w.ADD) + body
+    reply = server.quick_add(bytearray(frame + b"\0" * n_extra), len(frame))
+    if reply is not None:
+        # Only a frame that the general path reads as a two-field ADD is served.
+        fields = w.decode_fields(frame, 5, len(frame))
+        assert len(fields) == 2
+        assert reply == _general_reply(RequestServer(token=None, max_key_size=64,
+                                                     max_value_size=1 << 20), frame)
