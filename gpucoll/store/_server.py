@@ -27,8 +27,6 @@ from __future__ import annotations
 import errno
 import os
 import resource
-import select
-import selectors
 import socket
 import sys
 import threading
@@ -37,7 +35,8 @@ import time
 from ..errors import DistNetworkError, DistStoreError
 from . import _wire as w
 from . import _torch_wire as tw
-from ._sockets import listen, peer_uid, unix_socket_name
+from ._sockets import IN as _IN, IN_ANY as _IN_ANY, OUT as _OUT
+from ._sockets import listen, new_poller, peer_uid, unix_socket_name
 from ._requests import JOIN_THRESHOLD, PIPELINE_SLACK, PREAUTH_MAX_FRAME, RequestServer, Conn, torch_request
 
 __all__ = ["StoreServer"]
@@ -56,41 +55,6 @@ _ADD = w.ADD
 _IOV_MAX = 512
 
 
-
-class _Selector:
-    """``select.epoll``'s interface over a ``selectors`` set, where there is no epoll."""
-
-    def __init__(self) -> None:
-        self._sel = selectors.DefaultSelector()
-
-    def register(self, fd: int, events: int) -> None:
-        self._sel.register(fd, events)
-
-    def modify(self, fd: int, events: int) -> None:
-        self._sel.modify(fd, events)
-
-    def unregister(self, fd: int) -> None:
-        self._sel.unregister(fd)
-
-    def poll(self, timeout: float = -1) -> list[tuple[int, int]]:
-        return [(key.fd, ev) for key, ev in self._sel.select(None if timeout < 0 else timeout)]
-
-    def close(self) -> None:
-        self._sel.close()
-
-
-if hasattr(select, "epoll"):
-    # epoll itself: its events come as (fd, mask) pairs, with no per-event Python object
-    # (a selectors set builds one per ready connection).
-    _new_poller = select.epoll
-    _IN = select.EPOLLIN
-    _OUT = select.EPOLLOUT
-    _IN_ANY = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
-else:
-    _new_poller = _Selector  # type: ignore[assignment,misc]
-    _IN = selectors.EVENT_READ
-    _OUT = selectors.EVENT_WRITE
-    _IN_ANY = selectors.EVENT_READ
 
 
 class StoreServer(RequestServer):
@@ -152,7 +116,7 @@ class StoreServer(RequestServer):
                 self.unix_name = name
             except OSError:
                 ux.close()  # the name is taken: clients simply use TCP
-        self._poller = _new_poller()
+        self._poller = new_poller()
         for ls in self._listeners:
             self._poller.register(ls.fileno(), _IN)
         self._wake_r, self._wake_w = socket.socketpair()

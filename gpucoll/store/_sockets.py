@@ -1,14 +1,16 @@
 """Sockets of the TCPStore server: its listeners, the name of its same-host Unix
-socket, and the uid of a Unix socket's peer."""
+socket, the uid of a Unix socket's peer, and the poller its loop waits on."""
 
 from __future__ import annotations
 
+import select
+import selectors
 import socket
 import struct
 
 from ..errors import DistNetworkError
 
-__all__ = ["listen", "peer_uid", "unix_socket_name"]
+__all__ = ["listen", "peer_uid", "unix_socket_name", "new_poller", "IN", "OUT", "IN_ANY"]
 
 
 def unix_socket_name(ip: str, port: int) -> str:
@@ -45,3 +47,39 @@ def listen(host: str, port: int, backlog: int) -> socket.socket:
     except OSError as e:
         raise DistNetworkError(f"TCPStore server cannot listen on {host!r}:{port}: {e}") from e
     return listener
+
+
+class _Selector:
+    """``select.epoll``'s interface over a ``selectors`` set, where there is no epoll."""
+
+    def __init__(self) -> None:
+        self._sel = selectors.DefaultSelector()
+
+    def register(self, fd: int, events: int) -> None:
+        self._sel.register(fd, events)
+
+    def modify(self, fd: int, events: int) -> None:
+        self._sel.modify(fd, events)
+
+    def unregister(self, fd: int) -> None:
+        self._sel.unregister(fd)
+
+    def poll(self, timeout: float = -1) -> list[tuple[int, int]]:
+        return [(key.fd, ev) for key, ev in self._sel.select(None if timeout < 0 else timeout)]
+
+    def close(self) -> None:
+        self._sel.close()
+
+
+if hasattr(select, "epoll"):
+    # epoll itself: its events come as (fd, mask) pairs, with no per-event Python object
+    # (a selectors set builds one per ready connection).
+    new_poller = select.epoll
+    IN = select.EPOLLIN
+    OUT = select.EPOLLOUT
+    IN_ANY = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
+else:
+    new_poller = _Selector  # type: ignore[assignment,misc]
+    IN = selectors.EVENT_READ
+    OUT = selectors.EVENT_WRITE
+    IN_ANY = selectors.EVENT_READ
