@@ -145,6 +145,8 @@ class TcpMesh:
         self.broken: BaseException | None = None
         self._closed = False
         self._closing = False
+        self._goodbyes_sent = threading.Event()
+        """Set once close() has said goodbye to every peer (a second close() waits for it)."""
         self._threads: list[threading.Thread] = []
         if size > 1:
             self._connect(store, host_id, advertise)
@@ -501,9 +503,14 @@ class TcpMesh:
                 empty for a clean shutdown.
         """
         with self._lock:
-            if self._closing:
-                return
+            closing = self._closing
             self._closing = True
+        if closing:
+            # Another thread (an abort's) is closing: wait, within bounds, until the peers
+            # have its goodbye, so that leaving right after this call does not turn the
+            # reason it carries into "closed without shutting down".
+            self._goodbyes_sent.wait(1.0 + _POLL)
+            return
         note = reason.encode()[:4000]
         bye = _HDR.pack(_KIND_BYE, 0, len(note), 0) + note
         for peer, s in self._socks.items():
@@ -514,6 +521,7 @@ class TcpMesh:
                     self._send_all(s, memoryview(bye), peer, time.monotonic() + 1.0)
             except (OSError, DistBackendError):
                 pass
+        self._goodbyes_sent.set()
         self._closed = True
         for s in self._socks.values():
             try:
