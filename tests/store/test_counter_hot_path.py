@@ -146,6 +146,20 @@ def remote() -> Iterator[tuple[Any, int]]:
         proc.join(10)
 
 
+def _wait_stopped(pid: int) -> None:
+    """Return once every thread of ``pid`` is stopped (a signal is delivered asynchronously)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        if all(st in ("T", "t") for st in states):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"process {pid} did not stop")
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("op", ["add", "check"])
 def test_a_stalled_server_times_out_naming_the_call(remote: tuple[Any, int], path: str,
@@ -155,6 +169,7 @@ def test_a_stalled_server_times_out_naming_the_call(remote: tuple[Any, int], pat
     try:
         assert c.add("warm", 1) == 1
         os.kill(proc.pid, signal.SIGSTOP)
+        _wait_stopped(proc.pid)
         PATHS[path](c)
         t0 = time.monotonic()
         with pytest.raises(DistStoreTimeoutError, match=rf"{op} got no reply from .* within"):
