@@ -107,23 +107,16 @@ class Connection:
         if self.pending:
             data, self.pending = self.pending, b""
             return self._read_rest(data, timeout)
+        sock = self.sock
         try:
-            n = self.recv_first()
+            if self.skip_spin:
+                self.skip_spin -= 1
+                n = sock.recv_into(self.buf)
+            else:
+                n = self._spin_recv()
         except BlockingIOError as e:  # SO_RCVTIMEO/SO_SNDTIMEO expired
             raise TimeoutError(f"timed out after {timeout:g} s") from e
         return self.parse(n, timeout)
-
-    def recv_first(self) -> int:
-        """Receive the first bytes of a reply into :attr:`buf` (spinning first, unless
-        spinning is backed off); returns how many arrived, 0 when the server closed.
-
-        Raises:
-            BlockingIOError: the kernel timeout expired (Linux).
-        """
-        if self.skip_spin:
-            self.skip_spin -= 1
-            return self.sock.recv_into(self.buf)
-        return self._spin_recv()
 
     def parse(self, n: int, timeout: float) -> tuple[int, list[bytes]]:
         """The reply whose first ``n`` bytes are in :attr:`buf`, read to its end."""

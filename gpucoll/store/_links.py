@@ -306,14 +306,10 @@ class StoreLinks(Store):
         """Send one request on a pooled connection and return its reply's ``(code, fields)``."""
         conn = self._checkout(frame, op)
         try:
-            if conn.pending:
-                code, fields = conn.request(frame, timeout)
-                return self._answered(conn, code, fields, op)
-            conn.send(frame, timeout)
-            n = conn.recv_first()
+            code, fields = conn.request(frame, timeout)
         except BaseException as e:
             raise self._broken(conn, e, op, timeout)
-        return self._finish(conn, n, timeout, op)
+        return self._answered(conn, code, fields, op)
 
     def _ask(self, frame: bytes, op: str) -> bytes | bytearray:
         """Send a request answered by OK with one field (add, check) and return that field.

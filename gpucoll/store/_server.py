@@ -55,8 +55,6 @@ _ADD = w.ADD
 _IOV_MAX = 512
 
 
-
-
 class StoreServer(RequestServer):
     """Listens on ``host:port`` and serves the store protocol from a daemon thread.
 
