@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from ._buffer import Buffer
-from ._debug import thread_stacks
+from ._debug import package_dir, thread_stacks
 from ._work import Work
 
 __all__ = ["FlightRecorder", "recorder_capacity", "SIZE_ENV", "DIR_ENV", "DEFAULT_CAPACITY"]
@@ -193,6 +193,7 @@ class FlightRecorder:
                                            f"{int(time.time() * 1000)}.json")
         data = self.snapshot(reason)
         data["stacks"] = thread_stacks()  # what every thread of the process was doing at the dump
+        data["package_dir"] = package_dir()  # tells the reader which frames are gpucoll's own
         text = json.dumps(data, indent=1)
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as f:

@@ -92,12 +92,22 @@ def set_debug_level_from_env() -> None:
     _Level.value = _from_env()
 
 
+def package_dir() -> str:
+    """The directory of this gpucoll package, with a trailing separator.
+
+    A frame is the library's own when its file lies under this directory: decided by the
+    package's real location, never by a name in the path (a user's script may well live in a
+    folder called ``gpucoll``, as a clone of the repository does).
+    """
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
 def call_site() -> str:
     """``file:line (function)`` of the innermost caller outside gpucoll (for the flight recorder)."""
     import sys
 
     frame = sys._getframe(1)
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    package = package_dir()
     while frame is not None and frame.f_code.co_filename.startswith(package):
         frame = frame.f_back  # type: ignore[assignment]
     if frame is None:

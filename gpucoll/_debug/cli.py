@@ -21,10 +21,10 @@ import sys
 from typing import Any, Sequence
 
 from ..clusters._envvars import STORE_TOKEN_ENV
+from . import package_dir
 
 __all__ = ["main", "analyse", "load_dumps"]
 
-_PACKAGE = "/gpucoll/"  # frames under a gpucoll package directory are the library's own
 _SIZES_MAY_DIFFER = ("all_to_all", "all_to_all_single", "send", "recv", "batch_p2p")
 
 
@@ -74,9 +74,12 @@ def _main_stack(dump: dict[str, Any], lines: int = 3) -> str:
             found = re.match(r'\s*File "([^"]+)", line (\d+), in (.+)', ln)
             if found:
                 frames.append(found.groups())
-        inner = [f for f in frames if _PACKAGE not in f[0].replace("\\", "/")]
+        # The library's frames are those under the dumping rank's own gpucoll package (recorded
+        # in the dump); older dumps fall back to this reader's package location.
+        package = str(dump.get("package_dir") or package_dir())
+        inner = [f for f in frames if not f[0].startswith(package)]
         shown = [f"{func} ({os.path.basename(path)}:{line})" for path, line, func in reversed(inner[-lines:])]
-        inside = frames and _PACKAGE in frames[-1][0].replace("\\", "/")
+        inside = frames and frames[-1][0].startswith(package)
         return ("in gpucoll <- " if inside else "") + " <- ".join(shown)
     return ""
 

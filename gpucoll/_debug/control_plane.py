@@ -27,7 +27,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Callable, Sequence
 
-from . import thread_stacks
+from . import package_dir, thread_stacks
 
 __all__ = ["ControlPlaneServer", "maybe_start", "collect_job", "ENV", "STORE_PREFIX"]
 
@@ -96,6 +96,7 @@ class ControlPlaneServer:
             if recorder is not None and not getattr(pg, "_destroyed", False):
                 snap = recorder.snapshot(reason="control plane request")
                 snap["stacks"] = stacks
+                snap["package_dir"] = package_dir()
                 dumps.append(snap)
         return {"pid": os.getpid(), "dumps": dumps}
 

@@ -176,3 +176,47 @@ def test_the_control_plane_is_off_by_default_and_status_says_so() -> None:
             maybe_start(gpucoll.HashStore(), 0, 1, lambda: [])
         finally:
             del os.environ["GPUCOLL_CONTROL_PLANE"]
+
+
+def _dump_with_stack(frames: list[tuple[str, int, str]], package: str | None) -> dict[str, Any]:
+    text = "".join(f'  File "{path}", line {line}, in {func}\n    pass\n' for path, line, func in frames)
+    dump: dict[str, Any] = {"group": "default_pg", "rank": 0, "global_rank": 0, "size": 1, "entries": [],
+                            "stacks": {"MainThread (1)": text}}
+    if package is not None:
+        dump["package_dir"] = package
+    return dump
+
+
+@pytest.mark.parametrize("recorded", [True, False])
+def test_user_frames_in_a_folder_named_gpucoll_are_shown(recorded: bool) -> None:
+    """A library frame is one under the package's real directory, not any path with 'gpucoll' in it."""
+    from gpucoll._debug import package_dir
+    from gpucoll._debug.cli import _main_stack
+
+    lib = package_dir()
+    frames = [("/home/user/gpucoll/train.py", 40, "main"),
+              ("/home/user/gpucoll/gpucoll_utils/steps.py", 12, "step"),
+              (os.path.join(lib, "_collectives.py"), 99, "all_reduce")]
+    line = _main_stack(_dump_with_stack(frames, lib if recorded else None))
+    assert line == "in gpucoll <- step (steps.py:12) <- main (train.py:40)", line
+
+
+def test_the_dumping_ranks_package_decides_not_the_readers() -> None:
+    """A dump read on another machine: the rank's recorded package directory is used."""
+    from gpucoll._debug.cli import _main_stack
+
+    frames = [("/opt/job/gpucoll/run.py", 7, "main"),
+              ("/site/packages/gpucoll/_collectives.py", 99, "all_reduce")]
+    line = _main_stack(_dump_with_stack(frames, "/site/packages/gpucoll/"))
+    assert line == "in gpucoll <- main (run.py:7)", line
+
+
+def test_a_flight_recorder_dump_records_its_package_directory(tmp_path: Any) -> None:
+    from gpucoll._debug import package_dir
+    from gpucoll._flight_recorder import FlightRecorder
+
+    rec = FlightRecorder("g", rank=0, global_rank=0, size=1, capacity=4)
+    path = rec.dump(str(tmp_path / "d.json"))
+    data = json.loads(open(path, encoding="utf-8").read())
+    assert data["package_dir"] == package_dir()
+    assert os.path.isfile(os.path.join(data["package_dir"], "__init__.py"))
