@@ -22,7 +22,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def _gpu_reason() -> str | None:
     """Why GPU tests cannot run here, or None if they can. Probed in a subprocess so
-    that the test process itself does not initialise CUDA before forking ranks."""
+    that the test process itself does not initialise CUDA before forking ranks.
+
+    A machine without NVIDIA device nodes is said to have no GPU in those words, before CUDA
+    is asked: CUDA's own answer there (cudaErrorInsufficientDriver) would send the reader
+    after their driver."""
+    from gpucoll._backends.devices import no_gpu_reason
+
+    if (absent := no_gpu_reason()) is not None:
+        return f"no GPU: {absent}"
     code = (
         "import sys\n"
         "try:\n"
@@ -55,6 +63,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     if config.getoption("--require-gpu"):
         raise pytest.UsageError(f"--require-gpu given but GPU tests cannot run: {reason}")
-    skip = pytest.mark.skip(reason=f"no usable GPU: {reason}")
+    skip = pytest.mark.skip(reason=reason if reason.startswith("no GPU") else f"no usable GPU: {reason}")
     for it in gpu_items:
         it.add_marker(skip)

@@ -105,3 +105,13 @@ def test_run_spmd_without_main_guard_says_what_to_do(tmp_path: Any) -> None:
     assert done.returncode != 0
     assert 'under `if __name__ == "__main__":`' in done.stderr
     assert "SPMDError: rank" in done.stderr and "died before running fn" in done.stderr
+
+
+@pytest.mark.skipif(not NO_GPU, reason="checks the message on a machine without an NVIDIA device")
+def test_gpu_skips_say_no_gpu_not_driver() -> None:
+    """Without device nodes the GPU tests' skip reason says "no GPU", not CUDA's driver error."""
+    from conftest import _gpu_reason
+
+    reason = _gpu_reason()
+    assert reason is not None and reason.startswith("no GPU: "), reason
+    assert "/dev/nvidia" in reason and "Driver" not in reason and "driver version" not in reason, reason
