@@ -40,3 +40,14 @@ class FakeCudaArray:
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return (2, getattr(self, "_device", 0))
+
+
+def skip_without_jax() -> None:
+    """Skip unless JAX is installed, without importing it here: a test process that has used
+    JAX warns at every later ``os.fork()``, so JAX is only ever imported inside ranks."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("jax") is None:
+        pytest.skip("jax[cpu] is a test dependency")

@@ -21,8 +21,9 @@ from gpucoll import array as array_mod
 from gpucoll._buffer import DTYPES, Buffer, Device
 from gpucoll.array import (NotContiguousError, as_buffer, copy_buffer, host_ndarray, is_device_array,
                            new_output, split_buffer, to_caller_type)
+from gpucoll.testing import run_spmd
 
-from _fake_arrays import FakeCudaArray
+from _fake_arrays import FakeCudaArray, skip_without_jax
 from _reference import np_dtype
 
 NUMPY_DTYPES = [n for n in DTYPES]
@@ -189,13 +190,14 @@ def test_cai_masked_refused() -> None:
         as_buffer(Masked(np.zeros(2)))
 
 
-def test_cai_raising_falls_back_to_dlpack() -> None:
+def _jax_cai_raising_falls_back_to_dlpack() -> None:
     class RefusesCAI(FakeDLPackCuda):
         @property
         def __cuda_array_interface__(self) -> dict[str, Any]:
             raise TypeError("dtype bfloat16 is not supported")
 
-    jnp = pytest.importorskip("jax.numpy")
+    import jax.numpy as jnp
+
     a = jnp.zeros(3, jnp.bfloat16)  # NumPy cannot export bfloat16 through DLPack; JAX can
     buf = as_buffer(RefusesCAI(a, device=2))
     assert buf.dtype.name == "bfloat16" and buf.device == Device("cuda", 2)
@@ -301,8 +303,9 @@ def test_dlpack_unsupported_device() -> None:
         as_buffer(Metal(np.zeros(2)))
 
 
-def test_jax_arrays_are_read_only_and_zero_copy() -> None:
-    jnp = pytest.importorskip("jax.numpy")
+def _jax_arrays_are_read_only_and_zero_copy() -> None:
+    import jax.numpy as jnp
+
     x = jnp.arange(6, dtype=jnp.float32).reshape(2, 3)
     buf = as_buffer(x)
     assert buf.readonly and buf.shape == (2, 3) and buf.dtype.name == "float32"
@@ -313,9 +316,9 @@ def test_jax_arrays_are_read_only_and_zero_copy() -> None:
     assert hasattr(type(x), "__cuda_array_interface__") and not is_device_array(x)
 
 
-@pytest.mark.parametrize("name", ["bfloat16", "float8_e4m3fn", "float8_e5m2"])
-def test_jax_low_precision_through_dlpack(name: str) -> None:
-    jnp = pytest.importorskip("jax.numpy")
+def _jax_low_precision_through_dlpack(name: str) -> None:
+    import jax.numpy as jnp
+
     x = jnp.asarray(np.array([1, 2, -1], np_dtype(name)))
     buf = as_buffer(x)
     assert buf.dtype.name == name
@@ -351,9 +354,9 @@ def test_to_caller_type_numpy_and_buffer_protocol() -> None:
     assert to_caller_type(result, bytearray(8), DTYPES["float64"]) is result
 
 
-@pytest.mark.parametrize("name", ["float32", "int32", "bfloat16"])
-def test_to_caller_type_jax(name: str) -> None:
-    jax = pytest.importorskip("jax")
+def _to_caller_type_jax(name: str) -> None:
+    import jax
+
     like = jax.numpy.zeros(2, dtype=name)
     result = np.arange(3).astype(np_dtype(name))
     out = to_caller_type(result, like, DTYPES[name])
@@ -406,3 +409,35 @@ def test_cupy_arrays_on_a_gpu() -> None:
     from gpucoll.testing import run_spmd
 
     assert run_spmd(cupy_array_body, 1, init=False, timeout=180) == ["ok"]
+
+
+# ----- JAX arrays, in a process of their own -----
+# JAX starts threads once it has a backend; a test process that used JAX then warns at every
+# os.fork() the later tests make (and risks their children). So the JAX checks run in one
+# spawned process, and the test process never initialises JAX.
+
+def _jax_checks() -> list[str]:
+    done = []
+    for check, args in [(_jax_cai_raising_falls_back_to_dlpack, ()), (_jax_arrays_are_read_only_and_zero_copy, ())]:
+        check(*args)
+        done.append(check.__name__)
+    for name in ["bfloat16", "float8_e4m3fn", "float8_e5m2"]:
+        _jax_low_precision_through_dlpack(name)
+        done.append(f"low_precision[{name}]")
+    for name in ["float32", "int32", "bfloat16"]:
+        _to_caller_type_jax(name)
+        done.append(f"to_caller_type[{name}]")
+    return done
+
+
+def test_jax_arrays() -> None:
+    skip_without_jax()
+    (done,) = run_spmd(_jax_checks, 1, init=False, start_method="spawn", timeout=120,
+                       env={"JAX_PLATFORMS": "cpu"})
+    assert len(done) == 8, done
+
+
+def test_the_test_process_never_initialises_jax() -> None:
+    """The JAX tests above leave this process without a JAX backend (no threads to fork)."""
+    xla_bridge = sys.modules.get("jax._src.xla_bridge")
+    assert xla_bridge is None or not getattr(xla_bridge, "_backends", None), "JAX was initialised here"

@@ -9,6 +9,8 @@ import pytest
 
 from gpucoll.testing import run_spmd
 
+from _fake_arrays import skip_without_jax
+
 
 def rank_data(rank: int, shape: tuple[int, ...] = (4, 3)) -> np.ndarray:
     return (np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape) + 100 * rank)
@@ -114,7 +116,7 @@ def test_functional_numpy(world_size: int) -> None:
 
 
 def test_functional_jax_cpu_arrays() -> None:
-    pytest.importorskip("jax")
+    skip_without_jax()
     out = run_spmd(jax_body, 2, timeout=120, env={"JAX_PLATFORMS": "cpu"})
     assert out[0][1] == "bfloat16" and out[0] == out[1]
 

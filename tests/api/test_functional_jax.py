@@ -10,6 +10,8 @@ import pytest
 
 from gpucoll.testing import run_spmd
 
+from _fake_arrays import skip_without_jax
+
 
 def data(rank: int, shape: tuple[int, ...]) -> np.ndarray:
     return np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape) + 100 * rank
@@ -129,7 +131,7 @@ def jit_body() -> str:
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_functional_p2p_gather_scatter_jax(world_size: int) -> None:
-    pytest.importorskip("jax", reason="jax[cpu] is a test dependency")
+    skip_without_jax()
     out = run_spmd(body, world_size, args=("jax",), timeout=180, env={"JAX_PLATFORMS": "cpu"})
     assert out == ["ok"] * world_size
 
@@ -142,11 +144,11 @@ def test_functional_p2p_gather_scatter_numpy(world_size: int) -> None:
 @pytest.mark.parametrize("framework", ["numpy", "jax"])
 def test_functional_all_to_all_list(framework: str) -> None:
     if framework == "jax":
-        pytest.importorskip("jax", reason="jax[cpu] is a test dependency")
+        skip_without_jax()
     assert run_spmd(symmetric_a2a, 3, args=(framework,), timeout=120,
                     env={"JAX_PLATFORMS": "cpu"}) == ["ok"] * 3
 
 
 def test_jit_tracer_error_says_what_to_do() -> None:
-    pytest.importorskip("jax", reason="jax[cpu] is a test dependency")
+    skip_without_jax()
     assert run_spmd(jit_body, 2, timeout=120, env={"JAX_PLATFORMS": "cpu"}) == ["ok"] * 2
