@@ -54,6 +54,13 @@ def _env_rendezvous(rank: int, world_size: int, timeout: float, token: str | Non
     env = detect() if detect is not None else None
     hosted = False
     if env is not None:
+        if world_size >= 1 and world_size != env.world_size:
+            # The launcher started env.world_size processes: waiting for world_size of them
+            # could only end in the store's timeout, minutes later.
+            raise ValueError(f"init_process_group(world_size={world_size}) contradicts the launcher "
+                             f"({env.source}), which started world_size={env.world_size} processes; "
+                             f"pass world_size={env.world_size}, or leave world_size out to take the "
+                             "launcher's")
         rank = env.rank if rank < 0 else rank
         world_size = env.world_size if world_size < 1 else world_size
         addr, port, hosted = env.master_addr, env.master_port, env.store_hosted

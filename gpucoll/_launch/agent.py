@@ -438,7 +438,9 @@ class _Agent:
             exits = self._exits()
             reason = "" if self.local_failure else self.stop_reason
             self._say(failure_summary(exits, start=self.start, node_rank=self.config.node_rank,
-                                      reason=reason, remote=remote), prefix=False)
+                                      reason=reason, remote=remote,
+                                      tracebacks_on_console=self.config.log_dir is None or self.config.tee),
+                      prefix=False)
         elif code != 0 and self.stop_reason:
             self._say(self.stop_reason)
         return code

@@ -120,7 +120,7 @@ def report_key(report: dict[str, object]) -> tuple[bool, float, int]:
 
 
 def failure_summary(exits: list[RankExit], *, start: float, node_rank: int, reason: str = "",
-                    remote: dict[str, object] | None = None) -> str:
+                    remote: dict[str, object] | None = None, tracebacks_on_console: bool = False) -> str:
     """The text gpucoll-run prints when a job fails.
 
     Args:
@@ -131,6 +131,9 @@ def failure_summary(exits: list[RankExit], *, start: float, node_rank: int, reas
             (a signal to the launcher, another node's failure).
         remote: another node's report (see :func:`failure_report`) when it, not a
             local rank, is the job's root cause.
+        tracebacks_on_console: the ranks' stderr reaches the console, so the root cause's
+            traceback is already there; the summary then points to it instead of
+            repeating it (with ``--log-dir`` and no ``--tee`` it shows the last lines).
 
     Returns:
         A multi-line summary.
@@ -157,10 +160,16 @@ def failure_summary(exits: list[RankExit], *, start: float, node_rank: int, reas
         ]
         if root.error is not None:
             lines.append(f"  error: {root.error.exc_type}: {root.error.message}")
-            tb = root.error.traceback.rstrip("\n").splitlines()
-            shown = tb[-_TRACEBACK_LINES:]
-            lines.append("  traceback" + (" (last lines)" if len(tb) > len(shown) else "") + ":")
-            lines += [f"    {line}" for line in shown]
+            if tracebacks_on_console and root.error.exc_type != "SystemExit":  # Python prints none for it
+                # The rank's own stderr already put its traceback on the console: say where,
+                # rather than print it a second time.
+                lines.append(f"  where (the whole traceback is above, in rank {root.rank}'s output):")
+                lines += [f"    {line}" for line in _user_frames_of(root.error.traceback)]
+            else:
+                tb = root.error.traceback.rstrip("\n").splitlines()
+                shown = tb[-_TRACEBACK_LINES:]
+                lines.append("  traceback" + (" (last lines)" if len(tb) > len(shown) else "") + ":")
+                lines += [f"    {line}" for line in shown]
         else:
             lines.append("  (no Python exception was recorded: the process exited or was killed)")
         if reason:
@@ -177,6 +186,25 @@ def failure_summary(exits: list[RankExit], *, start: float, node_rank: int, reas
                      f"{', '.join(map(str, stopped))}")
     lines.append(bar)
     return "\n".join(lines)
+
+
+def _user_frames_of(traceback: str, frames: int = 2) -> list[str]:
+    """The innermost ``frames`` frames of a formatted traceback that lie outside gpucoll,
+    without Python's ``^^^`` markers: where the user's code was when it failed."""
+    from .._debug import package_dir
+
+    found: list[list[str]] = []
+    for line in traceback.splitlines():
+        stripped = line.strip()
+        if line.startswith("  File "):
+            found.append([line.rstrip()])
+        elif found and line.startswith("    ") and stripped and set(stripped) - set("^~"):
+            found[-1].append(line.rstrip())
+        elif not line.startswith(" "):
+            found.append([])  # the exception line, or a chained traceback's header: ends a frame
+    mine = [f for f in found if f and package_dir() not in f[0]]
+    return [line.strip() if i == 0 else "  " + line.strip()
+            for f in mine[-frames:] for i, line in enumerate(f)]
 
 
 def _clock(t: float) -> str:

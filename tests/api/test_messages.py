@@ -115,3 +115,36 @@ def test_gpu_skips_say_no_gpu_not_driver() -> None:
     reason = _gpu_reason()
     assert reason is not None and reason.startswith("no GPU: "), reason
     assert "/dev/nvidia" in reason and "Driver" not in reason and "driver version" not in reason, reason
+
+
+def world_size_against_launcher() -> str:
+    import time
+
+    start = time.monotonic()
+    try:
+        gpucoll.init_process_group("cpu", world_size=4, timeout=60)
+    except ValueError as exc:
+        assert time.monotonic() - start < 10, "the contradiction must not wait for the store"
+        return str(exc)
+    return "joined"
+
+
+def test_world_size_contradicting_the_launcher_is_an_error_at_once() -> None:
+    out = run_spmd(world_size_against_launcher, 2, init=False, timeout=60)
+    assert out[0] == out[1], out
+    assert "world_size=4" in out[0] and "world_size=2 processes" in out[0], out[0]
+
+
+def test_gpucoll_run_with_a_contradicting_world_size_fails_fast(tmp_path: Path) -> None:
+    import time
+
+    script = tmp_path / "job.py"
+    script.write_text("import gpucoll\ngpucoll.init_process_group('cpu', world_size=4)\n")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "gpucoll.run", "--nproc-per-node", "2", str(script)],
+                          capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - start
+    assert proc.returncode != 0
+    assert "init_process_group(world_size=4) contradicts the launcher" in proc.stdout + proc.stderr
+    assert "world_size=2 processes" in proc.stdout + proc.stderr
+    assert took < 30, f"took {took:.1f} s"

@@ -171,3 +171,21 @@ def test_the_next_launch_removes_a_dead_launchers_scratch_folder(tmp_path: Path)
                          text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert scratch_left(tmpdir) == sorted([live.name, other_ns.name])
+
+
+def test_a_rank_traceback_reaches_the_console_once(tmp_path: Path) -> None:
+    """The rank printed its traceback; the summary points to it instead of a second copy.
+    With --log-dir (no --tee) the console has no rank output, so the summary shows it."""
+    script = write_script(tmp_path, "typo.py", "import gpucoll\ngpucoll.init_process_group('glooo')\n")
+    res = subprocess.run(launcher_cmd("--nproc-per-node", "1", script), cwd=tmp_path,
+                         env=job_env(tmp_path / "tmp"), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1, res.stderr
+    assert res.stderr.count("Traceback (most recent call last)") == 1, res.stderr
+    summary = res.stderr[res.stderr.index("gpucoll-run: job failed"):]
+    assert "where (the whole traceback is above, in rank 0's output):" in summary
+    assert "gpucoll.init_process_group('glooo')" in summary and "normalize_backend" not in summary, summary
+    res = subprocess.run(launcher_cmd("--nproc-per-node", "1", "--log-dir", str(tmp_path / "logs"), script),
+                         cwd=tmp_path, env=job_env(tmp_path / "tmp"), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1, res.stderr
+    assert res.stderr.count("Traceback (most recent call last)") == 1, res.stderr
+    assert "got 'glooo'" in res.stderr.split("traceback")[-1]
