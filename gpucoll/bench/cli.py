@@ -94,8 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-C", "--report_cputime", type=int, default=0, choices=(0, 1),
                    help="1: time only the issuing of the ops (host time until the last op is queued), "
                         "not their completion (default 0)")
-    p.add_argument("-T", "--timeout_s", dest="timeout_short", type=float, default=None,
-                   help="same as --timeout (nccl-tests' spelling)")
+    p.add_argument("-T", "--timeout_s", dest="timeout_short", type=float, default=None, metavar="S",
+                   help="same as --timeout, in seconds (nccl-tests' -T; --timeout is gpucoll's own)")
     p.add_argument("-R", "--local_register", type=int, default=0,
                    help="NCCL buffer registration (nccl-tests); gpucoll does not register buffers: must be 0")
     p.add_argument("--backend", choices=("auto", "nccl", "cpu"), default="auto",

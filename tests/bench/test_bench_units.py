@@ -385,3 +385,32 @@ def test_device_wrapper_reads_as_its_dtype_in_the_array_layer() -> None:
         assert buf.ptr == mem.ctypes.data + 3 * isz and str(buf.device) == "cuda:0"
         with pytest.raises(ValueError, match="contiguous"):
             arr[::2]
+
+
+def test_every_redop_keeps_the_table_columns() -> None:
+    """Each row's fields end at the header's column edges, whatever the reduction's name."""
+    from gpucoll.bench.options import REDOPS
+
+    head = report.table_header()[1]
+    edges = [i + 1 for i in range(len(head) - 1) if head[i] != " " and head[i + 1] == " "] + [len(head.rstrip())]
+    m = Measurement(12.345, 0.65, 0.65, 0)
+    for redop in REDOPS:
+        line = "#" + report.format_row(Row("all_reduce", 8, 2, "float", redop, -1, m, m))[1:]
+        ends = [i + 1 for i in range(len(line) - 1) if line[i] != " " and line[i + 1] == " "] + [len(line)]
+        assert ends == edges, (redop, line, head)
+
+
+def test_the_docs_flag_table_matches_the_parser() -> None:
+    """Every short/long flag pair in docs/benchmark.md's tables is the parser's own."""
+    import re
+    from pathlib import Path
+
+    from gpucoll.bench.cli import build_parser
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "benchmark.md").read_text()
+    pairs = re.findall(r"^\| `(-\w)/(--\w+)`", docs, flags=re.M)
+    assert len(pairs) > 10
+    actions = {s: a for a in build_parser()._actions for s in a.option_strings}
+    for short, long in pairs:
+        assert short in actions and long in actions, (short, long)
+        assert actions[short] is actions[long], f"{short} and {long} are different flags"

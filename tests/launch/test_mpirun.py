@@ -72,3 +72,22 @@ def test_mpirun_two_ranks_init_process_group_without_arguments(tmp_path: Path) -
         assert SCHEDULER_PORT_BASE <= r["master_port"] < SCHEDULER_PORT_BASE + SCHEDULER_PORT_SPAN
         assert r["sum"] == [1 + 2] * 3
     assert results[0]["master_port"] == results[1]["master_port"]
+
+
+def test_the_docs_say_oversubscribe_where_mpirun_needs_it() -> None:
+    """docs/launching.md's `mpirun -n 4`: Open MPI refuses more ranks than cores without
+    --oversubscribe (checked here on this machine), and the page says so next to it."""
+    mpirun = shutil.which("mpirun")
+    assert mpirun is not None
+    n = (os.cpu_count() or 1) + 1
+    bare = subprocess.run([mpirun, "-n", str(n), "true"], env=_mpirun_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert bare.returncode != 0 and "slots" in (bare.stdout + bare.stderr).lower()
+    over = subprocess.run([mpirun, "--oversubscribe", "-n", str(n), "true"], env=_mpirun_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert over.returncode == 0, over.stdout + over.stderr
+    lines = (REPO / "docs" / "launching.md").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if "mpirun -n" in line:
+            near = "\n".join(lines[max(0, i - 3): i + 6])
+            assert "--oversubscribe" in near, f"docs/launching.md:{i + 1} {line!r} without a word on --oversubscribe"
