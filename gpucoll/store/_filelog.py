@@ -39,6 +39,9 @@ _FIELDS: Final = struct.Struct("<16siId")
 HEADER_LEN: Final = len(LINE) + _FIELDS.size
 USER_PREFIX: Final = HIDDEN_PREFIX + b"filestore/user/"
 CLOSED: Final = HIDDEN_PREFIX + b"filestore/closed"
+# One key per process that ever joined the log (never deleted): once world_size processes
+# have joined, the job is complete and a process outside it is another job.
+JOINED_PREFIX: Final = HIDDEN_PREFIX + b"filestore/joined/"
 # Record code -> number of fields (the only records a log holds).
 _ARITY: Final = {w.SET: 2, w.APPEND: 2, w.QPUSH: 2, w.REC_QPOP: 1, w.REC_DELETE: 1}
 
@@ -297,6 +300,12 @@ class FileLog:
                 self._admit()
         self.write_set(self.user_key, "\n".join(
             (self.me.machine, str(self.me.pid), self.me.start, self.me.host)).encode())
+        if self._joined_key() not in self.kv.data:
+            self.write_set(self._joined_key(), b"")
+
+    def _joined_key(self) -> bytes:
+        me = self.me
+        return JOINED_PREFIX + f"{me.machine}/{me.pid}/{me.start}/{me.host}".encode()
 
     def _parse_header(self, head: bytes) -> Header:
         if not head.startswith(MAGIC):
@@ -334,8 +343,14 @@ class FileLog:
                                   + ", ".join(u.describe() for u in dead[:8]) + ")")
                 return
             if hdr.world_size is None or closed >= hdr.world_size:
-                self._start_fresh(f"the job that used it has finished ({closed} stores closed it)")
-                return
+                # Every member closed it, yet the file is still here (its removal failed, or
+                # it was copied back): reading on would hand this job the last one's keys.
+                raise DistStoreError(
+                    f"FileStore {self.path!r} holds the log of a job that has finished: "
+                    + (f"its {closed} stores all closed it" if hdr.world_size is None else
+                       f"{closed} stores of world_size={hdr.world_size} closed it")
+                    + f" (created by pid {hdr.creator_pid}, {_ago(hdr.created)}). It was left "
+                    "untouched: remove it, or use a fresh path per job")
         if self.world_size is not None and hdr.world_size is not None and hdr.world_size != self.world_size:
             raise DistStoreError(
                 f"FileStore {self.path!r} belongs to another job: it was created with world_size="
@@ -346,6 +361,15 @@ class FileLog:
             raise DistStoreError(
                 f"FileStore {self.path!r} is in use by another job: its world_size is {hdr.world_size} "
                 f"and {_procs(live)} already have it open (created by pid {hdr.creator_pid}, "
+                f"{_ago(hdr.created)}). Use a fresh path per job")
+        joined = sum(1 for k in self.kv.data if k.startswith(JOINED_PREFIX))
+        if hdr.world_size is not None and joined >= hdr.world_size and self._joined_key() not in self.kv.data:
+            # All world_size members have joined (some may have closed already): this
+            # process is not one of them, and must not read their keys.
+            raise DistStoreError(
+                f"FileStore {self.path!r} is in use by another job: its world_size is {hdr.world_size} "
+                f"and all {joined} of its processes have joined it ({_procs(live)} still "
+                f"{'has' if len(live) == 1 else 'have'} it open; created by pid {hdr.creator_pid}, "
                 f"{_ago(hdr.created)}). Use a fresh path per job")
 
     def _start_fresh(self, why: str) -> None:

@@ -321,17 +321,52 @@ def test_killed_job_left_unreaped_counts_as_gone(tmp_path: Path) -> None:
     s.close()
 
 
-def test_finished_job_log_is_started_afresh(tmp_path: Path) -> None:
-    # A log whose world_size stores all closed (its removal failed, or it was copied back).
+def test_finished_job_log_is_refused_and_kept(tmp_path: Path) -> None:
+    # A log whose world_size stores all closed (its removal failed, or it was copied back):
+    # a new job must neither read its keys nor destroy it silently.
     path = tmp_path / "s"
     hdr = _filelog.LINE + struct.pack("<16siId", os.urandom(16), 2, 1, time.time() - 100)
     recs = [w.encode_frame(w.SET, [b"secret", b"A"]),
             w.encode_frame(w.SET, [_filelog.CLOSED, b"2"])]
     path.write_bytes(hdr + b"".join(recs))
-    with pytest.warns(RuntimeWarning, match="has finished"):
-        s = FileStore(path, 2, timeout=5)
-    assert not s.check(["secret"])
-    s.close()
+    before = path.read_bytes()
+    with pytest.raises(DistStoreError, match=r"log of a job that has finished: 2 stores of world_size=2 "
+                                             r"closed it .*remove it, or use a fresh path per job"):
+        FileStore(path, 2, timeout=5)
+    assert path.read_bytes() == before
+
+
+def test_jobs_one_after_the_other_never_share_keys(tmp_path: Path) -> None:
+    """Job A's two ranks: rank 1 closes first; job B's first rank arrives while A's rank 0
+    still has the file open. B must not join A's log (it would read A's keys)."""
+    path = tmp_path / "s"
+    a0 = _holder(path, 2, "s.set('addr/0', b'job A')")
+    a1 = _holder(path, 2, "assert s.get('addr/0') == b'job A'")
+    _end(a1)  # A's rank 1 is done; A's rank 0 is still closing
+    try:
+        with pytest.raises(DistStoreError, match=r"in use by another job: its world_size is 2 and all 2 of "
+                                                 r"its processes have joined it"):
+            FileStore(path, 2, timeout=5)
+    finally:
+        _end(a0)
+    assert not path.exists()  # A's last store removed the file it created
+    b = FileStore(path, 2, timeout=5)  # job B, after A: a fresh log
+    try:
+        assert not b.check(["addr/0"])
+    finally:
+        b.close()
+
+
+def test_a_late_member_still_joins_its_job(tmp_path: Path) -> None:
+    """Rank 0 of a world_size=2 job sets and closes before rank 1 arrives: rank 1 joins."""
+    path = tmp_path / "s"
+    a0 = _holder(path, 2, "s.set('addr/0', b'A')")
+    _end(a0)
+    assert path.exists()
+    a1 = FileStore(path, 2, timeout=5)
+    assert a1.get("addr/0") == b"A"
+    a1.close()
+    assert not path.exists()
 
 
 def test_log_reset_under_an_open_store_is_reported(tmp_path: Path) -> None:
