@@ -41,13 +41,15 @@ class FileStore(Store):
     Args:
         file_name: path of the log file: created (mode 0600) if absent, else a regular
             file owned by the current user that is empty or a FileStore log. A log
-            left by a job whose processes are all gone (killed, or finished) is
-            started afresh, with a ``RuntimeWarning``.
+            left by a killed job (its processes all gone without closing it) is
+            started afresh, with a ``RuntimeWarning``; the log of a job that
+            finished (and somehow was not removed) is refused.
         world_size: number of processes of the job that opens this file, or None.
             With it, the file is removed when no store has it open and that many
             stores have closed it; without, when the last open store closes. A store
-            of another job on the same path (another ``world_size``, or more live
-            processes than ``world_size``) is refused.
+            of another job on the same path (another ``world_size``, more live
+            processes than ``world_size``, or a process that is not one of the
+            ``world_size`` that have joined) is refused.
         timeout: default timeout of blocking calls, seconds or ``timedelta``.
 
     Raises:
