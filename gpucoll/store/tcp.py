@@ -21,7 +21,7 @@ from ._client import Connection, unix_names
 from ._links import GRACE as _GRACE, StoreLinks, token_bytes as _token_bytes
 from ._server import StoreServer
 from ._torch_client import TorchConnection, WaitTimedOut
-from .base import Timeout, ValueLike, timeout_error
+from .base import Timeout, ValueLike, queue_empty_error, timeout_error
 
 __all__ = ["TCPStore"]
 
@@ -46,8 +46,9 @@ class TCPStore(StoreLinks):
         host: the server's address (master: the address to bind; "0.0.0.0" for all).
         port: the server's port; the master may pass 0 to pick a free port (see ``.port``).
         world_size: number of processes that will create a TCPStore for this job
-            (master included), or None. With it, each joins on construction and the
-            master waits for all of them when ``wait_for_workers`` is True.
+            (master included), or None (0 is refused, as by torch). With it, each
+            store created with ``wait_for_workers`` True joins on construction, and
+            the master waits for all of them.
         is_master: run the server in this process.
         timeout: default timeout of every call (connect, blocking reads, requests),
             seconds or ``timedelta``.
@@ -89,6 +90,9 @@ class TCPStore(StoreLinks):
             host = host_name
         if host is None or port is None:
             raise TypeError("TCPStore needs host (or host_name) and port")
+        if world_size == 0 and not isinstance(world_size, bool):
+            raise ValueError("TCPStore world size cannot be 0: pass None (unknown) or the number of "
+                             "processes, master included")
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}; got {protocol!r}")
         if master_listen_fd is not None and (not is_master or not isinstance(master_listen_fd, int)):
@@ -132,7 +136,8 @@ class TCPStore(StoreLinks):
         self._max_frame = 0
         try:
             self._connect_first(time.monotonic() + self._timeout)
-            if world_size is not None:
+            # torch's rule: only a store that waits for the workers counts itself in
+            if world_size is not None and wait_for_workers:
                 if self._add(_WORKERS_KEY.decode(), 1) == world_size:
                     self._set(_READY_KEY.decode(), b"1")
                 if is_master and wait_for_workers:
@@ -282,8 +287,9 @@ class TCPStore(StoreLinks):
         except DistStoreTimeoutError as e:
             joined = int(self._get([_WORKERS_KEY.decode()], self._timeout)[0])
             raise DistStoreTimeoutError(
-                f"{self._where}: only {joined} of world_size={world_size} processes joined "
-                f"within {self._timeout:g} s") from e
+                f"Timed out after {self._timeout:g} seconds waiting for clients. "
+                f"{joined}/{world_size} clients joined. ({self._where}: the processes that did not "
+                "create their TCPStore are missing or slow, or world_size is wrong)") from e
 
     # -- checks against the server's limits -----------------------------------------------
 
@@ -390,7 +396,10 @@ class TCPStore(StoreLinks):
     def _num_keys(self) -> int:
         if self._tpool_mode:
             return self._tcall("num_keys", lambda c: c.num_keys())
-        return int(self._simple(w.NUM_KEYS, [], "num_keys")[0])
+        # torch counts its join counter among the keys: so does this count (the server
+        # keeps it hidden, so it is added here)
+        joined = self._check([_WORKERS_KEY.decode()])
+        return int(self._simple(w.NUM_KEYS, [], "num_keys")[0]) + int(joined)
 
     def _multi_set(self, keys: list[str], values: list[bytes]) -> None:
         if not keys:
@@ -432,7 +441,7 @@ class TCPStore(StoreLinks):
         if status == w.OK and len(out) == 1:
             return out[0]
         if status == w.EMPTY:
-            raise DistStoreError(f"queue_pop({key!r}, block=False): the queue is empty")
+            raise queue_empty_error(key, self._where)
         if status == w.TIMEOUT:
             raise timeout_error("queue_pop", [key], [key], wait, self._where)
         raise DistStoreError(f"queue_pop: unexpected reply code {status} from {self._where}")
@@ -447,7 +456,7 @@ class TCPStore(StoreLinks):
             if value is not None:
                 return value
             if timeout is None:
-                raise DistStoreError(f"queue_pop({key!r}, block=False): the queue is empty")
+                raise queue_empty_error(key, self._where)
             # Another client popped between the WAIT and the POP: wait again.
 
     def _queue_len(self, key: str) -> int:
