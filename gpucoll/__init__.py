@@ -19,6 +19,7 @@ from .errors import DistStoreTimeoutError as DistStoreTimeoutError
 from .errors import QueueEmptyError as QueueEmptyError
 from ._reduce_op import ReduceOp as ReduceOp
 from ._reduce_op import make_premul_sum as make_premul_sum
+from ._reduce_op import make_premul_sum as _make_nccl_premul_sum  # torch's (private) name
 from ._work import Work as Work
 from ._work import WorkInfo as WorkInfo
 
