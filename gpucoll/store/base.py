@@ -226,8 +226,8 @@ class Store(abc.ABC):
         """Whether this store implements ``append``, ``multi_get`` and ``multi_set`` itself
         (torch's name). True for gpucoll's stores; False for a subclass that implements
         none of them, whose calls then fall back to ``compare_set``, ``get`` and ``set``."""
-        return any(self._overrides(name) or getattr(type(self), f"_{name}") is not getattr(Store, f"_{name}")
-                   for name in ("append", "multi_get", "multi_set"))
+        return (any(self._overrides(name) for name in ("append", "multi_get", "multi_set"))
+                or any(getattr(type(self), name) is not getattr(Store, name) for name in ("_append", "_multi_set")))
 
     # -- what each store implements -------------------------------------------------------
     # Arguments arrive validated: keys are str, values bytes, timeouts float seconds.

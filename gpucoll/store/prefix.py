@@ -31,6 +31,8 @@ class PrefixStore(Store):
 
     def __init__(self, prefix: str, store: Store, *, owns_store: bool = False) -> None:
         check_key(prefix, "prefix")
+        if store is None:
+            raise ValueError("PrefixStore needs an underlying store; got None")  # torch's type
         if not isinstance(store, Store):
             raise TypeError(f"store must be a gpucoll Store; got {type(store).__name__}")
         super().__init__(store.timeout)
@@ -60,6 +62,14 @@ class PrefixStore(Store):
     def underlying_store(self) -> Store:
         """The wrapped store (torch's name)."""
         return self._store
+
+    @property
+    def _underlying_non_prefix_store(self) -> Store:
+        """The first store under this one that is not a PrefixStore (torch's name)."""
+        store = self._store
+        while isinstance(store, PrefixStore):
+            store = store._store
+        return store
 
     def __repr__(self) -> str:
         return f"PrefixStore({self.prefix!r}, {self._store!r})"

@@ -8,6 +8,7 @@ once, each carrying one request at a time.
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
 import time
@@ -39,6 +40,12 @@ _TENANTS: dict[int, list[object]] = {}
 _TENANTS_LOCK = threading.Lock()
 
 
+def _agent_serves(port: int | None) -> bool:
+    """torch's rule: under TORCHELASTIC_USE_AGENT_STORE, a master on MASTER_PORT is a client."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower() in ("1", "true", "yes", "on", "y")
+    return agent and port is not None and os.environ.get("MASTER_PORT", "").strip() == str(port)
+
+
 class TCPStore(StoreLinks):
     """A store on a TCP server that one process (the master) runs on a background thread.
 
@@ -49,7 +56,9 @@ class TCPStore(StoreLinks):
             (master included), or None (0 is refused, as by torch). With it, each
             store created with ``wait_for_workers`` True joins on construction, and
             the master waits for all of them.
-        is_master: run the server in this process.
+        is_master: run the server in this process. As in torch, when
+            ``TORCHELASTIC_USE_AGENT_STORE`` is set and ``port`` is ``MASTER_PORT``,
+            torchrun's agent serves it and this store is a client.
         timeout: default timeout of every call (connect, blocking reads, requests),
             seconds or ``timedelta``.
         wait_for_workers: see ``world_size``.
@@ -57,6 +66,8 @@ class TCPStore(StoreLinks):
             ``GPUCOLL_STORE_TOKEN`` environment variable, if set.
         max_key_size, max_value_size: the server's limits in bytes (master only;
             clients learn them on connect and refuse larger keys/values up front).
+        use_libuv: torch's choice of server implementation; gpucoll has one, and keeps
+            the value as ``libuvBackend`` for torch code that reads it.
         use_unix_socket: on Linux, let clients on the server's host reach it through an
             abstract Unix socket instead of loopback TCP (same protocol, same token,
             about a third of the CPU per message). Off for both ends with False.
@@ -98,7 +109,11 @@ class TCPStore(StoreLinks):
         if master_listen_fd is not None and (not is_master or not isinstance(master_listen_fd, int)):
             raise ValueError(f"master_listen_fd must be an int and needs is_master=True; "
                              f"got {master_listen_fd!r} with is_master={is_master}")
-        del use_libuv  # torch's choice of server implementation; gpucoll has one (documented)
+        # torch's choice of server implementation: gpucoll has one; the choice is kept
+        # as ``libuvBackend`` for torch code that reads it back
+        self.libuvBackend = bool(use_libuv)
+        if is_master and _agent_serves(port):
+            is_master = False  # torchrun's agent already serves this port (torch's rule)
         if not isinstance(host, str):
             raise TypeError(f"host must be a str; got {type(host).__name__} {host!r}")
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
