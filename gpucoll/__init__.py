@@ -16,8 +16,10 @@ from .errors import DistError as DistError
 from .errors import DistNetworkError as DistNetworkError
 from .errors import DistStoreError as DistStoreError
 from .errors import DistStoreTimeoutError as DistStoreTimeoutError
+from .errors import QueueEmptyError as QueueEmptyError
 from ._reduce_op import ReduceOp as ReduceOp
 from ._reduce_op import make_premul_sum as make_premul_sum
+from ._reduce_op import make_premul_sum as _make_nccl_premul_sum  # torch's (private) name
 from ._work import Work as Work
 from ._work import WorkInfo as WorkInfo
 
@@ -109,7 +111,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailableError", "DistBackendError", "DistError", "DistNetworkError",
-    "DistStoreError", "DistStoreTimeoutError",
+    "DistStoreError", "DistStoreTimeoutError", "QueueEmptyError",
     "ReduceOp", "reduce_op", "make_premul_sum", "Work", "WorkInfo",
     # stores
     "Store", "HashStore", "FileStore", "TCPStore", "PrefixStore",

@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union
 
 __all__ = ["ReduceOp", "PremulSum", "make_premul_sum", "ReduceOpLike", "as_reduce_op"]
 
 
-class ReduceOp(enum.Enum):
+class _ReduceOpMeta(enum.EnumMeta):
+    """Makes a :class:`PremulSum` an instance of :class:`ReduceOp`, as torch's
+    ``_make_nccl_premul_sum`` returns a ``ReduceOp`` (ported code checks with isinstance)."""
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return isinstance(instance, PremulSum) or super().__instancecheck__(instance)
+
+
+class ReduceOp(enum.Enum, metaclass=_ReduceOpMeta):
     """How a reducing collective combines values across ranks.
 
     ``PREMUL_SUM`` multiplies each rank's input by a factor before summing; build
-    one with :func:`make_premul_sum`. ``AVG`` on integer arrays divides with
+    one with :func:`make_premul_sum` (it is an instance of ReduceOp, as in torch). ``AVG`` on integer arrays divides with
     truncation toward zero (NumPy's ``//`` would floor; we match C and NCCL).
     Bitwise ops (``BAND``, ``BOR``, ``BXOR``) need integer or bool arrays.
     """
@@ -43,19 +51,38 @@ class PremulSum:
 ReduceOpLike = Union[ReduceOp, PremulSum]
 
 
-def make_premul_sum(factor: float) -> PremulSum:
-    """Return a PREMUL_SUM reduction that scales every input by ``factor`` before summing.
+def make_premul_sum(factor: Any) -> PremulSum:
+    """Return a PREMUL_SUM reduction that scales every input by ``factor`` before summing
+    (torch's ``_make_nccl_premul_sum``).
 
     Args:
-        factor: a real Python number (a per-rank scalar array is not supported).
+        factor: a real number, or a 0-d real array of any framework (its value is read
+            once, here; each rank may pass its own factor).
+
+    Raises:
+        TypeError: ``factor`` is not a real number or a 0-d real array.
 
     Example:
         >>> op = make_premul_sum(0.5)
         >>> gpucoll.all_reduce(x, op=op)   # x = 0.5 * sum of x over ranks
     """
     if isinstance(factor, bool) or not isinstance(factor, (int, float)):
-        raise TypeError(f"factor must be a real number; got {type(factor).__name__} {factor!r}")
+        factor = _scalar(factor)
     return PremulSum(float(factor))
+
+
+def _scalar(factor: Any) -> float:
+    """The value of a 0-d real array (NumPy, CuPy, JAX, torch ...), or TypeError."""
+    shape = getattr(factor, "shape", None)
+    kind = getattr(getattr(factor, "dtype", None), "kind", None)
+    if shape == () and kind in ("f", "i", "u"):
+        return float(factor)
+    if shape is not None and tuple(shape) == () and kind is None:  # torch: dtype has no .kind
+        dtype = str(getattr(factor, "dtype", ""))
+        if not any(t in dtype for t in ("complex", "bool")):
+            return float(factor)
+    raise TypeError(f"factor must be a real number or a 0-d real array; got {type(factor).__name__} "
+                    f"{factor!r:.80}")
 
 
 def as_reduce_op(op: object) -> ReduceOpLike:

@@ -294,7 +294,14 @@ def get_world_size(group: ProcessGroup | None = None) -> int:
 
 def get_backend(group: ProcessGroup | None = None) -> Backend:
     """The group's backend, a :class:`Backend` (a str): ``"cpu"``, ``"nccl"``, or ``"gloo"``
-    for a CPU group created with that spelling (torch's name, which ported scripts compare with)."""
+    for a CPU group created with that spelling (torch's name, which ported scripts compare with).
+
+    Raises:
+        ValueError: this rank is not a member of ``group`` (torch's type and words).
+    """
+    if group is GroupMember.NON_GROUP_MEMBER:
+        raise ValueError("Invalid process group specified: this rank is not a member of the group "
+                         "(new_group returned GroupMember.NON_GROUP_MEMBER here)")
     return Backend(_resolve(group)._backend_spelling)
 
 

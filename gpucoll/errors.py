@@ -7,7 +7,8 @@ Names follow torch.distributed so that ``except`` clauses port unchanged::
     │                           peer died, watchdog timeout, aborted group)
     ├── DistNetworkError        a socket could not connect, was reset, or timed out
     ├── DistStoreError          a store request failed
-    │   └── DistStoreTimeoutError   get/wait/connect did not finish within its timeout
+    │   ├── DistStoreTimeoutError   get/wait/connect did not finish within its timeout
+    │   └── QueueEmptyError         queue_pop(block=False) found the queue empty
     └── BackendUnavailableError the requested backend cannot run here (no CuPy,
                                 no NCCL library, no GPU); the message says what to install
 
@@ -25,6 +26,7 @@ __all__ = [
     "DistNetworkError",
     "DistStoreError",
     "DistStoreTimeoutError",
+    "QueueEmptyError",
     "BackendUnavailableError",
 ]
 
@@ -47,6 +49,10 @@ class DistStoreError(DistError):
 
 class DistStoreTimeoutError(DistStoreError, TimeoutError):
     """A store ``get``/``wait``/connect did not complete within its timeout."""
+
+
+class QueueEmptyError(DistStoreError):
+    """``queue_pop(key, block=False)`` found the queue empty (torch's ``QueueEmptyError``)."""
 
 
 class BackendUnavailableError(DistError):

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from gpucoll._buffer import DTYPES
-from gpucoll._reduce_op import ReduceOp, make_premul_sum
+from gpucoll._reduce_op import PremulSum, ReduceOp, make_premul_sum
 
 
 def np_dtype(name: str) -> np.dtype[Any]:
@@ -35,7 +35,7 @@ OPS: list[Any] = [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, Re
 def defined(name: str, op: Any, fp8: bool = True) -> bool:
     """Whether (dtype, op) is a defined reduction (docs/nccl-backend.md, Reductions)."""
     kind = DTYPES[name].kind
-    base = op.op if not isinstance(op, ReduceOp) else op
+    base = op.op if isinstance(op, PremulSum) else op
     if base in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR):
         return kind in "biu"
     if kind == "b":
@@ -88,7 +88,7 @@ def reference(ins: list[np.ndarray], name: str, op: Any, size: int | None = None
     backend within :func:`close`'s tolerance (its order of summation is a ring's).
     """
     op = as_op(op)
-    base = op if isinstance(op, ReduceOp) else op.op
+    base = op.op if isinstance(op, PremulSum) else op
     n = len(ins) if size is None else size
     dt = np_dtype(name)
     acc_t = np.dtype(np.float32) if name in LOW_PRECISION else dt

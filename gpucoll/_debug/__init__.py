@@ -37,6 +37,10 @@ class DebugLevel(enum.IntEnum):
     INFO = 1
     DETAIL = 2
 
+    def __str__(self) -> str:
+        # torch's str(): "DebugLevel.DETAIL" (an IntEnum's str is its number since Python 3.11)
+        return f"DebugLevel.{self.name}"
+
 
 def _from_env() -> DebugLevel:
     for var in (DEBUG_ENV, TORCH_DEBUG_ENV):
@@ -45,7 +49,7 @@ def _from_env() -> DebugLevel:
             try:
                 return DebugLevel[raw.upper()]
             except KeyError:
-                raise ValueError(f"{var} must be OFF, INFO or DETAIL; got {raw!r}") from None
+                raise ValueError(f"The value of {var} must be OFF, INFO, or DETAIL; got {raw!r}") from None
     return DebugLevel.OFF
 
 

@@ -15,7 +15,7 @@ class Backend(str):
     else ``"cpu"``, ``"nccl"`` or ``"fake"``.
 
     Raises:
-        ValueError: an unknown backend name.
+        ValueError: an unknown backend name, or a name that is not a str (torch's type).
     """
 
     UNDEFINED = "undefined"
@@ -26,7 +26,9 @@ class Backend(str):
 
     def __new__(cls, name: str) -> "Backend":
         if not isinstance(name, str):
-            raise TypeError(f"Backend name must be a str; got {type(name).__name__} {name!r}")
+            # torch's type and words
+            raise ValueError(f"Backend constructor parameter must be string-ish; got "
+                             f"{type(name).__name__} {name!r}")
         value = name.strip().lower()
         if value not in (cls.UNDEFINED, *_ALIASES):
             raise ValueError(f"unknown backend {name!r}; expected one of {sorted({cls.UNDEFINED, *_ALIASES})}")

@@ -45,7 +45,8 @@ def listen(host: str, port: int, backlog: int) -> socket.socket:
             listener.close()
             raise
     except OSError as e:
-        raise DistNetworkError(f"TCPStore server cannot listen on {host!r}:{port}: {e}") from e
+        raise DistNetworkError(f"The server socket has failed to listen on any local network address. "
+                               f"port: {port}, host: {host!r}: {e}") from e
     return listener
 
 

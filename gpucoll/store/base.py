@@ -7,9 +7,10 @@ implements. Differences from torch, on purpose:
 
 * ``timeout`` is seconds as a float (``timedelta`` is still accepted when setting it).
 * ``get``, ``multi_get``, ``wait`` and ``queue_pop`` take an optional per-call ``timeout``.
-* ``num_keys`` and ``list_keys`` count only the caller's keys, not the store's own.
-* Timeouts raise :class:`~gpucoll.errors.DistStoreTimeoutError` naming the keys still
-  missing; stores support ``close()`` and ``with``.
+* ``list_keys`` lists only the caller's keys; ``num_keys`` counts as torch does (a
+  FileStore's and a waiting TCPStore's one bookkeeping key included).
+* Timeouts raise :class:`~gpucoll.errors.DistStoreTimeoutError` ("Wait timeout ...",
+  torch's words, then the keys still missing); stores support ``close()`` and ``with``.
 
 A subclass may implement the protected methods (``_set``, ``_get``, ...; arguments
 arrive checked), or, torch's way, override the public ones (``set``, ``get``, ``add``,
@@ -27,7 +28,7 @@ from types import TracebackType
 from typing import Any, Callable, Union, cast
 
 from .._timeouts import DEFAULT_TIMEOUT, to_seconds
-from ..errors import DistStoreTimeoutError
+from ..errors import DistStoreTimeoutError, QueueEmptyError
 
 __all__ = ["Store", "ValueLike", "Timeout"]
 
@@ -178,7 +179,7 @@ class Store(abc.ABC):
             timeout: how long to block; the store's timeout when None.
 
         Raises:
-            DistStoreError: ``block`` is False and the queue is empty.
+            QueueEmptyError: ``block`` is False and the queue is empty (a DistStoreError).
             DistStoreTimeoutError: nothing was pushed within the timeout.
         """
         return self._queue_pop(check_key(key), self._call_timeout(timeout) if block else None)
@@ -219,11 +220,14 @@ class Store(abc.ABC):
 
     def clone(self) -> Store:
         """Return a store on the same data that another thread may use (torch's ``clone``)."""
-        raise NotImplementedError(f"{type(self).__name__} does not support clone()")
+        raise NotImplementedError(f"Not implemented. {type(self).__name__} does not support clone()")
 
     def has_extended_api(self) -> bool:
-        """True: append, multi_get, multi_set and the queues are supported (torch's name)."""
-        return True
+        """Whether this store implements ``append``, ``multi_get`` and ``multi_set`` itself
+        (torch's name). True for gpucoll's stores; False for a subclass that implements
+        none of them, whose calls then fall back to ``compare_set``, ``get`` and ``set``."""
+        return (any(self._overrides(name) for name in ("append", "multi_get", "multi_set"))
+                or any(getattr(type(self), name) is not getattr(Store, name) for name in ("_append", "_multi_set")))
 
     # -- what each store implements -------------------------------------------------------
     # Arguments arrive validated: keys are str, values bytes, timeouts float seconds.
@@ -234,8 +238,9 @@ class Store(abc.ABC):
     def _public(self, name: str, protected: str) -> Callable[..., Any]:
         method = getattr(type(self), name)
         if method is getattr(Store, name):
-            raise NotImplementedError(f"{type(self).__name__} implements neither {name}() "
-                                      f"nor {protected}()")
+            # torch's words ("Not implemented."), then which methods are missing
+            raise NotImplementedError(f"Not implemented. {type(self).__name__} implements neither "
+                                      f"{name}() nor {protected}()")
         return cast(Callable[..., Any], getattr(self, name))
 
     def _overrides(self, name: str) -> bool:
@@ -293,13 +298,22 @@ class Store(abc.ABC):
             self._set(k, v)
 
     def _append(self, key: str, value: bytes) -> None:
-        self._public("append", "_append")(key, value)
+        if self._overrides("append") or not self._overrides("compare_set"):
+            self._public("append", "_append")(key, value)
+            return
+        # torch's fallback: compare_set until no other writer got in between (an absent
+        # key matches the empty expected value)
+        current = self._compare_set(key, b"", value)
+        expected = value
+        while current != expected:
+            expected = current + value
+            current = self._compare_set(key, current, expected)
 
     def _queue_push(self, key: str, value: bytes) -> None:
         self._public("queue_push", "_queue_push")(key, value)
 
     def _queue_pop(self, key: str, timeout: float | None) -> bytes:
-        """Pop; ``timeout`` None means do not block (raise DistStoreError when empty)."""
+        """Pop; ``timeout`` None means do not block (raise QueueEmptyError when empty)."""
         return _as_bytes(self._public("queue_pop", "_queue_pop")(key, timeout is not None))
 
     def _queue_len(self, key: str) -> int:
@@ -347,11 +361,17 @@ def check_value(value: object, name: str = "value") -> bytes:
 
 def timeout_error(op: str, keys: Sequence[str], missing: Sequence[str], timeout: float,
                   where: str) -> DistStoreTimeoutError:
-    """The error a blocking call raises when it runs out of time."""
+    """The error a blocking call raises when it runs out of time: torch's words first
+    ("Wait timeout after 250ms"), then what timed out, where, and the keys still missing."""
     shown = list(keys)[:8]
     more = f" (+{len(keys) - 8} more)" if len(keys) > 8 else ""
     miss = list(missing)[:8]
     mmore = f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""
     return DistStoreTimeoutError(
-        f"{op} of {shown}{more} timed out after {timeout:g} s on {where}; "
-        f"still missing: {miss}{mmore}")
+        f"Wait timeout after {timeout * 1000:.0f}ms: {op} of {shown}{more} timed out after "
+        f"{timeout:g} s on {where}; still missing: {miss}{mmore}")
+
+
+def queue_empty_error(key: str, where: str) -> QueueEmptyError:
+    """What a non-blocking ``queue_pop`` of an empty queue raises (torch's words first)."""
+    return QueueEmptyError(f"queue is empty: queue_pop({key!r}, block=False) on {where}")

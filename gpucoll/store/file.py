@@ -27,7 +27,7 @@ from .._timeouts import DEFAULT_TIMEOUT
 from ..errors import DistStoreError
 from . import _wire as w
 from ._filelog import FileLog, finalize
-from .base import Store, Timeout, timeout_error
+from .base import Store, Timeout, queue_empty_error, timeout_error
 
 __all__ = ["FileStore"]
 
@@ -89,6 +89,12 @@ class FileStore(Store):
     def __repr__(self) -> str:
         return f"FileStore({self._path!r})"
 
+    def clone(self) -> FileStore:
+        """Another store on the same file, for another thread (torch's ``clone``); it
+        counts as one more open store of this process (close it too).
+        """
+        return FileStore(self._path, self.world_size, self._timeout)
+
     def close(self) -> None:
         """Count this store out; the last one (see ``world_size``) removes the file.
 
@@ -149,7 +155,18 @@ class FileStore(Store):
         return got
 
     def _wait(self, keys: list[str], timeout: float) -> None:
-        self._get(keys, timeout, "wait")
+        if not keys:
+            return
+        bkeys = [k.encode() for k in keys]
+        kv = self._log.kv
+        # a key is present when set or when it names a non-empty queue (torch's rule,
+        # as check() and the other stores answer)
+        try:
+            self._poll(lambda: [] if kv.check(bkeys) else None, timeout)
+        except TimeoutError:
+            with self._log.locked(exclusive=False):
+                missing = [k.decode() for k in kv.missing(bkeys)]
+            raise timeout_error("wait", keys, missing, timeout, f"FileStore {self._path!r}") from None
 
     def _add(self, key: str, amount: int) -> int:
         with self._log.locked(exclusive=True):
@@ -177,8 +194,10 @@ class FileStore(Store):
             return self._log.kv.delete(bkey)
 
     def _num_keys(self) -> int:
+        # + 1: torch's FileStore counts its own bookkeeping key (the open/close count,
+        # which this log keeps as records), and ported code compares with that count
         with self._log.locked(exclusive=False):
-            return self._log.kv.num_keys()
+            return self._log.kv.num_keys() + 1
 
     def _multi_set(self, keys: list[str], values: list[bytes]) -> None:
         bkeys = [k.encode() for k in keys]
@@ -212,7 +231,7 @@ class FileStore(Store):
             with self._log.locked(exclusive=True):
                 got = pop()
             if got is None:
-                raise DistStoreError(f"queue_pop({key!r}, block=False): the queue is empty")
+                raise queue_empty_error(key, f"FileStore {self._path!r}")
             return got
         try:
             value = self._poll(pop, timeout, exclusive=True)

@@ -6,9 +6,8 @@ import threading
 from typing import Callable
 
 from .._timeouts import DEFAULT_TIMEOUT
-from ..errors import DistStoreError
 from ._kv import KVState, Waiter
-from .base import Store, Timeout, timeout_error
+from .base import Store, Timeout, queue_empty_error, timeout_error
 
 __all__ = ["HashStore"]
 
@@ -41,6 +40,10 @@ class HashStore(Store):
 
     def __repr__(self) -> str:
         return f"HashStore(keys={self._kv.num_keys()})"
+
+    def clone(self) -> HashStore:
+        """This store itself: it is already safe to share between threads (torch's ``clone``)."""
+        return self
 
     def _set(self, key: str, value: bytes) -> None:
         with self._lock:
@@ -118,7 +121,7 @@ class HashStore(Store):
             if timeout is None:
                 value = self._kv.queue_pop_now(bkey)
                 if value is None:
-                    raise DistStoreError(f"queue_pop({key!r}, block=False): the queue is empty")
+                    raise queue_empty_error(key, "HashStore")
                 return value
             got = self._kv.queue_pop_or_watch(bkey, _wake, threading.Event())
         if not isinstance(got, Waiter):

@@ -11,8 +11,9 @@ __all__ = ["PrefixStore"]
 class PrefixStore(Store):
     """Every key (and queue) of this store is ``prefix + "/" + key`` in ``store``.
 
-    ``num_keys`` and ``list_keys`` see only this namespace (torch's count every key
-    of the underlying store). Timeouts default to the underlying store's; setting
+    ``num_keys`` counts every key of the underlying store, as torch's does;
+    ``list_keys`` lists only this namespace. ``has_extended_api`` is the underlying
+    store's. Timeouts default to the underlying store's; setting
     this store's timeout does not change the underlying one. Closing a PrefixStore
     does not close the underlying store unless ``owns_store`` is True.
 
@@ -30,6 +31,8 @@ class PrefixStore(Store):
 
     def __init__(self, prefix: str, store: Store, *, owns_store: bool = False) -> None:
         check_key(prefix, "prefix")
+        if store is None:
+            raise ValueError("PrefixStore needs an underlying store; got None")  # torch's type
         if not isinstance(store, Store):
             raise TypeError(f"store must be a gpucoll Store; got {type(store).__name__}")
         super().__init__(store.timeout)
@@ -46,6 +49,10 @@ class PrefixStore(Store):
         """The same namespace on a clone of the underlying store."""
         return PrefixStore(self.prefix, self._store.clone(), owns_store=True)
 
+    def has_extended_api(self) -> bool:
+        """The underlying store's answer (torch passes it through)."""
+        return self._store.has_extended_api()
+
     @property
     def prefix(self) -> str:
         """The namespace (without the trailing "/")."""
@@ -55,6 +62,14 @@ class PrefixStore(Store):
     def underlying_store(self) -> Store:
         """The wrapped store (torch's name)."""
         return self._store
+
+    @property
+    def _underlying_non_prefix_store(self) -> Store:
+        """The first store under this one that is not a PrefixStore (torch's name)."""
+        store = self._store
+        while isinstance(store, PrefixStore):
+            store = store._store
+        return store
 
     def __repr__(self) -> str:
         return f"PrefixStore({self.prefix!r}, {self._store!r})"
@@ -78,8 +93,8 @@ class PrefixStore(Store):
             missing = keys
         what = "the queue is still empty" if queue else f"still missing: {missing}"
         return DistStoreTimeoutError(
-            f"{op} of {keys} timed out after {timeout:g} s on {self!r} (keys under {self.prefix + '/'!r} "
-            f"of the wrapped store); {what}")
+            f"Wait timeout after {timeout * 1000:.0f}ms: {op} of {keys} timed out after {timeout:g} s "
+            f"on {self!r} (keys under {self.prefix + '/'!r} of the wrapped store); {what}")
 
     def _get(self, keys: list[str], timeout: float) -> list[bytes]:
         try:
@@ -106,7 +121,7 @@ class PrefixStore(Store):
         return self._store._delete_key(self._p(key))
 
     def _num_keys(self) -> int:
-        return len(self._list_keys())
+        return self._store._num_keys()
 
     def _multi_set(self, keys: list[str], values: list[bytes]) -> None:
         self._store._multi_set(self._ps(keys), values)

@@ -8,6 +8,7 @@ once, each carrying one request at a time.
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
 import time
@@ -21,7 +22,7 @@ from ._client import Connection, unix_names
 from ._links import GRACE as _GRACE, StoreLinks, token_bytes as _token_bytes
 from ._server import StoreServer
 from ._torch_client import TorchConnection, WaitTimedOut
-from .base import Timeout, ValueLike, timeout_error
+from .base import Timeout, ValueLike, queue_empty_error, timeout_error
 
 __all__ = ["TCPStore"]
 
@@ -39,6 +40,12 @@ _TENANTS: dict[int, list[object]] = {}
 _TENANTS_LOCK = threading.Lock()
 
 
+def _agent_serves(port: int | None) -> bool:
+    """torch's rule: under TORCHELASTIC_USE_AGENT_STORE, a master on MASTER_PORT is a client."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower() in ("1", "true", "yes", "on", "y")
+    return agent and port is not None and os.environ.get("MASTER_PORT", "").strip() == str(port)
+
+
 class TCPStore(StoreLinks):
     """A store on a TCP server that one process (the master) runs on a background thread.
 
@@ -46,9 +53,12 @@ class TCPStore(StoreLinks):
         host: the server's address (master: the address to bind; "0.0.0.0" for all).
         port: the server's port; the master may pass 0 to pick a free port (see ``.port``).
         world_size: number of processes that will create a TCPStore for this job
-            (master included), or None. With it, each joins on construction and the
-            master waits for all of them when ``wait_for_workers`` is True.
-        is_master: run the server in this process.
+            (master included), or None (0 is refused, as by torch). With it, each
+            store created with ``wait_for_workers`` True joins on construction, and
+            the master waits for all of them.
+        is_master: run the server in this process. As in torch, when
+            ``TORCHELASTIC_USE_AGENT_STORE`` is set and ``port`` is ``MASTER_PORT``,
+            torchrun's agent serves it and this store is a client.
         timeout: default timeout of every call (connect, blocking reads, requests),
             seconds or ``timedelta``.
         wait_for_workers: see ``world_size``.
@@ -56,6 +66,8 @@ class TCPStore(StoreLinks):
             ``GPUCOLL_STORE_TOKEN`` environment variable, if set.
         max_key_size, max_value_size: the server's limits in bytes (master only;
             clients learn them on connect and refuse larger keys/values up front).
+        use_libuv: torch's choice of server implementation; gpucoll has one, and keeps
+            the value as ``libuvBackend`` for torch code that reads it.
         use_unix_socket: on Linux, let clients on the server's host reach it through an
             abstract Unix socket instead of loopback TCP (same protocol, same token,
             about a third of the CPU per message). Off for both ends with False.
@@ -89,12 +101,19 @@ class TCPStore(StoreLinks):
             host = host_name
         if host is None or port is None:
             raise TypeError("TCPStore needs host (or host_name) and port")
+        if world_size == 0 and not isinstance(world_size, bool):
+            raise ValueError("TCPStore world size cannot be 0: pass None (unknown) or the number of "
+                             "processes, master included")
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}; got {protocol!r}")
         if master_listen_fd is not None and (not is_master or not isinstance(master_listen_fd, int)):
             raise ValueError(f"master_listen_fd must be an int and needs is_master=True; "
                              f"got {master_listen_fd!r} with is_master={is_master}")
-        del use_libuv  # torch's choice of server implementation; gpucoll has one (documented)
+        # torch's choice of server implementation: gpucoll has one; the choice is kept
+        # as ``libuvBackend`` for torch code that reads it back
+        self.libuvBackend = bool(use_libuv)
+        if is_master and _agent_serves(port):
+            is_master = False  # torchrun's agent already serves this port (torch's rule)
         if not isinstance(host, str):
             raise TypeError(f"host must be a str; got {type(host).__name__} {host!r}")
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
@@ -132,7 +151,8 @@ class TCPStore(StoreLinks):
         self._max_frame = 0
         try:
             self._connect_first(time.monotonic() + self._timeout)
-            if world_size is not None:
+            # torch's rule: only a store that waits for the workers counts itself in
+            if world_size is not None and wait_for_workers:
                 if self._add(_WORKERS_KEY.decode(), 1) == world_size:
                     self._set(_READY_KEY.decode(), b"1")
                 if is_master and wait_for_workers:
@@ -282,8 +302,9 @@ class TCPStore(StoreLinks):
         except DistStoreTimeoutError as e:
             joined = int(self._get([_WORKERS_KEY.decode()], self._timeout)[0])
             raise DistStoreTimeoutError(
-                f"{self._where}: only {joined} of world_size={world_size} processes joined "
-                f"within {self._timeout:g} s") from e
+                f"Timed out after {self._timeout:g} seconds waiting for clients. "
+                f"{joined}/{world_size} clients joined. ({self._where}: the processes that did not "
+                "create their TCPStore are missing or slow, or world_size is wrong)") from e
 
     # -- checks against the server's limits -----------------------------------------------
 
@@ -390,7 +411,10 @@ class TCPStore(StoreLinks):
     def _num_keys(self) -> int:
         if self._tpool_mode:
             return self._tcall("num_keys", lambda c: c.num_keys())
-        return int(self._simple(w.NUM_KEYS, [], "num_keys")[0])
+        # torch counts its join counter among the keys: so does this count (the server
+        # keeps it hidden, so it is added here)
+        joined = self._check([_WORKERS_KEY.decode()])
+        return int(self._simple(w.NUM_KEYS, [], "num_keys")[0]) + int(joined)
 
     def _multi_set(self, keys: list[str], values: list[bytes]) -> None:
         if not keys:
@@ -432,7 +456,7 @@ class TCPStore(StoreLinks):
         if status == w.OK and len(out) == 1:
             return out[0]
         if status == w.EMPTY:
-            raise DistStoreError(f"queue_pop({key!r}, block=False): the queue is empty")
+            raise queue_empty_error(key, self._where)
         if status == w.TIMEOUT:
             raise timeout_error("queue_pop", [key], [key], wait, self._where)
         raise DistStoreError(f"queue_pop: unexpected reply code {status} from {self._where}")
@@ -447,7 +471,7 @@ class TCPStore(StoreLinks):
             if value is not None:
                 return value
             if timeout is None:
-                raise DistStoreError(f"queue_pop({key!r}, block=False): the queue is empty")
+                raise queue_empty_error(key, self._where)
             # Another client popped between the WAIT and the POP: wait again.
 
     def _queue_len(self, key: str) -> int:

@@ -90,7 +90,8 @@ def test_prefix_store_timeout_names_the_callers_key() -> None:
     with pytest.raises(DistStoreTimeoutError) as info:
         store.wait(["there", "missing"], timeout=0.1)
     text = str(info.value)
-    assert text.startswith("wait of ['there', 'missing'] timed out after 0.1 s on PrefixStore('p', ")
+    assert text.startswith("Wait timeout after 100ms: wait of ['there', 'missing'] timed out after 0.1 s "
+                           "on PrefixStore('p', ")
     assert text.endswith("still missing: ['missing']") and "p/missing" not in text
     with pytest.raises(DistStoreTimeoutError, match=r"queue_pop of \['q'\] .* the queue is still empty"):
         store.queue_pop("q", timeout=0.1)

@@ -35,7 +35,7 @@ def test_levels_and_environment_match_torch(monkeypatch: pytest.MonkeyPatch) -> 
         assert gpucoll.get_debug_level().name == tdist.get_debug_level().name == value.upper()
     tdist.set_debug_level(tdist.DebugLevel.OFF)
     monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "bogus")
-    with pytest.raises(ValueError, match="TORCH_DISTRIBUTED_DEBUG must be OFF, INFO or DETAIL; got 'bogus'"):
+    with pytest.raises(ValueError, match="The value of TORCH_DISTRIBUTED_DEBUG must be OFF, INFO, or DETAIL; got 'bogus'"):
         gpucoll.get_debug_level()
     # ours wins over torch's when both are set
     monkeypatch.setenv("GPUCOLL_DEBUG", "info")

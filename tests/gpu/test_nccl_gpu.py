@@ -23,7 +23,7 @@ import pytest
 from _reference import DTYPE_NAMES, OPS, close, defined, make_input, np_dtype, reference
 
 from gpucoll._buffer import DTYPES
-from gpucoll._reduce_op import ReduceOp, make_premul_sum
+from gpucoll._reduce_op import PremulSum, ReduceOp, make_premul_sum
 from gpucoll.testing import run_spmd
 
 pytestmark = pytest.mark.gpu
@@ -104,7 +104,7 @@ def _init(timeout: float = 120.0) -> int:
 
 def _pg_defined(name: str, op: Any, fp8: bool) -> bool:
     # The ProcessGroup allows PREMUL_SUM on floating and complex arrays only.
-    if not isinstance(op, ReduceOp) and DTYPES[name].kind not in "fc":
+    if isinstance(op, PremulSum) and DTYPES[name].kind not in "fc":
         return False
     return defined(name, op, fp8)
 

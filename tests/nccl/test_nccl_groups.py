@@ -130,7 +130,7 @@ def test_debug_detail_catches_collectives_that_differ_across_ranks(monkeypatch: 
         assert "SUM" in ops and "MAX" in ops
     monkeypatch.setenv("GPUCOLL_DEBUG", "loud")
     from gpucoll._group.registry import debug_level
-    with pytest.raises(ValueError, match="GPUCOLL_DEBUG must be OFF, INFO or DETAIL"):
+    with pytest.raises(ValueError, match="The value of GPUCOLL_DEBUG must be OFF, INFO, or DETAIL"):
         debug_level()
 
 

@@ -246,16 +246,20 @@ def test_delete_key(store: Store) -> None:
 
 
 def test_num_keys_and_list_keys(store: Store) -> None:
-    assert store.num_keys() == 0
+    # num_keys counts as torch does: a FileStore's bookkeeping key too, and a PrefixStore
+    # every key of the store under it (torch's absolute counts are checked in
+    # tests/conformance/test_ported_store.py); list_keys lists only this namespace
+    base = store.num_keys()
+    assert base in (0, 1, 2)
     assert store.list_keys() == []
     store.set("x", b"1")
     store.add("y", 1)
     store.multi_set(["z1", "z2"], [b"", b""])
     store.queue_push("queue", b"q")  # queues are not keys
-    assert store.num_keys() == 4
+    assert store.num_keys() == base + 4
     assert sorted(store.list_keys()) == ["x", "y", "z1", "z2"]
     store.delete_key("x")
-    assert store.num_keys() == 3
+    assert store.num_keys() == base + 3
     assert sorted(store.list_keys()) == ["y", "z1", "z2"]
 
 

@@ -240,7 +240,7 @@ class Planner:
         self._cache: dict[tuple[str, ReduceOp], Reduction] = {}
 
     def reduction(self, dtype: DType, op: ReduceOpLike) -> Reduction:
-        if isinstance(op, ReduceOp):
+        if type(op) is ReduceOp:  # a PremulSum is an instance too (torch), with its own factor
             key = (dtype.name, op)
             red = self._cache.get(key)
             if red is None:
