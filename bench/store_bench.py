@@ -33,6 +33,7 @@ keeps torch's look-ups as they are. The report says which.
 from __future__ import annotations
 
 import argparse
+import itertools
 import multiprocessing as mp
 import os
 import resource
@@ -207,18 +208,20 @@ def _joiner(impl: str, port: int, n: int, threads: int, tag: str, start: Any, re
     results.put((ends, errors))
 
 
+_SOURCES = itertools.count()
 _PER_PROCESS = 4096
 """Load-generator clients per process (the open-file limit here is 20,000)."""
 
 
 def _gen_joiner(protocol: str, port: int, n: int, k: int, tag: str, start: Any,
-                results: Any) -> None:
+                results: Any, source: str) -> None:
     _raise_nofile()
     script = lg.rendezvous_script(tag, n)
     results.put("ready")
     start.wait()
     try:
-        results.put((lg.drive("127.0.0.1", port, protocol, [script] * k, timeout=_TIMEOUT), []))
+        results.put((lg.drive("127.0.0.1", port, protocol, [script] * k, timeout=_TIMEOUT,
+                                      source=source), []))
     except Exception as e:  # reported to the parent, which fails the row
         results.put(([], [f"{type(e).__name__}: {e}"]))
 
@@ -237,8 +240,14 @@ def _rendezvous(impl: str, port: int, n: int, run: int, load: str = "threads") -
     start = _CTX.Event()
     results = _CTX.Queue()
     per = [n // nproc + (1 if i < n % nproc else 0) for i in range(nproc)]
-    procs = [_CTX.Process(target=worker, args=(first, port, n, k, tag, start, results), daemon=True)
-             for k in per]
+    procs = []
+    for i, k in enumerate(per):
+        a: tuple[Any, ...] = (first, port, n, k, tag, start, results)
+        if load == "loadgen":
+            # Its own loopback address, hence its own local ports (see lg.drive).
+            src = next(_SOURCES)
+            a += (f"127.{1 + src // 62500 % 250}.{src // 250 % 250}.{1 + src % 250}",)
+        procs.append(_CTX.Process(target=worker, args=a, daemon=True))
     for p in procs:
         p.start()
     master = _client(impl, port)

@@ -207,13 +207,17 @@ class _Client:
 
 
 def drive(host: str, port: int, protocol: str, scripts: list[Script], *,
-          timeout: float = 120.0, connect_gap: int = 0) -> list[float]:
+          timeout: float = 120.0, connect_gap: int = 0, source: str | None = None,
+          stats: dict[str, int] | None = None) -> list[float]:
     """Run every script on its own connection to ``host:port``; return, per script, the
     ``time.monotonic()`` at which its last reply arrived.
 
     Connections are opened all at once (``connect_gap`` > 0: that many, then one poll
     round, and so on); a refused or reset connection is retried after 10-500 ms, as the
-    real clients do.
+    real clients do. ``source``: the local address to connect from (another 127.x.y.z
+    gives another 28,000 local ports on loopback, whose ports a 16k-client run and its
+    TIME_WAITs otherwise use up). ``stats``, when given, gets "retries": connections
+    that had to be made again.
 
     Raises:
         RuntimeError: a client got an unexpected reply, or not every script finished
@@ -232,6 +236,8 @@ def drive(host: str, port: int, protocol: str, scripts: list[Script], *,
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         s.setblocking(False)
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if source is not None:
+            s.bind((source, 0))
         c.sock = s
         c.buf.clear()
         err = s.connect_ex(addr)
@@ -254,6 +260,8 @@ def drive(host: str, port: int, protocol: str, scripts: list[Script], *,
         if c.steps is not None:
             raise RuntimeError(f"store load generator: client {c.i} lost its connection mid-script")
         c.tries += 1
+        if stats is not None:
+            stats["retries"] = stats.get("retries", 0) + 1
         retry.append((time.monotonic() + min(0.01 * 2 ** c.tries, 0.5), c))
 
     def advance(c: _Client, value: object) -> bool:

@@ -1,8 +1,11 @@
 """Sockets of the TCPStore server: its listeners, the name of its same-host Unix
-socket, the uid of a Unix socket's peer, and the poller its loop waits on."""
+socket, the uid of a Unix socket's peer, the poller its loop waits on, and the
+descriptor limit it needs."""
 
 from __future__ import annotations
 
+import os
+import resource
 import select
 import selectors
 import socket
@@ -10,7 +13,36 @@ import struct
 
 from ..errors import DistNetworkError
 
-__all__ = ["listen", "peer_uid", "unix_socket_name", "new_poller", "IN", "OUT", "IN_ANY"]
+__all__ = ["listen", "somaxconn", "peer_uid", "unix_socket_name", "new_poller", "IN", "OUT", "IN_ANY",
+           "raise_nofile", "open_files"]
+
+_INFINITY = resource.RLIM_INFINITY
+
+
+def raise_nofile() -> tuple[int, int]:
+    """Raise this process's open-file limit (RLIMIT_NOFILE) to its hard limit, as far as
+    the kernel allows; return the (soft, hard) limits now in force. Each client of a
+    server holds one descriptor of the process it runs in, and the usual soft limit
+    (1,024) is far below a large job's rank count."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != _INFINITY and (hard == _INFINITY or soft < hard):
+        for want in (hard, 1 << 20):  # an unlimited hard limit: ask for a large finite one
+            if want == _INFINITY:
+                continue
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+                break
+            except (ValueError, OSError):
+                continue
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+def open_files() -> int:
+    """Descriptors this process has open now (0 where that cannot be counted)."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # less the one listing the folder
+    except OSError:
+        return 0
 
 
 def unix_socket_name(ip: str, port: int) -> str:
@@ -30,23 +62,57 @@ def peer_uid(sock: socket.socket) -> int:
     return int(uid)
 
 
-def listen(host: str, port: int, backlog: int) -> socket.socket:
+def somaxconn() -> int:
+    """The kernel's cap on one listener's accept queue (128 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/core/somaxconn") as f:
+            return max(1, int(f.read()))
+    except (OSError, ValueError):
+        return 128
+
+
+def listen(host: str, port: int, backlog: int, queues: int = 1) -> list[socket.socket]:
+    """Listening sockets on ``host:port``: one, or ``queues`` sharing the port through
+    SO_REUSEPORT where the platform has it. The kernel spreads new connections over
+    them, so the server can hold ``queues`` times ``net.core.somaxconn`` connections that
+    it has not accepted yet: a whole job connecting at once overflows a single queue, and
+    each connection the kernel drops costs its client a SYN retransmission (1 s, then
+    3 s). Only processes of the same user could join the port's group (the kernel's
+    rule), and a gpucoll server does not: it binds the port plainly first."""
+    reuse = getattr(socket, "SO_REUSEPORT", None) if queues > 1 else None
+    listeners: list[socket.socket] = []
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                    flags=socket.AI_PASSIVE | socket.AI_NUMERICSERV)
         family, stype, proto, _, addr = infos[0]
-        listener = socket.socket(family, stype, proto)
-        try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind(addr)
-            listener.listen(backlog)
-            listener.setblocking(False)
-        except BaseException:
-            listener.close()
-            raise
+        if reuse is not None:
+            # First a plain bind: it fails on a port in use, a port another SO_REUSEPORT
+            # group holds included (which SO_REUSEPORT sockets would silently join), and
+            # it picks the port when port is 0. The group binds it right after.
+            with socket.socket(family, stype, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(addr)
+                addr = (addr[0], probe.getsockname()[1], *addr[2:])
+        for i in range(queues if reuse is not None else 1):
+            listener = socket.socket(family, stype, proto)
+            try:
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if reuse is not None:
+                    listener.setsockopt(socket.SOL_SOCKET, reuse, 1)
+                listener.bind(addr)
+                listener.listen(backlog)
+                listener.setblocking(False)
+            except BaseException:
+                listener.close()
+                if not i:
+                    raise
+                break  # the extra queues are a help, not a need
+            listeners.append(listener)
     except OSError as e:
+        for ls in listeners:
+            ls.close()
         raise DistNetworkError(f"TCPStore server cannot listen on {host!r}:{port}: {e}") from e
-    return listener
+    return listeners
 
 
 class _Selector:
