@@ -36,7 +36,7 @@ from ..errors import DistNetworkError, DistStoreError
 from . import _wire as w
 from . import _torch_wire as tw
 from ._sockets import IN as _IN, IN_ANY as _IN_ANY, OUT as _OUT
-from ._sockets import listen, new_poller, open_files, peer_uid, raise_nofile, somaxconn
+from ._sockets import FD_RESERVE, accept_queues, listen, new_poller, nofile_for, peer_uid
 from ._sockets import unix_socket_name
 from ._requests import JOIN_THRESHOLD, PIPELINE_SLACK, PREAUTH_MAX_FRAME, RequestServer, Conn, torch_request
 
@@ -47,17 +47,6 @@ _BIG_CHUNK = 1 << 20
 """A large frame's buffer starts at most this big and at most doubles per growth."""
 HELLO_TIMEOUT = 5.0
 """Seconds a new connection has to say HELLO (torch's clients: VALIDATE and PING)."""
-MAX_PENDING = 256
-"""Connections that have not said HELLO yet, at least this many are kept (the oldest is
-dropped for a new one beyond the bound; see StoreServer)."""
-FD_RESERVE = 64
-"""Descriptors a server's process keeps for other uses than its clients (its listeners,
-its own files, its host's threads): the open-file limit must cover the expected clients,
-the descriptors already open, and this."""
-_BURST = 16384
-"""Clients connecting at once that a server's accept queues are sized for, when the
-job's size is not known."""
-_MAX_QUEUES = 8
 _TURN_FRAMES = 64
 """Frames served from one connection before the others get their turn."""
 _HEADER = w.HEADER
@@ -81,14 +70,11 @@ class StoreServer(RequestServer):
         backlog: listen backlog (the kernel caps it at ``net.core.somaxconn``).
         unix_socket: also listen on the abstract Unix socket (Linux only).
         hello_timeout: seconds a new connection has to complete its HELLO.
-        max_pending: connections without a completed HELLO kept at most; None (the
-            default): half the open-file limit, at least 256. A whole job connecting at
-            once has thousands of connections whose HELLO is on its way, and dropping
-            them only makes them come back.
-        expected_clients: connections the server should be able to hold at once (the
-            job's world size), or None. The process's open-file limit is raised to its
-            hard limit first; a hard limit too low for these clients is refused now,
-            rather than the job timing out later.
+        max_pending: connections without a completed HELLO kept at most; None: the
+            open-file limit less FD_RESERVE (a whole job connecting at once has that
+            many HELLOs on their way, and a dropped one only comes back).
+        expected_clients: the job's world size, or None. The open-file limit is raised
+            to the hard limit first; one too low for these clients is refused now.
 
     Raises:
         DistNetworkError: the address cannot be bound.
@@ -101,22 +87,9 @@ class StoreServer(RequestServer):
                  max_pending: int | None = None, expected_clients: int | None = None) -> None:
         super().__init__(token=token, max_key_size=max_key_size, max_value_size=max_value_size)
         self.hello_timeout = float(hello_timeout)
-        soft, hard = raise_nofile()
-        finite = 0 < soft != resource.RLIM_INFINITY
-        if expected_clients is not None and finite:
-            need = expected_clients + open_files() + FD_RESERVE
-            if soft < need:
-                raise DistStoreError(
-                    f"TCPStore server: the open-file limit (RLIMIT_NOFILE) of this process is "
-                    f"{soft} (hard limit {hard}), too low for {expected_clients} clients: each "
-                    f"client connection holds one descriptor here, so the server needs at "
-                    f"least {need}. Raise the hard limit (ulimit -Hn as root, or the "
-                    f"scheduler's or container's limits)")
-        if max_pending is None:
-            max_pending = max(MAX_PENDING, soft - FD_RESERVE) if finite else 1 << 20
-        elif finite:
-            max_pending = min(max_pending, max(1, soft - FD_RESERVE))
-        self.max_pending = max(1, max_pending)
+        soft = nofile_for(expected_clients)
+        room = max(1, soft - FD_RESERVE) if 0 < soft != resource.RLIM_INFINITY else 1 << 20
+        self.max_pending = room if max_pending is None else max(1, min(room, max_pending))
         self._later: list[Conn] = []
         """Connections whose turn ended with whole frames still buffered."""
         if listen_fd is not None:
@@ -128,11 +101,7 @@ class StoreServer(RequestServer):
                 raise DistNetworkError(f"TCPStore server cannot use listen_fd={listen_fd}: {e}") from e
             self._listeners = [listener]
         else:
-            # Enough accept queues for the whole job to connect at once (see listen);
-            # with no world size given, for _BURST clients.
-            per = max(1, min(backlog, somaxconn()))
-            queues = min(_MAX_QUEUES, max(1, -(-(expected_clients or _BURST) // per)))
-            self._listeners = listen(host, port, backlog, queues)
+            self._listeners = listen(host, port, backlog, accept_queues(expected_clients, backlog))
         bound = self._listeners[0].getsockname()
         self.port: int = bound[1]
         self.unix_name: str | None = None

@@ -11,10 +11,10 @@ import selectors
 import socket
 import struct
 
-from ..errors import DistNetworkError
+from ..errors import DistNetworkError, DistStoreError
 
 __all__ = ["listen", "somaxconn", "peer_uid", "unix_socket_name", "new_poller", "IN", "OUT", "IN_ANY",
-           "raise_nofile", "open_files"]
+           "raise_nofile", "open_files", "nofile_for", "accept_queues", "FD_RESERVE"]
 
 _INFINITY = resource.RLIM_INFINITY
 
@@ -35,6 +35,43 @@ def raise_nofile() -> tuple[int, int]:
             except (ValueError, OSError):
                 continue
     return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+FD_RESERVE = 64
+"""Descriptors a server's process keeps for other uses than its clients (listeners, its
+own files, its host's threads)."""
+BURST = 16384
+"""Clients connecting at once that the accept queues are sized for when the job's size
+is not known."""
+MAX_QUEUES = 8
+
+
+def accept_queues(clients: int | None, backlog: int) -> int:
+    """How many accept queues (see :func:`listen`) hold ``clients`` (default BURST)
+    connecting at once: one per ``somaxconn`` of them, at most MAX_QUEUES."""
+    per = max(1, min(backlog, somaxconn()))
+    return max(1, min(MAX_QUEUES, -(-(clients or BURST) // per)))
+
+
+def nofile_for(expected_clients: int | None, reserve: int = FD_RESERVE) -> int:
+    """Raise the open-file limit (see :func:`raise_nofile`) and return the soft limit now
+    in force; refuse, naming the limit and the clients, when it cannot hold
+    ``expected_clients`` connections besides the descriptors open now and ``reserve``.
+
+    Raises:
+        DistStoreError: the limit is too low for ``expected_clients``.
+    """
+    soft, hard = raise_nofile()
+    if expected_clients is not None and 0 < soft != _INFINITY:
+        need = expected_clients + open_files() + reserve
+        if soft < need:
+            raise DistStoreError(
+                f"TCPStore server: the open-file limit (RLIMIT_NOFILE) of this process is "
+                f"{soft} (hard limit {hard}), too low for {expected_clients} clients: each "
+                f"client connection holds one descriptor here, so the server needs at "
+                f"least {need}. Raise the hard limit (ulimit -Hn as root, or the "
+                f"scheduler's or container's limits)")
+    return soft
 
 
 def open_files() -> int:
