@@ -35,9 +35,8 @@ import time
 from ..errors import DistNetworkError, DistStoreError
 from . import _wire as w
 from . import _torch_wire as tw
-from ._sockets import IN as _IN, IN_ANY as _IN_ANY, OUT as _OUT
-from ._sockets import FD_RESERVE, accept_queues, listen, new_poller, nofile_for, peer_uid
-from ._sockets import unix_socket_name
+from ._sockets import IN as _IN, IN_ANY as _IN_ANY, OUT as _OUT, CLOSE_UNREGISTERS, FD_RESERVE
+from ._sockets import NODELAY_INHERITED, accept_queues, listen, new_poller, nofile_for, peer_uid, unix_socket_name
 from ._requests import JOIN_THRESHOLD, PIPELINE_SLACK, PREAUTH_MAX_FRAME, RequestServer, Conn, torch_request
 
 __all__ = ["StoreServer"]
@@ -49,8 +48,7 @@ HELLO_TIMEOUT = 5.0
 """Seconds a new connection has to say HELLO (torch's clients: VALIDATE and PING)."""
 _TURN_FRAMES = 64
 """Frames served from one connection before the others get their turn."""
-_HEADER = w.HEADER
-_ADD = w.ADD
+_HEADER, _ADD, _TCP, _NODELAY = w.HEADER, w.ADD, socket.IPPROTO_TCP, socket.TCP_NODELAY
 _IOV_MAX = 512
 
 
@@ -257,6 +255,7 @@ class StoreServer(RequestServer):
     def _accept(self, listener: socket.socket) -> None:
         # Once per call, not per connection: a socket's .family builds an enum each time.
         unix = listener.family == socket.AF_UNIX
+        nodelay = not unix and not (NODELAY_INHERITED and listener.getsockopt(_TCP, _NODELAY))
         while True:
             try:
                 sock, _ = listener.accept()
@@ -280,8 +279,8 @@ class StoreServer(RequestServer):
                 if uid not in (os.getuid(), 0):
                     sock.close()
                     continue
-            else:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            elif nodelay:
+                sock.setsockopt(_TCP, _NODELAY, 1)
             sock.setblocking(False)
             conn = Conn(sock)
             if len(self._pending) >= self.max_pending:
@@ -309,10 +308,11 @@ class StoreServer(RequestServer):
         conn.inbuf = b""
         fd = sock.fileno()
         self._conns.pop(fd, None)
-        try:
-            self._poller.unregister(fd)
-        except (KeyError, ValueError, OSError):
-            pass
+        if not CLOSE_UNREGISTERS:
+            try:
+                self._poller.unregister(fd)
+            except (KeyError, ValueError, OSError):
+                pass
         sock.close()
         if not self._accepting and not self._stop:
             for ls in self._listeners:

@@ -10,11 +10,13 @@ import select
 import selectors
 import socket
 import struct
+import sys
 
 from ..errors import DistNetworkError, DistStoreError
 
 __all__ = ["listen", "somaxconn", "peer_uid", "unix_socket_name", "new_poller", "IN", "OUT", "IN_ANY",
-           "raise_nofile", "open_files", "nofile_for", "accept_queues", "FD_RESERVE"]
+           "raise_nofile", "open_files", "nofile_for", "accept_queues", "FD_RESERVE",
+           "NODELAY_INHERITED", "CLOSE_UNREGISTERS"]
 
 _INFINITY = resource.RLIM_INFINITY
 
@@ -134,6 +136,9 @@ def listen(host: str, port: int, backlog: int, queues: int = 1) -> list[socket.s
             listener = socket.socket(family, stype, proto)
             try:
                 listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family in (socket.AF_INET, socket.AF_INET6):
+                    # Inherited by every accepted connection on Linux (NODELAY_INHERITED).
+                    listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 if reuse is not None:
                     listener.setsockopt(socket.SOL_SOCKET, reuse, 1)
                 listener.bind(addr)
@@ -174,6 +179,9 @@ class _Selector:
         self._sel.close()
 
 
+NODELAY_INHERITED = sys.platform.startswith("linux")
+"""An accepted TCP connection has its listener's TCP_NODELAY: no setsockopt per client."""
+
 if hasattr(select, "epoll"):
     # epoll itself: its events come as (fd, mask) pairs, with no per-event Python object
     # (a selectors set builds one per ready connection).
@@ -181,8 +189,11 @@ if hasattr(select, "epoll"):
     IN = select.EPOLLIN
     OUT = select.EPOLLOUT
     IN_ANY = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
+    CLOSE_UNREGISTERS = True
+    """Closing a descriptor takes it out of the epoll set: no epoll_ctl per client."""
 else:
     new_poller = _Selector  # type: ignore[assignment,misc]
     IN = selectors.EVENT_READ
     OUT = selectors.EVENT_WRITE
     IN_ANY = selectors.EVENT_READ
+    CLOSE_UNREGISTERS = False

@@ -214,3 +214,34 @@ def test_too_low_a_hard_limit_is_refused_naming_it_and_the_clients() -> None:
     msg = r.stdout
     assert "NOT REFUSED" not in msg
     assert "RLIMIT_NOFILE" in msg and "300" in msg and "5000 clients" in msg
+
+
+def test_accepted_connections_keep_nodelay_and_leave_the_poll_set_on_close() -> None:
+    """The server sets TCP_NODELAY once, on its listeners (accepted connections inherit
+    it on Linux), and a closed connection takes no further events."""
+    import socket
+    import time
+
+    from gpucoll.store._server import StoreServer
+
+    srv = StoreServer("127.0.0.1", 0, token=None, max_key_size=1024, max_value_size=1024,
+                      unix_socket=False)
+    try:
+        clients = [TCPStore("127.0.0.1", srv.port, timeout=10, use_unix_socket=False)
+                   for _ in range(3)]
+        deadline = time.monotonic() + 5
+        while srv.connections < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        socks = [c.sock for c in list(srv._conns.values()) if c.sock is not None]
+        assert len(socks) == 3
+        assert all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in socks)
+        clients[0].close()
+        while srv.connections > 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert srv.connections == 2
+        clients[1].set("k", b"v")  # the server carries on serving the others
+        assert clients[2].get("k") == b"v"
+        for c in clients[1:]:
+            c.close()
+    finally:
+        srv.close()
