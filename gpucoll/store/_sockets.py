@@ -119,41 +119,51 @@ def listen(host: str, port: int, backlog: int, queues: int = 1) -> list[socket.s
     3 s). Only processes of the same user could join the port's group (the kernel's
     rule), and a gpucoll server does not: it binds the port plainly first."""
     reuse = getattr(socket, "SO_REUSEPORT", None) if queues > 1 else None
-    listeners: list[socket.socket] = []
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                    flags=socket.AI_PASSIVE | socket.AI_NUMERICSERV)
         family, stype, proto, _, addr = infos[0]
-        if reuse is not None:
+        if reuse is None:
+            return _bind(family, stype, proto, addr, backlog, 1, None)
+        for attempt in range(3):
             # First a plain bind: it fails on a port in use, a port another SO_REUSEPORT
             # group holds included (which SO_REUSEPORT sockets would silently join), and
             # it picks the port when port is 0. The group binds it right after.
             with socket.socket(family, stype, proto) as probe:
                 probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 probe.bind(addr)
-                addr = (addr[0], probe.getsockname()[1], *addr[2:])
-        for i in range(queues if reuse is not None else 1):
-            listener = socket.socket(family, stype, proto)
+                picked = (addr[0], probe.getsockname()[1], *addr[2:])
             try:
-                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                if family in (socket.AF_INET, socket.AF_INET6):
-                    # Inherited by every accepted connection on Linux (NODELAY_INHERITED).
-                    listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if reuse is not None:
-                    listener.setsockopt(socket.SOL_SOCKET, reuse, 1)
-                listener.bind(addr)
-                listener.listen(backlog)
-                listener.setblocking(False)
-            except BaseException:
-                listener.close()
-                if not i:
-                    raise
-                break  # the extra queues are a help, not a need
-            listeners.append(listener)
+                return _bind(family, stype, proto, picked, backlog, queues, reuse)
+            except OSError:
+                if port or attempt == 2:
+                    raise  # a port picked for us may have gone in between: pick again
+        raise AssertionError("unreachable")
     except OSError as e:
-        for ls in listeners:
-            ls.close()
         raise DistNetworkError(f"TCPStore server cannot listen on {host!r}:{port}: {e}") from e
+
+
+def _bind(family: int, stype: int, proto: int, addr: tuple[object, ...], backlog: int,
+          queues: int, reuse: int | None) -> list[socket.socket]:
+    listeners: list[socket.socket] = []
+    for i in range(queues):
+        listener = socket.socket(family, stype, proto)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family in (socket.AF_INET, socket.AF_INET6):
+                # Inherited by every accepted connection on Linux (NODELAY_INHERITED).
+                listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if reuse is not None:
+                listener.setsockopt(socket.SOL_SOCKET, reuse, 1)
+            listener.bind(addr)
+            listener.listen(backlog)
+            listener.setblocking(False)
+        except BaseException:
+            listener.close()
+            if not i:
+                raise
+            break  # the extra queues are a help, not a need
+        listeners.append(listener)
     return listeners
 
 

@@ -245,3 +245,36 @@ def test_accepted_connections_keep_nodelay_and_leave_the_poll_set_on_close() -> 
             c.close()
     finally:
         srv.close()
+
+
+def test_a_port_held_by_a_reuseport_listener_is_refused_not_joined() -> None:
+    """The server listens on several SO_REUSEPORT sockets, yet never joins a group that
+    another process (or socket) already holds on the port: that would hand it part of
+    the other's connections."""
+    import socket
+
+    from gpucoll.errors import DistNetworkError
+    from gpucoll.store._server import StoreServer
+
+    other = socket.socket()
+    other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    other.bind(("127.0.0.1", 0))
+    other.listen(8)
+    try:
+        port = other.getsockname()[1]
+        with pytest.raises(DistNetworkError, match=str(port)):
+            StoreServer("127.0.0.1", port, token=None, max_key_size=1024, max_value_size=1024,
+                        expected_clients=12000)
+        # With the port free, the same server gets several accept queues on it.
+        srv = StoreServer("127.0.0.1", 0, token=None, max_key_size=1024, max_value_size=1024,
+                          expected_clients=12000, unix_socket=False)
+        try:
+            ports = {ls.getsockname()[1] for ls in srv._listeners}
+            assert ports == {srv.port} and len(srv._listeners) > 1
+            c = TCPStore("127.0.0.1", srv.port, timeout=10, use_unix_socket=False)
+            assert c.add("n", 2) == 2
+            c.close()
+        finally:
+            srv.close()
+    finally:
+        other.close()
