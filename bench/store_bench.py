@@ -414,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", default=None, help="comma list of add-throughput client counts")
     p.add_argument("--rendezvous", default=None, help="comma list of rendezvous sizes")
     p.add_argument("--markdown", action="store_true", help="print a markdown table")
-    p.add_argument("--rendezvous-only", action="store_true", help="only the rendezvous rows")
+    p.add_argument("--rendezvous-only", action="store_true",
+                   help="only the rendezvous rows, the implementations taking turns")
     p.add_argument("--load", choices=("loadgen", "threads"), default="loadgen",
                    help="rendezvous clients: the load generator (default) or real clients in threads")
     p.add_argument("--no-numeric-names", action="store_true",
@@ -433,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     if "torch" in impls:
         names = "numeric (LD_PRELOAD shim)" if os.environ.get(_NUMERIC_ENV) else "as torch makes them"
         print(f"# torch's getnameinfo() look-ups: {names}", file=sys.stderr)
+    if args.rendezvous_only:
+        print(report(interleaved(impls, args), impls, args.markdown))
+        return 0
     parts = []
     for impl in impls:
         t0 = time.monotonic()
@@ -440,6 +444,38 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# {impl}: {time.monotonic() - t0:.1f} s", file=sys.stderr)
     print(report(_merge(parts), impls, args.markdown))
     return 0
+
+
+def interleaved(impls: list[str], args: argparse.Namespace) -> list[Row]:
+    """The rendezvous rows with every implementation's server up at once, taking turns
+    (the order rotating) at each size and repeat: on a shared machine, each ratio then
+    compares runs made within seconds of each other, not minutes apart."""
+    import gpucoll.store  # noqa: F401
+
+    # gpucoll's servers are forked before torch is imported: a server forked from a parent
+    # holding torch's modules would carry them in its heap, and every full garbage
+    # collection in the server's loop would walk them.
+    servers = {impl: _Server(impl) for impl in impls if impl != "torch"}
+    if "torch" in impls:
+        import torch.distributed  # noqa: F401
+
+        servers["torch"] = _Server("torch")
+    try:
+        rows = []
+        for n in args.rendezvous:
+            times: dict[str, list[float]] = {impl: [] for impl in impls}
+            for r in range(args.repeats):
+                for k in range(len(impls)):
+                    impl = impls[(r + k) % len(impls)]
+                    times[impl].append(_rendezvous(impl, servers[impl].port, n, r, args.load))
+            rows.append(Row(f"rendezvous, {n} clients", "s",
+                            {impl: statistics.median(t) for impl, t in times.items()}))
+            print(f"# {n} clients: " + ", ".join(f"{i} {' '.join(f'{x:.3f}' for x in t)}"
+                                                 for i, t in times.items()), file=sys.stderr)
+        return rows
+    finally:
+        for srv in servers.values():
+            srv.stop()
 
 
 if __name__ == "__main__":
