@@ -35,7 +35,7 @@ import time
 from ..errors import DistNetworkError, DistStoreError
 from . import _wire as w
 from . import _torch_wire as tw
-from ._sockets import IN as _IN, IN_ANY as _IN_ANY, OUT as _OUT, CLOSE_UNREGISTERS, FD_RESERVE
+from ._sockets import IN as _IN, IN_ANY as _IN_ANY, OUT as _OUT, FD_RESERVE, forget
 from ._sockets import NODELAY_INHERITED, accept_queues, listen, new_poller, nofile_for, peer_uid, unix_socket_name
 from ._requests import JOIN_THRESHOLD, PIPELINE_SLACK, PREAUTH_MAX_FRAME, RequestServer, Conn, torch_request
 
@@ -256,6 +256,7 @@ class StoreServer(RequestServer):
         # Once per call, not per connection: a socket's .family builds an enum each time.
         unix = listener.family == socket.AF_UNIX
         nodelay = not unix and not (NODELAY_INHERITED and listener.getsockopt(_TCP, _NODELAY))
+        eager = True
         while True:
             try:
                 sock, _ = listener.accept()
@@ -275,8 +276,7 @@ class StoreServer(RequestServer):
             if unix:
                 # Same host, through the abstract name: only this user's processes (and
                 # root's) may use it; others must come by TCP, where the token applies.
-                uid = peer_uid(sock)
-                if uid not in (os.getuid(), 0):
+                if peer_uid(sock) not in (os.getuid(), 0):
                     sock.close()
                     continue
             elif nodelay:
@@ -289,11 +289,14 @@ class StoreServer(RequestServer):
             self._conns[sock.fileno()] = conn
             self._poller.register(sock.fileno(), _IN)
             # A client sends HELLO right after connecting: it is often here already, and
-            # answering it now saves a trip through epoll (and the client a wait).
-            try:
-                self._on_readable(conn)
-            except Exception:  # as in the loop: one bad client never stops the server
-                self._drop(conn)
+            # answering it now saves a trip through epoll. Once one is not (a burst), the
+            # rest of this batch waits for epoll rather than read nothing, one call each.
+            if eager:
+                try:
+                    self._on_readable(conn)
+                except Exception:  # as in the loop: one bad client never stops the server
+                    self._drop(conn)
+                eager = conn.authed or conn.torch or bool(conn.inbuf)
 
     def _drop(self, conn: Conn) -> None:
         sock = conn.sock
@@ -308,11 +311,7 @@ class StoreServer(RequestServer):
         conn.inbuf = b""
         fd = sock.fileno()
         self._conns.pop(fd, None)
-        if not CLOSE_UNREGISTERS:
-            try:
-                self._poller.unregister(fd)
-            except (KeyError, ValueError, OSError):
-                pass
+        forget(self._poller, fd)
         sock.close()
         if not self._accepting and not self._stop:
             for ls in self._listeners:

@@ -16,7 +16,7 @@ from ..errors import DistNetworkError, DistStoreError
 
 __all__ = ["listen", "somaxconn", "peer_uid", "unix_socket_name", "new_poller", "IN", "OUT", "IN_ANY",
            "raise_nofile", "open_files", "nofile_for", "accept_queues", "FD_RESERVE",
-           "NODELAY_INHERITED", "CLOSE_UNREGISTERS"]
+           "NODELAY_INHERITED", "CLOSE_UNREGISTERS", "forget"]
 
 _INFINITY = resource.RLIM_INFINITY
 
@@ -207,3 +207,12 @@ else:
     OUT = selectors.EVENT_WRITE
     IN_ANY = selectors.EVENT_READ
     CLOSE_UNREGISTERS = False
+
+
+def forget(poller: select.epoll | _Selector, fd: int) -> None:
+    """Take ``fd`` out of ``poller`` before it is closed, where closing does not."""
+    if not CLOSE_UNREGISTERS:
+        try:
+            poller.unregister(fd)
+        except (KeyError, ValueError, OSError):
+            pass
