@@ -53,6 +53,7 @@ sys.path.insert(0, _HERE)
 import store_loadgen as lg  # noqa: E402  (bench/, beside this file)
 
 _CTX = mp.get_context("fork")  # cheap copies of a parent that has already imported torch
+_SPAWN = mp.get_context("spawn")
 _TIMEOUT = 120.0
 
 
@@ -237,8 +238,12 @@ def _rendezvous(impl: str, port: int, n: int, run: int, load: str = "threads") -
         nproc = min(16, n)
         worker = _joiner
         first = impl
-    start = _CTX.Event()
-    results = _CTX.Queue()
+    # The generator's processes start fresh (spawn), not as copies of this one: once torch
+    # is imported here, a forked copy carries its modules, and the generator's garbage
+    # collections walk them (for whichever implementation runs after the import).
+    ctx = _SPAWN if load == "loadgen" else _CTX
+    start = ctx.Event()
+    results = ctx.Queue()
     per = [n // nproc + (1 if i < n % nproc else 0) for i in range(nproc)]
     procs = []
     for i, k in enumerate(per):
@@ -247,7 +252,7 @@ def _rendezvous(impl: str, port: int, n: int, run: int, load: str = "threads") -
             # Its own loopback address, hence its own local ports (see lg.drive).
             src = next(_SOURCES)
             a += (f"127.{1 + src // 62500 % 250}.{src // 250 % 250}.{1 + src % 250}",)
-        procs.append(_CTX.Process(target=worker, args=a, daemon=True))
+        procs.append(ctx.Process(target=worker, args=a, daemon=True))
     for p in procs:
         p.start()
     master = _client(impl, port)
