@@ -239,8 +239,8 @@ def _rendezvous(impl: str, port: int, n: int, run: int, load: str = "threads") -
         worker = _joiner
         first = impl
     # The generator's processes start fresh (spawn), not as copies of this one: once torch
-    # is imported here, a forked copy carries its modules, and the generator's garbage
-    # collections walk them (for whichever implementation runs after the import).
+    # is imported here, forked copies carry its modules, and the implementation measured
+    # after the import got slower generators than the one measured before it.
     ctx = _SPAWN if load == "loadgen" else _CTX
     start = ctx.Event()
     results = ctx.Queue()
