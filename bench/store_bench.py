@@ -6,7 +6,11 @@ Rows (each run against a server in its own process, clients in other processes):
 * ``add`` throughput with 1, 8 and 32 client processes hammering one counter;
 * rendezvous of N = 64, 256, 1024 clients: each connects, joins with ``add``, then
   waits on a key that a master client sets once all have joined; the time from the
-  start signal until the last client returns from ``wait``;
+  start signal until the last client returns from ``wait``. The clients are
+  bench/store_loadgen.py's (non-blocking sockets, at most 4,096 per process, speaking
+  the server's own protocol: gpucoll's frames, torch's c10d protocol for torch), so
+  16,384 of them fit in a few processes; ``--load threads`` uses the real clients
+  instead, one thread each in 16 processes;
 * ``get`` of a 16 MiB value.
 
 Usage::
@@ -15,13 +19,21 @@ Usage::
     python bench/store_bench.py --quick    # a smoke run (~30 s)
     python bench/store_bench.py --impl gpucoll,gpucoll-tcp,torch --markdown
 
-``gpucoll-tcp`` turns off the Unix-socket path that same-host clients otherwise take.
+``gpucoll-tcp`` turns off the Unix-socket path that same-host clients otherwise take;
+``gpucoll-torchwire`` is gpucoll's server driven in torch's protocol (rendezvous only).
 The ratio columns are gpucoll / torch for the same row of the same run.
+
+torch's server and client call ``getnameinfo()`` on each peer's address, which on
+some machines sends a reverse DNS query that stalls for seconds now and then. With
+torch in the run the benchmark builds a small ``LD_PRELOAD`` shim (with ``cc``) that
+makes those look-ups numeric, and re-runs itself under it; ``--no-numeric-names``
+keeps torch's look-ups as they are. The report says which.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import multiprocessing as mp
 import os
 import resource
@@ -34,9 +46,14 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(_HERE))
+sys.path.insert(0, _HERE)
+
+import store_loadgen as lg  # noqa: E402  (bench/, beside this file)
 
 _CTX = mp.get_context("fork")  # cheap copies of a parent that has already imported torch
+_SPAWN = mp.get_context("spawn")
 _TIMEOUT = 120.0
 
 
@@ -192,14 +209,50 @@ def _joiner(impl: str, port: int, n: int, threads: int, tag: str, start: Any, re
     results.put((ends, errors))
 
 
-def _rendezvous(impl: str, port: int, n: int, run: int) -> float:
+_SOURCES = itertools.count()
+_PER_PROCESS = 4096
+"""Load-generator clients per process (the open-file limit here is 20,000)."""
+
+
+def _gen_joiner(protocol: str, port: int, n: int, k: int, tag: str, start: Any,
+                results: Any, source: str) -> None:
+    _raise_nofile()
+    script = lg.rendezvous_script(tag, n)
+    results.put("ready")
+    start.wait()
+    try:
+        results.put((lg.drive("127.0.0.1", port, protocol, [script] * k, timeout=_TIMEOUT,
+                                      source=source), []))
+    except Exception as e:  # reported to the parent, which fails the row
+        results.put(([], [f"{type(e).__name__}: {e}"]))
+
+
+def _rendezvous(impl: str, port: int, n: int, run: int, load: str = "threads") -> float:
     tag = f"rdv{n}-{run}"
-    nproc = min(16, n)
-    start = _CTX.Event()
-    results = _CTX.Queue()
+    if load == "loadgen":
+        nproc = max(1, -(-n // _PER_PROCESS))
+        protocol = "torch" if impl in ("torch", "gpucoll-torchwire") else "gpucoll"
+        worker: Callable[..., None] = _gen_joiner
+        first: Any = protocol
+    else:
+        nproc = min(16, n)
+        worker = _joiner
+        first = impl
+    # The generator's processes start fresh (spawn), not as copies of this one: once torch
+    # is imported here, forked copies carry its modules, and the implementation measured
+    # after the import got slower generators than the one measured before it.
+    ctx = _SPAWN if load == "loadgen" else _CTX
+    start = ctx.Event()
+    results = ctx.Queue()
     per = [n // nproc + (1 if i < n % nproc else 0) for i in range(nproc)]
-    procs = [_CTX.Process(target=_joiner, args=(impl, port, n, k, tag, start, results), daemon=True)
-             for k in per]
+    procs = []
+    for i, k in enumerate(per):
+        a: tuple[Any, ...] = (first, port, n, k, tag, start, results)
+        if load == "loadgen":
+            # Its own loopback address, hence its own local ports (see lg.drive).
+            src = next(_SOURCES)
+            a += (f"127.{1 + src // 62500 % 250}.{src // 250 % 250}.{1 + src % 250}",)
+        procs.append(ctx.Process(target=worker, args=a, daemon=True))
     for p in procs:
         p.start()
     master = _client(impl, port)
@@ -256,18 +309,20 @@ def run(impl: str, args: argparse.Namespace) -> list[Row]:
     rows: list[Row] = []
     server = _Server(impl)
     try:
-        lat = _latency(impl, server.port, args.iters)
-        for op, (med, p99) in lat.items():
-            rows.append(Row(f"{op} latency, median", "us", {impl: med}))
-            rows.append(Row(f"{op} latency, p99", "us", {impl: p99}))
-        for c in args.clients:
-            rows.append(Row(f"add throughput, {c} clients", "ops/s",
-                            {impl: _throughput(impl, server.port, c, args.seconds)}, True))
+        if not args.rendezvous_only:
+            lat = _latency(impl, server.port, args.iters)
+            for op, (med, p99) in lat.items():
+                rows.append(Row(f"{op} latency, median", "us", {impl: med}))
+                rows.append(Row(f"{op} latency, p99", "us", {impl: p99}))
+            for c in args.clients:
+                rows.append(Row(f"add throughput, {c} clients", "ops/s",
+                                {impl: _throughput(impl, server.port, c, args.seconds)}, True))
         for n in args.rendezvous:
-            times = [_rendezvous(impl, server.port, n, r) for r in range(args.repeats)]
+            times = [_rendezvous(impl, server.port, n, r, args.load) for r in range(args.repeats)]
             rows.append(Row(f"rendezvous, {n} clients", "s", {impl: statistics.median(times)}))
-        rows.append(Row("get 16 MiB, median", "ms", {impl: _big_get(impl, server.port, 16 << 20,
-                                                                    args.big_iters)}))
+        if not args.rendezvous_only:
+            rows.append(Row("get 16 MiB, median", "ms",
+                            {impl: _big_get(impl, server.port, 16 << 20, args.big_iters)}))
     finally:
         server.stop()
     return rows
@@ -315,6 +370,45 @@ def report(rows: list[Row], impls: list[str], markdown: bool) -> str:
     return "\n".join("  ".join(c.ljust(wd) for c, wd in zip(cells, widths)) for cells in [head] + lines)
 
 
+_NUMERIC_ENV = "GPUCOLL_BENCH_NUMERIC_NAMES"
+_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <netdb.h>
+#include <sys/socket.h>
+typedef int (*fn_t)(const struct sockaddr *, socklen_t, char *, socklen_t, char *, socklen_t, int);
+int getnameinfo(const struct sockaddr *sa, socklen_t salen, char *host, socklen_t hostlen,
+                char *serv, socklen_t servlen, int flags) {
+    static fn_t real;
+    if (!real) real = (fn_t)dlsym(RTLD_NEXT, "getnameinfo");
+    return real(sa, salen, host, hostlen, serv, servlen, flags | NI_NUMERICHOST | NI_NUMERICSERV);
+}
+"""
+
+
+def _rerun_numeric(argv: list[str] | None) -> None:
+    """Build the getnameinfo shim and exec this benchmark again under it; return (with a
+    note) when there is no C compiler."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        print("# no C compiler: torch's getnameinfo() look-ups stay as they are", file=sys.stderr)
+        return
+    d = tempfile.mkdtemp(prefix="gpucoll-bench-")
+    src, lib = os.path.join(d, "numeric_names.c"), os.path.join(d, "numeric_names.so")
+    with open(src, "w") as f:
+        f.write(_SHIM)
+    subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", lib, src, "-ldl"], check=True)
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = " ".join(x for x in (env.get("LD_PRELOAD"), lib) if x)
+    env[_NUMERIC_ENV] = lib
+    args = sys.argv[1:] if argv is None else argv
+    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *args], env)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="few iterations, small N: a smoke run")
@@ -325,6 +419,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", default=None, help="comma list of add-throughput client counts")
     p.add_argument("--rendezvous", default=None, help="comma list of rendezvous sizes")
     p.add_argument("--markdown", action="store_true", help="print a markdown table")
+    p.add_argument("--rendezvous-only", action="store_true",
+                   help="only the rendezvous rows, the implementations taking turns")
+    p.add_argument("--load", choices=("loadgen", "threads"), default="loadgen",
+                   help="rendezvous clients: the load generator (default) or real clients in threads")
+    p.add_argument("--no-numeric-names", action="store_true",
+                   help="leave torch's getnameinfo() look-ups as they are (see above)")
     args = p.parse_args(argv)
     args.iters = 500 if args.quick else 5000
     args.seconds = 0.5 if args.quick else 3.0
@@ -333,7 +433,15 @@ def main(argv: list[str] | None = None) -> int:
     args.clients = [int(x) for x in (args.clients or ("1,8" if args.quick else "1,8,32")).split(",")]
     args.rendezvous = [int(x) for x in (args.rendezvous or ("64" if args.quick else "64,256,1024")).split(",")]
     impls = args.impl.split(",") if args.impl else (["gpucoll", "torch"] if _torch_available() else ["gpucoll"])
+    if "torch" in impls and not args.no_numeric_names and _NUMERIC_ENV not in os.environ:
+        _rerun_numeric(argv)  # does not return when the shim builds
     _raise_nofile()
+    if "torch" in impls:
+        names = "numeric (LD_PRELOAD shim)" if os.environ.get(_NUMERIC_ENV) else "as torch makes them"
+        print(f"# torch's getnameinfo() look-ups: {names}", file=sys.stderr)
+    if args.rendezvous_only:
+        print(report(interleaved(impls, args), impls, args.markdown))
+        return 0
     parts = []
     for impl in impls:
         t0 = time.monotonic()
@@ -341,6 +449,38 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# {impl}: {time.monotonic() - t0:.1f} s", file=sys.stderr)
     print(report(_merge(parts), impls, args.markdown))
     return 0
+
+
+def interleaved(impls: list[str], args: argparse.Namespace) -> list[Row]:
+    """The rendezvous rows with every implementation's server up at once, taking turns
+    (the order rotating) at each size and repeat: on a shared machine, each ratio then
+    compares runs made within seconds of each other, not minutes apart."""
+    import gpucoll.store  # noqa: F401
+
+    # gpucoll's servers are forked before torch is imported: a server forked from a parent
+    # holding torch's modules would carry them in its heap, and every full garbage
+    # collection in the server's loop would walk them.
+    servers = {impl: _Server(impl) for impl in impls if impl != "torch"}
+    if "torch" in impls:
+        import torch.distributed  # noqa: F401
+
+        servers["torch"] = _Server("torch")
+    try:
+        rows = []
+        for n in args.rendezvous:
+            times: dict[str, list[float]] = {impl: [] for impl in impls}
+            for r in range(args.repeats):
+                for k in range(len(impls)):
+                    impl = impls[(r + k) % len(impls)]
+                    times[impl].append(_rendezvous(impl, servers[impl].port, n, r, args.load))
+            rows.append(Row(f"rendezvous, {n} clients", "s",
+                            {impl: statistics.median(t) for impl, t in times.items()}))
+            print(f"# {n} clients: " + ", ".join(f"{i} {' '.join(f'{x:.3f}' for x in t)}"
+                                                 for i, t in times.items()), file=sys.stderr)
+        return rows
+    finally:
+        for srv in servers.values():
+            srv.stop()
 
 
 if __name__ == "__main__":

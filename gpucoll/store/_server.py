@@ -35,8 +35,8 @@ import time
 from ..errors import DistNetworkError, DistStoreError
 from . import _wire as w
 from . import _torch_wire as tw
-from ._sockets import IN as _IN, IN_ANY as _IN_ANY, OUT as _OUT
-from ._sockets import listen, new_poller, peer_uid, unix_socket_name
+from ._sockets import IN as _IN, IN_ANY as _IN_ANY, OUT as _OUT, FD_RESERVE, forget
+from ._sockets import NODELAY_INHERITED, accept_queues, listen, new_poller, nofile_for, peer_uid, unix_socket_name
 from ._requests import JOIN_THRESHOLD, PIPELINE_SLACK, PREAUTH_MAX_FRAME, RequestServer, Conn, torch_request
 
 __all__ = ["StoreServer"]
@@ -46,12 +46,9 @@ _BIG_CHUNK = 1 << 20
 """A large frame's buffer starts at most this big and at most doubles per growth."""
 HELLO_TIMEOUT = 5.0
 """Seconds a new connection has to say HELLO (torch's clients: VALIDATE and PING)."""
-MAX_PENDING = 256
-"""Connections that have not said HELLO yet, at most (the oldest is dropped for a new one)."""
 _TURN_FRAMES = 64
 """Frames served from one connection before the others get their turn."""
-_HEADER = w.HEADER
-_ADD = w.ADD
+_HEADER, _ADD, _TCP, _NODELAY = w.HEADER, w.ADD, socket.IPPROTO_TCP, socket.TCP_NODELAY
 _IOV_MAX = 512
 
 
@@ -71,23 +68,26 @@ class StoreServer(RequestServer):
         backlog: listen backlog (the kernel caps it at ``net.core.somaxconn``).
         unix_socket: also listen on the abstract Unix socket (Linux only).
         hello_timeout: seconds a new connection has to complete its HELLO.
-        max_pending: connections without a completed HELLO kept at most (bounded
-            further by a quarter of the descriptor limit).
+        max_pending: connections without a completed HELLO kept at most; None: the
+            open-file limit less FD_RESERVE (a whole job connecting at once has that
+            many HELLOs on their way, and a dropped one only comes back).
+        expected_clients: the job's world size, or None. The open-file limit is raised
+            to the hard limit first; one too low for these clients is refused now.
 
     Raises:
         DistNetworkError: the address cannot be bound.
+        DistStoreError: the open-file limit cannot hold ``expected_clients``.
     """
 
     def __init__(self, host: str, port: int, *, token: bytes | None, max_key_size: int,
                  max_value_size: int, backlog: int = 8192, unix_socket: bool = True,
                  listen_fd: int | None = None, hello_timeout: float = HELLO_TIMEOUT,
-                 max_pending: int = MAX_PENDING) -> None:
+                 max_pending: int | None = None, expected_clients: int | None = None) -> None:
         super().__init__(token=token, max_key_size=max_key_size, max_value_size=max_value_size)
         self.hello_timeout = float(hello_timeout)
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        if 0 < soft != resource.RLIM_INFINITY:
-            max_pending = min(max_pending, soft // 4)
-        self.max_pending = max(1, max_pending)
+        soft = nofile_for(expected_clients)
+        room = max(1, soft - FD_RESERVE) if 0 < soft != resource.RLIM_INFINITY else 1 << 20
+        self.max_pending = room if max_pending is None else max(1, min(room, max_pending))
         self._later: list[Conn] = []
         """Connections whose turn ended with whole frames still buffered."""
         if listen_fd is not None:
@@ -97,10 +97,10 @@ class StoreServer(RequestServer):
                 listener.setblocking(False)
             except OSError as e:
                 raise DistNetworkError(f"TCPStore server cannot use listen_fd={listen_fd}: {e}") from e
+            self._listeners = [listener]
         else:
-            listener = listen(host, port, backlog)
-        self._listeners = [listener]
-        bound = listener.getsockname()
+            self._listeners = listen(host, port, backlog, accept_queues(expected_clients, backlog))
+        bound = self._listeners[0].getsockname()
         self.port: int = bound[1]
         self.unix_name: str | None = None
         if unix_socket and hasattr(socket, "AF_UNIX") and sys.platform.startswith("linux"):
@@ -253,6 +253,10 @@ class StoreServer(RequestServer):
         return False
 
     def _accept(self, listener: socket.socket) -> None:
+        # Once per call, not per connection: a socket's .family builds an enum each time.
+        unix = listener.family == socket.AF_UNIX
+        nodelay = not unix and not (NODELAY_INHERITED and listener.getsockopt(_TCP, _NODELAY))
+        eager = True
         while True:
             try:
                 sock, _ = listener.accept()
@@ -269,15 +273,14 @@ class StoreServer(RequestServer):
                         self._poller.unregister(ls.fileno())
                     self._accepting = False
                 return
-            if sock.family == socket.AF_UNIX:
+            if unix:
                 # Same host, through the abstract name: only this user's processes (and
                 # root's) may use it; others must come by TCP, where the token applies.
-                uid = peer_uid(sock)
-                if uid not in (os.getuid(), 0):
+                if peer_uid(sock) not in (os.getuid(), 0):
                     sock.close()
                     continue
-            else:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            elif nodelay:
+                sock.setsockopt(_TCP, _NODELAY, 1)
             sock.setblocking(False)
             conn = Conn(sock)
             if len(self._pending) >= self.max_pending:
@@ -286,11 +289,14 @@ class StoreServer(RequestServer):
             self._conns[sock.fileno()] = conn
             self._poller.register(sock.fileno(), _IN)
             # A client sends HELLO right after connecting: it is often here already, and
-            # answering it now saves a trip through epoll (and the client a wait).
-            try:
-                self._on_readable(conn)
-            except Exception:  # as in the loop: one bad client never stops the server
-                self._drop(conn)
+            # answering it now saves a trip through epoll. Once one is not (a burst), the
+            # rest of this batch waits for epoll rather than read nothing, one call each.
+            if eager:
+                try:
+                    self._on_readable(conn)
+                except Exception:  # as in the loop: one bad client never stops the server
+                    self._drop(conn)
+                eager = conn.authed or conn.torch or bool(conn.inbuf)
 
     def _drop(self, conn: Conn) -> None:
         sock = conn.sock
@@ -305,10 +311,7 @@ class StoreServer(RequestServer):
         conn.inbuf = b""
         fd = sock.fileno()
         self._conns.pop(fd, None)
-        try:
-            self._poller.unregister(fd)
-        except (KeyError, ValueError, OSError):
-            pass
+        forget(self._poller, fd)
         sock.close()
         if not self._accepting and not self._stop:
             for ls in self._listeners:

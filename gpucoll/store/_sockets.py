@@ -1,16 +1,87 @@
 """Sockets of the TCPStore server: its listeners, the name of its same-host Unix
-socket, the uid of a Unix socket's peer, and the poller its loop waits on."""
+socket, the uid of a Unix socket's peer, the poller its loop waits on, and the
+descriptor limit it needs."""
 
 from __future__ import annotations
 
+import os
+import resource
 import select
 import selectors
 import socket
 import struct
+import sys
 
-from ..errors import DistNetworkError
+from ..errors import DistNetworkError, DistStoreError
 
-__all__ = ["listen", "peer_uid", "unix_socket_name", "new_poller", "IN", "OUT", "IN_ANY"]
+__all__ = ["listen", "somaxconn", "peer_uid", "unix_socket_name", "new_poller", "IN", "OUT", "IN_ANY",
+           "raise_nofile", "open_files", "nofile_for", "accept_queues", "FD_RESERVE",
+           "NODELAY_INHERITED", "CLOSE_UNREGISTERS", "forget"]
+
+_INFINITY = resource.RLIM_INFINITY
+
+
+def raise_nofile() -> tuple[int, int]:
+    """Raise this process's open-file limit (RLIMIT_NOFILE) to its hard limit, as far as
+    the kernel allows; return the (soft, hard) limits now in force. Each client of a
+    server holds one descriptor of the process it runs in, and the usual soft limit
+    (1,024) is far below a large job's rank count."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != _INFINITY and (hard == _INFINITY or soft < hard):
+        for want in (hard, 1 << 20):  # an unlimited hard limit: ask for a large finite one
+            if want == _INFINITY:
+                continue
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+                break
+            except (ValueError, OSError):
+                continue
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+FD_RESERVE = 64
+"""Descriptors a server's process keeps for other uses than its clients (listeners, its
+own files, its host's threads)."""
+BURST = 16384
+"""Clients connecting at once that the accept queues are sized for when the job's size
+is not known."""
+MAX_QUEUES = 8
+
+
+def accept_queues(clients: int | None, backlog: int) -> int:
+    """How many accept queues (see :func:`listen`) hold ``clients`` (default BURST)
+    connecting at once: one per ``somaxconn`` of them, at most MAX_QUEUES."""
+    per = max(1, min(backlog, somaxconn()))
+    return max(1, min(MAX_QUEUES, -(-(clients or BURST) // per)))
+
+
+def nofile_for(expected_clients: int | None, reserve: int = FD_RESERVE) -> int:
+    """Raise the open-file limit (see :func:`raise_nofile`) and return the soft limit now
+    in force; refuse, naming the limit and the clients, when it cannot hold
+    ``expected_clients`` connections besides the descriptors open now and ``reserve``.
+
+    Raises:
+        DistStoreError: the limit is too low for ``expected_clients``.
+    """
+    soft, hard = raise_nofile()
+    if expected_clients is not None and 0 < soft != _INFINITY:
+        need = expected_clients + open_files() + reserve
+        if soft < need:
+            raise DistStoreError(
+                f"TCPStore server: the open-file limit (RLIMIT_NOFILE) of this process is "
+                f"{soft} (hard limit {hard}), too low for {expected_clients} clients: each "
+                f"client connection holds one descriptor here, so the server needs at "
+                f"least {need}. Raise the hard limit (ulimit -Hn as root, or the "
+                f"scheduler's or container's limits)")
+    return soft
+
+
+def open_files() -> int:
+    """Descriptors this process has open now (0 where that cannot be counted)."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # less the one listing the folder
+    except OSError:
+        return 0
 
 
 def unix_socket_name(ip: str, port: int) -> str:
@@ -30,24 +101,71 @@ def peer_uid(sock: socket.socket) -> int:
     return int(uid)
 
 
-def listen(host: str, port: int, backlog: int) -> socket.socket:
+def somaxconn() -> int:
+    """The kernel's cap on one listener's accept queue (128 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/core/somaxconn") as f:
+            return max(1, int(f.read()))
+    except (OSError, ValueError):
+        return 128
+
+
+def listen(host: str, port: int, backlog: int, queues: int = 1) -> list[socket.socket]:
+    """Listening sockets on ``host:port``: one, or ``queues`` sharing the port through
+    SO_REUSEPORT where the platform has it. The kernel spreads new connections over
+    them, so the server can hold ``queues`` times ``net.core.somaxconn`` connections that
+    it has not accepted yet: a whole job connecting at once overflows a single queue, and
+    each connection the kernel drops costs its client a SYN retransmission (1 s, then
+    3 s). Only processes of the same user could join the port's group (the kernel's
+    rule), and a gpucoll server does not: it binds the port plainly first."""
+    reuse = getattr(socket, "SO_REUSEPORT", None) if queues > 1 else None
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                    flags=socket.AI_PASSIVE | socket.AI_NUMERICSERV)
         family, stype, proto, _, addr = infos[0]
+        if reuse is None:
+            return _bind(family, stype, proto, addr, backlog, 1, None)
+        for attempt in range(3):
+            # First a plain bind: it fails on a port in use, a port another SO_REUSEPORT
+            # group holds included (which SO_REUSEPORT sockets would silently join), and
+            # it picks the port when port is 0. The group binds it right after.
+            with socket.socket(family, stype, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(addr)
+                picked = (addr[0], probe.getsockname()[1], *addr[2:])
+            try:
+                return _bind(family, stype, proto, picked, backlog, queues, reuse)
+            except OSError:
+                if port or attempt == 2:
+                    raise  # a port picked for us may have gone in between: pick again
+        raise AssertionError("unreachable")
+    except OSError as e:
+        raise DistNetworkError(f"The server socket has failed to listen on any local network address. "
+                               f"port: {port}, host: {host!r}: {e}") from e
+
+
+def _bind(family: int, stype: int, proto: int, addr: tuple[object, ...], backlog: int,
+          queues: int, reuse: int | None) -> list[socket.socket]:
+    listeners: list[socket.socket] = []
+    for i in range(queues):
         listener = socket.socket(family, stype, proto)
         try:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family in (socket.AF_INET, socket.AF_INET6):
+                # Inherited by every accepted connection on Linux (NODELAY_INHERITED).
+                listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if reuse is not None:
+                listener.setsockopt(socket.SOL_SOCKET, reuse, 1)
             listener.bind(addr)
             listener.listen(backlog)
             listener.setblocking(False)
         except BaseException:
             listener.close()
-            raise
-    except OSError as e:
-        raise DistNetworkError(f"The server socket has failed to listen on any local network address. "
-                               f"port: {port}, host: {host!r}: {e}") from e
-    return listener
+            if not i:
+                raise
+            break  # the extra queues are a help, not a need
+        listeners.append(listener)
+    return listeners
 
 
 class _Selector:
@@ -72,6 +190,9 @@ class _Selector:
         self._sel.close()
 
 
+NODELAY_INHERITED = sys.platform.startswith("linux")
+"""An accepted TCP connection has its listener's TCP_NODELAY: no setsockopt per client."""
+
 if hasattr(select, "epoll"):
     # epoll itself: its events come as (fd, mask) pairs, with no per-event Python object
     # (a selectors set builds one per ready connection).
@@ -79,8 +200,20 @@ if hasattr(select, "epoll"):
     IN = select.EPOLLIN
     OUT = select.EPOLLOUT
     IN_ANY = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
+    CLOSE_UNREGISTERS = True
+    """Closing a descriptor takes it out of the epoll set: no epoll_ctl per client."""
 else:
     new_poller = _Selector  # type: ignore[assignment,misc]
     IN = selectors.EVENT_READ
     OUT = selectors.EVENT_WRITE
     IN_ANY = selectors.EVENT_READ
+    CLOSE_UNREGISTERS = False
+
+
+def forget(poller: select.epoll | _Selector, fd: int) -> None:
+    """Take ``fd`` out of ``poller`` before it is closed, where closing does not."""
+    if not CLOSE_UNREGISTERS:
+        try:
+            poller.unregister(fd)
+        except (KeyError, ValueError, OSError):
+            pass

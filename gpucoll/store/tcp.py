@@ -187,7 +187,7 @@ class TCPStore(StoreLinks):
         if not multi_tenant or port == 0:
             server = StoreServer(host, port, token=self._token, max_key_size=max_key_size,
                                  max_value_size=max_value_size, unix_socket=unix_socket,
-                                 listen_fd=listen_fd)
+                                 listen_fd=listen_fd, expected_clients=self.world_size)
             if multi_tenant:
                 with _TENANTS_LOCK:
                     _TENANTS[server.port] = [server, 1]
@@ -201,7 +201,7 @@ class TCPStore(StoreLinks):
                 return entry[0]
             server = StoreServer(host, port, token=self._token, max_key_size=max_key_size,
                                  max_value_size=max_value_size, unix_socket=unix_socket,
-                                 listen_fd=listen_fd)
+                                 listen_fd=listen_fd, expected_clients=self.world_size)
             _TENANTS[port] = [server, 1]
             self._tenant_port = port
             return server

@@ -47,8 +47,8 @@ class _Server:
         code = textwrap.dedent(f"""
             import resource, sys
             if {nofile!r} is not None:
-                resource.setrlimit(resource.RLIMIT_NOFILE,
-                                   ({nofile!r}, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+                # Hard and soft: the server raises its soft limit to the hard one.
+                resource.setrlimit(resource.RLIMIT_NOFILE, ({nofile!r}, {nofile!r}))
             from gpucoll.store._server import StoreServer
             s = StoreServer("127.0.0.1", 0, token={token!r}, max_key_size=65536,
                             max_value_size=512 << 20, hello_timeout={hello_timeout!r})

@@ -1,0 +1,280 @@
+"""The store at scale: the benchmark's load generator against the real clients, the
+open-file limit raised at server start and refused when too low, and a burst of
+connections that the server accepts without dropping any."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Generator
+
+import pytest
+
+from gpucoll.store import TCPStore
+
+_REPO = str(Path(__file__).resolve().parents[2])
+
+
+def _loadgen() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("store_loadgen",
+                                                  os.path.join(_REPO, "bench", "store_loadgen.py"))
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+lg = _loadgen()
+
+
+# -- the load generator speaks the protocols as the real clients do -------------------------
+
+_VALUE = bytes(range(256)) * 3
+
+
+def _steps(client: int) -> list[tuple[str, tuple[Any, ...]]]:
+    """One client's requests: every kind the generator makes, keys shared between
+    clients (counters) and keys of its own."""
+    return [
+        ("add", ("shared/count", 3)),
+        ("set", (f"own/{client}", _VALUE[client:])),
+        ("add", (f"own/n{client}", -client)),
+        ("get", (f"own/{client}",)),
+        ("check", ([f"own/{client}", "absent"],)),
+        ("check", ([f"own/{client}"],)),
+        ("add", ("shared/count", 1)),
+        ("set", ("shared/last", b"%d" % client)),
+        ("wait", (["shared/last"],)),
+    ]
+
+
+def _state(store: TCPStore) -> dict[str, bytes]:
+    return {k: store.get(k) for k in sorted(store.list_keys())}
+
+
+def _by_real_client(port: int, protocol: str, clients: int) -> list[list[Any]]:
+    """The same requests through the real client: gpucoll's, or torch's for torch's wire."""
+    answers = []
+    for c in range(clients):
+        if protocol == "torch":
+            import torch.distributed as dist
+            from datetime import timedelta
+
+            store: Any = dist.TCPStore("127.0.0.1", port, None, False,  # type: ignore[attr-defined]
+                                       timedelta(seconds=30))
+        else:
+            store = TCPStore("127.0.0.1", port, timeout=30, protocol="gpucoll",
+                             use_unix_socket=False)
+        got = []
+        for op, args in _steps(c):
+            r = getattr(store, op)(*args)
+            got.append(None if op in ("set", "wait") else r)
+        answers.append(got)
+        if protocol != "torch":
+            store.close()
+    return answers
+
+
+def _by_generator(port: int, protocol: str, clients: int) -> list[list[Any]]:
+    answers: list[list[Any]] = [[] for _ in range(clients)]
+
+    def script_of(c: int) -> Callable[[Any], Generator[Any, object, None]]:
+        def script(ops: Any) -> Generator[Any, object, None]:
+            for op, args in _steps(c):
+                answers[c].append((yield getattr(ops, op)(*args)))
+        return script
+
+    # One after another, as the real clients above ran (the shared keys' final values
+    # depend on the order).
+    for c in range(clients):
+        lg.drive("127.0.0.1", port, protocol, [script_of(c)], timeout=30)
+    return answers
+
+
+@pytest.mark.parametrize("protocol", ["gpucoll", "torch"])
+def test_load_generator_leaves_the_state_the_real_client_leaves(protocol: str) -> None:
+    if protocol == "torch":
+        pytest.importorskip("torch.distributed")
+    clients = 3
+    servers = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=30)
+               for _ in range(2)]
+    try:
+        real = _by_real_client(servers[0].port, protocol, clients)
+        gen = _by_generator(servers[1].port, protocol, clients)
+        # torch's client returns check as bool and get as bytes, as gpucoll's does.
+        assert gen == real
+        assert _state(servers[1]) == _state(servers[0])
+        # And the state is what the requests say (an independent reference).
+        expected = {"shared/count": b"%d" % (4 * clients), "shared/last": b"%d" % (clients - 1)}
+        for c in range(clients):
+            expected[f"own/{c}"] = _VALUE[c:]
+            expected[f"own/n{c}"] = b"%d" % -c
+        assert _state(servers[0]) == dict(sorted(expected.items()))
+    finally:
+        for s in servers:
+            s.close()
+
+
+def test_load_generator_reports_a_rejected_greeting() -> None:
+    """A server that answers the greeting with an error fails the run, naming it."""
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=30,
+                      token="right")
+    try:
+        def script(ops: Any) -> Generator[Any, object, None]:
+            yield ops.add("k", 1)
+        with pytest.raises(RuntimeError, match="hello: status 2"):
+            lg.drive("127.0.0.1", master.port, "gpucoll", [script], timeout=10)
+        assert not master.check(["k"])
+    finally:
+        master.close()
+
+
+# -- a whole job connecting at once -------------------------------------------------------
+
+def test_a_burst_of_connections_is_served_without_dropping_any() -> None:
+    """1,500 clients connect at once and each says HELLO only once its connect is done:
+    the server holds them all while their HELLOs arrive (it once kept 256 and dropped
+    the oldest, which then had to reconnect)."""
+    n = 1500
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=60)
+    stats: dict[str, int] = {}
+    errors: list[BaseException] = []
+
+    def release() -> None:
+        try:
+            master.wait(["burst/all"], timeout=60)
+            master.set("burst/go", b"1")
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    t = threading.Thread(target=release)
+    t.start()
+    try:
+        ends = lg.drive("127.0.0.1", master.port, "gpucoll", [lg.rendezvous_script("burst", n)] * n,
+                        timeout=60, stats=stats)
+        t.join(60)
+        assert not errors
+        assert len(ends) == n and all(ends)
+        assert master.get("burst/joined") == b"%d" % n
+        assert stats.get("retries", 0) == 0
+    finally:
+        master.close()
+        t.join(5)
+
+
+# -- the open-file limit -------------------------------------------------------------------
+
+def _child(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": _REPO})
+
+
+def test_the_server_raises_its_open_file_limit_to_the_hard_limit() -> None:
+    r = _child("""
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        low = 200 if hard == resource.RLIM_INFINITY else min(200, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+        from gpucoll.store import TCPStore
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == low  # import alone: unchanged
+        m = TCPStore("127.0.0.1", 0, is_master=True, world_size=1, timeout=10)
+        now = resource.getrlimit(resource.RLIMIT_NOFILE)
+        print(low, now[0], now[1], hard)
+        m.close()
+    """)
+    assert r.returncode == 0, r.stderr
+    low, soft, hard_now, hard = (int(x) for x in r.stdout.split())
+    assert hard_now == hard
+    assert soft == (hard if hard != -1 else 1 << 20) and soft >= low
+
+
+def test_too_low_a_hard_limit_is_refused_naming_it_and_the_clients() -> None:
+    r = _child("""
+        import resource
+        resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
+        from gpucoll.errors import DistStoreError
+        from gpucoll.store import TCPStore
+        # Enough for 100 clients: starts (and times out waiting for them, quickly).
+        m = TCPStore("127.0.0.1", 0, is_master=True, world_size=100, wait_for_workers=False)
+        m.close()
+        try:
+            TCPStore("127.0.0.1", 0, is_master=True, world_size=5000, timeout=600)
+        except DistStoreError as e:
+            print(e)
+        else:
+            print("NOT REFUSED")
+    """)
+    assert r.returncode == 0, r.stderr
+    msg = r.stdout
+    assert "NOT REFUSED" not in msg
+    assert "RLIMIT_NOFILE" in msg and "300" in msg and "5000 clients" in msg
+
+
+def test_accepted_connections_keep_nodelay_and_leave_the_poll_set_on_close() -> None:
+    """The server sets TCP_NODELAY once, on its listeners (accepted connections inherit
+    it on Linux), and a closed connection takes no further events."""
+    import socket
+    import time
+
+    from gpucoll.store._server import StoreServer
+
+    srv = StoreServer("127.0.0.1", 0, token=None, max_key_size=1024, max_value_size=1024,
+                      unix_socket=False)
+    try:
+        clients = [TCPStore("127.0.0.1", srv.port, timeout=10, use_unix_socket=False)
+                   for _ in range(3)]
+        deadline = time.monotonic() + 5
+        while srv.connections < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        socks = [c.sock for c in list(srv._conns.values()) if c.sock is not None]
+        assert len(socks) == 3
+        assert all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in socks)
+        clients[0].close()
+        while srv.connections > 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert srv.connections == 2
+        clients[1].set("k", b"v")  # the server carries on serving the others
+        assert clients[2].get("k") == b"v"
+        for c in clients[1:]:
+            c.close()
+    finally:
+        srv.close()
+
+
+def test_a_port_held_by_a_reuseport_listener_is_refused_not_joined() -> None:
+    """The server listens on several SO_REUSEPORT sockets, yet never joins a group that
+    another process (or socket) already holds on the port: that would hand it part of
+    the other's connections."""
+    import socket
+
+    from gpucoll.errors import DistNetworkError
+    from gpucoll.store._server import StoreServer
+
+    other = socket.socket()
+    other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    other.bind(("127.0.0.1", 0))
+    other.listen(8)
+    try:
+        port = other.getsockname()[1]
+        with pytest.raises(DistNetworkError, match=str(port)):
+            StoreServer("127.0.0.1", port, token=None, max_key_size=1024, max_value_size=1024,
+                        expected_clients=12000)
+        # With the port free, the same server gets several accept queues on it.
+        srv = StoreServer("127.0.0.1", 0, token=None, max_key_size=1024, max_value_size=1024,
+                          expected_clients=12000, unix_socket=False)
+        try:
+            ports = {ls.getsockname()[1] for ls in srv._listeners}
+            assert ports == {srv.port} and len(srv._listeners) > 1
+            c = TCPStore("127.0.0.1", srv.port, timeout=10, use_unix_socket=False)
+            assert c.add("n", 2) == 2
+            c.close()
+        finally:
+            srv.close()
+    finally:
+        other.close()
