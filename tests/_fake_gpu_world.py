@@ -86,8 +86,8 @@ def run_world(size: int, body: Callable[[NCCLBackend, FakeRuntime, int], Any], *
     return results
 
 
-def dev(rt: FakeRuntime, values: np.ndarray, name: str | None = None) -> Buffer:
-    return device_array(rt, values, DTYPES[name or values.dtype.name])
+def dev(rt: FakeRuntime, values: np.ndarray, name: str | None = None, device: int | None = None) -> Buffer:
+    return device_array(rt, values, DTYPES[name or values.dtype.name], device=device)
 
 
 class FakeDeviceArray:

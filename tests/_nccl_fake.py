@@ -439,6 +439,8 @@ class FakeComm:
         self.calls.append((kind,) + args)
         self.enter(kind)
         try:
+            if self._rt.call_delay:
+                time.sleep(self._rt.call_delay)
             self._rt._nccl_call(self, kind, args, stream)
         finally:
             self.leave()
@@ -596,11 +598,18 @@ class FakeFabric:
     def use_device(self, device: int) -> None:
         """cudaSetDevice: since CUDA 12.0 it initialises the device's primary context."""
         self._tls.device = device
+        self._tls.bound = True
         self.context(device)
+
+    def has_context(self) -> bool:
+        """cuCtxGetCurrent != NULL: the thread has set a device or made a runtime call."""
+        return bool(getattr(self._tls, "bound", False))
 
     def context(self, device: int | None = None) -> None:
         """A runtime call needs the thread's current device's primary context: make it."""
         d = self.current_device() if device is None else device
+        if device is None:
+            self._tls.bound = True  # the runtime binds the primary context to the thread
         if d in self.contexts:
             return
         with self.lock:
@@ -688,6 +697,7 @@ class FakeRuntime:
         self.allocations = 0
         self.unpooled_events = 0
         self.timing_events = 0
+        self.call_delay = 0.0  # seconds each NCCL call stays on the host (NCCL's enqueue work)
 
     # -- devices and streams --
     def get_device(self) -> int:
@@ -752,8 +762,21 @@ class FakeRuntime:
                                 f"streams {[hex(s) for s in unjoined]} forked into the capture were not joined back")
         return FakeGraph(self.fabric, cap.ops)
 
-    def exchange_capture_mode(self, mode: str) -> str:
-        return self.fabric.exchange_capture_mode(mode)
+    def exchange_capture_mode(self, mode: int) -> int:
+        names = ("global", "thread_local", "relaxed")
+        return names.index(self.fabric.exchange_capture_mode(names[mode]))
+
+    def exchange_device(self, device: int) -> int:
+        prev = self.get_device()
+        if prev == device:
+            return -1
+        had = self.fabric.has_context()
+        self.set_device(device)
+        return prev if had else -1
+
+    def restore_device(self, prev: int) -> None:
+        if prev >= 0:
+            self.set_device(prev)
 
     # -- events --
     def event(self, pooled: bool = True, timing: bool = True) -> FakeEvent:
@@ -1151,13 +1174,16 @@ def emulate_kernel(mem: FakeMemory, name: str, n: int, args: tuple[Any, ...]) ->
 
 # ----- helpers for tests -----
 
-def device_array(rt: FakeRuntime, host: np.ndarray, dtype: DType, *, stream: int | None = None) -> Buffer:
-    """A Buffer of fake device memory holding ``host``'s bytes; its ``owner`` keeps it alive."""
+def device_array(rt: FakeRuntime, host: np.ndarray, dtype: DType, *, stream: int | None = None,
+                 device: int | None = None) -> Buffer:
+    """A Buffer of fake device memory (on ``device``, the current one by default) holding
+    ``host``'s bytes; its ``owner`` keeps it alive."""
     host = np.ascontiguousarray(host)
     block = rt.fabric.mem.alloc(host.nbytes)
     if host.nbytes:
         rt.fabric.mem.view(block.ptr, host.nbytes)[:] = host.reshape(-1).view(np.uint8)
-    return Buffer(block.ptr, host.nbytes, dtype, tuple(host.shape), Device("cuda", rt.get_device()),
+    return Buffer(block.ptr, host.nbytes, dtype, tuple(host.shape),
+                  Device("cuda", rt.get_device() if device is None else device),
                   False, stream, block)
 
 

@@ -147,9 +147,7 @@ class NCCLBackend(Splitting, Shrinking):
 
     def _create_comm(self, device: int) -> None:
         rt = self._rt
-        prev = rt.get_device()
-        if prev != device:
-            rt.set_device(device)
+        prev = rt.exchange_device(device)
         try:
             uid = rendezvous(self._store, self.rank, self.size, timeout=self._timeout,
                              group_name=self._group_name, make_uid=rt.unique_id)
@@ -162,21 +160,17 @@ class NCCLBackend(Splitting, Shrinking):
                     "on one GPU, NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1 are needed") from exc
             self._adopt(comm, device)
         finally:
-            if prev != device:
-                rt.set_device(prev)
+            rt.restore_device(prev)
 
     def _adopt(self, comm: Comm, device: int) -> None:
         rt = self._rt
-        prev = rt.get_device()
-        if prev != device:
-            rt.set_device(device)
+        prev = rt.exchange_device(device)
         try:
             stream = rt.new_stream(self._high_priority) if self._high_priority else rt.new_stream()
             cc = rt.compute_capability(device)
             scratch, owner = rt.alloc(4, stream)
         finally:
-            if prev != device:
-                rt.set_device(prev)
+            rt.restore_device(prev)
         self._keep.append(owner)
         self._scratch = scratch
         self._stream, self._stream_ptr = stream, int(stream.ptr)
@@ -309,9 +303,7 @@ class NCCLBackend(Splitting, Shrinking):
     def _launch(self, op_type: str, plan: Plan, works: Sequence[NCCLWork], bufs: Sequence[Buffer],
                 temps: list[Any]) -> None:
         rt, device, comm_stream = self._rt, self._device, self._stream_ptr
-        prev_device = rt.get_device()
-        if prev_device != device:
-            rt.set_device(device)
+        prev_device = rt.exchange_device(device)
         issuing = False
         try:
             for pre, _, post in plan:
@@ -348,8 +340,7 @@ class NCCLBackend(Splitting, Shrinking):
                 self.abort(f"{op_type} failed while being issued ({why})")
             raise DistBackendError(f"{op_type} on group {self._group_name!r} failed: {why}") from exc
         finally:
-            if prev_device != device:
-                rt.set_device(prev_device)
+            rt.restore_device(prev_device)
         if captured:
             # The graph uses the temporaries whenever it is replayed: keep them as long
             # as the backend lives.
@@ -523,17 +514,14 @@ class NCCLBackend(Splitting, Shrinking):
         if comm is not None:
             rt, device = self._rt, self._device
             try:
-                prev = rt.get_device()
-                if prev != device:
-                    rt.set_device(device)
+                prev = rt.exchange_device(device)
                 try:
                     with self._comm_lock:
                         if not self._comm_gone:
                             self._comm_gone = True
                             comm.abort()
                 finally:
-                    if prev != device:
-                        rt.set_device(prev)
+                    rt.restore_device(prev)
             except Exception as exc:
                 self._aborted = f"{reason} (and ncclCommAbort failed: {exc})"
         for w in pending:
@@ -570,9 +558,7 @@ class NCCLBackend(Splitting, Shrinking):
         if self._comm is None:
             return True
         rt, device = self._rt, self._device
-        prev = rt.get_device()
-        if prev != device:
-            rt.set_device(device)
+        prev = rt.exchange_device(device)
         try:
             marker = rt.event(pooled=False)
             rt.record(marker.ptr, self._stream_ptr)
@@ -585,8 +571,7 @@ class NCCLBackend(Splitting, Shrinking):
                 delay = min(delay * 2, 0.01)
             return True
         finally:
-            if prev != device:
-                rt.set_device(prev)
+            rt.restore_device(prev)
 
     def _split_backend(self, store: Store, rank: int, size: int, *, timeout: float, group_name: str,
                        device_id: int | None, comm: Comm | None, config: Mapping[str, Any] | None = None,

