@@ -45,6 +45,30 @@ def _in_thread(fn: Any) -> Any:
     return out[0]
 
 
+# ---------------------------------------------------------------- 1. temporaries' device
+
+def test_list_outputs_and_kernel_reductions_on_a_gpu_other_than_0() -> None:
+    """The communicator is on cuda:1 while the calling thread's current device is 0:
+    temporaries (list outputs, kernel-path reductions) must be made on cuda:1."""
+    def body(be: NCCLBackend, rt: FakeRuntime, rank: int) -> None:
+        size, n = be.size, 3
+        rt.set_device(0)  # the script works on GPU 0 too; the group's communicator is on GPU 1
+        mine = np.arange(n, dtype=np.float32) + 10 * rank
+        outs = [dev(rt, np.zeros(n, np.float32), device=1) for _ in range(size)]
+        be.all_gather(outs, dev(rt, mine, device=1)).synchronize()
+        assert [read(rt, o, np.float32).tolist() for o in outs] == [
+            (np.arange(n, dtype=np.float32) + 10 * r).tolist() for r in range(size)]
+        out = dev(rt, np.zeros(n, np.float32), device=1)
+        be.reduce_scatter(out, [dev(rt, np.full(n, rank + j, np.float32), device=1) for j in range(size)],
+                          ReduceOp.SUM).synchronize()
+        assert read(rt, out, np.float32).tolist() == [float(sum(r + rank for r in range(size)))] * n
+        x = dev(rt, np.array([1 << rank, 3, 5], np.int16), device=1)
+        be.all_reduce(x, ReduceOp.BXOR).synchronize()  # no 16-bit ints in NCCL: a gpucoll kernel
+        assert read(rt, x, np.int16)[0] == np.bitwise_xor.reduce([1 << r for r in range(size)])
+        assert rt.get_device() == 0  # the caller's device is left as it was
+    run_world(3, body, devices=2, device_of=lambda r: 1)
+
+
 # ---------------------------------------------------------------- 2. no context on GPU 0
 
 def test_watchdog_threads_make_no_cuda_context_on_gpu_0() -> None:

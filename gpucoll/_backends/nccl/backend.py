@@ -260,11 +260,18 @@ class NCCLBackend(Splitting, Shrinking):
             assert self._planner is not None
             temps: list[Any] = []
             self._temps = temps
+            # Planning allocates temporaries on the communication stream: the
+            # communicator's device must be current from here on, not just at launch.
+            rt = self._rt
+            prev = rt.exchange_device(self._device)
             try:
-                plan = build(self._planner)
+                try:
+                    plan = build(self._planner)
+                finally:
+                    self._temps = []
+                self._launch(op_type, plan, [work], bufs, temps)
             finally:
-                self._temps = []
-            self._launch(op_type, plan, [work], bufs, temps)
+                rt.restore_device(prev)
         return work
 
     def _lazy_create(self, op_type: str, bufs: Sequence[Buffer]) -> None:
