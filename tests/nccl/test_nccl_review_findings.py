@@ -85,3 +85,21 @@ def test_watchdog_threads_make_no_cuda_context_on_gpu_0() -> None:
     run_world(2, body, devices=2, device_of=lambda r: 1, use_device=True, strict_contexts=True)
 
 
+# ---------------------------------------------------------------- 10. integer AVG
+
+def test_integer_avg_is_ncclavg_truncating_toward_zero() -> None:
+    def body(be: NCCLBackend, rt: FakeRuntime, rank: int) -> None:
+        size = be.size
+        ins = [np.array([-7, 7, -1, 1, 2 ** 31 - 1 - r, -(2 ** 31) + r, 5 * r - 4], np.int32) for r in range(size)]
+        x = dev(rt, ins[rank])
+        before = list(rt.kernels_launched)
+        be.all_reduce(x, ReduceOp.AVG).synchronize()
+        got = read(rt, x, np.int32)
+        assert got.tolist() == reference(ins, "int32", ReduceOp.AVG, size).tolist()
+        assert rt.kernels_launched == before, "integer AVG ran a gpucoll kernel"
+        assert be._comm.calls[-1][0] == "all_reduce" and be._comm.calls[-1][5] == OP_AVG
+        u = dev(rt, np.array([5, 7, 255], np.uint8) + rank)
+        be.all_reduce(u, ReduceOp.AVG).synchronize()
+        assert read(rt, u, np.uint8).tolist() == reference(
+            [np.array([5, 7, 255], np.uint8) + r for r in range(size)], "uint8", ReduceOp.AVG, size).tolist()
+    run_world(3, body)
