@@ -85,6 +85,22 @@ def test_watchdog_threads_make_no_cuda_context_on_gpu_0() -> None:
     run_world(2, body, devices=2, device_of=lambda r: 1, use_device=True, strict_contexts=True)
 
 
+# ---------------------------------------------------------------- 9. events without timing
+
+def test_ops_record_events_without_timing_unless_a_hook_asks(monkeypatch: pytest.MonkeyPatch) -> None:
+    def body(pg: Any, rt: FakeRuntime, rank: int) -> None:
+        x = dev(rt, np.ones(4, np.float32))
+        be = pg._nccl
+        for _ in range(3):
+            be.all_reduce(x, ReduceOp.SUM).synchronize()
+        assert rt.timing_events == 0, "events with timing on ops no hook times"
+        infos: list[Any] = []
+        pg.register_on_completion_hook(infos.append)
+        be.all_reduce(x, ReduceOp.SUM).synchronize()
+        assert rt.timing_events >= 1  # a hook reads active_duration: now the events time
+    run_groups(2, body, monkeypatch)
+
+
 # ---------------------------------------------------------------- 10. integer AVG
 
 def test_integer_avg_is_ncclavg_truncating_toward_zero() -> None:

@@ -109,6 +109,7 @@ class NCCLBackend(Splitting, Shrinking):
         self._keep: list[Any] = []          # backend-lifetime allocations (the barrier's scratch)
         self._temps: list[Any] = []         # temporaries of the op being planned
         self._last_end: Event | None = None
+        self._timing = False                # events with timing (a completion hook asked)
         self._pending: deque[NCCLWork] = deque()
         self._aborted: str | None = None
         self._closed: str | None = None
@@ -208,6 +209,11 @@ class NCCLBackend(Splitting, Shrinking):
                   f"{_nccl_lib.result_name(code)}" + (f" ({detail})" if detail else ""))
         self.abort(reason)
         return self._aborted
+
+    def time_ops(self) -> None:
+        """Record later ops' events with timing, so that active_duration is GPU time
+        (the group calls this when a completion hook is registered)."""
+        self._timing = True
 
     def has_pending(self) -> bool:
         """For the group's watchdog: True while issued ops may still be running."""
@@ -322,14 +328,15 @@ class NCCLBackend(Splitting, Shrinking):
             captured = False
             for s in callers:
                 captured = captured or rt.is_capturing(s)
-            ready = rt.event(pooled=not captured)
+            timing = self._timing and not captured
+            ready = rt.event(pooled=not captured, timing=timing)
             for s in callers:
                 rt.record(ready.ptr, s)
                 rt.wait_event(comm_stream, ready.ptr)
             issuing = True
             for phase in plan:
                 self._run_phase(phase)
-            end = rt.event(pooled=not captured)
+            end = rt.event(pooled=not captured, timing=timing)
             rt.record(end.ptr, comm_stream)
             if captured:
                 # A capture must end with every forked stream joined: join the
@@ -354,9 +361,10 @@ class NCCLBackend(Splitting, Shrinking):
             self._keep.extend(temps)
         else:
             works[0]._keep_also(temps)
-        prev, self._last_end = self._last_end, (None if captured else end)
+        prev, self._last_end = self._last_end, (end if timing else None)
+        start = ready if timing else None  # untimed: active_duration comes from the host clock
         for w in works:
-            w._issued(device, ready, end, prev, callers, captured)
+            w._issued(device, start, end, prev, callers, captured)
         if not captured:
             with self._state:
                 pending = self._pending
@@ -567,7 +575,7 @@ class NCCLBackend(Splitting, Shrinking):
         rt, device = self._rt, self._device
         prev = rt.exchange_device(device)
         try:
-            marker = rt.event(pooled=False)
+            marker = rt.event(pooled=False, timing=False)
             rt.record(marker.ptr, self._stream_ptr)
             deadline = time.monotonic() + timeout
             delay = 1e-4

@@ -77,7 +77,7 @@ class NCCLWork(Work):
 
     # ----- set by the backend -----
 
-    def _issued(self, device: int, ready: Event, end: Event, prev: Event | None,
+    def _issued(self, device: int, ready: Event | None, end: Event, prev: Event | None,
                 streams: tuple[int, ...], captured: bool) -> None:
         self._device = device
         self._streams = streams
