@@ -85,6 +85,29 @@ def test_watchdog_threads_make_no_cuda_context_on_gpu_0() -> None:
     run_world(2, body, devices=2, device_of=lambda r: 1, use_device=True, strict_contexts=True)
 
 
+# ---------------------------------------------------------------- 7. NCCL_COMM_BLOCKING=0
+
+def test_nccl_comm_blocking_0_is_refused_with_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NCCL_COMM_BLOCKING", "0")
+    fabric = FakeFabric(hang_limit=5.0)
+    rt = FakeRuntime(fabric)
+    try:
+        with pytest.raises(BackendUnavailableError, match="NCCL_COMM_BLOCKING=0"):
+            NCCLBackend(PrefixStore("pg/g", HashStore(timeout=5.0)), 0, 1, timeout=5.0, group_name="g",
+                        device_id=0, _runtime=rt)
+    finally:
+        fabric.close()
+
+
+def test_the_config_hint_does_not_suggest_nccl_comm_blocking() -> None:
+    from gpucoll._backends.nccl.runtime import cupy_config
+
+    lib = SimpleNamespace(nccl=SimpleNamespace(), cupy=SimpleNamespace(__version__="14.2.0"))
+    with pytest.raises(BackendUnavailableError) as info:
+        cupy_config(lib, {"max_ctas": 8})  # type: ignore[arg-type]
+    assert "NCCL_MAX_CTAS" in str(info.value) and "NCCL_COMM_BLOCKING" not in str(info.value)
+
+
 # ---------------------------------------------------------------- 9. events without timing
 
 def test_ops_record_events_without_timing_unless_a_hook_asks(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,6 +10,7 @@ Importing this module imports no CuPy; constructing a backend does.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -88,6 +89,15 @@ class NCCLBackend(Splitting, Shrinking):
             from .runtime import CudaRuntime
 
             _runtime = CudaRuntime(_nccl_lib.load())
+        blocking = os.environ.get("NCCL_COMM_BLOCKING", "").strip()
+        if blocking == "0":
+            # NCCL applies it to every communicator: each call then returns
+            # ncclInProgress (7), which CuPy 14's NcclError cannot even name (KeyError: 7).
+            raise BackendUnavailableError(
+                "NCCL_COMM_BLOCKING=0 is set: it makes every NCCL communicator non-blocking, and gpucoll "
+                "drives its communicators in blocking mode through CuPy, whose error path cannot report "
+                "ncclInProgress. Unset NCCL_COMM_BLOCKING (or set it to 1); gpucoll bounds NCCL's blocking "
+                "calls with the group's timeout itself")
         self._rt: Runtime = _runtime
         self._features = _runtime.features
         self.config: dict[str, Any] = self._checked_config(config)
