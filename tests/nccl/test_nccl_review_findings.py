@@ -85,6 +85,36 @@ def test_watchdog_threads_make_no_cuda_context_on_gpu_0() -> None:
     run_world(2, body, devices=2, device_of=lambda r: 1, use_device=True, strict_contexts=True)
 
 
+# ---------------------------------------------------------------- 6. first calls time out
+
+def test_first_collective_and_first_p2p_without_a_peer_time_out() -> None:
+    """NCCL connects inside the first collective (and the first send/recv with each
+    peer), blocking the host until the peers call in: a peer that never does must
+    fail the call within the group's timeout, not hang it."""
+    for first in ("all_reduce", "send"):
+        done = threading.Event()
+
+        def body(be: NCCLBackend, rt: FakeRuntime, rank: int) -> None:
+            if rank == 2:
+                done.wait(30)  # never calls
+                return
+            t0 = time.monotonic()
+            if first == "send" and rank == 1:  # p2p connects pairwise: rank 1 is not needed
+                return
+            with pytest.raises(DistBackendError, match=r"rank 2 .* within 1 s"):
+                if first == "all_reduce":
+                    be.all_reduce(dev(rt, np.ones(2, np.float32)), ReduceOp.SUM).wait()
+                else:
+                    be.send(dev(rt, np.ones(2, np.float32)), 2, 0).wait()
+            took = time.monotonic() - t0
+            with pytest.raises(DistBackendError, match=r"rank 2 .* within 1 s"):  # aborted since
+                be.broadcast(dev(rt, np.ones(2, np.float32)), 0).wait()
+            if rank == 0:
+                done.set()
+            assert took < 3.5, f"{first}: {took:.1f} s"
+        run_world(3, body, timeout=1.0, hang=4.0, shutdown=False)
+
+
 # ---------------------------------------------------------------- 7. NCCL_COMM_BLOCKING=0
 
 def test_nccl_comm_blocking_0_is_refused_with_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -120,6 +120,8 @@ class NCCLBackend(Splitting, Shrinking):
         self._temps: list[Any] = []         # temporaries of the op being planned
         self._last_end: Event | None = None
         self._timing = False                # events with timing (a completion hook asked)
+        self._connected = False             # every rank checked in before the first collective
+        self._p2p_peers: set[int] = set()   # peers checked in before the first send/recv with them
         self._pending: deque[NCCLWork] = deque()
         self._aborted: str | None = None
         self._closed: str | None = None
@@ -334,6 +336,8 @@ class NCCLBackend(Splitting, Shrinking):
                     for step in (*pre, *post):
                         if step[0] == "kernel":
                             rt.prepare(step[1], device)  # compile before any NCCL call is made
+            if not (self._connected and len(self._p2p_peers) >= self.size):
+                self._connect(op_type, plan)
             callers = self._caller_streams(bufs)
             captured = False
             for s in callers:
@@ -384,6 +388,52 @@ class NCCLBackend(Splitting, Shrinking):
                 # Normally the group's watchdog completes works (off this thread);
                 # without one, completing them here releases their arrays.
                 self._complete_earlier(works[0])
+
+    def _connect(self, op_type: str, plan: Plan) -> None:
+        """Check in through the store before NCCL's first collective (every rank) and the
+        first send/recv with each peer (that peer). NCCL connects inside those calls and
+        blocks the calling thread until the peers call in, with no timeout: a peer that
+        never comes would hang this thread where no watchdog can see it. Here the wait is
+        bounded by the group's timeout, and a missing peer aborts the communicator."""
+        coll = False
+        peers: set[int] = set()
+        for _, calls, _ in plan:
+            for step in calls:
+                if step[0] == "send" or step[0] == "recv":
+                    peers.add(step[4])
+                else:
+                    coll = True
+        coll = coll and not self._connected
+        peers -= self._p2p_peers
+        if not coll and not peers:
+            return
+        store, rank = self._store, self.rank
+        want: list[str] = []
+        if coll:
+            store.set(f"nccl/connect/all/{rank}", b"1")
+            want += [f"nccl/connect/all/{r}" for r in range(self.size)]
+        for p in sorted(peers):
+            lo, hi = min(p, rank), max(p, rank)
+            store.set(f"nccl/connect/p2p/{lo}-{hi}/{rank}", b"1")
+            want.append(f"nccl/connect/p2p/{lo}-{hi}/{p}")
+        try:
+            store.wait(want, timeout=self._timeout)
+        except DistStoreError as exc:
+            try:
+                missing = sorted({int(k.rsplit("/", 1)[1]) for k in want if not store.check(k)})
+            except DistStoreError:
+                missing = []
+            what = "its first collective" if coll else "its first send/recv with this rank"
+            who = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
+                   if missing else "some rank")
+            reason = (f"{op_type}: {who} of group {self._group_name!r} did not call {what} within "
+                      f"{self._timeout:.3g} s (NCCL connects there, blocking the caller until every "
+                      f"peer arrives)")
+            self.abort(reason)
+            raise DistBackendError(f"{op_type} on group {self._group_name!r} (rank {rank}) failed: "
+                                   f"{reason}") from exc
+        self._connected = self._connected or coll
+        self._p2p_peers |= peers
 
     def _run_phase(self, phase: Phase) -> None:
         pre, calls, post = phase
