@@ -85,6 +85,24 @@ def test_watchdog_threads_make_no_cuda_context_on_gpu_0() -> None:
     run_world(2, body, devices=2, device_of=lambda r: 1, use_device=True, strict_contexts=True)
 
 
+# ---------------------------------------------------------------- 5. abort vs an issuing thread
+
+def test_abort_from_another_thread_never_frees_a_communicator_under_a_call() -> None:
+    def body(be: NCCLBackend, rt: FakeRuntime, rank: int) -> None:
+        be.all_reduce(dev(rt, np.ones(1, np.float32)), ReduceOp.SUM).synchronize()  # connected
+        rt.call_delay = 0.3  # the next NCCL call stays on the host a while (enqueueing)
+        t = threading.Timer(0.1, lambda: be.abort("the watchdog timed out"))
+        t.start()
+        with pytest.raises(DistBackendError, match="watchdog timed out"):
+            # fails when issued (the abort landed during its NCCL call) or when waited on
+            be.all_reduce(dev(rt, np.ones(2, np.float32)), ReduceOp.SUM).synchronize()
+        t.join(10)
+        assert be._comm_gone  # the issuing thread aborted the communicator once its call returned
+        with pytest.raises(DistBackendError, match="watchdog timed out"):
+            be.all_reduce(dev(rt, np.ones(2, np.float32)), ReduceOp.SUM).wait()
+    run_world(2, body)
+
+
 # ---------------------------------------------------------------- 6. first calls time out
 
 def test_first_collective_and_first_p2p_without_a_peer_time_out() -> None:

@@ -104,9 +104,9 @@ class NCCLBackend(Splitting, Shrinking):
         self._high_priority = bool(high_priority)
         self._lock = threading.RLock()      # the issue path: one op at a time, in order
         self._state = threading.Lock()      # abort state and the pending list
-        # Held around the calls that use the communicator from any thread (the async
-        # error query, abort, destroy): the watchdog must never query a communicator
-        # that shutdown is destroying.
+        # Held around every call on the communicator (the issue path's NCCL calls, the
+        # async error query, abort, destroy): NCCL forbids concurrent calls on one
+        # communicator, and the watchdog must never abort or query one under a call.
         self._comm_lock = threading.Lock()
         self._comm_gone = False
         self._eager = device_id is not None
@@ -206,7 +206,9 @@ class NCCLBackend(Splitting, Shrinking):
         comm = self._comm
         if comm is None or not self._features.async_error:
             return None
-        with self._comm_lock:
+        if not self._comm_lock.acquire(blocking=False):
+            return None  # a call is in flight on another thread: ask next time
+        try:
             if self._comm_gone:
                 return self._aborted
             try:
@@ -217,6 +219,8 @@ class NCCLBackend(Splitting, Shrinking):
                 if code in (0, 7):  # ncclSuccess, ncclInProgress
                     return None
                 detail = comm.last_error()
+        finally:
+            self._comm_lock.release()
         reason = (f"NCCL reported an asynchronous error on group {self._group_name!r}: "
                   f"{_nccl_lib.result_name(code)}" + (f" ({detail})" if detail else ""))
         self.abort(reason)
@@ -362,6 +366,10 @@ class NCCLBackend(Splitting, Shrinking):
         except Exception as exc:
             aborted = self._aborted
             why = f"the communicator was aborted: {aborted}" if aborted else f"{type(exc).__name__}: {exc}"
+            if issuing:
+                # Part of the op may be queued on the stream already: its arrays and
+                # temporaries must outlive it, and nothing will complete it.
+                self._keep.extend([*bufs, *temps])
             if issuing and aborted is None:
                 # Part of the op may be queued on some ranks and not on others: the
                 # communicator is out of step and must not be used again.
@@ -442,29 +450,41 @@ class NCCLBackend(Splitting, Shrinking):
         if calls:
             comm = self._comm
             assert comm is not None
-            created: list[int] = []
-            try:
-                for s in calls:
-                    if s[0] in _REDUCING and type(s[5]) is Premul:
-                        calls = [self._bind_premul(comm, s, created) for s in calls]
-                        break
-                stream = self._stream_ptr
-                if len(calls) == 1:
-                    step = calls[0]
-                    getattr(comm, step[0])(*step[1:], stream)
-                else:
-                    self._rt.group_start()
-                    try:
-                        for step in calls:
-                            getattr(comm, step[0])(*step[1:], stream)
-                    finally:
-                        self._rt.group_end()
-            finally:
-                # NCCL allows destroying an op once the calls that use it returned.
-                for op in created:
-                    comm.op_destroy(op)
+            # NCCL communicators take one thread at a time, and ncclCommAbort frees the
+            # one under a call in flight: the calls hold _comm_lock, and an abort from
+            # another thread meanwhile is carried out by this thread once they return.
+            with self._comm_lock:
+                if self._comm_gone:
+                    raise RuntimeError("the communicator is gone")
+                self._issue_calls(comm, calls)
+            if self._aborted is not None:
+                self._abort_comm(blocking=True)
+                raise RuntimeError("the communicator was aborted while this op was being issued")
         for step in post:
             self._local(step)
+
+    def _issue_calls(self, comm: Comm, calls: Sequence[Step]) -> None:
+        created: list[int] = []
+        try:
+            for s in calls:
+                if s[0] in _REDUCING and type(s[5]) is Premul:
+                    calls = [self._bind_premul(comm, s, created) for s in calls]
+                    break
+            stream = self._stream_ptr
+            if len(calls) == 1:
+                step = calls[0]
+                getattr(comm, step[0])(*step[1:], stream)
+            else:
+                self._rt.group_start()
+                try:
+                    for step in calls:
+                        getattr(comm, step[0])(*step[1:], stream)
+                finally:
+                    self._rt.group_end()
+        finally:
+            # NCCL allows destroying an op once the calls that use it returned.
+            for op in created:
+                comm.op_destroy(op)
 
     @staticmethod
     def _bind_premul(comm: Comm, step: Step, created: list[int]) -> Step:
@@ -585,22 +605,34 @@ class NCCLBackend(Splitting, Shrinking):
             self._aborted = reason
             pending = list(self._pending)
             self._pending.clear()
+        self._abort_comm(blocking=False)
+        for w in pending:
+            w._poll()
+
+    def _abort_comm(self, *, blocking: bool) -> None:
+        """ncclCommAbort, once. Not blocking: when another thread is inside an NCCL call
+        on the communicator, leave the abort to that thread (it checks ``_aborted`` as
+        soon as its calls return), rather than free the communicator under it."""
         comm = self._comm
-        if comm is not None:
-            rt, device = self._rt, self._device
+        if comm is None or self._comm_gone:
+            return
+        if not self._comm_lock.acquire(blocking=blocking):
+            return
+        try:
+            if self._comm_gone:
+                return
+            self._comm_gone = True
+            rt = self._rt
             try:
-                prev = rt.exchange_device(device)
+                prev = rt.exchange_device(self._device)
                 try:
-                    with self._comm_lock:
-                        if not self._comm_gone:
-                            self._comm_gone = True
-                            comm.abort()
+                    comm.abort()
                 finally:
                     rt.restore_device(prev)
             except Exception as exc:
-                self._aborted = f"{reason} (and ncclCommAbort failed: {exc})"
-        for w in pending:
-            w._poll()
+                self._aborted = f"{self._aborted} (and ncclCommAbort failed: {exc})"
+        finally:
+            self._comm_lock.release()
 
     def shutdown(self) -> None:
         """Wait (up to the timeout) for queued ops, then destroy the communicator; abort
