@@ -85,6 +85,51 @@ def test_watchdog_threads_make_no_cuda_context_on_gpu_0() -> None:
     run_world(2, body, devices=2, device_of=lambda r: 1, use_device=True, strict_contexts=True)
 
 
+# ---------------------------------------------------------------- 4. capture in global mode
+
+def test_watchdog_polling_during_a_global_mode_capture_does_not_break_it() -> None:
+    """torch's default capture mode is global: the watchdog's event queries from another
+    thread must not invalidate the capture (nor abort the communicator), and what a
+    capture issues first (a kernel compile, a temporary) must not either."""
+    def body(be: NCCLBackend, rt: FakeRuntime, rank: int) -> None:
+        be.all_reduce(dev(rt, np.ones(1, np.float32)), ReduceOp.SUM).synchronize()  # connected
+        running = be.all_reduce(dev(rt, np.ones(2, np.float32)), ReduceOp.SUM)  # still running (op_delay)
+        x = dev(rt, np.array([1 << rank, 0], np.int16))
+        rt.begin_capture(mode="global")
+        be.all_reduce(x, ReduceOp.BXOR)  # first use of this kernel: compiled, with a temporary
+        stop = threading.Event()
+
+        def watchdog() -> int:
+            polls = 0
+            while not stop.is_set():
+                be.poll_pending()
+                polls += 1
+                time.sleep(0.01)
+            return polls
+        polled: list[int] = []
+        t = threading.Thread(target=lambda: polled.append(watchdog()))
+        t.start()
+        time.sleep(0.1)
+        stop.set()
+        t.join(10)
+        graph = rt.end_capture()  # raises cudaErrorStreamCaptureInvalidated if a query broke it
+        assert polled and polled[0] > 0
+        assert be._aborted is None
+        graph.launch(rt.current_stream())
+        assert read_on_stream(rt, x, np.int16).get(timeout=10).tolist() == [7, 0]
+        running.synchronize()
+    run_world(3, body, op_delay=0.3)
+
+
+def test_a_communicator_is_never_created_inside_a_capture() -> None:
+    def body(be: NCCLBackend, rt: FakeRuntime, rank: int) -> None:
+        rt.begin_capture(mode="global")
+        with pytest.raises(DistBackendError, match="capture"):
+            be.all_reduce(dev(rt, np.ones(2, np.float32)), ReduceOp.SUM)
+        rt.end_capture()  # not invalidated: nothing was attempted inside it
+    run_world(2, body, eager=False)
+
+
 # ---------------------------------------------------------------- 5. abort vs an issuing thread
 
 def test_abort_from_another_thread_never_frees_a_communicator_under_a_call() -> None:

@@ -26,10 +26,10 @@ from .config import usable_config
 from .bootstrap import is_nccl_available, nccl_unavailable_reason, nccl_version, rendezvous  # noqa: F401
 from .lib import NCCL_DTYPES, OP_SUM, normalise_unique_id
 from .plan import Phase, Plan, Planner, Premul, Step, merge
-from .runtime import Comm, Event, Runtime
+from .runtime import CAPTURE_RELAXED, Comm, Event, Runtime
 from .shrink import Shrinking
 from .split import Splitting
-from .work import NCCLWork
+from .work import NCCLWork, query_outside_capture
 
 __all__ = ["NCCLBackend", "nccl_unavailable_reason", "is_nccl_available", "nccl_version", "rendezvous"]
 
@@ -277,6 +277,7 @@ class NCCLBackend(Splitting, Shrinking):
                 work._doom(self._aborted or self._closed or "")
                 return work
             if self._comm is None:
+                self._refuse_in_capture(op_type, bufs)
                 self._lazy_create(op_type, bufs)
             self._check_devices(op_type, bufs)
             assert self._planner is not None
@@ -287,14 +288,45 @@ class NCCLBackend(Splitting, Shrinking):
             rt = self._rt
             prev = rt.exchange_device(self._device)
             try:
+                callers = self._caller_streams(bufs)
+                captured = False
+                for s in callers:
+                    captured = captured or rt.is_capturing(s)
+                # cudaMalloc (a temporary) and loading a kernel module are "potentially
+                # unsafe" during a capture and would invalidate it: make them in relaxed
+                # mode, as torch's allocator does. They stay outside the graph, and the
+                # temporaries live as long as the backend (see _launch).
+                mode = rt.exchange_capture_mode(CAPTURE_RELAXED) if captured else -1
                 try:
                     plan = build(self._planner)
+                    self._prepare_kernels(plan)
                 finally:
                     self._temps = []
-                self._launch(op_type, plan, [work], bufs, temps)
+                    if mode >= 0:
+                        rt.exchange_capture_mode(mode)
+                self._launch(op_type, plan, [work], bufs, temps, callers, captured)
             finally:
                 rt.restore_device(prev)
         return work
+
+    def _prepare_kernels(self, plan: Plan) -> None:
+        """Compile (once) the kernels the plan launches, before any NCCL call is made."""
+        for pre, _, post in plan:
+            if pre or post:
+                for step in (*pre, *post):
+                    if step[0] == "kernel":
+                        self._rt.prepare(step[1], self._device)
+
+    def _refuse_in_capture(self, op_type: str, bufs: Sequence[Buffer]) -> None:
+        """ncclCommInitRank inside a CUDA graph capture would allocate and synchronise
+        (invalidating the capture) and block on the other ranks: refuse it, clearly."""
+        rt = self._rt
+        streams = {b.stream for b in bufs if b.stream is not None} | {rt.current_stream()}
+        if any(rt.is_capturing(s) for s in streams):
+            raise DistBackendError(
+                f"{op_type} on group {self._group_name!r}: its NCCL communicator does not exist yet, and "
+                "it cannot be created during CUDA graph capture. Create it before capturing: pass "
+                "device_id to init_process_group/new_group, or run one op (a warm-up) first")
 
     def _lazy_create(self, op_type: str, bufs: Sequence[Buffer]) -> None:
         cuda = [b for b in bufs if b.is_cuda]
@@ -330,22 +362,17 @@ class NCCLBackend(Splitting, Shrinking):
         return tuple(streams)
 
     def _launch(self, op_type: str, plan: Plan, works: Sequence[NCCLWork], bufs: Sequence[Buffer],
-                temps: list[Any]) -> None:
+                temps: list[Any], callers: tuple[int, ...] | None = None, captured: bool = False) -> None:
         rt, device, comm_stream = self._rt, self._device, self._stream_ptr
         prev_device = rt.exchange_device(device)
         issuing = False
         try:
-            for pre, _, post in plan:
-                if pre or post:
-                    for step in (*pre, *post):
-                        if step[0] == "kernel":
-                            rt.prepare(step[1], device)  # compile before any NCCL call is made
             if not (self._connected and len(self._p2p_peers) >= self.size):
                 self._connect(op_type, plan)
-            callers = self._caller_streams(bufs)
-            captured = False
-            for s in callers:
-                captured = captured or rt.is_capturing(s)
+            if callers is None:
+                callers = self._caller_streams(bufs)
+                for s in callers:
+                    captured = captured or rt.is_capturing(s)
             timing = self._timing and not captured
             ready = rt.event(pooled=not captured, timing=timing)
             for s in callers:
@@ -586,6 +613,7 @@ class NCCLBackend(Splitting, Shrinking):
                 work._doom(self._aborted or self._closed or "")
                 return work
             if self._comm is None:
+                self._refuse_in_capture("barrier", ())
                 self._create_comm(self._rt.get_device())
             s = self._scratch
             plan: Plan = [([], [("all_reduce", s, s, 1, NCCL_DTYPES["int32"], OP_SUM)], [])]
@@ -671,7 +699,7 @@ class NCCLBackend(Splitting, Shrinking):
             rt.record(marker.ptr, self._stream_ptr)
             deadline = time.monotonic() + timeout
             delay = 1e-4
-            while not rt.query(marker.ptr):
+            while not query_outside_capture(rt, marker.ptr):
                 if time.monotonic() >= deadline or self._aborted is not None:
                     return False
                 time.sleep(delay)

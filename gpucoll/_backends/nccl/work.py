@@ -26,9 +26,21 @@ from typing import Any, Protocol, Sequence
 from ..._timeouts import to_seconds
 from ...errors import DistBackendError, DistError
 from ..._work import Work
-from .runtime import Event, Runtime
+from .runtime import CAPTURE_THREAD_LOCAL, Event, Runtime
 
-__all__ = ["NCCLWork", "WorkOwner"]
+__all__ = ["NCCLWork", "WorkOwner", "query_outside_capture"]
+
+
+def query_outside_capture(rt: Runtime, event: int) -> bool:
+    """``cudaEventQuery`` in thread-local capture mode: from a thread of ours (the
+    watchdog), while another thread captures a CUDA graph in global mode (torch's
+    default), a query in global mode fails with error 900 and invalidates that capture.
+    torch's watchdog sets the same mode (CUDAStreamCaptureModeGuard)."""
+    prev = rt.exchange_capture_mode(CAPTURE_THREAD_LOCAL)
+    try:
+        return rt.query(event)
+    finally:
+        rt.exchange_capture_mode(prev)
 
 
 class WorkOwner(Protocol):
@@ -128,7 +140,7 @@ class NCCLWork(Work):
         try:
             prev_device = rt.exchange_device(self._device)
             try:
-                if not rt.query(end.ptr):
+                if not query_outside_capture(rt, end.ptr):
                     return False
                 duration = self._active_ms(rt, end)
             finally:
