@@ -201,6 +201,28 @@ def test_the_config_hint_does_not_suggest_nccl_comm_blocking() -> None:
     assert "NCCL_MAX_CTAS" in str(info.value) and "NCCL_COMM_BLOCKING" not in str(info.value)
 
 
+# ---------------------------------------------------------------- 8. a producer stream that is gone
+
+def test_wait_after_the_producers_stream_was_destroyed() -> None:
+    """An array published with its producer's stream (CAI v3), whose owner drops the
+    stream before wait(): wait() must not touch the dead handle, and still order."""
+    def body(be: NCCLBackend, rt: FakeRuntime, rank: int) -> None:
+        x = FakeStreamArray(rt, np.full(3, rank + 1.0, np.float32))
+        inp = FakeStreamArray(rt, np.full(3, 2.0 * rank, np.float32))
+        work = be.all_reduce(as_buffer(x, writable=True), ReduceOp.SUM)
+        out = dev(rt, np.zeros(3, np.float32))
+        into = be.all_reduce_into(out, as_buffer(inp), ReduceOp.SUM)
+        x.stream = inp.stream = None  # the producers destroy their streams
+        gc.collect()
+        with pytest.raises(Exception, match="does not exist"):
+            rt.fabric.stream(x.stream_ptr)
+        work.wait()
+        into.wait()
+        assert read_on_stream(rt, x.buf, np.float32).get(timeout=10).tolist() == [3.0] * 3
+        assert read_on_stream(rt, out, np.float32).get(timeout=10).tolist() == [2.0] * 3
+    run_world(2, body, op_delay=0.2)
+
+
 # ---------------------------------------------------------------- 9. events without timing
 
 def test_ops_record_events_without_timing_unless_a_hook_asks(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections import deque
 from typing import Any, Callable, Mapping, Sequence
 
 from ..._buffer import DTYPES, Buffer, Device
-from ...errors import BackendUnavailableError, DistBackendError, DistStoreError
+from ...errors import BackendUnavailableError, DistBackendError
 from ..._reduce_op import ReduceOpLike
 from ..._work import Work
 from ...store.base import Store
@@ -27,9 +26,11 @@ from .bootstrap import is_nccl_available, nccl_unavailable_reason, nccl_version,
 from .lib import NCCL_DTYPES, OP_SUM, normalise_unique_id
 from .plan import Phase, Plan, Planner, Premul, Step, merge
 from .runtime import CAPTURE_RELAXED, Comm, Event, Runtime
+from .connect import check_in
+from .lifecycle import Lifecycle
 from .shrink import Shrinking
 from .split import Splitting
-from .work import NCCLWork, query_outside_capture
+from .work import NCCLWork
 
 __all__ = ["NCCLBackend", "nccl_unavailable_reason", "is_nccl_available", "nccl_version", "rendezvous"]
 
@@ -37,7 +38,7 @@ _REDUCING = frozenset({"all_reduce", "reduce", "reduce_scatter"})
 _PRUNE_AT = 64  # outstanding works kept before the issue path completes finished ones itself
 
 
-class NCCLBackend(Splitting, Shrinking):
+class NCCLBackend(Lifecycle, Splitting, Shrinking):
     """One process group's collectives on CUDA memory (the Backend protocol).
 
     Args:
@@ -199,33 +200,6 @@ class NCCLBackend(Splitting, Shrinking):
 
     # ----- abort state, for NCCLWork -----
 
-    def _failure(self) -> str | None:
-        reason = self._aborted
-        if reason is not None:
-            return reason
-        comm = self._comm
-        if comm is None or not self._features.async_error:
-            return None
-        if not self._comm_lock.acquire(blocking=False):
-            return None  # a call is in flight on another thread: ask next time
-        try:
-            if self._comm_gone:
-                return self._aborted
-            try:
-                code = comm.async_error()
-            except Exception as exc:
-                code, detail = -1, str(exc)
-            else:
-                if code in (0, 7):  # ncclSuccess, ncclInProgress
-                    return None
-                detail = comm.last_error()
-        finally:
-            self._comm_lock.release()
-        reason = (f"NCCL reported an asynchronous error on group {self._group_name!r}: "
-                  f"{_nccl_lib.result_name(code)}" + (f" ({detail})" if detail else ""))
-        self.abort(reason)
-        return self._aborted
-
     def time_ops(self) -> None:
         """Record later ops' events with timing, so that active_duration is GPU time
         (the group calls this when a completion hook is registered)."""
@@ -265,13 +239,21 @@ class NCCLBackend(Splitting, Shrinking):
 
     # ----- issuing -----
 
-    def _work(self, op_type: str, keep: Sequence[Any]) -> NCCLWork:
-        return NCCLWork(op_type, self, keepalive=list(keep), default_timeout=self._timeout)
+    def _work(self, op_type: str, keep: Sequence[Buffer]) -> NCCLWork:
+        work = NCCLWork(op_type, self, keepalive=list(keep), default_timeout=self._timeout)
+        for b in keep:
+            if b.foreign_stream:
+                # The producer's later work runs on a stream gpucoll cannot make wait:
+                # wait() orders it the only way left, by blocking the host.
+                work.host_wait = True
+            if b.stream_owner is not None:
+                work._stream_owners.append(b.stream_owner)
+        return work
 
     def _issue(self, op_type: str, bufs: Sequence[Buffer], build: Callable[[Planner], Plan],
                *, host_wait: bool = False) -> NCCLWork:
         work = self._work(op_type, bufs)
-        work.host_wait = host_wait
+        work.host_wait = work.host_wait or host_wait
         with self._lock:
             if self._aborted is not None or self._closed is not None:
                 work._doom(self._aborted or self._closed or "")
@@ -368,7 +350,7 @@ class NCCLBackend(Splitting, Shrinking):
         issuing = False
         try:
             if not (self._connected and len(self._p2p_peers) >= self.size):
-                self._connect(op_type, plan)
+                check_in(self, op_type, plan)
             if callers is None:
                 callers = self._caller_streams(bufs)
                 for s in callers:
@@ -413,7 +395,10 @@ class NCCLBackend(Splitting, Shrinking):
         prev, self._last_end = self._last_end, (end if timing else None)
         start = ready if timing else None  # untimed: active_duration comes from the host clock
         for w in works:
-            w._issued(device, start, end, prev, callers, captured)
+            # wait() makes the current stream wait, and the producer streams the Work
+            # holds alive; never a bare handle its owner may have destroyed since.
+            held = tuple(int(o.ptr) for o in w._stream_owners) if w._stream_owners else ()
+            w._issued(device, start, end, prev, held, captured)
         if not captured:
             with self._state:
                 pending = self._pending
@@ -423,52 +408,6 @@ class NCCLBackend(Splitting, Shrinking):
                 # Normally the group's watchdog completes works (off this thread);
                 # without one, completing them here releases their arrays.
                 self._complete_earlier(works[0])
-
-    def _connect(self, op_type: str, plan: Plan) -> None:
-        """Check in through the store before NCCL's first collective (every rank) and the
-        first send/recv with each peer (that peer). NCCL connects inside those calls and
-        blocks the calling thread until the peers call in, with no timeout: a peer that
-        never comes would hang this thread where no watchdog can see it. Here the wait is
-        bounded by the group's timeout, and a missing peer aborts the communicator."""
-        coll = False
-        peers: set[int] = set()
-        for _, calls, _ in plan:
-            for step in calls:
-                if step[0] == "send" or step[0] == "recv":
-                    peers.add(step[4])
-                else:
-                    coll = True
-        coll = coll and not self._connected
-        peers -= self._p2p_peers
-        if not coll and not peers:
-            return
-        store, rank = self._store, self.rank
-        want: list[str] = []
-        if coll:
-            store.set(f"nccl/connect/all/{rank}", b"1")
-            want += [f"nccl/connect/all/{r}" for r in range(self.size)]
-        for p in sorted(peers):
-            lo, hi = min(p, rank), max(p, rank)
-            store.set(f"nccl/connect/p2p/{lo}-{hi}/{rank}", b"1")
-            want.append(f"nccl/connect/p2p/{lo}-{hi}/{p}")
-        try:
-            store.wait(want, timeout=self._timeout)
-        except DistStoreError as exc:
-            try:
-                missing = sorted({int(k.rsplit("/", 1)[1]) for k in want if not store.check(k)})
-            except DistStoreError:
-                missing = []
-            what = "its first collective" if coll else "its first send/recv with this rank"
-            who = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
-                   if missing else "some rank")
-            reason = (f"{op_type}: {who} of group {self._group_name!r} did not call {what} within "
-                      f"{self._timeout:.3g} s (NCCL connects there, blocking the caller until every "
-                      f"peer arrives)")
-            self.abort(reason)
-            raise DistBackendError(f"{op_type} on group {self._group_name!r} (rank {rank}) failed: "
-                                   f"{reason}") from exc
-        self._connected = self._connected or coll
-        self._p2p_peers |= peers
 
     def _run_phase(self, phase: Phase) -> None:
         pre, calls, post = phase
@@ -622,91 +561,6 @@ class NCCLBackend(Splitting, Shrinking):
             scratch = Buffer(s, 4, DTYPES["int32"], (1,), Device("cuda", self._device), stream=None)
             self._launch("barrier", plan, [work], (scratch,), [])
         return work
-
-    def abort(self, reason: str) -> None:
-        """Abort the communicator: every pending and later op fails with
-        DistBackendError naming itself and ``reason``. Returns once NCCL's abort
-        returned; safe to call from any thread, more than once."""
-        with self._state:
-            if self._aborted is not None:
-                return
-            self._aborted = reason
-            pending = list(self._pending)
-            self._pending.clear()
-        self._abort_comm(blocking=False)
-        for w in pending:
-            w._poll()
-
-    def _abort_comm(self, *, blocking: bool) -> None:
-        """ncclCommAbort, once. Not blocking: when another thread is inside an NCCL call
-        on the communicator, leave the abort to that thread (it checks ``_aborted`` as
-        soon as its calls return), rather than free the communicator under it."""
-        comm = self._comm
-        if comm is None or self._comm_gone:
-            return
-        if not self._comm_lock.acquire(blocking=blocking):
-            return
-        try:
-            if self._comm_gone:
-                return
-            self._comm_gone = True
-            rt = self._rt
-            try:
-                prev = rt.exchange_device(self._device)
-                try:
-                    comm.abort()
-                finally:
-                    rt.restore_device(prev)
-            except Exception as exc:
-                self._aborted = f"{self._aborted} (and ncclCommAbort failed: {exc})"
-        finally:
-            self._comm_lock.release()
-
-    def shutdown(self) -> None:
-        """Wait (up to the timeout) for queued ops, then destroy the communicator; abort
-        it instead if they do not finish. Idempotent; later ops fail."""
-        with self._lock:
-            if self._closed is not None:
-                return
-            comm = self._comm
-            drained = self._aborted is None and self._drain(self._timeout)
-            with self._state:
-                pending = list(self._pending)
-            for w in pending:
-                w._poll()  # complete what finished, before the flag below fails the rest
-            self._closed = f"the NCCL backend of group {self._group_name!r} was shut down"
-            if comm is None or self._aborted is not None:
-                return
-            if not drained:
-                self.abort(f"{self._closed} while ops were still running after {self._timeout:.3g} s")
-                return
-            try:
-                with self._comm_lock:
-                    self._comm_gone = True
-                    comm.destroy()
-            except Exception as exc:
-                raise DistBackendError(f"destroying the NCCL communicator of group {self._group_name!r} "
-                                       f"failed: {exc}") from exc
-
-    def _drain(self, timeout: float) -> bool:
-        """True once everything queued on the communication stream has finished."""
-        if self._comm is None:
-            return True
-        rt, device = self._rt, self._device
-        prev = rt.exchange_device(device)
-        try:
-            marker = rt.event(pooled=False, timing=False)
-            rt.record(marker.ptr, self._stream_ptr)
-            deadline = time.monotonic() + timeout
-            delay = 1e-4
-            while not query_outside_capture(rt, marker.ptr):
-                if time.monotonic() >= deadline or self._aborted is not None:
-                    return False
-                time.sleep(delay)
-                delay = min(delay * 2, 0.01)
-            return True
-        finally:
-            rt.restore_device(prev)
 
     def _split_backend(self, store: Store, rank: int, size: int, *, timeout: float, group_name: str,
                        device_id: int | None, comm: Comm | None, config: Mapping[str, Any] | None = None,

@@ -4,9 +4,11 @@ Two events bound each op: ``ready``, recorded on the caller's stream(s) and wait
 on by the communication stream before the op, and ``end``, recorded on the
 communication stream after it. The op is complete when ``end`` has fired.
 
-* :meth:`NCCLWork.wait` makes the caller's streams wait for ``end`` and returns at
-  once (torch's semantics: the host is not blocked); with an explicit ``timeout`` it
-  also blocks the host until completion, as torch does.
+* :meth:`NCCLWork.wait` makes the current stream, and the producer streams the Work
+  holds alive (CuPy's), wait for ``end`` and returns at once (torch's semantics: the
+  host is not blocked); with an explicit ``timeout`` it also blocks the host until
+  completion, as torch does, and so it does for memory whose producer works on a
+  stream gpucoll can neither name nor hold (``Buffer.foreign_stream``).
 * :meth:`NCCLWork.synchronize` blocks the host until ``end`` fires.
 * :meth:`NCCLWork.is_completed` and :meth:`NCCLWork._poll` (the group's watchdog)
   query ``end`` without blocking; the first to see it fire completes the Work, which
@@ -86,6 +88,9 @@ class NCCLWork(Work):
                  result: list[Any] | None = None, default_timeout: float | None = None) -> None:
         super().__init__(op_type, keepalive=keepalive, result=result, default_timeout=default_timeout)
         self._owner = owner
+        # Producer streams' objects (CuPy's Streams), held for the Work's life: wait()
+        # may run after completion released the arrays, and must find them alive.
+        self._stream_owners: list[Any] = []
 
     # ----- set by the backend -----
 
@@ -182,8 +187,10 @@ class NCCLWork(Work):
         return self._poll()
 
     def wait(self, timeout: float | timedelta | None = None) -> Any:
-        """Make the current stream (and the streams the op was issued from) wait for
-        the op; the host is not blocked.
+        """Make the current stream (and the producer streams this Work holds alive)
+        wait for the op; the host is not blocked, except for memory of a producer whose
+        stream gpucoll cannot make wait (``Buffer.foreign_stream``): then it blocks until
+        the op completed.
 
         Args:
             timeout: when given, additionally block the host until the op completes,
