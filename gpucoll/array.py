@@ -410,7 +410,12 @@ def _from_dlpack(array: Any, name: str, writable: bool) -> Buffer:
         return Buffer(ptr, nbytes, dtype, shape, _CPU, readonly, None, view)
     # The capsule is the owner: its producer-installed destructor frees the tensor
     # once the capsule is collected, because we never rename it to "used_dltensor".
-    return Buffer(ptr, nbytes, dtype, shape, Device("cuda", index), readonly, None, (array, capsule))
+    # The handshake orders the producer's pending work before the op, but not its later
+    # work after it: that runs on the producer's own current stream (torch's, JAX's),
+    # which DLPack does not name. Unless the memory is immutable (JAX), wait() then
+    # blocks the host (foreign_stream).
+    return Buffer(ptr, nbytes, dtype, shape, Device("cuda", index), readonly, None, (array, capsule),
+                  None, not readonly)
 
 
 def _view_of_memory(ptr: int, nbytes: int, dtype: DType, shape: tuple[int, ...], readonly: bool,

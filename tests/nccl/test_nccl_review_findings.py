@@ -85,6 +85,20 @@ def test_watchdog_threads_make_no_cuda_context_on_gpu_0() -> None:
     run_world(2, body, devices=2, device_of=lambda r: 1, use_device=True, strict_contexts=True)
 
 
+# ---------------------------------------------------------------- 3. a framework's side stream
+
+def test_in_place_op_on_another_frameworks_stream_is_ordered_before_its_next_kernel() -> None:
+    """A torch/JAX-like array on its framework's own non-blocking stream, which gpucoll
+    cannot see: after wait(), the framework's next kernel on that stream reads the
+    result, with no device-wide synchronise."""
+    def body(be: NCCLBackend, rt: FakeRuntime, rank: int) -> None:
+        x = FakeFrameworkArray(rt, np.full(4, rank + 1.0, np.float32))
+        work = be.all_reduce(as_buffer(x, writable=True), ReduceOp.SUM)
+        work.wait()
+        assert x.read_later().get(timeout=10).tolist() == [6.0] * 4
+    run_world(3, body, op_delay=0.3)
+
+
 # ---------------------------------------------------------------- 4. capture in global mode
 
 def test_watchdog_polling_during_a_global_mode_capture_does_not_break_it() -> None:
