@@ -766,17 +766,8 @@ class FakeRuntime:
         names = ("global", "thread_local", "relaxed")
         return names.index(self.fabric.exchange_capture_mode(names[mode]))
 
-    def exchange_device(self, device: int) -> int:
-        prev = self.get_device()
-        if prev == device:
-            return -1
-        had = self.fabric.has_context()
-        self.set_device(device)
-        return prev if had else -1
-
-    def restore_device(self, prev: int) -> None:
-        if prev >= 0:
-            self.set_device(prev)
+    def has_context(self) -> bool:
+        return self.fabric.has_context()
 
     # -- events --
     def event(self, pooled: bool = True, timing: bool = True) -> FakeEvent:

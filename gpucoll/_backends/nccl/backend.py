@@ -25,7 +25,7 @@ from .config import usable_config
 from .bootstrap import is_nccl_available, nccl_unavailable_reason, nccl_version, rendezvous  # noqa: F401
 from .lib import NCCL_DTYPES, OP_SUM, normalise_unique_id
 from .plan import Phase, Plan, Planner, Premul, Step, merge
-from .runtime import CAPTURE_RELAXED, Comm, Event, Runtime
+from .runtime import CAPTURE_RELAXED, Comm, Event, Runtime, enter_device, leave_device
 from .connect import check_in
 from .lifecycle import Lifecycle
 from .shrink import Shrinking
@@ -161,7 +161,7 @@ class NCCLBackend(Lifecycle, Splitting, Shrinking):
 
     def _create_comm(self, device: int) -> None:
         rt = self._rt
-        prev = rt.exchange_device(device)
+        prev = enter_device(rt, device)
         try:
             uid = rendezvous(self._store, self.rank, self.size, timeout=self._timeout,
                              group_name=self._group_name, make_uid=rt.unique_id)
@@ -174,17 +174,17 @@ class NCCLBackend(Lifecycle, Splitting, Shrinking):
                     "on one GPU, NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1 are needed") from exc
             self._adopt(comm, device)
         finally:
-            rt.restore_device(prev)
+            leave_device(rt, prev)
 
     def _adopt(self, comm: Comm, device: int) -> None:
         rt = self._rt
-        prev = rt.exchange_device(device)
+        prev = enter_device(rt, device)
         try:
             stream = rt.new_stream(self._high_priority) if self._high_priority else rt.new_stream()
             cc = rt.compute_capability(device)
             scratch, owner = rt.alloc(4, stream)
         finally:
-            rt.restore_device(prev)
+            leave_device(rt, prev)
         self._keep.append(owner)
         self._scratch = scratch
         self._stream, self._stream_ptr = stream, int(stream.ptr)
@@ -268,7 +268,7 @@ class NCCLBackend(Lifecycle, Splitting, Shrinking):
             # Planning allocates temporaries on the communication stream: the
             # communicator's device must be current from here on, not just at launch.
             rt = self._rt
-            prev = rt.exchange_device(self._device)
+            prev = enter_device(rt, self._device)
             try:
                 callers = self._caller_streams(bufs)
                 captured = False
@@ -288,7 +288,7 @@ class NCCLBackend(Lifecycle, Splitting, Shrinking):
                         rt.exchange_capture_mode(mode)
                 self._launch(op_type, plan, [work], bufs, temps, callers, captured)
             finally:
-                rt.restore_device(prev)
+                leave_device(rt, prev)
         return work
 
     def _prepare_kernels(self, plan: Plan) -> None:
@@ -346,7 +346,7 @@ class NCCLBackend(Lifecycle, Splitting, Shrinking):
     def _launch(self, op_type: str, plan: Plan, works: Sequence[NCCLWork], bufs: Sequence[Buffer],
                 temps: list[Any], callers: tuple[int, ...] | None = None, captured: bool = False) -> None:
         rt, device, comm_stream = self._rt, self._device, self._stream_ptr
-        prev_device = rt.exchange_device(device)
+        prev_device = enter_device(rt, device)
         issuing = False
         try:
             if not (self._connected and len(self._p2p_peers) >= self.size):
@@ -385,7 +385,7 @@ class NCCLBackend(Lifecycle, Splitting, Shrinking):
                 self.abort(f"{op_type} failed while being issued ({why})")
             raise DistBackendError(f"{op_type} on group {self._group_name!r} failed: {why}") from exc
         finally:
-            rt.restore_device(prev_device)
+            leave_device(rt, prev_device)
         if captured:
             # The graph uses the temporaries whenever it is replayed: keep them as long
             # as the backend lives.

@@ -10,7 +10,7 @@ from collections import deque
 from ...errors import DistBackendError
 from . import lib as _nccl_lib
 from .lib import Features
-from .runtime import Comm, Runtime
+from .runtime import Comm, Runtime, enter_device, leave_device
 from .work import NCCLWork, query_outside_capture
 
 __all__ = ["Lifecycle"]
@@ -96,11 +96,11 @@ class Lifecycle:
             self._comm_gone = True
             rt = self._rt
             try:
-                prev = rt.exchange_device(self._device)
+                prev = enter_device(rt, self._device)
                 try:
                     comm.abort()
                 finally:
-                    rt.restore_device(prev)
+                    leave_device(rt, prev)
             except Exception as exc:
                 self._aborted = f"{self._aborted} (and ncclCommAbort failed: {exc})"
         finally:
@@ -137,7 +137,7 @@ class Lifecycle:
         if self._comm is None:
             return True
         rt, device = self._rt, self._device
-        prev = rt.exchange_device(device)
+        prev = enter_device(rt, device)
         try:
             marker = rt.event(pooled=False, timing=False)
             rt.record(marker.ptr, self._stream_ptr)
@@ -150,4 +150,4 @@ class Lifecycle:
                 delay = min(delay * 2, 0.01)
             return True
         finally:
-            rt.restore_device(prev)
+            leave_device(rt, prev)

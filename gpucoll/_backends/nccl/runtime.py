@@ -17,7 +17,7 @@ from ...errors import BackendUnavailableError
 
 from .lib import Features, NcclLib, comm_id_arg, normalise_unique_id, result_name
 
-__all__ = ["Event", "Comm", "Runtime", "CudaRuntime", "CupyComm", "NcclCallError"]
+__all__ = ["Event", "Comm", "Runtime", "CudaRuntime", "CupyComm", "NcclCallError", "enter_device", "leave_device"]
 
 _CUDA_ERROR_NOT_READY = 600
 # cudaEventDisableTiming: CUDA documents these as the events with the best performance
@@ -99,15 +99,9 @@ class Runtime(Protocol):
     @property
     def set_device(self) -> Callable[[int], None]: ...
 
-    def exchange_device(self, device: int) -> int:
-        """Make ``device`` current on this thread; return what :meth:`restore_device`
-        takes: the previous device, or -1 when there is nothing to go back to (the same
-        device, or a thread that had no CUDA context yet, whose "previous" device 0
-        would get a context of its own: 300-500 MiB of GPU 0 per process)."""
-        ...
-
-    def restore_device(self, prev: int) -> None:
-        """Undo :meth:`exchange_device` (nothing when ``prev`` is -1)."""
+    def has_context(self) -> bool:
+        """Whether this thread has a CUDA context current (``cuCtxGetCurrent``): a thread
+        that never chose a device nor made a runtime call has none."""
         ...
 
     def exchange_capture_mode(self, mode: int) -> int:
@@ -238,19 +232,8 @@ class CudaRuntime:
         self._ctx_current = lib.cupy.cuda.driver.ctxGetCurrent
         self._exchange_mode = _capture_mode_exchanger()
 
-    def exchange_device(self, device: int) -> int:
-        prev = self.get_device()
-        if prev == device:
-            return -1
-        # cudaGetDevice answers 0 on a thread that never chose a device, without making
-        # a context; going back to it would make one. torch's MaybeSetDevice likewise.
-        had_context = bool(self._ctx_current())
-        self.set_device(device)
-        return prev if had_context else -1
-
-    def restore_device(self, prev: int) -> None:
-        if prev >= 0:
-            self.set_device(prev)
+    def has_context(self) -> bool:
+        return bool(self._ctx_current())
 
     def exchange_capture_mode(self, mode: int) -> int:
         fn = self._exchange_mode
@@ -341,6 +324,26 @@ class CudaRuntime:
 
 
 _HIGHEST_PRIORITY = -1000
+
+
+def enter_device(rt: Runtime, device: int) -> int:
+    """Make ``device`` current on this thread; return what :func:`leave_device` takes:
+    the previous device, or -1 when there is nothing to go back to: the same device, or
+    a thread with no CUDA context yet (a watchdog's), whose "previous" device is CUDA's
+    0 without a context; going back would make one there, 300-500 MiB of GPU 0 in every
+    process (torch's c10::cuda::MaybeSetDevice has the same rule)."""
+    prev = rt.get_device()
+    if prev == device:
+        return -1
+    had_context = rt.has_context()
+    rt.set_device(device)
+    return prev if had_context else -1
+
+
+def leave_device(rt: Runtime, prev: int) -> None:
+    """Undo :func:`enter_device`."""
+    if prev >= 0:
+        rt.set_device(prev)
 
 
 def _capture_mode_exchanger() -> Any:

@@ -8,7 +8,7 @@ from typing import Any, Mapping, Sequence
 from ...errors import DistBackendError
 from ...store.base import Store
 from .lib import Features
-from .runtime import Comm, Runtime
+from .runtime import Comm, Runtime, enter_device, leave_device
 
 __all__ = ["Shrinking", "NCCL_SHRINK_ABORT"]
 
@@ -68,7 +68,7 @@ class Shrinking:
                 raise DistBackendError(f"group {self._group_name!r}: its NCCL communicator cannot be shrunk "
                                        f"({self._aborted or self._closed or 'ncclCommShrink unavailable'})")
             rt, device = self._rt, self._device
-            prev = rt.exchange_device(device)
+            prev = enter_device(rt, device)
             try:
                 new = (comm.shrink(gone, NCCL_SHRINK_ABORT, config) if config
                        else comm.shrink(gone, NCCL_SHRINK_ABORT))
@@ -76,7 +76,7 @@ class Shrinking:
                 raise DistBackendError(f"ncclCommShrink of group {self._group_name!r} without ranks {gone} "
                                        f"failed: {exc}") from exc
             finally:
-                rt.restore_device(prev)
+                leave_device(rt, prev)
         self.abort(f"group {self._group_name!r} was shrunk into {group_name!r}")
         expected = [r for r in range(self.size) if r not in gone]
         if new.size != len(expected) or new.rank != expected.index(self.rank):

@@ -8,7 +8,7 @@ from typing import Any, Callable, Mapping, Sequence
 from ...errors import DistBackendError
 from ...store.base import Store
 from .bootstrap import _all_arrive
-from .runtime import Comm, Runtime
+from .runtime import Comm, Runtime, enter_device, leave_device
 
 __all__ = ["split_comm", "Splitting"]
 
@@ -33,7 +33,7 @@ def split_comm(comm: Comm, rt: Runtime, device: int, store: Store, key: str, siz
     if not drain(parent_timeout):
         raise DistBackendError(f"new group {group_name!r}: ops of group {parent_name!r} "
                                f"did not finish within {parent_timeout:.3g} s before the split")
-    prev = rt.exchange_device(device)
+    prev = enter_device(rt, device)
     try:
         # NCCL_SPLIT_NOCOLOR (-1): this rank joins no new communicator.
         new = comm.split(color, new_rank, config) if config else comm.split(color, new_rank)
@@ -41,7 +41,7 @@ def split_comm(comm: Comm, rt: Runtime, device: int, store: Store, key: str, siz
         raise DistBackendError(f"ncclCommSplit of group {parent_name!r} into "
                                f"{group_name!r} failed: {exc}") from exc
     finally:
-        rt.restore_device(prev)
+        leave_device(rt, prev)
     return new
 
 

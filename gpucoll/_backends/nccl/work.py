@@ -28,7 +28,7 @@ from typing import Any, Protocol, Sequence
 from ..._timeouts import to_seconds
 from ...errors import DistBackendError, DistError
 from ..._work import Work
-from .runtime import CAPTURE_THREAD_LOCAL, Event, Runtime
+from .runtime import CAPTURE_THREAD_LOCAL, Event, Runtime, enter_device, leave_device
 
 __all__ = ["NCCLWork", "WorkOwner", "query_outside_capture"]
 
@@ -143,13 +143,13 @@ class NCCLWork(Work):
             return False  # a member of a coalescing batch that has not been issued yet
         rt = self._owner._rt
         try:
-            prev_device = rt.exchange_device(self._device)
+            prev_device = enter_device(rt, self._device)
             try:
                 if not query_outside_capture(rt, end.ptr):
                     return False
                 duration = self._active_ms(rt, end)
             finally:
-                rt.restore_device(prev_device)
+                leave_device(rt, prev_device)
         except Exception as exc:
             # A failed query means a sticky CUDA error (a kernel faulted): the
             # communicator cannot be trusted after it.
@@ -216,7 +216,7 @@ class NCCLWork(Work):
         if end is None:
             return self._waited()  # not issued yet: the batch's own Work carries the wait
         rt = self._owner._rt
-        prev_device = rt.exchange_device(self._device)
+        prev_device = enter_device(rt, self._device)
         try:
             current = rt.current_stream()
             for stream in self._streams:
@@ -226,7 +226,7 @@ class NCCLWork(Work):
         except Exception as exc:
             raise DistBackendError(f"{self._name()}: making the caller's stream wait failed: {exc}") from exc
         finally:
-            rt.restore_device(prev_device)
+            leave_device(rt, prev_device)
         return self._waited()
 
     def synchronize(self, timeout: float | timedelta | None = None) -> None:
