@@ -143,6 +143,13 @@ class FakeGraph:
         self._ops = ops
         self.launches = 0
 
+    def replay_here(self) -> None:
+        """Run the captured work on the calling thread, now (a launch whose work can be
+        watched from this thread, e.g. with sys.setprofile)."""
+        self.launches += 1
+        for fn in self._ops:
+            fn()
+
     def launch(self, stream: int) -> None:
         self.launches += 1
         ops = self._ops
@@ -251,6 +258,7 @@ class FakeWorld:
         self.mail: dict[tuple[int, int], deque[bytes]] = {}
         self.aborted: set[int] = set()
         self.splits: dict[int, dict[int, tuple[int, int]]] = {}
+        self.executed = 0                             # collectives run so far
         self.connected: set[int] = set()              # ranks that entered their first collective
         self.p2p_connected: set[tuple[int, int]] = set()  # (rank, peer) that entered a first p2p
 
@@ -274,6 +282,7 @@ class FakeWorld:
             last = len(slot.calls) == self.size
             self.cond.notify_all()
         if last:
+            self.executed += 1
             try:
                 self._check_match(seq, slot.calls)
                 execute(slot.calls)

@@ -14,7 +14,7 @@ from gpucoll._backends.nccl.backend import NCCLBackend
 from gpucoll._reduce_op import ReduceOp
 
 from _nccl_fake import (CAPTURE_INVALIDATED, CAPTURE_ISOLATION, CAPTURE_UNJOINED, CAPTURE_UNSUPPORTED,
-                        FakeCudaError, FakeError, FakeFabric, FakeRuntime, FakeStream, read)
+                        FakeComm, FakeCudaError, FakeError, FakeFabric, FakeRuntime, read)
 from _fake_gpu_world import dev, run_world
 
 
@@ -146,16 +146,24 @@ def test_nccl_host_rules_rendezvous_threads_blocking_rounding(monkeypatch: pytes
         h = dev(rt, np.array([2048.0 if rank == 0 else 1.0], np.float16))
         be.all_reduce(h, ReduceOp.SUM).synchronize()
         assert read(rt, h, np.float16).tolist() == [2048.0]
-        # a second thread inside a call on the same communicator is detected
-        comm = be._comm
+    run_world(3, body)
+
+    # a second thread inside a call on the same communicator is detected, and so is an
+    # abort during a call
+    fabric = FakeFabric(hang_limit=5.0)
+    try:
+        comm = FakeComm(FakeRuntime(fabric), fabric.world(b"w" * 128, 1), 0)
         comm.enter("ncclAllReduce")
         try:
             err = _other_thread(lambda: comm.enter("ncclBroadcast"))
+            abort_err = _other_thread(comm.abort)
         finally:
             comm.leave()
         assert isinstance(err, FakeError) and "another thread is inside" in str(err)
-        rt.fabric.errors.clear()
-    run_world(3, body)
+        assert isinstance(abort_err, FakeError) and "ncclCommAbort while" in str(abort_err)
+        assert len(fabric.errors) == 2
+    finally:
+        fabric.close()
 
     # head-to-head sends above the eager size deadlock (and are reported), below do not
     for n, stuck in ((16, False), (4096, True)):
