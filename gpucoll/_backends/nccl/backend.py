@@ -242,12 +242,15 @@ class NCCLBackend(Lifecycle, Splitting, Shrinking):
     def _work(self, op_type: str, keep: Sequence[Buffer]) -> NCCLWork:
         work = NCCLWork(op_type, self, keepalive=list(keep), default_timeout=self._timeout)
         for b in keep:
-            if b.foreign_stream:
-                # The producer's later work runs on a stream gpucoll cannot make wait:
-                # wait() orders it the only way left, by blocking the host.
+            if b.stream is not None:
+                if b.foreign_stream:
+                    # The producer's later work runs on a stream gpucoll cannot make
+                    # wait: wait() orders it the only way left, by blocking the host.
+                    work.host_wait = True
+                if b.stream_owner is not None:
+                    work._stream_owners = (*work._stream_owners, b.stream_owner)
+            elif b.foreign_stream:
                 work.host_wait = True
-            if b.stream_owner is not None:
-                work._stream_owners.append(b.stream_owner)
         return work
 
     def _issue(self, op_type: str, bufs: Sequence[Buffer], build: Callable[[Planner], Plan],
@@ -268,7 +271,7 @@ class NCCLBackend(Lifecycle, Splitting, Shrinking):
             # Planning allocates temporaries on the communication stream: the
             # communicator's device must be current from here on, not just at launch.
             rt = self._rt
-            prev = enter_device(rt, self._device)
+            prev = -1 if rt.get_device() == self._device else enter_device(rt, self._device)
             try:
                 callers = self._caller_streams(bufs)
                 captured = False
@@ -346,10 +349,18 @@ class NCCLBackend(Lifecycle, Splitting, Shrinking):
     def _launch(self, op_type: str, plan: Plan, works: Sequence[NCCLWork], bufs: Sequence[Buffer],
                 temps: list[Any], callers: tuple[int, ...] | None = None, captured: bool = False) -> None:
         rt, device, comm_stream = self._rt, self._device, self._stream_ptr
-        prev_device = enter_device(rt, device)
+        # From _issue (callers given) the device is current already.
+        prev_device = enter_device(rt, device) if callers is None else -1
         issuing = False
         try:
-            if not (self._connected and len(self._p2p_peers) >= self.size):
+            connect = not self._connected
+            if not connect:  # a first send/recv with a peer? (no call for a plain collective)
+                peers = self._p2p_peers
+                for _, calls, _ in plan:
+                    for step in calls:
+                        if (step[0] == "send" or step[0] == "recv") and step[4] not in peers:
+                            connect = True
+            if connect:
                 check_in(self, op_type, plan)
             if callers is None:
                 callers = self._caller_streams(bufs)

@@ -81,6 +81,9 @@ class NCCLWork(Work):
     _prev: Event | None = None
     _streams: tuple[int, ...] = ()
     _doomed: str | None = None
+    # Producer streams' objects (CuPy's Streams), held for the Work's life: wait() may
+    # run after completion released the arrays, and must find them alive.
+    _stream_owners: tuple[Any, ...] = ()
     # A barrier is a host-side promise: its wait() blocks the host.
     host_wait: bool = False
 
@@ -88,9 +91,6 @@ class NCCLWork(Work):
                  result: list[Any] | None = None, default_timeout: float | None = None) -> None:
         super().__init__(op_type, keepalive=keepalive, result=result, default_timeout=default_timeout)
         self._owner = owner
-        # Producer streams' objects (CuPy's Streams), held for the Work's life: wait()
-        # may run after completion released the arrays, and must find them alive.
-        self._stream_owners: list[Any] = []
 
     # ----- set by the backend -----
 
@@ -143,7 +143,7 @@ class NCCLWork(Work):
             return False  # a member of a coalescing batch that has not been issued yet
         rt = self._owner._rt
         try:
-            prev_device = enter_device(rt, self._device)
+            prev_device = -1 if rt.get_device() == self._device else enter_device(rt, self._device)
             try:
                 if not query_outside_capture(rt, end.ptr):
                     return False
@@ -216,7 +216,7 @@ class NCCLWork(Work):
         if end is None:
             return self._waited()  # not issued yet: the batch's own Work carries the wait
         rt = self._owner._rt
-        prev_device = enter_device(rt, self._device)
+        prev_device = -1 if rt.get_device() == self._device else enter_device(rt, self._device)
         try:
             current = rt.current_stream()
             for stream in self._streams:
