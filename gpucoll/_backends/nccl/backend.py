@@ -25,7 +25,7 @@ from .config import usable_config
 from .bootstrap import is_nccl_available, nccl_unavailable_reason, nccl_version, rendezvous  # noqa: F401
 from .lib import NCCL_DTYPES, OP_SUM, normalise_unique_id
 from .plan import Phase, Plan, Planner, Premul, Step, merge
-from .runtime import CAPTURE_RELAXED, Comm, Event, Runtime, enter_device, leave_device
+from .runtime import CAPTURE_RELAXED, CAPTURE_THREAD_LOCAL, Comm, Event, Runtime, enter_device, leave_device
 from .connect import check_in
 from .lifecycle import Lifecycle
 from .shrink import Shrinking
@@ -223,19 +223,28 @@ class NCCLBackend(Lifecycle, Splitting, Shrinking):
         """Complete and drop finished works from the head of the queue, up to ``stop``
         (not included); the first one still running, or None."""
         pending = self._pending
-        while True:
-            # Peeking needs no lock (deque reads are atomic); popping does.
-            try:
-                first = pending[0]
-            except IndexError:
-                return None
-            if first is stop:
-                return None
-            if not first._check_event():
-                return first
-            with self._state:
-                if pending and pending[0] is first:
-                    pending.popleft()
+        if not pending:
+            return None
+        # Event queries in thread-local capture mode (see work.query_outside_capture),
+        # set once for the whole sweep rather than per query.
+        rt = self._rt
+        mode = rt.exchange_capture_mode(CAPTURE_THREAD_LOCAL)
+        try:
+            while True:
+                # Peeking needs no lock (deque reads are atomic); popping does.
+                try:
+                    first = pending[0]
+                except IndexError:
+                    return None
+                if first is stop:
+                    return None
+                if not first._check_event(mode_set=True):
+                    return first
+                with self._state:
+                    if pending and pending[0] is first:
+                        pending.popleft()
+        finally:
+            rt.exchange_capture_mode(mode)
 
     # ----- issuing -----
 

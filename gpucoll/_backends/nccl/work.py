@@ -134,8 +134,9 @@ class NCCLWork(Work):
             return True
         return self._check_event()
 
-    def _check_event(self) -> bool:
-        """Complete the Work if its end event has fired; True once complete."""
+    def _check_event(self, mode_set: bool = False) -> bool:
+        """Complete the Work if its end event has fired; True once complete.
+        ``mode_set``: the caller set thread-local capture mode for the query already."""
         if self._done.is_set():
             return True
         end = self._end
@@ -145,7 +146,7 @@ class NCCLWork(Work):
         try:
             prev_device = -1 if rt.get_device() == self._device else enter_device(rt, self._device)
             try:
-                if not query_outside_capture(rt, end.ptr):
+                if not (rt.query(end.ptr) if mode_set else query_outside_capture(rt, end.ptr)):
                     return False
                 duration = self._active_ms(rt, end)
             finally:
