@@ -509,6 +509,15 @@ class FakeComm:
         return "injected by the test" if self.async_code else ""
 
     def split(self, color: int, key: int, config: dict[str, Any] | None = None) -> FakeComm | None:
+        self.enter("ncclCommSplit")
+        try:
+            if self._rt.call_delay:
+                time.sleep(self._rt.call_delay)
+            return self._split(color, key, config)
+        finally:
+            self.leave()
+
+    def _split(self, color: int, key: int, config: dict[str, Any] | None) -> FakeComm | None:
         self._rt.configs.append(("split", None if config is None else dict(config)))
         world, rank = self.world, self.rank
         seq = next(self._seq)
@@ -528,6 +537,13 @@ class FakeComm:
     def shrink(self, exclude: Sequence[int], flags: int, config: dict[str, Any] | None = None) -> FakeComm:
         """ncclCommShrink: a collective of the ranks not in ``exclude`` (the excluded
         ones are dead and never call); renumbered in order."""
+        self.enter("ncclCommShrink")
+        try:
+            return self._shrink(exclude, flags, config)
+        finally:
+            self.leave()
+
+    def _shrink(self, exclude: Sequence[int], flags: int, config: dict[str, Any] | None) -> FakeComm:
         if not self._rt.features.comm_shrink:
             raise FakeError("ncclCommShrink called but this NCCL lacks it")
         world, rank = self.world, self.rank

@@ -162,6 +162,22 @@ def test_abort_from_another_thread_never_frees_a_communicator_under_a_call() -> 
     run_world(2, body)
 
 
+def test_abort_during_a_split_is_carried_out_after_it() -> None:
+    """ncclCommSplit is a call on the parent too: an abort from another thread during it
+    waits for it (and the parent is aborted right after)."""
+    shared = HashStore(timeout=10.0)
+
+    def body(be: NCCLBackend, rt: FakeRuntime, rank: int) -> None:
+        rt.call_delay = 0.3  # the split stays inside NCCL a while
+        t = threading.Timer(0.1, lambda: be.abort("the watchdog timed out"))
+        t.start()
+        sub = be.split([0, 1], store=PrefixStore("pg/sub", shared), group_name="sub", timeout=5.0)
+        t.join(10)
+        assert sub is not None and be._comm_gone
+        sub.shutdown()
+    run_world(2, body)
+
+
 # ---------------------------------------------------------------- 6. first calls time out
 
 def test_first_collective_and_first_p2p_without_a_peer_time_out() -> None:
