@@ -106,9 +106,15 @@ class NoopRuntime:
     def new_stream(self, high_priority: bool = False) -> Any:
         return _Stream()
 
-    def event(self, pooled: bool = True) -> Any:
+    def event(self, pooled: bool = True, timing: bool = False) -> Any:
         self._made = next(self._count)
         return _Event(self._made)
+
+    def has_context(self) -> bool:
+        return True
+
+    def exchange_capture_mode(self, mode: int) -> int:
+        return mode
 
     def query(self, event: int) -> bool:
         return event <= self._made - self._lag

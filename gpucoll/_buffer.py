@@ -5,7 +5,14 @@ Contract shared by every backend (see docs/arrays.md):
   ``nbytes == prod(shape) * dtype.itemsize``.
 - ``owner`` keeps the memory alive; a Work holds its Buffers until the op completes.
 - ``stream`` is the producer's CUDA stream as the array published it (CAI ``stream``
-  or the DLPack handshake), None for host memory or "unknown/legacy default".
+  or the DLPack handshake), None for host memory or "unknown/legacy default";
+  ``stream_owner`` keeps that stream alive (CuPy's Stream object) where gpucoll can
+  hold it: a Work makes only streams it holds (and the current one) wait, never a
+  bare handle that may be destroyed meanwhile.
+- ``foreign_stream``: the producer's later work runs on a stream gpucoll can neither
+  name nor keep alive (another framework's own stream behind DLPack, or a CAI stream
+  it cannot hold): a device op on such memory is ordered by blocking the host in
+  ``wait()`` until the op completed.
 - ``dtype`` is a :class:`DType`, which can name types NumPy lacks (bfloat16, float8)
   so that device arrays of those types still work from raw pointers.
 """
@@ -106,6 +113,8 @@ class Buffer:
     readonly: bool = False
     stream: int | None = None
     owner: Any = field(default=None, repr=False)
+    stream_owner: Any = field(default=None, repr=False)
+    foreign_stream: bool = False
 
     @property
     def numel(self) -> int:

@@ -211,8 +211,25 @@ def _from_cai(array: Any, cai: dict[str, Any], name: str, writable: bool) -> Buf
     ptr = int(ptr or 0)
     index = _cuda_device_index(array, ptr)
     device = _CUDA.get(index) or _CUDA.setdefault(index, Device("cuda", index))
-    return Buffer(ptr, numel * dtype.itemsize, dtype, shape, device, bool(readonly),
-                  None if stream is None or stream == 1 or stream == 0 else _normalise_stream(stream), array)
+    stream = None if stream is None or stream == 1 or stream == 0 else _normalise_stream(stream)
+    if stream is None:
+        return Buffer(ptr, numel * dtype.itemsize, dtype, shape, device, bool(readonly), None, array)
+    held = _hold_stream(array, stream)
+    return Buffer(ptr, numel * dtype.itemsize, dtype, shape, device, bool(readonly), stream, array,
+                  held, held is None)
+
+
+def _hold_stream(array: Any, stream: int) -> Any:
+    """What keeps the CAI ``stream`` alive: CuPy publishes its current stream, whose
+    object is at hand. None elsewhere (the producer's handle, maybe gone by wait())."""
+    cupy = sys.modules.get("cupy") if type(array).__module__.startswith("cupy") else None
+    if cupy is None:
+        return None
+    try:
+        current = cupy.cuda.get_current_stream()
+    except Exception:
+        return None
+    return current if int(current.ptr) == stream else None
 
 
 def _dtype_of_typestr(typestr: str, array: Any, name: str) -> DType:
@@ -393,7 +410,12 @@ def _from_dlpack(array: Any, name: str, writable: bool) -> Buffer:
         return Buffer(ptr, nbytes, dtype, shape, _CPU, readonly, None, view)
     # The capsule is the owner: its producer-installed destructor frees the tensor
     # once the capsule is collected, because we never rename it to "used_dltensor".
-    return Buffer(ptr, nbytes, dtype, shape, Device("cuda", index), readonly, None, (array, capsule))
+    # The handshake orders the producer's pending work before the op, but not its later
+    # work after it: that runs on the producer's own current stream (torch's, JAX's),
+    # which DLPack does not name. Unless the memory is immutable (JAX), wait() then
+    # blocks the host (foreign_stream).
+    return Buffer(ptr, nbytes, dtype, shape, Device("cuda", index), readonly, None, (array, capsule),
+                  None, not readonly)
 
 
 def _view_of_memory(ptr: int, nbytes: int, dtype: DType, shape: tuple[int, ...], readonly: bool,
@@ -437,8 +459,8 @@ def split_buffer(buf: Buffer, parts: int) -> list[Buffer]:
         flat = host_ndarray(buf).reshape(-1)
         return [_from_ndarray(flat[i * count:(i + 1) * count], "chunk", False, _CPU) for i in range(parts)]
     step = count * buf.dtype.itemsize
-    return [Buffer(buf.ptr + i * step, step, buf.dtype, (count,), buf.device, buf.readonly, buf.stream, buf.owner)
-            for i in range(parts)]
+    return [Buffer(buf.ptr + i * step, step, buf.dtype, (count,), buf.device, buf.readonly, buf.stream, buf.owner,
+                   buf.stream_owner, buf.foreign_stream) for i in range(parts)]
 
 
 def is_device_array(array: Any) -> bool:

@@ -56,15 +56,25 @@ def run_rank_threads(size: int, main: Callable[[int], Any], fabric: FakeFabric) 
 def run_world(size: int, body: Callable[[NCCLBackend, FakeRuntime, int], Any], *,
               features: Features = DEFAULT_FEATURES, cc: tuple[int, int] = (9, 0), timeout: float = 10.0,
               eager: bool = True, hang: float = 20.0, op_delay: float = 0.0,
-              shutdown: bool = True) -> list[Any]:
-    """Run ``body(backend, runtime, rank)`` on ``size`` rank threads sharing one fake GPU."""
-    fabric = FakeFabric(hang_limit=hang)
+              shutdown: bool = True, devices: int = 1, device_of: Callable[[int], int] = lambda r: 0,
+              use_device: bool = False, strict_contexts: bool = False) -> list[Any]:
+    """Run ``body(backend, runtime, rank)`` on ``size`` rank threads sharing one fake GPU
+    machine of ``devices`` GPUs; rank r's communicator is on ``device_of(r)``.
+
+    ``use_device``: each rank thread makes its device current first (as a script's
+    ``cupy.cuda.Device(d).use()``); otherwise its current device stays CUDA's 0.
+    ``strict_contexts``: a CUDA context on a device no rank uses is an error.
+    """
+    gpus = {device_of(r) for r in range(size)}
+    fabric = FakeFabric(hang_limit=hang, gpus=gpus if strict_contexts else None)
     store = HashStore(timeout=timeout)
 
     def main(rank: int) -> Any:
-        rt = FakeRuntime(fabric, features=features, cc=cc, op_delay=op_delay)
+        if use_device:
+            fabric.use_device(device_of(rank))
+        rt = FakeRuntime(fabric, features=features, cc=cc, op_delay=op_delay, devices=devices)
         be = NCCLBackend(PrefixStore("pg/g", store), rank, size, timeout=timeout, group_name="g",
-                         device_id=0 if eager else None, _runtime=rt)
+                         device_id=device_of(rank) if eager else None, _runtime=rt)
         try:
             return body(be, rt, rank)
         finally:
@@ -76,8 +86,8 @@ def run_world(size: int, body: Callable[[NCCLBackend, FakeRuntime, int], Any], *
     return results
 
 
-def dev(rt: FakeRuntime, values: np.ndarray, name: str | None = None) -> Buffer:
-    return device_array(rt, values, DTYPES[name or values.dtype.name])
+def dev(rt: FakeRuntime, values: np.ndarray, name: str | None = None, device: int | None = None) -> Buffer:
+    return device_array(rt, values, DTYPES[name or values.dtype.name], device=device)
 
 
 class FakeDeviceArray:

@@ -25,6 +25,7 @@ next event query raise, so a test cannot pass over it.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import itertools
 import os
 import queue
@@ -33,7 +34,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -102,6 +103,63 @@ class FakeMemory:
         return data[off:off + nbytes]
 
 
+# ----- CUDA errors, contexts, capture -----
+
+class FakeCudaError(FakeError):
+    """A CUDA runtime error as CuPy raises it (``CUDARuntimeError`` carries ``status``)."""
+
+    def __init__(self, status: int, name: str, detail: str) -> None:
+        super().__init__(f"{name}: {detail}")
+        self.status = status
+
+
+# cudaError_t values (driver_types.h) the fake returns.
+INVALID_RESOURCE_HANDLE = 400
+CAPTURE_UNSUPPORTED = 900   # cudaErrorStreamCaptureUnsupported: a prohibited call during capture
+CAPTURE_INVALIDATED = 901   # cudaErrorStreamCaptureInvalidated: what cudaStreamEndCapture returns after it
+CAPTURE_UNJOINED = 904      # cudaErrorStreamCaptureUnjoined: a forked stream was not joined back
+CAPTURE_ISOLATION = 906     # cudaErrorStreamCaptureIsolation: a dependency crosses the capture boundary
+
+
+class _Capture:
+    """One stream capture sequence (cudaStreamBeginCapture .. cudaStreamEndCapture)."""
+
+    def __init__(self, origin: int, mode: str) -> None:
+        self.origin = origin
+        self.mode = mode
+        self.thread = threading.get_ident()
+        self.ops: list[Callable[[], None]] = []
+        self.counts: dict[int, int] = {origin: 0}   # captured ops per stream
+        self.joined: dict[int, int] = {}            # stream -> its op count the origin waited for
+        self.invalidated: str | None = None
+
+
+class FakeGraph:
+    """An instantiated CUDA graph: its captured work runs, in capture order, each time
+    it is launched (capture order is a topological order of the captured dependencies)."""
+
+    def __init__(self, fabric: FakeFabric, ops: list[Callable[[], None]]) -> None:
+        self._fabric = fabric
+        self._ops = ops
+        self.launches = 0
+
+    def replay_here(self) -> None:
+        """Run the captured work on the calling thread, now (a launch whose work can be
+        watched from this thread, e.g. with sys.setprofile)."""
+        self.launches += 1
+        for fn in self._ops:
+            fn()
+
+    def launch(self, stream: int) -> None:
+        self.launches += 1
+        ops = self._ops
+
+        def replay() -> None:
+            for fn in ops:
+                fn()
+        self._fabric.stream(stream).enqueue(replay)
+
+
 # ----- streams and events -----
 
 class _Marker:
@@ -113,40 +171,66 @@ class _Marker:
 
 
 class FakeEvent:
-    def __init__(self, fabric: FakeFabric) -> None:
+    """A CUDA event of one device. ``timing=False`` models cudaEventDisableTiming:
+    cudaEventElapsedTime on it fails, as CUDA's does."""
+
+    def __init__(self, fabric: FakeFabric, device: int = 0, timing: bool = True) -> None:
         self.ptr = next(fabric.handles)
+        self.device = device
+        self.timing = timing
         self.marker: _Marker | None = None
+        self.capture: _Capture | None = None   # recorded during this capture (a graph node)
+        self.capture_pos = (0, 0)              # (stream, its captured op count) when recorded
         fabric.events[self.ptr] = self
 
 
+def _stream_loop(q: "queue.Queue[Callable[[], None] | None]", fabric: FakeFabric, name: str) -> None:
+    # A function of its own, holding no reference to the FakeStream: the stream (its
+    # handle) dies with its owner, as cudaStreamDestroy on a CuPy Stream's collection.
+    while True:
+        fn = q.get()
+        if fn is None:
+            return
+        try:
+            fn()
+        except BaseException as exc:  # keep executing: a GPU does too
+            fabric.errors.append(f"stream {name}: {type(exc).__name__}: {exc}")
+
+
 class FakeStream:
-    def __init__(self, fabric: FakeFabric, name: str) -> None:
+    """A CUDA stream of one device: a thread running its queue in order. Its handle is
+    valid while this object lives (FakeFabric.streams holds it weakly)."""
+
+    def __init__(self, fabric: FakeFabric, name: str, device: int | None = None) -> None:
         self.high_priority = False
         self.ptr = next(fabric.handles)
         self.name = name
+        self.device = fabric.current_device() if device is None else device
         self._fabric = fabric
         self._q: queue.Queue[Callable[[], None] | None] = queue.Queue()
         fabric.streams[self.ptr] = self
-        self._thread = threading.Thread(target=self._run, name=f"fake-stream-{name}", daemon=True)
+        weakref.finalize(self, self._q.put, None)
+        self._thread = threading.Thread(target=_stream_loop, args=(self._q, fabric, name),
+                                        name=f"fake-stream-{name}", daemon=True)
         self._thread.start()
 
     def enqueue(self, fn: Callable[[], None]) -> None:
+        cap = self._fabric.captures.get(self.ptr)
+        if cap is not None:  # captured work runs only when the graph is launched
+            cap.ops.append(fn)
+            cap.counts[self.ptr] = cap.counts.get(self.ptr, 0) + 1
+            return
         self._q.put(fn)
-
-    def _run(self) -> None:
-        while True:
-            fn = self._q.get()
-            if fn is None:
-                return
-            try:
-                fn()
-            except BaseException as exc:  # keep executing: a GPU does too
-                self._fabric.errors.append(f"stream {self.name}: {type(exc).__name__}: {exc}")
 
     def stop(self) -> None:
         self._q.put(None)
 
     def __enter__(self) -> FakeStream:
+        # CuPy's Stream.__enter__ (cupy/cuda/stream.pyx, check_stream_device_match).
+        current = self._fabric.current_device()
+        if current != self.device:
+            raise RuntimeError(f"The device that the stream is created on ({self.device}) does not match "
+                               f"with the current device ({current})")
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -174,6 +258,9 @@ class FakeWorld:
         self.mail: dict[tuple[int, int], deque[bytes]] = {}
         self.aborted: set[int] = set()
         self.splits: dict[int, dict[int, tuple[int, int]]] = {}
+        self.executed = 0                             # collectives run so far
+        self.connected: set[int] = set()              # ranks that entered their first collective
+        self.p2p_connected: set[tuple[int, int]] = set()  # (rank, peer) that entered a first p2p
 
     def wait_until(self, rank: int, pred: Callable[[], bool], what: str) -> bool:
         """Wait for ``pred``; False if ``rank`` was aborted meanwhile (NCCL kernels exit)."""
@@ -195,6 +282,7 @@ class FakeWorld:
             last = len(slot.calls) == self.size
             self.cond.notify_all()
         if last:
+            self.executed += 1
             try:
                 self._check_match(seq, slot.calls)
                 execute(slot.calls)
@@ -211,46 +299,81 @@ class FakeWorld:
             if c[:2] != first[:2]:
                 raise FakeError(f"collective #{seq} differs between ranks: rank 0 {first}, rank {r} {c}")
 
-    def post(self, src: int, dst: int, payload: bytes) -> None:
+    def connect(self, rank: int, peers: Sequence[int] | None) -> None:
+        """The host side of a first call: NCCL connects inside the first collective
+        (``peers`` None: every rank) and the first p2p with each peer, and the calling
+        thread blocks until the peers have called in too (bounded here by hang_limit)."""
         with self.cond:
-            self.mail.setdefault((src, dst), deque()).append(payload)
+            if peers is None:
+                self.connected.add(rank)
+            else:
+                self.p2p_connected.update((rank, p) for p in peers)
             self.cond.notify_all()
+        if peers is None:
+            ok = self.wait_until(rank, lambda: len(self.connected) == self.size,
+                                 "every rank to enter its first collective (NCCL connects there)")
+        else:
+            ok = self.wait_until(rank, lambda: all((p, rank) in self.p2p_connected for p in peers),
+                                 f"ranks {sorted(peers)} to enter their first send/recv with rank {rank}")
+        if not ok:
+            raise FakeError(f"rank {rank}: the communicator was aborted while connecting")
+
+    def post(self, src: int, dst: int, payload: bytes) -> threading.Event:
+        taken = threading.Event()
+        with self.cond:
+            self.mail.setdefault((src, dst), deque()).append((payload, taken))
+            self.cond.notify_all()
+        return taken
 
     def take(self, src: int, dst: int, nbytes: int) -> bytes | None:
         box = self.mail.setdefault((src, dst), deque())
         if not self.wait_until(dst, lambda: bool(box), f"a message from rank {src}"):
             return None
         with self.cond:
-            payload = box.popleft()
+            payload, taken = box.popleft()
+            taken.set()
+            self.cond.notify_all()
         if len(payload) != nbytes:
             raise FakeError(f"rank {dst} receives {nbytes} bytes from rank {src}, which sent {len(payload)}")
         return payload
 
 
 def _reduce(arrays: list[np.ndarray], op: int, factors: list[float | None], n: int) -> np.ndarray:
+    """What NCCL's reduction computes (src/device/reduce_kernel.h): each step in the
+    element type, so fp16/bf16/fp8 round after every addition (``__hadd``) as NCCL's
+    do, integers wrap; ncclAvg is a PreMulSum by 1/n on floats and, on integers, a
+    wrapping sum divided by n truncating toward zero (FuncSumPostDiv::divide)."""
     dt = arrays[0].dtype
-    low = dt.itemsize <= 2 and dt.kind not in "iu" or dt.name in ("bfloat16",) or "float8" in dt.name
-    work = [a.astype(np.float32) if low else a.copy() for a in arrays]
-    if op >= 5:  # PreMulSum: each rank's own factor
-        work = [(w * np.asarray(f).astype(w.dtype)).astype(w.dtype) for w, f in zip(work, factors)]
+    low = dt.kind == "f" and dt.itemsize <= 2 or dt.name == "bfloat16" or "float8" in dt.name
+
+    def step(a: np.ndarray, b: np.ndarray, fn: Callable[[Any, Any], Any]) -> np.ndarray:
+        if low:  # computed in float32, rounded to the element type at each step
+            return np.asarray(fn(a.astype(np.float32), b.astype(np.float32))).astype(dt)
+        with np.errstate(over="ignore"):
+            return np.asarray(fn(a, b)).astype(dt)
+    work = [a.copy() for a in arrays]
+    if op == 4 and (dt.kind == "f" or low):
+        factors = [1.0 / n] * len(work)
+        op = 5
+    if op >= 5:  # PreMulSum: each rank's own factor, rounded to the element type, applied first
+        work = [step(w, np.asarray(f).astype(dt), np.multiply) for w, f in zip(work, factors)]
         op = 0
-    acc = work[0].copy()
+    acc = work[0]
     for w in work[1:]:
         if op in (0, 4):
-            acc = (acc + w).astype(acc.dtype)
+            acc = step(acc, w, np.add)
         elif op == 1:
-            acc = (acc * w).astype(acc.dtype)
+            acc = step(acc, w, np.multiply)
         elif op == 2:
             acc = np.maximum(acc, w)
         elif op == 3:
             acc = np.minimum(acc, w)
         else:
             raise FakeError(f"unknown ncclRedOp {op}")
-    if op == 4:
-        if dt.kind in "iu":
-            raise FakeError("ncclAvg on an integer type")
-        acc = (acc / n).astype(acc.dtype)
-    out: np.ndarray = acc.astype(dt)
+    if op == 4:  # integers: FuncSumPostDiv, |x| / n negated back (truncation toward zero)
+        vals = [int(v) for v in acc]
+        acc = _wrap([(abs(v) // n) * (1 if v >= 0 else -1) for v in vals], dt) if vals else acc
+    out: np.ndarray = np.asarray(acc).astype(dt)
     return out
 
 
@@ -273,11 +396,49 @@ class FakeComm:
         self.async_code = 0
         self.calls: list[tuple[Any, ...]] = []  # every call, for tests that check what was issued
         self.shrink_calls: list[tuple[tuple[int, ...], int]] = []
+        self.device = runtime.fabric.current_device()
+        self._inside: set[int] = set()  # threads inside a call on this communicator now
+        self._inside_lock = threading.Lock()
+        self.connected = False
+        self.p2p_peers: set[int] = set()
+
+    # -- NCCL's host-side rules --
+    def enter(self, what: str) -> None:
+        """A host call on this communicator begins. NCCL communicators are not
+        thread-safe ("multiple threads should use separate communicator objects",
+        NCCL's thread-safety notes): a second thread inside a call is a detected error."""
+        me = threading.get_ident()
+        with self._inside_lock:
+            others = self._inside - {me}
+            self._inside.add(me)
+        if others:
+            msg = f"rank {self.rank}: {what} while another thread is inside an NCCL call on the same communicator"
+            self._rt.fabric.errors.append(msg)
+            raise FakeError(msg)
+
+    def leave(self) -> None:
+        with self._inside_lock:
+            self._inside.discard(threading.get_ident())
+
+    def first_calls(self, kinds: Sequence[tuple[str, tuple[Any, ...]]]) -> None:
+        """Block the host as NCCL's first collective / first p2p per peer do."""
+        if any(k in _COLLECTIVES for k, _ in kinds) and not self.connected:
+            self.world.connect(self.rank, None)
+            self.connected = True
+        peers = {a[3] for k, a in kinds if k in ("send", "recv")} - self.p2p_peers
+        if peers:
+            self.world.connect(self.rank, sorted(peers))
+            self.p2p_peers |= peers
 
     # -- the calls: buffered into the runtime's group, or run at once --
     def _call(self, kind: str, args: tuple[Any, ...], stream: int) -> None:
         if self.destroyed or self.rank in self.world.aborted:
             raise FakeError(f"{kind} on a destroyed or aborted communicator")
+        self._rt._check_blocking()
+        st = self._rt.fabric.stream(stream)
+        if st.device != self.device:
+            raise FakeCudaError(INVALID_RESOURCE_HANDLE, "ncclInvalidArgument",
+                                f"{kind} on a stream of cuda:{st.device}; the communicator is on cuda:{self.device}")
         if kind in ("all_reduce", "reduce", "reduce_scatter"):
             op = args[4]
             if op >= 5 and op not in self._ops:
@@ -285,7 +446,13 @@ class FakeComm:
             # NCCL reads a host-immediate factor when the op is made; capture it now.
             args = args + ((self._ops[op][0] if op >= 5 else None),)
         self.calls.append((kind,) + args)
-        self._rt._nccl_call(self, kind, args, stream)
+        self.enter(kind)
+        try:
+            if self._rt.call_delay:
+                time.sleep(self._rt.call_delay)
+            self._rt._nccl_call(self, kind, args, stream)
+        finally:
+            self.leave()
 
     def all_reduce(self, s: int, r: int, n: int, dt: int, op: int, stream: int) -> None:
         self._call("all_reduce", (s, r, n, dt, op), stream)
@@ -342,6 +509,15 @@ class FakeComm:
         return "injected by the test" if self.async_code else ""
 
     def split(self, color: int, key: int, config: dict[str, Any] | None = None) -> FakeComm | None:
+        self.enter("ncclCommSplit")
+        try:
+            if self._rt.call_delay:
+                time.sleep(self._rt.call_delay)
+            return self._split(color, key, config)
+        finally:
+            self.leave()
+
+    def _split(self, color: int, key: int, config: dict[str, Any] | None) -> FakeComm | None:
         self._rt.configs.append(("split", None if config is None else dict(config)))
         world, rank = self.world, self.rank
         seq = next(self._seq)
@@ -361,6 +537,13 @@ class FakeComm:
     def shrink(self, exclude: Sequence[int], flags: int, config: dict[str, Any] | None = None) -> FakeComm:
         """ncclCommShrink: a collective of the ranks not in ``exclude`` (the excluded
         ones are dead and never call); renumbered in order."""
+        self.enter("ncclCommShrink")
+        try:
+            return self._shrink(exclude, flags, config)
+        finally:
+            self.leave()
+
+    def _shrink(self, exclude: Sequence[int], flags: int, config: dict[str, Any] | None) -> FakeComm:
         if not self._rt.features.comm_shrink:
             raise FakeError("ncclCommShrink called but this NCCL lacks it")
         world, rank = self.world, self.rank
@@ -382,6 +565,13 @@ class FakeComm:
         return FakeComm(self._rt, self._rt.fabric.world(uid, len(stay)), stay.index(rank), config)
 
     def abort(self) -> None:
+        with self._inside_lock:
+            inside = set(self._inside)
+        if inside:
+            # ncclCommAbort frees the communicator under the call in flight.
+            msg = f"rank {self.rank}: ncclCommAbort while another thread is inside an NCCL call on it"
+            self._rt.fabric.errors.append(msg)
+            raise FakeError(msg)
         with self.world.cond:
             self.world.aborted.add(self.rank)
             self.world.cond.notify_all()
@@ -395,17 +585,104 @@ class FakeComm:
 # ----- the runtime -----
 
 class FakeFabric:
-    """What all rank threads share: memory, streams, events, worlds, and errors."""
+    """What all rank threads share: memory, streams, events, worlds, contexts, captures,
+    the per-thread CUDA state, and errors.
 
-    def __init__(self, hang_limit: float = 20.0) -> None:
+    Args:
+        hang_limit: seconds any fake wait lasts before it reports a hang.
+        gpus: the devices the job's ranks use; a CUDA context made on any other device
+            (the CUDA runtime makes one on the thread's current device, 0 when never
+            set, at a thread's first call) is an error. None: any.
+        eager_bytes: sends up to this size complete without the receiver (NCCL's
+            buffered eager protocol); larger ones are a rendezvous.
+    """
+
+    def __init__(self, hang_limit: float = 20.0, *, gpus: set[int] | None = None, eager_bytes: int = 4096) -> None:
         self.mem = FakeMemory()
         self.handles = itertools.count(0x1000)
-        self.streams: dict[int, FakeStream] = {}
+        self.streams: weakref.WeakValueDictionary[int, FakeStream] = weakref.WeakValueDictionary()
+        self._keep_streams: list[FakeStream] = []
         self.events: dict[int, FakeEvent] = {}
         self.worlds: dict[bytes, FakeWorld] = {}
         self.lock = threading.Lock()
         self.errors: list[str] = []
         self.hang_limit = hang_limit
+        self.gpus = gpus
+        self.eager_bytes = eager_bytes
+        self.contexts: set[int] = set()
+        self.context_threads: list[tuple[int, str]] = []  # (device, thread) that made each context
+        self.captures: dict[int, _Capture] = {}  # capturing stream -> its capture sequence
+        self._tls = threading.local()
+
+    # -- the calling thread's CUDA state --
+    def current_device(self) -> int:
+        """cudaGetDevice: 0 on a thread that never set one (no context is made)."""
+        d: int | None = getattr(self._tls, "device", None)
+        return 0 if d is None else d
+
+    def use_device(self, device: int) -> None:
+        """cudaSetDevice: since CUDA 12.0 it initialises the device's primary context."""
+        self._tls.device = device
+        self._tls.bound = True
+        self.context(device)
+
+    def has_context(self) -> bool:
+        """cuCtxGetCurrent != NULL: the thread has set a device or made a runtime call."""
+        return bool(getattr(self._tls, "bound", False))
+
+    def context(self, device: int | None = None) -> None:
+        """A runtime call needs the thread's current device's primary context: make it."""
+        d = self.current_device() if device is None else device
+        if device is None:
+            self._tls.bound = True  # the runtime binds the primary context to the thread
+        if d in self.contexts:
+            return
+        with self.lock:
+            if d in self.contexts:
+                return
+            self.contexts.add(d)
+            self.context_threads.append((d, threading.current_thread().name))
+        if self.gpus is not None and d not in self.gpus:
+            msg = (f"thread {threading.current_thread().name!r} made a CUDA context on cuda:{d}, a device no rank "
+                   f"uses (the job's devices: {sorted(self.gpus)}): 300-500 MiB of that GPU's memory")
+            self.errors.append(msg)
+            raise FakeError(msg)
+
+    def capture_mode(self) -> str:
+        return getattr(self._tls, "mode", "global")
+
+    def exchange_capture_mode(self, mode: str) -> str:
+        """cudaThreadExchangeStreamCaptureMode."""
+        if mode not in ("global", "thread_local", "relaxed"):
+            raise FakeError(f"unknown capture mode {mode!r}")
+        prev = self.capture_mode()
+        self._tls.mode = mode
+        return prev
+
+    def unsafe(self, what: str) -> None:
+        """A "potentially unsafe API call" (cudaStreamBeginCapture's modes): prohibited,
+        returning error 900 and invalidating the capture, when this thread has its own
+        non-relaxed capture under way (modes global and thread_local), or when another
+        thread has a global-mode capture under way and this thread's mode is global."""
+        mine = self.capture_mode()
+        if mine == "relaxed" or not self.captures:
+            return
+        me = threading.get_ident()
+        for cap in list(self.captures.values()):
+            if (cap.thread == me and cap.mode != "relaxed") or (cap.thread != me and cap.mode == "global"
+                                                                 and mine == "global"):
+                why = (f"{what} from thread {threading.current_thread().name!r} (capture mode {mine}) during a "
+                       f"{cap.mode}-mode capture")
+                cap.invalidated = cap.invalidated or why
+                self.errors.append(f"cudaErrorStreamCaptureUnsupported: {why}")
+                raise FakeCudaError(CAPTURE_UNSUPPORTED, "cudaErrorStreamCaptureUnsupported", why)
+
+    def stream(self, ptr: int) -> FakeStream:
+        try:
+            return self.streams[ptr]
+        except KeyError:
+            raise FakeCudaError(INVALID_RESOURCE_HANDLE, "cudaErrorInvalidResourceHandle",
+                                f"stream {ptr:#x} does not exist (destroyed with its owner?)") from None
 
     def world(self, uid: bytes, size: int) -> FakeWorld:
         with self.lock:
@@ -422,7 +699,8 @@ class FakeFabric:
 
 
 class FakeRuntime:
-    """One rank's view of the fake GPU (a Runtime)."""
+    """One rank's view of the fake GPU (a Runtime). The current device is per thread,
+    as CUDA's is; ``devices`` is how many this rank's machine has."""
 
     def __init__(self, fabric: FakeFabric, *, features: Features | None = None, devices: int = 1,
                  cc: tuple[int, int] = (9, 0), op_delay: float = 0.0,
@@ -434,26 +712,26 @@ class FakeRuntime:
         self.features = features or Features(version=(2, 32, 3), all_to_all=True, gather=True, scatter=True)
         self._devices = devices
         self._cc = cc
-        self._device = 0
         self.op_delay = op_delay
-        self.default_stream = FakeStream(fabric, "default")
-        self._current = self.default_stream.ptr
+        self.default_stream = FakeStream(fabric, "default", fabric.current_device())
+        self._current: dict[int, int] = {}  # device -> this rank's current stream there (CuPy's is per device)
         self._group: list[tuple[FakeComm, str, tuple[Any, ...], int]] | None = None
         self._depth = 0
-        self.capturing: set[int] = set()
         self.kernels_prepared: list[str] = []
         self.kernels_launched: list[str] = []
         self.allocations = 0
         self.unpooled_events = 0
+        self.timing_events = 0
+        self.call_delay = 0.0  # seconds each NCCL call stays on the host (NCCL's enqueue work)
 
     # -- devices and streams --
     def get_device(self) -> int:
-        return self._device
+        return self.fabric.current_device()
 
     def set_device(self, device: int) -> None:
         if not 0 <= device < self._devices:
             raise FakeError(f"set_device({device}) with {self._devices} devices")
-        self._device = device
+        self.fabric.use_device(device)
 
     def device_count(self) -> int:
         return self._devices
@@ -462,42 +740,111 @@ class FakeRuntime:
         return self._cc
 
     def current_stream(self) -> int:
-        return self._current
+        d = self.fabric.current_device()
+        ptr = self._current.get(d)
+        if ptr is None:
+            if d == self.default_stream.device:
+                return self.default_stream.ptr
+            stream = FakeStream(self.fabric, f"default-{d}", d)
+            self.fabric._keep_streams.append(stream)
+            ptr = self._current[d] = stream.ptr
+        return ptr
 
     def set_current_stream(self, ptr: int) -> None:
-        self._current = ptr
+        self._current[self.fabric.stream(ptr).device] = ptr
 
     def new_stream(self, high_priority: bool = False) -> FakeStream:
+        self.fabric.context()
         stream = FakeStream(self.fabric, "comm")
         stream.high_priority = high_priority
         return stream
 
     def _stream(self, ptr: int) -> FakeStream:
-        try:
-            return self.fabric.streams[ptr]
-        except KeyError:
-            raise FakeError(f"no stream {ptr:#x}") from None
+        return self.fabric.stream(ptr)
 
     def is_capturing(self, stream: int) -> bool:
-        return stream in self.capturing
+        return stream in self.fabric.captures
+
+    # -- capture (the test drives it, as torch.cuda.graph or cupy's stream capture would) --
+    def begin_capture(self, stream: int | None = None, mode: str = "global") -> None:
+        ptr = self.current_stream() if stream is None else stream
+        if ptr in self.fabric.captures:
+            raise FakeError(f"stream {ptr:#x} is already capturing")
+        self.fabric.captures[ptr] = _Capture(ptr, mode)
+
+    def end_capture(self, stream: int | None = None) -> FakeGraph:
+        ptr = self.current_stream() if stream is None else stream
+        cap = self.fabric.captures.get(ptr)
+        if cap is None or cap.origin != ptr:
+            raise FakeError(f"end_capture on stream {ptr:#x}, which did not begin a capture")
+        for s in [s for s, c in self.fabric.captures.items() if c is cap]:
+            del self.fabric.captures[s]
+        if cap.invalidated:
+            raise FakeCudaError(CAPTURE_INVALIDATED, "cudaErrorStreamCaptureInvalidated", cap.invalidated)
+        unjoined = [s for s, n in cap.counts.items() if s != ptr and n > cap.joined.get(s, 0)]
+        if unjoined:
+            raise FakeCudaError(CAPTURE_UNJOINED, "cudaErrorStreamCaptureUnjoined",
+                                f"streams {[hex(s) for s in unjoined]} forked into the capture were not joined back")
+        return FakeGraph(self.fabric, cap.ops)
+
+    def exchange_capture_mode(self, mode: int) -> int:
+        names = ("global", "thread_local", "relaxed")
+        return names.index(self.fabric.exchange_capture_mode(names[mode]))
+
+    def has_context(self) -> bool:
+        return self.fabric.has_context()
 
     # -- events --
-    def event(self, pooled: bool = True) -> FakeEvent:
+    def event(self, pooled: bool = True, timing: bool = True) -> FakeEvent:
+        self.fabric.context()
         if not pooled:
             self.unpooled_events += 1
-        return FakeEvent(self.fabric)
+        if timing:
+            self.timing_events += 1
+        return FakeEvent(self.fabric, self.fabric.current_device(), timing)
 
     def record(self, event: int, stream: int) -> None:
+        self.fabric.context()
         ev = self.fabric.events[event]
+        st = self._stream(stream)
+        if ev.device != st.device:  # cudaEventRecord: "event and stream must be on the same device"
+            raise FakeCudaError(INVALID_RESOURCE_HANDLE, "cudaErrorInvalidResourceHandle",
+                                f"event of cuda:{ev.device} recorded on a stream of cuda:{st.device}")
+        cap = self.fabric.captures.get(stream)
+        if cap is not None:
+            st.enqueue(lambda: None)
+            ev.marker, ev.capture, ev.capture_pos = None, cap, (stream, cap.counts.get(stream, 0))
+            return
+        ev.capture = None
         marker = ev.marker = _Marker()
 
         def fire() -> None:
             marker.t = time.perf_counter()
             marker.done.set()
-        self._stream(stream).enqueue(fire)
+        st.enqueue(fire)
 
     def wait_event(self, stream: int, event: int) -> None:
-        marker = self.fabric.events[event].marker
+        self.fabric.context()
+        ev = self.fabric.events[event]
+        st = self._stream(stream)
+        cap = self.fabric.captures.get(stream)
+        if ev.capture is not None:
+            if cap is None:  # a fork: the stream joins the capture
+                cap = self.fabric.captures[stream] = ev.capture
+                cap.counts.setdefault(stream, 0)
+            elif cap is not ev.capture:
+                raise FakeCudaError(CAPTURE_ISOLATION, "cudaErrorStreamCaptureIsolation",
+                                    "a stream waits on an event of another capture")
+            src, pos = ev.capture_pos
+            if stream == cap.origin and src != stream:
+                cap.joined[src] = max(cap.joined.get(src, 0), pos)
+            st.enqueue(lambda: None)
+            return
+        if cap is not None and ev.marker is not None:
+            why = "a capturing stream waits on an event recorded outside the capture"
+            cap.invalidated = cap.invalidated or why
+            raise FakeCudaError(CAPTURE_ISOLATION, "cudaErrorStreamCaptureIsolation", why)
+        marker = ev.marker
         if marker is None:
             return
         limit = self.fabric.hang_limit
@@ -505,22 +852,37 @@ class FakeRuntime:
         def wait() -> None:
             if not marker.done.wait(limit):
                 raise FakeError(f"a stream waited {limit} s for an event")
-        self._stream(stream).enqueue(wait)
+        st.enqueue(wait)
 
     def query(self, event: int) -> bool:
+        self.fabric.context()
+        self.fabric.unsafe("cudaEventQuery")
         if self.fabric.errors:
             raise FakeError("the fake GPU saw errors: " + "; ".join(self.fabric.errors))
-        marker = self.fabric.events[event].marker
+        ev = self.fabric.events[event]
+        if ev.capture is not None:
+            raise FakeCudaError(CAPTURE_UNSUPPORTED, "cudaErrorStreamCaptureUnsupported",
+                                "cudaEventQuery on an event recorded during stream capture")
+        marker = ev.marker
         return marker is None or marker.done.is_set()
 
     def elapsed_ms(self, start: int, end: int) -> float:
-        a, b = self.fabric.events[start].marker, self.fabric.events[end].marker
+        ea, eb = self.fabric.events[start], self.fabric.events[end]
+        if not (ea.timing and eb.timing):
+            raise FakeCudaError(INVALID_RESOURCE_HANDLE, "cudaErrorInvalidResourceHandle",
+                                "cudaEventElapsedTime on an event made with cudaEventDisableTiming")
+        a, b = ea.marker, eb.marker
         if a is None or b is None or not (a.done.is_set() and b.done.is_set()):
             raise FakeError("elapsed_ms on an event that has not completed")
         return (b.t - a.t) * 1000.0
 
     # -- memory and kernels --
     def alloc(self, nbytes: int, stream: Any) -> tuple[int, Any]:
+        # CudaRuntime.alloc allocates from CuPy's pool under ``with stream``, which
+        # checks the stream's device against the current one; cudaMalloc is unsafe in capture.
+        with stream:
+            self.fabric.context()
+            self.fabric.unsafe("cudaMalloc")
         self.allocations += 1
         block = self.fabric.mem.alloc(nbytes)
         return block.ptr, block
@@ -538,16 +900,28 @@ class FakeRuntime:
     def prepare(self, kernel: str, device: int) -> None:
         if not _KERNEL_RE.fullmatch(kernel):
             raise FakeError(f"no kernel named {kernel!r} in kernels/reduce.cu")
-        self.kernels_prepared.append(kernel)
+        if kernel not in self.kernels_prepared:
+            self.fabric.unsafe("NVRTC compile and cuModuleLoadData")  # loading a module: unsafe in capture
+            self.kernels_prepared.append(kernel)
 
     def launch(self, kernel: str, n: int, args: tuple[Any, ...], stream: Any, device: int) -> None:
         if kernel not in self.kernels_prepared:
             raise FakeError(f"kernel {kernel} launched without prepare()")
+        if stream.device != device or self.fabric.current_device() != device:
+            raise RuntimeError(f"kernel {kernel} for cuda:{device} launched on a stream of cuda:{stream.device} "
+                               f"with cuda:{self.fabric.current_device()} current")
         self.kernels_launched.append(kernel)
         mem = self.fabric.mem
         stream.enqueue(lambda: emulate_kernel(mem, kernel, n, args))
 
     # -- NCCL --
+    def _check_blocking(self) -> None:
+        # NCCL_COMM_BLOCKING=0 makes every communicator non-blocking: calls return
+        # ncclInProgress (7), and CuPy 14.2's NcclError looks the code up in a table
+        # without it, raising KeyError: 7 from its error path.
+        if os.environ.get("NCCL_COMM_BLOCKING") == "0":
+            raise KeyError(7)
+
     def unique_id(self) -> bytes:
         return os.urandom(128)
 
@@ -557,6 +931,9 @@ class FakeRuntime:
             raise BackendUnavailableError(f"NCCL config field(s) {', '.join(refused)} cannot be applied (fake)")
 
     def new_comm(self, size: int, uid: bytes, rank: int, config: dict[str, Any] | None = None) -> FakeComm:
+        self.fabric.context()
+        self.fabric.unsafe("ncclCommInitRank")  # allocates device memory and launches setup work
+        self._check_blocking()
         self.configs.append(("init", None if config is None else dict(config)))
         world = self.fabric.world(uid, size)
         with world.cond:
@@ -580,18 +957,36 @@ class FakeRuntime:
                 streams = {c[3] for c in calls}
                 if len(streams) != 1:
                     raise FakeError("one NCCL group on several streams")
-                self._enqueue_nccl([c[:3] for c in calls], streams.pop())
+                comms = {id(c[0]): c[0] for c in calls}
+                for comm in comms.values():
+                    comm.enter("ncclGroupEnd")
+                try:
+                    for comm in comms.values():
+                        comm.first_calls([(k, a) for c, k, a, _ in calls if c is comm])
+                    self._enqueue_nccl([c[:3] for c in calls], streams.pop())
+                finally:
+                    for comm in comms.values():
+                        comm.leave()
 
     def _nccl_call(self, comm: FakeComm, kind: str, args: tuple[Any, ...], stream: int) -> None:
         if self._group is not None:
             self._group.append((comm, kind, args, stream))
         else:
+            comm.first_calls([(kind, args)])
             self._enqueue_nccl([(comm, kind, args)], stream)
 
     def _enqueue_nccl(self, calls: list[tuple[FakeComm, str, tuple[Any, ...]]], stream: int) -> None:
+        delay, mem, eager = self.op_delay, self.fabric.mem, self.fabric.eager_bytes
+        if stream in self.fabric.captures:
+            # A captured call runs at each graph launch, as the next collective of its
+            # communicator then.
+            def replay() -> None:
+                run_nccl_group(mem, calls, [next(c[0]._seq) if c[1] in _COLLECTIVES else -1 for c in calls],
+                               delay, eager)
+            self._stream(stream).enqueue(replay)
+            return
         seqs = [next(c[0]._seq) if c[1] in _COLLECTIVES else -1 for c in calls]
-        delay = self.op_delay
-        self._stream(stream).enqueue(lambda: run_nccl_group(self.fabric.mem, calls, seqs, delay))
+        self._stream(stream).enqueue(lambda: run_nccl_group(mem, calls, seqs, delay, eager))
 
 
 _KERNEL_RE = re.compile(r"gpucoll_(reduce_(sum|prod|min|max|band|bor|bxor)_(i8|u8|i16|u16|i32|u32|i64|u64)"
@@ -602,13 +997,17 @@ _KERNEL_RE = re.compile(r"gpucoll_(reduce_(sum|prod|min|max|band|bor|bxor)_(i8|u
 # ----- executing NCCL calls (on a stream thread) -----
 
 def run_nccl_group(mem: FakeMemory, calls: list[tuple[FakeComm, str, tuple[Any, ...]]], seqs: list[int],
-                   delay: float) -> None:
+                   delay: float, eager: int = 1 << 62) -> None:
     if delay:
         time.sleep(delay)
+    rendezvous: list[tuple[FakeComm, int, threading.Event]] = []
     for comm, kind, args in calls:  # sends first: a group's receives may depend on them
         if kind == "send":
             p, n, dt, peer = args
-            comm.world.post(comm.rank, peer, mem.view(p, n * _ITEMSIZE[dt]).tobytes())
+            nbytes = n * _ITEMSIZE[dt]
+            taken = comm.world.post(comm.rank, peer, mem.view(p, nbytes).tobytes())
+            if nbytes > eager:
+                rendezvous.append((comm, peer, taken))
     for (comm, kind, args), seq in zip(calls, seqs):
         if kind in _COLLECTIVES:
             _collective(mem, comm, kind, args, seq)
@@ -618,6 +1017,10 @@ def run_nccl_group(mem: FakeMemory, calls: list[tuple[FakeComm, str, tuple[Any, 
             payload = comm.world.take(peer, comm.rank, n * _ITEMSIZE[dt])
             if payload is not None:
                 mem.view(p, n * _ITEMSIZE[dt])[:] = np.frombuffer(payload, np.uint8)
+    for comm, peer, taken in rendezvous:
+        # Above the eager size a send completes only once its receive is running: two
+        # ranks that each send first, ungrouped, wait for each other as on real NCCL.
+        comm.world.wait_until(comm.rank, taken.is_set, f"rank {peer} to receive a rendezvous send")
 
 
 def _collective(mem: FakeMemory, comm: FakeComm, kind: str, args: tuple[Any, ...], seq: int) -> None:
@@ -787,13 +1190,16 @@ def emulate_kernel(mem: FakeMemory, name: str, n: int, args: tuple[Any, ...]) ->
 
 # ----- helpers for tests -----
 
-def device_array(rt: FakeRuntime, host: np.ndarray, dtype: DType, *, stream: int | None = None) -> Buffer:
-    """A Buffer of fake device memory holding ``host``'s bytes; its ``owner`` keeps it alive."""
+def device_array(rt: FakeRuntime, host: np.ndarray, dtype: DType, *, stream: int | None = None,
+                 device: int | None = None) -> Buffer:
+    """A Buffer of fake device memory (on ``device``, the current one by default) holding
+    ``host``'s bytes; its ``owner`` keeps it alive."""
     host = np.ascontiguousarray(host)
     block = rt.fabric.mem.alloc(host.nbytes)
     if host.nbytes:
         rt.fabric.mem.view(block.ptr, host.nbytes)[:] = host.reshape(-1).view(np.uint8)
-    return Buffer(block.ptr, host.nbytes, dtype, tuple(host.shape), Device("cuda", rt.get_device()),
+    return Buffer(block.ptr, host.nbytes, dtype, tuple(host.shape),
+                  Device("cuda", rt.get_device() if device is None else device),
                   False, stream, block)
 
 
@@ -812,3 +1218,102 @@ def read_on_stream(rt: FakeRuntime, buf: Buffer, np_type: Any, stream: int | Non
     rt._stream(stream if stream is not None else rt.current_stream()).enqueue(
         lambda: out.put(read(rt, buf, np_type)))
     return out
+
+
+# ----- arrays from other frameworks -----
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+_DL_CODES = {"i": 0, "u": 1, "f": 2}
+
+
+class FakeFrameworkArray:
+    """A device array of "another framework" (torch- or JAX-like) in fake memory: it
+    exports DLPack (legacy ``dltensor`` capsules) and works on its own non-blocking
+    current stream, which gpucoll cannot see. ``__dlpack__(stream=s)`` makes its
+    pending work ready on ``s`` as the DLPack standard asks of a producer."""
+
+    def __init__(self, rt: FakeRuntime, host: np.ndarray) -> None:
+        self.rt = rt
+        self.device = rt.get_device()
+        self.stream = FakeStream(rt.fabric, "framework", self.device)  # the framework's current stream
+        host = np.ascontiguousarray(host)
+        self.dtype = host.dtype
+        self.shape = host.shape
+        self.block = rt.fabric.mem.alloc(host.nbytes)
+        self.ptr = self.block.ptr
+        self.nbytes = host.nbytes
+        rt.fabric.mem.view(self.ptr, host.nbytes)[:] = host.reshape(-1).view(np.uint8)
+        self._keep: list[Any] = []
+        self.handshakes: list[int | None] = []
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (2, self.device)
+
+    def __dlpack__(self, *, stream: Any = None, max_version: Any = None) -> Any:
+        if max_version is not None:
+            raise TypeError("this producer speaks DLPack 0.8 (no max_version)")
+        self.handshakes.append(stream)
+        if stream is not None and int(stream) not in (0, 1, 2) and int(stream) in self.rt.fabric.streams:
+            ev = self.rt.event(pooled=False, timing=False)
+            self.rt.record(ev.ptr, self.stream.ptr)
+            self.rt.wait_event(int(stream), ev.ptr)
+        shape = (ctypes.c_int64 * len(self.shape))(*self.shape)
+        managed = _DLManagedTensor()
+        t = managed.dl_tensor
+        t.data, t.ndim, t.shape, t.strides, t.byte_offset = self.ptr, len(self.shape), shape, None, 0
+        t.device = _DLDevice(2, self.device)
+        t.dtype = _DLDataType(_DL_CODES[self.dtype.kind], self.dtype.itemsize * 8, 1)
+        self._keep += [shape, managed]
+        return _capsule_new(ctypes.addressof(managed), b"dltensor", None)
+
+    def read_later(self) -> "queue.Queue[np.ndarray]":
+        """What the framework's next kernel on its own stream reads (no device-wide sync)."""
+        out: queue.Queue[np.ndarray] = queue.Queue()
+        mem = self.rt.fabric.mem
+        self.stream.enqueue(lambda: out.put(mem.view(self.ptr, self.nbytes).view(self.dtype).reshape(self.shape).copy()))
+        return out
+
+
+class FakeStreamArray:
+    """A device array published through ``__cuda_array_interface__`` v3 with its own
+    producer stream, which it owns: dropping ``stream`` destroys the handle."""
+
+    def __init__(self, rt: FakeRuntime, host: np.ndarray) -> None:
+        self.rt = rt
+        self.stream: FakeStream | None = FakeStream(rt.fabric, "producer", rt.get_device())
+        self.stream_ptr = self.stream.ptr
+        self.buf = device_array(rt, host, _dtype_of(host))
+        self.dtype = host.dtype
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {"shape": self.buf.shape, "typestr": self.dtype.str, "data": (self.buf.ptr, False),
+                "version": 3, "strides": None, "stream": self.stream_ptr}
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (2, self.buf.device.index)
+
+
+def _dtype_of(host: np.ndarray) -> DType:
+    from gpucoll._buffer import DTYPES
+    return DTYPES[host.dtype.name]

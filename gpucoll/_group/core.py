@@ -186,6 +186,7 @@ class GroupCore:
             raise TypeError(f"hook must be callable; got {type(hook).__name__}")
         self._check_usable()
         self._hooks.append(hook)
+        _time_ops(self._nccl)
 
     def dump_flight_recorder(self, path: str | None = None) -> str:
         """Return the flight recorder's JSON (the group's last ops); also write it to ``path`` if given.
@@ -239,6 +240,8 @@ class GroupCore:
 
     def _set_device_backend(self, backend: Backend) -> Backend:
         self._nccl = backend
+        if self._hooks:
+            _time_ops(backend)
         self._nccl_into = backend if isinstance(backend, ReducesInto) else None
         return backend
 
@@ -453,3 +456,9 @@ class GroupCore:
             raise DistBackendError(f"shutting down group {self.group_name!r} failed: {errors[0]}") from errors[0]
 
 
+def _time_ops(backend: Backend | None) -> None:
+    """A hook reads active_duration: ask a device backend to time its ops (CUDA events
+    with timing cost more to record and query; they are made only when asked)."""
+    enable = getattr(backend, "time_ops", None)
+    if enable is not None:
+        enable()

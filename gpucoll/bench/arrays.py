@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -85,6 +85,7 @@ class DeviceKit:
         ndev = cupy.cuda.runtime.getDeviceCount()
         self.device = local_rank % ndev
         cupy.cuda.Device(self.device).use()
+        self._graph_stream: Any = None
 
     def zeros(self, count: int, dtype: str) -> Any:
         npd = np_dtype(dtype)
@@ -113,6 +114,28 @@ class DeviceKit:
 
     def synchronize(self) -> None:
         self._cp.cuda.get_current_stream().synchronize()
+        if self._graph_stream is not None:
+            self._graph_stream.synchronize()
+
+    def capture(self, issue: Callable[[], object]) -> Any:
+        """``issue()`` captured into a CUDA graph on a stream of the kit's own, in global
+        mode (nccl-tests' ``-G`` with one thread per process), as an instantiated graph."""
+        cp = self._cp
+        if self._graph_stream is None:
+            self._graph_stream = cp.cuda.Stream(non_blocking=True)
+        stream = self._graph_stream
+        with stream:
+            stream.begin_capture(cp.cuda.runtime.streamCaptureModeGlobal)
+            try:
+                issue()
+            finally:
+                graph = stream.end_capture()
+        return graph
+
+    def launch(self, graph: Any, times: int) -> None:
+        """Launch ``graph`` ``times`` times on the stream it was captured on (no wait)."""
+        for _ in range(times):
+            graph.launch(stream=self._graph_stream)
 
     def device_name(self) -> str:
         props = self._cp.cuda.runtime.getDeviceProperties(self.device)

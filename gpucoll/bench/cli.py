@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-r", "--root", type=int, default=0, help="root of rooted ops; -1: every rank in turn")
     p.add_argument("-z", "--blocking", type=int, default=0, help="1: wait for each op before the next")
     p.add_argument("-G", "--cudagraph", type=int, default=0,
-                   help="CUDA graph launches (not supported by gpucoll-bench; must be 0)")
+                   help="CUDA graph launches (nccl-tests' meaning: the timed ops are captured into a graph, "
+                        "launched this many times; nccl backend only; default 0, no graph)")
     # nccl-tests' remaining flags, so that a pasted all_reduce_perf command line works.
     p.add_argument("-t", "--nthreads", type=int, default=1,
                    help="threads per process (nccl-tests); gpucoll-bench runs one: must be 1")
@@ -155,12 +156,14 @@ def config_from_args(args: argparse.Namespace, backend: str) -> BenchConfig:
         ValueError: an argument is out of range.
     """
     _check_nccl_tests_flags(args)
-    if args.cudagraph:
-        raise ValueError(
-            f"-G/--cudagraph {args.cudagraph}: gpucoll-bench does not replay CUDA graphs; it issues "
-            "each op through gpucoll's Python API, whose Work objects and watchdog poll CUDA events "
-            "from the host for every op (a graph replay would bypass them). Your own code may still "
-            "capture gpucoll's NCCL ops in a graph (docs/nccl-backend.md). Use -G 0.")
+    if args.cudagraph < 0:
+        raise ValueError(f"-G/--cudagraph must be >= 0; got {args.cudagraph}")
+    if args.cudagraph and backend != "nccl":
+        raise ValueError(f"-G/--cudagraph {args.cudagraph}: CUDA graphs need the nccl backend (GPU arrays); "
+                         f"this run uses {backend!r}. Use -G 0, or --backend nccl on a GPU")
+    if args.cudagraph and args.blocking:
+        raise ValueError("-G/--cudagraph with -z 1: a captured op cannot be waited on from the host; "
+                         "use one of them")
     if args.blocking not in (0, 1):
         raise ValueError(f"-z/--blocking must be 0 or 1; got {args.blocking}")
     sizes = size_sweep(args.minbytes, args.maxbytes, args.stepbytes, args.stepfactor)

@@ -4,7 +4,9 @@ Each sweep first runs ``warmup_iters`` ops at its largest and smallest size (as
 nccl-tests' ``TimeTest``). Then, per size and variant (out-of-place, in-place), as
 nccl-tests' ``BenchTime``: ``warmup_iters`` untimed ops (nccl-tests runs one), a
 barrier, then ``iters`` ops issued back to back and one wait at the end (``-z 1``:
-a wait after each op instead). Time per op is the elapsed time over ``iters``; the
+a wait after each op instead; ``-G N``: the ``iters`` ops captured into a CUDA graph,
+launched N times after a barrier, timed over ``iters * N`` ops; the check runs
+uncaptured). Time per op is the elapsed time over ``iters``; the
 reported time is its maximum over ranks (``-a`` picks rank 0's, the mean or the
 minimum instead; ``-C 1`` stops the clock when the last op is issued). Then ``check`` runs on fresh
 deterministic inputs count the wrong elements on every rank (summed over ranks)
@@ -153,15 +155,40 @@ class _Case:
     def warm(self, caller: Caller, v: _Variant) -> None:
         self._loop(caller, v, self.cfg.warmup_iters)
 
+    def _graph_loop(self, caller: Caller, v: _Variant, iters: int,
+                    barrier: Callable[[], object]) -> tuple[float, float, float]:
+        """nccl-tests' ``-G N``: capture ``iters`` ops into a CUDA graph (untimed), then,
+        after a barrier, launch it N times and wait. Returns (start, last launch issued,
+        end); the time per op is over ``iters * N`` ops. gpucoll runs no Python per
+        replayed op (tests/nccl/test_nccl_capture.py)."""
+        kit: Any = self.kit
+
+        def issue() -> None:
+            for _ in range(iters):
+                self._issue(caller, v, False)
+        graph = kit.capture(issue)
+        barrier()
+        t0 = time.perf_counter()
+        kit.launch(graph, self.cfg.cudagraph)
+        issued = time.perf_counter()
+        kit.synchronize()
+        return t0, issued, time.perf_counter()
+
     def measure(self, caller: Caller, v: _Variant, lay: Layout, nbytes: int) -> Measurement:
         import gpucoll
 
-        self._loop(caller, v, self.cfg.warmup_iters)
+        self._loop(caller, v, self.cfg.warmup_iters)  # uncaptured: connected, kernels loaded
         gpucoll.barrier()
-        t0 = time.perf_counter()
-        issued = self._loop(caller, v, self.cfg.iters)
-        end = issued if self.cfg.report_cputime else time.perf_counter()
-        seconds = _over_ranks((end - t0) / self.cfg.iters, self.cfg.average, self.rank, self.size)
+        ops = self.cfg.iters
+        if self.cfg.cudagraph:
+            t0, issued, end = self._graph_loop(caller, v, self.cfg.iters, gpucoll.barrier)
+            ops *= self.cfg.cudagraph
+        else:
+            t0 = time.perf_counter()
+            issued = self._loop(caller, v, self.cfg.iters)
+            end = time.perf_counter()
+        end = issued if self.cfg.report_cputime else end
+        seconds = _over_ranks((end - t0) / ops, self.cfg.average, self.rank, self.size)
         algbw = nbytes / seconds / 1e9 if seconds > 0 else 0.0
         busbw = algbw * self.spec.busbw_factor(self.size)
         wrong = self.check(caller, v, lay) if self.cfg.check else None

@@ -48,3 +48,15 @@ def test_two_ranks_on_one_gpu_and_the_check_fails_when_corrupted() -> None:
     bad = _bench(["all_gather", "--backend", "nccl", "--nproc", "2", "-b", "1M", "-e", "1M", "-d", "bfloat16",
                   "-n", "2", "-w", "1"], {**env, "GPUCOLL_BENCH_CORRUPT": "1"})
     assert bad.returncode == 1 and "FAILED" in bad.stdout, bad.stdout[-3000:] + bad.stderr[-3000:]
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather", "reduce_scatter", "broadcast"])
+def test_cudagraph_launches_replay_the_captured_ops(op: str, tmp_path: Any) -> None:
+    """-G N (nccl-tests' meaning): the ops are captured once, the graph launched N times;
+    the data check still passes."""
+    path = str(tmp_path / "g.json")
+    proc = _bench([op, "--backend", "nccl", "--nproc", "1", "-G", "4", "-b", "1K", "-e", "1M", "-f", "32",
+                   "-n", "10", "-w", "2", "-d", "float", "-o", "sum", "--json", path])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.load(open(path))
+    assert doc["config"]["cudagraph"] == 4 and doc["rows"] and doc["summary"]["ok"], doc

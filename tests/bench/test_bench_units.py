@@ -414,3 +414,42 @@ def test_the_docs_flag_table_matches_the_parser() -> None:
     for short, long in pairs:
         assert short in actions and long in actions, (short, long)
         assert actions[short] is actions[long], f"{short} and {long} are different flags"
+
+
+def test_cudagraph_takes_nccl_tests_meaning() -> None:
+    """-G N: the timed ops are captured once and the graph launched N times (nccl-tests'
+    BenchTime); refused on the CPU backend and with -z 1."""
+    from gpucoll.bench.cli import build_parser, config_from_args
+    from gpucoll.bench.runner import _Case, _Variant
+
+    cfg = config_from_args(build_parser().parse_args(["all_reduce", "-G", "3", "-n", "5"]), "nccl")
+    assert cfg.cudagraph == 3
+    for argv, backend, message in ((["all_reduce", "-G", "1"], "cpu", "nccl backend"),
+                                   (["all_reduce", "-G", "1", "-z", "1"], "nccl", "-z 1")):
+        with pytest.raises(ValueError, match=message):
+            config_from_args(build_parser().parse_args(argv), backend)
+
+    events: list[str] = []
+
+    class Kit:
+        def capture(self, issue: Any) -> str:
+            events.append("capture")
+            issue()
+            events.append("captured")
+            return "graph"
+
+        def launch(self, graph: str, times: int) -> None:
+            events.append(f"launch {graph} x{times}")
+
+        def synchronize(self) -> None:
+            events.append("sync")
+
+    def caller(call: Any) -> list[Any]:
+        assert call.async_op is False  # synchronous ops: inside a capture, nothing to wait for
+        events.append("op")
+        return []
+
+    case = _Case(cfg, get_op("all_reduce"), Kit(), "float", "sum", 0, 0, 1)  # type: ignore[arg-type]
+    t0, issued, end = case._graph_loop(caller, _Variant(None, None, None), 5, lambda: events.append("barrier"))
+    assert events == ["capture", "op", "op", "op", "op", "op", "captured", "barrier", "launch graph x3", "sync"]
+    assert t0 <= issued <= end

@@ -193,13 +193,16 @@ def test_completed_works_are_released_without_a_watchdog() -> None:
 
 def test_graph_capture_joins_the_streams_and_completes_at_once() -> None:
     def body(be: NCCLBackend, rt: FakeRuntime, rank: int) -> None:
-        rt.capturing.add(rt.current_stream())
         buf = dev(rt, np.full(4, 1.0, np.float32))
+        be.all_reduce(dev(rt, np.ones(1, np.float32)), ReduceOp.SUM).synchronize()  # connected before capture
+        rt.begin_capture()
         work = be.all_reduce(buf, ReduceOp.SUM)
-        assert work.is_completed() and rt.unpooled_events == 2 and not be._pending
-        rt.capturing.clear()
-        # In the fake the "graph" ran eagerly: the caller's stream still sees the result in order.
-        assert read_on_stream(rt, buf, np.float32).get(timeout=10).tolist() == [2.0] * 4
+        assert work.is_completed() and rt.unpooled_events == 2 and all(w is not work for w in be._pending)
+        graph = rt.end_capture()  # raises if the communication stream was not joined back
+        assert read(rt, buf, np.float32).tolist() == [1.0] * 4  # captured work ran nowhere yet
+        for expect in (2.0, 4.0):  # each launch runs the captured all_reduce once more
+            graph.launch(rt.current_stream())
+            assert read_on_stream(rt, buf, np.float32).get(timeout=10).tolist() == [expect] * 4
     run_world(2, body)
 
 
@@ -223,6 +226,9 @@ def test_lazy_creation_on_the_first_ops_device() -> None:
 
 def test_abort_fails_the_hung_op_and_every_later_one_naming_op_seq_group() -> None:
     def body(be: NCCLBackend, rt: FakeRuntime, rank: int) -> str:
+        # Connected first: a first collective that a rank never joins blocks the host
+        # inside NCCL (test_first_collective_without_a_peer_times_out covers that).
+        be.all_reduce(dev(rt, np.ones(1, np.float32)), ReduceOp.SUM).synchronize()
         if rank == 1:
             time.sleep(1.0)  # never joins the all_reduce; leaves once rank 0 has aborted
             be.abort("rank 1 left")
@@ -331,7 +337,7 @@ def test_event_pool_reuses_events_once_dropped() -> None:
     pool = _EventPool(create)
     a = pool.acquire()
     b = pool.acquire()
-    assert (a.ptr, b.ptr) == (101, 102) and made == [0, 0]  # timing enabled
+    assert (a.ptr, b.ptr) == (101, 102) and made == [2, 2]  # cudaEventDisableTiming by default
     first = a.ptr
     del a
     c = pool.acquire()

@@ -10,13 +10,13 @@ Importing this module imports no CuPy; constructing a backend does.
 
 from __future__ import annotations
 
+import os
 import threading
-import time
 from collections import deque
 from typing import Any, Callable, Mapping, Sequence
 
 from ..._buffer import DTYPES, Buffer, Device
-from ...errors import BackendUnavailableError, DistBackendError, DistStoreError
+from ...errors import BackendUnavailableError, DistBackendError
 from ..._reduce_op import ReduceOpLike
 from ..._work import Work
 from ...store.base import Store
@@ -25,7 +25,9 @@ from .config import usable_config
 from .bootstrap import is_nccl_available, nccl_unavailable_reason, nccl_version, rendezvous  # noqa: F401
 from .lib import NCCL_DTYPES, OP_SUM, normalise_unique_id
 from .plan import Phase, Plan, Planner, Premul, Step, merge
-from .runtime import Comm, Event, Runtime
+from .runtime import CAPTURE_RELAXED, CAPTURE_THREAD_LOCAL, Comm, Event, Runtime, enter_device, leave_device
+from .connect import check_in
+from .lifecycle import Lifecycle
 from .shrink import Shrinking
 from .split import Splitting
 from .work import NCCLWork
@@ -36,7 +38,7 @@ _REDUCING = frozenset({"all_reduce", "reduce", "reduce_scatter"})
 _PRUNE_AT = 64  # outstanding works kept before the issue path completes finished ones itself
 
 
-class NCCLBackend(Splitting, Shrinking):
+class NCCLBackend(Lifecycle, Splitting, Shrinking):
     """One process group's collectives on CUDA memory (the Backend protocol).
 
     Args:
@@ -88,15 +90,24 @@ class NCCLBackend(Splitting, Shrinking):
             from .runtime import CudaRuntime
 
             _runtime = CudaRuntime(_nccl_lib.load())
+        blocking = os.environ.get("NCCL_COMM_BLOCKING", "").strip()
+        if blocking == "0":
+            # NCCL applies it to every communicator: each call then returns
+            # ncclInProgress (7), which CuPy 14's NcclError cannot even name (KeyError: 7).
+            raise BackendUnavailableError(
+                "NCCL_COMM_BLOCKING=0 is set: it makes every NCCL communicator non-blocking, and gpucoll "
+                "drives its communicators in blocking mode through CuPy, whose error path cannot report "
+                "ncclInProgress. Unset NCCL_COMM_BLOCKING (or set it to 1); gpucoll bounds NCCL's blocking "
+                "calls with the group's timeout itself")
         self._rt: Runtime = _runtime
         self._features = _runtime.features
         self.config: dict[str, Any] = self._checked_config(config)
         self._high_priority = bool(high_priority)
         self._lock = threading.RLock()      # the issue path: one op at a time, in order
         self._state = threading.Lock()      # abort state and the pending list
-        # Held around the calls that use the communicator from any thread (the async
-        # error query, abort, destroy): the watchdog must never query a communicator
-        # that shutdown is destroying.
+        # Held around every call on the communicator (the issue path's NCCL calls, the
+        # async error query, abort, destroy): NCCL forbids concurrent calls on one
+        # communicator, and the watchdog must never abort or query one under a call.
         self._comm_lock = threading.Lock()
         self._comm_gone = False
         self._eager = device_id is not None
@@ -109,6 +120,9 @@ class NCCLBackend(Splitting, Shrinking):
         self._keep: list[Any] = []          # backend-lifetime allocations (the barrier's scratch)
         self._temps: list[Any] = []         # temporaries of the op being planned
         self._last_end: Event | None = None
+        self._timing = False                # events with timing (a completion hook asked)
+        self._connected = False             # every rank checked in before the first collective
+        self._p2p_peers: set[int] = set()   # peers checked in before the first send/recv with them
         self._pending: deque[NCCLWork] = deque()
         self._aborted: str | None = None
         self._closed: str | None = None
@@ -147,9 +161,7 @@ class NCCLBackend(Splitting, Shrinking):
 
     def _create_comm(self, device: int) -> None:
         rt = self._rt
-        prev = rt.get_device()
-        if prev != device:
-            rt.set_device(device)
+        prev = enter_device(rt, device)
         try:
             uid = rendezvous(self._store, self.rank, self.size, timeout=self._timeout,
                              group_name=self._group_name, make_uid=rt.unique_id)
@@ -162,21 +174,17 @@ class NCCLBackend(Splitting, Shrinking):
                     "on one GPU, NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1 are needed") from exc
             self._adopt(comm, device)
         finally:
-            if prev != device:
-                rt.set_device(prev)
+            leave_device(rt, prev)
 
     def _adopt(self, comm: Comm, device: int) -> None:
         rt = self._rt
-        prev = rt.get_device()
-        if prev != device:
-            rt.set_device(device)
+        prev = enter_device(rt, device)
         try:
             stream = rt.new_stream(self._high_priority) if self._high_priority else rt.new_stream()
             cc = rt.compute_capability(device)
             scratch, owner = rt.alloc(4, stream)
         finally:
-            if prev != device:
-                rt.set_device(prev)
+            leave_device(rt, prev)
         self._keep.append(owner)
         self._scratch = scratch
         self._stream, self._stream_ptr = stream, int(stream.ptr)
@@ -192,28 +200,10 @@ class NCCLBackend(Splitting, Shrinking):
 
     # ----- abort state, for NCCLWork -----
 
-    def _failure(self) -> str | None:
-        reason = self._aborted
-        if reason is not None:
-            return reason
-        comm = self._comm
-        if comm is None or not self._features.async_error:
-            return None
-        with self._comm_lock:
-            if self._comm_gone:
-                return self._aborted
-            try:
-                code = comm.async_error()
-            except Exception as exc:
-                code, detail = -1, str(exc)
-            else:
-                if code in (0, 7):  # ncclSuccess, ncclInProgress
-                    return None
-                detail = comm.last_error()
-        reason = (f"NCCL reported an asynchronous error on group {self._group_name!r}: "
-                  f"{_nccl_lib.result_name(code)}" + (f" ({detail})" if detail else ""))
-        self.abort(reason)
-        return self._aborted
+    def time_ops(self) -> None:
+        """Record later ops' events with timing, so that active_duration is GPU time
+        (the group calls this when a completion hook is registered)."""
+        self._timing = True
 
     def has_pending(self) -> bool:
         """For the group's watchdog: True while issued ops may still be running."""
@@ -233,45 +223,104 @@ class NCCLBackend(Splitting, Shrinking):
         """Complete and drop finished works from the head of the queue, up to ``stop``
         (not included); the first one still running, or None."""
         pending = self._pending
-        while True:
-            # Peeking needs no lock (deque reads are atomic); popping does.
-            try:
-                first = pending[0]
-            except IndexError:
-                return None
-            if first is stop:
-                return None
-            if not first._check_event():
-                return first
-            with self._state:
-                if pending and pending[0] is first:
-                    pending.popleft()
+        if not pending:
+            return None
+        # Event queries in thread-local capture mode (see work.query_outside_capture),
+        # set once for the whole sweep rather than per query.
+        rt = self._rt
+        mode = rt.exchange_capture_mode(CAPTURE_THREAD_LOCAL)
+        try:
+            while True:
+                # Peeking needs no lock (deque reads are atomic); popping does.
+                try:
+                    first = pending[0]
+                except IndexError:
+                    return None
+                if first is stop:
+                    return None
+                if not first._check_event(mode_set=True):
+                    return first
+                with self._state:
+                    if pending and pending[0] is first:
+                        pending.popleft()
+        finally:
+            rt.exchange_capture_mode(mode)
 
     # ----- issuing -----
 
-    def _work(self, op_type: str, keep: Sequence[Any]) -> NCCLWork:
-        return NCCLWork(op_type, self, keepalive=list(keep), default_timeout=self._timeout)
+    def _work(self, op_type: str, keep: Sequence[Buffer]) -> NCCLWork:
+        work = NCCLWork(op_type, self, keepalive=list(keep), default_timeout=self._timeout)
+        for b in keep:
+            if b.stream is not None:
+                if b.foreign_stream:
+                    # The producer's later work runs on a stream gpucoll cannot make
+                    # wait: wait() orders it the only way left, by blocking the host.
+                    work.host_wait = True
+                if b.stream_owner is not None:
+                    work._stream_owners = (*work._stream_owners, b.stream_owner)
+            elif b.foreign_stream:
+                work.host_wait = True
+        return work
 
     def _issue(self, op_type: str, bufs: Sequence[Buffer], build: Callable[[Planner], Plan],
                *, host_wait: bool = False) -> NCCLWork:
         work = self._work(op_type, bufs)
-        work.host_wait = host_wait
+        work.host_wait = work.host_wait or host_wait
         with self._lock:
             if self._aborted is not None or self._closed is not None:
                 work._doom(self._aborted or self._closed or "")
                 return work
             if self._comm is None:
+                self._refuse_in_capture(op_type, bufs)
                 self._lazy_create(op_type, bufs)
             self._check_devices(op_type, bufs)
             assert self._planner is not None
             temps: list[Any] = []
             self._temps = temps
+            # Planning allocates temporaries on the communication stream: the
+            # communicator's device must be current from here on, not just at launch.
+            rt = self._rt
+            prev = -1 if rt.get_device() == self._device else enter_device(rt, self._device)
             try:
-                plan = build(self._planner)
+                callers = self._caller_streams(bufs)
+                captured = False
+                for s in callers:
+                    captured = captured or rt.is_capturing(s)
+                # cudaMalloc (a temporary) and loading a kernel module are "potentially
+                # unsafe" during a capture and would invalidate it: make them in relaxed
+                # mode, as torch's allocator does. They stay outside the graph, and the
+                # temporaries live as long as the backend (see _launch).
+                mode = rt.exchange_capture_mode(CAPTURE_RELAXED) if captured else -1
+                try:
+                    plan = build(self._planner)
+                    self._prepare_kernels(plan)
+                finally:
+                    self._temps = []
+                    if mode >= 0:
+                        rt.exchange_capture_mode(mode)
+                self._launch(op_type, plan, [work], bufs, temps, callers, captured)
             finally:
-                self._temps = []
-            self._launch(op_type, plan, [work], bufs, temps)
+                leave_device(rt, prev)
         return work
+
+    def _prepare_kernels(self, plan: Plan) -> None:
+        """Compile (once) the kernels the plan launches, before any NCCL call is made."""
+        for pre, _, post in plan:
+            if pre or post:
+                for step in (*pre, *post):
+                    if step[0] == "kernel":
+                        self._rt.prepare(step[1], self._device)
+
+    def _refuse_in_capture(self, op_type: str, bufs: Sequence[Buffer]) -> None:
+        """ncclCommInitRank inside a CUDA graph capture would allocate and synchronise
+        (invalidating the capture) and block on the other ranks: refuse it, clearly."""
+        rt = self._rt
+        streams = {b.stream for b in bufs if b.stream is not None} | {rt.current_stream()}
+        if any(rt.is_capturing(s) for s in streams):
+            raise DistBackendError(
+                f"{op_type} on group {self._group_name!r}: its NCCL communicator does not exist yet, and "
+                "it cannot be created during CUDA graph capture. Create it before capturing: pass "
+                "device_id to init_process_group/new_group, or run one op (a warm-up) first")
 
     def _lazy_create(self, op_type: str, bufs: Sequence[Buffer]) -> None:
         cuda = [b for b in bufs if b.is_cuda]
@@ -307,30 +356,34 @@ class NCCLBackend(Splitting, Shrinking):
         return tuple(streams)
 
     def _launch(self, op_type: str, plan: Plan, works: Sequence[NCCLWork], bufs: Sequence[Buffer],
-                temps: list[Any]) -> None:
+                temps: list[Any], callers: tuple[int, ...] | None = None, captured: bool = False) -> None:
         rt, device, comm_stream = self._rt, self._device, self._stream_ptr
-        prev_device = rt.get_device()
-        if prev_device != device:
-            rt.set_device(device)
+        # From _issue (callers given) the device is current already.
+        prev_device = enter_device(rt, device) if callers is None else -1
         issuing = False
         try:
-            for pre, _, post in plan:
-                if pre or post:
-                    for step in (*pre, *post):
-                        if step[0] == "kernel":
-                            rt.prepare(step[1], device)  # compile before any NCCL call is made
-            callers = self._caller_streams(bufs)
-            captured = False
-            for s in callers:
-                captured = captured or rt.is_capturing(s)
-            ready = rt.event(pooled=not captured)
+            connect = not self._connected
+            if not connect:  # a first send/recv with a peer? (no call for a plain collective)
+                peers = self._p2p_peers
+                for _, calls, _ in plan:
+                    for step in calls:
+                        if (step[0] == "send" or step[0] == "recv") and step[4] not in peers:
+                            connect = True
+            if connect:
+                check_in(self, op_type, plan)
+            if callers is None:
+                callers = self._caller_streams(bufs)
+                for s in callers:
+                    captured = captured or rt.is_capturing(s)
+            timing = self._timing and not captured
+            ready = rt.event(pooled=not captured, timing=timing)
             for s in callers:
                 rt.record(ready.ptr, s)
                 rt.wait_event(comm_stream, ready.ptr)
             issuing = True
             for phase in plan:
                 self._run_phase(phase)
-            end = rt.event(pooled=not captured)
+            end = rt.event(pooled=not captured, timing=timing)
             rt.record(end.ptr, comm_stream)
             if captured:
                 # A capture must end with every forked stream joined: join the
@@ -342,23 +395,30 @@ class NCCLBackend(Splitting, Shrinking):
         except Exception as exc:
             aborted = self._aborted
             why = f"the communicator was aborted: {aborted}" if aborted else f"{type(exc).__name__}: {exc}"
+            if issuing:
+                # Part of the op may be queued on the stream already: its arrays and
+                # temporaries must outlive it, and nothing will complete it.
+                self._keep.extend([*bufs, *temps])
             if issuing and aborted is None:
                 # Part of the op may be queued on some ranks and not on others: the
                 # communicator is out of step and must not be used again.
                 self.abort(f"{op_type} failed while being issued ({why})")
             raise DistBackendError(f"{op_type} on group {self._group_name!r} failed: {why}") from exc
         finally:
-            if prev_device != device:
-                rt.set_device(prev_device)
+            leave_device(rt, prev_device)
         if captured:
             # The graph uses the temporaries whenever it is replayed: keep them as long
             # as the backend lives.
             self._keep.extend(temps)
         else:
             works[0]._keep_also(temps)
-        prev, self._last_end = self._last_end, (None if captured else end)
+        prev, self._last_end = self._last_end, (end if timing else None)
+        start = ready if timing else None  # untimed: active_duration comes from the host clock
         for w in works:
-            w._issued(device, ready, end, prev, callers, captured)
+            # wait() makes the current stream wait, and the producer streams the Work
+            # holds alive; never a bare handle its owner may have destroyed since.
+            held = tuple(int(o.ptr) for o in w._stream_owners) if w._stream_owners else ()
+            w._issued(device, start, end, prev, held, captured)
         if not captured:
             with self._state:
                 pending = self._pending
@@ -376,29 +436,41 @@ class NCCLBackend(Splitting, Shrinking):
         if calls:
             comm = self._comm
             assert comm is not None
-            created: list[int] = []
-            try:
-                for s in calls:
-                    if s[0] in _REDUCING and type(s[5]) is Premul:
-                        calls = [self._bind_premul(comm, s, created) for s in calls]
-                        break
-                stream = self._stream_ptr
-                if len(calls) == 1:
-                    step = calls[0]
-                    getattr(comm, step[0])(*step[1:], stream)
-                else:
-                    self._rt.group_start()
-                    try:
-                        for step in calls:
-                            getattr(comm, step[0])(*step[1:], stream)
-                    finally:
-                        self._rt.group_end()
-            finally:
-                # NCCL allows destroying an op once the calls that use it returned.
-                for op in created:
-                    comm.op_destroy(op)
+            # NCCL communicators take one thread at a time, and ncclCommAbort frees the
+            # one under a call in flight: the calls hold _comm_lock, and an abort from
+            # another thread meanwhile is carried out by this thread once they return.
+            with self._comm_lock:
+                if self._comm_gone:
+                    raise RuntimeError("the communicator is gone")
+                self._issue_calls(comm, calls)
+            if self._aborted is not None:
+                self._abort_comm(blocking=True)
+                raise RuntimeError("the communicator was aborted while this op was being issued")
         for step in post:
             self._local(step)
+
+    def _issue_calls(self, comm: Comm, calls: Sequence[Step]) -> None:
+        created: list[int] = []
+        try:
+            for s in calls:
+                if s[0] in _REDUCING and type(s[5]) is Premul:
+                    calls = [self._bind_premul(comm, s, created) for s in calls]
+                    break
+            stream = self._stream_ptr
+            if len(calls) == 1:
+                step = calls[0]
+                getattr(comm, step[0])(*step[1:], stream)
+            else:
+                self._rt.group_start()
+                try:
+                    for step in calls:
+                        getattr(comm, step[0])(*step[1:], stream)
+                finally:
+                    self._rt.group_end()
+        finally:
+            # NCCL allows destroying an op once the calls that use it returned.
+            for op in created:
+                comm.op_destroy(op)
 
     @staticmethod
     def _bind_premul(comm: Comm, step: Step, created: list[int]) -> Step:
@@ -500,6 +572,7 @@ class NCCLBackend(Splitting, Shrinking):
                 work._doom(self._aborted or self._closed or "")
                 return work
             if self._comm is None:
+                self._refuse_in_capture("barrier", ())
                 self._create_comm(self._rt.get_device())
             s = self._scratch
             plan: Plan = [([], [("all_reduce", s, s, 1, NCCL_DTYPES["int32"], OP_SUM)], [])]
@@ -508,85 +581,6 @@ class NCCLBackend(Splitting, Shrinking):
             scratch = Buffer(s, 4, DTYPES["int32"], (1,), Device("cuda", self._device), stream=None)
             self._launch("barrier", plan, [work], (scratch,), [])
         return work
-
-    def abort(self, reason: str) -> None:
-        """Abort the communicator: every pending and later op fails with
-        DistBackendError naming itself and ``reason``. Returns once NCCL's abort
-        returned; safe to call from any thread, more than once."""
-        with self._state:
-            if self._aborted is not None:
-                return
-            self._aborted = reason
-            pending = list(self._pending)
-            self._pending.clear()
-        comm = self._comm
-        if comm is not None:
-            rt, device = self._rt, self._device
-            try:
-                prev = rt.get_device()
-                if prev != device:
-                    rt.set_device(device)
-                try:
-                    with self._comm_lock:
-                        if not self._comm_gone:
-                            self._comm_gone = True
-                            comm.abort()
-                finally:
-                    if prev != device:
-                        rt.set_device(prev)
-            except Exception as exc:
-                self._aborted = f"{reason} (and ncclCommAbort failed: {exc})"
-        for w in pending:
-            w._poll()
-
-    def shutdown(self) -> None:
-        """Wait (up to the timeout) for queued ops, then destroy the communicator; abort
-        it instead if they do not finish. Idempotent; later ops fail."""
-        with self._lock:
-            if self._closed is not None:
-                return
-            comm = self._comm
-            drained = self._aborted is None and self._drain(self._timeout)
-            with self._state:
-                pending = list(self._pending)
-            for w in pending:
-                w._poll()  # complete what finished, before the flag below fails the rest
-            self._closed = f"the NCCL backend of group {self._group_name!r} was shut down"
-            if comm is None or self._aborted is not None:
-                return
-            if not drained:
-                self.abort(f"{self._closed} while ops were still running after {self._timeout:.3g} s")
-                return
-            try:
-                with self._comm_lock:
-                    self._comm_gone = True
-                    comm.destroy()
-            except Exception as exc:
-                raise DistBackendError(f"destroying the NCCL communicator of group {self._group_name!r} "
-                                       f"failed: {exc}") from exc
-
-    def _drain(self, timeout: float) -> bool:
-        """True once everything queued on the communication stream has finished."""
-        if self._comm is None:
-            return True
-        rt, device = self._rt, self._device
-        prev = rt.get_device()
-        if prev != device:
-            rt.set_device(device)
-        try:
-            marker = rt.event(pooled=False)
-            rt.record(marker.ptr, self._stream_ptr)
-            deadline = time.monotonic() + timeout
-            delay = 1e-4
-            while not rt.query(marker.ptr):
-                if time.monotonic() >= deadline or self._aborted is not None:
-                    return False
-                time.sleep(delay)
-                delay = min(delay * 2, 0.01)
-            return True
-        finally:
-            if prev != device:
-                rt.set_device(prev)
 
     def _split_backend(self, store: Store, rank: int, size: int, *, timeout: float, group_name: str,
                        device_id: int | None, comm: Comm | None, config: Mapping[str, Any] | None = None,

@@ -166,6 +166,11 @@ def resolve_reduction(dtype: DType, op: ReduceOpLike, size: int, features: Featu
         if not float(factor).is_integer():
             raise _refuse(dtype, op, f"integer arrays need an integral factor; got {factor!r}")
         scale = float(factor)
+    if native and base is ReduceOp.AVG and features.avg:
+        # ncclAvg on integers (FuncSumPostDiv in NCCL's reduce_kernel.h): the sum wraps
+        # in the type, then |sum| / n is negated back, truncating toward zero: exactly
+        # what the avg_trunc kernel below computes for NCCL < 2.10 and 16-bit integers.
+        return Reduction(nccl_dtype, 1, isz, OP_AVG)
     if native:
         nop = _NATIVE_OPS.get(base, OP_SUM)
         return Reduction(nccl_dtype, 1, isz, nop, "", KTYPES[name], scale, base is ReduceOp.AVG)

@@ -17,10 +17,15 @@ from ...errors import BackendUnavailableError
 
 from .lib import Features, NcclLib, comm_id_arg, normalise_unique_id, result_name
 
-__all__ = ["Event", "Comm", "Runtime", "CudaRuntime", "CupyComm", "NcclCallError"]
+__all__ = ["Event", "Comm", "Runtime", "CudaRuntime", "CupyComm", "NcclCallError", "enter_device", "leave_device"]
 
 _CUDA_ERROR_NOT_READY = 600
-_EVENT_DEFAULT = 0  # cudaEventDefault: timing enabled, so active_duration can be measured
+# cudaEventDisableTiming: CUDA documents these as the events with the best performance
+# for cudaStreamWaitEvent and cudaEventQuery; timing (cudaEventDefault, 0) only when asked.
+_EVENT_DISABLE_TIMING = 2
+_EVENT_DEFAULT = 0
+# cudaStreamCaptureMode (driver_types.h).
+CAPTURE_GLOBAL, CAPTURE_THREAD_LOCAL, CAPTURE_RELAXED = 0, 1, 2
 
 
 class NcclCallError(RuntimeError):
@@ -93,6 +98,15 @@ class Runtime(Protocol):
     def get_device(self) -> Callable[[], int]: ...
     @property
     def set_device(self) -> Callable[[int], None]: ...
+
+    def has_context(self) -> bool:
+        """Whether this thread has a CUDA context current (``cuCtxGetCurrent``): a thread
+        that never chose a device nor made a runtime call has none."""
+        ...
+
+    def exchange_capture_mode(self, mode: int) -> int:
+        """``cudaThreadExchangeStreamCaptureMode`` for this thread; returns the previous mode."""
+        ...
     @property
     def record(self) -> Callable[[int, int], None]:
         """(event, stream): record ``event`` on ``stream``."""
@@ -116,7 +130,7 @@ class Runtime(Protocol):
     def compute_capability(self, device: int) -> tuple[int, int]: ...
     def current_stream(self) -> int: ...
     def new_stream(self, high_priority: bool = False) -> Any: ...
-    def event(self, pooled: bool = True) -> Event: ...
+    def event(self, pooled: bool = True, timing: bool = False) -> Event: ...
     def query(self, event: int) -> bool: ...
     def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None: ...
     def alloc(self, nbytes: int, stream: Any) -> tuple[int, Any]: ...
@@ -160,8 +174,9 @@ def _destroy_event(ptr: int) -> None:
 
 
 class _EventPool:
-    def __init__(self, create: Callable[[int], int], limit: int = 1024) -> None:
+    def __init__(self, create: Callable[[int], int], limit: int = 1024, flags: int = _EVENT_DISABLE_TIMING) -> None:
         self._create = create
+        self._flags = flags
         self._free: list[int] = []
         self._limit = limit
         self._lock = threading.Lock()
@@ -169,7 +184,7 @@ class _EventPool:
     def acquire(self) -> _PooledEvent:
         with self._lock:
             ptr = self._free.pop() if self._free else 0
-        return _PooledEvent(ptr or self._create(_EVENT_DEFAULT), self)
+        return _PooledEvent(ptr or self._create(self._flags), self)
 
     def release(self, ptr: int) -> None:
         with self._lock:
@@ -213,7 +228,24 @@ class CudaRuntime:
         self._create_event = rt.eventCreateWithFlags
         self._device_count = rt.getDeviceCount
         self._error = rt.CUDARuntimeError
-        self._pools: dict[int, _EventPool] = {}
+        self._pools: dict[tuple[int, bool], _EventPool] = {}
+        self._ctx_current = lib.cupy.cuda.driver.ctxGetCurrent
+        self._exchange_mode = _capture_mode_exchanger()
+
+    def has_context(self) -> bool:
+        return bool(self._ctx_current())
+
+    def exchange_capture_mode(self, mode: int) -> int:
+        fn = self._exchange_mode
+        if fn is None:
+            return mode
+        import ctypes
+
+        value = ctypes.c_int(mode)
+        status = fn(ctypes.byref(value))
+        if status != 0:
+            raise self._error(status)
+        return int(value.value)
 
     def device_count(self) -> int:
         return int(self._device_count())
@@ -234,15 +266,17 @@ class CudaRuntime:
             return self._stream_cls(non_blocking=True, priority=_HIGHEST_PRIORITY)
         return self._stream_cls(non_blocking=True)
 
-    def event(self, pooled: bool = True) -> Event:
-        """A timing-enabled event of the current device. Events recorded during CUDA
-        graph capture must not be reused outside it: ask for ``pooled=False`` then."""
+    def event(self, pooled: bool = True, timing: bool = False) -> Event:
+        """An event of the current device, with timing only when ``timing`` (a
+        completion hook reads active_duration). Events recorded during CUDA graph
+        capture must not be reused outside it: ask for ``pooled=False`` then."""
+        flags = _EVENT_DEFAULT if timing else _EVENT_DISABLE_TIMING
         if not pooled:
-            return _PooledEvent(self._create_event(_EVENT_DEFAULT), None)
-        device = self.get_device()
-        pool = self._pools.get(device)
+            return _PooledEvent(self._create_event(flags), None)
+        key = (self.get_device(), timing)
+        pool = self._pools.get(key)
         if pool is None:
-            pool = self._pools.setdefault(device, _EventPool(self._create_event))
+            pool = self._pools.setdefault(key, _EventPool(self._create_event, flags=flags))
         return pool.acquire()
 
     def query(self, event: int) -> bool:
@@ -290,6 +324,45 @@ class CudaRuntime:
 
 
 _HIGHEST_PRIORITY = -1000
+
+
+def enter_device(rt: Runtime, device: int) -> int:
+    """Make ``device`` current on this thread; return what :func:`leave_device` takes:
+    the previous device, or -1 when there is nothing to go back to: the same device, or
+    a thread with no CUDA context yet (a watchdog's), whose "previous" device is CUDA's
+    0 without a context; going back would make one there, 300-500 MiB of GPU 0 in every
+    process (torch's c10::cuda::MaybeSetDevice has the same rule)."""
+    prev = rt.get_device()
+    if prev == device:
+        return -1
+    had_context = rt.has_context()
+    rt.set_device(device)
+    return prev if had_context else -1
+
+
+def leave_device(rt: Runtime, prev: int) -> None:
+    """Undo :func:`enter_device`."""
+    if prev >= 0:
+        rt.set_device(prev)
+
+
+def _capture_mode_exchanger() -> Any:
+    """``cudaThreadExchangeStreamCaptureMode`` from the CUDA runtime CuPy loaded (CuPy
+    binds no such call); None where it cannot be found, and then no exchange is made."""
+    import ctypes
+
+    from .lib import loaded_library_path
+
+    path = loaded_library_path("libcudart.so")
+    if path is None:
+        return None
+    try:
+        fn = ctypes.CDLL(path).cudaThreadExchangeStreamCaptureMode
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    fn.restype = ctypes.c_int
+    return fn
 CUPY_CONFIG_FIELDS = frozenset({"split_share"})
 """The ncclConfig_t fields CuPy's ``NcclConfig`` can carry (CuPy 14)."""
 
@@ -314,7 +387,7 @@ def cupy_config(lib: NcclLib, config: Mapping[str, Any] | None) -> Any:
             f"NCCL config field(s) {', '.join(refused)} cannot be applied: CuPy {lib.cupy.__version__}'s "
             f"NcclCommunicator takes {'only ' + ', '.join(sorted(can)) if can else 'no config'} "
             "(cupy.cuda.nccl.NcclConfig); leave them unset, or set NCCL's environment variables "
-            "(NCCL_CGA_CLUSTER_SIZE, NCCL_MIN_CTAS, NCCL_MAX_CTAS, NCCL_NET, NCCL_COMM_BLOCKING, ...)")
+            "(NCCL_CGA_CLUSTER_SIZE, NCCL_MIN_CTAS, NCCL_MAX_CTAS, NCCL_NET, ...)")
     assert cls is not None  # every field was refused otherwise
     # NcclConfig(split_share=...): its attributes are read-only.
     return cls(**{name: int(value) for name, value in config.items()})

@@ -8,7 +8,7 @@ from typing import Any, Mapping, Sequence
 from ...errors import DistBackendError
 from ...store.base import Store
 from .lib import Features
-from .runtime import Comm, Runtime
+from .runtime import Comm, Runtime, enter_device, leave_device
 
 __all__ = ["Shrinking", "NCCL_SHRINK_ABORT"]
 
@@ -22,6 +22,7 @@ class Shrinking:
     rank: int
     size: int
     _lock: threading.RLock
+    _comm_lock: threading.Lock
     _comm: Comm | None
     _rt: Runtime
     _device: int
@@ -32,6 +33,9 @@ class Shrinking:
     _closed: str | None
 
     def abort(self, reason: str) -> None:
+        raise NotImplementedError
+
+    def _abort_comm(self, *, blocking: bool) -> None:
         raise NotImplementedError
 
     def _split_backend(self, store: Store, rank: int, size: int, *, timeout: float, group_name: str,
@@ -68,18 +72,18 @@ class Shrinking:
                 raise DistBackendError(f"group {self._group_name!r}: its NCCL communicator cannot be shrunk "
                                        f"({self._aborted or self._closed or 'ncclCommShrink unavailable'})")
             rt, device = self._rt, self._device
-            prev = rt.get_device()
-            if prev != device:
-                rt.set_device(device)
+            prev = enter_device(rt, device)
             try:
-                new = (comm.shrink(gone, NCCL_SHRINK_ABORT, config) if config
-                       else comm.shrink(gone, NCCL_SHRINK_ABORT))
+                with self._comm_lock:  # no other call on the communicator meanwhile
+                    new = (comm.shrink(gone, NCCL_SHRINK_ABORT, config) if config
+                           else comm.shrink(gone, NCCL_SHRINK_ABORT))
             except Exception as exc:
                 raise DistBackendError(f"ncclCommShrink of group {self._group_name!r} without ranks {gone} "
                                        f"failed: {exc}") from exc
             finally:
-                if prev != device:
-                    rt.set_device(prev)
+                leave_device(rt, prev)
+        if self._aborted is not None:
+            self._abort_comm(blocking=True)  # an abort that arrived during the shrink
         self.abort(f"group {self._group_name!r} was shrunk into {group_name!r}")
         expected = [r for r in range(self.size) if r not in gone]
         if new.size != len(expected) or new.rank != expected.index(self.rank):

@@ -8,17 +8,19 @@ from typing import Any, Callable, Mapping, Sequence
 from ...errors import DistBackendError
 from ...store.base import Store
 from .bootstrap import _all_arrive
-from .runtime import Comm, Runtime
+from .runtime import Comm, Runtime, enter_device, leave_device
 
 __all__ = ["split_comm", "Splitting"]
 
 
 def split_comm(comm: Comm, rt: Runtime, device: int, store: Store, key: str, size: int, *, timeout: float,
                parent_timeout: float, drain: Callable[[float], bool], parent_name: str, group_name: str,
-               color: int, new_rank: int, config: Mapping[str, Any] | None = None) -> Comm | None:
+               color: int, new_rank: int, config: Mapping[str, Any] | None = None,
+               comm_lock: threading.Lock | None = None) -> Comm | None:
     """Split ``comm`` (of group ``parent_name``, ``size`` ranks) for new group ``group_name``;
     the caller holds the parent backend's lock. ``color`` -1 joins no new communicator.
     ``config``: the new communicator's ncclConfig_t fields (None: inherited).
+    ``comm_lock``: held around ncclCommSplit (no other call on ``comm`` meanwhile).
     Returns the new communicator, or None on a rank that joins none."""
     # ncclCommSplit blocks until every rank of this group calls it: count the
     # ranks in through the store first, so that one that never comes is a
@@ -33,18 +35,21 @@ def split_comm(comm: Comm, rt: Runtime, device: int, store: Store, key: str, siz
     if not drain(parent_timeout):
         raise DistBackendError(f"new group {group_name!r}: ops of group {parent_name!r} "
                                f"did not finish within {parent_timeout:.3g} s before the split")
-    prev = rt.get_device()
-    if prev != device:
-        rt.set_device(device)
+    prev = enter_device(rt, device)
     try:
         # NCCL_SPLIT_NOCOLOR (-1): this rank joins no new communicator.
-        new = comm.split(color, new_rank, config) if config else comm.split(color, new_rank)
+        if comm_lock is not None:
+            comm_lock.acquire()
+        try:
+            new = comm.split(color, new_rank, config) if config else comm.split(color, new_rank)
+        finally:
+            if comm_lock is not None:
+                comm_lock.release()
     except Exception as exc:
         raise DistBackendError(f"ncclCommSplit of group {parent_name!r} into "
                                f"{group_name!r} failed: {exc}") from exc
     finally:
-        if prev != device:
-            rt.set_device(prev)
+        leave_device(rt, prev)
     return new
 
 
@@ -55,6 +60,8 @@ class Splitting:
     rank: int
     size: int
     _lock: threading.RLock
+    _comm_lock: threading.Lock
+    _aborted: str | None
     _comm: Comm | None
     _rt: Runtime
     _device: int
@@ -69,6 +76,9 @@ class Splitting:
         raise NotImplementedError
 
     def _drain(self, timeout: float) -> bool:
+        raise NotImplementedError
+
+    def _abort_comm(self, *, blocking: bool) -> None:
         raise NotImplementedError
 
     def _split_backend(self, store: Store, rank: int, size: int, *, timeout: float, group_name: str,
@@ -131,7 +141,10 @@ class Splitting:
                 new = split_comm(comm, self._rt, device, self._store, f"nccl/split{self._splits}", self.size,
                                  timeout=timeout, parent_timeout=self._timeout, drain=self._drain,
                                  parent_name=self._group_name, group_name=group_name,
-                                 color=color if member else -1, new_rank=max(new_rank, 0), config=config)
+                                 color=color if member else -1, new_rank=max(new_rank, 0), config=config,
+                                 comm_lock=self._comm_lock)
+                if self._aborted is not None:
+                    self._abort_comm(blocking=True)  # an abort that arrived during the split
                 if new is None:
                     return None
                 if new.size != len(members) or new.rank != new_rank:

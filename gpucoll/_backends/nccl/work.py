@@ -4,9 +4,11 @@ Two events bound each op: ``ready``, recorded on the caller's stream(s) and wait
 on by the communication stream before the op, and ``end``, recorded on the
 communication stream after it. The op is complete when ``end`` has fired.
 
-* :meth:`NCCLWork.wait` makes the caller's streams wait for ``end`` and returns at
-  once (torch's semantics: the host is not blocked); with an explicit ``timeout`` it
-  also blocks the host until completion, as torch does.
+* :meth:`NCCLWork.wait` makes the current stream, and the producer streams the Work
+  holds alive (CuPy's), wait for ``end`` and returns at once (torch's semantics: the
+  host is not blocked); with an explicit ``timeout`` it also blocks the host until
+  completion, as torch does, and so it does for memory whose producer works on a
+  stream gpucoll can neither name nor hold (``Buffer.foreign_stream``).
 * :meth:`NCCLWork.synchronize` blocks the host until ``end`` fires.
 * :meth:`NCCLWork.is_completed` and :meth:`NCCLWork._poll` (the group's watchdog)
   query ``end`` without blocking; the first to see it fire completes the Work, which
@@ -26,9 +28,21 @@ from typing import Any, Protocol, Sequence
 from ..._timeouts import to_seconds
 from ...errors import DistBackendError, DistError
 from ..._work import Work
-from .runtime import Event, Runtime
+from .runtime import CAPTURE_THREAD_LOCAL, Event, Runtime, enter_device, leave_device
 
-__all__ = ["NCCLWork", "WorkOwner"]
+__all__ = ["NCCLWork", "WorkOwner", "query_outside_capture"]
+
+
+def query_outside_capture(rt: Runtime, event: int) -> bool:
+    """``cudaEventQuery`` in thread-local capture mode: from a thread of ours (the
+    watchdog), while another thread captures a CUDA graph in global mode (torch's
+    default), a query in global mode fails with error 900 and invalidates that capture.
+    torch's watchdog sets the same mode (CUDAStreamCaptureModeGuard)."""
+    prev = rt.exchange_capture_mode(CAPTURE_THREAD_LOCAL)
+    try:
+        return rt.query(event)
+    finally:
+        rt.exchange_capture_mode(prev)
 
 
 class WorkOwner(Protocol):
@@ -67,6 +81,9 @@ class NCCLWork(Work):
     _prev: Event | None = None
     _streams: tuple[int, ...] = ()
     _doomed: str | None = None
+    # Producer streams' objects (CuPy's Streams), held for the Work's life: wait() may
+    # run after completion released the arrays, and must find them alive.
+    _stream_owners: tuple[Any, ...] = ()
     # A barrier is a host-side promise: its wait() blocks the host.
     host_wait: bool = False
 
@@ -77,7 +94,7 @@ class NCCLWork(Work):
 
     # ----- set by the backend -----
 
-    def _issued(self, device: int, ready: Event, end: Event, prev: Event | None,
+    def _issued(self, device: int, ready: Event | None, end: Event, prev: Event | None,
                 streams: tuple[int, ...], captured: bool) -> None:
         self._device = device
         self._streams = streams
@@ -117,8 +134,9 @@ class NCCLWork(Work):
             return True
         return self._check_event()
 
-    def _check_event(self) -> bool:
-        """Complete the Work if its end event has fired; True once complete."""
+    def _check_event(self, mode_set: bool = False) -> bool:
+        """Complete the Work if its end event has fired; True once complete.
+        ``mode_set``: the caller set thread-local capture mode for the query already."""
         if self._done.is_set():
             return True
         end = self._end
@@ -126,16 +144,13 @@ class NCCLWork(Work):
             return False  # a member of a coalescing batch that has not been issued yet
         rt = self._owner._rt
         try:
-            prev_device = rt.get_device()
-            if prev_device != self._device:
-                rt.set_device(self._device)
+            prev_device = -1 if rt.get_device() == self._device else enter_device(rt, self._device)
             try:
-                if not rt.query(end.ptr):
+                if not (rt.query(end.ptr) if mode_set else query_outside_capture(rt, end.ptr)):
                     return False
                 duration = self._active_ms(rt, end)
             finally:
-                if prev_device != self._device:
-                    rt.set_device(prev_device)
+                leave_device(rt, prev_device)
         except Exception as exc:
             # A failed query means a sticky CUDA error (a kernel faulted): the
             # communicator cannot be trusted after it.
@@ -173,8 +188,10 @@ class NCCLWork(Work):
         return self._poll()
 
     def wait(self, timeout: float | timedelta | None = None) -> Any:
-        """Make the current stream (and the streams the op was issued from) wait for
-        the op; the host is not blocked.
+        """Make the current stream (and the producer streams this Work holds alive)
+        wait for the op; the host is not blocked, except for memory of a producer whose
+        stream gpucoll cannot make wait (``Buffer.foreign_stream``): then it blocks until
+        the op completed.
 
         Args:
             timeout: when given, additionally block the host until the op completes,
@@ -200,9 +217,7 @@ class NCCLWork(Work):
         if end is None:
             return self._waited()  # not issued yet: the batch's own Work carries the wait
         rt = self._owner._rt
-        prev_device = rt.get_device()
-        if prev_device != self._device:
-            rt.set_device(self._device)
+        prev_device = -1 if rt.get_device() == self._device else enter_device(rt, self._device)
         try:
             current = rt.current_stream()
             for stream in self._streams:
@@ -212,8 +227,7 @@ class NCCLWork(Work):
         except Exception as exc:
             raise DistBackendError(f"{self._name()}: making the caller's stream wait failed: {exc}") from exc
         finally:
-            if prev_device != self._device:
-                rt.set_device(prev_device)
+            leave_device(rt, prev_device)
         return self._waited()
 
     def synchronize(self, timeout: float | timedelta | None = None) -> None:
