@@ -294,6 +294,8 @@ class GroupCore:
         work = start()
         work.seq = seq
         work.group_name = self.group_name
+        if peer >= 0 and not op:
+            work.peer = peer  # point to point (collectives pass op=; their peer is a root)
         if outputs:
             work._result[:] = outputs
         if recorder is not None and entry is not None:
@@ -362,6 +364,10 @@ class GroupCore:
             reason = self._on_timeout(work, backend)
             if reason not in str(exc):
                 raise DistBackendError(f"{reason}. The backend reported: {exc}") from exc
+        if isinstance(exc, DistError):
+            # Raised from here, not from the backend's thread or Work.wait: the user's
+            # traceback ends a few frames below their call, the message right after.
+            raise exc.with_traceback(None)
         work.wait()  # raises the op's error as Work.wait() words it
 
     def _on_timeout(self, work: Work, backend: Backend) -> str:
@@ -370,6 +376,10 @@ class GroupCore:
             if self._abort_reason is None:
                 stalled = getattr(backend, "stalled", None)
                 waiting = stalled() if stalled is not None else ""
+                if not waiting and work.peer >= 0:
+                    # The transport has given up on it already (a send whose peer stopped
+                    # reading): the op itself still says whom it waited for.
+                    waiting = f"rank {work.peer}"
                 where = "flight recorder off"
                 if self._recorder is not None:
                     try:

@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..._buffer import Buffer
+from ..._debug import DebugLevel, get_debug_level
 from ...errors import DistBackendError, DistError
 from ..._reduce_op import PremulSum, ReduceOp, ReduceOpLike
 from ..._work import Work
@@ -32,7 +33,7 @@ from ...store.base import Store
 from .reduce import Array, Reducer, as_array, as_bytes, make_reducer
 from .auth import host_id
 from .tcp import KIND_P2P, Recv, TcpMesh, local_address
-from ..mismatch import Fields, SignatureMismatch, decode, describe, encode, signature
+from ..mismatch import Fields, SignatureMismatch, decode, describe, encode, find_mismatch, signature
 from .tcp_algos import Ctx, TcpCollectives
 
 __all__ = ["CPUBackend", "host_id"]
@@ -105,6 +106,7 @@ class CPUBackend:
         self._error: DistBackendError | None = None
         self._closed = False
         self._store = store
+        self._detail = get_debug_level() >= DebugLevel.DETAIL
         self._sigs: dict[int, Fields] = {}  # signatures published (see _publish)
         self._sig_of: dict[tuple[object, ...], int] = {}  # an op's kind and fields -> its signature
         source = "transport" if transport is not None else TRANSPORT_ENV
@@ -213,11 +215,17 @@ class CPUBackend:
             fn(ctx)
         except BaseException as exc:
             err = exc if isinstance(exc, DistError) else DistBackendError(f"{type(exc).__name__}: {exc}")
-            mismatch = _find_mismatch(exc)
+            mismatch = find_mismatch(exc)
             if mismatch is not None:
                 err = self._reworded(mismatch)
             wrapped = DistBackendError(f"{name} failed: {err}")
-            wrapped.__cause__ = exc
+            # Our own errors say everything in their message; their frames are the
+            # transport's. Chain them only under GPUCOLL_DEBUG=DETAIL; a foreign error
+            # (a bug, an OSError) is always chained, as at every boundary.
+            if self._detail or not isinstance(exc, DistError):
+                wrapped.__cause__ = exc
+            else:
+                wrapped.__suppress_context__ = True
             # A collective that failed half-way leaves peers at different points of the
             # protocol: the group cannot be trusted with another op.
             self.abort(f"group {self.group_name!r} is unusable: {name} failed: {err}")
@@ -246,6 +254,8 @@ class CPUBackend:
         waits = list(self._mesh.stalled())
         seg = getattr(self._coll, "seg", None)
         peer = getattr(seg, "waiting_for", None)
+        if peer is None:
+            peer = getattr(seg, "timed_out_on", None)  # an op on this thread ran out of time on it
         if peer is not None:
             waits.insert(0, f"rank {peer} (shared-memory progress)")
         return "; ".join(dict.fromkeys(waits))
@@ -581,17 +591,6 @@ def _text(v: object) -> str:
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_text(x) for x in v) + "]"
     return str(v)
-
-
-def _find_mismatch(exc: BaseException) -> SignatureMismatch | None:
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        if isinstance(e, SignatureMismatch):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
 
 
 def _split(a: Array, counts: Sequence[int]) -> list[Array]:

@@ -97,6 +97,7 @@ class ShmSegment:
         self._bulk_off = ctl + 2 * size * small_bytes
         total = self._bulk_off + 2 * size * bulk_bytes
         self.waiting_for: int | None = None  # the peer a sleeping wait waits for (timeout messages)
+        self.timed_out_on: int | None = None  # the peer a wait gave up on (it ran out of time)
         self._mm, self.path = _map(store, rank, size, total, timeout, gone or (lambda peer: None))
         self._anchor = ctypes.c_char.from_buffer(self._mm)
         self._base = ctypes.addressof(self._anchor)
@@ -179,6 +180,7 @@ class ShmSegment:
                 check()
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    self.timed_out_on = peer
                     raise DistBackendError(f"{what()}: timed out waiting for rank {peer} "
                                            f"(its progress {cur}, needed {target})")
                 # Short sleeps bound the cost of a wake that raced with going to sleep.
