@@ -27,13 +27,13 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import secrets
 import time
 from typing import Any, Callable
 
 import numpy as np
 
 from ...errors import DistBackendError, DistStoreTimeoutError
+from .segments import PREFIX as _PREFIX, new_name, sweep_orphans, unlink_ours as _unlink
 
 __all__ = ["ShmSegment", "ShmUnavailable", "REC_WORDS", "futex_wait", "futex_wake"]
 
@@ -214,57 +214,7 @@ def _round(n: int, to: int = 4096) -> int:
     return (n + to - 1) // to * to
 
 
-_PREFIX = "/dev/shm/gpucoll-"
 _SLICE = 0.2  # seconds between liveness checks while waiting on the store
-
-
-def _pidns() -> str:
-    try:
-        return str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        return "0"
-
-
-def sweep_orphans() -> list[str]:
-    """Unlink segments of this user whose creator (this pid namespace) is dead; return them."""
-    mark = f"gpucoll-{_pidns()}-"
-    removed: list[str] = []
-    try:
-        names = os.listdir("/dev/shm")
-    except OSError:
-        return removed
-    for name in names:
-        if not name.startswith(mark):
-            continue
-        pid = name[len(mark):].split("-", 1)[0]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # alive (or another user's process): leave it
-        except ProcessLookupError:
-            pass
-        except OSError:
-            continue
-        path = "/dev/shm/" + name
-        try:
-            if os.lstat(path).st_uid == os.getuid():
-                os.unlink(path)
-                removed.append(path)
-        except OSError:
-            pass
-    return removed
-
-
-def _unlink(path: str) -> None:
-    """Remove a segment of ours (never a file another user put at a forged name)."""
-    if not path.startswith(_PREFIX) or "/" in path[len(_PREFIX):]:
-        return
-    try:
-        if os.lstat(path).st_uid == os.getuid():
-            os.unlink(path)
-    except OSError:
-        pass
 
 
 def _get(store: Any, key: str, deadline: float, peer: int, gone: Callable[[int], str | None]) -> str:
@@ -298,7 +248,7 @@ def _map(store: Any, rank: int, size: int, total: int, timeout: float,
     deadline = time.monotonic() + timeout
     if rank == 0:
         sweep_orphans()
-        path = f"{_PREFIX}{_pidns()}-{os.getpid()}-{secrets.token_hex(8)}"
+        path = new_name()
         store.set("shm/name", path.encode())  # first: whoever learns the name can remove the file
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
