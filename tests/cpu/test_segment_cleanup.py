@@ -88,25 +88,32 @@ def test_the_next_job_removes_a_dead_creators_segment_and_nothing_else(tmp_path:
     dead = _dead_pid()
     left = _make(f"gpucoll-{ns}-{dead}-{'ab' * 8}")
     alive = _make(f"gpucoll-{ns}-{os.getpid()}-{'cd' * 8}")    # its creator (this process) lives
-    odd = _make(f"gpucoll-{ns}-{dead}-notours")                # not a name gpucoll makes
+    odd = _make(f"gpucoll-{ns}-{dead}x-{'ab' * 8}")            # not a name gpucoll makes
     other_ns = _make(f"gpucoll-1-{dead}-{'ef' * 8}")            # another pid namespace's pid
-    target = tmp_path / "someones-data"
-    target.write_text("keep me")
-    link = Path("/dev/shm") / f"gpucoll-{ns}-{dead}-{'12' * 8}"  # a link at a segment's name
-    link.symlink_to(target)
     try:
         res = run_spmd(next_job_body, 2, timeout=60, env={"GPUCOLL_CPU_TRANSPORT": "shm"})
         assert res == [("shm", [2.0] * 4)] * 2
         assert not left.exists()
         for keep in (alive, odd, other_ns):
             assert keep.exists(), keep
-        assert link.is_symlink() and target.read_text() == "keep me"
     finally:
-        for p in (left, alive, odd, other_ns, link):
+        for p in (left, alive, odd, other_ns):
             try:
                 os.unlink(p)
             except FileNotFoundError:
                 pass
+
+
+def test_a_link_at_a_segments_name_is_left_alone(tmp_path: Path) -> None:
+    target = tmp_path / "someones-data"
+    target.write_text("keep me")
+    link = Path("/dev/shm") / f"gpucoll-{segments._pidns()}-{_dead_pid()}-{'12' * 8}"
+    link.symlink_to(target)
+    try:
+        assert str(link) not in segments.sweep_orphans()
+        assert link.is_symlink() and target.read_text() == "keep me"
+    finally:
+        os.unlink(link)
 
 
 def test_remove_segments_of_takes_only_the_named_dead_creators() -> None:
