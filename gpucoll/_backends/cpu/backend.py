@@ -33,7 +33,8 @@ from ...store.base import Store
 from .reduce import Array, Reducer, as_array, as_bytes, make_reducer
 from .auth import host_id
 from .tcp import KIND_P2P, Recv, TcpMesh, local_address
-from ..mismatch import Fields, SignatureMismatch, decode, describe, encode, find_mismatch, signature
+from ..mismatch import find_mismatch
+from .signatures import Signatures
 from .tcp_algos import Ctx, TcpCollectives
 
 __all__ = ["CPUBackend", "host_id"]
@@ -107,8 +108,10 @@ class CPUBackend:
         self._closed = False
         self._store = store
         self._detail = get_debug_level() >= DebugLevel.DETAIL
-        self._sigs: dict[int, Fields] = {}  # signatures published (see _publish)
-        self._sig_of: dict[tuple[object, ...], int] = {}  # an op's kind and fields -> its signature
+        self._signatures = Signatures(store, rank, size, self.timeout)  # readable mismatch errors
+        self._sig = self._signatures.of
+        self._plans: dict[Any, tuple[Any, Any, int]] = {}
+        self._barrier_sig = 0  # all_reduce: (dtype, count, op) -> its plan
         source = "transport" if transport is not None else TRANSPORT_ENV
         mode = (transport if transport is not None else os.environ.get(TRANSPORT_ENV, "auto")).strip().lower()
         mode = mode or "auto"
@@ -217,7 +220,7 @@ class CPUBackend:
             err = exc if isinstance(exc, DistError) else DistBackendError(f"{type(exc).__name__}: {exc}")
             mismatch = find_mismatch(exc)
             if mismatch is not None:
-                err = self._reworded(mismatch)
+                err = self._signatures.reworded(mismatch)
             wrapped = DistBackendError(f"{name} failed: {err}")
             # Our own errors say everything in their message; their frames are the
             # transport's. Chain them only under GPUCOLL_DEBUG=DETAIL; a foreign error
@@ -264,45 +267,8 @@ class CPUBackend:
                     **fields: object) -> Work:
         """Submit a collective; ``fields`` (dtype, count, root, reduce op, sizes...) are what
         every rank must agree on: their digest is compared across ranks by the transport."""
-        # A repeated op finds its signature (digested and published the first time) in
-        # one dict look-up: no digest and no store access per op.
-        key = (op_type, *fields.items())
-        sig = self._sig_of.get(key)
-        if sig is None:
-            named = [("op", op_type)] + [(k.replace("_", " "), _text(v)) for k, v in fields.items() if v is not None]
-            sig = signature(named)
-            if sig not in self._sigs and self.size > 1:
-                self._publish(sig, named)
-            if len(self._sig_of) >= _SIG_CACHE:
-                self._sig_of.clear()  # bounded: a job with this many distinct ops recomputes some
-            self._sig_of[key] = sig
+        sig = self._sig(op_type, fields)
         return self._submit(self._work(op_type, bufs), body, sum(b.nbytes for b in bufs), sig)
-
-    # ----- the signature registry: readable mismatch errors -----
-    def _publish(self, sig: int, fields: Fields) -> None:
-        """Publish an op's fields under its signature, once per distinct signature (the
-        first op of each kind, dtype and size), before any peer can see the signature:
-        a rank that finds it differs from its own reads them to say what differs."""
-        if len(self._sigs) >= _SIG_CACHE:
-            return  # a job with this many distinct ops gets hash-only errors for the rest
-        try:
-            self._store.set(f"sig/{sig:016x}", encode(fields).encode())
-        except Exception:
-            return  # the readable error is a courtesy; the op itself goes on
-        self._sigs[sig] = fields
-
-    def _reworded(self, exc: SignatureMismatch) -> DistBackendError:
-        """``exc`` (signatures differ) as an error naming the fields that differ and both
-        ranks' values."""
-        theirs: Fields | None = None
-        try:
-            raw = self._store.get(f"sig/{exc.theirs:016x}", timeout=min(2.0, self.timeout))
-            theirs = decode(raw.decode(errors="replace"))
-        except Exception:
-            pass
-        text = describe({self.rank: self._sigs.get(exc.mine), exc.peer: theirs})
-        return DistBackendError(f"rank {exc.peer} issued a different collective from this rank "
-                                f"(rank {self.rank}); ops differ across ranks: {text}")
 
     def _reducer(self, op: ReduceOpLike, buf: Buffer) -> Reducer:
         key = (_op_key(op), buf.dtype.name)
@@ -340,16 +306,29 @@ class CPUBackend:
         return self._reducer(ReduceOp.SUM, buf), scaled
 
     def all_reduce(self, buf: Buffer, op: ReduceOpLike) -> Work:
-        red, scale = self._sum_of(op, buf)
+        # A repeated all_reduce: its reducer and signature in one look-up (PREMUL_SUM,
+        # whose factor may change per call, is planned every time).
+        key = (buf.dtype.name, buf.numel, op) if op.__class__ is ReduceOp else None
+        plan = self._plans.get(key) if key is not None else None
+        if plan is None:
+            red, scale = self._sum_of(op, buf)
+            plan = (red, scale, self._sig("all_reduce", {"dtype": buf.dtype.name, "count": buf.numel,
+                                                         "reduce_op": _sig_op(op)}))
+            if key is not None:
+                if len(self._plans) >= 4096:
+                    self._plans.clear()
+                self._plans[key] = plan
+        red, scale, sig = plan
         x = self._arr(buf)
-
-        def body(c: Ctx) -> None:
-            if scale is not None:
+        coll = self._coll
+        if scale is None:
+            def body(c: Ctx) -> None:
+                coll.all_reduce(c, x, red)
+        else:
+            def body(c: Ctx) -> None:
                 np.copyto(x, scale(x))
-            self._coll.all_reduce(c, x, red)
-
-        return self._collective("all_reduce", [buf], body, dtype=buf.dtype.name, count=buf.numel,
-                                reduce_op=_sig_op(op))
+                coll.all_reduce(c, x, red)
+        return self._submit(self._work("all_reduce", (buf,)), body, buf.nbytes, sig)
 
     def all_reduce_coalesced(self, bufs: Sequence[Buffer], op: ReduceOpLike) -> Work:
         plans = [self._sum_of(op, b) for b in bufs]
@@ -517,7 +496,9 @@ class CPUBackend:
 
     # ----- control -----
     def barrier(self) -> Work:
-        return self._collective("barrier", [], lambda c: self._coll.barrier(c))
+        sig = self._barrier_sig or self._sig("barrier", {})
+        self._barrier_sig = sig
+        return self._submit(self._work("barrier", ()), self._coll.barrier, 0, sig)
 
     def abort(self, reason: str) -> None:
         """Fail every pending and later op with ``DistBackendError(reason)``; returns at once."""
@@ -581,16 +562,6 @@ def _op_key(op: ReduceOpLike) -> str:
 def _sig_op(op: ReduceOpLike) -> str:
     """The reduction as ranks must agree on it: PREMUL_SUM's factor may differ per rank."""
     return op.op.name if isinstance(op, PremulSum) else op.name
-
-
-_SIG_CACHE = 4096
-"""Distinct op signatures a backend publishes at most (one store key each)."""
-
-
-def _text(v: object) -> str:
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_text(x) for x in v) + "]"
-    return str(v)
 
 
 def _split(a: Array, counts: Sequence[int]) -> list[Array]:
