@@ -93,7 +93,7 @@ class ProcessGroup:
         self._issuer = Issuer(group_name, self._label(), rank, self.global_ranks[rank], size, timeout,
                               self._cpu, group_desc)
         self._plans = self._issuer.plans  # the issuer's plan cache, looked up by the hot ops
-        self._watchdog = self._issuer.watchdog
+        self._watchdog, self._recorder = self._issuer.watchdog, self._issuer.recorder  # (debug tools read them)
         # Bound to a device at creation on every rank: only then may new groups split
         # its communicator (one made by a first device op might exist on some ranks
         # and not yet on others when they create the next group).
