@@ -35,7 +35,7 @@ from .auth import host_id
 from .tcp import KIND_P2P, Recv, TcpMesh, local_address
 from ..mismatch import find_mismatch
 from .signatures import Signatures
-from .tcp_algos import Ctx, TcpCollectives
+from .tcp_algos import Ctx, TcpCollectives, op_label
 
 __all__ = ["CPUBackend", "host_id"]
 
@@ -96,8 +96,9 @@ class CPUBackend:
         self.group_name = group_name
         self._seq = 0
         self._p2p_seq = 0
-        self._cv = threading.Condition()
-        self._queue: deque[tuple[Work, Callable[[Ctx], None], str, int]] = deque()
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._queue: deque[tuple[Work, Callable[[Ctx], None], int, int]] = deque()
         self._busy = False
         self._worker_idle = False
         self._waiters = 0  # threads in shutdown() waiting for the queue to drain
@@ -162,18 +163,18 @@ class CPUBackend:
         return w
 
     def _submit(self, work: Work, fn: Callable[[Ctx], None], nbytes: int, sig: int) -> Work:
-        # The op's name for errors, fixed now: the ProcessGroup renumbers work.seq later.
-        name = f"{work.op_type} (CPU op #{work.seq}) on group {self.group_name!r}"
-        with self._cv:
+        # The op's number for errors, fixed now: the ProcessGroup renumbers work.seq later.
+        seq = work.seq
+        with self._lock:  # the Condition's own lock: entered without the Condition's Python layer
             if self._error is not None or self._closed:
                 err = self._error or DistBackendError(f"group {self.group_name!r}: the CPU backend was shut down")
-                work._set_exception(DistBackendError(f"{name}: {err}"))
+                work._set_exception(DistBackendError(f"{op_label(work.op_type, seq, self.group_name)}: {err}"))
                 return work
             inline = not self._busy and not self._queue and nbytes <= INLINE_MAX
             if inline:
                 self._busy = True
             else:
-                self._queue.append((work, fn, name, sig))
+                self._queue.append((work, fn, seq, sig))
                 if self._worker is None:
                     self._worker = threading.Thread(target=self._work_loop, daemon=True,
                                                     name=f"gpucoll-cpu-{self.group_name}-r{self.rank}")
@@ -182,9 +183,9 @@ class CPUBackend:
                     self._cv.notify_all()
         if inline:
             try:
-                self._run(work, fn, name, sig)
+                self._run(work, fn, seq, sig)
             finally:
-                with self._cv:
+                with self._lock:
                     self._busy = False
                     if self._queue or self._waiters:
                         self._cv.notify_all()
@@ -199,24 +200,25 @@ class CPUBackend:
                 self._worker_idle = False
                 if not self._queue:
                     return
-                work, fn, name, sig = self._queue.popleft()
+                work, fn, seq, sig = self._queue.popleft()
                 self._busy = True
             try:
-                self._run(work, fn, name, sig)
+                self._run(work, fn, seq, sig)
             finally:
                 with self._cv:
                     self._busy = False
                     if self._waiters:
                         self._cv.notify_all()
 
-    def _run(self, work: Work, fn: Callable[[Ctx], None], name: str, sig: int) -> None:
-        ctx = Ctx(work.seq, time.monotonic() + self.timeout, name, sig, self._check)
+    def _run(self, work: Work, fn: Callable[[Ctx], None], seq: int, sig: int) -> None:
         t0 = time.perf_counter()
+        ctx = Ctx(seq, time.monotonic() + self.timeout, sig, self._check, work.op_type, self.group_name)
         try:
             if self._error is not None:
                 raise self._error
             fn(ctx)
         except BaseException as exc:
+            name = ctx.name
             err = exc if isinstance(exc, DistError) else DistBackendError(f"{type(exc).__name__}: {exc}")
             mismatch = find_mismatch(exc)
             if mismatch is not None:
@@ -521,8 +523,8 @@ class CPUBackend:
             abort = getattr(self._coll, "abort", None)
             if abort is not None:
                 abort(err)
-        for work, _, name, _ in queued:
-            work._set_exception(DistBackendError(f"{name}: {err}"))
+        for work, _, seq, _ in queued:
+            work._set_exception(DistBackendError(f"{op_label(work.op_type, seq, self.group_name)}: {err}"))
 
     def shutdown(self) -> None:
         """Finish queued ops (up to the timeout), say goodbye to peers and release everything."""
