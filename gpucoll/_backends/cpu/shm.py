@@ -218,8 +218,14 @@ _SLICE = 0.2  # seconds between liveness checks while waiting on the store
 
 
 def _get(store: Any, key: str, deadline: float, peer: int, gone: Callable[[int], str | None]) -> str:
-    """``store.get(key)``, failing within moments once ``peer`` is known dead."""
+    """``store.get(key)``, failing within moments once ``peer`` is known dead.
+
+    A key already there wins over the peer's death: a fast peer may finish setting up,
+    run an op, fail it and leave while a slow rank is still reading its last key."""
     while True:
+        if store.check([key]):
+            value: str = store.get(key).decode()
+            return value
         why = gone(peer)
         if why is not None:
             raise DistBackendError(f"rank {peer} {why} while the shared-memory segment was set up")
@@ -231,8 +237,6 @@ def _get(store: Any, key: str, deadline: float, peer: int, gone: Callable[[int],
             store.wait([key], min(_SLICE, left))
         except DistStoreTimeoutError:
             continue
-        value: str = store.get(key).decode()
-        return value
 
 
 def _map(store: Any, rank: int, size: int, total: int, timeout: float,
