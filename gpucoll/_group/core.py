@@ -21,11 +21,11 @@ import numpy as np
 
 from .. import array as _array
 from .._buffer import Buffer
-from .._backends.base import Backend
+from .._backends.base import Backend, RunsNow
 from .._backends.mismatch import decode, describe, encode
 from .._debug import DebugLevel, call_site, get_debug_level
 from ..errors import DistBackendError, DistError
-from .._flight_recorder import FlightRecorder, recorder_capacity
+from .._flight_recorder import FlightRecorder, _Entry, recorder_capacity
 from .._work import Work, WorkInfo
 from .checks import _op_name
 from .watchdog import Watchdog
@@ -39,14 +39,16 @@ _PLANS_MAX = 1024  # distinct plans kept per group; a job with more re-plans som
 
 class Plan:
     """What a repeated op needs, decided by its first call: the backend it runs on, the
-    reduction as checked for its dtype, and whether the backend is the device one."""
+    reduction as checked for its dtype, whether the backend is the device one, and the
+    backend's Work-less all_reduce (``RunsNow``) if it has one."""
 
-    __slots__ = ("backend", "red", "device")
+    __slots__ = ("backend", "red", "device", "now")
 
     def __init__(self, backend: Backend, red: Any, device: bool) -> None:
         self.backend = backend
         self.red = red
         self.device = device
+        self.now = backend.all_reduce_now if isinstance(backend, RunsNow) else None
 
 
 class Issuer:
@@ -84,11 +86,14 @@ class Issuer:
         self.hooks = self.watchdog.hooks
 
     # ----- plans -----
-    def plan(self, key: tuple[Any, ...], backend: Backend, red: Any, device: bool) -> Plan:
-        """Remember the plan for ``key`` (made by the op's first call, after every check)."""
-        if len(self.plans) >= _PLANS_MAX:
-            self.plans.clear()
-        plan = self.plans[key] = Plan(backend, red, device)
+    def plan(self, key: tuple[Any, ...] | None, backend: Backend, red: Any, device: bool) -> Plan:
+        """The plan of an op's first call (after every check), kept under ``key`` (None:
+        an op that is planned on every call, such as PREMUL_SUM with its factor)."""
+        plan = Plan(backend, red, device)
+        if key is not None:
+            if len(self.plans) >= _PLANS_MAX:
+                self.plans.clear()
+            self.plans[key] = plan
         return plan
 
     def forget_plans(self) -> None:
@@ -103,13 +108,23 @@ class Issuer:
         seq = self.seq
         if self.debug_detail and op:
             self.check_across_ranks(op, seq, buf, peer, red)
+        entry = self._entry(seq, op or start.__name__.strip("<>"), backend, buf, peer)
+        return self._start(seq, entry, start, outputs, peer, op)
+
+    def _entry(self, seq: int, op: str, backend: Backend, buf: Buffer | None, peer: int) -> _Entry | None:
+        """The op's flight-recorder entry, made before it starts: a host op may run to its
+        end inside ``start()``, and a dump taken meanwhile must show it."""
         recorder = self.recorder
-        entry = None
-        if recorder is not None:
-            # Recorded before it starts: a host op may run to its end inside start().
-            entry = recorder.begin(seq, op or start.__name__.strip("<>"), backend.name, buf, peer)
-            if self.debug_info:
-                entry.where = call_site()
+        if recorder is None:
+            return None
+        entry = recorder.begin(seq, op, backend.name, buf, peer)
+        if self.debug_info:
+            entry.where = call_site()
+        return entry
+
+    def _start(self, seq: int, entry: _Entry | None, start: Callable[[], Work], outputs: list[Any], peer: int,
+               op: str) -> Work:
+        recorder = self.recorder
         work = start()
         work.seq = seq
         work.group_name = self.group_name
@@ -117,11 +132,39 @@ class Issuer:
             work.peer = peer  # point to point (collectives pass op=; their peer is a root)
         if outputs:
             work._result[:] = outputs
-        if entry is not None:
-            recorder.attach(entry, work)  # type: ignore[union-attr]
+        if entry is not None and recorder is not None:
+            recorder.attach(entry, work)
         if self.hooks:
             work._add_done_callback(self.watchdog.completed)
         return work
+
+    def run_now(self, backend: Backend, now: Callable[[], bool], buf: Buffer | None, op: str,
+                start: Callable[[], Work], outputs: list[Any]) -> Work | None:
+        """A synchronous host op through the backend's Work-less path (``RunsNow``): numbered
+        and recorded as :meth:`issue` does, with no Work unless it fails; when the backend
+        cannot run it now (ops queued ahead of it), ``start()`` issues it as usual.
+        Callers use it only when no hook is registered and the debug level is below DETAIL."""
+        self.seq += 1
+        seq = self.seq
+        entry = self._entry(seq, op, backend, buf, -1)
+        t0 = time.perf_counter()
+        try:
+            ran = now()
+        except DistError as exc:
+            work = Work(op)  # the op failed: the usual Work, for the usual timeout and error
+            work.seq, work.group_name, work._t0 = seq, self.group_name, t0
+            work._set_exception(exc)
+            if entry is not None:
+                entry.op_type = op
+                work._fr_entry = entry
+                entry.finish(work)
+            self.wait_host(work, backend)
+            raise  # wait_host raises for a failed op; kept for the type checker
+        if ran:
+            if entry is not None:
+                entry.complete(time.perf_counter() - t0)
+            return None
+        return self.finish(backend, self._start(seq, entry, start, outputs, -1, op), False, False)
 
     def finish(self, backend: Backend, work: Work, async_op: bool, device: bool) -> Work | None:
         """Return ``work`` (async) or wait for it as a synchronous op does."""

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence, Union
 
 from .. import array as _array
 from ..array import ArrayLike
-from .._backends.base import Backend, ReducesInto
+from .._backends.base import Backend, ReducesInto, RunsNow
 from .._buffer import Buffer
 from .._reduce_op import ReduceOp, ReduceOpLike
 from .._timeouts import to_seconds
@@ -27,7 +27,7 @@ from .arglists import TAG_MAX, _a2a_lists, _check_chunked, _check_rank, _coalesc
 from .barrier import monitored_barrier
 from .checks import _check_op, _real_view
 from .coalescing import CoalescingManager, _not_coalescable
-from .core import Issuer, Plan
+from .core import Issuer
 from .options import PGOptions
 from .registry import _BACKEND_GRACE_S, BACKENDS, backend_kwargs, make_device_backend, split_device_backend
 
@@ -93,6 +93,7 @@ class ProcessGroup:
         self._issuer = Issuer(group_name, self._label(), rank, self.global_ranks[rank], size, timeout,
                               self._cpu, group_desc)
         self._plans = self._issuer.plans  # the issuer's plan cache, looked up by the hot ops
+        self._barrier_now = self._cpu.barrier_now if isinstance(self._cpu, RunsNow) else None
         self._watchdog, self._recorder = self._issuer.watchdog, self._issuer.recorder  # (debug tools read them)
         # Bound to a device at creation on every rank: only then may new groups split
         # its communicator (one made by a first device op might exist on some ranks
@@ -274,10 +275,11 @@ class ProcessGroup:
             if self._coalescing is not None:
                 return self._coalescing._defer(self, "all_reduce", red, ("tensor", buf, tensor), async_op)
             backend = self._backend_for(buf, "tensor")
-            plan = self._issuer.plan(key, backend, red, backend is not self._cpu) if key else \
-                Plan(backend, red, backend is not self._cpu)
-        backend, red = plan.backend, plan.red
-        issuer = self._issuer
+            plan = self._issuer.plan(key, backend, red, backend is not self._cpu)
+        backend, red, issuer, now = plan.backend, plan.red, self._issuer, plan.now
+        if now is not None and not async_op and not issuer.hooks and not issuer.debug_detail:
+            return issuer.run_now(backend, lambda: now(buf, red), buf, "all_reduce",  # no Work (core.py)
+                                  lambda: backend.all_reduce(buf, red), [tensor])
         work = issuer.issue(backend, lambda: backend.all_reduce(buf, red), buf, [tensor], op="all_reduce", red=red)
         return issuer.finish(backend, work, async_op, plan.device)
 
@@ -372,17 +374,13 @@ class ProcessGroup:
         self._check_usable()
         if self._coalescing is not None:
             self._not_coalescable("broadcast")
-        plan = None
-        if src.__class__ is int and 0 <= src < self._size:  # a bool root takes the checks below
-            buf = _array.as_buffer(tensor, name="tensor", writable=True)
-            key = ("broadcast", buf.dtype, buf.shape, buf.device, src)
-            plan = self._plans.get(key)
+        self._check_rank(src, "group_src")
+        buf = _array.as_buffer(tensor, name="tensor", writable=True)
+        key = ("broadcast", buf.dtype, buf.shape, buf.device, src)
+        plan = self._plans.get(key)
         if plan is None:
-            self._check_rank(src, "group_src")
-            buf = _array.as_buffer(tensor, name="tensor", writable=True)
             backend = self._backend_for(buf, "tensor")
-            plan = self._issuer.plan(("broadcast", buf.dtype, buf.shape, buf.device, src), backend, None,
-                                     backend is not self._cpu)
+            plan = self._issuer.plan(key, backend, None, backend is not self._cpu)
         backend = plan.backend
         work = self._issuer.issue(backend, lambda: backend.broadcast(buf, src), buf, [tensor], src, op="broadcast")
         return self._issuer.finish(backend, work, async_op, plan.device)
@@ -548,9 +546,11 @@ class ProcessGroup:
         self._check_usable()
         if self._coalescing is not None:
             self._not_coalescable("barrier")
-        backend = self._cpu
-        work = self._issuer.issue(backend, backend.barrier, None, [])
-        return self._issuer.finish(backend, work, async_op, False)
+        backend, issuer, now = self._cpu, self._issuer, self._barrier_now
+        if now is not None and not async_op and not issuer.hooks and not issuer.debug_detail:
+            return issuer.run_now(backend, now, None, "barrier", backend.barrier, [])
+        work = issuer.issue(backend, backend.barrier, None, [])
+        return issuer.finish(backend, work, async_op, False)
 
     def monitored_barrier(self, timeout: float | timedelta | None = None, wait_all_ranks: bool = False) -> None:
         """A barrier through the store that names the ranks that did not arrive.

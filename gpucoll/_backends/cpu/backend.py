@@ -30,7 +30,7 @@ from ...errors import DistBackendError, DistError
 from ..._reduce_op import PremulSum, ReduceOp, ReduceOpLike
 from ..._work import Work
 from ...store.base import Store
-from .reduce import Array, Reducer, as_array, as_bytes, make_reducer
+from .reduce import Array, Reducer, as_array, as_bytes, make_reducer, op_key, sig_op, split_counts
 from .auth import host_id
 from .tcp import KIND_P2P, Recv, TcpMesh, local_address
 from ..mismatch import find_mismatch
@@ -218,27 +218,66 @@ class CPUBackend:
                 raise self._error
             fn(ctx)
         except BaseException as exc:
-            name = ctx.name
-            err = exc if isinstance(exc, DistError) else DistBackendError(f"{type(exc).__name__}: {exc}")
-            mismatch = find_mismatch(exc)
-            if mismatch is not None:
-                err = self._signatures.reworded(mismatch)
-            wrapped = DistBackendError(f"{name} failed: {err}")
-            # Our own errors say everything in their message; their frames are the
-            # transport's. Chain them only under GPUCOLL_DEBUG=DETAIL; a foreign error
-            # (a bug, an OSError) is always chained, as at every boundary.
-            if self._detail or not isinstance(exc, DistError):
-                wrapped.__cause__ = exc
-            else:
-                wrapped.__suppress_context__ = True
-            # A collective that failed half-way leaves peers at different points of the
-            # protocol: the group cannot be trusted with another op.
-            self.abort(f"group {self.group_name!r} is unusable: {name} failed: {err}")
-            work._set_exception(wrapped)
+            work._set_exception(self._failed(exc, ctx.name))
             if not isinstance(exc, Exception):
                 raise
             return
         work._set_result(active_duration=time.perf_counter() - t0)
+
+    def _now(self, op_type: str, fn: Callable[[Ctx], None], sig: int) -> bool:
+        """Run a small op on this thread now, without a Work, if nothing is queued ahead
+        of it (the issue order holds); False (nothing done) otherwise."""
+        with self._lock:
+            if self._busy or self._queue or self._error is not None or self._closed:
+                return False
+            self._busy = True
+        try:
+            self._seq += 1
+            ctx = Ctx(self._seq, time.monotonic() + self.timeout, sig, self._check, op_type, self.group_name)
+            try:
+                fn(ctx)
+            except BaseException as exc:
+                err = self._failed(exc, ctx.name)
+                if not isinstance(exc, Exception):
+                    raise
+                raise err  # its cause, if any, was set by _failed
+        finally:
+            with self._lock:
+                self._busy = False
+                if self._queue or self._waiters:
+                    self._cv.notify_all()
+        return True
+
+    def all_reduce_now(self, buf: Buffer, op: ReduceOpLike) -> bool:
+        """:meth:`all_reduce` on this thread now, with no Work (see ``RunsNow``)."""
+        plan = self._plans.get((buf.dtype.name, buf.numel, op))
+        if plan is None or plan[1] is not None or buf.nbytes > INLINE_MAX:
+            return False  # first of its kind, or PREMUL_SUM, or large: the Work path
+        x, red, coll = self._arr(buf), plan[0], self._coll
+        return self._now("all_reduce", lambda c: coll.all_reduce(c, x, red), plan[2])
+
+    def barrier_now(self) -> bool:
+        """:meth:`barrier` on this thread now, with no Work (see ``RunsNow``)."""
+        return self._barrier_sig != 0 and self._now("barrier", self._coll.barrier, self._barrier_sig)
+
+    def _failed(self, exc: BaseException, name: str) -> DistBackendError:
+        """The error an op that raised ``exc`` fails with; the backend is aborted."""
+        err = exc if isinstance(exc, DistError) else DistBackendError(f"{type(exc).__name__}: {exc}")
+        mismatch = find_mismatch(exc)
+        if mismatch is not None:
+            err = self._signatures.reworded(mismatch)
+        wrapped = DistBackendError(f"{name} failed: {err}")
+        # Our own errors say everything in their message; their frames are the
+        # transport's. Chain them only under GPUCOLL_DEBUG=DETAIL; a foreign error
+        # (a bug, an OSError) is always chained, as at every boundary.
+        if self._detail or not isinstance(exc, DistError):
+            wrapped.__cause__ = exc
+        else:
+            wrapped.__suppress_context__ = True
+        # A collective that failed half-way leaves peers at different points of the
+        # protocol: the group cannot be trusted with another op.
+        self.abort(f"group {self.group_name!r} is unusable: {name} failed: {err}")
+        return wrapped
 
     def _check(self) -> None:
         if self._error is not None:
@@ -273,7 +312,7 @@ class CPUBackend:
         return self._submit(self._work(op_type, bufs), body, sum(b.nbytes for b in bufs), sig)
 
     def _reducer(self, op: ReduceOpLike, buf: Buffer) -> Reducer:
-        key = (_op_key(op), buf.dtype.name)
+        key = (op_key(op), buf.dtype.name)
         red = self._reducers.get(key)
         if red is None:
             red = self._reducers[key] = make_reducer(op, buf.dtype, self.size)
@@ -315,7 +354,7 @@ class CPUBackend:
         if plan is None:
             red, scale = self._sum_of(op, buf)
             plan = (red, scale, self._sig("all_reduce", {"dtype": buf.dtype.name, "count": buf.numel,
-                                                         "reduce_op": _sig_op(op)}))
+                                                         "reduce_op": sig_op(op)}))
             if key is not None:
                 if len(self._plans) >= 4096:
                     self._plans.clear()
@@ -343,7 +382,7 @@ class CPUBackend:
                 self._coll.all_reduce(c, x, red)
 
         return self._collective("all_reduce_coalesced", list(bufs), body,
-                                arrays=tuple(f"{b.dtype.name} x {b.numel}" for b in bufs), reduce_op=_sig_op(op))
+                                arrays=tuple(f"{b.dtype.name} x {b.numel}" for b in bufs), reduce_op=sig_op(op))
 
     def reduce(self, buf: Buffer, dst: int, op: ReduceOpLike) -> Work:
         red, scale = self._sum_of(op, buf)
@@ -359,7 +398,7 @@ class CPUBackend:
                 np.copyto(x, t)
 
         return self._collective("reduce", [buf], body, dtype=buf.dtype.name, count=buf.numel, root=dst,
-                                reduce_op=_sig_op(op))
+                                reduce_op=sig_op(op))
 
     def reduce_scatter(self, out: Buffer, inputs: Sequence[Buffer], op: ReduceOpLike) -> Work:
         red, scale = self._sum_of(op, out)
@@ -380,7 +419,7 @@ class CPUBackend:
             red.fold(o, parts)
 
         return self._collective("reduce_scatter", [out, *inputs], body, dtype=out.dtype.name,
-                                counts=tuple(n // out.dtype.itemsize for n in sizes), reduce_op=_sig_op(op))
+                                counts=tuple(n // out.dtype.itemsize for n in sizes), reduce_op=sig_op(op))
 
     def reduce_scatter_single(self, out: Buffer, inp: Buffer, op: ReduceOpLike) -> Work:
         red, scale = self._sum_of(op, out)
@@ -391,7 +430,7 @@ class CPUBackend:
             self._coll.reduce_scatter(c, o, [src[k * o.size:(k + 1) * o.size] for k in range(self.size)], red)
 
         return self._collective("reduce_scatter_single", [out, inp], body, dtype=out.dtype.name,
-                                count=out.numel, reduce_op=_sig_op(op))
+                                count=out.numel, reduce_op=sig_op(op))
 
     # ----- data movement -----
     def broadcast(self, buf: Buffer, src: int) -> Work:
@@ -442,8 +481,8 @@ class CPUBackend:
     def all_to_all_single(self, out: Buffer, inp: Buffer, out_counts: Sequence[int],
                           in_counts: Sequence[int]) -> Work:
         o, i = self._arr(out), self._arr(inp)
-        os_ = _split(o, out_counts)
-        ins = _split(i, in_counts)
+        os_ = split_counts(o, out_counts)
+        ins = split_counts(i, in_counts)
         return self._collective("all_to_all_single", [out, inp], lambda c: self._coll.all_to_all(c, os_, ins),
                                 dtype=inp.dtype.name)
 
@@ -555,17 +594,3 @@ class CPUBackend:
 
     def __repr__(self) -> str:
         return f"<CPUBackend group={self.group_name!r} rank={self.rank}/{self.size} transport={self.transport}>"
-
-
-def _op_key(op: ReduceOpLike) -> str:
-    return f"premul({op.factor})" if isinstance(op, PremulSum) else op.name
-
-
-def _sig_op(op: ReduceOpLike) -> str:
-    """The reduction as ranks must agree on it: PREMUL_SUM's factor may differ per rank."""
-    return op.op.name if isinstance(op, PremulSum) else op.name
-
-
-def _split(a: Array, counts: Sequence[int]) -> list[Array]:
-    offs = np.concatenate(([0], np.cumsum(np.asarray(counts, dtype=np.int64))))
-    return [a[int(offs[k]):int(offs[k + 1])] for k in range(len(counts))]
