@@ -19,18 +19,24 @@ from gpucoll.testing import run_spmd
 REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
+import sys
+
 import numpy as np
 import gpucoll
 
 gpucoll.init_process_group("cpu", timeout=20.0)
 r = gpucoll.get_rank()
+if sys.argv[1] == "planned":  # both kinds issued before: the mismatch is met on the Work-less path
+    gpucoll.all_reduce(np.ones(5, np.float32))
+    gpucoll.all_reduce(np.ones(7, np.float32))
 gpucoll.all_reduce(np.ones(4, np.float32))
 gpucoll.all_reduce(np.ones(5 if r == 0 else 7, np.float32))
 """
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_a_mismatch_prints_a_short_error_per_rank(tmp_path: Path, transport: str) -> None:
+@pytest.mark.parametrize("transport, first", [("shm", "first"), ("tcp", "first"), ("shm", "planned"),
+                                              ("tcp", "planned")])
+def test_a_mismatch_prints_a_short_error_per_rank(tmp_path: Path, transport: str, first: str) -> None:
     script = tmp_path / "mismatch.py"
     script.write_text(textwrap.dedent(SCRIPT))
     env = {k: v for k, v in os.environ.items()
@@ -38,7 +44,7 @@ def test_a_mismatch_prints_a_short_error_per_rank(tmp_path: Path, transport: str
                         "GPUCOLL_DEBUG", "TORCH_DISTRIBUTED_DEBUG")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["GPUCOLL_CPU_TRANSPORT"] = transport
-    res = subprocess.run([sys.executable, "-m", "gpucoll.run", "--nproc-per-node", "3", str(script)],
+    res = subprocess.run([sys.executable, "-m", "gpucoll.run", "--nproc-per-node", "3", str(script), first],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode != 0
     out = res.stdout + res.stderr
