@@ -39,8 +39,8 @@ _PLANS_MAX = 1024  # distinct plans kept per group; a job with more re-plans som
 
 class Plan:
     """What a repeated op needs, decided by its first call: the backend it runs on, the
-    reduction as checked for its dtype, whether the backend is the device one, and the
-    backend's Work-less all_reduce (``RunsNow``) if it has one."""
+    reduction as checked for its dtype, whether the backend is the device one, and, for
+    a host backend, its Work-less all_reduce (``RunsNow``) if it has one."""
 
     __slots__ = ("backend", "red", "device", "now")
 
@@ -48,7 +48,8 @@ class Plan:
         self.backend = backend
         self.red = red
         self.device = device
-        self.now = backend.all_reduce_now if isinstance(backend, RunsNow) else None
+        # Host ops only: a device op's synchronous form orders the caller's stream, no host wait.
+        self.now = backend.all_reduce_now if not device and isinstance(backend, RunsNow) else None
 
 
 class Issuer:
