@@ -23,7 +23,8 @@ from .._timeouts import to_seconds
 from .._work import Work, WorkInfo
 from ..errors import DistBackendError
 from ..store import PrefixStore, Store
-from .arglists import TAG_MAX, _a2a_lists, _check_chunked, _check_rank, _coalesced_lists, _list_like, _p2p_check, _split_counts, _uneven_list
+from .arglists import TAG_MAX, _a2a_lists, _check_chunked, _check_rank, _coalesced_lists
+from .arglists import _list_like, _p2p_check, _split_counts, _uneven_list
 from .barrier import monitored_barrier
 from .checks import _check_op, _real_view
 from .coalescing import CoalescingManager, _not_coalescable
@@ -205,9 +206,6 @@ class ProcessGroup:
     def _check_rank(self, r: Any, name: str) -> int:
         return _check_rank(self._size, self.group_name, r, name)
 
-    def _not_coalescable(self, op: str) -> None:
-        _not_coalescable(op)
-
     def _backend_for(self, buf: Buffer, name: str) -> Backend:
         if buf.device.type == "cpu" or self.backend_name == "fake":
             return self._cpu
@@ -267,8 +265,9 @@ class ProcessGroup:
         if self._destroyed:
             self._check_usable()
         buf = _array.as_buffer(tensor, name="tensor", writable=True)
-        # A repeated op: its plan (every check below already passed for this key).
-        key = ("all_reduce", buf.dtype, buf.shape, buf.device, op) if op.__class__ is ReduceOp else None
+        # A repeated op's plan (its checks below passed); strs and ints in the key hash in C.
+        key = ("all_reduce", buf.dtype.name, buf.shape, buf.device.type, buf.device.index, op._name_) \
+            if op.__class__ is ReduceOp else None
         plan = self._plans.get(key) if key is not None and self._coalescing is None else None
         if plan is None:
             red = _check_op(op, buf.dtype)
@@ -277,8 +276,8 @@ class ProcessGroup:
             backend = self._backend_for(buf, "tensor")
             plan = self._issuer.plan(key, backend, red, backend is not self._cpu)
         backend, red, issuer, now = plan.backend, plan.red, self._issuer, plan.now
-        if now is not None and not async_op and not issuer.hooks and not issuer.debug_detail:
-            return issuer.run_now(backend, lambda: now(buf, red), buf, "all_reduce",  # no Work (core.py)
+        if now is not None and not async_op and not issuer.hooks and not issuer.debug_detail:  # no Work
+            return issuer.run_now(backend, lambda: now(buf, red), buf, "all_reduce",
                                   lambda: backend.all_reduce(buf, red), [tensor])
         work = issuer.issue(backend, lambda: backend.all_reduce(buf, red), buf, [tensor], op="all_reduce", red=red)
         return issuer.finish(backend, work, async_op, plan.device)
@@ -311,7 +310,7 @@ class ProcessGroup:
         """All-reduce several arrays as one op."""
         self._check_usable()
         if self._coalescing is not None:
-            self._not_coalescable("all_reduce_coalesced")
+            _not_coalescable("all_reduce_coalesced")
         names = [f"tensors[{i}]" for i in range(len(tensors))]
         if not names:
             raise ValueError("tensors must contain at least one array")
@@ -327,7 +326,7 @@ class ProcessGroup:
         """Reduce ``tensor`` into rank ``dst``'s (group rank) copy."""
         self._check_usable()
         if self._coalescing is not None:
-            self._not_coalescable("reduce")
+            _not_coalescable("reduce")
         self._check_rank(dst, "group_dst")
         buf = _array.as_buffer(tensor, name="tensor", writable=True)
         red = _check_op(op, buf.dtype)
@@ -343,7 +342,7 @@ class ProcessGroup:
         same on every rank; ``input_list[rank]`` must be laid out like ``output``."""
         self._check_usable()
         if self._coalescing is not None:
-            self._not_coalescable("reduce_scatter")
+            _not_coalescable("reduce_scatter")
         out = _array.as_buffer(output, name="output", writable=True)
         ins = _uneven_list(self, input_list, "input_list", out, "output")
         red = _check_op(op, out.dtype)
@@ -373,10 +372,10 @@ class ProcessGroup:
         """Copy ``tensor`` from group rank ``src`` to every rank."""
         self._check_usable()
         if self._coalescing is not None:
-            self._not_coalescable("broadcast")
+            _not_coalescable("broadcast")
         self._check_rank(src, "group_src")
         buf = _array.as_buffer(tensor, name="tensor", writable=True)
-        key = ("broadcast", buf.dtype, buf.shape, buf.device, src)
+        key = ("broadcast", buf.dtype.name, buf.shape, buf.device.type, buf.device.index, src)
         plan = self._plans.get(key)
         if plan is None:
             backend = self._backend_for(buf, "tensor")
@@ -389,7 +388,7 @@ class ProcessGroup:
         """Gather every rank's ``tensor`` into ``tensor_list`` (one array per rank) on every rank."""
         self._check_usable()
         if self._coalescing is not None:
-            self._not_coalescable("all_gather")
+            _not_coalescable("all_gather")
         inp = _array.as_buffer(tensor, name="tensor")
         outs = _list_like(self, tensor_list, "tensor_list", inp, "tensor", writable=True, views=True)
         inp = _real_view(inp)
@@ -416,7 +415,7 @@ class ProcessGroup:
         (torch's layout: one list per rank, each with one array per input)."""
         self._check_usable()
         if self._coalescing is not None:
-            self._not_coalescable("all_gather_coalesced")
+            _not_coalescable("all_gather_coalesced")
         ins, outs = _coalesced_lists(self, output_lists, input_list)
         ins = [_real_view(b) for b in ins]
         flat = ins + [b for row in outs for b in row]
@@ -432,7 +431,7 @@ class ProcessGroup:
         """Gather every rank's ``tensor`` into ``gather_list`` on group rank ``dst``."""
         self._check_usable()
         if self._coalescing is not None:
-            self._not_coalescable("gather")
+            _not_coalescable("gather")
         self._check_rank(dst, "group_dst")
         inp = _array.as_buffer(tensor, name="tensor")
         outs: list[Buffer] | None = None
@@ -455,7 +454,7 @@ class ProcessGroup:
         """Send ``scatter_list[i]`` from group rank ``src`` into rank i's ``tensor``."""
         self._check_usable()
         if self._coalescing is not None:
-            self._not_coalescable("scatter")
+            _not_coalescable("scatter")
         self._check_rank(src, "group_src")
         out = _array.as_buffer(tensor, name="tensor", writable=True)
         ins: list[Buffer] | None = None
@@ -477,7 +476,7 @@ class ProcessGroup:
         """Rank i sends ``input_list[j]`` to rank j, which receives it in ``output_list[i]``."""
         self._check_usable()
         if self._coalescing is not None:
-            self._not_coalescable("all_to_all")
+            _not_coalescable("all_to_all")
         outs, ins, names = _a2a_lists(self, output_list, input_list)
         backend = self._backend_for_all(outs + ins, names)
         work = self._issue(backend, lambda: backend.all_to_all(outs, ins), ins[0], list(output_list),
@@ -491,7 +490,7 @@ class ProcessGroup:
         concatenate what arrives in ``output`` (``output_split_sizes`` rows from each rank)."""
         self._check_usable()
         if self._coalescing is not None:
-            self._not_coalescable("all_to_all_single")
+            _not_coalescable("all_to_all_single")
         out, inp, out_counts, in_counts = _split_counts(self, output, input, output_split_sizes, input_split_sizes)
         backend = self._backend_for_all([out, inp], ["output", "input"])
         work = self._issue(backend, lambda: backend.all_to_all_single(out, inp, out_counts, in_counts), inp,
@@ -529,7 +528,7 @@ class ProcessGroup:
         """Post ``(kind, array, group peer, tag)`` sends/receives together; one Work for all."""
         self._check_usable()
         if self._coalescing is not None:
-            self._not_coalescable("batch_isend_irecv")
+            _not_coalescable("batch_isend_irecv")
         if not ops:
             raise ValueError("p2p_op_list must not be empty")
         bufs = [_p2p_check(self, t, peer, tag, "peer", writable=(kind == "recv")) for kind, t, peer, tag in ops]
@@ -545,7 +544,7 @@ class ProcessGroup:
         """Block until every rank of the group has called barrier (host-side; CPU backend)."""
         self._check_usable()
         if self._coalescing is not None:
-            self._not_coalescable("barrier")
+            _not_coalescable("barrier")
         backend, issuer, now = self._cpu, self._issuer, self._barrier_now
         if now is not None and not async_op and not issuer.hooks and not issuer.debug_detail:
             return issuer.run_now(backend, now, None, "barrier", backend.barrier, [])
@@ -566,7 +565,7 @@ class ProcessGroup:
         """
         self._check_usable()
         if self._coalescing is not None:
-            self._not_coalescable("monitored_barrier")
+            _not_coalescable("monitored_barrier")
         seconds = to_seconds(timeout, default=self.timeout, allow_zero=True)
         self._issuer.seq += 1
         self._monitored_seq += 1

@@ -250,7 +250,7 @@ class CPUBackend:
 
     def all_reduce_now(self, buf: Buffer, op: ReduceOpLike) -> bool:
         """:meth:`all_reduce` on this thread now, with no Work (see ``RunsNow``)."""
-        plan = self._plans.get((buf.dtype.name, buf.numel, op))
+        plan = self._plans.get((buf.dtype.name, buf.numel, op._name_)) if op.__class__ is ReduceOp else None
         if plan is None or plan[1] is not None or buf.nbytes > INLINE_MAX:
             return False  # first of its kind, or PREMUL_SUM, or large: the Work path
         x, red, coll = self._arr(buf), plan[0], self._coll
@@ -349,7 +349,8 @@ class CPUBackend:
     def all_reduce(self, buf: Buffer, op: ReduceOpLike) -> Work:
         # A repeated all_reduce: its reducer and signature in one look-up (PREMUL_SUM,
         # whose factor may change per call, is planned every time).
-        key = (buf.dtype.name, buf.numel, op) if op.__class__ is ReduceOp else None
+        # (The op by name: an enum member's own hash is a Python-level call.)
+        key = (buf.dtype.name, buf.numel, op._name_) if op.__class__ is ReduceOp else None
         plan = self._plans.get(key) if key is not None else None
         if plan is None:
             red, scale = self._sum_of(op, buf)
