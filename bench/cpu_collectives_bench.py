@@ -15,6 +15,11 @@ Usage::
     python bench/cpu_collectives_bench.py --quick    # a few sizes, fewer iterations
     python bench/cpu_collectives_bench.py --ranks 4 --json results.json
     python bench/cpu_collectives_bench.py --transport tcp --skip mpi   # the TCP path
+    python bench/cpu_collectives_bench.py --load     # the sweep quiet, then beside busy processes
+
+``--load`` runs the whole sweep twice, every library each time: quiet, then with one
+busy process per core beside the ranks (an oversubscribed machine); it prints both
+tables and, per row and library, the loaded time over the quiet one.
 
 Anchors that are not installed (torch, mpirun + mpi4py) are skipped with a note.
 """
@@ -244,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transport", choices=("auto", "shm", "tcp"), default="auto",
                     help="gpucoll's CPU transport (GPUCOLL_CPU_TRANSPORT; default auto)")
     ap.add_argument("--json", default="", help="also write the raw results to this file")
+    ap.add_argument("--load", action="store_true",
+                    help="also run the sweep with one busy process per core beside the ranks")
     ap.add_argument("--worker", choices=("gloo", "mpi"), help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -262,18 +269,69 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(res))
         return 0
     skip = set(filter(None, args.skip.split(",")))
+    header = (f"{args.ranks} ranks, {os.cpu_count()} CPUs, gpucoll transport {args.transport}; time per op "
+              "(median of batches, slowest rank), busbw = algbw * 2(n-1)/n")
+    results = sweep(args, sizes, skip)
+    print(header)
+    print(report(results, args.ranks, sizes))
+    loaded: dict[str, Any] = {}
+    if args.load:
+        busy = start_load()
+        try:
+            loaded = sweep(args, sizes, skip)
+        finally:
+            stop_load(busy)
+        print(f"\nwith --load: {len(busy)} busy processes beside the ranks; " + header)
+        print(report(loaded, args.ranks, sizes))
+        print("\n" + load_report(results, loaded, sizes))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ranks": args.ranks, "sizes": sizes, "results": results, "loaded": loaded}, f, indent=1)
+    return 0
+
+
+def sweep(args: argparse.Namespace, sizes: list[int], skip: set[str]) -> dict[str, Any]:
+    """Every library's sweep, one after the other (so a noisy neighbour hurts them alike)."""
     results: dict[str, Any] = {}
-    # Interleave the libraries so that a noisy neighbour hurts them alike.
     results["gpucoll"] = run_gpucoll(args.ranks, args.quick, sizes, args.transport)
     results["gloo"] = "--skip given" if "gloo" in skip else run_gloo(args.ranks, args.quick, sizes)
     results["mpi"] = "--skip given" if "mpi" in skip else run_mpi(args.ranks, args.quick, sizes)
-    print(f"{args.ranks} ranks, {os.cpu_count()} CPUs, gpucoll transport {args.transport}; time per op (median of batches, slowest rank), "
-          "busbw = algbw * 2(n-1)/n")
-    print(report(results, args.ranks, sizes))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"ranks": args.ranks, "sizes": sizes, "results": results}, f, indent=1)
-    return 0
+    return results
+
+
+def start_load() -> list[subprocess.Popen[bytes]]:
+    """One busy (spinning) process per core this process may run on."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+
+
+def stop_load(busy: list[subprocess.Popen[bytes]]) -> None:
+    for p in busy:
+        p.kill()
+    for p in busy:
+        p.wait()
+
+
+def load_report(quiet: dict[str, Any], loaded: dict[str, Any], sizes: list[int]) -> str:
+    """Per row and library: the time with --load over the quiet time (lower is better)."""
+    names = [k for k in ("gpucoll", "gloo", "mpi") if isinstance(quiet.get(k), dict) and isinstance(loaded.get(k), dict)]
+    lines = ["| row (loaded / quiet time) | " + " | ".join(names) + " |", "|" + "---|" * (1 + len(names))]
+    rows: list[tuple[str, tuple[str, ...]]] = [(f"all_reduce {nb} B", ("all_reduce", str(nb))) for nb in sizes]
+    rows += [(row, (row,)) for row in ("all_gather_object", "barrier")]
+
+    def get(res: dict[str, Any], path: tuple[str, ...]) -> float:
+        v: Any = res
+        for part in path:
+            v = v[part]
+        return float(v)
+
+    for label, path in rows:
+        lines.append(f"| {label} | " + " | ".join(f"{get(loaded[k], path) / get(quiet[k], path):.2f}x"
+                                                 for k in names) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,13 @@ class _Entry:
         self.active_duration = work.active_duration
         self.error = None if exc is None else f"{type(exc).__name__}: {exc}"
 
+    def complete(self, active_duration: float) -> None:
+        """Mark the op completed ``active_duration`` seconds after it started (an op that
+        ran to its end on the issuing thread, with no Work)."""
+        self.state = "completed"
+        self.time_finished = self.time_started + active_duration
+        self.active_duration = active_duration
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "seq": self.seq, "op_type": self.op_type, "backend": self.backend,

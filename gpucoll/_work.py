@@ -61,6 +61,7 @@ class Work:
     # and every attribute set in __init__ costs the issuing thread.
     seq: int = 0
     group_name: str = ""
+    peer: int = -1  # a send's or recv's peer (group rank): a timeout names it
     time_finished: float | None = None
     active_duration: float | None = None
     _source_rank: int = -1

@@ -137,6 +137,25 @@ class ReducesInto(Protocol):
 
 
 @runtime_checkable
+class RunsNow(Protocol):
+    """A backend that can run a small synchronous op on the caller's thread without a
+    Work (the group's lean path, used when no hook needs one)."""
+
+    def all_reduce_now(self, buf: Buffer, op: ReduceOpLike) -> bool:
+        """All-reduce ``buf`` now and return True; False (nothing done) when other ops are
+        queued ahead of it or it is too large to run inline.
+
+        Raises:
+            DistBackendError: the op failed (the backend is then aborted, as for a Work).
+        """
+        ...
+
+    def barrier_now(self) -> bool:
+        """A barrier now (True), or False as :meth:`all_reduce_now`."""
+        ...
+
+
+@runtime_checkable
 class PollsPending(Backend, Protocol):
     """A backend that keeps its outstanding ops in issue order and lets the group's
     watchdog complete them, so that nothing is recorded per op."""

@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 
 from ..errors import DistBackendError
 
-__all__ = ["Fields", "SignatureMismatch", "signature", "encode", "decode", "describe"]
+__all__ = ["Fields", "SignatureMismatch", "signature", "encode", "decode", "describe", "find_mismatch"]
 
 Fields = Sequence[tuple[str, str]]
 _SEP, _EQ = "\x1f", "\x1e"
@@ -84,3 +84,15 @@ class SignatureMismatch(DistBackendError):
         self.peer = peer
         self.theirs = theirs
         self.mine = mine
+
+
+def find_mismatch(exc: BaseException) -> SignatureMismatch | None:
+    """The :class:`SignatureMismatch` in ``exc``'s cause/context chain, if any."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, SignatureMismatch):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None

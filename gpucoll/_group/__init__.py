@@ -2,8 +2,10 @@
 
 Layers, imports pointing down only (tests/api/test_layout.py checks for cycles):
 
-- ``group``: :class:`ProcessGroup`, one thin method per op;
-- ``core``: identity, dispatch, the one issue path (``_issue``/``_finish``), timeout, teardown;
+- ``group``: :class:`ProcessGroup`: identity, backends, dispatch, one thin method per op, teardown;
+- ``core``: the :class:`~.core.Issuer` a group holds: the one issue path (plans, sequence
+  numbers, flight recorder, hooks, timeout);
+- ``arglists``: checks of argument lists (one array per rank, splits, p2p ranks and tags);
 - ``coalescing``: ``coalescing()`` blocks and every rule about them;
 - ``barrier``: the monitored barrier;
 - ``checks``: the rank-independent checks and the group's dtype x op table;

@@ -1,63 +1,287 @@
 """ProcessGroup: a set of ranks that run collectives together.
 
-A group owns its store namespace, its backends, its watchdog and its flight
-recorder. Each call is dispatched by where its arrays live: host memory goes to
-the group's CPU backend, device memory to its NCCL backend (created on first
-device op unless ``device_id`` was given). Object collectives and barriers always
-use the CPU backend, so a group made for NCCL still has one (DESIGN.md,
-Multi-backend groups).
-
-Methods here take *group* ranks; the module-level functions in
-:mod:`gpucoll._collectives` take torch's global ``src``/``dst`` and translate.
-Every check that can be made locally (ranks in range, shapes and dtypes of
-outputs, split sizes, writability, op valid for the dtype) is made before the
-backend sees the call, with the same rules on every rank.
+A group owns its store namespace, its backends and its issuer (:mod:`.core`). Each
+call is dispatched by where its arrays live: host memory to the CPU backend, device
+memory to the NCCL backend (made on first device op unless ``device_id`` was given);
+object collectives and barriers always use the CPU backend (DESIGN.md, Multi-backend
+groups). Methods take *group* ranks (:mod:`gpucoll._collectives` translates torch's
+global ones). Every check that can be made locally is made before the backend sees
+the call, with the same rules on every rank; a repeated op finds them made in its plan.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 from .. import array as _array
 from ..array import ArrayLike
+from .._backends.base import Backend, ReducesInto, RunsNow
 from .._buffer import Buffer
 from .._reduce_op import ReduceOp, ReduceOpLike
 from .._timeouts import to_seconds
-from .._work import Work
+from .._work import Work, WorkInfo
+from ..errors import DistBackendError
+from ..store import PrefixStore, Store
+from .arglists import TAG_MAX, _a2a_lists, _check_chunked, _check_rank, _coalesced_lists
+from .arglists import _list_like, _p2p_check, _split_counts, _uneven_list
 from .barrier import monitored_barrier
-from .checks import _check_op, _real_view, _row_elems, _splits
-from .core import GroupCore
+from .checks import _check_op, _real_view
+from .coalescing import CoalescingManager, _not_coalescable
+from .core import Issuer, time_ops
+from .options import PGOptions
+from .registry import _BACKEND_GRACE_S, BACKENDS, backend_kwargs, make_device_backend, split_device_backend
 
 __all__ = ["ProcessGroup", "TAG_MAX"]
 
-TAG_MAX = 2**31 - 1
-"""The largest point-to-point tag (torch's tags are C ints; negative ones are refused)."""
 
 ArrayOrBuffer = Union[ArrayLike, Buffer]
 """What a ProcessGroup method takes: an :data:`~gpucoll.array.ArrayLike`, or a Buffer the
 library made already (functional passes those)."""
 
 
-class ProcessGroup(GroupCore):
+class ProcessGroup:
     """The ranks of one communicator, with torch's ``rank()``/``size()`` accessors.
 
     Made by :func:`gpucoll.init_process_group`, :func:`gpucoll.new_group` and
-    friends; not meant to be constructed directly. Its constructor, identity,
-    dispatch and issue path are :class:`~gpucoll._group.core.GroupCore`'s; the
-    collectives are here, one thin method each.
+    friends; not meant to be constructed directly. A group holds its store, its
+    backends and an :class:`~gpucoll._group.core.Issuer` (sequence numbers, flight
+    recorder, hooks, watchdog, timeout, plans); each op method checks its arguments,
+    picks the backend and hands the op to the issuer.
+
+    Args:
+        store: a store namespace private to this group.
+        rank: this process's rank in the group.
+        size: the group's size.
+        group_name: a name unique in the job (same on every member).
+        global_ranks: the members' ranks in the default group, in group-rank order.
+        timeout: seconds an op may take before the group is aborted.
+        backend: ``"cpu"`` or ``"nccl"``.
+        device_id: for NCCL groups, the CUDA device to bind now (else on first device op).
+        device_backend: for NCCL groups, a device backend already made for this group
+            (by :meth:`_split_device_backend` of its parent); used instead of a new one.
+        pg_options: the group's :class:`~gpucoll.NCCLOptions` / :class:`~gpucoll.CPUOptions`
+            (already coerced); kept as ``pg_options``.
     """
+
+    def __init__(self, store: Store, rank: int, size: int, *, group_name: str,
+                 global_ranks: Sequence[int], timeout: float, backend: str = "cpu",
+                 device_id: int | None = None, device_backend: Backend | None = None,
+                 group_desc: str = "", pg_options: PGOptions | None = None) -> None:
+        self._store = store
+        self.pg_options = pg_options
+        self.group_desc = group_desc
+        self._rank = rank
+        self._size = size
+        self.group_name = group_name
+        self.global_ranks: tuple[int, ...] = tuple(global_ranks)
+        self._to_group = {g: i for i, g in enumerate(self.global_ranks)}
+        self.timeout = timeout
+        self.backend_name = backend
+        self._backend_spelling = backend  # what get_backend() returns ("gloo" when created so)
+        self._device_id = device_id
+        self._destroyed = False
+        self._coalescing: CoalescingManager | None = None  # while a coalescing() block is open
+        self._split_count = 0
+        self._last_release: str | None = None  # monitored_barrier's key still to delete
+        self._monitored_seq = 0  # monitored barriers so far (p2p ops advance the sequence unevenly across ranks)
+        # A "fake" group's one backend serves host and device arrays alike (_backends/fake.py).
+        self._cpu: Backend = BACKENDS["fake" if backend == "fake" else "cpu"](PrefixStore("cpu", store), rank, size,
+                                             timeout=timeout + _BACKEND_GRACE_S, group_name=group_name,
+                                             device_id=None, **backend_kwargs(pg_options, "cpu"))
+        self._nccl: Backend | None = None
+        self._nccl_into: ReducesInto | None = None  # the device backend, if it reduces out of place
+        self._issuer = Issuer(group_name, self._label(), rank, self.global_ranks[rank], size, timeout,
+                              self._cpu, group_desc)
+        self._plans = self._issuer.plans  # the issuer's plan cache, looked up by the hot ops
+        self._barrier_now = self._cpu.barrier_now if isinstance(self._cpu, RunsNow) else None
+        self._watchdog, self._recorder = self._issuer.watchdog, self._issuer.recorder  # (debug tools read them)
+        # Bound to a device at creation on every rank: only then may new groups split
+        # its communicator (one made by a first device op might exist on some ranks
+        # and not yet on others when they create the next group).
+        self._bound = backend == "nccl" and (device_id is not None or device_backend is not None)
+        if device_backend is not None:
+            if backend != "nccl":
+                raise ValueError(f"group {group_name!r}: a device backend was given to a {backend} group")
+            self._set_device_backend(device_backend)
+            self._device_id = getattr(device_backend, "device", device_id)
+        elif backend == "nccl" and device_id is not None:
+            try:
+                self._set_device_backend(self._make_device_backend(device_id))
+            except BaseException:
+                self._issuer.stop()
+                self._cpu.shutdown()
+                raise
+
+    # ----- identity -----
+    def rank(self) -> int:
+        """This process's rank in the group."""
+        return self._rank
+
+    def size(self) -> int:
+        """Number of ranks in the group."""
+        return self._size
+
+    @property
+    def store(self) -> Store:
+        """The group's private store namespace."""
+        return self._store
+
+    def get_group_rank(self, global_rank: int, name: str = "global_rank") -> int:
+        """The group rank of a default-group rank.
+
+        Raises:
+            ValueError: ``global_rank`` is not a member of this group.
+        """
+        try:
+            return self._to_group[global_rank]
+        except (KeyError, TypeError):
+            raise ValueError(f"{name}={global_rank!r} is not a member of group {self.group_name!r} "
+                             f"(its global ranks: {list(self.global_ranks)})") from None
+
+    def get_global_rank(self, group_rank: int, name: str = "group_rank") -> int:
+        """The default-group rank of a group rank.
+
+        Raises:
+            ValueError: ``group_rank`` is out of range.
+        """
+        self._check_rank(group_rank, name)
+        return self.global_ranks[group_rank]
+
+    def __repr__(self) -> str:
+        state = " destroyed" if self._destroyed else ""
+        desc = f" desc={self.group_desc!r}" if self.group_desc else ""
+        return (f"<ProcessGroup {self.group_name!r}{desc} rank={self._rank}/{self._size} "
+                f"backend={self.backend_name}{state}>")
+
+    def _label(self) -> str:
+        """The group's name (and description) as errors show it."""
+        return f"{self.group_name!r} ({self.group_desc})" if self.group_desc else repr(self.group_name)
+
+    def get_sequence_number(self) -> int:
+        """The sequence number of the group's latest op (0 before any): every op a group
+        issues takes the next number, the same on every rank, so ranks whose numbers
+        differ have issued different numbers of ops. Also in errors, hooks' WorkInfo
+        and the flight recorder."""
+        return self._issuer.seq
+
+    # ----- hooks, flight recorder -----
+    def register_on_completion_hook(self, hook: Callable[[WorkInfo], None]) -> None:
+        """Call ``hook(info)`` after each op of this group completes.
+
+        Hooks run on the group's watchdog thread, never the caller's, in completion
+        order, with a :class:`~gpucoll._work.WorkInfo` (``op_type``, ``seq``,
+        ``time_started``, ``time_finished``, ``active_duration``, ...). A hook must
+        not block for long. A hook that raises is kept running; its first error is
+        raised by ``destroy_process_group`` (raising mid-job would desynchronise ranks).
+
+        Example:
+            >>> durations = []
+            >>> group.register_on_completion_hook(lambda info: durations.append(info.active_duration))
+        """
+        if not callable(hook):
+            raise TypeError(f"hook must be callable; got {type(hook).__name__}")
+        self._check_usable()
+        self._issuer.hooks.append(hook)
+        time_ops(self._nccl)  # a hook reads active_duration: the device backend times its ops
+
+    def dump_flight_recorder(self, path: str | None = None) -> str:
+        """Return the flight recorder's JSON (the group's last ops); also write it to ``path`` if given.
+
+        Raises:
+            RuntimeError: recording is off (``GPUCOLL_FLIGHT_RECORDER_SIZE=0``).
+        """
+        recorder = self._issuer.recorder
+        if recorder is None:
+            raise RuntimeError("the flight recorder is off (GPUCOLL_FLIGHT_RECORDER_SIZE=0)")
+        if path is not None:
+            recorder.dump(path, reason="on request")
+        return recorder.to_json(reason="on request")
+
+    # ----- dispatch and issue -----
+    def _check_usable(self) -> None:
+        if self._destroyed:
+            raise RuntimeError(f"process group {self.group_name!r} has been destroyed; "
+                               "create a new one to run collectives")
+
+    def _check_rank(self, r: Any, name: str) -> int:
+        return _check_rank(self._size, self.group_name, r, name)
+
+    def _backend_for(self, buf: Buffer, name: str) -> Backend:
+        if buf.device.type == "cpu" or self.backend_name == "fake":
+            return self._cpu
+        nccl = self._nccl
+        if nccl is None:
+            if self.backend_name != "nccl":
+                raise TypeError(
+                    f"{name} is a device array ({buf.device}) but group {self.group_name!r} uses the cpu "
+                    "backend, which moves host arrays only; use init_process_group('nccl') or "
+                    "new_group(backend='nccl') for device arrays")
+            nccl = self._set_device_backend(self._make_device_backend(buf.device.index))
+        elif buf.device.index != self._device_id:
+            raise ValueError(f"{name} is on {buf.device} but group {self.group_name!r} communicates "
+                             f"on cuda:{self._device_id}")
+        return nccl
+
+    def _make_device_backend(self, device_id: int) -> Backend:
+        self._device_id = device_id
+        return make_device_backend(self._store, self._rank, self._size, timeout=self.timeout,
+                                   group_name=self.group_name, device_id=device_id, pg_options=self.pg_options)
+
+    def _set_device_backend(self, backend: Backend) -> Backend:
+        self._issuer.forget_plans()  # a plan names its backend
+        self._nccl = time_ops(backend) if self._issuer.hooks else backend
+        self._nccl_into = backend if isinstance(backend, ReducesInto) else None
+        return backend
+
+    def _split_device_backend(self, members: Sequence[int] | None, color: int, *, store: Store,
+                              group_name: str, timeout: float,
+                              pg_options: PGOptions | None = None) -> Backend | None:
+        """The device backend of a new group carved out of this one with ``ncclCommSplit``
+        (:func:`~gpucoll._group.registry.split_device_backend`); None unless this group was
+        bound to a device at creation."""
+        if not self._bound:
+            return None
+        return split_device_backend(self._nccl, members, color, store=store, group_name=group_name,
+                                    timeout=timeout, pg_options=pg_options)
+
+    def _backend_for_all(self, bufs: Sequence[Buffer], names: Sequence[str]) -> Backend:
+        first = bufs[0]
+        for buf, name in zip(bufs[1:], names[1:]):
+            if buf.device != first.device:
+                raise TypeError(f"cannot mix memory kinds in one call: {names[0]} is on {first.device} "
+                                f"but {name} is on {buf.device}")
+        return self._backend_for(first, names[0])
+
+    def _issue(self, backend: Backend, start: Callable[[], Work], buf: Buffer | None,
+               outputs: list[Any], peer: int = -1, op: str = "", red: Any = None) -> Work:
+        return self._issuer.issue(backend, start, buf, outputs, peer, op, red)
+
+    def _finish(self, backend: Backend, work: Work, async_op: bool) -> Work | None:
+        return self._issuer.finish(backend, work, async_op, backend is not self._cpu)
+
     # ----- reductions -----
     def all_reduce(self, tensor: ArrayOrBuffer, op: ReduceOpLike = ReduceOp.SUM, async_op: bool = False) -> Work | None:
         """Reduce ``tensor`` across the group, in place on every rank."""
-        self._check_usable()
+        if self._destroyed:
+            self._check_usable()
         buf = _array.as_buffer(tensor, name="tensor", writable=True)
-        red = _check_op(op, buf.dtype)
-        if self._coalescing is not None:
-            return self._coalescing._defer(self, "all_reduce", red, ("tensor", buf, tensor), async_op)
-        backend = self._backend_for(buf, "tensor")
-        work = self._issue(backend, lambda: backend.all_reduce(buf, red), buf, [tensor], op="all_reduce", red=red)
-        return self._finish(backend, work, async_op)
+        # A repeated op's plan (its checks below passed); strs and ints in the key hash in C.
+        key = ("all_reduce", buf.dtype.name, buf.shape, buf.device.type, buf.device.index, op._name_) \
+            if op.__class__ is ReduceOp else None
+        plan = self._plans.get(key) if key is not None and self._coalescing is None else None
+        if plan is None:
+            red = _check_op(op, buf.dtype)
+            if self._coalescing is not None:
+                return self._coalescing._defer(self, "all_reduce", red, ("tensor", buf, tensor), async_op)
+            backend = self._backend_for(buf, "tensor")
+            plan = self._issuer.plan(key, backend, red, backend is not self._cpu)
+        backend, red, issuer, now = plan.backend, plan.red, self._issuer, plan.now
+        if now is not None and not async_op and not issuer.hooks and not issuer.debug_detail:  # no Work
+            return issuer.run_now(backend, lambda: now(buf, red), buf, "all_reduce",
+                                  lambda: backend.all_reduce(buf, red), [tensor])
+        work = issuer.issue(backend, lambda: backend.all_reduce(buf, red), buf, [tensor], op="all_reduce", red=red)
+        return issuer.finish(backend, work, async_op, plan.device)
 
     def _all_reduce_into(self, output: Any, input: Any, op: Any = ReduceOp.SUM,
                          async_op: bool = False) -> Work | None:
@@ -87,7 +311,7 @@ class ProcessGroup(GroupCore):
         """All-reduce several arrays as one op."""
         self._check_usable()
         if self._coalescing is not None:
-            self._not_coalescable("all_reduce_coalesced")
+            _not_coalescable("all_reduce_coalesced")
         names = [f"tensors[{i}]" for i in range(len(tensors))]
         if not names:
             raise ValueError("tensors must contain at least one array")
@@ -103,7 +327,7 @@ class ProcessGroup(GroupCore):
         """Reduce ``tensor`` into rank ``dst``'s (group rank) copy."""
         self._check_usable()
         if self._coalescing is not None:
-            self._not_coalescable("reduce")
+            _not_coalescable("reduce")
         self._check_rank(dst, "group_dst")
         buf = _array.as_buffer(tensor, name="tensor", writable=True)
         red = _check_op(op, buf.dtype)
@@ -119,9 +343,9 @@ class ProcessGroup(GroupCore):
         same on every rank; ``input_list[rank]`` must be laid out like ``output``."""
         self._check_usable()
         if self._coalescing is not None:
-            self._not_coalescable("reduce_scatter")
+            _not_coalescable("reduce_scatter")
         out = _array.as_buffer(output, name="output", writable=True)
-        ins = self._uneven_list(input_list, "input_list", out, "output")
+        ins = _uneven_list(self, input_list, "input_list", out, "output")
         red = _check_op(op, out.dtype)
         backend = self._backend_for_all([out, *ins], ["output"] + [f"input_list[{i}]" for i in range(len(ins))])
         work = self._issue(backend, lambda: backend.reduce_scatter(out, ins, red), out, [output], op="reduce_scatter",
@@ -134,7 +358,7 @@ class ProcessGroup(GroupCore):
         self._check_usable()
         out = _array.as_buffer(output, name="output", writable=True)
         inp = _array.as_buffer(input, name="input")
-        self._check_chunked(inp, out, "input", "output")
+        _check_chunked(self, inp, out, "input", "output")
         red = _check_op(op, out.dtype)
         if self._coalescing is not None:
             return self._coalescing._defer(self, "reduce_scatter_single", red,
@@ -149,20 +373,25 @@ class ProcessGroup(GroupCore):
         """Copy ``tensor`` from group rank ``src`` to every rank."""
         self._check_usable()
         if self._coalescing is not None:
-            self._not_coalescable("broadcast")
+            _not_coalescable("broadcast")
         self._check_rank(src, "group_src")
         buf = _array.as_buffer(tensor, name="tensor", writable=True)
-        backend = self._backend_for(buf, "tensor")
-        work = self._issue(backend, lambda: backend.broadcast(buf, src), buf, [tensor], src, op="broadcast")
-        return self._finish(backend, work, async_op)
+        key = ("broadcast", buf.dtype.name, buf.shape, buf.device.type, buf.device.index, src)
+        plan = self._plans.get(key)
+        if plan is None:
+            backend = self._backend_for(buf, "tensor")
+            plan = self._issuer.plan(key, backend, None, backend is not self._cpu)
+        backend = plan.backend
+        work = self._issuer.issue(backend, lambda: backend.broadcast(buf, src), buf, [tensor], src, op="broadcast")
+        return self._issuer.finish(backend, work, async_op, plan.device)
 
     def all_gather(self, tensor_list: Sequence[ArrayOrBuffer], tensor: ArrayOrBuffer, async_op: bool = False) -> Work | None:
         """Gather every rank's ``tensor`` into ``tensor_list`` (one array per rank) on every rank."""
         self._check_usable()
         if self._coalescing is not None:
-            self._not_coalescable("all_gather")
+            _not_coalescable("all_gather")
         inp = _array.as_buffer(tensor, name="tensor")
-        outs = self._list_like(tensor_list, "tensor_list", inp, "tensor", writable=True, views=True)
+        outs = _list_like(self, tensor_list, "tensor_list", inp, "tensor", writable=True, views=True)
         inp = _real_view(inp)
         backend = self._backend_for_all([inp, *outs], ["tensor"] + [f"tensor_list[{i}]" for i in range(len(outs))])
         work = self._issue(backend, lambda: backend.all_gather(outs, inp), inp, list(tensor_list), op="all_gather")
@@ -173,7 +402,7 @@ class ProcessGroup(GroupCore):
         self._check_usable()
         out = _array.as_buffer(output, name="output_tensor", writable=True)
         inp = _array.as_buffer(input, name="input_tensor")
-        self._check_chunked(out, inp, "output_tensor", "input_tensor")
+        _check_chunked(self, out, inp, "output_tensor", "input_tensor")
         if self._coalescing is not None:
             return self._coalescing._defer(self, "all_gather_single", None,
                                            ("output_tensor", out, output, inp), async_op)
@@ -187,23 +416,8 @@ class ProcessGroup(GroupCore):
         (torch's layout: one list per rank, each with one array per input)."""
         self._check_usable()
         if self._coalescing is not None:
-            self._not_coalescable("all_gather_coalesced")
-        if isinstance(input_list, (str, bytes)) or not hasattr(input_list, "__len__") or not input_list:
-            raise ValueError("input_tensor_list must be a non-empty list of arrays")
-        if isinstance(output_lists, (str, bytes)) or not hasattr(output_lists, "__len__") \
-                or len(output_lists) != self._size:
-            got = len(output_lists) if hasattr(output_lists, "__len__") else type(output_lists).__name__
-            raise ValueError(f"output_tensor_lists must have {self._size} lists (one per rank of group "
-                             f"{self.group_name!r}), each with one array per input; got {got}")
-        ins = [_array.as_buffer(t, name=f"input_tensor_list[{k}]") for k, t in enumerate(input_list)]
-        for r, row in enumerate(output_lists):
-            if isinstance(row, (str, bytes)) or not hasattr(row, "__len__") or len(row) != len(ins):
-                got = len(row) if hasattr(row, "__len__") else type(row).__name__
-                raise ValueError(f"output_tensor_lists[{r}] must have {len(ins)} arrays (one per input); got {got}")
-        # The backends take the outputs per input (outs[k][r]): the transpose of torch's layout.
-        outs = [self._list_like([output_lists[r][k] for r in range(self._size)],
-                                f"output_tensor_lists[*][{k}]", ins[k], f"input_tensor_list[{k}]",
-                                writable=True, views=True) for k in range(len(ins))]
+            _not_coalescable("all_gather_coalesced")
+        ins, outs = _coalesced_lists(self, output_lists, input_list)
         ins = [_real_view(b) for b in ins]
         flat = ins + [b for row in outs for b in row]
         names = [f"input_tensor_list[{k}]" for k in range(len(ins))] + \
@@ -218,7 +432,7 @@ class ProcessGroup(GroupCore):
         """Gather every rank's ``tensor`` into ``gather_list`` on group rank ``dst``."""
         self._check_usable()
         if self._coalescing is not None:
-            self._not_coalescable("gather")
+            _not_coalescable("gather")
         self._check_rank(dst, "group_dst")
         inp = _array.as_buffer(tensor, name="tensor")
         outs: list[Buffer] | None = None
@@ -226,7 +440,7 @@ class ProcessGroup(GroupCore):
             if not gather_list:
                 raise ValueError(f"gather_list is required on the destination rank {dst} "
                                  f"({self._size} arrays shaped like tensor)")
-            outs = self._list_like(gather_list, "gather_list", inp, "tensor", writable=True, views=True)
+            outs = _list_like(self, gather_list, "gather_list", inp, "tensor", writable=True, views=True)
         elif gather_list:
             raise ValueError(f"gather_list must not be given on a non-destination rank (this is rank "
                              f"{self._rank}, dst is {dst})")
@@ -241,7 +455,7 @@ class ProcessGroup(GroupCore):
         """Send ``scatter_list[i]`` from group rank ``src`` into rank i's ``tensor``."""
         self._check_usable()
         if self._coalescing is not None:
-            self._not_coalescable("scatter")
+            _not_coalescable("scatter")
         self._check_rank(src, "group_src")
         out = _array.as_buffer(tensor, name="tensor", writable=True)
         ins: list[Buffer] | None = None
@@ -249,7 +463,7 @@ class ProcessGroup(GroupCore):
             if not scatter_list:
                 raise ValueError(f"scatter_list is required on the source rank {src} "
                                  f"({self._size} arrays shaped like tensor)")
-            ins = self._list_like(scatter_list, "scatter_list", out, "tensor", writable=False, views=True)
+            ins = _list_like(self, scatter_list, "scatter_list", out, "tensor", writable=False, views=True)
         elif scatter_list:
             raise ValueError(f"scatter_list must not be given on a non-source rank (this is rank "
                              f"{self._rank}, src is {src})")
@@ -263,18 +477,8 @@ class ProcessGroup(GroupCore):
         """Rank i sends ``input_list[j]`` to rank j, which receives it in ``output_list[i]``."""
         self._check_usable()
         if self._coalescing is not None:
-            self._not_coalescable("all_to_all")
-        for lst, name in ((output_list, "output_tensor_list"), (input_list, "input_tensor_list")):
-            if len(lst) != self._size:
-                raise ValueError(f"{name} must have {self._size} arrays (one per rank); got {len(lst)}")
-        outs = [_array.as_buffer(t, name=f"output_tensor_list[{i}]", writable=True) for i, t in enumerate(output_list)]
-        ins = [_array.as_buffer(t, name=f"input_tensor_list[{i}]") for i, t in enumerate(input_list)]
-        for i, b in enumerate(outs + ins):
-            if b.dtype != ins[0].dtype:
-                raise ValueError(f"all arrays of all_to_all must share one dtype; got {b.dtype.name} "
-                                f"and {ins[0].dtype.name}")
-        names = [f"output_tensor_list[{i}]" for i in range(len(outs))] + \
-                [f"input_tensor_list[{i}]" for i in range(len(ins))]
+            _not_coalescable("all_to_all")
+        outs, ins, names = _a2a_lists(self, output_list, input_list)
         backend = self._backend_for_all(outs + ins, names)
         work = self._issue(backend, lambda: backend.all_to_all(outs, ins), ins[0], list(output_list),
                            op="all_to_all")
@@ -287,19 +491,8 @@ class ProcessGroup(GroupCore):
         concatenate what arrives in ``output`` (``output_split_sizes`` rows from each rank)."""
         self._check_usable()
         if self._coalescing is not None:
-            self._not_coalescable("all_to_all_single")
-        out = _array.as_buffer(output, name="output", writable=True)
-        inp = _array.as_buffer(input, name="input")
-        if out.dtype != inp.dtype:
-            raise ValueError(f"output has dtype {out.dtype.name} but input has {inp.dtype.name}; they must match")
-        row_out, row_in = _row_elems(out, "output"), _row_elems(inp, "input")
-        if row_out != row_in:
-            raise ValueError(f"output rows (shape {out.shape}) and input rows (shape {inp.shape}) must have "
-                             "the same number of elements")
-        out_rows = _splits(output_split_sizes, out.shape[0], self._size, "output_split_sizes", "output")
-        in_rows = _splits(input_split_sizes, inp.shape[0], self._size, "input_split_sizes", "input")
-        out_counts = [r * row_out for r in out_rows]
-        in_counts = [r * row_in for r in in_rows]
+            _not_coalescable("all_to_all_single")
+        out, inp, out_counts, in_counts = _split_counts(self, output, input, output_split_sizes, input_split_sizes)
         backend = self._backend_for_all([out, inp], ["output", "input"])
         work = self._issue(backend, lambda: backend.all_to_all_single(out, inp, out_counts, in_counts), inp,
                            [output], op="all_to_all_single")
@@ -309,7 +502,7 @@ class ProcessGroup(GroupCore):
     def send(self, tensor: ArrayOrBuffer, dst: int, tag: int = 0, async_op: bool = True) -> Work:
         """Send ``tensor`` to group rank ``dst``; returns its Work (completed unless ``async_op``)."""
         self._check_usable()
-        buf = self._p2p_check(tensor, dst, tag, "group_dst", writable=False)
+        buf = _p2p_check(self, tensor, dst, tag, "group_dst", writable=False)
         if self._coalescing is not None:
             return self._coalescing._defer_p2p(self, ("send", buf, tensor, dst, tag))
         backend = self._backend_for(buf, "tensor")
@@ -321,7 +514,7 @@ class ProcessGroup(GroupCore):
         """Receive into ``tensor`` from group rank ``src`` (None: any rank); returns its Work
         (completed unless ``async_op``; ``work.source_rank()`` names the sender)."""
         self._check_usable()
-        buf = self._p2p_check(tensor, src, tag, "group_src", writable=True)
+        buf = _p2p_check(self, tensor, src, tag, "group_src", writable=True)
         if self._coalescing is not None:
             if src is None:
                 raise ValueError("recv from any source (src=None) cannot run inside gpucoll.coalescing()")
@@ -336,10 +529,10 @@ class ProcessGroup(GroupCore):
         """Post ``(kind, array, group peer, tag)`` sends/receives together; one Work for all."""
         self._check_usable()
         if self._coalescing is not None:
-            self._not_coalescable("batch_isend_irecv")
+            _not_coalescable("batch_isend_irecv")
         if not ops:
             raise ValueError("p2p_op_list must not be empty")
-        bufs = [self._p2p_check(t, peer, tag, "peer", writable=(kind == "recv")) for kind, t, peer, tag in ops]
+        bufs = [_p2p_check(self, t, peer, tag, "peer", writable=(kind == "recv")) for kind, t, peer, tag in ops]
         backend = self._backend_for_all(bufs, [f"p2p_op_list[{i}].tensor" for i in range(len(bufs))])
         batch = [(kind, b, peer, tag) for (kind, _, peer, tag), b in zip(ops, bufs)]
         outputs = [t for kind, t, _, _ in ops if kind == "recv"]
@@ -347,26 +540,17 @@ class ProcessGroup(GroupCore):
         self._finish(backend, work, True)
         return work
 
-    def _p2p_check(self, tensor: Any, peer: int | None, tag: int, name: str, writable: bool) -> Buffer:
-        if peer is not None:
-            self._check_rank(peer, name)
-            if peer == self._rank:
-                raise ValueError(f"{name}={peer} is this rank itself; send/recv need another rank")
-        if isinstance(tag, bool) or not isinstance(tag, int):
-            raise TypeError(f"tag must be an int; got {type(tag).__name__} {tag!r}")
-        if not 0 <= tag <= TAG_MAX:
-            raise ValueError(f"tag={tag} is out of range: a tag must be in [0, {TAG_MAX}] (a C int, as torch's)")
-        return _array.as_buffer(tensor, name="tensor", writable=writable)
-
     # ----- control -----
     def barrier(self, async_op: bool = False) -> Work | None:
         """Block until every rank of the group has called barrier (host-side; CPU backend)."""
         self._check_usable()
         if self._coalescing is not None:
-            self._not_coalescable("barrier")
-        backend = self._cpu
-        work = self._issue(backend, backend.barrier, None, [])
-        return self._finish(backend, work, async_op)
+            _not_coalescable("barrier")
+        backend, issuer, now = self._cpu, self._issuer, self._barrier_now
+        if now is not None and not async_op and not issuer.hooks and not issuer.debug_detail:
+            return issuer.run_now(backend, now, None, "barrier", backend.barrier, [])
+        work = issuer.issue(backend, backend.barrier, None, [])
+        return issuer.finish(backend, work, async_op, False)
 
     def monitored_barrier(self, timeout: float | timedelta | None = None, wait_all_ranks: bool = False) -> None:
         """A barrier through the store that names the ranks that did not arrive.
@@ -382,12 +566,35 @@ class ProcessGroup(GroupCore):
         """
         self._check_usable()
         if self._coalescing is not None:
-            self._not_coalescable("monitored_barrier")
+            _not_coalescable("monitored_barrier")
         seconds = to_seconds(timeout, default=self.timeout, allow_zero=True)
-        self._seq += 1
+        self._issuer.seq += 1
         self._monitored_seq += 1
         if self.backend_name == "fake":
             return  # no other rank exists to wait for
         self._last_release = monitored_barrier(self._store, self._rank, self._size, self._monitored_seq,
                                                self.group_name, seconds, wait_all_ranks, self._last_release,
                                                getattr(self._cpu, "peer_gone", lambda peer: None))
+
+    # ----- teardown -----
+    def _destroy(self) -> None:
+        """Shut down the group's backends and watchdog; later calls raise RuntimeError."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        errors: list[BaseException] = []
+        for backend in (self._nccl, self._cpu):
+            if backend is not None:
+                try:
+                    backend.shutdown()
+                except Exception as exc:
+                    errors.append(exc)
+        hook_errors = self._issuer.stop()
+        if hook_errors:
+            hook, hook_exc = hook_errors[0]
+            raise RuntimeError(f"a completion hook of group {self.group_name!r} raised "
+                               f"({len(hook_errors)} time(s)); first: {hook!r}: {hook_exc!r}") from hook_exc
+        if errors:
+            raise DistBackendError(f"shutting down group {self.group_name!r} failed: {errors[0]}") from errors[0]
+
+

@@ -131,9 +131,27 @@ def make_device_backend(store: Store, rank: int, size: int, *, timeout: float, g
 def split_device_backend(parent: Backend | None, members: Sequence[int] | None, color: int, *,
                          store: Store, group_name: str, timeout: float,
                          pg_options: PGOptions | None = None) -> Backend | None:
-    """The device backend of a new group carved out of ``parent``'s communicator
-    (see ``ProcessGroup._split_device_backend``); None where ``parent`` cannot split.
-    ``pg_options``: the new group's."""
+    """The device backend of a new group carved out of ``parent``'s communicator with
+    ``ncclCommSplit`` (``ProcessGroup._split_device_backend`` calls it for groups bound
+    to a device at creation).
+
+    Every rank of the parent group must call it for each new group, in the same order,
+    members or not, whenever the parent's device backend can split (see
+    ``NCCLBackend.can_split``): NCCL's split is a collective of the parent
+    communicator.
+
+    Args:
+        members: the new group's members as ranks of the parent, in its rank order;
+            None on a rank that joins no new group in this call.
+        color: tells apart the disjoint groups one call makes (split_group).
+        store: the new group's store (the one its ProcessGroup gets).
+        group_name, timeout, pg_options: the new group's.
+
+    Returns:
+        The new group's device backend on members; None on non-members, and
+        wherever no split is possible (a cpu group, an NCCL without ncclCommSplit):
+        the new group then makes its own communicator.
+    """
     if not isinstance(parent, SplitsCommunicator) or not parent.can_split:
         return None
     return parent.split(members, color=color, store=PrefixStore("nccl", store), group_name=group_name,

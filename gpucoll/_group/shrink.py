@@ -70,9 +70,9 @@ def abort_group(pg: ProcessGroup, reason: str, *, keep_device: bool = False) -> 
     ``reason``; its CPU transport (sockets, shared memory) is released. With
     ``keep_device`` the device backend is left running for ``ncclCommShrink`` (the
     caller shuts it down after). Never raises; bounded by the backends' own unwinding."""
-    with pg._abort_lock:
-        if pg._abort_reason is None:
-            pg._abort_reason = reason
+    with pg._issuer.abort_lock:
+        if pg._issuer.abort_reason is None:
+            pg._issuer.abort_reason = reason
     backends = [pg._cpu] if keep_device else [pg._nccl, pg._cpu]
     for backend in backends:
         if backend is not None:

@@ -508,23 +508,11 @@ def _remove_stale_scratch() -> None:
 
 
 def _remove_rank_segments(pids: list[int]) -> None:
-    """Unlink the CPU backend's shared-memory segments named after the (dead) ranks.
+    """Unlink the CPU backend's shared-memory segments the (exited) ranks created: a
+    rank killed before every peer mapped its segment leaves it in /dev/shm."""
+    from .._backends.cpu.segments import remove_segments_of
 
-    A group's first rank unlinks its segment once every rank has mapped it; a rank
-    killed before that leaves it in /dev/shm, named ``gpucoll-<its pid>-<hex>``.
-    """
-    wanted = {str(p) for p in pids}
-    try:
-        names = os.listdir("/dev/shm")
-    except OSError:
-        return
-    for name in names:
-        parts = name.split("-")
-        if len(parts) == 3 and parts[0] == "gpucoll" and parts[1] in wanted:
-            try:
-                os.unlink(os.path.join("/dev/shm", name))
-            except OSError:
-                pass
+    remove_segments_of(pids)
 
 
 def _killpg(pgid: int, sig: signal.Signals) -> None:

@@ -188,3 +188,45 @@ def test_the_wheel_ships_every_module_and_the_kernels(tmp_path: pathlib.Path) ->
     assert any(n.endswith(".cu") for n in expected)
     missing = expected - names
     assert not missing, f"the wheel lacks {sorted(missing)}"
+
+
+def _borrowed_bases(module_name: str) -> list[str]:
+    """Classes of ``module_name`` that inherit implementation from a class of another
+    gpucoll module (Protocols and errors are fine: they give a type, not state or code)."""
+    module = importlib.import_module(module_name)
+    found = []
+    for obj in vars(module).values():
+        if not isinstance(obj, type) or obj.__module__ != module_name:
+            continue
+        for base in obj.__bases__:
+            home = base.__module__
+            if home == module_name or not home.startswith("gpucoll"):
+                continue
+            if getattr(base, "_is_protocol", False) or issubclass(base, BaseException):
+                continue
+            found.append(f"{module_name}.{obj.__name__}({home}.{base.__name__})")
+    return found
+
+
+def test_the_group_composes_rather_than_inherits() -> None:
+    """One object's state in one place (docs/design.md): a ProcessGroup holds its issuer;
+    no class of gpucoll._group is spread over mix-in bases in other modules."""
+    names = [m for m in all_modules() if m.startswith("gpucoll._group.") or m == "gpucoll._group"]
+    assert "gpucoll._group.group" in names and "gpucoll._group.core" in names
+    borrowed = [b for m in names for b in _borrowed_bases(m)]
+    assert not borrowed, f"classes built on another module's mix-in: {borrowed}"
+    from gpucoll._group.core import Issuer
+    from gpucoll._group.group import ProcessGroup
+
+    assert ProcessGroup.__bases__ == (object,)
+    assert "_issue" not in vars(Issuer) and "issue" in vars(Issuer)
+
+
+def test_the_composition_rule_catches_a_mixin(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check above is not vacuous: a class over another gpucoll module's class is found."""
+    pkg = tmp_path / "gpucoll_probe"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "mixed.py").write_text("from gpucoll._group.core import Issuer\n\n\nclass Mixed(Issuer):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert _borrowed_bases("gpucoll_probe.mixed") == ["gpucoll_probe.mixed.Mixed(gpucoll._group.core.Issuer)"]

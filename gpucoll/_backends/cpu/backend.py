@@ -25,15 +25,17 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..._buffer import Buffer
+from ..._debug import DebugLevel, get_debug_level
 from ...errors import DistBackendError, DistError
 from ..._reduce_op import PremulSum, ReduceOp, ReduceOpLike
 from ..._work import Work
 from ...store.base import Store
-from .reduce import Array, Reducer, as_array, as_bytes, make_reducer
+from .reduce import Array, Reducer, as_array, as_bytes, make_reducer, op_key, sig_op, split_counts
 from .auth import host_id
 from .tcp import KIND_P2P, Recv, TcpMesh, local_address
-from ..mismatch import Fields, SignatureMismatch, decode, describe, encode, signature
-from .tcp_algos import Ctx, TcpCollectives
+from ..mismatch import find_mismatch
+from .signatures import Signatures
+from .tcp_algos import Ctx, TcpCollectives, op_label
 
 __all__ = ["CPUBackend", "host_id"]
 
@@ -94,8 +96,9 @@ class CPUBackend:
         self.group_name = group_name
         self._seq = 0
         self._p2p_seq = 0
-        self._cv = threading.Condition()
-        self._queue: deque[tuple[Work, Callable[[Ctx], None], str, int]] = deque()
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._queue: deque[tuple[Work, Callable[[Ctx], None], int, int]] = deque()
         self._busy = False
         self._worker_idle = False
         self._waiters = 0  # threads in shutdown() waiting for the queue to drain
@@ -105,8 +108,11 @@ class CPUBackend:
         self._error: DistBackendError | None = None
         self._closed = False
         self._store = store
-        self._sigs: dict[int, Fields] = {}  # signatures published (see _publish)
-        self._sig_of: dict[tuple[object, ...], int] = {}  # an op's kind and fields -> its signature
+        self._detail = get_debug_level() >= DebugLevel.DETAIL
+        self._signatures = Signatures(store, rank, size, self.timeout)  # readable mismatch errors
+        self._sig = self._signatures.of
+        self._plans: dict[Any, tuple[Any, Any, int]] = {}
+        self._barrier_sig = 0  # all_reduce: (dtype, count, op) -> its plan
         source = "transport" if transport is not None else TRANSPORT_ENV
         mode = (transport if transport is not None else os.environ.get(TRANSPORT_ENV, "auto")).strip().lower()
         mode = mode or "auto"
@@ -157,18 +163,18 @@ class CPUBackend:
         return w
 
     def _submit(self, work: Work, fn: Callable[[Ctx], None], nbytes: int, sig: int) -> Work:
-        # The op's name for errors, fixed now: the ProcessGroup renumbers work.seq later.
-        name = f"{work.op_type} (CPU op #{work.seq}) on group {self.group_name!r}"
-        with self._cv:
+        # The op's number for errors, fixed now: the ProcessGroup renumbers work.seq later.
+        seq = work.seq
+        with self._lock:  # the Condition's own lock: entered without the Condition's Python layer
             if self._error is not None or self._closed:
                 err = self._error or DistBackendError(f"group {self.group_name!r}: the CPU backend was shut down")
-                work._set_exception(DistBackendError(f"{name}: {err}"))
+                work._set_exception(DistBackendError(f"{op_label(work.op_type, seq, self.group_name)}: {err}"))
                 return work
             inline = not self._busy and not self._queue and nbytes <= INLINE_MAX
             if inline:
                 self._busy = True
             else:
-                self._queue.append((work, fn, name, sig))
+                self._queue.append((work, fn, seq, sig))
                 if self._worker is None:
                     self._worker = threading.Thread(target=self._work_loop, daemon=True,
                                                     name=f"gpucoll-cpu-{self.group_name}-r{self.rank}")
@@ -177,9 +183,9 @@ class CPUBackend:
                     self._cv.notify_all()
         if inline:
             try:
-                self._run(work, fn, name, sig)
+                self._run(work, fn, seq, sig)
             finally:
-                with self._cv:
+                with self._lock:
                     self._busy = False
                     if self._queue or self._waiters:
                         self._cv.notify_all()
@@ -194,38 +200,84 @@ class CPUBackend:
                 self._worker_idle = False
                 if not self._queue:
                     return
-                work, fn, name, sig = self._queue.popleft()
+                work, fn, seq, sig = self._queue.popleft()
                 self._busy = True
             try:
-                self._run(work, fn, name, sig)
+                self._run(work, fn, seq, sig)
             finally:
                 with self._cv:
                     self._busy = False
                     if self._waiters:
                         self._cv.notify_all()
 
-    def _run(self, work: Work, fn: Callable[[Ctx], None], name: str, sig: int) -> None:
-        ctx = Ctx(work.seq, time.monotonic() + self.timeout, name, sig, self._check)
+    def _run(self, work: Work, fn: Callable[[Ctx], None], seq: int, sig: int) -> None:
         t0 = time.perf_counter()
+        ctx = Ctx(seq, time.monotonic() + self.timeout, sig, self._check, work.op_type, self.group_name)
         try:
             if self._error is not None:
                 raise self._error
             fn(ctx)
         except BaseException as exc:
-            err = exc if isinstance(exc, DistError) else DistBackendError(f"{type(exc).__name__}: {exc}")
-            mismatch = _find_mismatch(exc)
-            if mismatch is not None:
-                err = self._reworded(mismatch)
-            wrapped = DistBackendError(f"{name} failed: {err}")
-            wrapped.__cause__ = exc
-            # A collective that failed half-way leaves peers at different points of the
-            # protocol: the group cannot be trusted with another op.
-            self.abort(f"group {self.group_name!r} is unusable: {name} failed: {err}")
-            work._set_exception(wrapped)
+            work._set_exception(self._failed(exc, ctx.name))
             if not isinstance(exc, Exception):
                 raise
             return
         work._set_result(active_duration=time.perf_counter() - t0)
+
+    def _now(self, op_type: str, fn: Callable[[Ctx], None], sig: int) -> bool:
+        """Run a small op on this thread now, without a Work, if nothing is queued ahead
+        of it (the issue order holds); False (nothing done) otherwise."""
+        with self._lock:
+            if self._busy or self._queue or self._error is not None or self._closed:
+                return False
+            self._busy = True
+        try:
+            self._seq += 1
+            ctx = Ctx(self._seq, time.monotonic() + self.timeout, sig, self._check, op_type, self.group_name)
+            try:
+                fn(ctx)
+            except BaseException as exc:
+                err = self._failed(exc, ctx.name)
+                if not isinstance(exc, Exception):
+                    raise
+                raise err  # its cause, if any, was set by _failed
+        finally:
+            with self._lock:
+                self._busy = False
+                if self._queue or self._waiters:
+                    self._cv.notify_all()
+        return True
+
+    def all_reduce_now(self, buf: Buffer, op: ReduceOpLike) -> bool:
+        """:meth:`all_reduce` on this thread now, with no Work (see ``RunsNow``)."""
+        plan = self._plans.get((buf.dtype.name, buf.numel, op._name_)) if op.__class__ is ReduceOp else None
+        if plan is None or plan[1] is not None or buf.nbytes > INLINE_MAX:
+            return False  # first of its kind, or PREMUL_SUM, or large: the Work path
+        x, red, coll = self._arr(buf), plan[0], self._coll
+        return self._now("all_reduce", lambda c: coll.all_reduce(c, x, red), plan[2])
+
+    def barrier_now(self) -> bool:
+        """:meth:`barrier` on this thread now, with no Work (see ``RunsNow``)."""
+        return self._barrier_sig != 0 and self._now("barrier", self._coll.barrier, self._barrier_sig)
+
+    def _failed(self, exc: BaseException, name: str) -> DistBackendError:
+        """The error an op that raised ``exc`` fails with; the backend is aborted."""
+        err = exc if isinstance(exc, DistError) else DistBackendError(f"{type(exc).__name__}: {exc}")
+        mismatch = find_mismatch(exc)
+        if mismatch is not None:
+            err = self._signatures.reworded(mismatch)
+        wrapped = DistBackendError(f"{name} failed: {err}")
+        # Our own errors say everything in their message; their frames are the
+        # transport's. Chain them only under GPUCOLL_DEBUG=DETAIL; a foreign error
+        # (a bug, an OSError) is always chained, as at every boundary.
+        if self._detail or not isinstance(exc, DistError):
+            wrapped.__cause__ = exc
+        else:
+            wrapped.__suppress_context__ = True
+        # A collective that failed half-way leaves peers at different points of the
+        # protocol: the group cannot be trusted with another op.
+        self.abort(f"group {self.group_name!r} is unusable: {name} failed: {err}")
+        return wrapped
 
     def _check(self) -> None:
         if self._error is not None:
@@ -246,6 +298,8 @@ class CPUBackend:
         waits = list(self._mesh.stalled())
         seg = getattr(self._coll, "seg", None)
         peer = getattr(seg, "waiting_for", None)
+        if peer is None:
+            peer = getattr(seg, "timed_out_on", None)  # an op on this thread ran out of time on it
         if peer is not None:
             waits.insert(0, f"rank {peer} (shared-memory progress)")
         return "; ".join(dict.fromkeys(waits))
@@ -254,48 +308,11 @@ class CPUBackend:
                     **fields: object) -> Work:
         """Submit a collective; ``fields`` (dtype, count, root, reduce op, sizes...) are what
         every rank must agree on: their digest is compared across ranks by the transport."""
-        # A repeated op finds its signature (digested and published the first time) in
-        # one dict look-up: no digest and no store access per op.
-        key = (op_type, *fields.items())
-        sig = self._sig_of.get(key)
-        if sig is None:
-            named = [("op", op_type)] + [(k.replace("_", " "), _text(v)) for k, v in fields.items() if v is not None]
-            sig = signature(named)
-            if sig not in self._sigs and self.size > 1:
-                self._publish(sig, named)
-            if len(self._sig_of) >= _SIG_CACHE:
-                self._sig_of.clear()  # bounded: a job with this many distinct ops recomputes some
-            self._sig_of[key] = sig
+        sig = self._sig(op_type, fields)
         return self._submit(self._work(op_type, bufs), body, sum(b.nbytes for b in bufs), sig)
 
-    # ----- the signature registry: readable mismatch errors -----
-    def _publish(self, sig: int, fields: Fields) -> None:
-        """Publish an op's fields under its signature, once per distinct signature (the
-        first op of each kind, dtype and size), before any peer can see the signature:
-        a rank that finds it differs from its own reads them to say what differs."""
-        if len(self._sigs) >= _SIG_CACHE:
-            return  # a job with this many distinct ops gets hash-only errors for the rest
-        try:
-            self._store.set(f"sig/{sig:016x}", encode(fields).encode())
-        except Exception:
-            return  # the readable error is a courtesy; the op itself goes on
-        self._sigs[sig] = fields
-
-    def _reworded(self, exc: SignatureMismatch) -> DistBackendError:
-        """``exc`` (signatures differ) as an error naming the fields that differ and both
-        ranks' values."""
-        theirs: Fields | None = None
-        try:
-            raw = self._store.get(f"sig/{exc.theirs:016x}", timeout=min(2.0, self.timeout))
-            theirs = decode(raw.decode(errors="replace"))
-        except Exception:
-            pass
-        text = describe({self.rank: self._sigs.get(exc.mine), exc.peer: theirs})
-        return DistBackendError(f"rank {exc.peer} issued a different collective from this rank "
-                                f"(rank {self.rank}); ops differ across ranks: {text}")
-
     def _reducer(self, op: ReduceOpLike, buf: Buffer) -> Reducer:
-        key = (_op_key(op), buf.dtype.name)
+        key = (op_key(op), buf.dtype.name)
         red = self._reducers.get(key)
         if red is None:
             red = self._reducers[key] = make_reducer(op, buf.dtype, self.size)
@@ -330,16 +347,30 @@ class CPUBackend:
         return self._reducer(ReduceOp.SUM, buf), scaled
 
     def all_reduce(self, buf: Buffer, op: ReduceOpLike) -> Work:
-        red, scale = self._sum_of(op, buf)
+        # A repeated all_reduce: its reducer and signature in one look-up (PREMUL_SUM,
+        # whose factor may change per call, is planned every time).
+        # (The op by name: an enum member's own hash is a Python-level call.)
+        key = (buf.dtype.name, buf.numel, op._name_) if op.__class__ is ReduceOp else None
+        plan = self._plans.get(key) if key is not None else None
+        if plan is None:
+            red, scale = self._sum_of(op, buf)
+            plan = (red, scale, self._sig("all_reduce", {"dtype": buf.dtype.name, "count": buf.numel,
+                                                         "reduce_op": sig_op(op)}))
+            if key is not None:
+                if len(self._plans) >= 4096:
+                    self._plans.clear()
+                self._plans[key] = plan
+        red, scale, sig = plan
         x = self._arr(buf)
-
-        def body(c: Ctx) -> None:
-            if scale is not None:
+        coll = self._coll
+        if scale is None:
+            def body(c: Ctx) -> None:
+                coll.all_reduce(c, x, red)
+        else:
+            def body(c: Ctx) -> None:
                 np.copyto(x, scale(x))
-            self._coll.all_reduce(c, x, red)
-
-        return self._collective("all_reduce", [buf], body, dtype=buf.dtype.name, count=buf.numel,
-                                reduce_op=_sig_op(op))
+                coll.all_reduce(c, x, red)
+        return self._submit(self._work("all_reduce", (buf,)), body, buf.nbytes, sig)
 
     def all_reduce_coalesced(self, bufs: Sequence[Buffer], op: ReduceOpLike) -> Work:
         plans = [self._sum_of(op, b) for b in bufs]
@@ -352,7 +383,7 @@ class CPUBackend:
                 self._coll.all_reduce(c, x, red)
 
         return self._collective("all_reduce_coalesced", list(bufs), body,
-                                arrays=tuple(f"{b.dtype.name} x {b.numel}" for b in bufs), reduce_op=_sig_op(op))
+                                arrays=tuple(f"{b.dtype.name} x {b.numel}" for b in bufs), reduce_op=sig_op(op))
 
     def reduce(self, buf: Buffer, dst: int, op: ReduceOpLike) -> Work:
         red, scale = self._sum_of(op, buf)
@@ -368,7 +399,7 @@ class CPUBackend:
                 np.copyto(x, t)
 
         return self._collective("reduce", [buf], body, dtype=buf.dtype.name, count=buf.numel, root=dst,
-                                reduce_op=_sig_op(op))
+                                reduce_op=sig_op(op))
 
     def reduce_scatter(self, out: Buffer, inputs: Sequence[Buffer], op: ReduceOpLike) -> Work:
         red, scale = self._sum_of(op, out)
@@ -389,7 +420,7 @@ class CPUBackend:
             red.fold(o, parts)
 
         return self._collective("reduce_scatter", [out, *inputs], body, dtype=out.dtype.name,
-                                counts=tuple(n // out.dtype.itemsize for n in sizes), reduce_op=_sig_op(op))
+                                counts=tuple(n // out.dtype.itemsize for n in sizes), reduce_op=sig_op(op))
 
     def reduce_scatter_single(self, out: Buffer, inp: Buffer, op: ReduceOpLike) -> Work:
         red, scale = self._sum_of(op, out)
@@ -400,7 +431,7 @@ class CPUBackend:
             self._coll.reduce_scatter(c, o, [src[k * o.size:(k + 1) * o.size] for k in range(self.size)], red)
 
         return self._collective("reduce_scatter_single", [out, inp], body, dtype=out.dtype.name,
-                                count=out.numel, reduce_op=_sig_op(op))
+                                count=out.numel, reduce_op=sig_op(op))
 
     # ----- data movement -----
     def broadcast(self, buf: Buffer, src: int) -> Work:
@@ -451,8 +482,8 @@ class CPUBackend:
     def all_to_all_single(self, out: Buffer, inp: Buffer, out_counts: Sequence[int],
                           in_counts: Sequence[int]) -> Work:
         o, i = self._arr(out), self._arr(inp)
-        os_ = _split(o, out_counts)
-        ins = _split(i, in_counts)
+        os_ = split_counts(o, out_counts)
+        ins = split_counts(i, in_counts)
         return self._collective("all_to_all_single", [out, inp], lambda c: self._coll.all_to_all(c, os_, ins),
                                 dtype=inp.dtype.name)
 
@@ -507,7 +538,9 @@ class CPUBackend:
 
     # ----- control -----
     def barrier(self) -> Work:
-        return self._collective("barrier", [], lambda c: self._coll.barrier(c))
+        sig = self._barrier_sig or self._sig("barrier", {})
+        self._barrier_sig = sig
+        return self._submit(self._work("barrier", ()), self._coll.barrier, 0, sig)
 
     def abort(self, reason: str) -> None:
         """Fail every pending and later op with ``DistBackendError(reason)``; returns at once."""
@@ -530,8 +563,8 @@ class CPUBackend:
             abort = getattr(self._coll, "abort", None)
             if abort is not None:
                 abort(err)
-        for work, _, name, _ in queued:
-            work._set_exception(DistBackendError(f"{name}: {err}"))
+        for work, _, seq, _ in queued:
+            work._set_exception(DistBackendError(f"{op_label(work.op_type, seq, self.group_name)}: {err}"))
 
     def shutdown(self) -> None:
         """Finish queued ops (up to the timeout), say goodbye to peers and release everything."""
@@ -562,38 +595,3 @@ class CPUBackend:
 
     def __repr__(self) -> str:
         return f"<CPUBackend group={self.group_name!r} rank={self.rank}/{self.size} transport={self.transport}>"
-
-
-def _op_key(op: ReduceOpLike) -> str:
-    return f"premul({op.factor})" if isinstance(op, PremulSum) else op.name
-
-
-def _sig_op(op: ReduceOpLike) -> str:
-    """The reduction as ranks must agree on it: PREMUL_SUM's factor may differ per rank."""
-    return op.op.name if isinstance(op, PremulSum) else op.name
-
-
-_SIG_CACHE = 4096
-"""Distinct op signatures a backend publishes at most (one store key each)."""
-
-
-def _text(v: object) -> str:
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_text(x) for x in v) + "]"
-    return str(v)
-
-
-def _find_mismatch(exc: BaseException) -> SignatureMismatch | None:
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        if isinstance(e, SignatureMismatch):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
-
-
-def _split(a: Array, counts: Sequence[int]) -> list[Array]:
-    offs = np.concatenate(([0], np.cumsum(np.asarray(counts, dtype=np.int64))))
-    return [a[int(offs[k]):int(offs[k + 1])] for k in range(len(counts))]

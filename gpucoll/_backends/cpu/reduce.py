@@ -29,7 +29,7 @@ import numpy as np
 from ..._buffer import Buffer, DType
 from ..._reduce_op import PremulSum, ReduceOp, ReduceOpLike
 
-__all__ = ["as_array", "as_bytes", "Reducer", "make_reducer"]
+__all__ = ["as_array", "as_bytes", "Reducer", "make_reducer", "op_key", "sig_op", "split_counts"]
 
 Array = np.ndarray[Any, np.dtype[Any]]
 
@@ -167,3 +167,19 @@ def make_reducer(op: ReduceOpLike, dtype: DType, size: int) -> Reducer:
         TypeError: the op is not defined for the dtype.
     """
     return Reducer(op, dtype, size)
+
+
+def op_key(op: ReduceOpLike) -> str:
+    """A reduction as a cache key (PREMUL_SUM with its factor)."""
+    return f"premul({op.factor})" if isinstance(op, PremulSum) else op.name
+
+
+def sig_op(op: ReduceOpLike) -> str:
+    """The reduction as ranks must agree on it: PREMUL_SUM's factor may differ per rank."""
+    return op.op.name if isinstance(op, PremulSum) else op.name
+
+
+def split_counts(a: Array, counts: Sequence[int]) -> list[Array]:
+    """``a`` cut into consecutive pieces of ``counts`` elements."""
+    offs = np.concatenate(([0], np.cumsum(np.asarray(counts, dtype=np.int64))))
+    return [a[int(offs[k]):int(offs[k + 1])] for k in range(len(counts))]

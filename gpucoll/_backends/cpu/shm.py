@@ -27,13 +27,13 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import secrets
 import time
 from typing import Any, Callable
 
 import numpy as np
 
 from ...errors import DistBackendError, DistStoreTimeoutError
+from .segments import PREFIX as _PREFIX, new_name, sweep_orphans, unlink_ours as _unlink
 
 __all__ = ["ShmSegment", "ShmUnavailable", "REC_WORDS", "futex_wait", "futex_wake"]
 
@@ -97,6 +97,7 @@ class ShmSegment:
         self._bulk_off = ctl + 2 * size * small_bytes
         total = self._bulk_off + 2 * size * bulk_bytes
         self.waiting_for: int | None = None  # the peer a sleeping wait waits for (timeout messages)
+        self.timed_out_on: int | None = None  # the peer a wait gave up on (it ran out of time)
         self._mm, self.path = _map(store, rank, size, total, timeout, gone or (lambda peer: None))
         self._anchor = ctypes.c_char.from_buffer(self._mm)
         self._base = ctypes.addressof(self._anchor)
@@ -179,6 +180,7 @@ class ShmSegment:
                 check()
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    self.timed_out_on = peer
                     raise DistBackendError(f"{what()}: timed out waiting for rank {peer} "
                                            f"(its progress {cur}, needed {target})")
                 # Short sleeps bound the cost of a wake that raced with going to sleep.
@@ -212,62 +214,18 @@ def _round(n: int, to: int = 4096) -> int:
     return (n + to - 1) // to * to
 
 
-_PREFIX = "/dev/shm/gpucoll-"
 _SLICE = 0.2  # seconds between liveness checks while waiting on the store
 
 
-def _pidns() -> str:
-    try:
-        return str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        return "0"
-
-
-def sweep_orphans() -> list[str]:
-    """Unlink segments of this user whose creator (this pid namespace) is dead; return them."""
-    mark = f"gpucoll-{_pidns()}-"
-    removed: list[str] = []
-    try:
-        names = os.listdir("/dev/shm")
-    except OSError:
-        return removed
-    for name in names:
-        if not name.startswith(mark):
-            continue
-        pid = name[len(mark):].split("-", 1)[0]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # alive (or another user's process): leave it
-        except ProcessLookupError:
-            pass
-        except OSError:
-            continue
-        path = "/dev/shm/" + name
-        try:
-            if os.lstat(path).st_uid == os.getuid():
-                os.unlink(path)
-                removed.append(path)
-        except OSError:
-            pass
-    return removed
-
-
-def _unlink(path: str) -> None:
-    """Remove a segment of ours (never a file another user put at a forged name)."""
-    if not path.startswith(_PREFIX) or "/" in path[len(_PREFIX):]:
-        return
-    try:
-        if os.lstat(path).st_uid == os.getuid():
-            os.unlink(path)
-    except OSError:
-        pass
-
-
 def _get(store: Any, key: str, deadline: float, peer: int, gone: Callable[[int], str | None]) -> str:
-    """``store.get(key)``, failing within moments once ``peer`` is known dead."""
+    """``store.get(key)``, failing within moments once ``peer`` is known dead.
+
+    A key already there wins over the peer's death: a fast peer may finish setting up,
+    run an op, fail it and leave while a slow rank is still reading its last key."""
     while True:
+        if store.check([key]):
+            value: str = store.get(key).decode()
+            return value
         why = gone(peer)
         if why is not None:
             raise DistBackendError(f"rank {peer} {why} while the shared-memory segment was set up")
@@ -279,8 +237,6 @@ def _get(store: Any, key: str, deadline: float, peer: int, gone: Callable[[int],
             store.wait([key], min(_SLICE, left))
         except DistStoreTimeoutError:
             continue
-        value: str = store.get(key).decode()
-        return value
 
 
 def _map(store: Any, rank: int, size: int, total: int, timeout: float,
@@ -296,7 +252,7 @@ def _map(store: Any, rank: int, size: int, total: int, timeout: float,
     deadline = time.monotonic() + timeout
     if rank == 0:
         sweep_orphans()
-        path = f"{_PREFIX}{_pidns()}-{os.getpid()}-{secrets.token_hex(8)}"
+        path = new_name()
         store.set("shm/name", path.encode())  # first: whoever learns the name can remove the file
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)

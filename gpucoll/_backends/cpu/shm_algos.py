@@ -80,6 +80,17 @@ class ShmCollectives:
         self._parity = 0
         self._sig = 0
         self._checked: set[int] = set()
+        self._slot_views: dict[tuple[int, int, Any], list[Array]] = {}
+
+    def _slots(self, parity: int, nb: int, dtype: np.dtype[Any]) -> list[Array]:
+        """Every rank's small slot of this parity as ``nb`` bytes of ``dtype`` (made once per kind)."""
+        key = (parity, nb, dtype)
+        views = self._slot_views.get(key)
+        if views is None:
+            if len(self._slot_views) >= 256:
+                self._slot_views.clear()
+            views = self._slot_views[key] = [self.seg.small(j, parity)[:nb].view(dtype) for j in range(self.size)]
+        return views
 
     # ----- protocol -----
     def _begin(self, ctx: Ctx) -> None:
@@ -139,13 +150,13 @@ class ShmCollectives:
         nb = x.nbytes
         if nb <= seg.small_bytes:
             self._begin(ctx)
-            p = self._parity
-            np.copyto(seg.small(r, p)[:nb], _u8(x))
+            slots = self._slots(self._parity, nb, x.dtype)
+            np.copyto(slots[r], x)
             self._post()
             self._wait_all(ctx, 1)  # every rank, the non-destinations too: checks every header
             if dst is not None and r != dst:
                 return
-            red.fold(x, [seg.small(j, p)[:nb].view(x.dtype) for j in range(n)])
+            red.fold(x, slots)
             return
         self._entry(ctx)
         isz = x.itemsize

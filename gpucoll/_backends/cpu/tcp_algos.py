@@ -21,7 +21,6 @@ compares every peer's signature: no rank can finish an op its peers did not issu
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -38,18 +37,33 @@ _RESULT = 1 << 20  # steps of the all-gather half of a large all_reduce
 _EMPTY = np.empty(0, np.uint8)  # a frame that carries only its signature
 
 
-@dataclass
 class Ctx:
-    """What an op needs while it runs: its sequence number, deadline and name."""
+    """What an op needs while it runs: its sequence number, deadline, signature, the
+    check that raises once the backend was aborted or broken, and its name for errors
+    (made only when an error needs it)."""
 
-    seq: int
-    deadline: float
-    name: str
-    sig: int
-    check: Callable[[], None]  # raises if the backend was aborted or broken
+    __slots__ = ("seq", "deadline", "sig", "check", "op_type", "group_name")
+
+    def __init__(self, seq: int, deadline: float, sig: int, check: Callable[[], None],
+                 op_type: str, group_name: str) -> None:
+        self.seq = seq
+        self.deadline = deadline
+        self.sig = sig
+        self.check = check
+        self.op_type = op_type
+        self.group_name = group_name
+
+    @property
+    def name(self) -> str:
+        return op_label(self.op_type, self.seq, self.group_name)
 
     def what(self) -> str:
         return self.name
+
+
+def op_label(op_type: str, seq: int, group_name: str) -> str:
+    """An op as the CPU backend's errors name it."""
+    return f"{op_type} (CPU op #{seq}) on group {group_name!r}"
 
 
 def signature(*parts: object) -> int:

@@ -1,0 +1,128 @@
+"""The issue path's plans: a repeated op looks its checked reduction and backend up by
+(op, dtype, shape, device, reduction/root) instead of deciding them again. A plan is
+never served to a call that differs in any of these, or to another group; every check
+that is not part of the key (writability, coalescing blocks, a bool root, an op invalid
+for the dtype) still runs on every call; destroying a group drops its plans. Results are
+checked against NumPy on every rank (values are functions of the rank)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from gpucoll.testing import run_spmd
+
+
+def _expect_sum(n: int, shape: tuple[int, ...], dtype: Any) -> Any:
+    return np.full(shape, sum(range(1, n + 1)), dtype)
+
+
+def plans_body() -> dict[str, Any]:
+    import gpucoll
+    from gpucoll._world import default_group
+
+    r, n = gpucoll.get_rank(), gpucoll.get_world_size()
+    pg = default_group()
+    out: dict[str, Any] = {}
+    bad: list[str] = []
+
+    def check(name: str, got: Any, want: Any) -> None:
+        if got.dtype != np.asarray(want).dtype or got.shape != np.asarray(want).shape or not np.array_equal(got, want):
+            bad.append(f"{name}: got {got!r}, want {want!r}")
+
+    # Same op, then a changed dtype, shape, op: each result as NumPy computes it.
+    for _ in range(3):
+        x = np.full(4, r + 1, np.float32)
+        gpucoll.all_reduce(x)
+        check("sum f32 (4,)", x, _expect_sum(n, (4,), np.float32))
+    x = np.full(4, r + 1, np.float64)
+    gpucoll.all_reduce(x)
+    check("sum f64 (4,)", x, _expect_sum(n, (4,), np.float64))
+    for shape in ((5,), (2, 2), (1,)):
+        x = np.full(shape, r + 1, np.float32)
+        gpucoll.all_reduce(x)
+        check(f"sum f32 {shape}", x, _expect_sum(n, shape, np.float32))
+    for op, ref in ((gpucoll.ReduceOp.MAX, np.max), (gpucoll.ReduceOp.MIN, np.min),
+                    (gpucoll.ReduceOp.PRODUCT, np.prod), (gpucoll.ReduceOp.SUM, np.sum)):
+        for _ in range(2):
+            x = np.full(4, r + 2, np.int64)
+            gpucoll.all_reduce(x, op=op)
+            check(f"{op.name} i64", x, np.full(4, ref(np.arange(2, n + 2)), np.int64))
+    keys = len(pg._plans)
+    out["plans_grew"] = keys >= 8  # one per distinct (dtype, shape, op) above
+
+    # Checks outside the key still run on a planned kind.
+    x = np.full(4, 1.0, np.float32)
+    gpucoll.all_reduce(x, op=gpucoll.ReduceOp.MAX)  # plans (float32, (4,), MAX)
+    try:
+        gpucoll.all_reduce(np.ones(4, np.float32), op=gpucoll.ReduceOp.BAND)
+        out["band_on_float"] = "returned"
+    except TypeError as exc:
+        out["band_on_float"] = "TypeError" if "BAND" in str(exc) else str(exc)
+    ro = np.ones(4, np.float32)
+    ro.setflags(write=False)
+    try:
+        gpucoll.all_reduce(ro)
+        out["read_only"] = "returned"
+    except (TypeError, ValueError) as exc:
+        out["read_only"] = type(exc).__name__
+    y = np.full(3, float(r), np.float32)
+    for _ in range(2):
+        gpucoll.broadcast(y, src=1 % n)
+    check("broadcast src 1", y, np.full(3, float(1 % n), np.float32))
+    try:
+        gpucoll.broadcast(y, src=True)
+        out["bool_root"] = "returned"
+    except TypeError:
+        out["bool_root"] = "TypeError"
+    y = np.full(3, float(r), np.float32)
+    gpucoll.broadcast(y, src=0)
+    check("broadcast src 0 after src 1", y, np.zeros(3, np.float32))
+
+    # A coalescing block defers even a planned kind: both arrays reduced, one op.
+    a, b = np.full(4, r + 1, np.float32), np.full(4, r + 1, np.float32)
+    seq = pg.get_sequence_number()
+    with gpucoll.coalescing():
+        gpucoll.all_reduce(a)
+        gpucoll.all_reduce(b)
+    check("coalesced a", a, _expect_sum(n, (4,), np.float32))
+    check("coalesced b", b, _expect_sum(n, (4,), np.float32))
+    out["coalesced_ops"] = pg.get_sequence_number() - seq
+
+    # Another group (here: the last two ranks, or all when n < 3) has plans of its own.
+    members = list(range(n))[-2:] if n >= 3 else list(range(n))
+    sub = gpucoll.new_group(members)
+    if r in members:
+        z = np.full(4, r + 1, np.float32)
+        gpucoll.all_reduce(z, group=sub)
+        check("subgroup sum", z, np.full(4, sum(m + 1 for m in members), np.float32))
+        out["own_plans"] = sub._plans is not pg._plans and len(sub._plans) == 1
+    else:
+        out["own_plans"] = True
+    gpucoll.barrier()
+
+    # destroy drops the plans; a new default group starts with none and computes right.
+    gpucoll.destroy_process_group()
+    out["destroyed_plans"] = len(pg._plans)
+    gpucoll.init_process_group("cpu", timeout=30.0)
+    fresh = default_group()
+    out["fresh_plans"] = len(fresh._plans)
+    x = np.full(4, r + 1, np.float32)
+    gpucoll.all_reduce(x)
+    check("sum after re-init", x, _expect_sum(n, (4,), np.float32))
+    out["bad"] = bad
+    return out
+
+
+def test_plans_are_never_stale() -> None:
+    for n in (3, 2):
+        for r, res in enumerate(run_spmd(plans_body, n, timeout=120)):
+            assert res["bad"] == [], (n, r, res["bad"])
+            assert res["plans_grew"], (n, r)
+            assert res["band_on_float"] == "TypeError", res
+            assert res["read_only"] in ("TypeError", "ValueError"), res
+            assert res["bool_root"] == "TypeError", res
+            assert res["coalesced_ops"] == 1, res
+            assert res["own_plans"], res
+            assert res["destroyed_plans"] == 0 and res["fresh_plans"] == 0, res
