@@ -8,7 +8,17 @@ from typing import Any, Sequence
 from .._buffer import DTYPES, Buffer, DType
 from .._reduce_op import PremulSum, ReduceOp, ReduceOpLike, as_reduce_op
 
-__all__ = ["_check_op", "_same_layout", "_real_view", "_row_elems", "_splits", "_op_name"]
+__all__ = ["_check_op", "_same_layout", "_real_view", "_row_elems", "_splits", "_op_name", "_InitTwiceError",
+           "_RankError", "_SizeError", "_size_error"]
+
+
+class _InitTwiceError(ValueError, RuntimeError):
+    """A second init_process_group: torch's ValueError, and RuntimeError (a state error,
+    gpucoll's type before)."""
+
+
+class _RankError(RuntimeError, ValueError):
+    """A rank outside [0, world_size) at init: torch's RuntimeError, and ValueError (a bad argument)."""
 
 
 def _op_name(red: Any) -> str:
@@ -16,6 +26,29 @@ def _op_name(red: Any) -> str:
         return ""
     name = getattr(red, "name", None)
     return str(name) if name is not None else type(red).__name__
+
+
+class _SizeError(ValueError, RuntimeError):
+    """A list or array whose size does not fit the group: ValueError (a bad argument) and
+    RuntimeError, as torch's C++ checks raise it."""
+
+
+_TORCH_WORDS = {
+    # the words torch's process groups (its fake backend's, which its tests match) lead with
+    "scatter_list": "Incorrect input list size",
+    "input_list": "invalid input tensor list size, must be world size",
+    "output_tensor_list": "Size of output tensor list does not match world size",
+    "input_tensor_list": "Size of input tensor list does not match world size",
+    "input": "input tensor must be the same size as output size times world size",
+    "output_tensor": "output tensor must be the same size as input size times world size",
+    "output_tensor_lists": "invalid output size",
+}
+
+
+def _size_error(name: str, detail: str) -> _SizeError:
+    """A _SizeError for argument ``name``: torch's words for it first, then ``detail``."""
+    lead = _TORCH_WORDS.get(name.split("[", 1)[0])
+    return _SizeError(f"{lead}: {detail}" if lead else detail)
 
 
 # ----- local validation, same on every rank -----
@@ -36,6 +69,12 @@ checked on every rank before any backend sees the op. A backend may refuse more
 the CPU backend computes it): docs/design.md, "As built"."""
 
 
+class _ComplexOpError(ValueError, TypeError):
+    """An op undefined on complex arrays: ValueError as torch raises it ("all_reduce does
+    not support ... on complex tensors"), and TypeError like gpucoll's other op x dtype
+    refusals."""
+
+
 def _check_op(op: Any, dtype: DType) -> ReduceOpLike:
     if op is ReduceOp.SUM:
         return op
@@ -43,7 +82,11 @@ def _check_op(op: Any, dtype: DType) -> ReduceOpLike:
     base = checked.op if isinstance(checked, PremulSum) else checked
     rule = _OP_KINDS.get(base)
     if rule is not None and dtype.kind not in rule[0]:
-        raise TypeError(rule[1].format(op=base.name, dtype=dtype.name))
+        detail = rule[1].format(op=base.name, dtype=dtype.name)
+        if dtype.kind == "c":
+            # torch's words lead (its check is in all_reduce; the same table serves every reduction)
+            raise _ComplexOpError(f"all_reduce does not support ReduceOp.{base.name} on complex tensors: {detail}")
+        raise TypeError(detail)
     return checked
 
 
@@ -81,14 +124,16 @@ def _row_elems(buf: Buffer, name: str) -> int:
 def _splits(sizes: Sequence[int] | None, dim0: int, n: int, name: str, tensor: str) -> list[int]:
     if sizes is None or len(sizes) == 0:
         if dim0 % n:
-            raise ValueError(f"{tensor} has {dim0} rows along dim 0, not divisible by the group size {n}; "
-                             f"pass {name}")
+            raise _SizeError(f"Tensor's dim 0 does not divide equally across group size: {tensor} has {dim0} "
+                             f"rows along dim 0, not divisible by the group size {n}; pass {name}")
         return [dim0 // n] * n
     out = list(sizes)
     if len(out) != n or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in out):
-        raise ValueError(f"{name} must be {n} non-negative ints (one per rank); got {sizes!r}")
+        lead = "Number of tensor splits not equal to group size: " if len(out) != n else ""
+        raise _SizeError(f"{lead}{name} must be {n} non-negative ints (one per rank); got {sizes!r}")
     if sum(out) != dim0:
-        raise ValueError(f"{name}={out} sums to {sum(out)} but {tensor} has {dim0} rows along dim 0")
+        raise _SizeError(f"Split sizes doesn't match total dim 0 size: {name}={out} sums to {sum(out)} but "
+                         f"{tensor} has {dim0} rows along dim 0")
     return out
 
 

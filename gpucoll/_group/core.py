@@ -26,7 +26,7 @@ from ..errors import DistBackendError, DistError
 from .._flight_recorder import FlightRecorder, recorder_capacity
 from ..store import PrefixStore, Store
 from .._work import Work, WorkInfo
-from .checks import _op_name, _real_view, _same_layout
+from .checks import _op_name, _real_view, _same_layout, _size_error
 from .coalescing import CoalescingManager, _not_coalescable
 from .options import PGOptions
 from .registry import _BACKEND_GRACE_S, BACKENDS, backend_kwargs, make_device_backend, split_device_backend
@@ -75,6 +75,9 @@ class GroupCore:
         self.backend_name = backend
         self._backend_spelling = backend  # what get_backend() returns ("gloo" when created so)
         self._device_id = device_id
+        self.bound_device_id: int | None = device_id
+        """The CUDA device the group was bound to when made (``device_id=``), or None (torch's
+        ``ProcessGroup.bound_device_id``; a device chosen later by a first device array is not a binding)."""
         self._seq = 0
         self._destroyed = False
         self._coalescing: CoalescingManager | None = None  # while a coalescing() block is open
@@ -397,8 +400,8 @@ class GroupCore:
         if isinstance(arrays, (str, bytes)) or not hasattr(arrays, "__len__"):
             raise TypeError(f"{name} must be a list of {self._size} arrays; got {type(arrays).__name__}")
         if len(arrays) != self._size:
-            raise ValueError(f"{name} must have {self._size} arrays (one per rank of group "
-                             f"{self.group_name!r}); got {len(arrays)}")
+            raise _size_error(name, f"{name} must have {self._size} arrays (one per rank of group "
+                              f"{self.group_name!r}); got {len(arrays)}")
         bufs = []
         for i, a in enumerate(arrays):
             b = _array.as_buffer(a, name=f"{name}[{i}]", writable=writable)
@@ -413,8 +416,8 @@ class GroupCore:
         if isinstance(arrays, (str, bytes)) or not hasattr(arrays, "__len__"):
             raise TypeError(f"{name} must be a list of {self._size} arrays; got {type(arrays).__name__}")
         if len(arrays) != self._size:
-            raise ValueError(f"{name} must have {self._size} arrays (one per rank of group "
-                             f"{self.group_name!r}); got {len(arrays)}")
+            raise _size_error(name, f"{name} must have {self._size} arrays (one per rank of group "
+                              f"{self.group_name!r}); got {len(arrays)}")
         bufs = [_array.as_buffer(a, name=f"{name}[{i}]") for i, a in enumerate(arrays)]
         for i, b in enumerate(bufs):
             if b.dtype != own.dtype:
@@ -428,8 +431,8 @@ class GroupCore:
             raise ValueError(f"{whole_name} has dtype {whole.dtype.name} but {part_name} has {part.dtype.name}; "
                             "they must match")
         if whole.nbytes != part.nbytes * self._size:
-            raise ValueError(f"{whole_name} (shape {whole.shape}) must hold exactly group size x "
-                             f"{part_name} = {self._size} x {part.numel} elements; got {whole.numel}")
+            raise _size_error(whole_name, f"{whole_name} (shape {whole.shape}) must hold exactly group size x "
+                              f"{part_name} = {self._size} x {part.numel} elements; got {whole.numel}")
 
     # ----- teardown -----
     def _destroy(self) -> None:

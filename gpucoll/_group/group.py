@@ -26,7 +26,7 @@ from .._reduce_op import ReduceOp, ReduceOpLike
 from .._timeouts import to_seconds
 from .._work import Work
 from .barrier import monitored_barrier
-from .checks import _check_op, _real_view, _row_elems, _splits
+from .checks import _check_op, _real_view, _row_elems, _size_error, _splits
 from .core import GroupCore
 
 __all__ = ["ProcessGroup", "TAG_MAX"]
@@ -199,7 +199,8 @@ class ProcessGroup(GroupCore):
         for r, row in enumerate(output_lists):
             if isinstance(row, (str, bytes)) or not hasattr(row, "__len__") or len(row) != len(ins):
                 got = len(row) if hasattr(row, "__len__") else type(row).__name__
-                raise ValueError(f"output_tensor_lists[{r}] must have {len(ins)} arrays (one per input); got {got}")
+                raise _size_error("output_tensor_lists",
+                                  f"output_tensor_lists[{r}] must have {len(ins)} arrays (one per input); got {got}")
         # The backends take the outputs per input (outs[k][r]): the transpose of torch's layout.
         outs = [self._list_like([output_lists[r][k] for r in range(self._size)],
                                 f"output_tensor_lists[*][{k}]", ins[k], f"input_tensor_list[{k}]",
@@ -266,7 +267,7 @@ class ProcessGroup(GroupCore):
             self._not_coalescable("all_to_all")
         for lst, name in ((output_list, "output_tensor_list"), (input_list, "input_tensor_list")):
             if len(lst) != self._size:
-                raise ValueError(f"{name} must have {self._size} arrays (one per rank); got {len(lst)}")
+                raise _size_error(name, f"{name} must have {self._size} arrays (one per rank); got {len(lst)}")
         outs = [_array.as_buffer(t, name=f"output_tensor_list[{i}]", writable=True) for i, t in enumerate(output_list)]
         ins = [_array.as_buffer(t, name=f"input_tensor_list[{i}]") for i, t in enumerate(input_list)]
         for i, b in enumerate(outs + ins):

@@ -275,4 +275,5 @@ def _load_checks() -> None:
     import _conf_checks_coll  # noqa: F401
     import _conf_checks_groups  # noqa: F401
     import _conf_checks_store  # noqa: F401
+    import _conf_ported_groups  # noqa: F401
     import _conf_tutorial  # noqa: F401
