@@ -54,19 +54,21 @@ def _size_error(name: str, detail: str) -> _SizeError:
 # ----- local validation, same on every rank -----
 
 _OP_KINDS: dict[ReduceOp, tuple[str, str]] = {
-    # op: (dtype kinds it is defined for, the error otherwise); SUM and PRODUCT: every kind.
+    # op: (dtype kinds it is defined for, the error otherwise); SUM: every kind.
     ReduceOp.BAND: ("biu", "op={op} needs integer or bool arrays; got dtype {dtype}"),
     ReduceOp.BOR: ("biu", "op={op} needs integer or bool arrays; got dtype {dtype}"),
     ReduceOp.BXOR: ("biu", "op={op} needs integer or bool arrays; got dtype {dtype}"),
     ReduceOp.MIN: ("biuf", "op={op} is undefined for complex dtype {dtype} (no ordering)"),
     ReduceOp.MAX: ("biuf", "op={op} is undefined for complex dtype {dtype} (no ordering)"),
+    ReduceOp.PRODUCT: ("biuf", "op={op} is refused for complex dtype {dtype}, as torch refuses it (and NCCL "
+                               "has no complex product)"),
     ReduceOp.AVG: ("iufc", "op={op} is undefined for bool arrays"),
     ReduceOp.PREMUL_SUM: ("fc", "op={op} needs floating-point or complex arrays; got dtype {dtype}"),
 }
 """The group's dtype-kind x op table (kinds: b bool, i/u integers, f floats, c complex),
-checked on every rank before any backend sees the op. A backend may refuse more
-(its own table: the NCCL planner refuses complex PRODUCT, which NCCL cannot do;
-the CPU backend computes it): docs/design.md, "As built"."""
+checked on every rank before any backend sees the op; complex arrays take the ops
+torch allows on them (SUM, AVG, PREMUL_SUM), on every backend alike. A backend may
+refuse more (its own table): docs/design.md, "As built"."""
 
 
 class _ComplexOpError(ValueError, TypeError):

@@ -20,11 +20,8 @@ _load_checks()
 
 PORTED = [name for name in SECTIONS if name.startswith("ported_")]
 
-_COMPLEX_PRODUCT = ("gpucoll's CPU backend computes all_reduce PRODUCT on complex arrays (documented in "
-                    "docs/design.md); torch refuses it with ValueError. Not yet aligned.")
-GPUCOLL_XFAIL: dict[str, str] = {f"ported_groups/grp_all_reduce_complex_product_unsupported@{ws}": _COMPLEX_PRODUCT
-                                 for ws in (2, 3, 4)}
-"""Ported checks gpucoll fails today, by "section/check@ws", with the cause."""
+GPUCOLL_XFAIL: dict[str, str] = {}
+"""Ported checks gpucoll fails today, by "section/check@ws", with the cause: none."""
 
 
 def _params(impl: str) -> list:
