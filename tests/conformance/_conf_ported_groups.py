@@ -618,6 +618,14 @@ def check_mesh_backend_override(T: Impl) -> None:
     x = T.full(1, 1.0)
     T.dist.all_reduce(x, group=mesh.get_group("tp"))
     eq(x, [2.0], T)
+    if not T.is_torch:  # gpucoll's options: that dimension's groups are made with new_group
+        opts = T.dist.CPUOptions(transport="tcp")
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"), backend_override={0: ("cpu", opts)})
+        assert mesh.get_group("dp").pg_options == opts
+        assert T.dist.get_process_group_ranks(mesh.get_group("dp")) == [T.rank % 2, T.rank % 2 + 2]
+        y = T.full(1, float(T.rank))
+        T.dist.all_reduce(y, group=mesh.get_group("dp"))
+        eq(y, [float(2 * (T.rank % 2) + 2)], T)
     torch_raises(RuntimeError, "Found invalid keys in backend_override",
                  lambda: init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"),
                                           backend_override={"pp": "gloo"}))
