@@ -431,7 +431,7 @@ def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | N
             group rank ``i`` (torch's ``sort_ranks``).
 
     Returns:
-        The new ProcessGroup on members; ``GroupMember.NON_GROUP_MEMBER`` elsewhere.
+        The group on members; elsewhere ``GroupMember.NON_GROUP_MEMBER`` (None with local sync, as torch).
 
     Raises:
         ValueError: ranks out of range, duplicated or empty.
@@ -454,7 +454,7 @@ def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | N
     mine = members if me in members else None
     if use_local_synchronization:
         if mine is None:
-            return GroupMember.NON_GROUP_MEMBER  # non-members need not call: nothing to count
+            return None  # torch 2.13 returns None here; non-members need not call: nothing to count
         key = tuple(members)
         world.made_local[key] = n = world.made_local.get(key, 0) + 1
         pg = _make_group(world, f"local.{_ranks_label(members)}.{n}", mine, me, timeout, backend,

@@ -9,7 +9,8 @@ from .._buffer import DTYPES, Buffer, DType
 from .._reduce_op import PremulSum, ReduceOp, ReduceOpLike, as_reduce_op
 
 __all__ = ["_check_op", "_same_layout", "_real_view", "_row_elems", "_splits", "_op_name", "_InitTwiceError",
-           "_RankError", "_SizeError", "_size_error"]
+           "_RankError", "_SizeError", "_size_error", "_DTYPES_DIFFER",
+           "_coalesced_dtypes", "_list_dtypes"]
 
 
 class _InitTwiceError(ValueError, RuntimeError):
@@ -92,6 +93,10 @@ def _check_op(op: Any, dtype: DType) -> ReduceOpLike:
     return checked
 
 
+_DTYPES_DIFFER = "Invalid usage of tensors with different dtypes"
+"""torch's words for arrays of one call whose dtypes must match and do not."""
+
+
 def _real_view(buf: Buffer) -> Buffer:
     """A complex array as its real view (complex64 = 2 x float32, last dimension 2), as
     torch's data-movement collectives treat complex tensors; other arrays unchanged."""
@@ -107,11 +112,53 @@ def _same_layout(buf: Buffer, ref: Buffer, name: str, ref_name: str, views: bool
     a, b = (_real_view(buf).dtype, _real_view(ref).dtype) if views else (buf.dtype, ref.dtype)
     if a != b:
         also = " (or its real view)" if views and ref.dtype.kind == "c" else ""
-        raise ValueError(f"{name} has dtype {buf.dtype.name} but {ref_name} has {ref.dtype.name}{also}; "
+        raise ValueError(f"{_DTYPES_DIFFER}: {name} has dtype {buf.dtype.name} but {ref_name} has {ref.dtype.name}{also}; "
                          "they must match")
     if buf.nbytes != ref.nbytes:
         raise ValueError(f"{name} has shape {buf.shape} ({buf.numel} elements) but {ref_name} has shape "
                          f"{ref.shape} ({ref.numel} elements); they must match")
+
+
+class _DtypeError(ValueError):
+    """Raised by the tolerant pre-checks below (which let other errors through)."""
+
+
+def _list_dtypes(arrays: Any, ref: Buffer, name: str, ref_name: str) -> None:
+    """Every array of ``arrays`` has ``ref``'s dtype (real views of complex arrays compared),
+    checked on every rank before any rank-role check, as torch does (gather, scatter)."""
+    from .. import array as _array
+
+    if not arrays or isinstance(arrays, (str, bytes)) or not hasattr(arrays, "__iter__"):
+        return
+    want = _real_view(ref).dtype
+    for i, t in enumerate(arrays):
+        try:
+            got = _real_view(_array.as_buffer(t, name=f"{name}[{i}]")).dtype
+        except (TypeError, ValueError):
+            return  # not an array: the caller's own checks name it
+        if got != want:
+            raise _DtypeError(f"{_DTYPES_DIFFER}: {name}[{i}] has dtype {got.name} but {ref_name} has "
+                              f"{ref.dtype.name}; they must match")
+
+
+def _coalesced_dtypes(output_lists: Any, input_list: Any) -> None:
+    """all_gather_coalesced: ``output_lists[r][k]`` must have ``input_list[k]``'s dtype (real
+    views of complex arrays compared), checked before the list lengths, as torch does.
+    Anything that is not a list of arrays is left to the caller's own checks."""
+    from .. import array as _array
+
+    try:
+        ins = [_real_view(_array.as_buffer(t, name="input")).dtype for t in input_list]
+        for r, row in enumerate(output_lists):
+            for k, t in enumerate(list(row)[:len(ins)]):
+                got = _real_view(_array.as_buffer(t, name="output")).dtype
+                if got != ins[k]:
+                    raise _DtypeError(f"{_DTYPES_DIFFER}: output_tensor_lists[{r}][{k}] has dtype {got.name} but "
+                                      f"input_tensor_list[{k}] has {ins[k].name}; they must match")
+    except _DtypeError:
+        raise
+    except (TypeError, ValueError):
+        return
 
 
 def _row_elems(buf: Buffer, name: str) -> int:

@@ -26,7 +26,7 @@ from ..errors import DistBackendError, DistError
 from .._flight_recorder import FlightRecorder, recorder_capacity
 from ..store import PrefixStore, Store
 from .._work import Work, WorkInfo
-from .checks import _op_name, _real_view, _same_layout, _size_error
+from .checks import _DTYPES_DIFFER, _op_name, _real_view, _same_layout, _size_error
 from .coalescing import CoalescingManager, _not_coalescable
 from .options import PGOptions
 from .registry import _BACKEND_GRACE_S, BACKENDS, backend_kwargs, make_device_backend, split_device_backend
@@ -421,14 +421,14 @@ class GroupCore:
         bufs = [_array.as_buffer(a, name=f"{name}[{i}]") for i, a in enumerate(arrays)]
         for i, b in enumerate(bufs):
             if b.dtype != own.dtype:
-                raise ValueError(f"{name}[{i}] has dtype {b.dtype.name} but {own_name} has {own.dtype.name}; "
+                raise ValueError(f"{_DTYPES_DIFFER}: {name}[{i}] has dtype {b.dtype.name} but {own_name} has {own.dtype.name}; "
                                  "they must match")
         _same_layout(bufs[self._rank], own, f"{name}[{self._rank}] (this rank's chunk)", own_name)
         return bufs
 
     def _check_chunked(self, whole: Buffer, part: Buffer, whole_name: str, part_name: str) -> None:
         if whole.dtype != part.dtype:
-            raise ValueError(f"{whole_name} has dtype {whole.dtype.name} but {part_name} has {part.dtype.name}; "
+            raise ValueError(f"{_DTYPES_DIFFER}: {whole_name} has dtype {whole.dtype.name} but {part_name} has {part.dtype.name}; "
                             "they must match")
         if whole.nbytes != part.nbytes * self._size:
             raise _size_error(whole_name, f"{whole_name} (shape {whole.shape}) must hold exactly group size x "

@@ -26,7 +26,7 @@ from .._reduce_op import ReduceOp, ReduceOpLike
 from .._timeouts import to_seconds
 from .._work import Work
 from .barrier import monitored_barrier
-from .checks import _check_op, _real_view, _row_elems, _size_error, _splits
+from .checks import _DTYPES_DIFFER, _check_op, _coalesced_dtypes, _list_dtypes, _real_view, _row_elems, _size_error, _splits
 from .core import GroupCore
 
 __all__ = ["ProcessGroup", "TAG_MAX"]
@@ -190,6 +190,7 @@ class ProcessGroup(GroupCore):
             self._not_coalescable("all_gather_coalesced")
         if isinstance(input_list, (str, bytes)) or not hasattr(input_list, "__len__") or not input_list:
             raise ValueError("input_tensor_list must be a non-empty list of arrays")
+        _coalesced_dtypes(output_lists, input_list)
         if isinstance(output_lists, (str, bytes)) or not hasattr(output_lists, "__len__") \
                 or len(output_lists) != self._size:
             got = len(output_lists) if hasattr(output_lists, "__len__") else type(output_lists).__name__
@@ -222,6 +223,7 @@ class ProcessGroup(GroupCore):
             self._not_coalescable("gather")
         self._check_rank(dst, "group_dst")
         inp = _array.as_buffer(tensor, name="tensor")
+        _list_dtypes(gather_list, inp, "gather_list", "tensor")
         outs: list[Buffer] | None = None
         if self._rank == dst:
             if not gather_list:
@@ -245,6 +247,7 @@ class ProcessGroup(GroupCore):
             self._not_coalescable("scatter")
         self._check_rank(src, "group_src")
         out = _array.as_buffer(tensor, name="tensor", writable=True)
+        _list_dtypes(scatter_list, out, "scatter_list", "tensor")
         ins: list[Buffer] | None = None
         if self._rank == src:
             if not scatter_list:
@@ -272,8 +275,8 @@ class ProcessGroup(GroupCore):
         ins = [_array.as_buffer(t, name=f"input_tensor_list[{i}]") for i, t in enumerate(input_list)]
         for i, b in enumerate(outs + ins):
             if b.dtype != ins[0].dtype:
-                raise ValueError(f"all arrays of all_to_all must share one dtype; got {b.dtype.name} "
-                                f"and {ins[0].dtype.name}")
+                raise ValueError(f"{_DTYPES_DIFFER}: all arrays of all_to_all must share one dtype; got "
+                                 f"{b.dtype.name} and {ins[0].dtype.name}")
         names = [f"output_tensor_list[{i}]" for i in range(len(outs))] + \
                 [f"input_tensor_list[{i}]" for i in range(len(ins))]
         backend = self._backend_for_all(outs + ins, names)
@@ -292,7 +295,8 @@ class ProcessGroup(GroupCore):
         out = _array.as_buffer(output, name="output", writable=True)
         inp = _array.as_buffer(input, name="input")
         if out.dtype != inp.dtype:
-            raise ValueError(f"output has dtype {out.dtype.name} but input has {inp.dtype.name}; they must match")
+            raise ValueError(f"{_DTYPES_DIFFER}: output has dtype {out.dtype.name} but input has {inp.dtype.name}; "
+                             "they must match")
         row_out, row_in = _row_elems(out, "output"), _row_elems(inp, "input")
         if row_out != row_in:
             raise ValueError(f"output rows (shape {out.shape}) and input rows (shape {inp.shape}) must have "
