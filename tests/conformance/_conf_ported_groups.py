@@ -1047,3 +1047,76 @@ def check_common_new_group_ordered(T: Impl) -> None:
     T.dist.all_gather(outs, T.arr([rank], "int64"), group=new_pg)
     for i in range(T.ws):
         eq(outs[i], [reversed_ranks[i]], T, f"slot {i}")
+
+
+# ============================================================================= distributed_test.py: groups
+D = section("ported_dt_groups", world_sizes=(2, 3, 4), pg_timeout=15.0, timeout=120.0)
+
+
+def _group_of_two(T: Impl) -> list[int]:
+    return [1, 2] if T.dist.get_world_size() > 2 else [0, 1]
+
+
+@D.check(f"{DT}::test_destroy_group")
+def check_dt_destroy_group(T: Impl) -> None:
+    group_id = T.dist.new_group(_group_of_two(T))
+    _harness_sync(T, "dt_destroy_group")  # self._barrier()
+    T.dist.destroy_process_group(group_id)
+
+
+@D.check(f"{DT}::test_get_rank_size_group")
+def check_dt_get_rank_size_group(T: Impl) -> None:
+    group = _group_of_two(T)
+    group_id = T.dist.new_group(group)
+    if T.dist.get_rank() in group:
+        assert T.dist.get_world_size(group_id) == 2
+        assert T.dist.get_rank(group_id) in list(range(2))
+    else:
+        assert T.dist.get_world_size(group_id) == -1
+        assert T.dist.get_rank(group_id) == -1
+
+
+@D.check(f"{DT}::test_destroy_full_group")
+def check_dt_destroy_full_group(T: Impl) -> None:
+    group_id = T.dist.new_group()
+    _harness_sync(T, "dt_destroy_full_group")
+    T.dist.destroy_process_group(group_id)
+
+
+@D.check(f"{DT}::test_get_rank_size_full_group")
+def check_dt_get_rank_size_full_group(T: Impl) -> None:
+    group_id = T.dist.new_group()
+    assert T.dist.get_world_size(group_id) == T.dist.get_world_size()
+    assert T.dist.get_rank(group_id) == T.dist.get_rank()
+
+
+def _barrier_timeout(T: Impl, group_id: Any, timeout: timedelta) -> None:
+    import time
+
+    if T.dist.get_rank(group_id) == 0:  # only group rank 0 calls: it times out
+        expected = time.time() + timeout.total_seconds()
+        err = torch_raises(Exception, " (Timed out|closed|timeout) ", lambda: T.dist.barrier(group_id))
+        assert time.time() >= expected - 0.1, (time.time(), expected, err)
+
+
+BT1 = section("ported_dt_barrier_timeout_group", world_sizes=(3,), pg_timeout=15.0, timeout=60.0)
+
+
+@BT1.check(f"{DT}::test_barrier_timeout_group")
+def check_dt_barrier_timeout_group(T: Impl) -> None:
+    timeout = timedelta(seconds=5)
+    group_id = T.dist.new_group([1, 2], timeout=timeout)
+    if T.rank in (1, 2):
+        _barrier_timeout(T, group_id, timeout)
+    _harness_sync(T, "dt_barrier_timeout_group")
+
+
+BT2 = section("ported_dt_barrier_timeout_full_group", world_sizes=(2, 3), pg_timeout=15.0, timeout=60.0)
+
+
+@BT2.check(f"{DT}::test_barrier_timeout_full_group")
+def check_dt_barrier_timeout_full_group(T: Impl) -> None:
+    timeout = timedelta(seconds=1)
+    group_id = T.dist.new_group(timeout=timeout)
+    _barrier_timeout(T, group_id, timeout)
+    _harness_sync(T, "dt_barrier_timeout_full_group")
