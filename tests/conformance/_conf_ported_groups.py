@@ -37,6 +37,8 @@ OBJ = "test/distributed/test_c10d_object_collectives.py::TestObjectCollectives"
 MESH = "test/distributed/test_device_mesh.py"
 COMMON = "test/distributed/test_c10d_common.py"
 DT = "torch/testing/_internal/distributed/distributed_test.py::DistributedTest"
+C10D = "torch/distributed/distributed_c10d.py"
+DMESH = "torch/distributed/device_mesh.py"
 
 warnings.filterwarnings("ignore")
 
@@ -425,7 +427,7 @@ def check_obj_scatter_object_list(T: Impl) -> None:
     assert output_list[0] == T.rank, output_list
 
 
-@O.check("torch/distributed/distributed_c10d.py::scatter_object_list (an empty output list)")
+@O.check(f"{C10D}::scatter_object_list (an empty output list)")
 def check_obj_scatter_object_list_empty_output(T: Impl) -> None:
     inp = list(range(T.ws)) if T.rank == 0 else None
     torch_raises(ValueError, "Expected argument scatter_object_output_list to be a list of size at least 1",
@@ -551,7 +553,7 @@ def check_mesh_device_mesh_hash(T: Impl) -> None:
     assert hash(m2) != hash(m3)
 
 
-@M.check(f"{MESH}::DeviceMeshTest::test_device_mesh_init_backend (DeviceMesh.mesh dtype and values)")
+@M.check(f"{DMESH}::DeviceMesh.mesh (dtype torch.int and values)")
 def check_mesh_dtype(T: Impl) -> None:
     # torch keeps the rank layout as an int32 ("torch.int") tensor
     DeviceMesh, _ = mesh_api(T)
@@ -609,7 +611,7 @@ def check_mesh_raises_mesh_shape_mesh_dim_names_mismatch(T: Impl) -> None:
                  lambda: init_device_mesh("cpu", (4,), mesh_dim_names=["dp", "tp"]))
 
 
-@M.check(f"{MESH}::InitDeviceMeshTest (backend_override)")
+@M.check(f"{DMESH}::init_device_mesh (backend_override: torch's key errors)")
 def check_mesh_backend_override(T: Impl) -> None:
     # init_device_mesh(..., backend_override={dim or name: backend}); a key that is
     # neither a dimension nor a name is refused with torch's words
@@ -682,21 +684,21 @@ def check_mesh_get_local_rank_3d(T: Impl) -> None:
 G = section("ported_groups", world_sizes=(2, 3, 4), pg_timeout=15.0, timeout=150.0)
 
 
-@G.check(f"{COMMON}::test_init_process_group_twice (torch raises ValueError)")
+@G.check(f"{C10D}::init_process_group (a second call: torch raises ValueError)")
 def check_grp_init_twice(T: Impl) -> None:
     torch_raises(ValueError, "trying to initialize the default process group twice!",
                  lambda: T.dist.init_process_group("gloo", rank=T.rank, world_size=T.ws,
                                                    store=T.dist.HashStore()))
 
 
-@G.check(f"{COMMON}::ProcessGroup.bound_device_id (None without device_id=)")
+@G.check(f"{C10D}::ProcessGroup.bound_device_id (None without device_id=)")
 def check_grp_bound_device_id(T: Impl) -> None:
     assert default_group(T).bound_device_id is None
     g = T.dist.new_group(list(range(T.ws)))
     assert g.bound_device_id is None
 
 
-@G.check(f"{DT}::test_get_group_rank / get_global_rank ('is not part of group')")
+@G.check(f"{C10D}::get_group_rank / get_global_rank ('is not part of group')")
 def check_grp_not_part_of_group(T: Impl) -> None:
     g = T.dist.new_group([0, 1])
     if T.rank not in (0, 1):
@@ -738,7 +740,7 @@ def check_grp_new_subgroups_overlap(T: Impl) -> None:
                  lambda: T.dist.new_subgroups_by_enumeration(ranks_per_subgroup_list=[[0], [1, 2], [1, 3]]))
 
 
-@G.check(f"{DT}::test_new_subgroups_by_enumeration_empty ('cannot be empty')")
+@G.check(f"{C10D}::new_subgroups_by_enumeration (an empty list: 'cannot be empty')")
 def check_grp_new_subgroups_empty(T: Impl) -> None:
     torch_raises(ValueError, "The arg 'ranks_per_subgroup_list' cannot be empty",
                  lambda: T.dist.new_subgroups_by_enumeration([]))
@@ -774,8 +776,8 @@ def _noncontig(T: Impl, base: np.ndarray) -> Any:
     return a
 
 
-@G.check(f"{DT}::test_all_gather / test_gather with non-contiguous inputs (torch accepts them; gloo's "
-         "all_to_all_single refuses one)")
+@G.check(f"{C10D}::all_gather / gather / all_to_all_single with non-contiguous inputs (torch accepts "
+         "them in all_gather and gather; gloo's all_to_all_single refuses one)")
 def check_grp_noncontiguous_inputs(T: Impl) -> None:
     base = (np.arange(8, dtype=np.float32).reshape(4, 2) + 100 * T.rank)
     want = [(np.arange(8, dtype=np.float32).reshape(4, 2) + 100 * r)[::2] for r in range(T.ws)]
