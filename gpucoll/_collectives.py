@@ -20,7 +20,7 @@ from ._group import CoalescingManager, ProcessGroup
 from ._group import coalescing as _coalescing
 from ._reduce_op import ReduceOp, ReduceOpLike
 from ._work import Work
-from .array import ArrayLike
+from .array import ArrayLike, NotContiguousError
 
 __all__ = [
     "all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather", "all_gather_single",
@@ -53,6 +53,19 @@ def _group_rank(pg: ProcessGroup, rank: int | None, group_rank: int | None, name
             return default
         raise ValueError(f"{name} is required (a global rank), or group_{name} (a rank in the group)")
     return pg.get_group_rank(_int_rank(rank, name), name)
+
+
+def _contiguous_input(x: Any) -> Any:
+    """``x``, or a C-contiguous copy of it where it is a non-contiguous NumPy/CuPy array or
+    torch tensor: torch's all_gather and gather accept non-contiguous inputs (outputs,
+    written in place, must still be contiguous)."""
+    flags = getattr(x, "flags", None)
+    if flags is not None and getattr(flags, "c_contiguous", True) is False:
+        return x.copy()  # NumPy's and CuPy's copy() is C-ordered
+    is_contiguous = getattr(x, "is_contiguous", None)
+    if callable(is_contiguous) and is_contiguous() is False:
+        return x.contiguous()
+    return x
 
 
 def _int_rank(value: Any, name: str) -> int:
@@ -135,8 +148,9 @@ def broadcast(tensor: ArrayLike, src: int | None = None, group: ProcessGroup | N
 
 def all_gather(tensor_list: Sequence[ArrayLike], tensor: ArrayLike, group: ProcessGroup | None = None,
                async_op: bool = False) -> Work | None:
-    """``tensor_list[i]`` receives rank i's ``tensor`` on every rank (same shape and dtype)."""
-    return _pg(group).all_gather(tensor_list, tensor, async_op)
+    """``tensor_list[i]`` receives rank i's ``tensor`` on every rank (same shape and dtype).
+    A non-contiguous ``tensor`` is copied first, as torch accepts one."""
+    return _pg(group).all_gather(tensor_list, _contiguous_input(tensor), async_op)
 
 
 def all_gather_single(output_tensor: ArrayLike, input_tensor: ArrayLike, group: ProcessGroup | None = None,
@@ -168,9 +182,10 @@ def gather(tensor: ArrayLike, gather_list: Sequence[ArrayLike] | None = None, ds
            group: ProcessGroup | None = None, async_op: bool = False,
            group_dst: int | None = None) -> Work | None:
     """Rank ``dst`` (default: the group's rank 0, as torch) receives every rank's ``tensor`` in
-    ``gather_list`` (given on ``dst`` only)."""
+    ``gather_list`` (given on ``dst`` only). A non-contiguous ``tensor`` is copied first, as
+    torch accepts one."""
     pg = _pg(group)
-    return pg.gather(tensor, gather_list, _group_rank(pg, dst, group_dst, "dst", default=0), async_op)
+    return pg.gather(_contiguous_input(tensor), gather_list, _group_rank(pg, dst, group_dst, "dst", default=0), async_op)
 
 
 def scatter(tensor: ArrayLike, scatter_list: Sequence[ArrayLike] | None = None, src: int | None = None,
@@ -199,9 +214,13 @@ def all_to_all_single(output: ArrayLike, input: ArrayLike, output_split_sizes: S
         input_split_sizes: rows sent to each rank (default: equal split).
 
     Raises:
-        ValueError: split sizes of the wrong length, negative, or not summing to dim 0.
+        ValueError: split sizes of the wrong length, negative, or not summing to dim 0;
+            a non-contiguous ``input`` or ``output`` ("Tensors must be contiguous", as gloo).
     """
-    return _pg(group).all_to_all_single(output, input, output_split_sizes, input_split_sizes, async_op)
+    try:
+        return _pg(group).all_to_all_single(output, input, output_split_sizes, input_split_sizes, async_op)
+    except NotContiguousError as exc:
+        raise NotContiguousError(f"Tensors must be contiguous: {exc}") from None
 
 
 # ----- point to point -----

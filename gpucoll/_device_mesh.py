@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import _world
+from ._group import normalize_backend as _normalize_backend
 from ._group import ProcessGroup
 
 __all__ = ["DeviceMesh", "init_device_mesh"]
@@ -22,10 +23,18 @@ __all__ = ["DeviceMesh", "init_device_mesh"]
 _DEVICE_TYPES = ("cpu", "cuda")
 
 
+class _MeshError(RuntimeError, ValueError):
+    """A bad mesh argument: RuntimeError as torch raises it, and ValueError (a bad argument)."""
+
+
 def _check_device_type(device_type: Any) -> str:
-    if not isinstance(device_type, str) or device_type.split(":")[0].lower() not in _DEVICE_TYPES:
+    if isinstance(device_type, str) and device_type and not device_type.isalpha():
+        raise _MeshError(f"Device type with index is not supported but got {device_type}. If you hold a "
+                         f"device object, pass its type ({device_type.split(':')[0]!r}): a mesh spans one "
+                         "device per rank")
+    if not isinstance(device_type, str) or device_type.lower() not in _DEVICE_TYPES:
         raise ValueError(f"device_type must be 'cpu' or 'cuda'; got {device_type!r}")
-    return device_type.split(":")[0].lower()
+    return device_type.lower()
 
 
 def _check_names(names: Any, ndim: int) -> tuple[str, ...] | None:
@@ -34,10 +43,46 @@ def _check_names(names: Any, ndim: int) -> tuple[str, ...] | None:
     if isinstance(names, str) or not all(isinstance(n, str) for n in names):
         raise TypeError(f"mesh_dim_names must be a tuple of str; got {names!r}")
     out = tuple(names)
-    if len(out) != ndim:
-        raise ValueError(f"mesh_dim_names must have one name per mesh dimension ({ndim}); got {out!r}")
     if len(set(out)) != len(out):
-        raise ValueError(f"mesh_dim_names must be unique; got {out!r}")
+        raise _MeshError("Each mesh_dim_name must be unique. Found repeated mesh_dim_name in mesh_dim_names "
+                         f"{out!r}")
+    if len(out) != ndim:
+        raise _MeshError("mesh_shape and mesh_dim_names should have same length! Found "
+                         f"len(mesh_dim_names): {len(out)} and len(mesh_shape):{ndim}.")
+    return out
+
+
+_BackendConfig = tuple[Any, Any]  # (backend name or None, pg_options or None)
+
+
+def _normalize_backend_override(override: Any, ndim: int,
+                                names: tuple[str, ...] | None) -> list[_BackendConfig]:
+    """``backend_override`` ({dim index or name: backend | options | (backend, options)})
+    as one (backend, options) pair per dimension, with torch's errors."""
+    if not isinstance(override, dict):
+        raise TypeError(f"backend_override must be a dict {{dim or name: backend}}; got {type(override).__name__}")
+    left = dict(override)
+    out: list[_BackendConfig] = []
+    for dim in range(ndim):
+        name = names[dim] if names and dim < len(names) else None
+        if name is not None and name in left:
+            if dim in left:
+                raise RuntimeError(f"Found redundant dim index {dim} and name {name} in backend_override")
+            value = left.pop(name)
+        elif dim in left:
+            value = left.pop(dim)
+        else:
+            out.append((None, None))
+            continue
+        if isinstance(value, str):
+            out.append((value, None))
+        elif isinstance(value, tuple) and len(value) == 2:
+            out.append((value[0], value[1]))
+        else:
+            out.append((None, value))
+    if left:
+        raise RuntimeError(f"Found invalid keys in backend_override: got {list(left)}, expected integers in "
+                           f"range [0, {ndim}) or one of {names}")
     return out
 
 
@@ -50,7 +95,7 @@ class DeviceMesh:
 
     Attributes:
         device_type: ``"cpu"`` or ``"cuda"``.
-        mesh: the global ranks, an ``np.ndarray`` of int64 (read-only).
+        mesh: the global ranks, an ``np.ndarray`` of int32 (read-only; torch.int, as torch).
         mesh_dim_names: the dimensions' names, or None.
 
     Example:
@@ -60,17 +105,22 @@ class DeviceMesh:
     """
 
     def __init__(self, device_type: str, mesh: Any, *, mesh_dim_names: Sequence[str] | None = None,
+                 backend_override: Sequence[_BackendConfig] | None = None,
                  _groups: Sequence[ProcessGroup | None] | None = None) -> None:
         self.device_type = _check_device_type(device_type)
-        array = np.array(mesh, dtype=np.int64, copy=True)
+        array = np.array(mesh, dtype=np.int32, copy=True)  # torch keeps the layout as torch.int
         if array.ndim == 0 or array.size == 0:
             raise ValueError(f"mesh must be a non-empty array of ranks with at least one dimension; got {mesh!r}")
         flat = array.ravel().tolist()
         if len(set(flat)) != len(flat):
             raise ValueError(f"mesh holds duplicate ranks: {array.tolist()}")
         array.setflags(write=False)
-        self.mesh: np.ndarray[Any, np.dtype[np.int64]] = array
+        self.mesh: np.ndarray[Any, np.dtype[np.int32]] = array
         self.mesh_dim_names = _check_names(mesh_dim_names, array.ndim)
+        overrides = list(backend_override) if backend_override is not None else [(None, None)] * array.ndim
+        if len(overrides) != array.ndim:
+            raise ValueError("backend_override should have the same length as the number of mesh dimensions, "
+                             f"but got {len(overrides)} and {array.ndim}.")
         default = _world.default_group()
         size = default.size()
         if min(flat) < 0 or max(flat) >= size:
@@ -78,16 +128,33 @@ class DeviceMesh:
         self._rank = default.rank()
         found = np.argwhere(array == self._rank)
         self._coordinate: tuple[int, ...] | None = tuple(int(c) for c in found[0]) if len(found) else None
-        self._groups: list[ProcessGroup | None] = list(_groups) if _groups is not None else self._make_groups()
+        self._groups: list[ProcessGroup | None] = (list(_groups) if _groups is not None
+                                                   else self._make_groups(default, overrides))
 
-    def _make_groups(self) -> list[ProcessGroup | None]:
-        """One split of the default group per dimension; every default-group rank calls it."""
+    def _make_groups(self, default: ProcessGroup, overrides: Sequence[_BackendConfig]) -> list[ProcessGroup | None]:
+        """One group per line along each dimension; every default-group rank calls it.
+
+        A 1-d mesh of the whole world in rank order is the default group itself (torch
+        reuses it too); otherwise one split of the default group per dimension, or, for
+        a dimension whose ``backend_override`` names another backend or options, one
+        :func:`~gpucoll.new_group` per line."""
         groups: list[ProcessGroup | None] = []
         for dim in range(self.mesh.ndim):
+            backend, options = overrides[dim]
             lines = np.moveaxis(self.mesh, dim, -1).reshape(-1, self.mesh.shape[dim]).tolist()
             name = self.mesh_dim_names[dim] if self.mesh_dim_names else str(dim)
-            pg = _world.split_group(None, split_ranks=lines, group_desc=f"mesh_{name}")
-            groups.append(pg)
+            same = (backend is None or _normalize_backend(backend) == default.backend_name) and options is None
+            if same and self.mesh.ndim == 1 and lines == [list(range(default.size()))]:
+                groups.append(default)
+            elif same:
+                groups.append(_world.split_group(None, split_ranks=lines, group_desc=f"mesh_{name}"))
+            else:
+                mine = None
+                for line in lines:
+                    pg = _world.new_group(line, backend=backend, pg_options=options, group_desc=f"mesh_{name}")
+                    if isinstance(pg, ProcessGroup):
+                        mine = pg
+                groups.append(mine)
         return groups
 
     @staticmethod
@@ -107,15 +174,19 @@ class DeviceMesh:
         """
         if isinstance(group, ProcessGroup):
             ranks = list(group.global_ranks)
-            if mesh is not None and np.array(mesh).ravel().tolist() != ranks:
-                raise ValueError(f"mesh {np.array(mesh).tolist()} must list the group's ranks {ranks}")
+            if mesh is not None and np.array(mesh).tolist() != ranks:
+                raise ValueError(f"Invalid mesh {np.array(mesh).tolist()} for ProcessGroup with ranks {ranks}: "
+                                 "a 1-d mesh of one group lists the group's global ranks in order")
             return DeviceMesh(device_type, ranks, mesh_dim_names=mesh_dim_names, _groups=[group])
         groups = list(group)
+        if not groups:
+            raise ValueError("Expects at least one ProcessGroup to be passed")
         if mesh is None:
-            raise ValueError("mesh is required when from_group is given a list of groups")
+            raise ValueError("Must pass mesh if passing multiple ProcessGroups")
+        if np.ndim(mesh) != len(groups):
+            raise ValueError("Expects mesh with ndim equal to number of ProcessGroups but got mesh "
+                             f"{np.array(mesh).tolist()} and {len(groups)} ProcessGroups")
         out = DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names, _groups=groups)
-        if len(groups) != out.ndim:
-            raise ValueError(f"from_group needs one group per mesh dimension ({out.ndim}); got {len(groups)}")
         for dim, pg in enumerate(groups):
             want = out._line(dim)
             if want is not None and list(pg.global_ranks) != want:
@@ -143,17 +214,25 @@ class DeviceMesh:
     def _dim(self, mesh_dim: int | str | None) -> int:
         if mesh_dim is None:
             if self.ndim > 1:
-                raise RuntimeError(f"this DeviceMesh has {self.ndim} dimensions; pass mesh_dim (or use "
+                raise RuntimeError(f"Found the DeviceMesh have {self.ndim} dimensions. Optional kwarg `mesh_dim` "
+                                   "needs to be specified when device_mesh.ndim > 1: pass mesh_dim (or use "
                                    "get_all_groups() for every dimension's group)")
             return 0
         if isinstance(mesh_dim, str):
-            if not self.mesh_dim_names or mesh_dim not in self.mesh_dim_names:
-                raise KeyError(f"mesh_dim {mesh_dim!r} is not a dimension of this mesh; its names are "
-                               f"{list(self.mesh_dim_names or ())}")
-            return self.mesh_dim_names.index(mesh_dim)
+            return self._get_mesh_dim_by_name(mesh_dim)
         if isinstance(mesh_dim, bool) or not isinstance(mesh_dim, int) or not -self.ndim <= mesh_dim < self.ndim:
             raise ValueError(f"mesh_dim must be a dimension name or an int in [0, {self.ndim}); got {mesh_dim!r}")
         return mesh_dim % self.ndim
+
+    def _get_mesh_dim_by_name(self, mesh_dim_name: str) -> int:
+        """The index of the dimension named ``mesh_dim_name`` (torch's private helper, same errors)."""
+        if not self.mesh_dim_names:
+            raise KeyError("No `mesh_dim_names` found. This mesh's dimensions have no names; pass "
+                           "mesh_dim_names= when making it, or select a dimension by index")
+        if mesh_dim_name not in self.mesh_dim_names:
+            raise KeyError(f"Mesh dimension '{mesh_dim_name}' does not exist. Available mesh dimensions are: "
+                           f"mesh_dim_names={self.mesh_dim_names}")
+        return self.mesh_dim_names.index(mesh_dim_name)
 
     def _line(self, dim: int) -> list[int] | None:
         if self._coordinate is None:
@@ -204,13 +283,16 @@ class DeviceMesh:
         """
         wanted = (names,) if isinstance(names, str) else tuple(names)
         if not self.mesh_dim_names:
-            raise RuntimeError("this DeviceMesh has no mesh_dim_names; sub-meshes are selected by name")
+            raise RuntimeError("Cannot slice a DeviceMesh without mesh_dim_names! Sub-meshes are selected by "
+                               "name: pass mesh_dim_names= when making the mesh")
         unknown = [n for n in wanted if n not in self.mesh_dim_names]
         if unknown or not wanted:
-            raise KeyError(f"invalid mesh_dim_names {wanted!r}; this mesh's are {list(self.mesh_dim_names)}")
+            raise KeyError(f"Invalid mesh_dim_names {wanted!r} specified. Valid mesh_dim_names are "
+                           f"{list(self.mesh_dim_names)} (invalid mesh_dim_names: {unknown or wanted!r})")
         dims = [self.mesh_dim_names.index(n) for n in wanted]
         if dims != sorted(dims) or len(set(dims)) != len(dims):
-            raise KeyError(f"mesh_dim_names {wanted!r} must be distinct and in the mesh's order "
+            raise KeyError(f"Invalid mesh_dim_names {wanted!r} specified. Mesh dim indices should be in "
+                           f"ascending order: names must be distinct and in the mesh's order "
                            f"{list(self.mesh_dim_names)}")
         if wanted == self.mesh_dim_names:
             return self
@@ -237,7 +319,8 @@ class DeviceMesh:
 
 
 def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
-                     mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
+                     mesh_dim_names: Sequence[str] | None = None,
+                     backend_override: dict[int | str, Any] | None = None) -> DeviceMesh:
     """Lay the default group's ranks out in ``mesh_shape`` (row-major) and make a group per dimension.
 
     Initializes the default group first if needed (``init_process_group`` with the
@@ -248,14 +331,29 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
             communicator) or ``"cpu"``.
         mesh_shape: the mesh's shape; its product must be the world size.
         mesh_dim_names: one unique name per dimension (for ``mesh["dp"]``, ``get_group("dp")``).
+        backend_override: per dimension (by index or name), the backend of its groups
+            (``"cpu"``/``"gloo"``, ``"nccl"``, ``"fake"``), their ``pg_options``, or a
+            ``(backend, pg_options)`` pair; other dimensions split the default group.
 
     Raises:
-        ValueError: the shape does not multiply to the world size, bad names or device type.
+        ValueError: the shape does not multiply to the world size or a bad device type.
+        RuntimeError: repeated names, a name count that differs from the shape's,
+            a device type with an index (``"cpu:0"``) or bad ``backend_override`` keys
+            (torch's messages; the first three are ValueErrors too).
 
     Example:
         >>> mesh = gpucoll.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         >>> mesh.get_coordinate()             # on rank 3: [1, 1]
     """
+    if mesh_dim_names is not None and not isinstance(mesh_dim_names, str):
+        names = tuple(mesh_dim_names)
+        if len(set(names)) != len(names) or (not isinstance(mesh_shape, int) and len(names) != len(mesh_shape)):
+            _check_names(names, 1 if isinstance(mesh_shape, int) else len(mesh_shape))
+    overrides = None
+    if backend_override is not None:
+        n = 1 if isinstance(mesh_shape, int) else len(mesh_shape)
+        overrides = _normalize_backend_override(backend_override, n,
+                                                 tuple(mesh_dim_names) if mesh_dim_names is not None else None)
     kind = _check_device_type(device_type)
     if isinstance(mesh_shape, int) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1
                                               for s in mesh_shape):
@@ -275,4 +373,5 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
     total = int(np.prod(shape))
     if total != default.size():
         raise ValueError(f"mesh_shape {shape} holds {total} ranks but the world size is {default.size()}")
-    return DeviceMesh(kind, np.arange(total).reshape(shape), mesh_dim_names=mesh_dim_names)
+    return DeviceMesh(kind, np.arange(total).reshape(shape), mesh_dim_names=mesh_dim_names,
+                      backend_override=overrides)

@@ -106,9 +106,14 @@ def _pg(group: Any, what: str) -> ProcessGroup:
     return pg
 
 
-def _group_rank(pg: ProcessGroup, rank: int | None, group_rank: int | None, name: str) -> int:
+def _group_rank(pg: ProcessGroup, rank: int | None, group_rank: int | None, name: str,
+                default_global: int | None = None) -> int:
+    """The group rank named by ``rank`` (global) or ``group_rank``; with neither given,
+    ``default_global`` (a global rank: torch's object collectives default to global rank 0)."""
     from ._collectives import _group_rank as translate
 
+    if rank is None and group_rank is None and default_global is not None:
+        rank = default_global
     return translate(pg, rank, group_rank, name)
 
 
@@ -280,9 +285,10 @@ def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | No
 @_named
 def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int | None = None,
                   group: ProcessGroup | None = None, group_dst: int | None = None) -> None:
-    """Rank ``dst`` fills ``object_gather_list`` (length = group size) with every rank's ``obj``."""
+    """Rank ``dst`` (default: global rank 0, as torch) fills ``object_gather_list``
+    (length = group size) with every rank's ``obj``."""
     pg = _world._resolve(group)
-    root = _group_rank(pg, dst, group_dst, "dst")
+    root = _group_rank(pg, dst, group_dst, "dst", default_global=0)
     if pg.rank() == root:
         _check_list(object_gather_list, "object_gather_list", pg.size())
     datas = gather_bytes(_dumps(obj), group=pg, group_dst=root)
@@ -294,13 +300,14 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
 @_named
 def broadcast_object_list(object_list: list[Any], src: int | None = None, group: ProcessGroup | None = None,
                           device: Any = None, group_src: int | None = None) -> None:
-    """Every rank's ``object_list`` gets rank ``src``'s entries (lists must be equally long).
+    """Every rank's ``object_list`` gets rank ``src``'s entries (lists must be equally long);
+    ``src`` defaults to global rank 0, as in torch.
 
     ``device`` is accepted for torch compatibility and ignored: objects never use a GPU.
     """
     pg = _world._resolve(group)
     _check_list(object_list, "object_list")
-    root = _group_rank(pg, src, group_src, "src")
+    root = _group_rank(pg, src, group_src, "src", default_global=0)
     data = broadcast_bytes(_dumps(list(object_list)) if pg.rank() == root else None, group=pg, group_src=root)
     if pg.rank() != root:
         received = pickle.loads(data)
@@ -314,12 +321,18 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None, group:
 def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_input_list: list[Any] | None = None,
                         src: int | None = None, group: ProcessGroup | None = None,
                         group_src: int | None = None) -> None:
-    """Rank i gets ``scatter_object_input_list[i]`` of rank ``src`` in ``scatter_object_output_list[0]``."""
+    """Rank i gets ``scatter_object_input_list[i]`` of rank ``src`` (default: global rank 0,
+    as torch) in ``scatter_object_output_list[0]``.
+
+    Raises:
+        ValueError: ``scatter_object_output_list`` is not a list of at least one entry
+            (torch's message), or the input list does not hold one object per rank.
+    """
     pg = _world._resolve(group)
-    _check_list(scatter_object_output_list, "scatter_object_output_list")
-    if not scatter_object_output_list:
-        raise ValueError("scatter_object_output_list must have at least one entry")
-    root = _group_rank(pg, src, group_src, "src")
+    if not isinstance(scatter_object_output_list, list) or not scatter_object_output_list:
+        raise ValueError("Expected argument scatter_object_output_list to be a list of size at least 1; got "
+                         f"{scatter_object_output_list!r} (it receives this rank's object in entry 0)")
+    root = _group_rank(pg, src, group_src, "src", default_global=0)
     datas = None
     if pg.rank() == root:
         _check_list(scatter_object_input_list, "scatter_object_input_list", pg.size())

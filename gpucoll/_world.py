@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 from ._timeouts import to_seconds
 from ._group import Backend, GroupMember, ProcessGroup, nccl_usable, normalize_backend
+from ._group.checks import _check_desc, _check_ranks, _InitTwiceError, _RankError, _ranks_label
 from ._group.gpu_check import require_nccl
 from ._group.join import await_all_joined, next_generation
 from ._group.options import PGOptions, coerce_options, options_timeout
@@ -134,8 +135,8 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     """
     global _WORLD
     if _WORLD is not None:
-        raise RuntimeError("the default process group is already initialized; "
-                           "call destroy_process_group() before init_process_group() again")
+        raise _InitTwiceError("trying to initialize the default process group twice! It is already "
+                              "initialized; call destroy_process_group() before init_process_group() again")
     name = normalize_backend(backend)
     options = coerce_options(pg_options, name)
     seconds = to_seconds(timeout if timeout is not None else options_timeout(options), name="timeout")
@@ -164,7 +165,8 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     if not 0 <= rank < world_size:
         if owns:
             store.close()
-        raise ValueError(f"rank must be in [0, world_size={world_size}); got rank={rank}")
+        raise _RankError(f"Cannot init process group where rank {rank} >= world_size {world_size}: "
+                         f"rank must be in [0, world_size={world_size}); got rank={rank}")
     if owns:
         try:  # every rank, not only the store's host, says how many processes joined
             await_all_joined(store, rank, world_size, seconds)
@@ -320,18 +322,26 @@ def get_group_rank(group: ProcessGroup | None, global_rank: int) -> int:
     """Translate a global rank to ``group``'s rank.
 
     Raises:
-        ValueError: ``global_rank`` is not in ``group``.
+        ValueError: ``global_rank`` is not in ``group`` (torch's "... is not part of group").
     """
-    return _resolve(group).get_group_rank(global_rank)
+    pg = _resolve(group)
+    if isinstance(global_rank, int) and not isinstance(global_rank, bool) and global_rank not in pg.global_ranks:
+        raise ValueError(f"Global rank {global_rank} is not part of group {pg.group_name!r}: "
+                         f"global_rank={global_rank} is not a member (its global ranks: {list(pg.global_ranks)})")
+    return pg.get_group_rank(global_rank)
 
 
 def get_global_rank(group: ProcessGroup | None, group_rank: int) -> int:
     """Translate ``group``'s rank to a global rank.
 
     Raises:
-        ValueError: ``group_rank`` is out of range.
+        ValueError: ``group_rank`` is out of range (torch's "... is not part of group").
     """
-    return _resolve(group).get_global_rank(group_rank)
+    pg = _resolve(group)
+    if isinstance(group_rank, int) and not isinstance(group_rank, bool) and not 0 <= group_rank < pg.size():
+        raise ValueError(f"Group rank {group_rank} is not part of group {pg.group_name!r}: "
+                         f"group_rank={group_rank} is out of range for a group of size {pg.size()}")
+    return pg.get_global_rank(group_rank)
 
 
 # ----- more groups -----
@@ -344,26 +354,6 @@ def _group_options(pg_options: Any, backend: str, timeout: float | timedelta | N
     if timeout is None:
         timeout = options_timeout(options)
     return options, default if timeout is None else to_seconds(timeout, name="timeout")
-
-
-def _check_desc(group_desc: Any) -> str:
-    if group_desc is not None and not isinstance(group_desc, str):
-        raise TypeError(f"group_desc must be a str or None; got {type(group_desc).__name__}")
-    return group_desc or ""
-
-
-def _check_ranks(ranks: Any, world_size: int, name: str) -> list[int]:
-    if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
-        raise TypeError(f"{name} must be a list of ints; got {type(ranks).__name__}")
-    out = list(ranks)
-    for r in out:
-        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size:
-            raise ValueError(f"{name} holds {r!r}, which is not a rank in [0, {world_size})")
-    if len(set(out)) != len(out):
-        raise ValueError(f"{name} holds duplicate ranks: {out}")
-    if not out:
-        raise ValueError(f"{name} must not be empty")
-    return out
 
 
 def _make_group(world: _World, name: str, global_ranks: list[int] | None, my_global: int,
@@ -402,12 +392,12 @@ def _make_group(world: _World, name: str, global_ranks: list[int] | None, my_glo
 
 def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | None = None,
               backend: str | None = None, pg_options: Any = None, use_local_synchronization: bool = False,
-              group_desc: str | None = None) -> Any:
+              group_desc: str | None = None, sort_ranks: bool = True) -> Any:
     """Create a group of some ranks of the default group. Every rank of the default group
     must call it, in the same order (that is how groups get the same name everywhere).
 
     Args:
-        ranks: global ranks of the members (sorted here, as torch does); None = all.
+        ranks: global ranks of the members (sorted, as torch does); None = all.
         timeout: the group's timeout; the default group's when None.
         backend: ``"cpu"``/``"nccl"``; the default group's when None.
         pg_options: :class:`~gpucoll.NCCLOptions` (NCCL groups: passed to the new
@@ -421,9 +411,11 @@ def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | N
             (no split of the default group's, which would need every rank).
         group_desc: a description kept by the group: shown in its repr, its errors and
             its flight-recorder dumps.
+        sort_ranks: False keeps ``ranks`` in the order given: member ``ranks[i]`` is
+            group rank ``i`` (torch's ``sort_ranks``).
 
     Returns:
-        The new ProcessGroup on members; ``GroupMember.NON_GROUP_MEMBER`` elsewhere.
+        The group on members; elsewhere ``GroupMember.NON_GROUP_MEMBER`` (None with local sync, as torch).
 
     Raises:
         ValueError: ranks out of range, duplicated or empty.
@@ -436,7 +428,9 @@ def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | N
     world = _world()
     _check_desc(group_desc)
     size = world.default.size()
-    members = sorted(_check_ranks(range(size) if ranks is None else ranks, size, "ranks"))
+    members = _check_ranks(range(size) if ranks is None else ranks, size, "ranks")
+    if sort_ranks:
+        members = sorted(members)
     # Checked on every rank, members or not, so that all raise alike.
     backend = world.backend if backend is None else normalize_backend(backend)
     options, timeout = _group_options(pg_options, backend, timeout, world.timeout)
@@ -444,7 +438,7 @@ def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | N
     mine = members if me in members else None
     if use_local_synchronization:
         if mine is None:
-            return GroupMember.NON_GROUP_MEMBER  # non-members need not call: nothing to count
+            return None  # torch 2.13 returns None here; non-members need not call: nothing to count
         key = tuple(members)
         world.made_local[key] = n = world.made_local.get(key, 0) + 1
         pg = _make_group(world, f"local.{_ranks_label(members)}.{n}", mine, me, timeout, backend,
@@ -456,15 +450,6 @@ def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | N
         pg = _make_group(world, f"group{world.made}", mine, me, timeout, backend, parent=world.default,
                          parent_ranks=mine, group_desc=group_desc, pg_options=options)
     return GroupMember.NON_GROUP_MEMBER if pg is None else pg
-
-
-def _ranks_label(ranks: Sequence[int]) -> str:
-    """A name for a set of global ranks: the ranks themselves, or for many a digest of them."""
-    if len(ranks) <= 8:
-        return "_".join(map(str, ranks))
-    import hashlib
-
-    return f"{ranks[0]}-{ranks[-1]}x{len(ranks)}-{hashlib.sha1(repr(list(ranks)).encode()).hexdigest()[:16]}"
 
 
 def split_group(parent_pg: ProcessGroup | None = None, split_ranks: Sequence[Sequence[int]] | None = None,
@@ -543,10 +528,13 @@ def new_subgroups(group_size: int | None = None, group: ProcessGroup | None = No
         if not raw.isdigit():
             raise ValueError("group_size is required when LOCAL_WORLD_SIZE is not set")
         group_size = int(raw)
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be an int >= 1; got {group_size!r}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
+        raise ValueError(f"The arg 'group_size' ({group_size!r}) must be positive: an int >= 1")
+    if parent.size() < group_size:
+        raise ValueError(f"The arg 'group_size' ({group_size}) must not exceed the world size ({parent.size()})")
     if parent.size() % group_size:
-        raise ValueError(f"group_size={group_size} must divide the group size {parent.size()}")
+        raise ValueError(f"The world size ({parent.size()}) must be divisible by '{group_size=}': "
+                         f"group_size must divide the size of group {parent.group_name!r}")
     ranks = list(parent.global_ranks)
     chunks = [ranks[i:i + group_size] for i in range(0, len(ranks), group_size)]
     return new_subgroups_by_enumeration(chunks, timeout=timeout, backend=backend, pg_options=pg_options,
@@ -567,14 +555,16 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list: Sequence[Sequence[int]
     world = _world()
     coerce_options(pg_options, world.backend if backend is None else normalize_backend(backend))
     if not ranks_per_subgroup_list:
-        raise ValueError("ranks_per_subgroup_list must not be empty")
+        raise ValueError("The arg 'ranks_per_subgroup_list' cannot be empty: pass one list of ranks per subgroup")
     size = world.default.size()
-    seen: set[int] = set()
+    owner: dict[int, list[int]] = {}
     for i, ranks in enumerate(ranks_per_subgroup_list):
         checked = _check_ranks(ranks, size, f"ranks_per_subgroup_list[{i}]")
-        if seen & set(checked):
-            raise ValueError(f"rank(s) {sorted(seen & set(checked))} appear in more than one subgroup")
-        seen |= set(checked)
+        for r in checked:
+            if r in owner:
+                raise ValueError(f"Rank {r} has appeared in both subgroup {owner[r]} and {checked}: a rank may "
+                                 "not appear in more than one subgroup")
+            owner[r] = checked
     mine: Any = None
     subgroups = []
     for ranks in ranks_per_subgroup_list:

@@ -13,6 +13,9 @@ copies input to output. Reductions and broadcasts leave the data alone.
 Host arrays and device arrays both come here; no NCCL or peer is touched. Ops
 that fill device outputs copy on the device through CuPy (so need a GPU); the
 others (reductions, broadcast, barrier, p2p) need none.
+
+With ``FakeOptions(error_on_collective=True)`` every op raises instead (torch's
+option of that name: a check that a code path issues no collective).
 """
 
 from __future__ import annotations
@@ -29,19 +32,32 @@ from .._work import Work
 __all__ = ["FakeBackend"]
 
 
+class _EmptyInputError(ValueError, RuntimeError):
+    """A bad argument (ValueError) that torch's fake group reports as RuntimeError."""
+
+
 class FakeBackend:
     """A Backend whose ops complete immediately; see the module docstring."""
 
     name = "fake"
 
     def __init__(self, store: Store, rank: int, size: int, *, timeout: float = 300.0,
-                 group_name: str = "") -> None:
+                 group_name: str = "", error_on_collective: bool = False) -> None:
         self.rank = rank
         self.size = size
         self.group_name = group_name
+        self.error_on_collective = error_on_collective
         self._aborted: str | None = None
 
+    def _refuse(self, op: str) -> None:
+        if self.error_on_collective:
+            from ..errors import DistBackendError
+
+            raise DistBackendError(f"FakeProcessGroup collective operation error: {op} on fake group "
+                                   f"{self.group_name!r}, made with FakeOptions(error_on_collective=True)")
+
     def _done(self, op: str) -> Work:
+        self._refuse(op)
         work = Work(op)
         if self._aborted is not None:
             from ..errors import DistBackendError
@@ -77,10 +93,12 @@ class FakeBackend:
         return self._done("reduce")
 
     def reduce_scatter(self, out: Buffer, inputs: Sequence[Buffer], op: ReduceOpLike) -> Work:
+        self._refuse("reduce_scatter")
         self._fill([out], inputs[self.rank])
         return self._done("reduce_scatter")
 
     def reduce_scatter_single(self, out: Buffer, inp: Buffer, op: ReduceOpLike) -> Work:
+        self._refuse("reduce_scatter_single")
         self._fill([out], _array.split_buffer(inp, self.size)[self.rank])
         return self._done("reduce_scatter_single")
 
@@ -89,35 +107,45 @@ class FakeBackend:
         return self._done("broadcast")
 
     def all_gather(self, outs: Sequence[Buffer], inp: Buffer) -> Work:
+        self._refuse("all_gather")
         self._fill(outs, inp)
         return self._done("all_gather")
 
     def all_gather_single(self, out: Buffer, inp: Buffer) -> Work:
+        self._refuse("all_gather_single")
         self._fill(_array.split_buffer(out, self.size), inp)
         return self._done("all_gather_single")
 
     def all_gather_coalesced(self, outs: Sequence[Sequence[Buffer]], inps: Sequence[Buffer]) -> Work:
+        self._refuse("all_gather_coalesced")
         for row, inp in zip(outs, inps):
             self._fill(row, inp)
         return self._done("all_gather_coalesced")
 
     def gather(self, outs: Sequence[Buffer] | None, inp: Buffer, dst: int) -> Work:
+        self._refuse("gather")
         if outs is not None:
             self._fill(outs, inp)
         return self._done("gather")
 
     def scatter(self, out: Buffer, inputs: Sequence[Buffer] | None, src: int) -> Work:
+        self._refuse("scatter")
         if inputs is not None:
             self._fill([out], inputs[self.rank])
         return self._done("scatter")
 
     def all_to_all(self, outs: Sequence[Buffer], inputs: Sequence[Buffer]) -> Work:
+        self._refuse("all_to_all")
         for out, inp in zip(outs, inputs):
             self._fill([out], inp)
         return self._done("all_to_all")
 
     def all_to_all_single(self, out: Buffer, inp: Buffer, out_counts: Sequence[int],
                           in_counts: Sequence[int]) -> Work:
+        self._refuse("all_to_all_single")
+        if inp.numel == 0 and out.numel > 0:
+            raise _EmptyInputError("inputBuffer is empty: the fake group fills each rank's part of the output from "
+                             f"this rank's input, which holds no elements (output {out.shape})")
         if list(out_counts) == list(in_counts) and len(set(out_counts)) <= 1:
             self._fill([out], inp)  # even splits: torch copies input to output whole
         else:
@@ -140,6 +168,7 @@ class FakeBackend:
         return self._done("send")
 
     def recv(self, buf: Buffer, src: int | None, tag: int) -> Work:
+        self._refuse("recv")
         work = Work("recv")
         work._set_result(source_rank=src if src is not None else (self.rank + 1) % self.size)
         return work

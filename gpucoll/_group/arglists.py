@@ -8,7 +8,7 @@ from typing import Any, Protocol, Sequence
 
 from .. import array as _array
 from .._buffer import Buffer
-from .checks import _real_view, _row_elems, _same_layout, _splits
+from .checks import _DTYPES_DIFFER, _coalesced_dtypes, _real_view, _row_elems, _same_layout, _size_error, _splits
 
 __all__ = ["TAG_MAX", "_list_like", "_uneven_list", "_check_chunked", "_p2p_check", "_coalesced_lists", "_split_counts",
            "_a2a_lists", "_check_rank"]
@@ -41,8 +41,8 @@ def _list_like(pg: _Group, arrays: Sequence[Any], name: str, ref: Buffer, ref_na
     if isinstance(arrays, (str, bytes)) or not hasattr(arrays, "__len__"):
         raise TypeError(f"{name} must be a list of {pg._size} arrays; got {type(arrays).__name__}")
     if len(arrays) != pg._size:
-        raise ValueError(f"{name} must have {pg._size} arrays (one per rank of group "
-                         f"{pg.group_name!r}); got {len(arrays)}")
+        raise _size_error(name, f"{name} must have {pg._size} arrays (one per rank of group "
+                          f"{pg.group_name!r}); got {len(arrays)}")
     bufs = []
     for i, a in enumerate(arrays):
         b = _array.as_buffer(a, name=f"{name}[{i}]", writable=writable)
@@ -57,23 +57,25 @@ def _uneven_list(pg: _Group, arrays: Sequence[Any], name: str, own: Buffer, own_
     if isinstance(arrays, (str, bytes)) or not hasattr(arrays, "__len__"):
         raise TypeError(f"{name} must be a list of {pg._size} arrays; got {type(arrays).__name__}")
     if len(arrays) != pg._size:
-        raise ValueError(f"{name} must have {pg._size} arrays (one per rank of group "
-                         f"{pg.group_name!r}); got {len(arrays)}")
+        raise _size_error(name, f"{name} must have {pg._size} arrays (one per rank of group "
+                          f"{pg.group_name!r}); got {len(arrays)}")
     bufs = [_array.as_buffer(a, name=f"{name}[{i}]") for i, a in enumerate(arrays)]
     for i, b in enumerate(bufs):
         if b.dtype != own.dtype:
-            raise ValueError(f"{name}[{i}] has dtype {b.dtype.name} but {own_name} has {own.dtype.name}; "
+            raise ValueError(f"{_DTYPES_DIFFER}: {name}[{i}] has dtype {b.dtype.name} but {own_name} has "
+                             f"{own.dtype.name}; "
                              "they must match")
     _same_layout(bufs[pg._rank], own, f"{name}[{pg._rank}] (this rank's chunk)", own_name)
     return bufs
 
 def _check_chunked(pg: _Group, whole: Buffer, part: Buffer, whole_name: str, part_name: str) -> None:
     if whole.dtype != part.dtype:
-        raise ValueError(f"{whole_name} has dtype {whole.dtype.name} but {part_name} has {part.dtype.name}; "
+        raise ValueError(f"{_DTYPES_DIFFER}: {whole_name} has dtype {whole.dtype.name} but {part_name} has "
+                         f"{part.dtype.name}; "
                         "they must match")
     if whole.nbytes != part.nbytes * pg._size:
-        raise ValueError(f"{whole_name} (shape {whole.shape}) must hold exactly group size x "
-                         f"{part_name} = {pg._size} x {part.numel} elements; got {whole.numel}")
+        raise _size_error(whole_name, f"{whole_name} (shape {whole.shape}) must hold exactly group size x "
+                          f"{part_name} = {pg._size} x {part.numel} elements; got {whole.numel}")
 
 def _p2p_check(pg: _Group, tensor: Any, peer: int | None, tag: int, name: str, writable: bool) -> Buffer:
     if peer is not None:
@@ -93,6 +95,7 @@ def _coalesced_lists(pg: _Group, output_lists: Sequence[Sequence[Any]],
     the transpose of torch's layout), every one checked."""
     if isinstance(input_list, (str, bytes)) or not hasattr(input_list, "__len__") or not input_list:
         raise ValueError("input_tensor_list must be a non-empty list of arrays")
+    _coalesced_dtypes(output_lists, input_list)
     if isinstance(output_lists, (str, bytes)) or not hasattr(output_lists, "__len__") \
             or len(output_lists) != pg._size:
         got = len(output_lists) if hasattr(output_lists, "__len__") else type(output_lists).__name__
@@ -102,7 +105,8 @@ def _coalesced_lists(pg: _Group, output_lists: Sequence[Sequence[Any]],
     for r, row in enumerate(output_lists):
         if isinstance(row, (str, bytes)) or not hasattr(row, "__len__") or len(row) != len(ins):
             got = len(row) if hasattr(row, "__len__") else type(row).__name__
-            raise ValueError(f"output_tensor_lists[{r}] must have {len(ins)} arrays (one per input); got {got}")
+            raise _size_error("output_tensor_lists",
+                              f"output_tensor_lists[{r}] must have {len(ins)} arrays (one per input); got {got}")
     # The backends take the outputs per input (outs[k][r]): the transpose of torch's layout.
     outs = [_list_like(pg, [output_lists[r][k] for r in range(pg._size)],
                        f"output_tensor_lists[*][{k}]", ins[k], f"input_tensor_list[{k}]",
@@ -116,7 +120,8 @@ def _split_counts(pg: _Group, output: Any, input: Any, output_split_sizes: Seque
     out = _array.as_buffer(output, name="output", writable=True)
     inp = _array.as_buffer(input, name="input")
     if out.dtype != inp.dtype:
-        raise ValueError(f"output has dtype {out.dtype.name} but input has {inp.dtype.name}; they must match")
+        raise ValueError(f"{_DTYPES_DIFFER}: output has dtype {out.dtype.name} but input has {inp.dtype.name}; "
+                         "they must match")
     row_out, row_in = _row_elems(out, "output"), _row_elems(inp, "input")
     if row_out != row_in:
         raise ValueError(f"output rows (shape {out.shape}) and input rows (shape {inp.shape}) must have "
@@ -133,13 +138,13 @@ def _a2a_lists(pg: _Group, output_list: Sequence[Any],
     """all_to_all's outputs and inputs as Buffers (one per rank each, one dtype), and their names."""
     for lst, name in ((output_list, "output_tensor_list"), (input_list, "input_tensor_list")):
         if len(lst) != pg._size:
-            raise ValueError(f"{name} must have {pg._size} arrays (one per rank); got {len(lst)}")
+            raise _size_error(name, f"{name} must have {pg._size} arrays (one per rank); got {len(lst)}")
     outs = [_array.as_buffer(t, name=f"output_tensor_list[{i}]", writable=True) for i, t in enumerate(output_list)]
     ins = [_array.as_buffer(t, name=f"input_tensor_list[{i}]") for i, t in enumerate(input_list)]
     for i, b in enumerate(outs + ins):
         if b.dtype != ins[0].dtype:
-            raise ValueError(f"all arrays of all_to_all must share one dtype; got {b.dtype.name} "
-                            f"and {ins[0].dtype.name}")
+            raise ValueError(f"{_DTYPES_DIFFER}: all arrays of all_to_all must share one dtype; got "
+                             f"{b.dtype.name} and {ins[0].dtype.name}")
     names = [f"output_tensor_list[{i}]" for i in range(len(outs))] + \
             [f"input_tensor_list[{i}]" for i in range(len(ins))]
     return outs, ins, names

@@ -74,13 +74,33 @@ def monitored_barrier(store: Store, rank: int, size: int, seq: int, group_name: 
         why = _wait_for(store, f"{prefix}/released", 0, time.monotonic() + timeout + 2.0, gone)
         if why is not None:
             cause = "rank 0 may be dead or stuck" if why == "timeout" else why
-            raise DistBackendError(f"{what}: rank 0 did not release the barrier within {timeout:g} s ({cause})")
+            raise DistBackendError(f"{_reached(rank)}: {what}: rank 0 did not release the barrier within "
+                                   f"{timeout:g} s ({cause})")
         verdict = store.get(f"{prefix}/released").decode()
         notes = []
     if verdict != "ok":
         ranks = [int(r) for r in verdict.split(",")]
         scope = "ranks that did not arrive" if wait_all_ranks else "first rank that did not arrive"
-        raise DistBackendError(f"{what}: {scope} within {timeout:g} s: {ranks}"
-                               f"{'' if wait_all_ranks else ' (pass wait_all_ranks=True to list all)'}"
-                               + (f" ({'; '.join(notes)})" if notes else ""))
+        detail = (f"{what}: {scope} within {timeout:g} s: {ranks}"
+                  f"{'' if wait_all_ranks else ' (pass wait_all_ranks=True to list all)'}"
+                  + (f" ({'; '.join(notes)})" if notes else ""))
+        raise DistBackendError(f"{_failed(ranks, timeout) if rank == 0 else _reached(rank)}: {detail}")
     return last_release
+
+
+# torch's (gloo's) words lead each message, as torch's tests match them; gpucoll's detail follows.
+
+def _failed(ranks: list[int], timeout: float) -> str:
+    """Rank 0's message: who failed to arrive (or, with no time at all, that rank 0 timed out)."""
+    ms = int(timeout * 1000)
+    if timeout <= 0:
+        return f"Rank 0 timed out in monitoredBarrier after {ms} ms"
+    if len(ranks) == 1:
+        return f"Rank {ranks[0]} failed to pass monitoredBarrier in {ms} ms"
+    return f"Ranks {', '.join(map(str, ranks))} failed to pass monitoredBarrier in {ms} ms"
+
+
+def _reached(rank: int) -> str:
+    """A rank other than 0: it arrived, but the barrier failed."""
+    return (f"Rank {rank} successfully reached monitoredBarrier, but received errors while waiting for "
+            "send/recv from rank 0")

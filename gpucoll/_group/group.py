@@ -26,7 +26,7 @@ from ..store import PrefixStore, Store
 from .arglists import TAG_MAX, _a2a_lists, _check_chunked, _check_rank, _coalesced_lists
 from .arglists import _list_like, _p2p_check, _split_counts, _uneven_list
 from .barrier import monitored_barrier
-from .checks import _check_op, _real_view
+from .checks import _check_op, _list_dtypes, _real_view
 from .coalescing import CoalescingManager, _not_coalescable
 from .core import Issuer, time_ops
 from .options import PGOptions
@@ -96,10 +96,10 @@ class ProcessGroup:
         self._plans = self._issuer.plans  # the issuer's plan cache, looked up by the hot ops
         self._barrier_now = self._cpu.barrier_now if isinstance(self._cpu, RunsNow) else None
         self._watchdog, self._recorder = self._issuer.watchdog, self._issuer.recorder  # (debug tools read them)
-        # Bound to a device at creation on every rank: only then may new groups split
-        # its communicator (one made by a first device op might exist on some ranks
-        # and not yet on others when they create the next group).
+        # Bound at creation on every rank: only then may new groups split its communicator (one
+        # made by a first device op may exist on some ranks and not yet on others).
         self._bound = backend == "nccl" and (device_id is not None or device_backend is not None)
+        self.bound_device_id: int | None = device_id  # torch's: the device given at creation, else None
         if device_backend is not None:
             if backend != "nccl":
                 raise ValueError(f"group {group_name!r}: a device backend was given to a {backend} group")
@@ -165,7 +165,6 @@ class ProcessGroup:
         and the flight recorder."""
         return self._issuer.seq
 
-    # ----- hooks, flight recorder -----
     def register_on_completion_hook(self, hook: Callable[[WorkInfo], None]) -> None:
         """Call ``hook(info)`` after each op of this group completes.
 
@@ -434,7 +433,7 @@ class ProcessGroup:
         if self._coalescing is not None:
             _not_coalescable("gather")
         self._check_rank(dst, "group_dst")
-        inp = _array.as_buffer(tensor, name="tensor")
+        inp = _list_dtypes(gather_list, _array.as_buffer(tensor, name="tensor"), "gather_list", "tensor")
         outs: list[Buffer] | None = None
         if self._rank == dst:
             if not gather_list:
@@ -457,7 +456,8 @@ class ProcessGroup:
         if self._coalescing is not None:
             _not_coalescable("scatter")
         self._check_rank(src, "group_src")
-        out = _array.as_buffer(tensor, name="tensor", writable=True)
+        out = _list_dtypes(scatter_list, _array.as_buffer(tensor, name="tensor", writable=True), "scatter_list",
+                           "tensor")
         ins: list[Buffer] | None = None
         if self._rank == src:
             if not scatter_list:

@@ -10,7 +10,7 @@ from typing import Any, Union
 from .._backends.nccl.config import FIELD_NAMES, UNDEF_INT, check_value
 from .._timeouts import to_seconds
 
-__all__ = ["NCCLOptions", "CPUOptions", "PGOptions", "coerce_options", "options_timeout"]
+__all__ = ["NCCLOptions", "CPUOptions", "FakeOptions", "PGOptions", "coerce_options", "options_timeout"]
 
 _TRANSPORTS = ("auto", "shm", "tcp")
 
@@ -122,7 +122,32 @@ class CPUOptions:
             object.__setattr__(self, "transport", mode)
 
 
-PGOptions = Union[NCCLOptions, CPUOptions]
+@dataclass  # not frozen: torch's tests set fields on FakeProcessGroup.Options() after making it
+class FakeOptions:
+    """Options of a ``"fake"`` group (torch's ``FakeProcessGroup.Options``).
+
+    Attributes:
+        error_on_collective: every op of the group raises ``DistBackendError``
+            ("FakeProcessGroup collective operation error") instead of completing, to
+            check that a code path issues no collective.
+        timeout: the group's timeout when the call that makes the group gives none.
+
+    Example:
+        >>> opts = gpucoll.FakeOptions(error_on_collective=True)
+        >>> gpucoll.init_process_group("fake", rank=0, world_size=8, pg_options=opts)
+    """
+
+    error_on_collective: bool = False
+    timeout: float | timedelta | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.error_on_collective, bool):
+            raise TypeError("FakeOptions.error_on_collective must be a bool; got "
+                            f"{type(self.error_on_collective).__name__}")
+        self.timeout = _check_timeout(self.timeout)
+
+
+PGOptions = Union[NCCLOptions, CPUOptions, FakeOptions]
 
 
 def _from_torch(obj: Any) -> NCCLOptions:
@@ -144,14 +169,20 @@ def coerce_options(pg_options: Any, backend: str) -> PGOptions | None:
     """``pg_options`` as gpucoll's options for a group of ``backend`` ("cpu", "nccl", "fake").
 
     Accepts None, :class:`NCCLOptions` (NCCL groups), :class:`CPUOptions` (CPU groups),
-    and an object shaped like torch's ``ProcessGroupNCCL.Options`` (has ``config``).
-    A "fake" group takes either kind and applies none.
+    :class:`FakeOptions` ("fake" groups) and an object shaped like torch's
+    ``ProcessGroupNCCL.Options`` (has ``config``). A "fake" group takes the NCCL and CPU
+    kinds too and applies none of them.
 
     Raises:
         TypeError: any other object, or options of the other backend's kind.
     """
     if pg_options is None:
         return None
+    if isinstance(pg_options, FakeOptions):
+        if backend == "fake":
+            return pg_options
+        raise TypeError(f"pg_options is FakeOptions but the group's backend is {backend!r}; FakeOptions is "
+                        "for 'fake' groups")
     if not isinstance(pg_options, (NCCLOptions, CPUOptions)) and hasattr(pg_options, "config"):
         pg_options = _from_torch(pg_options)
     if isinstance(pg_options, NCCLOptions):
@@ -164,7 +195,7 @@ def coerce_options(pg_options: Any, backend: str) -> PGOptions | None:
             return pg_options
         raise TypeError(f"pg_options is CPUOptions but the group's backend is {backend!r}; "
                         "pass gpucoll.NCCLOptions for an nccl group")
-    raise TypeError("pg_options must be None, gpucoll.NCCLOptions, gpucoll.CPUOptions or torch's "
+    raise TypeError("pg_options must be None, gpucoll.NCCLOptions, gpucoll.CPUOptions, gpucoll.FakeOptions or torch's "
                     f"ProcessGroupNCCL.Options; got {type(pg_options).__name__}")
 
 

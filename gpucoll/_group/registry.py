@@ -14,7 +14,7 @@ from .._debug import get_debug_level
 from ..errors import BackendUnavailableError
 from .._backends.base import Backend, SplitsCommunicator
 from ..store import PrefixStore, Store
-from .options import CPUOptions, NCCLOptions, PGOptions
+from .options import CPUOptions, FakeOptions, NCCLOptions, PGOptions
 
 __all__ = ["BACKENDS", "BackendFactory", "normalize_backend", "default_backend", "nccl_usable", "debug_level",
            "make_device_backend", "split_device_backend", "backend_kwargs"]
@@ -52,10 +52,11 @@ def _make_nccl(store: Store, rank: int, size: int, *, timeout: float, group_name
 
 
 def _make_fake(store: Store, rank: int, size: int, *, timeout: float, group_name: str,
-               device_id: int | None) -> Backend:
+               device_id: int | None, error_on_collective: bool = False) -> Backend:
     from .._backends.fake import FakeBackend
 
-    return FakeBackend(store, rank, size, timeout=timeout, group_name=group_name)
+    return FakeBackend(store, rank, size, timeout=timeout, group_name=group_name,
+                       error_on_collective=error_on_collective)
 
 
 BACKENDS: dict[str, BackendFactory] = {"cpu": _make_cpu, "nccl": _make_nccl, "fake": _make_fake}
@@ -118,6 +119,8 @@ def backend_kwargs(pg_options: PGOptions | None, kind: str) -> dict[str, Any]:
             out["high_priority"] = True
     elif kind == "cpu" and isinstance(pg_options, CPUOptions) and pg_options.transport is not None:
         out["transport"] = pg_options.transport
+    elif kind == "cpu" and isinstance(pg_options, FakeOptions) and pg_options.error_on_collective:
+        out["error_on_collective"] = True  # only "fake" groups accept FakeOptions (coerce_options)
     return out
 
 

@@ -35,7 +35,7 @@ def op_valid(op: str, name: str) -> bool:
     k = kind(name)
     if op in ("BAND", "BOR", "BXOR"):
         return k in "biu"
-    if op in ("MIN", "MAX"):
+    if op in ("MIN", "MAX", "PRODUCT"):
         return k != "c"
     if op == "AVG":
         return k != "b"

@@ -211,6 +211,14 @@ def _rank_main(section_name: str, impl: str, workdir: str) -> None:
         out.write(json.dumps({"check": chk.name, "status": status, "msg": msg,
                               "s": round(time.monotonic() - t0, 3)}) + "\n")
     if sec.init:
+        # Every rank finishes the section before any tears its group down (torch's test
+        # harness keeps all processes alive until all finish): a rank that ends its last
+        # check early must not break a peer still inside it (e.g. still setting up a group).
+        sync.set(f"end/{rank}", b"1")
+        try:
+            sync.wait([f"end/{r}" for r in range(ws)], timeout=2 * sec.pg_timeout + 10)
+        except Exception:
+            pass  # a peer died or hangs: its checks already report it
         T.dist.destroy_process_group()
     out.close()
 
@@ -276,4 +284,5 @@ def _load_checks() -> None:
     import _conf_checks_groups  # noqa: F401
     import _conf_checks_store  # noqa: F401
     import _conf_ported_store  # noqa: F401
+    import _conf_ported_groups  # noqa: F401
     import _conf_tutorial  # noqa: F401

@@ -72,7 +72,9 @@ def test_nccl_follows_torch_layouts_and_defaults(size: int, monkeypatch: pytest.
         for r in range(size):
             c = np.array([1 + 2j, 3 + 4j], np.complex64) * (r + 1)
             assert out["complex"][r] == np.stack([c.real, c.imag], -1).tolist()
-        assert out["dtype_error"].startswith("ValueError: tensor_list[0] has dtype float64"), out["dtype_error"]
+        # torch's words lead ("Invalid usage of tensors with different dtypes"), then which arrays
+        assert out["dtype_error"].startswith("ValueError: Invalid usage of tensors with different dtypes: "
+                                             "tensor_list[0] has dtype float64"), out["dtype_error"]
         assert out["backend"] == "nccl"
 
 
