@@ -40,6 +40,9 @@ _MAY_COMPLETE = {
     "broadcast": lambda r, n, v: True, "scatter": lambda r, n, v: True,
     "reduce": lambda r, n, v: r != (0 if v != 0 else n - 1),
     "gather": lambda r, n, v: r != (0 if v != 0 else n - 1),
+    # The victim dies 2 ms into its own all_reduce: on a busy machine its data may all have
+    # gone out by the time the kill lands, and the op may complete (with the right sum).
+    "all_reduce_big": lambda r, n, v: True,
 }
 
 KNOWN: dict[tuple[str, str, int], str] = {}
