@@ -1,0 +1,71 @@
+"""gpucoll.functional inside jax.jit (XLA FFI custom calls) on the CPU backend, against
+NumPy as the reference, at world sizes 1-4. JAX runs only inside the ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gpucoll.testing import run_spmd
+
+from _fake_arrays import skip_without_jax
+
+REDUCERS = {"sum": np.add, "product": np.multiply, "min": np.minimum, "max": np.maximum}
+
+
+def data(rank: int, dtype: str) -> np.ndarray:
+    return (np.arange(6, dtype=dtype).reshape(2, 3) % 4) + rank + 1
+
+
+def all_reduce_body() -> str:
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    import gpucoll
+    import gpucoll.functional as F
+    from gpucoll._jax import ffi_api
+
+    rank, n = gpucoll.get_rank(), gpucoll.get_world_size()
+    ffi_api.check_sizes()  # the ctypes mirrors match c_api.h's STRUCT_SIZE values
+
+    # one jitted function, reused for every dtype (op is a static argument)
+    @functools.partial(jax.jit, static_argnames="op")
+    def step(x: Any, op: str) -> Any:
+        return F.all_reduce(x * 1 + 0, op=getattr(gpucoll.ReduceOp, op.upper())) + 1
+
+    for dtype in ("float32", "int32", "float16"):  # JAX keeps x64 off by default
+        for op, ufunc in REDUCERS.items():
+            ref = functools.reduce(ufunc, [data(k, dtype) for k in range(n)]) + 1
+            out = np.asarray(step(jnp.asarray(data(rank, dtype)), op))
+            assert out.dtype == np.dtype(dtype), (out.dtype, dtype)
+            np.testing.assert_array_equal(out, ref, err_msg=f"{op} {dtype}")
+
+    # two all_reduces in one program, the second fed by the first; a third whose result is unused
+    @jax.jit
+    def chain(x: Any) -> Any:
+        y = F.all_reduce(x)
+        F.all_reduce(x * 0)  # result unused: still issued on every rank (a side effect)
+        return F.all_reduce(y * 2, op=gpucoll.ReduceOp.MAX)
+
+    x = data(rank, "float32")
+    total = sum(data(k, "float32") for k in range(n))
+    for _ in range(20):
+        np.testing.assert_array_equal(np.asarray(chain(jnp.asarray(x))), 2 * total)
+    # the unused call was not dropped: the next collective outside jit still pairs up
+    np.testing.assert_array_equal(np.asarray(F.all_reduce(np.full(3, rank, np.int64))),
+                                  np.full(3, n * (n - 1) // 2))
+    # a PREMUL_SUM inside jit is refused at trace time, on every rank alike
+    with pytest.raises(TypeError, match=r"all_reduce inside jax.jit: op=.* is not supported"):
+        jax.jit(lambda v: F.all_reduce(v, op=gpucoll.make_premul_sum(2.0)))(jnp.ones(2))
+    return "ok"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_all_reduce_inside_jit_matches_numpy(world_size: int) -> None:
+    skip_without_jax()
+    assert run_spmd(all_reduce_body, world_size, timeout=300,
+                    env={"JAX_PLATFORMS": "cpu"}) == ["ok"] * world_size
