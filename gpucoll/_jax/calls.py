@@ -132,13 +132,47 @@ def _target(kind: str) -> str:
     return name
 
 
-def all_reduce(x: Any, op: Any, pg: ProcessGroup) -> Any:
+def _all_reduce_call(x: Any, op_index: int, handle: int) -> Any:
     import jax
 
+    # vmap: a reduction is elementwise across ranks, so the batched call reduces the
+    # whole batched array (every rank batches alike, as every rank traces the same code).
+    call = jax.ffi.ffi_call(_target("all_reduce"), jax.ShapeDtypeStruct(x.shape, x.dtype),  # type: ignore[no-untyped-call]
+                            has_side_effect=True, vmap_method="broadcast_all")
+    return call(x, group=np.int64(handle), op=np.int64(op_index))
+
+
+_SUM_WITH_GRAD: list[Any] = []  # the custom_vjp function, built on first use (imports jax)
+
+
+def _sum_with_grad() -> Any:
+    """all_reduce(SUM) with its gradient rule: the cotangent of a sum all_reduce is the
+    sum all_reduce of the cotangent (mpi4jax's rule for allreduce(SUM))."""
+    if not _SUM_WITH_GRAD:
+        import jax
+
+        total = _OPS.index(ReduceOp.SUM)
+
+        def f(x: Any, handle: int) -> Any:
+            return _all_reduce_call(x, total, handle)
+
+        def fwd(x: Any, handle: int) -> tuple[Any, None]:
+            return _all_reduce_call(x, total, handle), None
+
+        def bwd(handle: int, _: None, cotangent: Any) -> tuple[Any]:
+            return (_all_reduce_call(cotangent, total, handle),)
+
+        g = jax.custom_vjp(f, nondiff_argnums=(1,))
+        g.defvjp(fwd, bwd)
+        _SUM_WITH_GRAD.append(g)
+    return _SUM_WITH_GRAD[0]
+
+
+def all_reduce(x: Any, op: Any, pg: ProcessGroup) -> Any:
     rop = as_reduce_op(op)
     if not isinstance(rop, ReduceOp) or rop is ReduceOp.PREMUL_SUM:
         raise TypeError(f"gpucoll.functional.all_reduce inside jax.jit: op={op!r} is not supported; "
                         "use a plain ReduceOp and scale outside the collective")
-    call = jax.ffi.ffi_call(_target("all_reduce"), jax.ShapeDtypeStruct(x.shape, x.dtype),  # type: ignore[no-untyped-call]
-                            has_side_effect=True)
-    return call(x, group=np.int64(group_handle(pg)), op=np.int64(_OPS.index(rop)))
+    if rop is ReduceOp.SUM:
+        return _sum_with_grad()(x, group_handle(pg))
+    return _all_reduce_call(x, _OPS.index(rop), group_handle(pg))

@@ -58,6 +58,17 @@ def all_reduce_body() -> str:
     # the unused call was not dropped: the next collective outside jit still pairs up
     np.testing.assert_array_equal(np.asarray(F.all_reduce(np.full(3, rank, np.int64))),
                                   np.full(3, n * (n - 1) // 2))
+    # grad through all_reduce(SUM): the cotangent is all_reduced (sum over ranks of c_k)
+    c = jnp.arange(1.0, 7.0).reshape(2, 3) * (rank + 1)
+    grad = jax.jit(jax.grad(lambda v: jnp.sum(F.all_reduce(v) * c)))(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(grad),
+                                  sum(np.arange(1.0, 7.0).reshape(2, 3) * (k + 1) for k in range(n)))
+    # vmap batches the reduction: each batch row is reduced across ranks
+    batch = np.stack([x, 2 * x, -x])
+    out = jax.jit(jax.vmap(lambda v: F.all_reduce(v, op=gpucoll.ReduceOp.MAX)))(jnp.asarray(batch))
+    np.testing.assert_array_equal(np.asarray(out),
+                                  np.maximum.reduce([np.stack([d, 2 * d, -d]) for d in
+                                                     (data(k, "float32") for k in range(n))]))
     # a PREMUL_SUM inside jit is refused at trace time, on every rank alike
     with pytest.raises(TypeError, match=r"all_reduce inside jax.jit: op=.* is not supported"):
         jax.jit(lambda v: F.all_reduce(v, op=gpucoll.make_premul_sum(2.0)))(jnp.ones(2))
