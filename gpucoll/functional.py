@@ -10,7 +10,7 @@ Inputs need not be contiguous: a non-contiguous input is copied to a contiguous
 one first (the in-place API raises instead). Every function is a collective: all
 ranks of the group call it with matching arrays.
 
-Inside ``jax.jit`` on the CPU backend, :func:`all_reduce` lowers to an XLA FFI
+Inside ``jax.jit`` on the CPU backend, :func:`all_reduce` and :func:`all_gather` lower to an XLA FFI
 custom call (``gpucoll._jax``) that runs the group's op on XLA's own buffers. Every
 other function here still raises a TypeError on a JAX tracer: call it on concrete
 arrays between jitted functions (see docs/arrays.md, "inside jit").
@@ -148,6 +148,10 @@ def all_gather(x: ArrayLike, group: ProcessGroup | None = None, axis: int = 0) -
     A 0-d ``x`` gives a 1-d result of group-size elements.
     """
     pg = _pg(group)
+    if _traced(x):
+        from ._jax import calls
+
+        return calls.all_gather(x, pg, axis)
     n = pg.size()
     _, inp = _input(x, "x")
     out, dst = _array.new_output(x, (n, *inp.shape), inp.dtype)

@@ -80,8 +80,13 @@ def _run_all_reduce(ins: list[np.ndarray[Any, Any]], outs: list[np.ndarray[Any, 
     pg._all_reduce_into(dst, src, _OPS[attrs["op"]])
 
 
+def _run_all_gather(ins: list[np.ndarray[Any, Any]], outs: list[np.ndarray[Any, Any]], attrs: dict[str, int]) -> None:
+    pg = _GROUPS[attrs["group"]]
+    pg.all_gather_single(_array.as_buffer(outs[0], name="out", writable=True), _array.as_buffer(ins[0], name="x"))
+
+
 _RUNNERS: dict[str, Callable[[list[np.ndarray[Any, Any]], list[np.ndarray[Any, Any]], dict[str, int]], None]] = {
-    "all_reduce": _run_all_reduce,
+    "all_reduce": _run_all_reduce, "all_gather": _run_all_gather,
 }
 
 
@@ -176,3 +181,25 @@ def all_reduce(x: Any, op: Any, pg: ProcessGroup) -> Any:
     if rop is ReduceOp.SUM:
         return _sum_with_grad()(x, group_handle(pg))
     return _all_reduce_call(x, _OPS.index(rop), group_handle(pg))
+
+
+def _call(kind: str, x: Any, shape: tuple[int, ...], dtype: Any, **attrs: int) -> Any:
+    import jax
+
+    call = jax.ffi.ffi_call(_target(kind), jax.ShapeDtypeStruct(shape, dtype),  # type: ignore[no-untyped-call]
+                            has_side_effect=True)
+    return call(x, **{k: np.int64(v) for k, v in attrs.items()})
+
+
+def all_gather(x: Any, pg: ProcessGroup, axis: int) -> Any:
+    """Every rank's ``x`` stacked in rank order, then joined along ``axis`` as outside jit."""
+    import jax.numpy as jnp
+
+    n = pg.size()
+    stacked = _call("all_gather", x, (n, *x.shape), x.dtype, group=group_handle(pg))
+    if not x.shape:
+        return stacked
+    ndim = len(x.shape)
+    if isinstance(axis, bool) or not isinstance(axis, int) or not -ndim <= axis < ndim:
+        raise ValueError(f"axis={axis!r} is out of range for an array of {ndim} dimension(s)")
+    return jnp.concatenate([stacked[i] for i in range(n)], axis=axis % ndim)

@@ -80,3 +80,44 @@ def test_all_reduce_inside_jit_matches_numpy(world_size: int) -> None:
     skip_without_jax()
     assert run_spmd(all_reduce_body, world_size, timeout=300,
                     env={"JAX_PLATFORMS": "cpu"}) == ["ok"] * world_size
+
+
+def interleaved_body(rounds: int) -> str:
+    import jax
+    import jax.numpy as jnp
+
+    import gpucoll
+    import gpucoll.functional as F
+
+    rank, n = gpucoll.get_rank(), gpucoll.get_world_size()
+
+    # all_reduce and all_gather interleaved in one compiled program, one result unused
+    @jax.jit
+    def step(x: Any) -> Any:
+        s = F.all_reduce(x)
+        g = F.all_gather(x * 2, axis=0)
+        F.all_gather(x[:1])  # unused: still issued on every rank
+        m = F.all_reduce(g[rank * 3:rank * 3 + 3] + s[0], op=gpucoll.ReduceOp.MAX)
+        g2 = F.all_gather(jnp.stack([x, x]), axis=1)
+        return s, g, m, g2
+
+    xs = [np.arange(3, dtype=np.float32) + 10 * k for k in range(n)]
+    for i in range(rounds):
+        mine = [x + np.float32(i) for x in xs]
+        s, g, m, g2 = (np.asarray(a) for a in step(jnp.asarray(mine[rank])))
+        np.testing.assert_array_equal(s, sum(mine))
+        np.testing.assert_array_equal(g, np.concatenate([2 * v for v in mine]))
+        np.testing.assert_array_equal(m, 2 * mine[n - 1] + sum(mine)[0])
+        np.testing.assert_array_equal(g2, np.concatenate([np.stack([v, v]) for v in mine], axis=1))
+    # the other ops keep their TypeError on tracers
+    with pytest.raises(TypeError, match=r"broadcast: x is a JAX tracer"):
+        jax.jit(lambda v: F.broadcast(v, src=0))(jnp.ones(2))
+    with pytest.raises(TypeError, match=r"send: x is a JAX tracer"):
+        jax.jit(lambda v: F.send(v, dst=0))(jnp.ones(2))
+    return "ok"
+
+
+def test_interleaved_all_reduce_all_gather_inside_jit_100_times_world_size_3() -> None:
+    skip_without_jax()
+    assert run_spmd(interleaved_body, 3, args=(100,), timeout=300,
+                    env={"JAX_PLATFORMS": "cpu"}) == ["ok"] * 3
