@@ -10,9 +10,10 @@ Inputs need not be contiguous: a non-contiguous input is copied to a contiguous
 one first (the in-place API raises instead). Every function is a collective: all
 ranks of the group call it with matching arrays.
 
-Inside ``jax.jit`` (or ``vmap``, ``grad``) the arrays are tracers with no memory
-yet: every function here raises a TypeError saying so. Call the collective on
-concrete arrays between jitted functions (see docs/arrays.md).
+Inside ``jax.jit`` on the CPU backend, :func:`all_reduce` and :func:`all_gather` lower to an XLA FFI
+custom call (``gpucoll._jax``) that runs the group's op on XLA's own buffers. Every
+other function here still raises a TypeError on a JAX tracer: call it on concrete
+arrays between jitted functions (see docs/arrays.md, "inside jit").
 
 Example:
     >>> import jax.numpy as jnp, gpucoll.functional as F
@@ -52,8 +53,12 @@ def _contiguous(x: Any) -> Any:
     raise TypeError(f"cannot make a contiguous copy of a non-contiguous {type(x).__name__}")
 
 
+def _traced(x: Any) -> bool:
+    return type(x).__module__.split(".", 1)[0] == "jax" and "Tracer" in type(x).__name__
+
+
 def _not_traced(x: Any, name: str) -> None:
-    if type(x).__module__.split(".", 1)[0] == "jax" and "Tracer" in type(x).__name__:
+    if _traced(x):
         import inspect
 
         op = next((f.function for f in inspect.stack()[1:] if f.function in __all__ and f.filename == __file__),
@@ -87,6 +92,10 @@ def all_reduce(x: ArrayLike, op: ReduceOpLike = ReduceOp.SUM, group: ProcessGrou
         >>> y = F.all_reduce(jnp.arange(4.0), op=gpucoll.ReduceOp.MAX)
     """
     pg = _pg(group)
+    if _traced(x):
+        from ._jax import calls
+
+        return calls.all_reduce(x, op, pg)
     _, src = _input(x, "x")
     out, dst = _array.new_output(x, src.shape, src.dtype)
     pg._all_reduce_into(dst, src, op)  # out of place where the backend can (NCCL): no copy
@@ -139,6 +148,10 @@ def all_gather(x: ArrayLike, group: ProcessGroup | None = None, axis: int = 0) -
     A 0-d ``x`` gives a 1-d result of group-size elements.
     """
     pg = _pg(group)
+    if _traced(x):
+        from ._jax import calls
+
+        return calls.all_gather(x, pg, axis)
     n = pg.size()
     _, inp = _input(x, "x")
     out, dst = _array.new_output(x, (n, *inp.shape), inp.dtype)
