@@ -19,7 +19,7 @@ from typing import Any, Callable, cast
 import numpy as np
 
 from .._group import ProcessGroup
-from .._reduce_op import ReduceOp, as_reduce_op
+from .._reduce_op import PremulSum, ReduceOp, as_reduce_op
 from .. import array as _array
 from . import ffi_api as A
 
@@ -175,7 +175,8 @@ def _sum_with_grad() -> Any:
 
 def all_reduce(x: Any, op: Any, pg: ProcessGroup) -> Any:
     rop = as_reduce_op(op)
-    if not isinstance(rop, ReduceOp) or rop is ReduceOp.PREMUL_SUM:
+    # A PremulSum is an instance of ReduceOp too (as in torch): refuse it by its own type.
+    if isinstance(rop, PremulSum) or not isinstance(rop, ReduceOp) or rop is ReduceOp.PREMUL_SUM:
         raise TypeError(f"gpucoll.functional.all_reduce inside jax.jit: op={op!r} is not supported; "
                         "use a plain ReduceOp and scale outside the collective")
     if rop is ReduceOp.SUM:
