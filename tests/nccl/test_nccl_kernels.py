@@ -39,7 +39,7 @@ def test_every_kernel_a_plan_can_name_is_in_the_kernel_source() -> None:
     lib = _host_kernels()
     missing = [n for n in sorted(names) if not hasattr(lib, n)]
     assert not missing
-    from gpucoll._backends.nccl import kernels as _kernels
+    from gpucoll._backends.nccl import kernel_loader as _kernels
     for n in names:
         assert _kernels.signature(n)
 
@@ -63,7 +63,7 @@ def _host_kernels() -> ctypes.CDLL:
         pytest.skip("no C++ compiler to build the kernels as host code")
     import tempfile
 
-    from gpucoll._backends.nccl import kernels as _kernels
+    from gpucoll._backends.nccl import kernel_loader as _kernels
 
     tmp = tempfile.mkdtemp(prefix="gpucoll-kernels-")
     prelude = os.path.join(tmp, "prelude.h")
@@ -81,7 +81,7 @@ def _host_kernels() -> ctypes.CDLL:
 
 def _launch_host(lib: ctypes.CDLL, name: str, n: int, args: tuple[Any, ...], grid: int = 2, block: int = 3) -> None:
     """Run kernel ``name`` as grid x block sequential 'threads' (the loops are grid-stride)."""
-    from gpucoll._backends.nccl import kernels as _kernels
+    from gpucoll._backends.nccl import kernel_loader as _kernels
 
     ctypes_of = {"p": ctypes.c_void_p, "q": ctypes.c_longlong, "i": ctypes.c_int, "d": ctypes.c_double}
     sig = _kernels.signature(name)
@@ -159,7 +159,7 @@ def test_kernels_compile_to_ptx_with_nvcc() -> None:
         pytest.skip("no nvcc here")
     import tempfile
 
-    from gpucoll._backends.nccl import kernels as _kernels
+    from gpucoll._backends.nccl import kernel_loader as _kernels
 
     out = os.path.join(tempfile.mkdtemp(prefix="gpucoll-ptx-"), "reduce.ptx")
     proc = subprocess.run([nvcc, "-ptx", "-arch=compute_80", "-o", out, str(_kernels.KERNEL_DIR / "reduce.cu")],
@@ -179,7 +179,7 @@ def test_kernels_compile_with_nvrtc_as_cupy_compiles_them() -> None:
         version = nvrtc.getVersion()
     except Exception as exc:
         pytest.skip(f"no NVRTC here ({type(exc).__name__}: {exc}); the cuda12/cuda13 extras install it")
-    from gpucoll._backends.nccl import kernels as _kernels
+    from gpucoll._backends.nccl import kernel_loader as _kernels
 
     prog = nvrtc.createProgram(_kernels.source("reduce"), "reduce.cu", [], [])
     try:
@@ -200,14 +200,14 @@ def test_kernels_compile_with_nvrtc_as_cupy_compiles_them() -> None:
 
 @pytest.mark.skipif(has_gpu(), reason="a usable GPU is present")
 def test_compiling_kernels_without_a_gpu_is_a_clear_backend_error() -> None:
-    from gpucoll._backends.nccl import kernels as _kernels
+    from gpucoll._backends.nccl import kernel_loader as _kernels
 
     with pytest.raises(BackendUnavailableError, match="NVRTC"):
         _kernels.get_kernel("gpucoll_reduce_bxor_u8", 0)
 
 
 def test_kernel_launch_passes_the_declared_c_types(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpucoll._backends.nccl import kernels as _kernels
+    from gpucoll._backends.nccl import kernel_loader as _kernels
 
     seen: list[Any] = []
 

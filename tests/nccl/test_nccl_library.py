@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # ============================================================ import hygiene and availability
 
 def test_import_gpucoll_and_the_nccl_module_import_no_cupy() -> None:
-    code = ("import sys, gpucoll, gpucoll._backends.nccl.backend, gpucoll._backends.nccl.kernels\n"
+    code = ("import sys, gpucoll, gpucoll._backends.nccl.backend, gpucoll._backends.nccl.kernel_loader\n"
             "print('cupy' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr

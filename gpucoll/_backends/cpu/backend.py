@@ -2,9 +2,9 @@
 
 Gloo-like. Peers connect once over TCP (addresses through the group's store, port
 0); ranks on one host move collective data through a shared-memory segment
-(:mod:`._cpu_shm`), ranks on several hosts through the TCP mesh
-(:mod:`._cpu_tcp_algos`). Reductions are NumPy ufuncs with ``out=``
-(:mod:`._cpu_reduce`). Point-to-point messages always use the TCP mesh.
+(:mod:`.shm`, :mod:`.shm_algos`), ranks on several hosts through the TCP mesh
+(:mod:`.tcp`, :mod:`.tcp_algos`). Reductions are NumPy ufuncs with ``out=``
+(:mod:`.reduce`); op signatures for the cross-rank check live in :mod:`.signatures`. Point-to-point messages always use the TCP mesh.
 
 Execution: ops run one at a time, in issue order. A small op issued while nothing
 is queued runs at once on the caller's thread (no thread hand-off, which is most of

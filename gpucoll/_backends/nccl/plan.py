@@ -25,7 +25,7 @@ NCCL calls (``op`` is an ``ncclRedOp_t`` or a :class:`Premul` created per call):
 Local steps::
 
     ("copy", dst, src, nbytes)
-    ("kernel", name, n, args)        # args per gpucoll._backends.nccl.kernels.SIGNATURES
+    ("kernel", name, n, args)        # args per gpucoll._backends.nccl.kernel_loader.SIGNATURES
 
 Every rank must issue the same collectives in the same order, so a choice between
 two NCCL strategies may depend only on facts that every rank shares (shapes, op,

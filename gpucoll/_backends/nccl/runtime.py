@@ -298,12 +298,12 @@ class CudaRuntime:
         return int(mem.ptr), mem
 
     def prepare(self, kernel: str, device: int) -> None:
-        from . import kernels as _kernels
+        from . import kernel_loader as _kernels
 
         _kernels.get_kernel(kernel, device)
 
     def launch(self, kernel: str, n: int, args: tuple[Any, ...], stream: Any, device: int) -> None:
-        from . import kernels as _kernels
+        from . import kernel_loader as _kernels
 
         _kernels.launch(kernel, n, args, stream, device)
 

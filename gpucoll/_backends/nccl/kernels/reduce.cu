@@ -1,6 +1,6 @@
 // gpucoll's reduction kernels: the parts of a reduction that NCCL cannot do.
 //
-// Compiled on first use by NVRTC through cupy.RawModule (gpucoll/_kernels.py) and
+// Compiled on first use by NVRTC through cupy.RawModule (gpucoll/_backends/nccl/kernel_loader.py) and
 // launched on the group's communication stream. The file includes no headers:
 // fixed-width types are spelled out and half/bfloat16 are converted with integer
 // arithmetic, so it compiles without the CUDA include path (and as host C++,
