@@ -27,8 +27,8 @@ from ._work import Work
 
 __all__ = ["FlightRecorder", "recorder_capacity", "SIZE_ENV", "DIR_ENV", "DEFAULT_CAPACITY"]
 
-from .clusters._envvars import FLIGHT_RECORDER_DIR_ENV as DIR_ENV
-from .clusters._envvars import FLIGHT_RECORDER_SIZE_ENV as SIZE_ENV
+from ._env import FLIGHT_RECORDER_DIR_ENV as DIR_ENV
+from ._env import FLIGHT_RECORDER_SIZE_ENV as SIZE_ENV
 
 DEFAULT_CAPACITY = 2000
 FORMAT_VERSION = 1

@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import numpy as np
 
 from . import _world
-from .clusters._envvars import MAX_OBJECT_BYTES_ENV
+from ._env import MAX_OBJECT_BYTES_ENV
 from ._group import ProcessGroup
 from ._group.coalescing import refuse_inside
 from .errors import DistError

@@ -10,7 +10,7 @@ import os
 import urllib.parse
 import warnings
 
-from .clusters._envvars import STORE_TOKEN_ENV
+from ._env import STORE_TOKEN_ENV
 from .store import FileStore, PrefixStore, Store, TCPStore
 from .store._client import is_local_host
 

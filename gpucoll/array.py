@@ -517,7 +517,7 @@ def new_output(like: Any, shape: tuple[int, ...], dtype: DType) -> tuple[Any, Bu
 def _device_empty(like: Any, shape: tuple[int, ...], carrier: str) -> Any:
     """A CuPy array for a device input's result; CUDA's own errors become a gpucoll error
     that says what is missing (httpx-style conversion at the boundary)."""
-    from ._backends.devices import no_gpu_reason
+    from ._env.devices import no_gpu_reason
     from .errors import BackendUnavailableError
 
     what = f"the input is a device array ({type(like).__name__}), and its result is allocated with CuPy"

@@ -27,7 +27,7 @@ def _gpu_reason() -> str | None:
     A machine without NVIDIA device nodes is said to have no GPU in those words, before CUDA
     is asked: CUDA's own answer there (cudaErrorInsufficientDriver) would send the reader
     after their driver."""
-    from gpucoll._backends.devices import no_gpu_reason
+    from gpucoll._env.devices import no_gpu_reason
 
     if (absent := no_gpu_reason()) is not None:
         return f"no GPU: {absent}"

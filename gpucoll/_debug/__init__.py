@@ -25,7 +25,7 @@ import os
 __all__ = ["DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env", "DEBUG_ENV",
            "TORCH_DEBUG_ENV"]
 
-from ..clusters._envvars import DEBUG_ENV as DEBUG_ENV
+from .._env import DEBUG_ENV as DEBUG_ENV
 
 TORCH_DEBUG_ENV = "TORCH_DISTRIBUTED_DEBUG"
 

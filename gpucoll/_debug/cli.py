@@ -20,7 +20,7 @@ import re
 import sys
 from typing import Any, Sequence
 
-from ..clusters._envvars import STORE_TOKEN_ENV
+from .._env import STORE_TOKEN_ENV
 from . import package_dir
 
 __all__ = ["main", "analyse", "load_dumps"]

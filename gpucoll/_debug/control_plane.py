@@ -31,7 +31,7 @@ from . import package_dir, thread_stacks
 
 __all__ = ["ControlPlaneServer", "maybe_start", "collect_job", "ENV", "STORE_PREFIX"]
 
-from ..clusters._envvars import CONTROL_PLANE_ENV as ENV
+from .._env import CONTROL_PLANE_ENV as ENV
 
 STORE_PREFIX = "gpucoll/control_plane"
 

@@ -8,7 +8,7 @@ CuPy upgrade.
 
 from __future__ import annotations
 
-from .._backends.devices import no_gpu_reason
+from .._env.devices import no_gpu_reason
 from ..errors import BackendUnavailableError
 
 __all__ = ["require_nccl"]

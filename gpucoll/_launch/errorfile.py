@@ -20,7 +20,7 @@ from ..errors import DistError
 
 __all__ = ["ERROR_FILE_ENV", "ErrorRecord", "write_error", "read_error"]
 
-from ..clusters._envvars import ERROR_FILE_ENV as ERROR_FILE_ENV
+from .._env import ERROR_FILE_ENV as ERROR_FILE_ENV
 
 
 @dataclass(frozen=True)

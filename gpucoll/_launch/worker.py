@@ -27,7 +27,7 @@ from typing import Callable
 
 from .errorfile import write_error
 
-from ..clusters._envvars import LAUNCHER_PID_ENV as LAUNCHER_PID_ENV
+from .._env import LAUNCHER_PID_ENV as LAUNCHER_PID_ENV
 
 _PR_SET_PDEATHSIG = 1
 

@@ -24,7 +24,7 @@ from .options import BenchConfig, parse_size, resolve_datatypes, resolve_redops,
 
 __all__ = ["main", "build_parser", "config_from_args", "CORRUPT_ENV"]
 
-from ..clusters._envvars import BENCH_CORRUPT_ENV as CORRUPT_ENV
+from .._env import BENCH_CORRUPT_ENV as CORRUPT_ENV
 
 _EPILOG = """\
 examples:

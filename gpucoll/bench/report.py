@@ -25,7 +25,7 @@ import sys
 from dataclasses import asdict
 from typing import Any, Sequence
 
-from ..clusters._envvars import BENCH_COMMAND_ENV
+from .._env import BENCH_COMMAND_ENV
 from .options import BenchConfig
 from .runner import Measurement, RankInfo, Row
 

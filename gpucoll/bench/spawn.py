@@ -28,7 +28,7 @@ GRACE_SECONDS = 10.0
 """How long the other ranks may take to exit after rank 0 has."""
 
 
-from ..clusters._envvars import BENCH_COMMAND_ENV as COMMAND_ENV
+from .._env import BENCH_COMMAND_ENV as COMMAND_ENV
 
 
 def run_local(nproc: int, argv: Sequence[str], *, timeout: float, poll: float = 0.05,

@@ -14,8 +14,8 @@ from typing import Mapping
 
 __all__ = ["ClusterEnv", "STORE_HOSTED_ENV", "STORE_TOKEN_ENV"]
 
-from ._envvars import STORE_HOSTED_ENV as STORE_HOSTED_ENV
-from ._envvars import STORE_TOKEN_ENV as STORE_TOKEN_ENV
+from .._env import STORE_HOSTED_ENV as STORE_HOSTED_ENV
+from .._env import STORE_TOKEN_ENV as STORE_TOKEN_ENV
 
 
 @dataclass(frozen=True)

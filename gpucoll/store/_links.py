@@ -12,7 +12,7 @@ import struct
 import time
 from typing import Callable, TypeVar
 
-from ..clusters.base import STORE_TOKEN_ENV
+from .._env import STORE_TOKEN_ENV
 from ..errors import DistError, DistNetworkError, DistStoreError, DistStoreTimeoutError
 from . import _torch_wire as tw
 from . import _wire as w

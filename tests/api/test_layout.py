@@ -127,17 +127,40 @@ def test_no_import_cycles_in_the_package() -> None:
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-ENV_HOME = PKG / "clusters" / "_envvars.py"
+def test_stores_backends_and_debug_tools_import_nothing_from_clusters() -> None:
+    """The bottom layers name environment variables through gpucoll/_env, never through
+    ``clusters`` (the part that reads a launcher's environment, a layer of its own);
+    ``_env`` itself imports nothing else of gpucoll; the array layer imports nothing of
+    the backends or the group (the backends import it: the arrows point down)."""
+    bottom = ("gpucoll.store", "gpucoll._backends", "gpucoll._debug", "gpucoll._work", "gpucoll._buffer",
+              "gpucoll._flight_recorder", "gpucoll._timeouts", "gpucoll.errors", "gpucoll.array")
+    wrong = []
+    for path in sorted(PKG.rglob("*.py")):
+        parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        name = ".".join(parts)
+        deps = imports_of(path, name)
+        if name.startswith(bottom):
+            wrong += [f"{name} -> {d}" for d in deps if d == "gpucoll.clusters" or d.startswith("gpucoll.clusters.")]
+        if name.startswith("gpucoll._env"):
+            wrong += [f"{name} -> {d}" for d in deps if not d.startswith("gpucoll._env")]
+        if name in ("gpucoll.array", "gpucoll._buffer"):  # below the backends, which use them
+            wrong += [f"{name} -> {d}" for d in deps if d.startswith(("gpucoll._backends", "gpucoll._group"))]
+    assert not wrong, "imports against the layers: " + "; ".join(wrong)
+
+
+ENV_HOME = PKG / "_env" / "__init__.py"
 ENV_NAME = re.compile(r"GPUCOLL_[A-Z0-9_]*[A-Z0-9]")
 
 
 def test_every_gpucoll_variable_is_named_in_one_module() -> None:
     """The rule: a string that is exactly a ``GPUCOLL_*`` name (what ``os.environ`` is
-    read or set with) appears only in gpucoll/clusters/_envvars.py; everywhere else code
+    read or set with) appears only in gpucoll/_env/; everywhere else code
     uses its constants. Prose (docstrings, comments, messages) may mention the names,
     and every name it mentions must be one of them, so a renamed or mistyped variable
     cannot linger in a message or a docstring."""
-    from gpucoll.clusters import _envvars
+    from gpucoll import _env as _envvars
 
     home = {v for k, v in vars(_envvars).items() if k.endswith("_ENV")}
     assert set(_envvars.NAMES) == home and len(_envvars.NAMES) == len(home)
@@ -153,8 +176,8 @@ def test_every_gpucoll_variable_is_named_in_one_module() -> None:
                 value = node.value.decode() if isinstance(node.value, bytes) else node.value
                 if ENV_NAME.fullmatch(value.strip()):
                     spelled.append(f"{rel}:{node.lineno}: {value!r}")
-    assert not spelled, "GPUCOLL_* names spelled outside gpucoll/clusters/_envvars.py: " + "; ".join(spelled)
-    assert not unknown, "GPUCOLL_* names mentioned but not defined in _envvars.py: " + "; ".join(unknown)
+    assert not spelled, "GPUCOLL_* names spelled outside gpucoll/_env/: " + "; ".join(spelled)
+    assert not unknown, "GPUCOLL_* names mentioned but not defined in gpucoll/_env/: " + "; ".join(unknown)
 
 
 def test_the_rule_catches_a_spelled_name(tmp_path: pathlib.Path) -> None:

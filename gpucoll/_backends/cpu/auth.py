@@ -23,7 +23,7 @@ import socket
 import struct
 from typing import Any, Container
 
-from ...clusters._envvars import STORE_TOKEN_ENV
+from ..._env import STORE_TOKEN_ENV
 
 __all__ = ["host_id", "group_key", "peer_uid", "is_local_peer", "HELLO", "REPLY", "PROOF", "MAGIC",
            "make_hello", "make_reply", "check_reply", "check_proof", "check_local_owner", "HandshakeError", "OK",

@@ -43,7 +43,7 @@ INLINE_MAX = 1 << 20
 """Ops whose buffers total at most this many bytes run on the caller's thread when
 nothing is queued."""
 
-from ...clusters._envvars import CPU_TRANSPORT_ENV as TRANSPORT_ENV
+from ..._env import CPU_TRANSPORT_ENV as TRANSPORT_ENV
 
 
 def _shm_supported() -> bool:

@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ...clusters._envvars import CPU_IFADDR_ENV
+from ..._env import CPU_IFADDR_ENV
 from ...errors import DistBackendError, DistNetworkError
 from . import auth
 from ..mismatch import SignatureMismatch

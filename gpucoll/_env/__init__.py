@@ -6,6 +6,10 @@ checks, and checks that every ``GPUCOLL_*`` name mentioned in the package's pros
 (docstrings, comments, messages) is one of these). The rank-environment contract
 itself (which variables a launcher sets for each rank) is written in
 :mod:`gpucoll.clusters.env`.
+
+This is the package's bottom layer: it imports nothing of gpucoll, so stores, backends,
+debug tools and launchers all name variables from here, and none of them needs
+``clusters`` (which reads a launcher's environment) only for a name.
 """
 
 from __future__ import annotations
