@@ -41,7 +41,7 @@ from .._reduce_op import ReduceOpLike
 from .._work import Work
 from ..store.base import Store
 
-__all__ = ["Backend", "SplitsCommunicator", "ReducesInto", "PollsPending", "ShrinksCommunicator"]
+__all__ = ["Backend", "SplitsCommunicator", "ReducesInto", "PollsPending", "ShrinksCommunicator", "TimesOps"]
 
 
 @runtime_checkable
@@ -133,6 +133,17 @@ class ReducesInto(Protocol):
 
     def all_reduce_into(self, out: Buffer, inp: Buffer, op: ReduceOpLike) -> Work:
         """``out`` = the reduction of every rank's ``inp``; ``inp`` is left alone."""
+        ...
+
+
+@runtime_checkable
+class TimesOps(Protocol):
+    """A device backend whose ops are timed only when asked: events with timing cost more
+    to record and query, so they are made only once a completion hook reads
+    ``active_duration``."""
+
+    def time_ops(self) -> None:
+        """Record later ops' events with timing."""
         ...
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import array as _array
 from .._buffer import Buffer
-from .._backends.base import Backend, RunsNow
+from .._backends.base import Backend, RunsNow, TimesOps
 from .._backends.mismatch import decode, describe, encode
 from .._debug import DebugLevel, call_site, get_debug_level
 from ..errors import DistBackendError, DistError
@@ -274,7 +274,6 @@ class Issuer:
 def time_ops(backend: Backend | None) -> Backend | None:
     """A hook reads active_duration: ask a device backend to time its ops (CUDA events
     with timing cost more to record and query; they are made only when asked)."""
-    enable = getattr(backend, "time_ops", None)
-    if enable is not None:
-        enable()
+    if isinstance(backend, TimesOps):
+        backend.time_ops()
     return backend
