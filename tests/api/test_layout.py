@@ -92,17 +92,22 @@ def imports_of(path: pathlib.Path, module: str) -> set[str]:
     return {m for m in found if m in known and m != module}
 
 
-def test_no_import_cycles_in_the_package() -> None:
+def import_graph() -> dict[str, set[str]]:
+    """Every module of the package (by dotted name) and the gpucoll modules it imports."""
     graph: dict[str, set[str]] = {}
     for path in sorted(PKG.rglob("*.py")):
         parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
         name = ".".join(parts)
-        # A package's __init__ runs before any of its modules; importing a submodule
-        # imports its parents, so a module depends on each parent package too.
-        deps = imports_of(path, name)
-        graph[name] = deps
+        graph[name] = imports_of(path, name)
+    return graph
+
+
+def test_no_import_cycles_in_the_package() -> None:
+    # A package's __init__ runs before any of its modules; importing a submodule
+    # imports its parents, so a module depends on each parent package too.
+    graph = import_graph()
     # Parent packages re-export their children: edges parent -> child are expected,
     # so only child -> (parent's other children ...) cycles are real. Check cycles on
     # the module graph where importing "a.b" means importing "a.b" only.
@@ -135,12 +140,7 @@ def test_stores_backends_and_debug_tools_import_nothing_from_clusters() -> None:
     bottom = ("gpucoll.store", "gpucoll._backends", "gpucoll._debug", "gpucoll._work", "gpucoll._buffer",
               "gpucoll._flight_recorder", "gpucoll._timeouts", "gpucoll.errors", "gpucoll.array")
     wrong = []
-    for path in sorted(PKG.rglob("*.py")):
-        parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        name = ".".join(parts)
-        deps = imports_of(path, name)
+    for name, deps in import_graph().items():
         if name.startswith(bottom):
             wrong += [f"{name} -> {d}" for d in deps if d == "gpucoll.clusters" or d.startswith("gpucoll.clusters.")]
         if name.startswith("gpucoll._env"):
