@@ -202,7 +202,8 @@ def _user_frames_of(traceback: str, frames: int = 2) -> list[str]:
             found[-1].append(line.rstrip())
         elif not line.startswith(" "):
             found.append([])  # the exception line, or a chained traceback's header: ends a frame
-    mine = [f for f in found if f and package_dir() not in f[0]]
+    library = package_dir()
+    mine = [f for f in found if f and library not in f[0]]
     return [line.strip() if i == 0 else "  " + line.strip()
             for f in mine[-frames:] for i, line in enumerate(f)]
 
