@@ -274,7 +274,7 @@ class P2POp:
         group_peer: the other side's rank in ``group``.
     """
 
-    def __init__(self, op: Callable[..., Any] | str, tensor: Any, peer: int | None = None,
+    def __init__(self, op: Callable[..., Any] | str, tensor: ArrayLike, peer: int | None = None,
                  group: ProcessGroup | None = None, tag: int = 0, group_peer: int | None = None) -> None:
         kinds = {isend: "send", irecv: "recv", "isend": "send", "irecv": "recv", send: "send", recv: "recv"}
         try:

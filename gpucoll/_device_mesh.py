@@ -10,9 +10,10 @@ device), so a 3-d mesh costs three splits whatever the number of ranks. Sub-mesh
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 
 from . import _world
 from ._group import normalize_backend as _normalize_backend
@@ -21,6 +22,11 @@ from ._group import ProcessGroup
 __all__ = ["DeviceMesh", "init_device_mesh"]
 
 _DEVICE_TYPES = ("cpu", "cuda")
+
+
+#: A mesh's layout of global ranks: nested sequences of ints or an integer array that
+#: NumPy can read (NumPy, torch, ...).
+MeshLike: TypeAlias = npt.ArrayLike
 
 
 class _MeshError(RuntimeError, ValueError):
@@ -104,7 +110,7 @@ class DeviceMesh:
         >>> tp = mesh["tp"]                 # the 1-d sub-mesh this rank is in
     """
 
-    def __init__(self, device_type: str, mesh: Any, *, mesh_dim_names: Sequence[str] | None = None,
+    def __init__(self, device_type: str, mesh: MeshLike, *, mesh_dim_names: Sequence[str] | None = None,
                  backend_override: Sequence[_BackendConfig] | None = None,
                  _groups: Sequence[ProcessGroup | None] | None = None) -> None:
         self.device_type = _check_device_type(device_type)
@@ -158,7 +164,7 @@ class DeviceMesh:
         return groups
 
     @staticmethod
-    def from_group(group: ProcessGroup | Sequence[ProcessGroup], device_type: str, mesh: Any = None, *,
+    def from_group(group: ProcessGroup | Sequence[ProcessGroup], device_type: str, mesh: MeshLike | None = None, *,
                    mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
         """A mesh over existing groups (no new groups are made).
 

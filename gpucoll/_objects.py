@@ -28,6 +28,7 @@ import numpy as np
 
 from . import _world
 from ._env import MAX_OBJECT_BYTES_ENV
+from ._group.options import DeviceLike
 from ._group import ProcessGroup
 from ._group.coalescing import refuse_inside
 from .errors import DistError
@@ -268,7 +269,7 @@ def _check_list(object_list: Any, name: str, length: int | None = None) -> None:
 
 
 @_named
-def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | None = None) -> None:
+def all_gather_object(object_list: list[Any], obj: object, group: ProcessGroup | None = None) -> None:
     """Fill ``object_list`` (length = group size) with every rank's ``obj``. Pickles; see the
     module docstring's security note.
 
@@ -283,7 +284,7 @@ def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | No
 
 
 @_named
-def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int | None = None,
+def gather_object(obj: object, object_gather_list: list[Any] | None = None, dst: int | None = None,
                   group: ProcessGroup | None = None, group_dst: int | None = None) -> None:
     """Rank ``dst`` (default: global rank 0, as torch) fills ``object_gather_list``
     (length = group size) with every rank's ``obj``."""
@@ -299,7 +300,7 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
 
 @_named
 def broadcast_object_list(object_list: list[Any], src: int | None = None, group: ProcessGroup | None = None,
-                          device: Any = None, group_src: int | None = None) -> None:
+                          device: DeviceLike = None, group_src: int | None = None) -> None:
     """Every rank's ``object_list`` gets rank ``src``'s entries (lists must be equally long);
     ``src`` defaults to global rank 0, as in torch.
 
@@ -343,7 +344,7 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
 
 @_named
 def send_object_list(object_list: list[Any], dst: int | None = None, group: ProcessGroup | None = None,
-                     device: Any = None, group_dst: int | None = None) -> None:
+                     device: DeviceLike = None, group_dst: int | None = None) -> None:
     """Send the objects of ``object_list`` to rank ``dst`` (which calls :func:`recv_object_list`)."""
     pg = _world._resolve(group)
     _check_list(object_list, "object_list")
@@ -352,7 +353,7 @@ def send_object_list(object_list: list[Any], dst: int | None = None, group: Proc
 
 @_named
 def recv_object_list(object_list: list[Any], src: int | None = None, group: ProcessGroup | None = None,
-                     device: Any = None, group_src: int | None = None) -> int:
+                     device: DeviceLike = None, group_src: int | None = None) -> int:
     """Fill ``object_list`` with the objects rank ``src`` (None: any rank) sent.
 
     Returns:

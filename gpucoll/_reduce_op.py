@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, SupportsFloat, Union
 
 __all__ = ["ReduceOp", "PremulSum", "make_premul_sum", "ReduceOpLike", "as_reduce_op"]
 
@@ -51,7 +51,7 @@ class PremulSum:
 ReduceOpLike = Union[ReduceOp, PremulSum]
 
 
-def make_premul_sum(factor: Any) -> PremulSum:
+def make_premul_sum(factor: SupportsFloat) -> PremulSum:
     """Return a PREMUL_SUM reduction that scales every input by ``factor`` before summing
     (torch's ``_make_nccl_premul_sum``).
 

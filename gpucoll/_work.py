@@ -151,7 +151,7 @@ class Work:
         """The error the op failed with, or None (also None while still running)."""
         return self._exc
 
-    def wait(self, timeout: float | timedelta | None = None) -> Any:
+    def wait(self, timeout: float | timedelta | None = None) -> bool | list[Any]:
         """Block until the op completes; re-raise its error.
 
         Args:
@@ -177,7 +177,8 @@ class Work:
             if isinstance(self._exc, DistError):
                 raise self._exc
             raise DistBackendError(f"{self._name()} failed: {self._exc}") from self._exc
-        return self._waited()
+        waited: bool | list[Any] = self._waited()
+        return waited
 
     def _waited(self) -> Any:
         """What wait() returns once the op completed."""

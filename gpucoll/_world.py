@@ -19,7 +19,7 @@ from ._group import Backend, GroupMember, ProcessGroup, nccl_usable, normalize_b
 from ._group.checks import _check_desc, _check_ranks, _InitTwiceError, _RankError, _ranks_label
 from ._group.gpu_check import require_nccl
 from ._group.join import await_all_joined, next_generation
-from ._group.options import PGOptions, coerce_options, options_timeout
+from ._group.options import DeviceLike, PGOptions, PGOptionsLike, coerce_options, options_timeout
 from ._rendezvous import rendezvous
 from .store import HashStore, PrefixStore, Store
 
@@ -87,8 +87,8 @@ def _resolve(group: Any) -> ProcessGroup:
 
 def init_process_group(backend: str | None = None, init_method: str | None = None,
                        timeout: float | timedelta | None = None, world_size: int = -1, rank: int = -1,
-                       store: Store | None = None, group_name: str = "", pg_options: Any = None,
-                       device_id: Any = None) -> None:
+                       store: Store | None = None, group_name: str = "", pg_options: PGOptionsLike = None,
+                       device_id: DeviceLike = None) -> None:
     """Join the job: connect to the rendezvous store and create the default process group.
 
     Args:
@@ -201,7 +201,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     GroupMember._world = pg
 
 
-def _device_index(device_id: Any) -> int | None:
+def _device_index(device_id: DeviceLike) -> int | None:
     if device_id is None:
         return None
     if isinstance(device_id, str):
@@ -391,7 +391,7 @@ def _make_group(world: _World, name: str, global_ranks: list[int] | None, my_glo
 
 
 def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | None = None,
-              backend: str | None = None, pg_options: Any = None, use_local_synchronization: bool = False,
+              backend: str | None = None, pg_options: PGOptionsLike = None, use_local_synchronization: bool = False,
               group_desc: str | None = None, sort_ranks: bool = True) -> Any:
     """Create a group of some ranks of the default group. Every rank of the default group
     must call it, in the same order (that is how groups get the same name everywhere).
@@ -453,7 +453,7 @@ def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | N
 
 
 def split_group(parent_pg: ProcessGroup | None = None, split_ranks: Sequence[Sequence[int]] | None = None,
-                timeout: float | timedelta | None = None, pg_options: Any = None,
+                timeout: float | timedelta | None = None, pg_options: PGOptionsLike = None,
                 group_desc: str | None = None) -> ProcessGroup | None:
     """Split ``parent_pg`` into disjoint groups; every rank of the parent must call it.
 
@@ -505,7 +505,7 @@ def split_group(parent_pg: ProcessGroup | None = None, split_ranks: Sequence[Seq
 
 def new_subgroups(group_size: int | None = None, group: ProcessGroup | None = None,
                   timeout: float | timedelta | None = None, backend: str | None = None,
-                  pg_options: Any = None, group_desc: str | None = None) -> tuple[Any, list[Any]]:
+                  pg_options: PGOptionsLike = None, group_desc: str | None = None) -> tuple[Any, list[Any]]:
     """Cut the default group (or ``group``) into consecutive subgroups of ``group_size`` ranks.
 
     Args:
@@ -543,7 +543,7 @@ def new_subgroups(group_size: int | None = None, group: ProcessGroup | None = No
 
 def new_subgroups_by_enumeration(ranks_per_subgroup_list: Sequence[Sequence[int]],
                                  timeout: float | timedelta | None = None, backend: str | None = None,
-                                 pg_options: Any = None, group_desc: str | None = None) -> tuple[Any, list[Any]]:
+                                 pg_options: PGOptionsLike = None, group_desc: str | None = None) -> tuple[Any, list[Any]]:
     """Create one subgroup per list of global ranks; every rank of the default group must call.
 
     Returns:

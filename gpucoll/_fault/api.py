@@ -6,13 +6,13 @@ See docs/fault-tolerance.md for the guarantees and a complete training loop.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import Any, Sequence
 
 from .. import _world
 from .._backends.base import Backend
 from .._group import ProcessGroup, normalize_backend
 from .._group.grow import offer_seats, take_seat
-from .._group.options import coerce_options, options_timeout
+from .._group.options import DeviceLike, PGOptionsLike, coerce_options, options_timeout
 from .._group.shrink import check_exclusions, shrink
 from .._rendezvous import rendezvous
 from .._timeouts import to_seconds
@@ -21,8 +21,8 @@ from ..store import PrefixStore, Store
 __all__ = ["shrink_group", "grow_group", "join_process_group"]
 
 
-def shrink_group(ranks_to_exclude: Any = None, group: ProcessGroup | None = None, *,
-                 timeout: float | timedelta | None = None, pg_options: Any = None) -> ProcessGroup:
+def shrink_group(ranks_to_exclude: Sequence[int] | None = None, group: ProcessGroup | None = None, *,
+                 timeout: float | timedelta | None = None, pg_options: PGOptionsLike = None) -> ProcessGroup:
     """Abort ``group`` and return a new group of its remaining ranks, renumbered in order.
 
     Every remaining rank of the group calls it (typically after a collective raised
@@ -131,7 +131,7 @@ def grow_group(num_new_ranks: int = 1, *, timeout: float | timedelta | None = No
 
 
 def join_process_group(init_method: str | None = None, *, store: Store | None = None,
-                       timeout: float | timedelta | None = None, device_id: Any = None) -> None:
+                       timeout: float | timedelta | None = None, device_id: DeviceLike = None) -> None:
     """Join a running job as a new member: wait until its ranks call :func:`grow_group`,
     then become a rank of the grown default group (instead of ``init_process_group``).
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Union
+from typing import Any, Protocol, Union
 
 from .._backends.nccl.config import FIELD_NAMES, UNDEF_INT, check_value
 from .._timeouts import to_seconds
 
-__all__ = ["NCCLOptions", "CPUOptions", "FakeOptions", "PGOptions", "coerce_options", "options_timeout"]
+__all__ = ["NCCLOptions", "CPUOptions", "FakeOptions", "PGOptions", "PGOptionsLike", "TorchOptionsLike", "DeviceLike",
+           "coerce_options", "options_timeout"]
 
 _TRANSPORTS = ("auto", "shm", "tcp")
 
@@ -150,6 +151,33 @@ class FakeOptions:
 PGOptions = Union[NCCLOptions, CPUOptions, FakeOptions]
 
 
+class TorchOptionsLike(Protocol):
+    """An object shaped like torch's ``ProcessGroupNCCL.Options``: what :func:`coerce_options`
+    reads from one (its ``config``; ``is_high_priority_stream`` and ``_timeout`` when present)."""
+
+    @property
+    def config(self) -> object: ...
+
+
+#: What ``pg_options`` accepts: gpucoll's options, torch's NCCL options, or None.
+PGOptionsLike = Union[NCCLOptions, CPUOptions, FakeOptions, TorchOptionsLike, None]
+
+
+class _HasIndex(Protocol):
+    @property
+    def index(self) -> int | None: ...  # torch.device
+
+
+class _HasId(Protocol):
+    @property
+    def id(self) -> int: ...  # cupy.cuda.Device
+
+
+#: What ``device_id`` / ``device`` accept: a CUDA device index, ``"cuda:N"``, a device
+#: object with an ``index`` (torch.device) or ``id`` (cupy.cuda.Device), or None.
+DeviceLike = Union[int, str, _HasIndex, _HasId, None]
+
+
 def _from_torch(obj: Any) -> NCCLOptions:
     """torch's ``ProcessGroupNCCL.Options`` shape: ``.config`` (an NCCLConfig whose unset
     ints are INT_MIN), ``.is_high_priority_stream``, ``._timeout``."""
@@ -165,7 +193,7 @@ def _from_torch(obj: Any) -> NCCLOptions:
                        timeout=timeout)
 
 
-def coerce_options(pg_options: Any, backend: str) -> PGOptions | None:
+def coerce_options(pg_options: PGOptionsLike, backend: str) -> PGOptions | None:
     """``pg_options`` as gpucoll's options for a group of ``backend`` ("cpu", "nccl", "fake").
 
     Accepts None, :class:`NCCLOptions` (NCCL groups), :class:`CPUOptions` (CPU groups),

@@ -44,7 +44,7 @@ MAX_ROUNDS = 8
 _POLL_S = 0.25  # longest single store wait, so that a deadline is seen promptly
 
 
-def check_exclusions(ranks_to_exclude: Any, pg: ProcessGroup) -> list[int] | None:
+def check_exclusions(ranks_to_exclude: object, pg: ProcessGroup) -> list[int] | None:
     """Validate ``ranks_to_exclude`` (group ranks of ``pg``); None means "find them"."""
     if ranks_to_exclude is None:
         return None

@@ -39,6 +39,15 @@ y = F.all_reduce(x, op=ReduceOp.SUM)
 gpucoll.all_reduce([1.0, 2.0])  # E: a list is no array
 gpucoll.all_reduce(x, op=3)  # E: an int is no reduce op
 F.all_reduce("abc")  # E: a str is no array
+gpucoll.init_process_group("cpu", pg_options=gpucoll.CPUOptions(), device_id="cuda:0")
+gpucoll.init_process_group("nccl", device_id=0)
+gpucoll.new_group([0], pg_options=3)  # E: an int is no options object
+gpucoll.init_process_group("cpu", device_id=1.5)  # E: a float is no device
+gpucoll.make_premul_sum(np.float32(0.5))
+gpucoll.make_premul_sum("0.5")  # E: a str is no factor
+gpucoll.shrink_group([1])
+gpucoll.shrink_group(1)  # E: ranks_to_exclude is a list of ranks
+gpucoll.DeviceMesh("cpu", [[0, 1], [2, 3]])
 '''
 
 
