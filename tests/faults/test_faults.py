@@ -69,7 +69,9 @@ def killed_rank_body(victim: int) -> Any:
     return elapsed, msg, again
 
 
-def test_a_killed_rank_fails_everyone_elses_op() -> None:
+def test_after_a_peer_death_the_group_stays_failed() -> None:
+    """What test_peer_death.py does not check: once an op failed on a dead peer, the next
+    op on the group fails too (it never pairs with a later op of a survivor)."""
     out = run_spmd(killed_rank_body, 3, args=(1,), init=False, timeout=90)
     assert out[1] == -signal.SIGKILL
     for r in (0, 2):
