@@ -86,10 +86,10 @@ from ._world import init_process_group as init_process_group
 from ._world import is_available as is_available
 from ._world import is_initialized as is_initialized
 from ._world import is_nccl_available as is_nccl_available
-from ._world import new_group as new_group
-from ._world import new_subgroups as new_subgroups
-from ._world import new_subgroups_by_enumeration as new_subgroups_by_enumeration
-from ._world import split_group as split_group
+from ._new_groups import new_group as new_group
+from ._new_groups import new_subgroups as new_subgroups
+from ._new_groups import new_subgroups_by_enumeration as new_subgroups_by_enumeration
+from ._new_groups import split_group as split_group
 
 reduce_op = ReduceOp
 """torch's legacy spelling (``dist.reduce_op.SUM``): the same class as :class:`ReduceOp`."""

@@ -15,7 +15,7 @@ from typing import Any, Sequence, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
-from . import _world
+from . import _new_groups, _world
 from ._group import normalize_backend as _normalize_backend
 from ._group import ProcessGroup
 
@@ -153,11 +153,11 @@ class DeviceMesh:
             if same and self.mesh.ndim == 1 and lines == [list(range(default.size()))]:
                 groups.append(default)
             elif same:
-                groups.append(_world.split_group(None, split_ranks=lines, group_desc=f"mesh_{name}"))
+                groups.append(_new_groups.split_group(None, split_ranks=lines, group_desc=f"mesh_{name}"))
             else:
                 mine = None
                 for line in lines:
-                    pg = _world.new_group(line, backend=backend, pg_options=options, group_desc=f"mesh_{name}")
+                    pg = _new_groups.new_group(line, backend=backend, pg_options=options, group_desc=f"mesh_{name}")
                     if isinstance(pg, ProcessGroup):
                         mine = pg
                 groups.append(mine)

@@ -70,7 +70,7 @@ class Work:
     _future: Future[list[Any]] | None = None
     _exc: BaseException | None = None
     _callbacks: list[Callable[[Work], None]] | None = None
-    # The group's flight-recorder entry for this op (see gpucoll._flight_recorder);
+    # The group's flight-recorder entry for this op (see gpucoll._debug.flight_recorder);
     # updated on completion so the recorder needs no callback of its own.
     _fr_entry: Any = None
     # all_reduce_coalesced(async_op=True): torch hands back a Future whose wait() gives the

@@ -25,7 +25,7 @@ from .._backends.base import Backend, RunsNow, TimesOps
 from .._backends.mismatch import decode, describe, encode
 from .._debug import DebugLevel, call_site, get_debug_level
 from ..errors import DistBackendError, DistError
-from .._flight_recorder import FlightRecorder, _Entry, recorder_capacity
+from .._debug.flight_recorder import FlightRecorder, _Entry, recorder_capacity
 from .._work import Work, WorkInfo
 from .checks import _op_name
 from .watchdog import Watchdog

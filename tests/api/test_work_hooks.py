@@ -246,7 +246,7 @@ def test_flight_recorder_on_request(scripted: Any, tmp_path: Any) -> None:
 
 
 def test_flight_recorder_size_is_configurable(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpucoll._flight_recorder import recorder_capacity
+    from gpucoll._debug.flight_recorder import recorder_capacity
 
     monkeypatch.setenv("GPUCOLL_FLIGHT_RECORDER_SIZE", "3")
     assert recorder_capacity() == 3
@@ -318,7 +318,7 @@ def test_hooks_with_the_cpu_backend() -> None:
 
 
 def test_flight_recorder_reuses_entries_and_a_late_finish_leaves_the_newer_op_alone() -> None:
-    from gpucoll._flight_recorder import FlightRecorder
+    from gpucoll._debug.flight_recorder import FlightRecorder
     from gpucoll._work import Work
 
     fr = FlightRecorder("g", 0, 0, 1, capacity=2)

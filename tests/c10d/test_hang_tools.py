@@ -213,7 +213,7 @@ def test_the_dumping_ranks_package_decides_not_the_readers() -> None:
 
 def test_a_flight_recorder_dump_records_its_package_directory(tmp_path: Any) -> None:
     from gpucoll._debug import package_dir
-    from gpucoll._flight_recorder import FlightRecorder
+    from gpucoll._debug.flight_recorder import FlightRecorder
 
     rec = FlightRecorder("g", rank=0, global_rank=0, size=1, capacity=4)
     path = rec.dump(str(tmp_path / "d.json"))

@@ -21,14 +21,14 @@ import tempfile
 import time
 from typing import Any
 
-from ._buffer import Buffer
-from ._debug import package_dir, thread_stacks
-from ._work import Work
+from .._buffer import Buffer
+from . import package_dir, thread_stacks
+from .._work import Work
 
 __all__ = ["FlightRecorder", "recorder_capacity", "SIZE_ENV", "DIR_ENV", "DEFAULT_CAPACITY"]
 
-from ._env import FLIGHT_RECORDER_DIR_ENV as DIR_ENV
-from ._env import FLIGHT_RECORDER_SIZE_ENV as SIZE_ENV
+from .._env import FLIGHT_RECORDER_DIR_ENV as DIR_ENV
+from .._env import FLIGHT_RECORDER_SIZE_ENV as SIZE_ENV
 
 DEFAULT_CAPACITY = 2000
 FORMAT_VERSION = 1
