@@ -1,8 +1,8 @@
 """What the TCPStore server does with each request, and what it answers.
 
-:class:`RequestServer` holds the store (a :class:`KVState`), the parked requests and
-their deadlines, and the per-connection output queues; :class:`StoreServer` (in
-``_server``) feeds it frames and sends what it queues.
+:class:`Requests` holds the store (a :class:`KVState`), the parked requests and
+their deadlines, and the per-connection output queues; the :class:`StoreServer` (in
+``_server``) that holds it feeds it frames and sends what it queues.
 
 * ``get``/``wait``/``queue_pop`` park a waiter in the KVState; the write that
   satisfies it queues the reply. Deadlines live in a heap, so a timed-out request is
@@ -28,7 +28,7 @@ from ._kv import KVState, Waiter
 from . import _torch_wire as tw
 from ._torch_wire import Q
 
-__all__ = ["RequestServer", "Conn", "JOIN_THRESHOLD", "PIPELINE_SLACK", "torch_request"]
+__all__ = ["Requests", "Conn", "JOIN_THRESHOLD", "PIPELINE_SLACK", "torch_request"]
 
 PREAUTH_MAX_FRAME = 8192
 PIPELINE_SLACK = 1 << 20
@@ -71,8 +71,9 @@ class Conn:
         """Its turn ended with whole frames buffered; served next loop iteration."""
 
 
-class RequestServer:
-    """The store's protocol and semantics, without sockets.
+class Requests:
+    """The store's protocol and semantics, without sockets: what a :class:`StoreServer`
+    (``_server``) holds and feeds frames to, and whose queued replies it sends.
 
     Args:
         token: bytes a client must present in its HELLO, or None for no check.
@@ -89,14 +90,14 @@ class RequestServer:
         self.instance_id = os.urandom(8).hex().encode()
         """Sent with every HELLO reply: a client that reconnects to a different id knows
         that the server restarted (and that the store it had is gone)."""
-        self._pending: dict[Conn, float] = {}
+        self.pending: dict[Conn, float] = {}
         """Connections that have not said HELLO (or torch's PING) yet, oldest first, and
         when each is dropped if it still has not."""
-        self._kv = KVState()
-        self._timers: list[tuple[float, int, Waiter]] = []
+        self.kv = KVState()
+        self.timers: list[tuple[float, int, Waiter]] = []
         self._seq = itertools.count()
-        self._dirty: list[Conn] = []
-        self._resume: list[Conn] = []
+        self.dirty: list[Conn] = []
+        self.resume: list[Conn] = []
         handlers: dict[int, Callable[[Conn, list[bytes]], None]] = {
             w.SET: self._op_set, w.GET: self._op_get, w.ADD: self._op_add, w.CAS: self._op_cas,
             w.WAIT: self._op_wait, w.CHECK: self._op_check, w.DELETE: self._op_delete,
@@ -112,7 +113,7 @@ class RequestServer:
 
     # -- frames in ------------------------------------------------------------------------
 
-    def _dispatch(self, conn: Conn, code: int, fields: list[bytes]) -> None:
+    def dispatch(self, conn: Conn, code: int, fields: list[bytes]) -> None:
         if not conn.authed:
             self._hello(conn, code, fields)
             return
@@ -148,7 +149,7 @@ class RequestServer:
             conn.closing = True
             return
         conn.authed = True
-        self._pending.pop(conn, None)
+        self.pending.pop(conn, None)
         conn.limit = self.max_frame
         self._reply(conn, w.OK, [str(self.max_key_size).encode(), str(self.max_value_size).encode(),
                                  str(self.max_frame).encode(), self.instance_id])
@@ -178,19 +179,19 @@ class RequestServer:
         another connection)."""
         if not conn.dirty:
             conn.dirty = True
-            self._dirty.append(conn)
+            self.dirty.append(conn)
 
     # -- waiting --------------------------------------------------------------------------
 
     def _park(self, conn: Conn, keys: list[bytes], timeout: float, kind: int,
               queue: bool) -> None:
         if queue:
-            got = self._kv.queue_pop_or_watch(keys[0], self._ready, conn)
+            got = self.kv.queue_pop_or_watch(keys[0], self._ready, conn)
             if not isinstance(got, Waiter):
                 self._reply(conn, w.OK, [got])
                 return
         else:
-            got2 = self._kv.get_or_watch(keys, self._ready, conn)
+            got2 = self.kv.get_or_watch(keys, self._ready, conn)
             if not isinstance(got2, Waiter):
                 if kind == w.WAIT:
                     self._queue(conn, _OK_EMPTY)
@@ -200,7 +201,7 @@ class RequestServer:
             got = got2
         conn.waiter = got
         conn.kind = kind
-        heapq.heappush(self._timers, (time.monotonic() + timeout, next(self._seq), got))
+        heapq.heappush(self.timers, (time.monotonic() + timeout, next(self._seq), got))
 
     def _ready(self, waiter: Waiter, values: list[bytes]) -> None:
         conn: Conn = waiter.ctx
@@ -217,25 +218,25 @@ class RequestServer:
             self._reply(conn, w.OK, values)
         self._reply_later(conn)
         if conn.inbuf:
-            self._resume.append(conn)
+            self.resume.append(conn)
 
-    def _expire(self) -> None:
+    def expire(self) -> None:
         now = time.monotonic()
-        timers = self._timers
+        timers = self.timers
         while timers and timers[0][0] <= now:
             _, _, waiter = heapq.heappop(timers)
             if not waiter.active:
                 continue
-            self._kv.cancel(waiter)
+            self.kv.cancel(waiter)
             conn: Conn = waiter.ctx
             conn.waiter = None
             if conn.sock is None:
                 continue
-            missing = waiter.keys if waiter.queue else self._kv.missing(waiter.keys)
+            missing = waiter.keys if waiter.queue else self.kv.missing(waiter.keys)
             self._reply(conn, w.TIMEOUT, missing)
             self._reply_later(conn)
             if conn.inbuf:
-                self._resume.append(conn)
+                self.resume.append(conn)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -252,12 +253,12 @@ class RequestServer:
         return value
 
     def _op_set(self, conn: Conn, f: list[bytes]) -> None:
-        self._kv.set(self._key(f[0]), self._value(f[1]))
+        self.kv.set(self._key(f[0]), self._value(f[1]))
         self._queue(conn, _OK_EMPTY)
 
     def _op_set_quiet(self, conn: Conn, f: list[bytes]) -> None:
         try:
-            self._kv.set(self._key(f[0]), self._value(f[1]))
+            self.kv.set(self._key(f[0]), self._value(f[1]))
         except DistStoreError as e:
             self._reply(conn, w.LATE_ERROR, [f"set({f[0][:80]!r}) failed: {e}".encode()])
 
@@ -268,22 +269,22 @@ class RequestServer:
         timeout = w.parse_timeout(f[0])
         keys = f[1:]
         if timeout <= 0:
-            missing = self._kv.missing(keys)
+            missing = self.kv.missing(keys)
             self._reply(conn, w.TIMEOUT, missing) if missing else self._queue(conn, _OK_EMPTY)
             return
-        got = self._kv.wait_or_watch(keys, self._ready, conn)
+        got = self.kv.wait_or_watch(keys, self._ready, conn)
         if got is None:
             self._queue(conn, _OK_EMPTY)
             return
         conn.waiter = got
         conn.kind = w.WAIT
-        heapq.heappush(self._timers, (time.monotonic() + timeout, next(self._seq), got))
+        heapq.heappush(self.timers, (time.monotonic() + timeout, next(self._seq), got))
 
     def _blocking_read(self, conn: Conn, f: list[bytes], kind: int) -> None:
         timeout = w.parse_timeout(f[0])
         keys = f[1:]
         if timeout <= 0:
-            missing = [k for k in keys if k not in self._kv.data]
+            missing = [k for k in keys if k not in self.kv.data]
             if missing:
                 self._reply(conn, w.TIMEOUT, missing)
                 return
@@ -297,7 +298,7 @@ class RequestServer:
             amount = int(text) if len(text) <= 64 else w.parse_int(text, "add amount")
         except ValueError:
             raise w.ProtocolError(f"add amount must be a decimal integer; got {text[:80]!r}") from None
-        total = self._kv.add_text(key, amount)
+        total = self.kv.add_text(key, amount)
         conn.out.append(_ONE_FIELD.pack(5 + len(total), w.OK, len(total)) + total)
 
     def quick_add(self, buf: bytearray, n: int) -> bytes | None:
@@ -316,48 +317,48 @@ class RequestServer:
         if start + unpack(buf, end)[0] != n or n - start > 20:
             return None
         try:
-            total = self._kv.add_text(bytes(buf[9:end]), int(buf[start:n]))
+            total = self.kv.add_text(bytes(buf[9:end]), int(buf[start:n]))
         except (ValueError, DistStoreError):
             return None
         return _ONE_FIELD.pack(5 + len(total), w.OK, len(total)) + total
 
     def _op_cas(self, conn: Conn, f: list[bytes]) -> None:
-        self._reply(conn, w.OK, [self._kv.compare_set(self._key(f[0]), f[1], self._value(f[2]))])
+        self._reply(conn, w.OK, [self.kv.compare_set(self._key(f[0]), f[1], self._value(f[2]))])
 
     def _op_check(self, conn: Conn, f: list[bytes]) -> None:
-        self._queue(conn, _ONE if self._kv.check(f) else _ZERO)
+        self._queue(conn, _ONE if self.kv.check(f) else _ZERO)
 
     def _op_delete(self, conn: Conn, f: list[bytes]) -> None:
-        self._queue(conn, _ONE if self._kv.delete(f[0]) else _ZERO)
+        self._queue(conn, _ONE if self.kv.delete(f[0]) else _ZERO)
 
     def _op_num_keys(self, conn: Conn, f: list[bytes]) -> None:
-        self._queue(conn, w.encode_frame(w.OK, [str(self._kv.num_keys()).encode()]))
+        self._queue(conn, w.encode_frame(w.OK, [str(self.kv.num_keys()).encode()]))
 
     def _op_multi_set(self, conn: Conn, f: list[bytes]) -> None:
         for i in range(0, len(f), 2):
             self._key(f[i])
             self._value(f[i + 1])
         for i in range(0, len(f), 2):
-            self._kv.set(f[i], f[i + 1])
+            self.kv.set(f[i], f[i + 1])
         self._queue(conn, _OK_EMPTY)
 
     def _op_append(self, conn: Conn, f: list[bytes]) -> None:
         key = self._key(f[0])
-        current = self._kv.data.get(key, b"")
+        current = self.kv.data.get(key, b"")
         if len(current) + len(f[1]) > self.max_value_size:
             raise DistStoreError(f"append would grow the value to {len(current) + len(f[1])} bytes, "
                                  f"over the server's limit of {self.max_value_size} bytes")
-        self._kv.append(key, f[1])
+        self.kv.append(key, f[1])
         self._queue(conn, _OK_EMPTY)
 
     def _op_qpush(self, conn: Conn, f: list[bytes]) -> None:
-        self._kv.queue_push(self._key(f[0]), self._value(f[1]))
+        self.kv.queue_push(self._key(f[0]), self._value(f[1]))
         self._queue(conn, _OK_EMPTY)
 
     def _op_qpop(self, conn: Conn, f: list[bytes]) -> None:
         timeout = w.parse_timeout(f[0])
         if timeout <= 0:
-            value = self._kv.queue_pop_now(f[1])
+            value = self.kv.queue_pop_now(f[1])
             if value is None:
                 self._queue(conn, w.encode_frame(w.EMPTY, []))
             else:
@@ -366,10 +367,10 @@ class RequestServer:
         self._park(conn, [f[1]], timeout, w.QPOP, queue=True)
 
     def _op_qlen(self, conn: Conn, f: list[bytes]) -> None:
-        self._queue(conn, w.encode_frame(w.OK, [str(self._kv.queue_len(f[0])).encode()]))
+        self._queue(conn, w.encode_frame(w.OK, [str(self.kv.queue_len(f[0])).encode()]))
 
     def _op_list_keys(self, conn: Conn, f: list[bytes]) -> None:
-        self._reply(conn, w.OK, self._kv.list_keys())
+        self._reply(conn, w.OK, self.kv.list_keys())
 
 
 # -- torch's protocol ---------------------------------------------------------------------
@@ -384,14 +385,14 @@ def _tkey(key: bytes) -> bytes:
     return key[1:] if key[:1] == tw.KEY_PREFIX else key
 
 
-def torch_request(srv: RequestServer, conn: Conn, q: int, a: list[object]) -> None:
+def torch_request(srv: Requests, conn: Conn, q: int, a: list[object]) -> None:
     """Serve one request of a torch client (see _torch_wire) on ``srv``'s store.
 
     Failures (a value over the limit, ``add`` on a non-integer) raise DistStoreError
     or ProtocolError, and the caller closes the connection, as torch's own server
     does; the torch client then sees the connection reset.
     """
-    kv = srv._kv
+    kv = srv.kv
     out = conn.out
     i64 = _TORCH_FORMAT.pack
     if not conn.pinged and q not in (Q.VALIDATE, Q.PING):
@@ -409,7 +410,7 @@ def torch_request(srv: RequestServer, conn: Conn, q: int, a: list[object]) -> No
         if srv._token is not None:
             raise w.ProtocolError("torch clients cannot present this server's token")
         conn.pinged = True
-        srv._pending.pop(conn, None)
+        srv.pending.pop(conn, None)
         out.append(tw.U32.pack(int(a[0])))  # type: ignore[call-overload]
     elif q == Q.SET:
         kv.set(srv._key(_tkey(a[0])), srv._value(a[1]))  # type: ignore[arg-type]

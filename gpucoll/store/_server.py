@@ -37,7 +37,7 @@ from . import _wire as w
 from . import _torch_wire as tw
 from ._sockets import IN as _IN, IN_ANY as _IN_ANY, OUT as _OUT, FD_RESERVE, forget
 from ._sockets import NODELAY_INHERITED, accept_queues, listen, new_poller, nofile_for, peer_uid, unix_socket_name
-from ._requests import JOIN_THRESHOLD, PIPELINE_SLACK, PREAUTH_MAX_FRAME, RequestServer, Conn, torch_request
+from ._requests import JOIN_THRESHOLD, PIPELINE_SLACK, PREAUTH_MAX_FRAME, Requests, Conn, torch_request
 
 __all__ = ["StoreServer"]
 
@@ -52,7 +52,7 @@ _HEADER, _ADD, _TCP, _NODELAY = w.HEADER, w.ADD, socket.IPPROTO_TCP, socket.TCP_
 _IOV_MAX = 512
 
 
-class StoreServer(RequestServer):
+class StoreServer:
     """Listens on ``host:port`` and serves the store protocol from a daemon thread.
 
     On Linux, a server bound to a loopback or wildcard address, or to one of this
@@ -83,7 +83,8 @@ class StoreServer(RequestServer):
                  max_value_size: int, backlog: int = 8192, unix_socket: bool = True,
                  listen_fd: int | None = None, hello_timeout: float = HELLO_TIMEOUT,
                  max_pending: int | None = None, expected_clients: int | None = None) -> None:
-        super().__init__(token=token, max_key_size=max_key_size, max_value_size=max_value_size)
+        # The store's protocol and state; this object owns the sockets and the loop.
+        self.requests = Requests(token=token, max_key_size=max_key_size, max_value_size=max_value_size)
         self.hello_timeout = float(hello_timeout)
         soft = nofile_for(expected_clients)
         room = max(1, soft - FD_RESERVE) if 0 < soft != resource.RLIM_INFINITY else 1 << 20
@@ -159,11 +160,11 @@ class StoreServer(RequestServer):
         wake_fd = self._wake_r.fileno()
         try:
             while not self._stop:
-                timers = self._timers
+                timers = self.requests.timers
                 timeout = (min(max(0.0, timers[0][0] - time.monotonic()), w.MAX_TIMEOUT)
                            if timers else None)
-                if self._pending:
-                    first = max(0.0, next(iter(self._pending.values())) - time.monotonic())
+                if self.requests.pending:
+                    first = max(0.0, next(iter(self.requests.pending.values())) - time.monotonic())
                     timeout = first if timeout is None else min(timeout, first)
                 if self._later:
                     timeout = 0.0
@@ -187,9 +188,9 @@ class StoreServer(RequestServer):
                             self._on_readable(conn)
                     except Exception:  # a bug serving one client must not stop the server
                         self._drop(conn)
-                if self._timers:
-                    self._expire()
-                if self._pending:
+                if self.requests.timers:
+                    self.requests.expire()
+                if self.requests.pending:
                     self._expire_pending()
                 if self._later:
                     later, self._later = self._later, []
@@ -200,16 +201,16 @@ class StoreServer(RequestServer):
                                 self._process(conn)
                             except Exception:
                                 self._drop(conn)
-                while self._resume:
-                    resume, self._resume = self._resume, []
+                while self.requests.resume:
+                    resume, self.requests.resume = self.requests.resume, []
                     for conn in resume:
                         if conn.sock is not None:
                             try:
                                 self._process(conn)
                             except Exception:
                                 self._drop(conn)
-                if self._dirty:
-                    dirty, self._dirty = self._dirty, []
+                if self.requests.dirty:
+                    dirty, self.requests.dirty = self.requests.dirty, []
                     for conn in dirty:
                         conn.dirty = False
                         if conn.sock is not None and not conn.writing:
@@ -232,7 +233,7 @@ class StoreServer(RequestServer):
     def _expire_pending(self) -> None:
         """Drop the connections that did not say HELLO in time (oldest first)."""
         now = time.monotonic()
-        pending = self._pending
+        pending = self.requests.pending
         while pending:
             conn, deadline = next(iter(pending.items()))
             if deadline > now:
@@ -243,7 +244,7 @@ class StoreServer(RequestServer):
 
     def _evict_pending(self) -> bool:
         """Drop the oldest connection that has not said HELLO; False if there is none."""
-        pending = self._pending
+        pending = self.requests.pending
         while pending:
             conn = next(iter(pending))
             del pending[conn]
@@ -283,9 +284,9 @@ class StoreServer(RequestServer):
                 sock.setsockopt(_TCP, _NODELAY, 1)
             sock.setblocking(False)
             conn = Conn(sock)
-            if len(self._pending) >= self.max_pending:
+            if len(self.requests.pending) >= self.max_pending:
                 self._evict_pending()
-            self._pending[conn] = time.monotonic() + self.hello_timeout
+            self.requests.pending[conn] = time.monotonic() + self.hello_timeout
             self._conns[sock.fileno()] = conn
             self._poller.register(sock.fileno(), _IN)
             # A client sends HELLO right after connecting: it is often here already, and
@@ -303,9 +304,9 @@ class StoreServer(RequestServer):
         if sock is None:
             return
         conn.sock = None
-        self._pending.pop(conn, None)
+        self.requests.pending.pop(conn, None)
         if conn.waiter is not None:
-            self._kv.cancel(conn.waiter)
+            self.requests.kv.cancel(conn.waiter)
             conn.waiter = None
         conn.out.clear()
         conn.inbuf = b""
@@ -363,7 +364,7 @@ class StoreServer(RequestServer):
             length, code = _HEADER.unpack_from(self._rbuf)
             if n == length + 4 and length <= conn.limit:
                 if code == _ADD and not conn.out:
-                    reply = self.quick_add(self._rbuf, n)
+                    reply = self.requests.quick_add(self._rbuf, n)
                     if reply is not None:
                         try:
                             sent = sock.send(reply)
@@ -378,7 +379,7 @@ class StoreServer(RequestServer):
                         return
                 try:
                     fields = w.decode_fields(self._rview, 5, n)
-                    self._dispatch(conn, code, fields)
+                    self.requests.dispatch(conn, code, fields)
                 except w.ProtocolError:
                     self._drop(conn)
                     return
@@ -432,7 +433,7 @@ class StoreServer(RequestServer):
                 code = buf[pos + 4]
                 fields = w.decode_fields(buf, pos + 5, end)
                 pos = end
-                self._dispatch(conn, code, fields)
+                self.requests.dispatch(conn, code, fields)
                 if conn.sock is None:
                     return
         except w.ProtocolError:
@@ -487,7 +488,8 @@ class StoreServer(RequestServer):
         n = len(buf)
         pos = 0
         # Before its PING a torch client has sent nothing but VALIDATE: no long items.
-        limit = max(self.max_value_size, self.max_key_size) if conn.pinged else PREAUTH_MAX_FRAME
+        req = self.requests
+        limit = max(req.max_value_size, req.max_key_size) if conn.pinged else PREAUTH_MAX_FRAME
         try:
             while pos < n and conn.torch and not conn.writing and not conn.closing:
                 if conn.waiter is not None and buf[pos] != tw.Q.CANCEL_WAIT:
@@ -499,7 +501,7 @@ class StoreServer(RequestServer):
                 except tw.Incomplete:
                     break
                 pos = end
-                torch_request(self, conn, q, args)
+                torch_request(self.requests, conn, q, args)
                 if conn.sock is None:
                     return
         except (w.ProtocolError, DistStoreError):
@@ -594,5 +596,5 @@ class StoreServer(RequestServer):
             conn.writing = False
             self._poller.modify(sock.fileno(), _IN)
             if conn.inbuf:
-                self._resume.append(conn)
+                self.requests.resume.append(conn)
 

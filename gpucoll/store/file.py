@@ -21,7 +21,6 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Final
 
 from .._timeouts import DEFAULT_TIMEOUT
 from ..errors import DistStoreError

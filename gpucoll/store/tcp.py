@@ -18,11 +18,11 @@ from .._timeouts import DEFAULT_TIMEOUT
 from ..errors import DistStoreError, DistStoreTimeoutError
 from . import _wire as w
 from ._kv import HIDDEN_PREFIX
-from ._client import Connection, unix_names
-from ._links import GRACE as _GRACE, StoreLinks, token_bytes as _token_bytes
+from ._client import unix_names
+from ._links import GRACE as _GRACE, Links, token_bytes as _token_bytes
 from ._server import StoreServer
-from ._torch_client import TorchConnection, WaitTimedOut
-from .base import Timeout, ValueLike, queue_empty_error, timeout_error
+from ._torch_client import WaitTimedOut
+from .base import Store, Timeout, ValueLike, queue_empty_error, timeout_error
 
 __all__ = ["TCPStore"]
 
@@ -46,7 +46,7 @@ def _agent_serves(port: int | None) -> bool:
     return agent and port is not None and os.environ.get("MASTER_PORT", "").strip() == str(port)
 
 
-class TCPStore(StoreLinks):
+class TCPStore(Store):
     """A store on a TCP server that one process (the master) runs on a background thread.
 
     Args:
@@ -126,31 +126,25 @@ class TCPStore(StoreLinks):
         for name, lim in (("max_key_size", max_key_size), ("max_value_size", max_value_size)):
             if not isinstance(lim, int) or not 1 <= lim <= 0x7FFF0000:
                 raise ValueError(f"{name} must be an int in 1..{0x7FFF0000}; got {lim!r}")
-        self._token = _token_bytes(token)
-        self._token_given = token is not None
-        self._closed = False
-        self._pool: list[Connection] = []
-        self._tpool: list[TorchConnection] = []
+        token_b = _token_bytes(token)
         self._lock = threading.Lock()
         self._server: StoreServer | None = None
         self._tenant_port: int | None = None
+        self._last_add: tuple[str | None, int, bytes] = (None, 0, b"")
+        """The last add's key, amount and request frame, sent again when they repeat."""
         self.world_size = world_size
         self.host = host
-        self._protocol = "gpucoll" if is_master else protocol
-        self._limit_name = "max_value_size"
         if is_master:
-            self._server = self._start_server(host, port, max_key_size, max_value_size,
+            self._server = self._start_server(host, port, token_b, max_key_size, max_value_size,
                                               use_unix_socket, multi_tenant, master_listen_fd)
             port = self._server.port
-        self._port = port
-        self._connect_host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-        self._where = f"TCPStore {host}:{port}"
-        self._unix = unix_names(self._connect_host, port) if use_unix_socket else []
-        self.max_key_size = max_key_size
-        self.max_value_size = max_value_size
-        self._max_frame = 0
+        connect_host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+        self._links = Links(host, port, connect_host=connect_host,
+                            unix=unix_names(connect_host, port) if use_unix_socket else [], token=token_b,
+                            token_given=token is not None, protocol="gpucoll" if is_master else protocol,
+                            timeout=self._timeout, max_key_size=max_key_size, max_value_size=max_value_size)
         try:
-            self._connect_first(time.monotonic() + self._timeout)
+            self._links.connect_first(time.monotonic() + self._timeout)
             # torch's rule: only a store that waits for the workers counts itself in
             if world_size is not None and wait_for_workers:
                 if self._add(_WORKERS_KEY.decode(), 1) == world_size:
@@ -164,28 +158,28 @@ class TCPStore(StoreLinks):
     @property
     def port(self) -> int:
         """The server's port (the one picked when the master was given port 0)."""
-        return self._port
+        return self._links.port
 
     @property
     def protocol(self) -> str:
         """The server's protocol: "gpucoll", or "torch" for a torch TCPStore server
         (a torch master or torchrun's agent store), found at connect unless given."""
-        return self._protocol
+        return self._links.protocol
 
     def clone(self) -> TCPStore:
         """A new client of the same server (its own connections; torch's ``clone``)."""
-        twin = TCPStore(self.host, self._port, timeout=self._timeout, token=self._token,
-                        use_unix_socket=bool(self._unix), protocol=self._protocol)
-        if self._instance is not None and twin._instance != self._instance:
+        twin = TCPStore(self.host, self._links.port, timeout=self._timeout, token=self._links.token,
+                        use_unix_socket=bool(self._links.unix), protocol=self._links.protocol)
+        if self._links.instance is not None and twin._links.instance != self._links.instance:
             twin.close()
-            self._check_instance(twin._instance or b"")  # raises: the server restarted
+            self._links.check_instance(twin._links.instance or b"")  # raises: the server restarted
         return twin
 
-    def _start_server(self, host: str, port: int, max_key_size: int, max_value_size: int,
+    def _start_server(self, host: str, port: int, token: bytes | None, max_key_size: int, max_value_size: int,
                       unix_socket: bool, multi_tenant: bool,
                       listen_fd: int | None) -> StoreServer:
         if not multi_tenant or port == 0:
-            server = StoreServer(host, port, token=self._token, max_key_size=max_key_size,
+            server = StoreServer(host, port, token=token, max_key_size=max_key_size,
                                  max_value_size=max_value_size, unix_socket=unix_socket,
                                  listen_fd=listen_fd, expected_clients=self.world_size)
             if multi_tenant:
@@ -199,12 +193,34 @@ class TCPStore(StoreLinks):
                 entry[1] = int(entry[1]) + 1  # type: ignore[call-overload]
                 self._tenant_port = port
                 return entry[0]
-            server = StoreServer(host, port, token=self._token, max_key_size=max_key_size,
+            server = StoreServer(host, port, token=token, max_key_size=max_key_size,
                                  max_value_size=max_value_size, unix_socket=unix_socket,
                                  listen_fd=listen_fd, expected_clients=self.world_size)
             _TENANTS[port] = [server, 1]
             self._tenant_port = port
             return server
+
+    @property
+    def max_key_size(self) -> int:
+        """The server's limit on one key, in bytes (learnt at connect)."""
+        return self._links.max_key_size
+
+    @max_key_size.setter
+    def max_key_size(self, value: int) -> None:
+        self._links.max_key_size = value
+
+    @property
+    def max_value_size(self) -> int:
+        """The server's limit on one value, in bytes (learnt at connect)."""
+        return self._links.max_value_size
+
+    @max_value_size.setter
+    def max_value_size(self, value: int) -> None:
+        self._links.max_value_size = value
+
+    def set_timeout(self, timeout: Timeout) -> None:
+        super().set_timeout(timeout)
+        self._links.timeout = self._timeout
 
     @property
     def is_master(self) -> bool:
@@ -213,7 +229,7 @@ class TCPStore(StoreLinks):
 
     def __repr__(self) -> str:
         role = "master" if self._server is not None else "client"
-        return f"TCPStore({self.host!r}, {self._port}, {role})"
+        return f"TCPStore({self.host!r}, {self._links.port}, {role})"
 
     def close(self) -> None:
         """Close this client's connections and, on the master, stop the server.
@@ -221,12 +237,12 @@ class TCPStore(StoreLinks):
         Calls blocked in other threads on this client, and every other client's
         calls, then fail with DistNetworkError.
         """
-        if self._closed:
+        if self._links.closed:
             return
-        self._closed = True
+        self._links.closed = True
         with self._lock:
-            pool, self._pool = self._pool, []
-            tpool, self._tpool = self._tpool, []
+            pool, self._links.pool = self._links.pool, []
+            tpool, self._links.tpool = self._links.tpool, []
         for conn in pool:
             conn.close()
         for tconn in tpool:
@@ -248,52 +264,52 @@ class TCPStore(StoreLinks):
     # fall back to them otherwise, so errors are the same.
 
     def add(self, key: str, amount: int) -> int:
-        if type(key) is not str or type(amount) is not int or self._tpool_mode:
+        if type(key) is not str or type(amount) is not int or self._links.tpool_mode:
             return super().add(key, amount)
         last = self._last_add
         if key == last[0] and amount == last[1]:
             frame = last[2]  # a counter is usually bumped by the same amount again and again
         else:
             kb = key.encode()
-            if len(kb) > self.max_key_size:
+            if len(kb) > self._links.max_key_size:
                 self._k(key)  # raises, with the message
             ab = b"%d" % amount
             frame = _HEAD1.pack(9 + len(kb) + len(ab), w.ADD, len(kb)) + kb + _U32.pack(len(ab)) + ab
             self._last_add = (key, amount, frame)
-        return int(self._ask(frame, "add"))
+        return int(self._links.ask(frame, "add"))
 
     def get(self, key: str, *, timeout: Timeout | None = None) -> bytes:
-        if type(key) is not str or timeout is not None or self._tpool_mode:
+        if type(key) is not str or timeout is not None or self._links.tpool_mode:
             return super().get(key, timeout=timeout)
         return self._blocking(w.GET, [key], self._timeout, "get")[0]
 
     def set(self, key: str, value: ValueLike) -> None:
-        if type(key) is not str or type(value) is not bytes or self._tpool_mode:
+        if type(key) is not str or type(value) is not bytes or self._links.tpool_mode:
             return super().set(key, value)
         self._set(key, value)
 
     def check(self, keys: str | Sequence[str]) -> bool:
         if (type(keys) is not list or len(keys) != 1 or type(keys[0]) is not str
-                or self._tpool_mode):
+                or self._links.tpool_mode):
             return super().check(keys)
         kb = keys[0].encode()
-        if len(kb) > self.max_key_size:
+        if len(kb) > self._links.max_key_size:
             self._k(keys[0])
-        return self._ask(_HEAD1.pack(5 + len(kb), w.CHECK, len(kb)) + kb, "check") == b"1"
+        return self._links.ask(_HEAD1.pack(5 + len(kb), w.CHECK, len(kb)) + kb, "check") == b"1"
 
     def _twait(self, op: str, keys: list[str], timeout: float) -> list[bytes]:
         bkeys = [self._k(k) for k in keys]
         try:
-            self._tcall(op, lambda c: c.wait(bkeys, timeout, self._timeout + _GRACE))
+            self._links.tcall(op, lambda c: c.wait(bkeys, timeout, self._timeout + _GRACE))
         except WaitTimedOut:
             missing = [k for k in keys if not self._check([k])]
-            raise timeout_error(op, keys, missing, timeout, self._where) from None
+            raise timeout_error(op, keys, missing, timeout, self._links.where) from None
         return bkeys
 
     def _simple(self, code: int, fields: list[bytes], op: str) -> list[bytes]:
-        status, out = self._call(w.encode_frame(code, fields), self._timeout + _GRACE, op)
+        status, out = self._links.call(w.encode_frame(code, fields), self._timeout + _GRACE, op)
         if status != w.OK:
-            raise DistStoreError(f"{op}: unexpected reply code {status} from {self._where}")
+            raise DistStoreError(f"{op}: unexpected reply code {status} from {self._links.where}")
         return out
 
     def _wait_for_workers(self, world_size: int) -> None:
@@ -303,22 +319,22 @@ class TCPStore(StoreLinks):
             joined = int(self._get([_WORKERS_KEY.decode()], self._timeout)[0])
             raise DistStoreTimeoutError(
                 f"Timed out after {self._timeout:g} seconds waiting for clients. "
-                f"{joined}/{world_size} clients joined. ({self._where}: the processes that did not "
+                f"{joined}/{world_size} clients joined. ({self._links.where}: the processes that did not "
                 "create their TCPStore are missing or slow, or world_size is wrong)") from e
 
     # -- checks against the server's limits -----------------------------------------------
 
     def _k(self, key: str) -> bytes:
         b = key.encode()
-        if len(b) > self.max_key_size:
+        if len(b) > self._links.max_key_size:
             raise ValueError(f"key of {len(b)} bytes ({key[:40]!r}...) exceeds the limit of "
-                             f"{self.max_key_size} bytes of {self._where}")
+                             f"{self._links.max_key_size} bytes of {self._links.where}")
         return b
 
     def _v(self, value: bytes, name: str = "value") -> bytes:
-        if len(value) > self.max_value_size:
+        if len(value) > self._links.max_value_size:
             raise ValueError(f"{name} of {len(value)} bytes exceeds the limit of "
-                             f"{self.max_value_size} bytes of {self._where} ({self._limit_name})")
+                             f"{self._links.max_value_size} bytes of {self._links.where} ({self._links.limit_name})")
         return value
 
     # -- the operations -------------------------------------------------------------------
@@ -328,18 +344,18 @@ class TCPStore(StoreLinks):
         # this connection (see docs/stores.md).
         kb = self._k(key)
         self._v(value)
-        if self._tpool_mode:
-            self._tcall("set", lambda c: c.set(kb, value))
+        if self._links.tpool_mode:
+            self._links.tcall("set", lambda c: c.set(kb, value))
             return
-        self._send_only(b"".join((_HEAD1.pack(9 + len(kb) + len(value), w.SET_QUIET, len(kb)),
+        self._links.send_only(b"".join((_HEAD1.pack(9 + len(kb) + len(value), w.SET_QUIET, len(kb)),
                                   kb, w.U32.pack(len(value)), value)), "set")
 
     def _call2(self, code: int, a: bytes, b: bytes, op: str) -> bytes | None:
         """A two-field request with a reply of at most one field (the common ops)."""
         frame = b"".join((_HEAD1.pack(9 + len(a) + len(b), code, len(a)), a, w.U32.pack(len(b)), b))
-        status, out = self._call(frame, self._timeout + _GRACE, op)
+        status, out = self._links.call(frame, self._timeout + _GRACE, op)
         if status != w.OK:
-            raise DistStoreError(f"{op}: unexpected reply code {status} from {self._where}")
+            raise DistStoreError(f"{op}: unexpected reply code {status} from {self._links.where}")
         return out[0] if out else None
 
     def _blocking(self, code: int, keys: list[str], timeout: float, op: str) -> list[bytes]:
@@ -348,69 +364,69 @@ class TCPStore(StoreLinks):
             frame = _HEAD1.pack(17 + len(kb), code, 8) + w.F64.pack(timeout) + w.U32.pack(len(kb)) + kb
         else:
             frame = w.encode_frame(code, [w.timeout_field(timeout)] + [self._k(k) for k in keys])
-        status, out = self._call(frame, timeout + _GRACE, op)
+        status, out = self._links.call(frame, timeout + _GRACE, op)
         if status == w.TIMEOUT:
             raise timeout_error(op, keys, [f.decode("utf-8", "replace") for f in out], timeout,
-                                self._where)
+                                self._links.where)
         if status != w.OK:
-            raise DistStoreError(f"{op}: unexpected reply code {status} from {self._where}")
+            raise DistStoreError(f"{op}: unexpected reply code {status} from {self._links.where}")
         return out
 
     def _get(self, keys: list[str], timeout: float) -> list[bytes]:
         if not keys:
             return []
-        if self._tpool_mode:
+        if self._links.tpool_mode:
             op = "get" if len(keys) == 1 else "multi_get"
             bkeys = self._twait(op, keys, timeout)
-            return self._tcall(op, lambda c: c.get(bkeys))
+            return self._links.tcall(op, lambda c: c.get(bkeys))
         out = self._blocking(w.GET, keys, timeout, "get" if len(keys) == 1 else "multi_get")
         if len(out) != len(keys):
-            raise DistStoreError(f"get: {len(out)} values for {len(keys)} keys from {self._where}")
+            raise DistStoreError(f"get: {len(out)} values for {len(keys)} keys from {self._links.where}")
         return out
 
     def _wait(self, keys: list[str], timeout: float) -> None:
-        if keys and self._tpool_mode:
+        if keys and self._links.tpool_mode:
             self._twait("wait", keys, timeout)
         elif keys:
             self._blocking(w.WAIT, keys, timeout, "wait")
 
     def _add(self, key: str, amount: int) -> int:
-        if self._tpool_mode:
+        if self._links.tpool_mode:
             if not -(1 << 63) <= amount < (1 << 63):
                 raise ValueError(f"add: amount {amount} does not fit torch's int64")
             kb = self._k(key)
-            return self._tcall("add", lambda c: c.add(kb, amount))
+            return self._links.tcall("add", lambda c: c.add(kb, amount))
         total = self._call2(w.ADD, self._k(key), b"%d" % amount, "add")
         if total is None:
-            raise DistStoreError(f"add: empty reply from {self._where}")
+            raise DistStoreError(f"add: empty reply from {self._links.where}")
         return int(total)
 
     def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
-        if self._tpool_mode:
+        if self._links.tpool_mode:
             kb = self._k(key)
             self._v(expected, "expected_value")
             self._v(desired, "desired_value")
-            return self._tcall("compare_set", lambda c: c.compare_set(kb, expected, desired))
+            return self._links.tcall("compare_set", lambda c: c.compare_set(kb, expected, desired))
         return self._simple(w.CAS, [self._k(key), expected, self._v(desired, "desired_value")],
                             "compare_set")[0]
 
     def _check(self, keys: list[str]) -> bool:
         if not keys:
             return True
-        if self._tpool_mode:
+        if self._links.tpool_mode:
             bkeys = [self._k(k) for k in keys]
-            return self._tcall("check", lambda c: c.check(bkeys))
+            return self._links.tcall("check", lambda c: c.check(bkeys))
         return self._simple(w.CHECK, [self._k(k) for k in keys], "check")[0] == b"1"
 
     def _delete_key(self, key: str) -> bool:
-        if self._tpool_mode:
+        if self._links.tpool_mode:
             kb = self._k(key)
-            return self._tcall("delete_key", lambda c: c.delete_key(kb))
+            return self._links.tcall("delete_key", lambda c: c.delete_key(kb))
         return self._simple(w.DELETE, [self._k(key)], "delete_key")[0] == b"1"
 
     def _num_keys(self) -> int:
-        if self._tpool_mode:
-            return self._tcall("num_keys", lambda c: c.num_keys())
+        if self._links.tpool_mode:
+            return self._links.tcall("num_keys", lambda c: c.num_keys())
         # torch counts its join counter among the keys: so does this count (the server
         # keeps it hidden, so it is added here)
         joined = self._check([_WORKERS_KEY.decode()])
@@ -419,11 +435,11 @@ class TCPStore(StoreLinks):
     def _multi_set(self, keys: list[str], values: list[bytes]) -> None:
         if not keys:
             return
-        if self._tpool_mode:
+        if self._links.tpool_mode:
             bkeys = [self._k(k) for k in keys]
             for v in values:
                 self._v(v, "values")
-            self._tcall("multi_set", lambda c: c.multi_set(bkeys, values))
+            self._links.tcall("multi_set", lambda c: c.multi_set(bkeys, values))
             return
         fields: list[bytes] = []
         for k, v in zip(keys, values):
@@ -432,34 +448,34 @@ class TCPStore(StoreLinks):
         self._simple(w.MULTI_SET, fields, "multi_set")
 
     def _append(self, key: str, value: bytes) -> None:
-        if self._tpool_mode:
+        if self._links.tpool_mode:
             kb = self._k(key)
             self._v(value)
-            self._tcall("append", lambda c: c.append(kb, value))
+            self._links.tcall("append", lambda c: c.append(kb, value))
             return
         self._simple(w.APPEND, [self._k(key), self._v(value)], "append")
 
     def _queue_push(self, key: str, value: bytes) -> None:
-        if self._tpool_mode:
+        if self._links.tpool_mode:
             kb = self._k(key)
             self._v(value)
-            self._tcall("queue_push", lambda c: c.queue_push(kb, value))
+            self._links.tcall("queue_push", lambda c: c.queue_push(kb, value))
             return
         self._simple(w.QPUSH, [self._k(key), self._v(value)], "queue_push")
 
     def _queue_pop(self, key: str, timeout: float | None) -> bytes:
-        if self._tpool_mode:
+        if self._links.tpool_mode:
             return self._tqueue_pop(key, timeout)
         wait = 0.0 if timeout is None else timeout
         frame = w.encode_frame(w.QPOP, [w.timeout_field(wait), self._k(key)])
-        status, out = self._call(frame, (wait or self._timeout) + _GRACE, "queue_pop")
+        status, out = self._links.call(frame, (wait or self._timeout) + _GRACE, "queue_pop")
         if status == w.OK and len(out) == 1:
             return out[0]
         if status == w.EMPTY:
-            raise queue_empty_error(key, self._where)
+            raise queue_empty_error(key, self._links.where)
         if status == w.TIMEOUT:
-            raise timeout_error("queue_pop", [key], [key], wait, self._where)
-        raise DistStoreError(f"queue_pop: unexpected reply code {status} from {self._where}")
+            raise timeout_error("queue_pop", [key], [key], wait, self._links.where)
+        raise DistStoreError(f"queue_pop: unexpected reply code {status} from {self._links.where}")
 
     def _tqueue_pop(self, key: str, timeout: float | None) -> bytes:
         kb = self._k(key)
@@ -467,21 +483,21 @@ class TCPStore(StoreLinks):
         while True:
             if timeout is not None:
                 self._twait("queue_pop", [key], max(0.0, deadline - time.monotonic()))
-            value = self._tcall("queue_pop", lambda c: c.queue_pop_now(kb))
+            value = self._links.tcall("queue_pop", lambda c: c.queue_pop_now(kb))
             if value is not None:
                 return value
             if timeout is None:
-                raise queue_empty_error(key, self._where)
+                raise queue_empty_error(key, self._links.where)
             # Another client popped between the WAIT and the POP: wait again.
 
     def _queue_len(self, key: str) -> int:
-        if self._tpool_mode:
+        if self._links.tpool_mode:
             kb = self._k(key)
-            return self._tcall("queue_len", lambda c: c.queue_len(kb))
+            return self._links.tcall("queue_len", lambda c: c.queue_len(kb))
         return int(self._simple(w.QLEN, [self._k(key)], "queue_len")[0])
 
     def _list_keys(self) -> list[str]:
-        if self._tpool_mode:
-            keys = self._tcall("list_keys", lambda c: c.list_keys())
+        if self._links.tpool_mode:
+            keys = self._links.tcall("list_keys", lambda c: c.list_keys())
             return [k.decode("utf-8", "replace") for k in keys if not k.startswith(HIDDEN_PREFIX)]
         return [k.decode("utf-8", "replace") for k in self._simple(w.LIST_KEYS, [], "list_keys")]

@@ -132,6 +132,92 @@ def test_no_import_cycles_in_the_package() -> None:
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
+DESIGN = PKG.parent / "docs" / "design.md"
+# Upward imports made inside a function, named in docs/design.md's layer paragraph.
+LAZY_UPWARD = {("_debug", "store")}
+
+
+def design_layers() -> tuple[list[list[str]], list[str]]:
+    """docs/design.md's layer paragraph: the layers bottom up (top-level names under
+    gpucoll/, "gpucoll" for the package itself) and the parts that stand beside them."""
+    text = DESIGN.read_text()
+    para = text[text.index("Layers, bottom up"):]
+    para = para[para.index("):") + 2:para.index(".\n\n")]
+    layered, beside = para.split("; beside them", 1)
+    layered = re.sub(r"\([^()]*\)", "", layered)  # asides name modules of other layers
+    layers = [re.findall(r"`([\w.]+)`", seg) for seg in layered.split("->")]
+    return layers, re.findall(r"`(\w+)`", beside.split(" start jobs")[0])
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "gpucoll"
+
+
+def _top_level_imports(path: pathlib.Path, module: str) -> set[str]:
+    """The gpucoll modules ``module`` imports outside any function body."""
+    tree = ast.parse(path.read_text())
+    inner: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            inner.update(id(n) for n in ast.walk(node) if n is not node)
+    deps = imports_of(path, module)
+    at_call = {d for d in deps if not any(
+        isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in inner
+        and _names_module(n, module, path, d) for n in ast.walk(tree))}
+    return deps - at_call
+
+
+def _names_module(node: ast.Import | ast.ImportFrom, module: str, path: pathlib.Path, dep: str) -> bool:
+    if isinstance(node, ast.Import):
+        return any(a.name == dep or dep.startswith(a.name + ".") or a.name.startswith(dep + ".") for a in node.names)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    base = package.split(".")
+    target = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else [])) if node.level \
+        else (node.module or "")
+    return dep == target or any(dep == f"{target}.{a.name}" for a in node.names)
+
+
+def test_imports_follow_the_layers_design_md_draws() -> None:
+    """Every import of the package points to its own layer or one below, as the layer
+    paragraph of docs/design.md draws them (read from the doc, so the two cannot drift);
+    the parts beside the layers (launcher, testing, bench) are imported by none of them."""
+    layers, beside = design_layers()
+    rank = {name: i for i, layer in enumerate(layers) for name in layer}
+    assert len(layers) >= 8 and {"store", "_backends", "_group", "gpucoll"} <= set(rank), layers
+    parts = {_part(m) for m in all_modules()}
+    assert parts - set(rank) - set(beside) == set(), \
+        f"parts of the package that design.md's layer paragraph does not place: {parts - set(rank) - set(beside)}"
+    wrong = []
+    for path in sorted(PKG.rglob("*.py")):
+        bits = list(path.relative_to(PKG.parent).with_suffix("").parts)
+        if bits[-1] == "__init__":
+            bits.pop()
+        module = ".".join(bits)
+        me = _part(module)
+        if me in beside:
+            continue
+        top = _top_level_imports(path, module)
+        for dep in imports_of(path, module):
+            them = _part(dep)
+            if them in beside:
+                wrong.append(f"{module} -> {dep} (beside the layers)")
+            elif rank[them] > rank[me] and not (dep not in top and (me, them) in LAZY_UPWARD):
+                wrong.append(f"{module} ({me}) -> {dep} ({them})")
+    assert not wrong, "imports against docs/design.md's layers: " + "; ".join(wrong)
+
+
+def test_the_layer_check_reads_the_paragraph_and_catches_an_upward_import() -> None:
+    """Not vacuous: the paragraph parses into the layers it draws, and an import from a
+    low layer to a high one would be ranked as wrong."""
+    layers, beside = design_layers()
+    rank = {name: i for i, layer in enumerate(layers) for name in layer}
+    assert rank["_env"] == 0 and rank["gpucoll"] == len(layers) - 1
+    assert rank["store"] < rank["_backends"] < rank["_group"] < rank["_world"]
+    assert "testing" in beside and "_launch" in beside
+    assert rank[_part("gpucoll._group.core")] > rank[_part("gpucoll.store.tcp")]  # store -> _group: upward
+
+
 def test_stores_backends_and_debug_tools_import_nothing_from_clusters() -> None:
     """The bottom layers name environment variables through gpucoll/_env, never through
     ``clusters`` (the part that reads a launcher's environment, a layer of its own);
@@ -231,17 +317,28 @@ def _borrowed_bases(module_name: str) -> list[str]:
     return found
 
 
-def test_the_group_composes_rather_than_inherits() -> None:
-    """One object's state in one place (docs/design.md): a ProcessGroup holds its issuer;
-    no class of gpucoll._group is spread over mix-in bases in other modules."""
-    names = [m for m in all_modules() if m.startswith("gpucoll._group.") or m == "gpucoll._group"]
-    assert "gpucoll._group.group" in names and "gpucoll._group.core" in names
-    borrowed = [b for m in names for b in _borrowed_bases(m)]
+# Bases a class of another module may build on: public base classes whose subclasses are
+# the point (users write stores; device backends make their own Work, as torch's do).
+# Protocols, exceptions and classes from outside gpucoll (ctypes.Structure, str) pass anyway.
+PUBLIC_BASES = {"gpucoll.store.base.Store", "gpucoll._work.Work"}
+
+
+def test_no_class_is_spread_over_another_modules_mixin() -> None:
+    """One object's state in one place (docs/design.md): a ProcessGroup holds its issuer, a
+    TCPStore its links, a store server its request handler, and the NCCL backend's split,
+    shrink and lifecycle are functions over its state; no class of the package inherits
+    implementation from a class of another module, the public bases above apart."""
+    borrowed = [b for m in all_modules() for b in _borrowed_bases(m)
+                if b[b.index("(") + 1:-1] not in PUBLIC_BASES]
     assert not borrowed, f"classes built on another module's mix-in: {borrowed}"
+    from gpucoll._backends.nccl.backend import NCCLBackend
     from gpucoll._group.core import Issuer
     from gpucoll._group.group import ProcessGroup
+    from gpucoll.store._server import StoreServer
+    from gpucoll.store.tcp import TCPStore
 
-    assert ProcessGroup.__bases__ == (object,)
+    assert ProcessGroup.__bases__ == (object,) and NCCLBackend.__bases__ == (object,)
+    assert StoreServer.__bases__ == (object,) and [b.__name__ for b in TCPStore.__bases__] == ["Store"]
     assert "_issue" not in vars(Issuer) and "issue" in vars(Issuer)
 
 

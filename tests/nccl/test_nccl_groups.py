@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import gpucoll
 from gpucoll._backends.nccl.lib import Features
 from gpucoll.errors import DistBackendError
 from gpucoll._reduce_op import ReduceOp
@@ -173,7 +174,7 @@ def test_new_group_and_split_group_split_the_parent_communicator(size: int, monk
 
     def body(w: Any, rt: FakeRuntime, rank: int) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        evens = w.new_group([r for r in range(size) if r % 2 == 0])
+        evens = gpucoll.new_group([r for r in range(size) if r % 2 == 0])
         if rank % 2:
             assert evens is GroupMember.NON_GROUP_MEMBER
         else:
@@ -182,7 +183,7 @@ def test_new_group_and_split_group_split_the_parent_communicator(size: int, monk
             out["evens"] = _sum_over(evens, rt, rank)
         # Two disjoint groups from one call; with 3 ranks, rank 2 is in neither.
         pairs = [[0, 1], [2, 3]] if size == 4 else [[1, 0]]
-        mine = w.split_group(split_ranks=pairs)
+        mine = gpucoll.split_group(split_ranks=pairs)
         if rank < 2 * len(pairs):
             assert mine is not None and split_made(mine) and mine.rank() == rank % 2
             out["pair"] = _sum_over(mine, rt, rank)
@@ -190,10 +191,10 @@ def test_new_group_and_split_group_split_the_parent_communicator(size: int, monk
             assert mine is None
         # A split of a split; then new_subgroups (one new_group per block).
         if mine is not None:
-            solo = w.split_group(mine, split_ranks=[[1], [0]])
+            solo = gpucoll.split_group(mine, split_ranks=[[1], [0]])
             assert solo.size() == 1 and split_made(solo)
             out["solo"] = _sum_over(solo, rt, rank)
-        sub, subs = w.new_subgroups(1)
+        sub, subs = gpucoll.new_subgroups(1)
         assert len(subs) == size and sub.global_ranks == (rank,) and split_made(sub)
         out["sub"] = _sum_over(sub, rt, rank)
         # The default group still works after all the splits.
@@ -216,7 +217,7 @@ def test_new_groups_without_a_split_make_their_own_communicator(monkeypatch: pyt
         def body(w: Any, rt: FakeRuntime, rank: int) -> float | None:
             _sum_over(w.default_group(), rt, rank)  # creates the default communicator (lazily or not)
             assert w.default_group()._nccl.can_split is not eager  # lazily made: splittable, yet not split
-            g = w.new_group([0, 2])
+            g = gpucoll.new_group([0, 2])
             if rank == 1:
                 return None
             if eager:
@@ -236,7 +237,7 @@ def test_a_rank_that_never_joins_the_split_fails_the_others_in_time(monkeypatch:
             return ""  # never calls new_group
         t0 = time.monotonic()
         with pytest.raises(DistBackendError) as err:
-            w.new_group([0, 1], timeout=1.0)
+            gpucoll.new_group([0, 1], timeout=1.0)
         assert time.monotonic() - t0 < 8.0
         return str(err.value)
     results = run_fake_gpu_worlds(3, body, monkeypatch, timeout=1.0)

@@ -24,19 +24,19 @@ from hypothesis import strategies as st
 from gpucoll.errors import DistNetworkError, DistStoreError, DistStoreTimeoutError
 from gpucoll.store import TCPStore
 from gpucoll.store import _wire as w
-from gpucoll.store._requests import Conn, RequestServer
+from gpucoll.store._requests import Conn, Requests
 
 
 
 def _lean(store: TCPStore) -> None:
     """Every pooled connection takes the lean path on its next requests."""
-    for conn in store._pool:
+    for conn in store._links.pool:
         conn.skip_spin = 1 << 30
 
 
 def _general(store: TCPStore) -> None:
     """Every pooled connection takes the general path (a spin is due) on its next request."""
-    for conn in store._pool:
+    for conn in store._links.pool:
         conn.skip_spin = 0
 
 
@@ -205,7 +205,7 @@ def _frame(key: bytes, amount: bytes) -> bytes:
     return w.encode_frame(w.ADD, [key, amount])
 
 
-def _general_reply(server: RequestServer, frame: bytes) -> bytes | str:
+def _general_reply(server: Requests, frame: bytes) -> bytes | str:
     conn = Conn(None)  # type: ignore[arg-type]
     try:
         fields = w.decode_fields(frame, 5, len(frame))
@@ -227,31 +227,31 @@ keys = st.binary(min_size=0, max_size=12)
        tail=st.binary(max_size=16))
 def test_quick_add_answers_as_the_general_path_or_leaves_the_frame_to_it(
         state: dict[bytes, bytes], key: bytes, amount: bytes, tail: bytes) -> None:
-    quick = RequestServer(token=None, max_key_size=8, max_value_size=1 << 20)
-    general = RequestServer(token=None, max_key_size=8, max_value_size=1 << 20)
+    quick = Requests(token=None, max_key_size=8, max_value_size=1 << 20)
+    general = Requests(token=None, max_key_size=8, max_value_size=1 << 20)
     for k, v in state.items():
-        quick._kv.set(k, v)
-        general._kv.set(k, v)
+        quick.kv.set(k, v)
+        general.kv.set(k, v)
     frame = _frame(key, amount)
     # The receive buffer holds whatever came before; only its first n bytes are the frame.
     buf = bytearray(frame + tail)
     reply = quick.quick_add(buf, len(frame))
     if reply is None:
-        assert quick._kv.data == state  # left untouched for the general path
+        assert quick.kv.data == state  # left untouched for the general path
         return
     assert reply == _general_reply(general, frame)
-    assert quick._kv.data == general._kv.data
+    assert quick.kv.data == general.kv.data
 
 
 @settings(max_examples=200, deadline=None)
 @given(body=st.binary(max_size=40), n_extra=st.integers(0, 8))
 def test_quick_add_never_misreads_a_malformed_frame(body: bytes, n_extra: int) -> None:
-    server = RequestServer(token=None, max_key_size=64, max_value_size=1 << 20)
+    server = Requests(token=None, max_key_size=64, max_value_size=1 << 20)
     frame = w.HEADER.pack(1 + len(body), w.ADD) + body
     reply = server.quick_add(bytearray(frame + b"\0" * n_extra), len(frame))
     if reply is not None:
         # Only a frame that the general path reads as a two-field ADD is served.
         fields = w.decode_fields(frame, 5, len(frame))
         assert len(fields) == 2
-        assert reply == _general_reply(RequestServer(token=None, max_key_size=64,
+        assert reply == _general_reply(Requests(token=None, max_key_size=64,
                                                      max_value_size=1 << 20), frame)

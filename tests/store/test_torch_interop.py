@@ -161,7 +161,7 @@ def test_gpucoll_client_every_call(torch_server: Any) -> None:
     srv = torch_server
     libuv = srv.libuvBackend
     c = TCPStore("127.0.0.1", srv.port, timeout=5)
-    assert c.protocol == "torch" and "torch" in repr(c._where)
+    assert c.protocol == "torch" and "torch" in repr(c._links.where)
     c.set("k", b"v")
     assert c.get("k") == b"v" and srv.get("k") == b"v"
     srv.set("t", "from-torch")

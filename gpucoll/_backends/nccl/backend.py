@@ -22,14 +22,15 @@ from ..._work import Work
 from ...store.base import Store
 from . import lib as _nccl_lib
 from .config import usable_config
+from .bootstrap import adopt, create_comm
 from .bootstrap import is_nccl_available, nccl_unavailable_reason, nccl_version, rendezvous  # noqa: F401
-from .lib import NCCL_DTYPES, OP_SUM, normalise_unique_id
+from .lib import NCCL_DTYPES, OP_SUM
 from .plan import Phase, Plan, Planner, Premul, Step, merge
 from .runtime import CAPTURE_RELAXED, CAPTURE_THREAD_LOCAL, Comm, Event, Runtime, enter_device, leave_device
 from .connect import check_in
-from .lifecycle import Lifecycle
-from .shrink import Shrinking
-from .split import Splitting
+from . import lifecycle as _lifecycle
+from . import shrink as _shrink
+from . import split as _split
 from .work import NCCLWork
 
 __all__ = ["NCCLBackend", "nccl_unavailable_reason", "is_nccl_available", "nccl_version", "rendezvous"]
@@ -38,7 +39,7 @@ _REDUCING = frozenset({"all_reduce", "reduce", "reduce_scatter"})
 _PRUNE_AT = 64  # outstanding works kept before the issue path completes finished ones itself
 
 
-class NCCLBackend(Lifecycle, Splitting, Shrinking):
+class NCCLBackend:
     """One process group's collectives on CUDA memory (the Backend protocol).
 
     Args:
@@ -132,9 +133,9 @@ class NCCLBackend(Lifecycle, Splitting, Shrinking):
             if not isinstance(device_id, int) or isinstance(device_id, bool) or not 0 <= device_id < count:
                 raise ValueError(f"device_id must be a CUDA device index in [0, {count}); got {device_id!r}")
             if _comm is not None:
-                self._adopt(_comm, device_id)
+                adopt(self, _comm, device_id)
             else:
-                self._create_comm(device_id)
+                create_comm(self, device_id)
 
     def _checked_config(self, config: Mapping[str, Any] | None) -> dict[str, Any]:
         """``config``'s set fields, refused where the loaded NCCL or the runtime cannot apply them."""
@@ -158,40 +159,6 @@ class NCCLBackend(Lifecycle, Splitting, Shrinking):
                 and self._aborted is None and self._closed is None)
 
     # ----- the communicator -----
-
-    def _create_comm(self, device: int) -> None:
-        rt = self._rt
-        prev = enter_device(rt, device)
-        try:
-            uid = rendezvous(self._store, self.rank, self.size, timeout=self._timeout,
-                             group_name=self._group_name, make_uid=rt.unique_id)
-            try:
-                comm = rt.new_comm(self.size, uid, self.rank, self.config or None)
-            except Exception as exc:
-                raise DistBackendError(
-                    f"creating the NCCL communicator of group {self._group_name!r} (rank {self.rank} of "
-                    f"{self.size}, cuda:{device}) failed: {type(exc).__name__}: {exc}. With several ranks "
-                    "on one GPU, NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1 are needed") from exc
-            self._adopt(comm, device)
-        finally:
-            leave_device(rt, prev)
-
-    def _adopt(self, comm: Comm, device: int) -> None:
-        rt = self._rt
-        prev = enter_device(rt, device)
-        try:
-            stream = rt.new_stream(self._high_priority) if self._high_priority else rt.new_stream()
-            cc = rt.compute_capability(device)
-            scratch, owner = rt.alloc(4, stream)
-        finally:
-            leave_device(rt, prev)
-        self._keep.append(owner)
-        self._scratch = scratch
-        self._stream, self._stream_ptr = stream, int(stream.ptr)
-        self._planner = Planner(self.rank, self.size, self._features,
-                                self._features.fp8 and cc >= (9, 0), self._alloc_temp)
-        self._device = device
-        self._comm = comm
 
     def _alloc_temp(self, nbytes: int) -> int:
         ptr, owner = self._rt.alloc(nbytes, self._stream)
@@ -326,7 +293,7 @@ class NCCLBackend(Lifecycle, Splitting, Shrinking):
         cuda = [b for b in bufs if b.is_cuda]
         if not cuda:
             raise ValueError(f"{op_type}: the NCCL backend needs CUDA device arrays; got host memory")
-        self._create_comm(cuda[0].device.index)
+        create_comm(self, cuda[0].device.index)
 
     def _check_devices(self, op_type: str, bufs: Sequence[Buffer]) -> None:
         for b in bufs:
@@ -444,7 +411,7 @@ class NCCLBackend(Lifecycle, Splitting, Shrinking):
                     raise RuntimeError("the communicator is gone")
                 self._issue_calls(comm, calls)
             if self._aborted is not None:
-                self._abort_comm(blocking=True)
+                _lifecycle.abort_comm(self, blocking=True)
                 raise RuntimeError("the communicator was aborted while this op was being issued")
         for step in post:
             self._local(step)
@@ -573,7 +540,7 @@ class NCCLBackend(Lifecycle, Splitting, Shrinking):
                 return work
             if self._comm is None:
                 self._refuse_in_capture("barrier", ())
-                self._create_comm(self._rt.get_device())
+                create_comm(self, self._rt.get_device())
             s = self._scratch
             plan: Plan = [([], [("all_reduce", s, s, 1, NCCL_DTYPES["int32"], OP_SUM)], [])]
             # stream=None: order after the caller's current stream, so that a completed
@@ -582,11 +549,35 @@ class NCCLBackend(Lifecycle, Splitting, Shrinking):
             self._launch("barrier", plan, [work], (scratch,), [])
         return work
 
-    def _split_backend(self, store: Store, rank: int, size: int, *, timeout: float, group_name: str,
-                       device_id: int | None, comm: Comm | None, config: Mapping[str, Any] | None = None,
-                       high_priority: bool = False) -> NCCLBackend:
-        if comm is None:
-            return NCCLBackend(store, rank, size, timeout=timeout, group_name=group_name, device_id=device_id,
-                               config=config, high_priority=high_priority, _runtime=self._rt)
-        return NCCLBackend(store, rank, size, timeout=timeout, group_name=group_name, device_id=device_id,
-                           config=config, high_priority=high_priority, _runtime=self._rt, _comm=comm)
+    # ----- the end of the communicator (lifecycle.py), new groups (split.py, shrink.py) -----
+
+    def abort(self, reason: str) -> None:
+        """Abort the communicator: every pending and later op fails with DistBackendError
+        naming itself and ``reason``; safe from any thread, more than once."""
+        _lifecycle.abort(self, reason)
+
+    def shutdown(self) -> None:
+        """Wait (up to the timeout) for queued ops, then destroy the communicator; abort
+        it instead if they do not finish. Idempotent; later ops fail."""
+        _lifecycle.shutdown(self)
+
+    def _failure(self) -> str | None:
+        return _lifecycle.failure(self)
+
+    def split(self, ranks: Sequence[int] | None, *, color: int = 0, store: Store, group_name: str,
+              timeout: float, config: Mapping[str, Any] | None = None,
+              high_priority: bool = False) -> NCCLBackend | None:
+        """The backend of a new group carved out of this one (:func:`.split.split`)."""
+        return _split.split(self, ranks, color=color, store=store, group_name=group_name, timeout=timeout,
+                            config=config, high_priority=high_priority)
+
+    @property
+    def can_shrink(self) -> bool:
+        """True when :meth:`shrink` can run (:func:`.shrink.can_shrink`)."""
+        return _shrink.can_shrink(self)
+
+    def shrink(self, exclude: Sequence[int], *, store: Store, group_name: str, timeout: float,
+               config: Mapping[str, Any] | None = None, high_priority: bool = False) -> NCCLBackend:
+        """This communicator without the ranks in ``exclude`` (:func:`.shrink.shrink`)."""
+        return _shrink.shrink(self, exclude, store=store, group_name=group_name, timeout=timeout,
+                              config=config, high_priority=high_priority)

@@ -1,17 +1,22 @@
-"""Whether NCCL can run here, and the rendezvous that makes a communicator's unique id
-known to every rank through the group's store."""
+"""Whether NCCL can run here, the rendezvous that makes a communicator's unique id
+known to every rank through the group's store, and a backend's communicator made from
+it (functions over an NCCLBackend's state)."""
 
 from __future__ import annotations
 
-import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from ...errors import BackendUnavailableError, DistBackendError, DistStoreError
+from ...errors import DistBackendError, DistStoreError
 from ...store.base import Store
 from . import lib as _nccl_lib
 from .lib import normalise_unique_id
+from .plan import Planner
+from .runtime import Comm, enter_device, leave_device
 
-__all__ = ["nccl_unavailable_reason", "is_nccl_available", "nccl_version", "rendezvous"]
+if TYPE_CHECKING:
+    from .backend import NCCLBackend
+
+__all__ = ["nccl_unavailable_reason", "is_nccl_available", "nccl_version", "rendezvous", "create_comm", "adopt"]
 
 _UID_KEY = "nccl/unique_id"
 _ARRIVED_KEY = "nccl/arrived"
@@ -97,3 +102,42 @@ def _all_arrive(store: Store, counter: str, flag: str, size: int, timeout: float
             return f"{store.add(counter, 0)} of {size}"
         except DistStoreError:
             return f"not all {size}"
+
+
+def create_comm(b: NCCLBackend, device: int) -> None:
+    """Make ``b``'s communicator on ``device``: its unique id through the group's store
+    (:func:`rendezvous`), then ncclCommInitRank(Config); see :func:`adopt`."""
+    rt = b._rt
+    prev = enter_device(rt, device)
+    try:
+        uid = rendezvous(b._store, b.rank, b.size, timeout=b._timeout,
+                         group_name=b._group_name, make_uid=rt.unique_id)
+        try:
+            comm = rt.new_comm(b.size, uid, b.rank, b.config or None)
+        except Exception as exc:
+            raise DistBackendError(
+                f"creating the NCCL communicator of group {b._group_name!r} (rank {b.rank} of "
+                f"{b.size}, cuda:{device}) failed: {type(exc).__name__}: {exc}. With several ranks "
+                "on one GPU, NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1 are needed") from exc
+        adopt(b, comm, device)
+    finally:
+        leave_device(rt, prev)
+
+def adopt(b: NCCLBackend, comm: Comm, device: int) -> None:
+    """Give ``b`` the communicator ``comm`` on ``device``, with its stream, scratch word
+    and op planner."""
+    rt = b._rt
+    prev = enter_device(rt, device)
+    try:
+        stream = rt.new_stream(b._high_priority) if b._high_priority else rt.new_stream()
+        cc = rt.compute_capability(device)
+        scratch, owner = rt.alloc(4, stream)
+    finally:
+        leave_device(rt, prev)
+    b._keep.append(owner)
+    b._scratch = scratch
+    b._stream, b._stream_ptr = stream, int(stream.ptr)
+    b._planner = Planner(b.rank, b.size, b._features,
+                            b._features.fp8 and cc >= (9, 0), b._alloc_temp)
+    b._device = device
+    b._comm = comm
