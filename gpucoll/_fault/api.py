@@ -6,7 +6,7 @@ See docs/fault-tolerance.md for the guarantees and a complete training loop.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Sequence
 
 from .. import _world
 from .._backends.base import Backend

@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 import time
 
+from .._timeouts import Backoff
 from ..errors import DistError, DistStoreTimeoutError
 from ..store.base import Store
 
@@ -46,18 +47,17 @@ def await_all_joined(store: Store, rank: int, world_size: int, timeout: float, *
     ticket = store.add(JOIN_KEY, 1)
     target = ((ticket - 1) // world_size + 1) * world_size
     base = target - world_size
-    seen, noticed, pause = ticket - base, False, 0.005
+    seen, noticed = ticket - base, False
+    wait = Backoff(timeout - (time.monotonic() - start), first=min(0.005, poll), cap=poll)
     while seen < world_size:
         waited = time.monotonic() - start
-        if waited >= timeout:
-            raise DistStoreTimeoutError(_message(seen, world_size, timeout))
         if waited >= NOTICE_AFTER and not noticed:
             noticed = True
             print(f"gpucoll: rank {rank}: {seen} of world_size={world_size} processes have joined after "
                   f"{waited:.0f} s; waiting up to {timeout:g} s. If only {seen} were started, WORLD_SIZE "
                   "is wrong", file=sys.stderr, flush=True)
-        time.sleep(min(pause, max(0.0, timeout - waited)))
-        pause = min(pause * 2, poll)
+        if not wait.sleep():
+            raise DistStoreTimeoutError(_message(seen, world_size, timeout))
         try:
             seen = min(store.add(JOIN_KEY, 0) - base, world_size)
         except DistError as exc:

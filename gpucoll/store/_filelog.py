@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Final, NamedTuple
 
+from .._timeouts import Backoff
 from ..errors import DistStoreError
 from . import _wire as w
 from ._kv import HIDDEN_PREFIX, KVState
@@ -246,17 +247,13 @@ class FileLog:
                 pass
             # Busy: poll, starting fast (a holder keeps it for microseconds) and backing
             # off to a few milliseconds; every waiter polls the same way.
-            deadline = time.monotonic() + self.lock_timeout
-            delay = _LOCK_POLL_MIN
+            wait = Backoff(self.lock_timeout, first=_LOCK_POLL_MIN, cap=_LOCK_POLL_MAX)
             while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
+                if not wait.sleep():
                     raise DistStoreError(
                         f"FileStore could not lock {self.path!r} within {self.lock_timeout:g} s: "
                         f"{_lock_holders(self.fd)} holds it (stopped, stuck, or a very long "
                         f"operation); the store's timeout bounds this wait")
-                time.sleep(min(delay, left))
-                delay = min(2 * delay, _LOCK_POLL_MAX)
                 try:
                     fcntl.flock(self.fd, op | fcntl.LOCK_NB)
                     return

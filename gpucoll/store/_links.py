@@ -12,6 +12,7 @@ import struct
 import time
 from typing import Callable, TypeVar
 
+from .._timeouts import Backoff
 from .._env import STORE_TOKEN_ENV
 from ..errors import DistError, DistNetworkError, DistStoreError, DistStoreTimeoutError
 from . import _torch_wire as tw
@@ -103,19 +104,16 @@ class Links:
 
     def connect(self, deadline: float, torch: bool = False) -> Connection | TorchConnection:
         """Connect and say HELLO, retrying refused connections until ``deadline``."""
-        delay = 0.01
+        wait = Backoff(deadline - time.monotonic(), first=0.01, cap=0.5)
         while True:
             try:
-                left = max(0.05, deadline - time.monotonic())
+                left = max(0.05, wait.left())
                 return self.open_torch(left) if torch else self.open(left, probe=True)
             except (ConnectionRefusedError, ConnectionResetError, ConnectionAbortedError,
                     TimeoutError) as e:
-                left = deadline - time.monotonic()
-                if left <= 0:
+                if not wait.sleep():
                     raise DistStoreTimeoutError(
                         f"could not connect to {self.where} within {self.timeout:g} s: {e}") from e
-                time.sleep(min(delay, left))
-                delay = min(2 * delay, 0.5)
             except OSError as e:
                 raise DistNetworkError(f"cannot connect to {self.where}: {e}") from e
 

@@ -27,7 +27,7 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Any, Callable, Union, cast
 
-from .._timeouts import DEFAULT_TIMEOUT, to_seconds
+from .._timeouts import Backoff, DEFAULT_TIMEOUT, to_seconds
 from ..errors import DistStoreTimeoutError, QueueEmptyError
 
 __all__ = ["Store", "ValueLike", "Timeout"]
@@ -262,14 +262,10 @@ class Store(abc.ABC):
             self.wait(keys, timeout)
             return
         if self._overrides("check"):
-            deadline = time.monotonic() + timeout
-            delay = 0.001
+            wait = Backoff(timeout, first=0.001, cap=0.1)
             while not self.check(keys):
-                left = deadline - time.monotonic()
-                if left <= 0:
+                if not wait.sleep():
                     raise timeout_error("wait", keys, keys, timeout, type(self).__name__)
-                time.sleep(min(delay, left))
-                delay = min(2 * delay, 0.1)
             return
         get = self._public("get", "_wait")
         for k in keys:

@@ -22,7 +22,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 
-from .._timeouts import DEFAULT_TIMEOUT
+from .._timeouts import Backoff, DEFAULT_TIMEOUT
 from ..errors import DistStoreError
 from . import _wire as w
 from ._filelog import FileLog, finalize
@@ -105,8 +105,7 @@ class FileStore(Store):
     def _poll(self, ready: Callable[[], "bytes | list[bytes] | None"], timeout: float,
               exclusive: bool = False) -> bytes | list[bytes]:
         """Call ``ready`` under the lock each time the file grew, until it returns non-None."""
-        deadline = time.monotonic() + timeout
-        delay = _POLL_MIN
+        wait = Backoff(timeout, first=_POLL_MIN, cap=_POLL_MAX)
         seen = -1
         log = self._log
         while True:
@@ -120,11 +119,8 @@ class FileStore(Store):
                     got = ready()
                 if got is not None:
                     return got
-            left = deadline - time.monotonic()
-            if left <= 0:
+            if not wait.sleep():
                 raise TimeoutError
-            time.sleep(min(delay, left))
-            delay = min(delay * 2, _POLL_MAX)
 
     # -- the operations -------------------------------------------------------------------
 

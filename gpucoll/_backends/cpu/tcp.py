@@ -33,6 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..._timeouts import Backoff
 from ..._env import CPU_IFADDR_ENV
 from ...errors import DistBackendError, DistNetworkError
 from . import auth
@@ -227,7 +228,7 @@ class TcpMesh:
                 conn.close()
 
     def _dial(self, peer: int, host: str, port: int, key: bytes, secret: bool, deadline: float) -> socket.socket:
-        delay = 0.01
+        wait = Backoff(deadline - time.monotonic(), first=0.01, cap=0.5)
         while True:
             s: socket.socket | None = None
             try:
@@ -244,11 +245,9 @@ class TcpMesh:
             except (OSError, EOFError, auth.HandshakeError) as exc:
                 if s is not None:
                     s.close()
-                if isinstance(exc, auth.HandshakeError) or time.monotonic() + delay >= deadline:
+                if isinstance(exc, auth.HandshakeError) or not wait.sleep():
                     raise DistNetworkError(f"CPU backend rank {self.rank} could not connect to rank {peer} "
                                            f"at {host}:{port}: {exc}") from exc
-                time.sleep(delay)
-                delay = min(delay * 2, 0.5)
 
     # ----- receiving -----
     def _reader(self, peer: int, s: socket.socket) -> None:

@@ -10,9 +10,9 @@ which carries it out as soon as its calls return.
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
+from ..._timeouts import Backoff
 from ...errors import DistBackendError
 from . import lib as _nccl_lib
 from .runtime import enter_device, leave_device
@@ -131,13 +131,10 @@ def drain(b: NCCLBackend, timeout: float) -> bool:
     try:
         marker = rt.event(pooled=False, timing=False)
         rt.record(marker.ptr, b._stream_ptr)
-        deadline = time.monotonic() + timeout
-        delay = 1e-4
+        wait = Backoff(timeout, first=1e-4, cap=0.01)
         while not query_outside_capture(rt, marker.ptr):
-            if time.monotonic() >= deadline or b._aborted is not None:
+            if b._aborted is not None or not wait.sleep():
                 return False
-            time.sleep(delay)
-            delay = min(delay * 2, 0.01)
         return True
     finally:
         leave_device(rt, prev)

@@ -21,11 +21,10 @@ have fired, so the duration is the smaller of the two elapsed times.
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 from typing import Any, Protocol, Sequence
 
-from ..._timeouts import to_seconds
+from ..._timeouts import Backoff, to_seconds
 from ...errors import DistBackendError, DistError
 from ..._work import Work
 from .runtime import CAPTURE_THREAD_LOCAL, Event, Runtime, enter_device, leave_device
@@ -241,16 +240,13 @@ class NCCLWork(Work):
         """
         limit = (to_seconds(timeout, default=self._default_timeout)
                  if timeout is not None or self._default_timeout is not None else None)
-        deadline = None if limit is None else time.monotonic() + limit
-        delay = 2e-5
+        # Short sleeps for short ops, then backing off so that a long op costs no CPU.
+        wait = Backoff(limit, first=2e-5, cap=1e-3)
         while not self._poll():
-            if deadline is not None and time.monotonic() >= deadline:
-                raise DistBackendError(f"{self._name()} did not complete within {limit:.3g} s "
-                                       "(Work.synchronize)")
             if self._end is None:
                 raise DistBackendError(f"{self._name()} was never issued: it is inside a coalescing "
                                        "block that has not ended")
-            # Spin briefly for short ops, then back off so a long op costs no CPU.
-            time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
+            if not wait.sleep():
+                raise DistBackendError(f"{self._name()} did not complete within {limit:.3g} s "
+                                       "(Work.synchronize)")
         self._raise_if_failed()
