@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import socket
 import stat
 import struct
 import threading
@@ -30,6 +29,8 @@ from typing import Final, NamedTuple
 from .._timeouts import Backoff
 from ..errors import DistStoreError
 from . import _wire as w
+from ._fileusers import User, proven_dead
+from . import _fileusers
 from ._kv import HIDDEN_PREFIX, KVState
 
 __all__ = ["FileLog"]
@@ -58,71 +59,6 @@ class Header(NamedTuple):
     world_size: int | None
     creator_pid: int
     created: float
-
-
-class User(NamedTuple):
-    machine: str
-    pid: int
-    start: str
-    host: str
-
-    def describe(self) -> str:
-        return f"pid {self.pid} on {self.host}"
-
-
-def _read_text(path: str) -> str:
-    try:
-        with open(path, "rb") as f:
-            return f.read().decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
-def _machine() -> str:
-    """This kernel boot and pid namespace: where a pid names the same process as here."""
-    boot = _read_text("/proc/sys/kernel/random/boot_id")
-    if not boot:
-        return ""
-    try:
-        ns = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return ""
-    return f"{boot}/{ns}"
-
-
-def _start_time(pid: int) -> tuple[str, str] | None:
-    """(start time in clock ticks since boot, state letter) of ``pid``, None if it has none."""
-    text = _read_text(f"/proc/{pid}/stat")
-    if not text:
-        return None
-    parts = text.rsplit(")", 1)[-1].split()
-    if len(parts) < 20:
-        return None
-    return parts[19], parts[0]
-
-
-def _me() -> User:
-    pid = os.getpid()
-    st = _start_time(pid)
-    return User(_machine(), pid, st[0] if st else "", socket.gethostname())
-
-
-def proven_dead(user: User, machine: str) -> bool:
-    """True only when ``user``'s process certainly no longer runs (same machine and pid
-    namespace; its pid is gone, a zombie, or now another process)."""
-    if not machine or user.machine != machine:
-        return False  # another host (shared filesystem) or unknown: assume alive
-    st = _start_time(user.pid)
-    if st is None:
-        try:
-            os.kill(user.pid, 0)
-        except ProcessLookupError:
-            return True
-        except OSError:
-            return False
-        return False
-    start, state = st
-    return state in ("Z", "X") or (bool(user.start) and start != user.start)
 
 
 def _open(path: str) -> tuple[int, bool]:
@@ -205,7 +141,7 @@ class FileLog:
         self.tlock = threading.RLock()
         self.header: Header | None = None
         self.pid = os.getpid()
-        self.me = _me()
+        self.me = _fileusers.me()
         self.user_key = USER_PREFIX + os.urandom(8).hex().encode()
         self.fresh_start: str | None = None
         """Why the log was started afresh over a file left by an earlier job, or None."""
@@ -252,7 +188,7 @@ class FileLog:
                 if not wait.sleep():
                     raise DistStoreError(
                         f"FileStore could not lock {self.path!r} within {self.lock_timeout:g} s: "
-                        f"{_lock_holders(self.fd)} holds it (stopped, stuck, or a very long "
+                        f"{_fileusers.lock_holders(self.fd)} holds it (stopped, stuck, or a very long "
                         f"operation); the store's timeout bounds this wait")
                 try:
                     fcntl.flock(self.fd, op | fcntl.LOCK_NB)
@@ -352,12 +288,12 @@ class FileLog:
             raise DistStoreError(
                 f"FileStore {self.path!r} belongs to another job: it was created with world_size="
                 f"{hdr.world_size} (by pid {hdr.creator_pid}, {_ago(hdr.created)}) and is open in "
-                f"{_procs(live)}; this store has world_size={self.world_size}. Use a fresh path per job")
+                f"{_fileusers.procs(live)}; this store has world_size={self.world_size}. Use a fresh path per job")
         procs = {(u.machine, u.host, u.pid) for u in live} | {(machine, self.me.host, self.me.pid)}
         if hdr.world_size is not None and len(procs) > hdr.world_size:
             raise DistStoreError(
                 f"FileStore {self.path!r} is in use by another job: its world_size is {hdr.world_size} "
-                f"and {_procs(live)} already have it open (created by pid {hdr.creator_pid}, "
+                f"and {_fileusers.procs(live)} already have it open (created by pid {hdr.creator_pid}, "
                 f"{_ago(hdr.created)}). Use a fresh path per job")
         joined = sum(1 for k in self.kv.data if k.startswith(JOINED_PREFIX))
         if hdr.world_size is not None and joined >= hdr.world_size and self._joined_key() not in self.kv.data:
@@ -365,7 +301,7 @@ class FileLog:
             # process is not one of them, and must not read their keys.
             raise DistStoreError(
                 f"FileStore {self.path!r} is in use by another job: its world_size is {hdr.world_size} "
-                f"and all {joined} of its processes have joined it ({_procs(live)} still "
+                f"and all {joined} of its processes have joined it ({_fileusers.procs(live)} still "
                 f"{'has' if len(live) == 1 else 'have'} it open; created by pid {hdr.creator_pid}, "
                 f"{_ago(hdr.created)}). Use a fresh path per job")
 
@@ -559,36 +495,6 @@ def _close_quietly(log: FileLog) -> None:
 
 _LOCK_POLL_MIN = 50e-6
 _LOCK_POLL_MAX = 5e-3
-
-
-def _lock_holders(fd: int) -> str:
-    """Who holds the flock on ``fd``'s file, from /proc/locks (Linux): "pid N (name,
-    state S)"; "another process" when that cannot be told."""
-    try:
-        st = os.fstat(fd)
-        with open("/proc/locks", "rb") as f:
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        return "another process"
-    ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    found = []
-    for line in lines:
-        parts = line.split()
-        if "->" in parts or len(parts) < 6 or parts[1] != "FLOCK" or parts[5] != ident:
-            continue  # "->" marks a waiter, not a holder
-        pid = parts[4]
-        name = _read_text(f"/proc/{pid}/comm") or "?"
-        st2 = _start_time(int(pid)) if pid.isdigit() else None
-        state = f", state {st2[1]}" if st2 else ""
-        found.append(f"pid {pid} ({name}{state})")
-    return " and ".join(found) if found else "another process"
-
-
-def _procs(users: list[User]) -> str:
-    if not users:
-        return "no live process"
-    shown = ", ".join(u.describe() for u in users[:8])
-    return f"{len(users)} process{'es' if len(users) > 1 else ''} ({shown})"
 
 
 def _ago(t: float) -> str:

@@ -21,7 +21,6 @@ arrive checked), or, torch's way, override the public ones (``set``, ``get``, ``
 from __future__ import annotations
 
 import abc
-import time
 from collections.abc import Sequence
 from datetime import timedelta
 from types import TracebackType

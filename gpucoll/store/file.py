@@ -17,7 +17,6 @@ when no store has it open any more and, with ``world_size``, that many have clos
 from __future__ import annotations
 
 import os
-import time
 import warnings
 import weakref
 from collections.abc import Callable

@@ -21,7 +21,7 @@ import pytest
 
 from gpucoll.errors import DistStoreError
 from gpucoll.store import FileStore
-from gpucoll.store import _filelog
+from gpucoll.store import _filelog, _fileusers
 from gpucoll.store import _wire as w
 
 _REPO = str(Path(__file__).resolve().parents[2])
@@ -310,7 +310,7 @@ def test_killed_job_left_unreaped_counts_as_gone(tmp_path: Path) -> None:
     os.kill(job_a.pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:  # a zombie until reaped below
-        st = _filelog._start_time(job_a.pid)
+        st = _fileusers._start_time(job_a.pid)
         if st is not None and st[1] == "Z":
             break
         time.sleep(0.01)
