@@ -36,13 +36,12 @@ from ..errors import DistNetworkError, DistStoreError
 from . import _wire as w
 from . import _torch_wire as tw
 from ._sockets import IN as _IN, IN_ANY as _IN_ANY, OUT as _OUT, FD_RESERVE, forget
-from ._sockets import NODELAY_INHERITED, accept_queues, listen, new_poller, nofile_for, peer_uid, unix_socket_name
+from ._sockets import NODELAY_INHERITED, accept_queues, listen, new_poller, nofile_for, peer_uid, read_big, unix_socket_name
 from ._requests import JOIN_THRESHOLD, PIPELINE_SLACK, PREAUTH_MAX_FRAME, Requests, Conn, torch_request
 
 __all__ = ["StoreServer"]
 
 _RECV_SIZE = 256 * 1024
-_BIG_CHUNK = 1 << 20
 """A large frame's buffer starts at most this big and at most doubles per growth."""
 HELLO_TIMEOUT = 5.0
 """Seconds a new connection has to say HELLO (torch's clients: VALIDATE and PING)."""
@@ -325,7 +324,10 @@ class StoreServer:
         sock = conn.sock
         assert sock is not None
         if conn.big is not None:
-            if self._read_big(conn, sock):
+            done = read_big(conn, sock)
+            if done is None:
+                self._drop(conn)
+            elif done:
                 self._process(conn)
             return
         if conn.torch:
@@ -451,7 +453,7 @@ class StoreServer:
             (length,) = w.U32.unpack_from(rest, 0)
             if length + 4 > _RECV_SIZE:
                 # Too big for one read: it gets a buffer that grows as its bytes arrive
-                # (see _read_big), never one of the announced size up front.
+                # (see _sockets.read_big), never one of the announced size up front.
                 conn.big = bytearray(rest)
                 conn.big_have = len(rest)
                 conn.big_need = length + 4
@@ -512,33 +514,6 @@ class StoreServer:
             self._send(conn)
         if not conn.torch and conn.inbuf and conn.sock is not None:
             self._process(conn)  # a gpucoll client's probe: its HELLO follows
-
-    def _read_big(self, conn: Conn, sock: socket.socket) -> bool:
-        """Receive a large frame (within the connection's authenticated frame limit)
-        into a buffer that grows as it fills: by at most its size, and at least
-        _BIG_CHUNK, up to the announced size. A client announcing a gigabyte and
-        sending a few bytes costs a few bytes. Returns True once the frame is complete."""
-        big = conn.big
-        assert big is not None
-        need = conn.big_need
-        try:
-            while conn.big_have < need:
-                if conn.big_have == len(big):
-                    big += bytes(min(need - len(big), max(len(big), _BIG_CHUNK)))
-                with memoryview(big) as view:
-                    got = sock.recv_into(view[conn.big_have:])
-                if not got:
-                    self._drop(conn)
-                    return False
-                conn.big_have += got
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError:
-            self._drop(conn)
-            return False
-        conn.big = None
-        conn.inbuf = big
-        return True
 
     # -- output ---------------------------------------------------------------------------
 

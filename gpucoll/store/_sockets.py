@@ -11,10 +11,14 @@ import selectors
 import socket
 import struct
 import sys
+from typing import TYPE_CHECKING
 
 from ..errors import DistNetworkError, DistStoreError
 
-__all__ = ["listen", "somaxconn", "peer_uid", "unix_socket_name", "new_poller", "IN", "OUT", "IN_ANY",
+if TYPE_CHECKING:
+    from ._requests import Conn
+
+__all__ = ["read_big", "listen", "somaxconn", "peer_uid", "unix_socket_name", "new_poller", "IN", "OUT", "IN_ANY",
            "raise_nofile", "open_files", "nofile_for", "accept_queues", "FD_RESERVE",
            "NODELAY_INHERITED", "CLOSE_UNREGISTERS", "forget"]
 
@@ -217,3 +221,34 @@ def forget(poller: select.epoll | _Selector, fd: int) -> None:
             poller.unregister(fd)
         except (KeyError, ValueError, OSError):
             pass
+
+
+BIG_CHUNK = 1 << 20
+"""The least a large frame's receive buffer grows by at a time."""
+
+
+def read_big(conn: Conn, sock: socket.socket) -> bool | None:
+    """Receive more of a large frame into ``conn.big`` (within the connection's
+    authenticated frame limit), a buffer that grows as it fills: by at most its size, and
+    at least BIG_CHUNK, up to the announced ``conn.big_need``. A client announcing a
+    gigabyte and sending a few bytes costs a few bytes. True once the frame is complete
+    (it is then ``conn.inbuf``), False while more is to come, None when the peer is gone."""
+    big = conn.big
+    assert big is not None
+    need = conn.big_need
+    try:
+        while conn.big_have < need:
+            if conn.big_have == len(big):
+                big += bytes(min(need - len(big), max(len(big), BIG_CHUNK)))
+            with memoryview(big) as view:
+                got = sock.recv_into(view[conn.big_have:])
+            if not got:
+                return None
+            conn.big_have += got
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return None
+    conn.big = None
+    conn.inbuf = big
+    return True
