@@ -112,6 +112,7 @@ class CPUBackend:
         self._signatures = Signatures(store, rank, size, self.timeout)  # readable mismatch errors
         self._sig = self._signatures.of
         self._plans: dict[Any, tuple[Any, Any, int]] = {}
+        self._now_ctx = Ctx(0, 0.0, 0, self._check, "", group_name)  # the Work-less path's (see _now)
         self._barrier_sig = 0  # all_reduce: (dtype, count, op) -> its plan
         source = "transport" if transport is not None else TRANSPORT_ENV
         mode = (transport if transport is not None else os.environ.get(TRANSPORT_ENV, "auto")).strip().lower()
@@ -224,25 +225,28 @@ class CPUBackend:
             return
         work._set_result(active_duration=time.perf_counter() - t0)
 
-    def _now(self, op_type: str, fn: Callable[[Ctx], None], sig: int) -> bool:
-        """Run a small op on this thread now, without a Work, if nothing is queued ahead
-        of it (the issue order holds); False (nothing done) otherwise."""
-        with self._lock:
+    def _now(self, op_type: str, fn: Callable[..., None], sig: int, *args: Any) -> bool:
+        """``fn(ctx, *args)`` on this thread now, with no Work, if nothing is queued ahead of it; else False."""
+        lock = self._lock
+        with lock:
             if self._busy or self._queue or self._error is not None or self._closed:
                 return False
             self._busy = True
         try:
-            self._seq += 1
-            ctx = Ctx(self._seq, time.monotonic() + self.timeout, sig, self._check, op_type, self.group_name)
+            ctx = self._now_ctx  # one Ctx for every op of this path (one at a time: _busy), refilled
+            ctx.seq = self._seq = self._seq + 1
+            ctx.deadline = time.monotonic() + self.timeout
+            ctx.sig = sig
+            ctx.op_type = op_type
             try:
-                fn(ctx)
+                fn(ctx, *args)
             except BaseException as exc:
                 err = self._failed(exc, ctx.name)
                 if not isinstance(exc, Exception):
                     raise
                 raise err  # its cause, if any, was set by _failed
         finally:
-            with self._lock:
+            with lock:
                 self._busy = False
                 if self._queue or self._waiters:
                     self._cv.notify_all()
@@ -253,8 +257,7 @@ class CPUBackend:
         plan = self._plans.get((buf.dtype.name, buf.numel, op._name_)) if op.__class__ is ReduceOp else None
         if plan is None or plan[1] is not None or buf.nbytes > INLINE_MAX:
             return False  # first of its kind, or PREMUL_SUM, or large: the Work path
-        x, red, coll = self._arr(buf), plan[0], self._coll
-        return self._now("all_reduce", lambda c: coll.all_reduce(c, x, red), plan[2])
+        return self._now("all_reduce", self._coll.all_reduce, plan[2], self._arr(buf), plan[0])
 
     def barrier_now(self) -> bool:
         """:meth:`barrier` on this thread now, with no Work (see ``RunsNow``)."""

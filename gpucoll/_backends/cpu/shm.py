@@ -105,6 +105,10 @@ class ShmSegment:
         self.ctl = self._mv[:ctl].cast("Q")
         self.raw = np.frombuffer(self._mm, dtype=np.uint8)
         self.count = 0  # this rank's counter value (the only writer)
+        self._my_ctr = rank * REC_WORDS + _CTR
+        self._my_addr = self._base + self._my_ctr * 8
+        self._mark = rank + 1  # what a peer sleeping on this rank's counter writes in its record
+        self._sleep_words = [w * REC_WORDS + _SLEEP for w in range(size) if w != rank]
         self._small = [[self.raw[o:o + small_bytes] for o in (self._small_off + (2 * r + p) * small_bytes
                                                              for p in (0, 1))] for r in range(size)]
         self._bulk = [[self.raw[o:o + bulk_bytes] for o in (self._bulk_off + (2 * r + b) * bulk_bytes
@@ -137,13 +141,13 @@ class ShmSegment:
 
     def post(self) -> None:
         """Raise this rank's counter by one and wake peers sleeping on it."""
-        self.count += 1
-        ctl, me = self.ctl, self.rank
-        ctl[me * REC_WORDS + _CTR] = self.count
-        mark = me + 1
-        for w in range(self.size):
-            if ctl[w * REC_WORDS + _SLEEP] == mark:
-                futex_wake(self._base + me * REC_WORDS * 8)
+        count = self.count = self.count + 1
+        ctl = self.ctl
+        ctl[self._my_ctr] = count
+        mark = self._mark
+        for w in self._sleep_words:
+            if ctl[w] == mark:
+                futex_wake(self._my_addr)
                 return
 
     def wait(self, peer: int, target: int, deadline: float, check: Callable[[], None],
