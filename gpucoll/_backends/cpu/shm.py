@@ -42,6 +42,8 @@ _CTR, _SLEEP, _HDR = 0, 1, 2  # word offsets in a record; headers at 2..5
 _SYS_FUTEX = 202  # x86-64
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # not FUTEX_PRIVATE: the word is shared between processes
 _EAGAIN, _EINTR, _ETIMEDOUT = 11, 4, 110
+SPIN_SECONDS = 20e-6  # a wait's spin on a busy machine (see ShmSegment.wait)
+SPIN_REGAIN = 0.1e-6  # spin budget given back by each wait that ended while spinning
 
 
 class ShmUnavailable(Exception):
@@ -92,6 +94,7 @@ class ShmSegment:
         self.small_bytes = small_bytes
         self.bulk_bytes = bulk_bytes
         self.spin_seconds = spin_seconds
+        self.spin_now = spin_seconds  # the adaptive budget (see wait)
         ctl = _round(size * REC_WORDS * 8)
         self._small_off = ctl
         self._bulk_off = ctl + 2 * size * small_bytes
@@ -161,17 +164,22 @@ class ShmSegment:
         idx = peer * REC_WORDS + _CTR
         if ctl[idx] >= target:
             return
-        spin_until = time.perf_counter() + self.spin_seconds
-        i = 0
+        # Spin, then yield once, then sleep on the peer's counter (a futex). How long to spin
+        # adapts: a wait that had to sleep cuts the budget to SPIN_SECONDS (on a machine
+        # with more runnable processes than cores, a spinning waiter holds the core its
+        # peer needs: every µs spun is a µs the peer is not running); each wait that
+        # ends while spinning gives back a little of it, up to ``spin_seconds``.
+        now = time.perf_counter
+        budget = self.spin_now
+        spin_until = now() + budget
         while ctl[idx] < target:
-            i += 1
-            if i & 63 == 0:
-                if time.perf_counter() > spin_until:
-                    break
-                if i & 1023 == 0:
-                    os.sched_yield()
+            if now() > spin_until:
+                break
         else:
+            if budget < self.spin_seconds:
+                self.spin_now = budget + SPIN_REGAIN
             return
+        self.spin_now = min(SPIN_SECONDS, self.spin_seconds)
         me = self.rank * REC_WORDS + _SLEEP
         addr = self._base + idx * 8
         self.waiting_for = peer
