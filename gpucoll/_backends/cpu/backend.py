@@ -113,9 +113,9 @@ class CPUBackend:
         self._detail = get_debug_level() >= DebugLevel.DETAIL
         self._signatures = Signatures(store, rank, size, self.timeout)  # readable mismatch errors
         self._sig = self._signatures.of
-        self._plans: dict[Any, tuple[Any, Any, int]] = {}
+        self._plans: dict[Any, tuple[Any, Any, int]] = {}  # all_reduce: (dtype, nbytes, op) -> its plan
         self._now_ctx = Ctx(0, 0.0, 0, self._check, "", group_name)  # the Work-less path's (see _now)
-        self._barrier_sig = 0  # all_reduce: (dtype, count, op) -> its plan
+        self._barrier_sig = 0
         source = "transport" if transport is not None else TRANSPORT_ENV
         mode = (transport if transport is not None else os.environ.get(TRANSPORT_ENV, "auto")).strip().lower()
         mode = mode or "auto"
@@ -256,9 +256,11 @@ class CPUBackend:
 
     def all_reduce_now(self, buf: Buffer, op: ReduceOpLike) -> bool:
         """:meth:`all_reduce` on this thread now, with no Work (see ``RunsNow``)."""
-        plan = self._plans.get((buf.dtype.name, buf.numel, op._name_)) if op.__class__ is ReduceOp else None
-        if plan is None or plan[1] is not None or buf.nbytes > INLINE_MAX:
-            return False  # first of its kind, or PREMUL_SUM, or large: the Work path
+        plan = self._plans.get((buf.dtype.name, buf.nbytes, op._name_)) if op.__class__ is ReduceOp else None
+        if plan is None or plan[1] is not None:
+            return False  # first of its kind, or PREMUL_SUM: the Work path
+        # Any size: a synchronous op has nothing to return early for, and a hand-off to the
+        # worker thread costs two thread wakes, which on a busy machine wait for a core.
         return self._now("all_reduce", self._coll.all_reduce, plan[2], self._arr(buf), plan[0])
 
     def all_gather_single_now(self, out: Buffer, inp: Buffer) -> bool:
@@ -365,7 +367,7 @@ class CPUBackend:
         # A repeated all_reduce: its reducer and signature in one look-up (PREMUL_SUM,
         # whose factor may change per call, is planned every time).
         # (The op by name: an enum member's own hash is a Python-level call.)
-        key = (buf.dtype.name, buf.numel, op._name_) if op.__class__ is ReduceOp else None
+        key = (buf.dtype.name, buf.nbytes, op._name_) if op.__class__ is ReduceOp else None
         plan = self._plans.get(key) if key is not None else None
         if plan is None:
             red, scale = self._sum_of(op, buf)

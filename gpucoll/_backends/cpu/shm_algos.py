@@ -80,6 +80,7 @@ class ShmCollectives:
         self._parity = 0
         self._sig = 0
         self._checked: set[int] = set()
+        self._every_peer = set(self._peers)  # (never changed: _wait adds only ranks not in it)
         self._slot_views: dict[tuple[int, int, Any], list[Array]] = {}
         # Per peer: (rank, its counter's word, its header's first word by parity): the hot
         # loops index the control block with these, not with arithmetic per call.
@@ -149,7 +150,7 @@ class ShmCollectives:
             h = hdr[p]
             if ctl[h] != u or ctl[h + 1] != sig:
                 self._wait(ctx, j, 1)  # raises the mismatch, worded once
-        self._checked = set(self._peers)
+        self._checked = self._every_peer
 
     def _entry(self, ctx: Ctx) -> None:
         """Begin a large op: post once, then wait until every peer is inside it too."""
@@ -175,7 +176,7 @@ class ShmCollectives:
         target = self._floor = floor + 1
         p = self._parity = u & 1
         sig = self._sig = ctx.sig
-        self._checked = set(self._peers)  # checked below, before any byte of theirs is read
+        self._checked = self._every_peer  # checked below, before any byte of theirs is read
         i = self._my_hdr[p]
         ctl[i] = u
         ctl[i + 1] = sig
