@@ -6,8 +6,9 @@
   test's side; the size limit still fails every rank alike and leaves the group usable;
   with an async op queued ahead, the op takes the Work path and keeps the issue order.
 - a synchronous all_reduce of any size runs on the caller's thread: large ones too.
-- a shared-memory wait that had to sleep cuts its spin budget, and still returns when
-  the peer posts and raises a named timeout when it never does.
+- a shared-memory wait whose spin was preempted cuts its spin budget (a slow peer does
+  not), does not spin at all when its peer last waited on the same CPU, and still
+  returns when the peer posts and raises a named timeout when it never does.
 """
 
 from __future__ import annotations
@@ -98,7 +99,22 @@ def test_all_gather_bytes_and_objects_across_the_first_exchange(world_size: int)
         assert f"rank {world_size - 1}'s payload of {3 * FIRST_BYTES} bytes exceeds the limit" in msg, (r, msg)
 
 
-def test_a_wait_that_slept_cuts_its_spin_and_still_sees_the_peer() -> None:
+class _Clock:
+    """``time`` for shm.py whose perf_counter jumps once by ``gap`` seconds (a spin that
+    was preempted), after ``after`` reads; everything else is the real clock."""
+
+    def __init__(self, gap: float, after: int) -> None:
+        self.gap, self.after, self.reads = gap, after, 0
+
+    def perf_counter(self) -> float:
+        self.reads += 1
+        return time.perf_counter() + (self.gap if self.reads > self.after else 0.0)
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+
+def test_the_spin_budget_is_cut_by_preemption_not_by_a_slow_peer(monkeypatch: pytest.MonkeyPatch) -> None:
     from gpucoll.errors import DistBackendError
     from gpucoll.store import HashStore
     from gpucoll._backends.cpu import shm
@@ -114,17 +130,42 @@ def test_a_wait_that_slept_cuts_its_spin_and_still_sees_the_peer() -> None:
     a, b = segs
     try:
         assert a.spin_now == 200e-6
-        poster = threading.Timer(0.05, b.post)  # far past any spin: the wait sleeps
-        poster.start()
+        # A slow peer (posts long after any spin): the wait sleeps, the budget stays.
+        threading.Timer(0.05, b.post).start()
         t0 = time.monotonic()
         a.wait(1, 1, time.monotonic() + 10.0, lambda: None, lambda: "op")
-        assert time.monotonic() - t0 < 5.0
-        assert b.counter(1) == 1
+        assert time.monotonic() - t0 < 5.0 and b.counter(1) == 1
+        assert a.spin_now == 200e-6
+        # A spin that was preempted: the budget drops to SPIN_SECONDS, and the wait
+        # still returns when the peer posts.
+        monkeypatch.setattr(shm, "time", _Clock(gap=1e-3, after=3))
+        threading.Timer(0.05, b.post).start()
+        a.wait(1, 2, time.monotonic() + 10.0, lambda: None, lambda: "op")
+        assert b.counter(1) == 2
         assert a.spin_now == shm.SPIN_SECONDS < 200e-6
-        a.wait(1, 1, time.monotonic() + 10.0, lambda: None, lambda: "op")  # already there: at once
-        with pytest.raises(DistBackendError, match=r"op: timed out waiting for rank 1 \(its progress 1, needed 2\)"):
-            a.wait(1, 2, time.monotonic() + 0.2, lambda: None, lambda: "op")
+        monkeypatch.setattr(shm, "time", time)
+        a.wait(1, 2, time.monotonic() + 10.0, lambda: None, lambda: "op")  # already there: at once
+        with pytest.raises(DistBackendError, match=r"op: timed out waiting for rank 1 \(its progress 2, needed 3\)"):
+            a.wait(1, 3, time.monotonic() + 0.2, lambda: None, lambda: "op")
         assert a.timed_out_on == 1
+
+        # A peer last seen waiting on this rank's own CPU: no spin at all (it could not
+        # run meanwhile), one yield, then the sleep; the peer's post still ends the wait.
+        mine = os.sched_getaffinity(0)
+        cpu = min(mine)
+        os.sched_setaffinity(0, {cpu})  # this thread only: the CPU it reads is the one it runs on
+        try:
+            b.ctl[b.rank * shm.REC_WORDS + 6] = cpu + 1  # rank 1's "last waited on" word
+            clock = _Clock(gap=0.0, after=1 << 30)
+            monkeypatch.setattr(shm, "time", clock)
+            a.spin_now = 200e-6
+            threading.Timer(0.05, b.post).start()
+            a.wait(1, 3, time.monotonic() + 10.0, lambda: None, lambda: "op")
+            assert b.counter(1) == 3
+            assert clock.reads <= 3, clock.reads  # a 200 µs spin would read the clock thousands of times
+            assert a.ctl[a.rank * shm.REC_WORDS + 6] == cpu + 1
+        finally:
+            os.sched_setaffinity(0, mine)
     finally:
         for s in segs:
             s.close()
