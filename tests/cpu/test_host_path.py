@@ -100,15 +100,17 @@ def test_all_gather_bytes_and_objects_across_the_first_exchange(world_size: int)
 
 
 class _Clock:
-    """``time`` for shm.py whose perf_counter jumps once by ``gap`` seconds (a spin that
-    was preempted), after ``after`` reads; everything else is the real clock."""
+    """``time`` for shm.py: perf_counter advances 1 µs per read (a spin never sees a gap the
+    test did not ask for, whatever the machine does), and by ``gap`` more once, after
+    ``after`` reads (a spin that was preempted); monotonic is the real clock."""
 
-    def __init__(self, gap: float, after: int) -> None:
-        self.gap, self.after, self.reads = gap, after, 0
+    def __init__(self, gap: float = 0.0, after: int = 1 << 30) -> None:
+        self.gap, self.after, self.reads, self.t = gap, after, 0, 0.0
 
     def perf_counter(self) -> float:
         self.reads += 1
-        return time.perf_counter() + (self.gap if self.reads > self.after else 0.0)
+        self.t += 1e-6 + (self.gap if self.reads == self.after + 1 else 0.0)
+        return self.t
 
     def monotonic(self) -> float:
         return time.monotonic()
@@ -128,14 +130,19 @@ def test_the_spin_budget_is_cut_by_preemption_not_by_a_slow_peer(monkeypatch: py
     for t in ts:
         t.join(15)
     a, b = segs
+    crowded = [False]
+    monkeypatch.setattr(a, "_crowded", lambda: crowded[0])  # the machine's real load stays out
     try:
         assert a.spin_now == 200e-6
-        # A slow peer (posts long after any spin): the wait sleeps, the budget stays.
+        # A slow peer (posts long after any spin) on an idle machine: the wait spins its
+        # 200 µs, sleeps, and the budget stays.
+        clock = _Clock()
+        monkeypatch.setattr(shm, "time", clock)
         threading.Timer(0.05, b.post).start()
         t0 = time.monotonic()
         a.wait(1, 1, time.monotonic() + 10.0, lambda: None, lambda: "op")
         assert time.monotonic() - t0 < 5.0 and b.counter(1) == 1
-        assert a.spin_now == 200e-6
+        assert a.spin_now == 200e-6 and clock.reads > 150
         # A spin that was preempted: the budget drops to SPIN_SECONDS, and the wait
         # still returns when the peer posts.
         monkeypatch.setattr(shm, "time", _Clock(gap=1e-3, after=3))
@@ -143,10 +150,19 @@ def test_the_spin_budget_is_cut_by_preemption_not_by_a_slow_peer(monkeypatch: py
         a.wait(1, 2, time.monotonic() + 10.0, lambda: None, lambda: "op")
         assert b.counter(1) == 2
         assert a.spin_now == shm.SPIN_SECONDS < 200e-6
+        # A spin that ran out on a crowded machine: cut too.
+        a.spin_now = 200e-6
+        crowded[0] = True
+        monkeypatch.setattr(shm, "time", _Clock())
+        threading.Timer(0.05, b.post).start()
+        a.wait(1, 3, time.monotonic() + 10.0, lambda: None, lambda: "op")
+        assert b.counter(1) == 3 and a.spin_now == shm.SPIN_SECONDS
+        crowded[0] = False
+        a.spin_now = 200e-6
         monkeypatch.setattr(shm, "time", time)
-        a.wait(1, 2, time.monotonic() + 10.0, lambda: None, lambda: "op")  # already there: at once
-        with pytest.raises(DistBackendError, match=r"op: timed out waiting for rank 1 \(its progress 2, needed 3\)"):
-            a.wait(1, 3, time.monotonic() + 0.2, lambda: None, lambda: "op")
+        a.wait(1, 3, time.monotonic() + 10.0, lambda: None, lambda: "op")  # already there: at once
+        with pytest.raises(DistBackendError, match=r"op: timed out waiting for rank 1 \(its progress 3, needed 4\)"):
+            a.wait(1, 4, time.monotonic() + 0.2, lambda: None, lambda: "op")
         assert a.timed_out_on == 1
 
         # A peer last seen waiting on this rank's own CPU: no spin at all (it could not
@@ -156,14 +172,20 @@ def test_the_spin_budget_is_cut_by_preemption_not_by_a_slow_peer(monkeypatch: py
         os.sched_setaffinity(0, {cpu})  # this thread only: the CPU it reads is the one it runs on
         try:
             b.ctl[b.rank * shm.REC_WORDS + 6] = cpu + 1  # rank 1's "last waited on" word
-            clock = _Clock(gap=0.0, after=1 << 30)
+            clock = _Clock()
             monkeypatch.setattr(shm, "time", clock)
             a.spin_now = 200e-6
             threading.Timer(0.05, b.post).start()
-            a.wait(1, 3, time.monotonic() + 10.0, lambda: None, lambda: "op")
-            assert b.counter(1) == 3
-            assert clock.reads <= 3, clock.reads  # a 200 µs spin would read the clock thousands of times
+            a.wait(1, 4, time.monotonic() + 10.0, lambda: None, lambda: "op")
+            assert b.counter(1) == 4
+            assert clock.reads <= 3, clock.reads  # a 200 µs spin reads it some 200 times
             assert a.ctl[a.rank * shm.REC_WORDS + 6] == cpu + 1
+            assert a.spin_now == 200e-6  # no spin this time is not a smaller budget next time
+            # The peer runs during the yield and posts: the wait ends without sleeping,
+            # and the budget stays whole.
+            monkeypatch.setattr(shm.os, "sched_yield", b.post)
+            a.wait(1, 5, time.monotonic() + 10.0, lambda: None, lambda: "op")
+            assert b.counter(1) == 5 and a.spin_now == 200e-6
         finally:
             os.sched_setaffinity(0, mine)
     finally:

@@ -211,8 +211,8 @@ class ShmSegment:
                 break
             prev = t
         else:
-            if budget < self.spin_seconds:
-                self.spin_now = budget + SPIN_REGAIN
+            if self.spin_now < self.spin_seconds:  # (not ``budget``: 0 after a yield to the peer)
+                self.spin_now += SPIN_REGAIN
             return
         if budget > SPIN_SECONDS and self._crowded():
             self.spin_now = min(SPIN_SECONDS, self.spin_seconds)
