@@ -70,9 +70,14 @@ _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
 
 
-_getcpu = _libc.sched_getcpu
-_getcpu.restype = ctypes.c_int
-_getcpu.argtypes = []
+def _no_cpu() -> int:
+    return -1
+
+
+_getcpu: Callable[[], int] = getattr(_libc, "sched_getcpu", None) or _no_cpu  # -1: unknown
+if _getcpu is not _no_cpu:
+    _getcpu.restype = ctypes.c_int  # type: ignore[attr-defined]
+    _getcpu.argtypes = []  # type: ignore[attr-defined]
 
 
 def futex_wait(addr: int, expected: int, seconds: float) -> None:
@@ -196,10 +201,11 @@ class ShmSegment:
         # this rank spins there (the scheduler keeps it queued behind us), so yield the
         # CPU to it once and then sleep, without spinning.
         cpu = _getcpu() + 1
-        ctl[self._my_cpu] = cpu
-        if ctl[peer * REC_WORDS + _CPU] == cpu:
-            budget = 0.0
-            os.sched_yield()
+        if cpu > 0:
+            ctl[self._my_cpu] = cpu
+            if ctl[peer * REC_WORDS + _CPU] == cpu:
+                budget = 0.0
+                os.sched_yield()
         prev = now()
         spin_until = prev + budget
         while ctl[idx] < target:
