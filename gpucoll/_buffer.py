@@ -19,12 +19,14 @@ Contract shared by every backend (see docs/arrays.md):
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ["DType", "Device", "Buffer", "DTYPES", "dtype_by_name"]
+__all__ = ["DType", "Device", "Buffer", "DTYPES", "dtype_by_name", "host_address"]
 
 
 @dataclass(frozen=True)
@@ -124,3 +126,36 @@ class Buffer:
     @property
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
+
+
+# ----- a host array's address -----
+# ``a.ctypes.data`` (or ``__array_interface__``) builds a helper object per call: 0.7 µs,
+# most of what describing a small host array costs. NumPy's array object starts with
+# the object header and then its ``char *data`` field (the layout NumPy's C API
+# documents as PyArrayObject_fields), so the address is one read at a fixed offset.
+# The read is trusted only where a probe at import finds it right for every kind of
+# view; elsewhere (another layout, not CPython) ``ctypes.data`` is used.
+_DATA_AT = object.__basicsize__
+_read_ptr = ctypes.c_void_p.from_address
+
+
+def _data_field_is_the_address() -> bool:
+    if sys.implementation.name != "cpython":
+        return False  # id() is not an address there
+    base = np.arange(24, dtype=np.int64)
+    probes = (base, base[5:], base[::3], base.reshape(4, 6)[2], base.view(np.uint8)[3:], np.zeros(0),
+              np.zeros(3, np.float32)[1:], np.frombuffer(bytearray(16), np.uint8))
+    try:
+        return all((_read_ptr(id(a) + _DATA_AT).value or 0) == a.ctypes.data for a in probes)
+    except Exception:  # noqa: BLE001  (any surprise: keep the documented way)
+        return False
+
+
+_FAST_ADDRESS = _data_field_is_the_address()
+
+
+def host_address(a: np.ndarray[Any, Any]) -> int:
+    """The address of ``a``'s first element (``a.ctypes.data``, about ten times cheaper)."""
+    if _FAST_ADDRESS:
+        return _read_ptr(id(a) + _DATA_AT).value or 0
+    return int(a.ctypes.data)

@@ -7,8 +7,11 @@ unpickle peer data use the ``*_bytes`` variants, which move ``bytes`` and never
 unpickle anything; serialize with JSON, msgpack or NumPy's ``.tobytes()`` instead.
 
 Every call is two CPU collectives (sizes, then data padded to the largest size)
-or two messages (size, then data) for send/recv. Objects never go through a GPU,
-not even in an NCCL group.
+or two messages (size, then data) for send/recv, except all-gather: one
+all_gather_single of a fixed :data:`FIRST_BYTES` per rank, each rank's size
+followed by the start of its payload, and a second one only for what did not fit
+(the common small object moves in one op). Objects never go through a GPU, not
+even in an NCCL group.
 
 Size limit: a payload (pickled object list) larger than ``GPUCOLL_MAX_OBJECT_BYTES``
 (default :data:`MAX_OBJECT_BYTES`, 2 GiB) is refused on every rank with the same
@@ -26,7 +29,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 
-from . import _world
+from . import _world, array as _array
 from ._env import MAX_OBJECT_BYTES_ENV
 from ._group.options import DeviceLike
 from ._group import ProcessGroup
@@ -124,13 +127,29 @@ def _as_bytes(data: Any, name: str) -> bytes:
     raise TypeError(f"{name} must be bytes, bytearray or memoryview; got {type(data).__name__}")
 
 
-def _padded(data: bytes, cap: int) -> np.ndarray:
+def _padded(data: bytes | memoryview, cap: int) -> np.ndarray:
     out = np.zeros(cap, np.uint8)
     out[:len(data)] = np.frombuffer(data, np.uint8)
     return out
 
 
 # ----- bytes -----
+
+FIRST_BYTES = 4096
+"""Bytes per rank in all-gather's first exchange: an int64 size, then the payload's start."""
+
+
+def _gather_single(pg: ProcessGroup, out: np.ndarray, inp: np.ndarray) -> None:
+    """``pg.all_gather_single(out, inp)`` on host arrays made here, through the CPU backend's
+    Work-less path when nothing needs a Work (as a repeated all_reduce)."""
+    cpu, issuer = pg._cpu, pg._issuer
+    now = getattr(cpu, "all_gather_single_now", None)
+    if now is None or pg._coalescing is not None or issuer.hooks or issuer.debug_detail:
+        pg.all_gather_single(out, inp)
+        return
+    o, i = _array.as_buffer(out, writable=True), _array.as_buffer(inp)
+    issuer.run_now(cpu, now, cpu.all_gather_single, (o, i), i, "all_gather_single", [out])
+
 
 @_named
 def all_gather_bytes(data: bytes, group: ProcessGroup | None = None) -> list[bytes]:
@@ -143,16 +162,26 @@ def all_gather_bytes(data: bytes, group: ProcessGroup | None = None) -> list[byt
     pg = _pg(group, "all_gather_bytes")
     payload = _as_bytes(data, "data")
     n = pg.size()
-    sizes = np.empty(n, np.int64)
     limit = _limit()  # read once per call
-    pg.all_gather_single(sizes, np.array([_announced(payload, limit)], np.int64))
+    announced = _announced(payload, limit)
+    head = FIRST_BYTES - 8  # payload bytes that ride with the size
+    first = np.zeros(FIRST_BYTES, np.uint8)
+    first[:8].view(np.int64)[0] = announced
+    k = min(announced, head)  # nothing of a payload over the limit (announced < 0)
+    if k > 0:
+        first[8:8 + k] = np.frombuffer(payload, np.uint8, count=k)
+    out = np.empty(n * FIRST_BYTES, np.uint8)
+    _gather_single(pg, out, first)
+    rows = out.reshape(n, FIRST_BYTES)
+    sizes = out.view(np.int64)[::FIRST_BYTES // 8].tolist()
     _check_sizes(sizes, "all_gather", pg.global_ranks, limit)
-    cap = int(sizes.max())
-    if cap == 0:
-        return [b""] * n
-    out = np.empty(n * cap, np.uint8)
-    pg.all_gather_single(out, _padded(payload, cap))
-    return [out[i * cap:i * cap + int(sizes[i])].tobytes() for i in range(n)]
+    cap = max(sizes) - head
+    if cap <= 0:
+        return [rows[i, 8:8 + sizes[i]].tobytes() for i in range(n)]
+    rest = np.empty(n * cap, np.uint8)
+    _gather_single(pg, rest, _padded(memoryview(payload)[head:], cap))
+    return [rows[i, 8:8 + min(sizes[i], head)].tobytes() + rest[i * cap:i * cap + max(0, sizes[i] - head)].tobytes()
+            for i in range(n)]
 
 
 @_named

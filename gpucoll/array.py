@@ -31,7 +31,7 @@ from typing import Any, Protocol, TypeAlias, Union, runtime_checkable
 
 import numpy as np
 
-from ._buffer import DTYPES, Buffer, Device, DType, dtype_by_name
+from ._buffer import DTYPES, Buffer, Device, DType, dtype_by_name, host_address
 
 __all__ = [
     "ArrayLike", "SupportsBuffer", "SupportsCudaArrayInterface", "SupportsDLPack", "NotContiguousError", "xp_view",
@@ -181,7 +181,7 @@ def _from_ndarray(a: np.ndarray, name: str, writable: bool, device: Device) -> B
             f"{name} is read-only and this op writes into it; pass a writable copy, "
             "or use gpucoll.functional, which returns a new array")
     dtype = _NP_DTYPES.get(a.dtype) or _dtype_of_numpy(a.dtype, name)
-    return Buffer(a.ctypes.data, a.nbytes, dtype, a.shape, device, not flags.writeable, None, a)
+    return Buffer(host_address(a), a.nbytes, dtype, a.shape, device, not flags.writeable, None, a)
 
 
 # ----- __cuda_array_interface__ -----
@@ -441,7 +441,7 @@ def host_ndarray(buf: Buffer) -> np.ndarray:
         raise ValueError(f"host_ndarray needs host memory; the buffer is on {buf.device}")
     owner = buf.owner
     if isinstance(owner, np.ndarray) and owner.nbytes == buf.nbytes and (
-            buf.nbytes == 0 or owner.ctypes.data == buf.ptr):
+            buf.nbytes == 0 or host_address(owner) == buf.ptr):
         return owner
     return _view_of_memory(buf.ptr, buf.nbytes, buf.dtype, buf.shape, buf.readonly, keep=owner)
 

@@ -139,18 +139,23 @@ class Issuer:
             work._add_done_callback(self.watchdog.completed)
         return work
 
-    def run_now(self, backend: Backend, now: Callable[[], bool], buf: Buffer | None, op: str,
-                start: Callable[[], Work], outputs: list[Any]) -> Work | None:
-        """A synchronous host op through the backend's Work-less path (``RunsNow``): numbered
-        and recorded as :meth:`issue` does, with no Work unless it fails; when the backend
-        cannot run it now (ops queued ahead of it), ``start()`` issues it as usual.
+    def run_now(self, backend: Backend, now: Callable[..., bool], start: Callable[..., Work], args: tuple[Any, ...],
+                buf: Buffer | None, op: str, outputs: list[Any]) -> Work | None:
+        """A synchronous host op through the backend's Work-less path (``RunsNow``):
+        ``now(*args)``, numbered and recorded as :meth:`issue` does, with no Work unless it
+        fails; when the backend cannot run it now (ops queued ahead of it), ``start(*args)``
+        issues it as usual. (Arguments, not closures: nothing is built per call.)
         Callers use it only when no hook is registered and the debug level is below DETAIL."""
-        self.seq += 1
-        seq = self.seq
-        entry = self._entry(seq, op, backend, buf, -1)
+        seq = self.seq = self.seq + 1
+        recorder = self.recorder
+        entry = None
+        if recorder is not None:
+            entry = recorder.begin(seq, op, backend.name, buf, -1)
+            if self.debug_info:
+                entry.where = call_site()
         t0 = time.perf_counter()
         try:
-            ran = now()
+            ran = now(*args)
         except DistError as exc:
             work = Work(op)  # the op failed: the usual Work, for the usual timeout and error
             work.seq, work.group_name, work._t0 = seq, self.group_name, t0
@@ -165,7 +170,7 @@ class Issuer:
             if entry is not None:
                 entry.complete(time.perf_counter() - t0)
             return None
-        return self.finish(backend, self._start(seq, entry, start, outputs, -1, op), False, False)
+        return self.finish(backend, self._start(seq, entry, lambda: start(*args), outputs, -1, op), False, False)
 
     def finish(self, backend: Backend, work: Work, async_op: bool, device: bool) -> Work | None:
         """Return ``work`` (async) or wait for it as a synchronous op does."""

@@ -277,8 +277,8 @@ class ProcessGroup:
             plan = self._issuer.plan(key, backend, red, backend is not self._cpu)
         backend, red, issuer, now = plan.backend, plan.red, self._issuer, plan.now
         if now is not None and not async_op and not issuer.hooks and not issuer.debug_detail:  # no Work
-            return issuer.run_now(backend, lambda: now(buf, red), buf, "all_reduce",
-                                  lambda: backend.all_reduce(buf, red), [tensor])
+            return issuer.run_now(backend, now, backend.all_reduce, (buf, red), buf, "all_reduce",
+                                  [tensor])
         work = issuer.issue(backend, lambda: backend.all_reduce(buf, red), buf, [tensor], op="all_reduce", red=red)
         return issuer.finish(backend, work, async_op, plan.device)
 
@@ -548,7 +548,7 @@ class ProcessGroup:
             _not_coalescable("barrier")
         backend, issuer, now = self._cpu, self._issuer, self._barrier_now
         if now is not None and not async_op and not issuer.hooks and not issuer.debug_detail:
-            return issuer.run_now(backend, now, None, "barrier", backend.barrier, [])
+            return issuer.run_now(backend, now, backend.barrier, (), None, "barrier", [])
         work = issuer.issue(backend, backend.barrier, None, [])
         return issuer.finish(backend, work, async_op, False)
 

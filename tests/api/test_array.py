@@ -441,3 +441,22 @@ def test_the_test_process_never_initialises_jax() -> None:
     """The JAX tests above leave this process without a JAX backend (no threads to fork)."""
     xla_bridge = sys.modules.get("jax._src.xla_bridge")
     assert xla_bridge is None or not getattr(xla_bridge, "_backends", None), "JAX was initialised here"
+
+
+def test_host_address_is_numpys_data_pointer() -> None:
+    """as_buffer reads a host array's address from the array object itself: for every kind
+    of view it must be what NumPy's own ``ctypes.data`` says."""
+    from gpucoll._buffer import host_address
+
+    base = np.arange(64, dtype=np.float64)
+    ro = np.arange(6, dtype=np.int32)
+    ro.flags.writeable = False
+    arrays = [base, base[7:], base[::-1], base.reshape(8, 8)[3], base.reshape(8, 8)[:, 2],
+              base.view(np.uint8)[5:], np.zeros(0, np.float32), np.zeros((0, 3)), ro,
+              np.frombuffer(bytearray(40), np.uint16)[1:], np.asarray(memoryview(bytearray(9))),
+              np.zeros(3, ml_dtypes.bfloat16), np.ma.masked_array(np.ones(4)), np.full((), 2.5)]
+    for a in arrays:
+        assert host_address(a) == a.ctypes.data, a
+    for a in arrays:
+        if a.flags.c_contiguous:
+            assert as_buffer(a).ptr == a.ctypes.data

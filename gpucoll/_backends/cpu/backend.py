@@ -25,14 +25,16 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..._buffer import Buffer
+from ...array import host_ndarray
 from ..._debug import DebugLevel, get_debug_level
 from ...errors import DistBackendError, DistError
 from ..._reduce_op import PremulSum, ReduceOp, ReduceOpLike
 from ..._work import Work
 from ...store.base import Store
-from .reduce import Array, Reducer, as_array, as_bytes, make_reducer, op_key, sig_op, split_counts
+from .reduce import Array, Reducer, as_array, make_reducer, op_key, sig_op, split_counts
 from .auth import host_id
-from .tcp import KIND_P2P, Recv, TcpMesh, local_address
+from .p2p import run_batch
+from .tcp import TcpMesh, local_address
 from ..mismatch import find_mismatch
 from .signatures import Signatures
 from .tcp_algos import Ctx, TcpCollectives, op_label
@@ -111,8 +113,9 @@ class CPUBackend:
         self._detail = get_debug_level() >= DebugLevel.DETAIL
         self._signatures = Signatures(store, rank, size, self.timeout)  # readable mismatch errors
         self._sig = self._signatures.of
-        self._plans: dict[Any, tuple[Any, Any, int]] = {}
-        self._barrier_sig = 0  # all_reduce: (dtype, count, op) -> its plan
+        self._plans: dict[Any, tuple[Any, Any, int]] = {}  # all_reduce: (dtype, nbytes, op) -> its plan
+        self._now_ctx = Ctx(0, 0.0, 0, self._check, "", group_name)  # the Work-less path's (see _now)
+        self._barrier_sig = 0
         source = "transport" if transport is not None else TRANSPORT_ENV
         mode = (transport if transport is not None else os.environ.get(TRANSPORT_ENV, "auto")).strip().lower()
         mode = mode or "auto"
@@ -224,25 +227,28 @@ class CPUBackend:
             return
         work._set_result(active_duration=time.perf_counter() - t0)
 
-    def _now(self, op_type: str, fn: Callable[[Ctx], None], sig: int) -> bool:
-        """Run a small op on this thread now, without a Work, if nothing is queued ahead
-        of it (the issue order holds); False (nothing done) otherwise."""
-        with self._lock:
+    def _now(self, op_type: str, fn: Callable[..., None], sig: int, *args: Any) -> bool:
+        """``fn(ctx, *args)`` on this thread now, with no Work, if nothing is queued ahead of it; else False."""
+        lock = self._lock
+        with lock:
             if self._busy or self._queue or self._error is not None or self._closed:
                 return False
             self._busy = True
         try:
-            self._seq += 1
-            ctx = Ctx(self._seq, time.monotonic() + self.timeout, sig, self._check, op_type, self.group_name)
+            ctx = self._now_ctx  # one Ctx for every op of this path (one at a time: _busy), refilled
+            ctx.seq = self._seq = self._seq + 1
+            ctx.deadline = time.monotonic() + self.timeout
+            ctx.sig = sig
+            ctx.op_type = op_type
             try:
-                fn(ctx)
+                fn(ctx, *args)
             except BaseException as exc:
                 err = self._failed(exc, ctx.name)
                 if not isinstance(exc, Exception):
                     raise
                 raise err  # its cause, if any, was set by _failed
         finally:
-            with self._lock:
+            with lock:
                 self._busy = False
                 if self._queue or self._waiters:
                     self._cv.notify_all()
@@ -250,11 +256,22 @@ class CPUBackend:
 
     def all_reduce_now(self, buf: Buffer, op: ReduceOpLike) -> bool:
         """:meth:`all_reduce` on this thread now, with no Work (see ``RunsNow``)."""
-        plan = self._plans.get((buf.dtype.name, buf.numel, op._name_)) if op.__class__ is ReduceOp else None
-        if plan is None or plan[1] is not None or buf.nbytes > INLINE_MAX:
-            return False  # first of its kind, or PREMUL_SUM, or large: the Work path
-        x, red, coll = self._arr(buf), plan[0], self._coll
-        return self._now("all_reduce", lambda c: coll.all_reduce(c, x, red), plan[2])
+        plan = self._plans.get((buf.dtype.name, buf.nbytes, op._name_)) if op.__class__ is ReduceOp else None
+        if plan is None or plan[1] is not None:
+            return False  # first of its kind, or PREMUL_SUM: the Work path
+        # Any size: a synchronous op has nothing to return early for, and a hand-off to the
+        # worker thread costs two thread wakes, which on a busy machine wait for a core.
+        return self._now("all_reduce", self._coll.all_reduce, plan[2], self._arr(buf), plan[0])
+
+    def all_gather_single_now(self, out: Buffer, inp: Buffer) -> bool:
+        """:meth:`all_gather_single` on this thread now, with no Work (as ``all_reduce_now``)."""
+        if out.nbytes > INLINE_MAX:
+            return False
+        # Fresh arrays per call (the object collectives'): their own NumPy views, not _arr's cache.
+        o, i = host_ndarray(out).reshape(-1), host_ndarray(inp).reshape(-1)
+        sig = self._sig("all_gather_single", {"dtype": inp.dtype.name, "count": inp.numel})
+        return self._now("all_gather_single", self._coll.all_gather, sig, [o[k * i.size:(k + 1) * i.size]
+                                                                          for k in range(self.size)], i)
 
     def barrier_now(self) -> bool:
         """:meth:`barrier` on this thread now, with no Work (see ``RunsNow``)."""
@@ -350,7 +367,7 @@ class CPUBackend:
         # A repeated all_reduce: its reducer and signature in one look-up (PREMUL_SUM,
         # whose factor may change per call, is planned every time).
         # (The op by name: an enum member's own hash is a Python-level call.)
-        key = (buf.dtype.name, buf.numel, op._name_) if op.__class__ is ReduceOp else None
+        key = (buf.dtype.name, buf.nbytes, op._name_) if op.__class__ is ReduceOp else None
         plan = self._plans.get(key) if key is not None else None
         if plan is None:
             red, scale = self._sum_of(op, buf)
@@ -496,45 +513,7 @@ class CPUBackend:
 
     def batch_p2p(self, ops: Sequence[tuple[str, Buffer, Any, int]], *, op_type: str = "batch_isend_irecv") -> Work:
         """Post every receive, then send everything; one Work completes when all are done."""
-        for kind, _, peer, _ in ops:
-            if kind not in ("send", "recv"):
-                raise ValueError(f"p2p op kind must be 'send' or 'recv'; got {kind!r}")
-            if peer == self.rank:
-                raise ValueError(f"cannot {kind} to/from this rank itself (rank {self.rank})")
-        work = self._work(op_type, [b for _, b, _, _ in ops], p2p=True)
-        name = f"{op_type} (p2p seq {work.seq}) on group {self.group_name!r}"
-        recvs = [(b, peer, tag) for kind, b, peer, tag in ops if kind == "recv"]
-        pending = [len(recvs) + 1]  # +1: the sends
-        lock = threading.Lock()
-        t0 = time.perf_counter()
-        source: list[int | None] = [None]
-
-        def one_done(err: BaseException | None, src: int | None) -> None:
-            with lock:
-                if src is not None:
-                    source[0] = src
-                pending[0] -= 1
-                last = pending[0] == 0
-            if err is not None:
-                work._set_exception(DistBackendError(f"{name} failed: {err}"))
-            elif last:
-                work._set_result(active_duration=time.perf_counter() - t0, source_rank=source[0])
-
-        if self._error is not None or self._closed:
-            one_done(self._error or DistBackendError("the CPU backend was shut down"), None)
-            return work
-        for b, peer, tag in recvs:
-            self._mesh.post(Recv(peer, KIND_P2P, tag, as_bytes(b), None,
-                                 on_done=lambda r: one_done(r.error, r.source)))
-        err: BaseException | None = None
-        try:
-            for kind, b, peer, tag in ops:
-                if kind == "send":
-                    self._mesh.send(peer, KIND_P2P, tag, as_bytes(b))
-        except DistError as exc:
-            err = exc
-        one_done(err, None)
-        return work
+        return run_batch(self, self._mesh, ops, op_type)
 
     # ----- control -----
     def barrier(self) -> Work:

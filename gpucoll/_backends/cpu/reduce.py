@@ -80,6 +80,10 @@ class Reducer:
         if self.factor is not None and dtype.kind in "iu":
             self._int_factor = int(self.factor)
         self._check(dtype)
+        # The fold is the ufunc alone (no widening, scaling or AVG's division): hot paths
+        # call it directly, ``plain(parts[0], parts[1], out=out)`` then one call per part.
+        plain = not self.low and self.factor is None and (self.op is not ReduceOp.AVG or size == 1)
+        self.plain: Callable[..., Any] | None = self.ufunc if plain else None
 
     def _check(self, dtype: DType) -> None:
         name = self.op.name

@@ -3,7 +3,7 @@
 Layout (all offsets 4096-aligned after the control block)::
 
     control   one 256-byte record per rank: progress counter, the peer it sleeps on,
-              two op headers (sequence, signature) by parity
+              two op headers (sequence, signature) by parity, the CPU it last waited on
     small     2 slots per rank (by op parity), ``small_bytes`` each
     bulk      2 buffers per rank (pipelined blocks), ``bulk_bytes`` each
 
@@ -11,7 +11,8 @@ Each rank writes only its own record, slots and buffers; peers only read them. A
 rank publishes progress by raising its counter after writing data (plain stores,
 which x86-64 keeps in order), and peers wait for ``counter >= target``: first by
 spinning (the ~µs path when every rank has a core), then by sleeping on a futex on
-the counter's word, which the writer wakes when a peer has said it sleeps there.
+the counter's word, which the writer wakes when a peer has said it sleeps there. The
+spin adapts to a crowded machine (see :meth:`ShmSegment.wait`).
 
 Life cycle: rank 0 publishes the segment's name, then creates the file under
 /dev/shm (mode 0600); every rank maps it, checking first that this user owns it and
@@ -38,10 +39,22 @@ from .segments import PREFIX as _PREFIX, new_name, sweep_orphans, unlink_ours as
 __all__ = ["ShmSegment", "ShmUnavailable", "REC_WORDS", "futex_wait", "futex_wake"]
 
 REC_WORDS = 32  # u64 words per rank record (256 bytes: no false sharing between ranks)
-_CTR, _SLEEP, _HDR = 0, 1, 2  # word offsets in a record; headers at 2..5
+_CTR, _SLEEP, _HDR, _CPU = 0, 1, 2, 6  # word offsets in a record; headers at 2..5
 _SYS_FUTEX = 202  # x86-64
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # not FUTEX_PRIVATE: the word is shared between processes
 _EAGAIN, _EINTR, _ETIMEDOUT = 11, 4, 110
+SPIN_SECONDS = 20e-6  # a wait's spin on a busy machine (see ShmSegment.wait)
+SPIN_REGAIN = 0.1e-6  # spin budget given back by each wait that ended while spinning
+PREEMPTED_SECONDS = 30e-6  # a gap this long between two checks of a spin: it was preempted
+
+
+def _running() -> int:
+    """Runnable processes on the machine right now (/proc/loadavg's fourth field); 0 if unknown."""
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            return int(f.read().split()[3].split(b"/")[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 class ShmUnavailable(Exception):
@@ -55,6 +68,16 @@ class _Timespec(ctypes.Structure):
 _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
+
+
+def _no_cpu() -> int:
+    return -1
+
+
+_getcpu: Callable[[], int] = getattr(_libc, "sched_getcpu", None) or _no_cpu  # -1: unknown
+if _getcpu is not _no_cpu:
+    _getcpu.restype = ctypes.c_int  # type: ignore[attr-defined]
+    _getcpu.argtypes = []  # type: ignore[attr-defined]
 
 
 def futex_wait(addr: int, expected: int, seconds: float) -> None:
@@ -92,6 +115,10 @@ class ShmSegment:
         self.small_bytes = small_bytes
         self.bulk_bytes = bulk_bytes
         self.spin_seconds = spin_seconds
+        self.spin_now = spin_seconds  # the adaptive budget (see wait)
+        self._cpus = os.cpu_count() or 1
+        self._my_cpu = rank * REC_WORDS + _CPU
+        self._crowd_at, self._crowd = -1.0, False  # when /proc/loadavg was last read, what it said
         ctl = _round(size * REC_WORDS * 8)
         self._small_off = ctl
         self._bulk_off = ctl + 2 * size * small_bytes
@@ -105,6 +132,10 @@ class ShmSegment:
         self.ctl = self._mv[:ctl].cast("Q")
         self.raw = np.frombuffer(self._mm, dtype=np.uint8)
         self.count = 0  # this rank's counter value (the only writer)
+        self._my_ctr = rank * REC_WORDS + _CTR
+        self._my_addr = self._base + self._my_ctr * 8
+        self._mark = rank + 1  # what a peer sleeping on this rank's counter writes in its record
+        self._sleep_words = [w * REC_WORDS + _SLEEP for w in range(size) if w != rank]
         self._small = [[self.raw[o:o + small_bytes] for o in (self._small_off + (2 * r + p) * small_bytes
                                                              for p in (0, 1))] for r in range(size)]
         self._bulk = [[self.raw[o:o + bulk_bytes] for o in (self._bulk_off + (2 * r + b) * bulk_bytes
@@ -137,13 +168,13 @@ class ShmSegment:
 
     def post(self) -> None:
         """Raise this rank's counter by one and wake peers sleeping on it."""
-        self.count += 1
-        ctl, me = self.ctl, self.rank
-        ctl[me * REC_WORDS + _CTR] = self.count
-        mark = me + 1
-        for w in range(self.size):
-            if ctl[w * REC_WORDS + _SLEEP] == mark:
-                futex_wake(self._base + me * REC_WORDS * 8)
+        count = self.count = self.count + 1
+        ctl = self.ctl
+        ctl[self._my_ctr] = count
+        mark = self._mark
+        for w in self._sleep_words:
+            if ctl[w] == mark:
+                futex_wake(self._my_addr)
                 return
 
     def wait(self, peer: int, target: int, deadline: float, check: Callable[[], None],
@@ -157,17 +188,40 @@ class ShmSegment:
         idx = peer * REC_WORDS + _CTR
         if ctl[idx] >= target:
             return
-        spin_until = time.perf_counter() + self.spin_seconds
-        i = 0
+        # Spin, then sleep on the peer's counter (a futex). How long to spin adapts: with
+        # more runnable processes than cores, every µs a waiter spins is a µs its peer
+        # may not run, so a spin that was preempted (a gap between two checks: another
+        # process wanted this core), or one that ran out while the machine is crowded,
+        # cuts the budget to SPIN_SECONDS; each wait that ends while spinning gives back
+        # a little of it, up to ``spin_seconds``. A peer that is merely slow (copying a
+        # large block on an idle machine) costs a sleep, not the budget.
+        now = time.perf_counter
+        budget = self.spin_now
+        # Where each rank last waited: a peer last seen on this very CPU cannot run while
+        # this rank spins there (the scheduler keeps it queued behind us), so yield the
+        # CPU to it once and then sleep, without spinning.
+        cpu = _getcpu() + 1
+        if cpu > 0:
+            ctl[self._my_cpu] = cpu
+            if ctl[peer * REC_WORDS + _CPU] == cpu:
+                budget = 0.0
+                os.sched_yield()
+        prev = now()
+        spin_until = prev + budget
         while ctl[idx] < target:
-            i += 1
-            if i & 63 == 0:
-                if time.perf_counter() > spin_until:
-                    break
-                if i & 1023 == 0:
-                    os.sched_yield()
+            t = now()
+            if t - prev > PREEMPTED_SECONDS:
+                self.spin_now = min(SPIN_SECONDS, self.spin_seconds)
+                break
+            if t > spin_until:
+                break
+            prev = t
         else:
+            if self.spin_now < self.spin_seconds:  # (not ``budget``: 0 after a yield to the peer)
+                self.spin_now += SPIN_REGAIN
             return
+        if budget > SPIN_SECONDS and self._crowded():
+            self.spin_now = min(SPIN_SECONDS, self.spin_seconds)
         me = self.rank * REC_WORDS + _SLEEP
         addr = self._base + idx * 8
         self.waiting_for = peer
@@ -188,6 +242,15 @@ class ShmSegment:
         finally:
             ctl[me] = 0
             self.waiting_for = None
+
+    def _crowded(self) -> bool:
+        """More runnable processes than CPUs (read at most every 10 ms): on such a machine a
+        spinning waiter holds a core that others, its peer perhaps, need."""
+        t = time.monotonic()
+        if t - self._crowd_at >= 0.01:
+            self._crowd_at = t
+            self._crowd = _running() > self._cpus
+        return self._crowd
 
     def wake_all(self) -> None:
         """Wake every sleeper on every counter (abort: sleepers then see the error)."""

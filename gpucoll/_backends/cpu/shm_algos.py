@@ -80,7 +80,12 @@ class ShmCollectives:
         self._parity = 0
         self._sig = 0
         self._checked: set[int] = set()
+        self._every_peer = set(self._peers)  # (never changed: _wait adds only ranks not in it)
         self._slot_views: dict[tuple[int, int, Any], list[Array]] = {}
+        # Per peer: (rank, its counter's word, its header's first word by parity): the hot
+        # loops index the control block with these, not with arithmetic per call.
+        self._words = [(j, j * REC_WORDS, (j * REC_WORDS + 2, j * REC_WORDS + 4)) for j in self._peers]
+        self._my_hdr = (rank * REC_WORDS + 2, rank * REC_WORDS + 4)
 
     def _slots(self, parity: int, nb: int, dtype: np.dtype[Any]) -> list[Array]:
         """Every rank's small slot of this parity as ``nb`` bytes of ``dtype`` (made once per kind)."""
@@ -96,16 +101,18 @@ class ShmCollectives:
     def _begin(self, ctx: Ctx) -> None:
         seg = self.seg
         ctl, floor = seg.ctl, self._floor
-        for j in self._peers:
-            if ctl[j * REC_WORDS] < floor:
-                seg.wait(j, self._floor, ctx.deadline, lambda: self._alive(ctx, j), ctx.what)
-        self._u += 1
-        self._base = seg.count
-        self._floor = self._base + 1
-        self._parity = self._u & 1
+        for j, ci, _ in self._words:
+            if ctl[ci] < floor:
+                seg.wait(j, floor, ctx.deadline, lambda: self._alive(ctx, j), ctx.what)
+        u = self._u = self._u + 1
+        base = self._base = seg.count
+        self._floor = base + 1
+        p = self._parity = u & 1
         self._sig = ctx.sig
         self._checked = set()
-        seg.write_header(self._parity, self._u, ctx.sig)
+        i = self._my_hdr[p]
+        ctl[i] = u
+        ctl[i + 1] = ctx.sig
 
     def _post(self) -> None:
         self.seg.post()
@@ -132,6 +139,19 @@ class ShmCollectives:
         for j in self._peers if ranks is None else ranks:
             self._wait(ctx, j, step)
 
+    def _first_step(self, ctx: Ctx) -> None:
+        """Wait for step 1 of this op on every peer and check each one's header: the
+        one wait of a small op (:meth:`_wait_all` at step 1, with the look-ups hoisted)."""
+        seg = self.seg
+        ctl, target, p, u, sig = seg.ctl, self._base + 1, self._parity, self._u, self._sig
+        for j, ci, hdr in self._words:
+            if ctl[ci] < target:
+                seg.wait(j, target, ctx.deadline, lambda: self._alive(ctx, j), ctx.what)
+            h = hdr[p]
+            if ctl[h] != u or ctl[h + 1] != sig:
+                self._wait(ctx, j, 1)  # raises the mismatch, worded once
+        self._checked = self._every_peer
+
     def _entry(self, ctx: Ctx) -> None:
         """Begin a large op: post once, then wait until every peer is inside it too."""
         self._begin(ctx)
@@ -140,7 +160,43 @@ class ShmCollectives:
 
     # ----- reductions -----
     def all_reduce(self, ctx: Ctx, x: Array, red: Reducer) -> None:
-        self._reduce(ctx, x, red, None)
+        seg = self.seg
+        nb = x.nbytes
+        if nb > seg.small_bytes:
+            self._reduce(ctx, x, red, None)
+            return
+        # The small case of _reduce with _begin and _first_step inline (the hot path of
+        # small ops): one slot write, one flag wait per peer, one fold.
+        ctl, floor = seg.ctl, self._floor
+        for j, ci, _ in self._words:
+            if ctl[ci] < floor:
+                seg.wait(j, floor, ctx.deadline, lambda: self._alive(ctx, j), ctx.what)
+        u = self._u = self._u + 1
+        self._base = floor = seg.count
+        target = self._floor = floor + 1
+        p = self._parity = u & 1
+        sig = self._sig = ctx.sig
+        self._checked = self._every_peer  # checked below, before any byte of theirs is read
+        i = self._my_hdr[p]
+        ctl[i] = u
+        ctl[i + 1] = sig
+        slots = self._slots(p, nb, x.dtype)
+        slots[self.rank][...] = x
+        seg.post()
+        for j, ci, hdr in self._words:
+            if ctl[ci] < target:
+                seg.wait(j, target, ctx.deadline, lambda: self._alive(ctx, j), ctx.what)
+            h = hdr[p]
+            if ctl[h] != u or ctl[h + 1] != sig:
+                self._checked = set()
+                self._wait(ctx, j, 1)  # raises the mismatch, worded once
+        ufunc = red.plain
+        if ufunc is None:
+            red.fold(x, slots)
+            return
+        ufunc(slots[0], slots[1], out=x)
+        for part in slots[2:]:
+            ufunc(x, part, out=x)
 
     def reduce(self, ctx: Ctx, x: Array, dst: int, red: Reducer) -> None:
         self._reduce(ctx, x, red, dst)
@@ -151,9 +207,9 @@ class ShmCollectives:
         if nb <= seg.small_bytes:
             self._begin(ctx)
             slots = self._slots(self._parity, nb, x.dtype)
-            np.copyto(slots[r], x)
-            self._post()
-            self._wait_all(ctx, 1)  # every rank, the non-destinations too: checks every header
+            slots[r][...] = x
+            seg.post()
+            self._first_step(ctx)  # every rank, the non-destinations too: checks every header
             if dst is not None and r != dst:
                 return
             red.fold(x, slots)
@@ -243,8 +299,8 @@ class ShmCollectives:
             p = self._parity
             if r == src:
                 np.copyto(seg.small(r, p)[:nb], xb)
-            self._post()
-            self._wait_all(ctx, 1)  # the root too: it compares every peer's header
+            seg.post()
+            self._first_step(ctx)  # the root too: it compares every peer's header
             if r != src:
                 np.copyto(xb, seg.small(src, p)[:nb])
             return
@@ -423,8 +479,8 @@ class ShmCollectives:
 
     def barrier(self, ctx: Ctx) -> None:
         self._begin(ctx)
-        self._post()
-        self._wait_all(ctx, 1)
+        self.seg.post()
+        self._first_step(ctx)
 
     # ----- control -----
     def abort(self, err: BaseException) -> None:
