@@ -179,6 +179,7 @@ class TCPStore(StoreLinks):
         if self._instance is not None and twin._instance != self._instance:
             twin.close()
             self._check_instance(twin._instance or b"")  # raises: the server restarted
+        twin._where = self._where  # a relay's client names the relay (see _relay)
         return twin
 
     def _start_server(self, host: str, port: int, max_key_size: int, max_value_size: int,
