@@ -151,7 +151,7 @@ class StoreRelay:
                     elif fd == lfd:
                         self._accept()
                     elif fd == wfd:
-                        return
+                        break
                     else:
                         c = clients.get(fd)
                         if c is None:
@@ -164,6 +164,8 @@ class StoreRelay:
                     self._flush_up()
                 if self.error is not None:
                     return
+            if self._stop and self.error is None:
+                self._drain()
         except Exception as e:  # never a silent stop: the clients see their connections close
             self.error = f"store relay {self.address} failed: {type(e).__name__}: {e}"
         finally:
@@ -175,6 +177,30 @@ class StoreRelay:
             self._listener.close()
             self._up.close()
             self._wake_r.close()
+
+    def _drain(self, timeout: float = 2.0) -> None:
+        """On close: what clients sent before they closed (a last ``set`` with no reply)
+        still reaches the store, and the store reads it before the connection ends."""
+        for c in list(self._clients.values()):
+            while c.sock.fileno() >= 0:
+                before = len(self._up_out)
+                self._read(c)
+                if len(self._up_out) == before:
+                    break
+        deadline = time.monotonic() + timeout
+        up = self._up
+        try:
+            up.setblocking(True)
+            up.settimeout(timeout)
+            for part in self._up_out:
+                up.sendall(part)
+            self._up_out.clear()
+            up.shutdown(socket.SHUT_WR)
+            # Until the store closes its end: it has read everything by then.
+            while time.monotonic() < deadline and up.recv(_CHUNK):
+                pass
+        except OSError:
+            pass
 
     def _accept(self) -> None:
         while True:
