@@ -145,7 +145,10 @@ class MuxHub:
             ch = Conn(cast(socket.socket, _ChannelSocket(self, parent, tag)))
             chans[tag] = ch
         cs = cast(_ChannelSocket, ch.sock)
-        cs.rx += data
+        if ch.big is not None or cs.rx:
+            cs.rx += data
+        elif data:
+            ch.inbuf = ch.inbuf + data if ch.inbuf else data  # the usual case: no copy
         try:
             self._feed(ch, cs)
         except Exception:  # as the server does: one bad client never stops the others
@@ -160,23 +163,29 @@ class MuxHub:
     def _feed(self, ch: Conn, cs: _ChannelSocket) -> None:
         """Serve what has arrived for ``ch``, as the server's read path does."""
         srv = self.server
-        while ch.sock is not None and cs.rx:
+        while ch.sock is not None and (cs.rx or ch.inbuf):
             if ch.big is not None:
+                if not cs.rx:
+                    return
                 if not srv._read_big(ch, cast(socket.socket, cs)):
                     return
                 srv._process(ch)
                 continue
-            data = bytes(cs.rx)
-            cs.rx.clear()
-            ch.inbuf = ch.inbuf + data if ch.inbuf else data
-            if ch.torch:
-                srv._process_torch(ch)
-            elif ch.waiter is not None or ch.writing or ch.later:
+            if cs.rx:
+                data = bytes(cs.rx)
+                cs.rx.clear()
+                ch.inbuf = ch.inbuf + data if ch.inbuf else data
+            if ch.waiter is not None or ch.writing or ch.later:
                 if len(ch.inbuf) > PIPELINE_SLACK:
                     srv._drop(ch)
                 return
+            before = len(ch.inbuf)
+            if ch.torch:
+                srv._process_torch(ch)
             else:
                 srv._process(ch)
+            if ch.big is None and len(ch.inbuf) == before and not cs.rx:
+                return  # an incomplete frame: the rest comes with the next MUX_DATA
 
     def forward(self, cs: _ChannelSocket, parts: Iterable[Part], size: int) -> None:
         parent = cs.parent
