@@ -323,3 +323,39 @@ def test_a_relay_killed_under_parked_waits_is_a_clear_error_within_the_timeout(m
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_torch_clients_through_a_relay() -> None:
+    """A channel is a byte tunnel: torch's own client (its c10d protocol) works through
+    a relay as directly, on a server without a token (torch's clients have none)."""
+    dist = pytest.importorskip("torch.distributed")
+    from datetime import timedelta
+
+    m = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=20)
+    r = StoreRelay("127.0.0.1", m.port, token=None, timeout=10)
+    try:
+        t = dist.TCPStore("127.0.0.1", r.port, None, False, timedelta(seconds=10))
+        t.set("tk", "tv")
+        assert m.get("tk") == b"tv"
+        assert t.add("tn", 4) == 4 and m.add("tn", 1) == 5
+        m.set("from-gpucoll", b"g")
+        assert t.get("from-gpucoll") == b"g"
+        done = threading.Event()
+
+        def waiting() -> None:
+            t2 = dist.TCPStore("127.0.0.1", r.port, None, False, timedelta(seconds=10))
+            t2.wait(["later"])
+            done.set()
+
+        th = threading.Thread(target=waiting)
+        th.start()
+        time.sleep(0.3)
+        assert not done.is_set() and t.check(["tk"])  # a neighbour's torch wait does not block t
+        m.set("later", b"1")
+        th.join(10)
+        assert done.is_set()
+        server = m._server
+        assert server is not None and server.connections == 2  # the master's own, the relay's
+    finally:
+        r.close()
+        m.close()
