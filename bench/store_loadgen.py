@@ -414,11 +414,12 @@ def _gen(port: int, n: int, k: int, tag: str, source: str, start: "Any", results
 
 
 def relay_rendezvous(server_port: int, count: "Callable[[], int]", n: int, ports: list[int],
-                     tag: str, cpu: "Callable[[], float]") -> tuple[float, int, float]:
+                     tag: str, cpu: "Callable[[], float]") -> tuple[float, int, float, float]:
     """One rendezvous of ``n`` clients split evenly over ``ports`` (a relay's each, or the
     server's own port repeated), one generator process per port. Returns the time from
     the start signal to the last client woken, and the server's connections while the
-    clients were parked, and the server process's CPU seconds over the rendezvous."""
+    clients were parked, the server process's CPU seconds over the rendezvous, and the
+    fan-out: from the master's ``set`` of the key they wait for to the last one woken."""
     import multiprocessing as mp
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -440,6 +441,7 @@ def relay_rendezvous(server_port: int, count: "Callable[[], int]", n: int, ports
     start.set()
     master.wait([f"{tag}/all"])
     held = count()
+    t_set = time.monotonic()
     master.set(f"{tag}/go", b"1")
     ends: list[float] = []
     for _ in procs:
@@ -451,7 +453,7 @@ def relay_rendezvous(server_port: int, count: "Callable[[], int]", n: int, ports
     for p in procs:
         p.join(10)
     master.close()
-    return max(ends) - t0, held, used
+    return max(ends) - t0, held, used, max(ends) - t_set
 
 
 def main(argv: "list[str] | None" = None) -> int:
@@ -480,8 +482,8 @@ def main(argv: "list[str] | None" = None) -> int:
         return float(here.recv())
 
     print("| clients | nodes | direct (s) | relays (s) | relays / direct | server CPU direct / relays (s) "
-          "| server connections direct / relays |")
-    print("|---|---|---|---|---|---|---|")
+          "| fan-out direct / relays (s) | server connections direct / relays |")
+    print("|---|---|---|---|---|---|---|---|")
     run = 0
     for n in (int(x) for x in args.relays.split(",")):
         nodes = max(1, n // args.per_node)
@@ -493,15 +495,17 @@ def main(argv: "list[str] | None" = None) -> int:
             relays.append((proc, a, a.recv()))
         times: dict[str, list[float]] = {"direct": [], "relays": []}
         cpus: dict[str, list[float]] = {"direct": [], "relays": []}
+        fans: dict[str, list[float]] = {"direct": [], "relays": []}
         held: dict[str, int] = {}
         for rep in range(args.repeats):
             order = ("direct", "relays") if rep % 2 == 0 else ("relays", "direct")
             for kind in order:
                 run += 1
                 ports = [port] * nodes if kind == "direct" else [r[2] for r in relays]
-                t, c, used = relay_rendezvous(port, count, n, ports, f"rdv{n}-{run}", cpu)
+                t, c, used, fan = relay_rendezvous(port, count, n, ports, f"rdv{n}-{run}", cpu)
                 times[kind].append(t)
                 cpus[kind].append(used)
+                fans[kind].append(fan)
                 held[kind] = c
                 time.sleep(0.5)  # TIME_WAITs and the previous run's closes settle
         for proc, a, _ in relays:
@@ -511,6 +515,7 @@ def main(argv: "list[str] | None" = None) -> int:
         print(f"| {n:,} | {nodes} | {d:.3f} ({', '.join(f'{x:.2f}' for x in times['direct'])}) "
               f"| {r:.3f} ({', '.join(f'{x:.2f}' for x in times['relays'])}) | {r / d:.2f}x "
               f"| {statistics.median(cpus['direct']):.3f} / {statistics.median(cpus['relays']):.3f} "
+              f"| {statistics.median(fans['direct']):.3f} / {statistics.median(fans['relays']):.3f} "
               f"| {held['direct']:,} / {held['relays']:,} |", flush=True)
     here.send(None)
     server.join(10)
