@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Final
@@ -29,7 +30,7 @@ from .._env import STORE_RELAY_ENV
 from ..errors import DistNetworkError, DistStoreError, DistStoreTimeoutError
 from . import _wire as w
 from ._mux import CHANNEL, MUX_CLOSE, MUX_DATA, close_frame, data_frame
-from ._sockets import IN, IN_ANY, OUT, new_poller
+from ._sockets import IN, IN_ANY, OUT, new_poller, peer_uid, unix_socket_name
 
 if TYPE_CHECKING:
     from .tcp import TCPStore
@@ -87,6 +88,19 @@ class StoreRelay:
         self._up.setblocking(False)
         self.host = host
         self.port: int = self._listener.getsockname()[1]
+        self._listeners = [self._listener]
+        if hasattr(socket, "AF_UNIX") and sys.platform.startswith("linux"):
+            # As the server does: the node's ranks reach it through an abstract Unix
+            # socket named after its address (a message costs about a third of a
+            # loopback TCP round trip); TCP stays open for the rest.
+            ux = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                ux.bind(unix_socket_name(self._listener.getsockname()[0], self.port))
+                ux.listen(4096)
+                ux.setblocking(False)
+                self._listeners.append(ux)
+            except OSError:
+                ux.close()
         self.error: str | None = None
         """Why the relay stopped on its own (its upstream connection broke), or None."""
         self._clients: dict[int, _Client] = {}
@@ -98,7 +112,8 @@ class StoreRelay:
         self._rbuf = bytearray(_CHUNK)
         self._rview = memoryview(self._rbuf)
         self._poller = new_poller()
-        self._poller.register(self._listener.fileno(), IN)
+        for ls in self._listeners:
+            self._poller.register(ls.fileno(), IN)
         self._poller.register(self._up.fileno(), IN)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -136,7 +151,8 @@ class StoreRelay:
     # -- the loop -----------------------------------------------------------------------
 
     def _run(self) -> None:
-        lfd, ufd, wfd = self._listener.fileno(), self._up.fileno(), self._wake_r.fileno()
+        listeners = {ls.fileno(): ls for ls in self._listeners}
+        ufd, wfd = self._up.fileno(), self._wake_r.fileno()
         clients = self._clients
         try:
             while not self._stop:
@@ -150,8 +166,8 @@ class StoreRelay:
                             self._flush_up()
                         if ev & IN_ANY and not self._read_up():
                             return
-                    elif fd == lfd:
-                        self._accept()
+                    elif fd in listeners:
+                        self._accept(listeners[fd])
                     elif fd == wfd:
                         break
                     else:
@@ -176,7 +192,8 @@ class StoreRelay:
             clients.clear()
             self._by_channel.clear()
             self._poller.close()
-            self._listener.close()
+            for ls in self._listeners:
+                ls.close()
             self._up.close()
             self._wake_r.close()
 
@@ -204,15 +221,19 @@ class StoreRelay:
         except OSError:
             pass
 
-    def _accept(self) -> None:
+    def _accept(self, listener: socket.socket) -> None:
+        unix = listener.family == socket.AF_UNIX
         eager = True
         while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
                 return  # out of descriptors: the client retries its connect
+            if unix and peer_uid(sock) not in (os.getuid(), 0):
+                sock.close()  # only this user's processes: others come by TCP
+                continue
             sock.setblocking(False)
             self._next_channel = (self._next_channel + 1) & 0xFFFFFFFF
             while self._next_channel in self._by_channel:
@@ -415,8 +436,7 @@ def relay_client(relay: tuple[str, int], upstream: str, world_size: int | None, 
     host, port = relay
     where = f"store relay {host}:{port} (this node's, carrying the job's store at {upstream})"
     try:
-        store = TCPStore(host, port, world_size, is_master=False, timeout=timeout, token=token,
-                         use_unix_socket=False)
+        store = TCPStore(host, port, world_size, is_master=False, timeout=timeout, token=token)
     except DistStoreTimeoutError as e:
         raise DistStoreTimeoutError(f"{where}: {e}") from e
     except DistNetworkError as e:
