@@ -305,38 +305,73 @@ class StoreRelay:
             self.error = f"store relay {self.address}: the store at {self.upstream} closed the connection"
             return False
         buf = self._up_in
-        buf += self._rview[:n]
-        pos, n = 0, len(buf)
-        touched: list[_Client] = []
+        if buf:
+            buf += self._rview[:n]
+            view = memoryview(buf)
+            total = len(buf)
+        else:
+            # The usual case: whole frames in this read, taken from the receive buffer
+            # itself and sent on without a copy.
+            view = self._rview
+            total = n
+        try:
+            pos = self._deliver(view, total)
+        finally:
+            if buf:
+                view.release()
+        if pos is None:
+            return False
+        if buf:
+            del buf[:pos]
+        elif pos < total:
+            buf += self._rview[pos:total]
+        return True
+
+    def _deliver(self, view: memoryview, n: int) -> int | None:
+        """Hand the whole frames in ``view[:n]`` to their clients; return the bytes used,
+        or None when the store sent something other than a channel's frame."""
+        pos = 0
+        head, chan, by_channel = w.HEADER.unpack_from, CHANNEL.unpack_from, self._by_channel
         while n - pos >= 5:
-            length, code = w.HEADER.unpack_from(buf, pos)
+            length, code = head(view, pos)
             end = pos + 4 + length
             if end > n:
                 break
             if code == MUX_DATA and length >= 13:
-                (channel,) = CHANNEL.unpack_from(buf, pos + 9)
-                c = self._by_channel.get(channel)
+                c = by_channel.get(chan(view, pos + 9)[0])
                 if c is not None:
-                    c.out.append(bytes(buf[pos + 17:end]))
-                    touched.append(c)
+                    self._write(c, view[pos + 17:end])
             elif code == MUX_CLOSE and length >= 9:
-                c = self._by_channel.get(CHANNEL.unpack_from(buf, pos + 9)[0])
+                c = by_channel.get(chan(view, pos + 9)[0])
                 if c is not None:
                     c.closing = True
-                    touched.append(c)
+                    if not c.out:
+                        self._forget(c)
             else:
-                fields = w.decode_fields(buf, pos + 5, end)
+                fields = w.decode_fields(view, pos + 5, end)
                 why = fields[0].decode(errors="replace") if fields else f"code {code}"
                 self.error = f"store relay {self.address}: the store at {self.upstream} answered: {why}"
-                return False
+                return None
             pos = end
-        del buf[:pos]
-        for c in touched:
-            if c.sock.fileno() >= 0 and not c.writing:
-                if len(c.out) > 2 and sum(map(len, c.out)) < _JOIN:
-                    c.out[:] = [b"".join(c.out)]
-                self._flush(c)
-        return True
+        return pos
+
+    def _write(self, c: _Client, data: memoryview) -> None:
+        """Send ``data`` to ``c`` now, or queue what does not fit behind what waits."""
+        if c.out or c.writing:
+            c.out.append(bytes(data))
+            return
+        try:
+            sent = c.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._up_out.append(close_frame(c.channel))
+            self._forget(c)
+            return
+        if sent < len(data):
+            c.out.append(bytes(data[sent:]))
+            c.writing = True
+            self._poller.modify(c.sock.fileno(), IN | OUT)
 
     def _flush_up(self) -> None:
         out = self._up_out
