@@ -22,18 +22,31 @@ A script yields requests made by :class:`Ops` and receives each reply::
 :func:`drive` runs a list of scripts to the end (connect, greet, every request) and
 returns when each finished; tests/store/test_store_loadgen.py checks that the store
 state it leaves equals the real clients'.
+
+Run as a script, it times one rendezvous directly against the same rendezvous through
+node-local store relays (gpucoll/store/_relay.py), in the same sitting, taking turns::
+
+    python bench/store_loadgen.py --relays 1024,4096 --per-node 256 --repeats 3
+
+A "node" is a relay in a process of its own (as gpucoll-run's agent would run it) and
+one generator process for its clients; the direct run uses the same generator
+processes, each connecting to the server itself. The server is gpucoll's, in its own
+process. Each line gives both times and the ratio relays / direct, with the number
+of connections the server held while the clients were parked in ``wait``.
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import select
 import socket
 import struct
+import sys
 import time
-from typing import Callable, Generator, Optional
+from typing import Any, Callable, Generator, Optional
 
-__all__ = ["Ops", "Request", "Script", "drive", "rendezvous_script"]
+__all__ = ["Ops", "Request", "Script", "drive", "rendezvous_script", "relay_rendezvous"]
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -352,3 +365,162 @@ def rendezvous_script(tag: str, n: int) -> Script:
             yield ops.set(f"{tag}/all", b"1")
         yield ops.wait([f"{tag}/go"])
     return script
+
+
+# -- rendezvous through relays, against the same rendezvous direct ---------------------------
+
+def _serve_store(conn: "Any") -> None:
+    """A gpucoll store server in its own process; answers "count" with its connections."""
+    from gpucoll.store import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=300,
+                     use_unix_socket=False)
+    conn.send(store.port)
+    while True:
+        msg = conn.recv()
+        if msg == "cpu":
+            t = os.times()
+            conn.send(t.user + t.system)
+            continue
+        if msg != "count":
+            break
+        server = store._server
+        conn.send(server.connections if server is not None else -1)
+    store.close()
+
+
+def _serve_relay(port: int, conn: "Any") -> None:
+    """One node's relay in its own process (as gpucoll-run's agent runs it)."""
+    from gpucoll.store._relay import StoreRelay
+
+    relay = StoreRelay("127.0.0.1", port, token=None, timeout=60)
+    conn.send(relay.port)
+    conn.recv()
+    relay.close()
+
+
+def _gen(port: int, n: int, k: int, tag: str, source: str, start: "Any", results: "Any") -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    script = rendezvous_script(tag, n)
+    results.put("ready")
+    start.wait()
+    try:
+        results.put(drive("127.0.0.1", port, "gpucoll", [script] * k, timeout=120.0, source=source))
+    except Exception as e:  # reported by the parent
+        results.put(f"{type(e).__name__}: {e}")
+
+
+def relay_rendezvous(server_port: int, count: "Callable[[], int]", n: int, ports: list[int],
+                     tag: str, cpu: "Callable[[], float]") -> tuple[float, int, float, float]:
+    """One rendezvous of ``n`` clients split evenly over ``ports`` (a relay's each, or the
+    server's own port repeated), one generator process per port. Returns the time from
+    the start signal to the last client woken, and the server's connections while the
+    clients were parked, the server process's CPU seconds over the rendezvous, and the
+    fan-out: from the master's ``set`` of the key they wait for to the last one woken."""
+    import multiprocessing as mp
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from gpucoll.store import TCPStore
+
+    ctx = mp.get_context("spawn")
+    start, results = ctx.Event(), ctx.Queue()
+    per = [n // len(ports) + (1 if i < n % len(ports) else 0) for i in range(len(ports))]
+    procs = [ctx.Process(target=_gen, args=(p, n, k, tag, f"127.{1 + i // 250}.{i % 250}.1", start, results),
+                         daemon=True) for i, (p, k) in enumerate(zip(ports, per))]
+    for p in procs:
+        p.start()
+    master = TCPStore("127.0.0.1", server_port, timeout=120, use_unix_socket=False)
+    for _ in procs:
+        if results.get(timeout=120) != "ready":
+            raise RuntimeError("generator out of step")
+    cpu0 = cpu()
+    t0 = time.monotonic()
+    start.set()
+    master.wait([f"{tag}/all"])
+    held = count()
+    t_set = time.monotonic()
+    master.set(f"{tag}/go", b"1")
+    ends: list[float] = []
+    for _ in procs:
+        got = results.get(timeout=120)
+        if isinstance(got, str):
+            raise RuntimeError(f"rendezvous of {n}: {got}")
+        ends += got
+    used = cpu() - cpu0
+    for p in procs:
+        p.join(10)
+    master.close()
+    return max(ends) - t0, held, used, max(ends) - t_set
+
+
+def main(argv: "list[str] | None" = None) -> int:
+    import argparse
+    import multiprocessing as mp
+    import statistics
+
+    ap = argparse.ArgumentParser(description="rendezvous through node-local relays vs direct")
+    ap.add_argument("--relays", default="1024,4096", help="client counts, comma-separated")
+    ap.add_argument("--per-node", type=int, default=256, help="clients per node (per relay)")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    server = ctx.Process(target=_serve_store, args=(there,), daemon=True)
+    server.start()
+    port = here.recv()
+
+    def count() -> int:
+        here.send("count")
+        return int(here.recv())
+
+    def cpu() -> float:
+        here.send("cpu")
+        return float(here.recv())
+
+    print("| clients | nodes | direct (s) | relays (s) | relays / direct | server CPU direct / relays (s) "
+          "| fan-out direct / relays (s) | server connections direct / relays |")
+    print("|---|---|---|---|---|---|---|---|")
+    run = 0
+    for n in (int(x) for x in args.relays.split(",")):
+        nodes = max(1, n // args.per_node)
+        relays = []
+        for _ in range(nodes):
+            a, b = ctx.Pipe()
+            proc = ctx.Process(target=_serve_relay, args=(port, b), daemon=True)
+            proc.start()
+            relays.append((proc, a, a.recv()))
+        times: dict[str, list[float]] = {"direct": [], "relays": []}
+        cpus: dict[str, list[float]] = {"direct": [], "relays": []}
+        fans: dict[str, list[float]] = {"direct": [], "relays": []}
+        held: dict[str, int] = {}
+        for rep in range(args.repeats):
+            order = ("direct", "relays") if rep % 2 == 0 else ("relays", "direct")
+            for kind in order:
+                run += 1
+                ports = [port] * nodes if kind == "direct" else [r[2] for r in relays]
+                t, c, used, fan = relay_rendezvous(port, count, n, ports, f"rdv{n}-{run}", cpu)
+                times[kind].append(t)
+                cpus[kind].append(used)
+                fans[kind].append(fan)
+                held[kind] = c
+                time.sleep(0.5)  # TIME_WAITs and the previous run's closes settle
+        for proc, a, _ in relays:
+            a.send(None)
+            proc.join(10)
+        d, r = statistics.median(times["direct"]), statistics.median(times["relays"])
+        print(f"| {n:,} | {nodes} | {d:.3f} ({', '.join(f'{x:.2f}' for x in times['direct'])}) "
+              f"| {r:.3f} ({', '.join(f'{x:.2f}' for x in times['relays'])}) | {r / d:.2f}x "
+              f"| {statistics.median(cpus['direct']):.3f} / {statistics.median(cpus['relays']):.3f} "
+              f"| {statistics.median(fans['direct']):.3f} / {statistics.median(fans['relays']):.3f} "
+              f"| {held['direct']:,} / {held['relays']:,} |", flush=True)
+    here.send(None)
+    server.join(10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

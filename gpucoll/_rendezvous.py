@@ -13,6 +13,7 @@ import warnings
 from ._env import STORE_TOKEN_ENV
 from .store import FileStore, PrefixStore, Store, TCPStore
 from .store._client import is_local_host
+from .store._relay import relay_address, relay_client
 
 __all__ = ["rendezvous"]
 
@@ -131,6 +132,9 @@ def _tcp_store(host: str, port: int, rank: int, world_size: int, hosted: bool, t
                token: str | None) -> Store:
     _warn_if_open(host, port, world_size, token)
     if hosted:
+        relay = relay_address()
+        if relay is not None:  # this node's store relay (gpucoll-run --store-relay)
+            return relay_client(relay, f"{host}:{port}", world_size, timeout=timeout, token=token)
         return TCPStore(host, port, world_size, is_master=False, timeout=timeout, token=token)
     if port == 0 and world_size > 1:
         raise ValueError("MASTER_PORT=0 needs a launcher that hosts the store (GPUCOLL_STORE_HOSTED=1): with "

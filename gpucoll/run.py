@@ -21,7 +21,7 @@ import sys
 from typing import Mapping, Sequence
 
 from ._launch.agent import run_job
-from ._launch.config import LaunchConfig, resolve_nproc, resolve_token
+from ._launch.config import LaunchConfig, resolve_nproc, resolve_relay, resolve_token
 
 __all__ = ["main", "build_config"]
 
@@ -105,6 +105,7 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         prefix=not args.no_prefix and nnodes * nproc > 1,
         grace_period=float(args.grace_period),
         join_timeout=float(args.join_timeout),
+        store_relay=resolve_relay(args.store_relay, nnodes, nproc),
     )
 
 
@@ -156,6 +157,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--join-timeout", type=float, default=300.0,
                    help="seconds to wait for node 0's store, or on node 0 for the other nodes to "
                         "finish (default 300)")
+    p.add_argument("--store-relay", choices=("auto", "on", "off"), default="auto",
+                   help="serve this node's ranks' store traffic through a relay in the launcher, over one "
+                        "connection to the job's store (auto, the default: on with --nnodes > 1 and at least "
+                        "32 ranks per node; see docs/launching.md)")
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     p.add_argument("script", metavar="SCRIPT", help="the program: a Python file, or a module with -m")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...", help="its arguments")

@@ -26,6 +26,11 @@ connects as a client instead of rank 0 hosting the server."""
 STORE_TOKEN_ENV: Final = "GPUCOLL_STORE_TOKEN"
 """The shared secret a TCPStore client presents before any other request."""
 
+STORE_RELAY_ENV: Final = "GPUCOLL_STORE_RELAY"
+"""``HOST:PORT`` of this node's store relay, set by gpucoll-run's agent when relays are on
+(``--store-relay``): with GPUCOLL_STORE_HOSTED=1 a rank reaches the job's store through it
+instead of MASTER_ADDR:MASTER_PORT. Unset or empty: directly."""
+
 # -- the launcher (gpucoll-run) and its workers ---------------------------------------------
 
 ERROR_FILE_ENV: Final = "GPUCOLL_ERROR_FILE"
@@ -68,7 +73,7 @@ BENCH_COMMAND_ENV: Final = "GPUCOLL_BENCH_COMMAND"
 BENCH_CORRUPT_ENV: Final = "GPUCOLL_BENCH_CORRUPT"
 """Test hook: "1" perturbs every checked output, so ``#wrong`` must come out non-zero."""
 
-NAMES: Final = (STORE_HOSTED_ENV, STORE_TOKEN_ENV, ERROR_FILE_ENV, LAUNCHER_PID_ENV, DEBUG_ENV,
+NAMES: Final = (STORE_HOSTED_ENV, STORE_TOKEN_ENV, STORE_RELAY_ENV, ERROR_FILE_ENV, LAUNCHER_PID_ENV, DEBUG_ENV,
                 FLIGHT_RECORDER_SIZE_ENV, FLIGHT_RECORDER_DIR_ENV, CONTROL_PLANE_ENV, CPU_TRANSPORT_ENV,
                 CPU_IFADDR_ENV, MAX_OBJECT_BYTES_ENV, BENCH_COMMAND_ENV, BENCH_CORRUPT_ENV)
 """Every name above."""

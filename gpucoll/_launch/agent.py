@@ -31,6 +31,7 @@ from .output import OutputPump
 from .summary import (RankExit, describe_code, failure_report, failure_summary, launcher_exit_code,
                       report_key, root_cause)
 from .worker import LAUNCHER_PID_ENV
+from .._env import STORE_RELAY_ENV
 from ..clusters.base import ClusterEnv
 from ..clusters.env import SOURCE, rank_environment
 from ..errors import DistError
@@ -120,6 +121,7 @@ class _Agent:
         self.kill_deadline: float | None = None
         self.link: NodeLink | None = None
         self.server: Any = None
+        self.relay: Any = None     # this node's store relay (--store-relay), or None
         self.port = config.master_port
         self.reaper: subprocess.Popen[bytes] | None = None
         self.interrupted: int | None = None   # the signal that stopped the launcher, if any
@@ -191,12 +193,20 @@ class _Agent:
                 if cfg.nnodes > 1 and cfg.master_port == 0:
                     self._say(f"the job's store listens on {cfg.master_addr}:{self.port}; start the other "
                               f"nodes with --master-addr {cfg.master_addr} --master-port {self.port}")
+            # Node 0 reaches its own server over loopback: --master-addr is the name
+            # other nodes use, which need not resolve here to an address of this host.
+            addr = cfg.master_addr if not cfg.hosts_store else ("::1" if ":" in cfg.master_addr
+                                                                else "127.0.0.1")
+            link_addr, link_port = addr, self.port
+            if cfg.store_relay:
+                # The node's ranks, and this agent's link, reach the store through one
+                # connection: the store holds one per node (docs/scaling.md).
+                from ..store._relay import StoreRelay
+
+                self.relay = StoreRelay(addr, self.port, token=cfg.token, timeout=cfg.join_timeout)
+                link_addr, link_port = self.relay.host, self.relay.port
             if cfg.nnodes > 1:
-                # Node 0 reaches its own server over loopback: --master-addr is the name
-                # other nodes use, which need not resolve here to an address of this host.
-                addr = cfg.master_addr if not cfg.hosts_store else ("::1" if ":" in cfg.master_addr
-                                                                    else "127.0.0.1")
-                self.link = NodeLink(addr, self.port, cfg.token, cfg.join_timeout,
+                self.link = NodeLink(link_addr, link_port, cfg.token, cfg.join_timeout,
                                      cfg.nnodes, cfg.node_rank, self.events)
         except (DistError, OSError) as err:
             what = "serve" if cfg.hosts_store and self.server is None else "reach"
@@ -207,6 +217,8 @@ class _Agent:
     def _close_store(self) -> None:
         if self.link is not None:
             self.link.close()
+        if self.relay is not None:
+            self.relay.close()
         if self.server is not None:
             self.server.close()
 
@@ -214,6 +226,9 @@ class _Agent:
         cfg = self.config
         base = dict(os.environ)
         base[LAUNCHER_PID_ENV] = str(os.getpid())
+        base.pop(STORE_RELAY_ENV, None)  # an outer job's relay is not this one's
+        if self.relay is not None:
+            base[STORE_RELAY_ENV] = self.relay.address
         if cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in base:
             # As torchrun does: N ranks each starting one OpenMP thread per core would
             # oversubscribe the node N times.

@@ -11,7 +11,8 @@ from typing import Mapping
 
 from ..clusters.base import STORE_TOKEN_ENV
 
-__all__ = ["LaunchConfig", "count_gpus", "resolve_nproc", "resolve_token"]
+__all__ = ["LaunchConfig", "RELAY_MIN_RANKS_PER_NODE", "count_gpus", "resolve_nproc", "resolve_relay",
+           "resolve_token"]
 
 _PROC_GPUS = "/proc/driver/nvidia/gpus"
 
@@ -33,6 +34,7 @@ class LaunchConfig:
         grace_period: seconds between SIGTERM and SIGKILL when stopping ranks.
         join_timeout: seconds to wait for node 0's store (other nodes) or, on node 0,
             for the other nodes to finish after the local ranks did.
+        store_relay: run a store relay on this node (see :func:`resolve_relay`).
     """
 
     program: tuple[str, ...]
@@ -47,6 +49,7 @@ class LaunchConfig:
     prefix: bool = True
     grace_period: float = 5.0
     join_timeout: float = 300.0
+    store_relay: bool = False
 
     @property
     def world_size(self) -> int:
@@ -163,3 +166,25 @@ def resolve_token(environ: Mapping[str, str], nnodes: int) -> str:
         raise ValueError(f"--nnodes {nnodes}: set {STORE_TOKEN_ENV} to the same secret on every node, e.g. "
                          f"export {STORE_TOKEN_ENV}=$(python -c 'import secrets; print(secrets.token_hex(16))')")
     return secrets.token_hex(16)
+
+
+RELAY_MIN_RANKS_PER_NODE = 32
+"""``--store-relay auto`` turns relays on for jobs of several nodes with at least this many
+ranks per node: the job's store then holds one connection per node instead of one per rank.
+Below it (and on one node, where the store is in the same launcher) a relay's extra hop buys
+nothing worth having."""
+
+
+def resolve_relay(value: str, nnodes: int, nproc_per_node: int) -> bool:
+    """Turn ``--store-relay`` (``auto``, ``on``, ``off``) into whether this node runs a relay.
+
+    Raises:
+        ValueError: another value.
+    """
+    if value == "on":
+        return True
+    if value == "off":
+        return False
+    if value == "auto":
+        return nnodes > 1 and nproc_per_node >= RELAY_MIN_RANKS_PER_NODE
+    raise ValueError(f"--store-relay must be auto, on or off; got {value!r}")

@@ -12,6 +12,8 @@ GROUP_RANK             the node's index; default 0
 MASTER_ADDR            required when WORLD_SIZE > 1; default 127.0.0.1
 MASTER_PORT            required when WORLD_SIZE > 1; default 0 (bind any port)
 GPUCOLL_STORE_HOSTED   "1": a launcher serves the store, every rank is a client
+GPUCOLL_STORE_RELAY    HOST:PORT of the node's store relay (gpucoll-run --store-relay):
+                       with GPUCOLL_STORE_HOSTED=1 the ranks reach the store through it
 TORCHELASTIC_USE_AGENT_STORE  "True" (torchrun): the same, torchrun's agent serves it
 =====================  =========================================================
 """

@@ -111,6 +111,11 @@ class Requests:
             lo, hi = w.ARITY[code]
             self._table[code] = (lo, 1 << 30 if hi is None else hi, handler)
 
+    def register(self, code: int, fewest: int, most: int, handler: Callable[[Conn, list[bytes]], None]) -> None:
+        """Serve frames of opcode ``code`` (with ``fewest`` to ``most`` fields) with ``handler``
+        (a connection kind beside the store's own requests: the relays' channels, _mux)."""
+        self._table[code] = (fewest, most, handler)
+
     # -- frames in ------------------------------------------------------------------------
 
     def dispatch(self, conn: Conn, code: int, fields: list[bytes]) -> None:
@@ -174,7 +179,7 @@ class Requests:
             out.append(w.U32.pack(len(f)))
             out.append(f)
 
-    def _reply_later(self, conn: Conn) -> None:
+    def reply_later(self, conn: Conn) -> None:
         """Flush ``conn`` at the end of this loop iteration (a reply made while serving
         another connection)."""
         if not conn.dirty:
@@ -216,7 +221,7 @@ class Requests:
             self._queue(conn, _OK_EMPTY)
         else:
             self._reply(conn, w.OK, values)
-        self._reply_later(conn)
+        self.reply_later(conn)
         if conn.inbuf:
             self.resume.append(conn)
 
@@ -234,7 +239,7 @@ class Requests:
                 continue
             missing = waiter.keys if waiter.queue else self.kv.missing(waiter.keys)
             self._reply(conn, w.TIMEOUT, missing)
-            self._reply_later(conn)
+            self.reply_later(conn)
             if conn.inbuf:
                 self.resume.append(conn)
 

@@ -38,6 +38,7 @@ from . import _torch_wire as tw
 from ._sockets import IN as _IN, IN_ANY as _IN_ANY, OUT as _OUT, FD_RESERVE, forget
 from ._sockets import NODELAY_INHERITED, accept_queues, listen, new_poller, nofile_for, peer_uid, read_big, unix_socket_name
 from ._requests import JOIN_THRESHOLD, PIPELINE_SLACK, PREAUTH_MAX_FRAME, Requests, Conn, torch_request
+from ._mux import MuxHub
 
 __all__ = ["StoreServer"]
 
@@ -124,6 +125,7 @@ class StoreServer:
         self._rbuf = bytearray(_RECV_SIZE)
         self._rview = memoryview(self._rbuf)
         self._conns: dict[int, Conn] = {}
+        self.mux = MuxHub(self)  # relays' multiplexed connections (see _mux)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"gpucoll-store-server:{self.port}",
                                         daemon=True)
@@ -208,7 +210,7 @@ class StoreServer:
                                 self._process(conn)
                             except Exception:
                                 self._drop(conn)
-                if self.requests.dirty:
+                while self.requests.dirty:  # a channel's reply makes its relay's connection dirty
                     dirty, self.requests.dirty = self.requests.dirty, []
                     for conn in dirty:
                         conn.dirty = False

@@ -173,6 +173,7 @@ class TCPStore(Store):
         if self._links.instance is not None and twin._links.instance != self._links.instance:
             twin.close()
             self._links.check_instance(twin._links.instance or b"")  # raises: the server restarted
+        twin._links.where = self._links.where  # a relay's client names the relay (see _relay)
         return twin
 
     def _start_server(self, host: str, port: int, token: bytes | None, max_key_size: int, max_value_size: int,
