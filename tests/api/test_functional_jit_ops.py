@@ -1,0 +1,136 @@
+"""Every gpucoll.functional op inside jax.jit (ordered FFI calls) on the CPU backend, against
+NumPy as the reference, at world sizes 1-4: one started world per size, many checks in it.
+Also vmap and grad through the ops that have rules, and the errors of those that do not."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gpucoll.testing import run_spmd
+
+from _fake_arrays import skip_without_jax
+
+
+def data(rank: int, shape: tuple[int, ...], dtype: str = "float32") -> np.ndarray:
+    size = int(np.prod(shape))
+    return ((np.arange(size) * 7 + 3 * rank) % 11 - 3).astype(dtype).reshape(shape)
+
+
+def ops_body() -> str:
+    import jax
+    import jax.numpy as jnp
+
+    import gpucoll
+    import gpucoll.functional as F
+
+    r, n = gpucoll.get_rank(), gpucoll.get_world_size()
+    every = lambda shape, dtype="float32": [data(k, shape, dtype) for k in range(n)]  # noqa: E731
+    eq = np.testing.assert_array_equal
+    R = gpucoll.ReduceOp
+
+    for dtype in ("float32", "int32"):
+        xs = every((2 * n, 3), dtype)
+        x = jnp.asarray(xs[r])
+        for root in range(n):
+            # broadcast, reduce, gather, scatter from/to every root, all in one program
+            @jax.jit
+            def rooted(v: Any) -> Any:
+                return (F.broadcast(v, src=root), F.reduce(v, dst=root), F.reduce(v, dst=root, op=R.MAX),
+                        F.gather(v, dst=root), F.gather(v, dst=root, axis=1), F.scatter(v, src=root),
+                        F.scatter(v, src=root, axis=1) if 3 % n == 0 else None)
+
+            b, s, m, g0, g1, sc0, sc1 = rooted(x)
+            eq(np.asarray(b), xs[root])
+            if r == root:
+                eq(np.asarray(s), sum(xs))
+                eq(np.asarray(m), np.maximum.reduce(xs))
+                eq(np.asarray(g0), np.concatenate(xs, axis=0))
+                eq(np.asarray(g1), np.concatenate(xs, axis=1))
+            else:
+                assert s is None and m is None and g0 is None and g1 is None
+            eq(np.asarray(sc0), np.split(xs[root], n, axis=0)[r])
+            if sc1 is not None:
+                eq(np.asarray(sc1), np.split(xs[root], n, axis=1)[r])
+
+        @jax.jit
+        def everyone(v: Any) -> Any:
+            return (F.reduce_scatter(v), F.reduce_scatter(v, op=R.MIN), F.all_gather(v, axis=1),
+                    F.all_to_all_single(v), F.all_gather(v[0, 0]))
+
+        rs, rmin, ag, a2a, ag0 = (np.asarray(o) for o in everyone(x))
+        eq(rs, np.split(sum(xs), n)[r])
+        eq(rmin, np.split(np.minimum.reduce(xs), n)[r])
+        eq(ag, np.concatenate(xs, axis=1))
+        eq(a2a, np.concatenate([np.split(xs[k], n)[r] for k in range(n)]))
+        eq(ag0, np.array([xs[k][0, 0] for k in range(n)]))
+
+    # reduce_scatter along axis 1 (a chunk per rank of every row)
+    xs = every((2, 2 * n))
+    eq(np.asarray(jax.jit(lambda v: F.reduce_scatter(v, axis=1))(jnp.asarray(xs[r]))),
+       np.split(sum(xs), n, axis=1)[r])
+    # all_to_all_single with uneven splits: rank k sends j + 1 rows to rank j
+    mine = np.concatenate([data(r, (j + 1, 2)) + 100 * j for j in range(n)])
+    out = jax.jit(lambda v: F.all_to_all_single(v, output_split_sizes=[r + 1] * n,
+                                                input_split_sizes=list(range(1, n + 1))))(jnp.asarray(mine))
+    eq(np.asarray(out), np.concatenate([data(k, (r + 1, 2)) + 100 * r for k in range(n)]))
+
+    # send / recv: a ring (every rank sends to the next), two tags, inside one program
+    if n > 1:
+        nxt, prv = (r + 1) % n, (r - 1) % n
+
+        @jax.jit
+        def ring(v: Any) -> Any:
+            F.send(v, dst=nxt, tag=1)
+            F.send(v * 2, dst=nxt, tag=2)
+            a = F.recv(jnp.zeros_like(v), src=prv, tag=1)
+            b = F.recv(jnp.zeros_like(v), src=prv, tag=2)
+            return a, b
+
+        for i in range(5):
+            a, b = ring(jnp.asarray(data(r, (4,)) + i))
+            eq(np.asarray(a), data(prv, (4,)) + i)
+            eq(np.asarray(b), 2 * (data(prv, (4,)) + i))
+
+    # barrier carries its value; and orders what follows it
+    eq(np.asarray(jax.jit(lambda v: F.barrier(v) + 1)(jnp.ones(3))), np.full(3, 2.0))
+
+    # vmap: batched calls equal the call on each batch row
+    batch = jnp.asarray(np.stack([data(r, (n, 2)), 3 * data(r, (n, 2))]))
+    rows_k = [np.stack([data(k, (n, 2)), 3 * data(k, (n, 2))]) for k in range(n)]
+    eq(np.asarray(jax.jit(jax.vmap(lambda v: F.broadcast(v, src=n - 1)))(batch)), rows_k[n - 1])
+    eq(np.asarray(jax.jit(jax.vmap(F.all_gather))(batch)), np.concatenate(rows_k, axis=1))
+    eq(np.asarray(jax.jit(jax.vmap(F.reduce_scatter))(batch)), np.split(sum(rows_k), n, axis=1)[r])
+    eq(np.asarray(jax.jit(jax.vmap(F.all_to_all_single))(batch)),
+       np.concatenate([np.split(rows_k[k], n, axis=1)[r] for k in range(n)], axis=1))
+
+    # grad: a send passes no gradient; a received value does not depend on the template
+    if n > 1:
+        def loss(v: Any) -> Any:
+            F.send(v, dst=(r + 1) % n)
+            got = F.recv(v, src=(r - 1) % n)
+            return jnp.sum(v * v) + jnp.sum(got * v)
+
+        v = data(r, (3,))
+        grad = np.asarray(jax.jit(jax.grad(loss))(jnp.asarray(v)))
+        eq(grad, 2 * v + data((r - 1) % n, (3,)))
+    with pytest.raises(NotImplementedError, match=r"gpucoll.functional.broadcast inside jax.grad"):
+        jax.jit(jax.grad(lambda v: jnp.sum(F.broadcast(v, src=0))))(jnp.ones(3))
+    # bad arguments fail at trace time, on every rank alike, before anything is issued
+    if n > 1:
+        with pytest.raises(ValueError, match=r"x.shape\[0\]=5 is not divisible by the group size"):
+            jax.jit(lambda v: F.reduce_scatter(v))(jnp.ones(5 if n != 5 else 6))
+    with pytest.raises(ValueError, match=r"axis=5 is out of range"):
+        jax.jit(lambda v: F.gather(v, dst=0, axis=5))(jnp.ones(3))
+    # the next collective outside jit still pairs up: no call was dropped or left behind
+    eq(np.asarray(F.all_reduce(np.full(3, r, np.int64))), np.full(3, n * (n - 1) // 2))
+    return "ok"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_every_op_inside_jit_matches_numpy(world_size: int) -> None:
+    skip_without_jax()
+    assert run_spmd(ops_body, world_size, timeout=600,
+                    env={"JAX_PLATFORMS": "cpu"}) == ["ok"] * world_size
