@@ -10,10 +10,12 @@ Inputs need not be contiguous: a non-contiguous input is copied to a contiguous
 one first (the in-place API raises instead). Every function is a collective: all
 ranks of the group call it with matching arrays.
 
-Inside ``jax.jit`` on the CPU backend, :func:`all_reduce` and :func:`all_gather` lower to an XLA FFI
-custom call (``gpucoll._jax``) that runs the group's op on XLA's own buffers. Every
-other function here still raises a TypeError on a JAX tracer: call it on concrete
-arrays between jitted functions (see docs/arrays.md, "inside jit").
+Inside ``jax.jit`` on the CPU backend, every single-array function here (and
+:func:`barrier`) lowers to an XLA FFI custom call (``gpucoll._jax``) that runs the
+group's op on XLA's own buffers, ordered with the program's other gpucoll calls. The
+list functions (:func:`all_reduce_coalesced`, :func:`all_to_all`) raise a TypeError on
+a JAX tracer: call them on concrete arrays between jitted functions (docs/arrays.md,
+"inside jit").
 
 Example:
     >>> import jax.numpy as jnp, gpucoll.functional as F
