@@ -2,7 +2,9 @@
 
 XLA calls the handler with the buffers it owns; the handler wraps them as NumPy views (no
 copy) and runs the group's op on them, writing straight into XLA's output buffers. The
-ordering token (last operand, last result; dtype TOKEN, no data) is skipped.
+ordering token (last operand, last result; dtype TOKEN, no data) is skipped. A call's
+static part (op, group, attributes, shapes) is a :class:`Plan` made at lowering, named in
+the program by one integer attribute.
 
 No compiler is needed: the handler is a ``ctypes.CFUNCTYPE`` callback following
 ``XLA_FFI_Handler`` (FFI API 0.3), handed to ``jax.ffi.register_ffi_target`` in a
@@ -17,16 +19,17 @@ from typing import Any, Callable, cast
 
 import numpy as np
 
+from .. import array as _array
+from .._buffer import Buffer
 from .._group import ProcessGroup
 from .._reduce_op import ReduceOp
 from . import ffi_api as A
 
 OPS: tuple[ReduceOp, ...] = tuple(ReduceOp)
-Arrays = list["np.ndarray[Any, Any]"]
 
-# Groups are named in the compiled program by an integer handle: XLA attributes are
-# static values, and a ProcessGroup is not one. A group gets its handle when it is first
-# traced into a program and keeps it for the life of the process.
+# Groups are named at trace time by an integer handle (a primitive's parameters must be
+# hashable static values, and a ProcessGroup is not one). A group gets its handle when it
+# is first traced into a program and keeps it for the life of the process.
 _GROUPS: dict[int, ProcessGroup] = {}
 
 
@@ -36,126 +39,136 @@ def group_handle(pg: ProcessGroup) -> int:
     return handle
 
 
-_DTYPES: dict[int, np.dtype[Any]] = {}
+class Plan:
+    """One call site's static part, made when it is lowered: the op, its group, its
+    attributes and its operands' shapes and dtypes. The compiled program names it by
+    one integer attribute, so a call reads one int64 to find it all; the NumPy views of
+    XLA's buffers are made once per buffer address and kept (XLA reuses its buffers)."""
+
+    __slots__ = ("kind", "pg", "attrs", "ins", "outs", "views")
+
+    def __init__(self, kind: str, attrs: dict[str, Any], ins: list[tuple[tuple[int, ...], np.dtype[Any]]],
+                 outs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> None:
+        self.kind = kind
+        self.pg = _GROUPS[attrs["group"]]
+        self.attrs = attrs
+        self.ins, self.outs = ins, outs
+        self.views: dict[tuple[int, int], Buffer] = {}
+
+    def buffer(self, slot: int, shape: tuple[int, ...], dtype: np.dtype[Any], ptr: int) -> Buffer:
+        """A Buffer over XLA's memory at ``ptr`` (a NumPy view of it is its owner)."""
+        key = (slot, ptr)
+        buf = self.views.get(key)
+        if buf is None:
+            if len(self.views) > 4096:  # a program that keeps moving its buffers
+                self.views.clear()
+            nbytes = math.prod(shape) * dtype.itemsize
+            view = (np.frombuffer(memoryview((C.c_char * nbytes).from_address(ptr)), dtype).reshape(shape) if nbytes
+                    else np.empty(shape, dtype))
+            buf = _array.as_buffer(view, name=f"{self.kind} operand", writable=True)
+            self.views[key] = buf
+        return buf
 
 
-def _np_dtype(code: int) -> np.dtype[Any]:
-    dtype = _DTYPES.get(code)
-    if dtype is None:
-        name = A.DTYPES.get(code)
-        if name is None:
-            raise TypeError(f"XLA data type code {code} is not supported by gpucoll collectives")
-        if name == "bfloat16":
-            import ml_dtypes  # a dependency of jax itself
-
-            dtype = cast("np.dtype[Any]", np.dtype(ml_dtypes.bfloat16))
-        else:
-            dtype = np.dtype(name)
-        _DTYPES[code] = dtype
-    return dtype
+_PLANS: list[Plan] = []
+_PLAN_IDS: dict[Any, int] = {}
 
 
-_BufferP = C.POINTER(A.Buffer)
+def plan_id(kind: str, attrs: tuple[tuple[str, Any], ...], ins: list[tuple[tuple[int, ...], Any]],
+            outs: list[tuple[tuple[int, ...], Any]]) -> int:
+    """The integer naming this call site's Plan (one per distinct op, attributes, shapes)."""
+    key = (kind, attrs, tuple((s, str(d)) for s, d in ins), tuple((s, str(d)) for s, d in outs))
+    found = _PLAN_IDS.get(key)
+    if found is None:
+        values = {k: list(v) if isinstance(v, tuple) else v for k, v in attrs}
+        _PLANS.append(Plan(kind, values, [(s, np.dtype(d)) for s, d in ins], [(s, np.dtype(d)) for s, d in outs]))
+        found = _PLAN_IDS[key] = len(_PLANS) - 1
+    return found
 
 
-def _views(ptrs: Any, count: int) -> Arrays:
-    """NumPy views (no copy) of the XLA_FFI_Buffers at ``ptrs``, the token left out."""
-    out = []
-    for i in range(count):
-        buf = C.cast(ptrs[i], _BufferP).contents
-        if buf.dtype == A.DTYPE_TOKEN:
-            continue
-        shape = tuple(buf.dims[k] for k in range(buf.rank))
-        dtype = _np_dtype(buf.dtype)
-        nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes == 0:
-            out.append(np.empty(shape, dtype))
-            continue
-        raw = (C.c_char * nbytes).from_address(buf.data)
-        out.append(np.frombuffer(raw, dtype).reshape(shape))
-    return out
+Bufs = list[Buffer]
 
 
-def _attrs(attrs: A.Attrs) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for i in range(attrs.size):
-        span = attrs.names[i].contents
-        name = C.string_at(span.ptr, span.len).decode()
-        if attrs.types[i] == A.ATTR_SCALAR:
-            scalar = C.cast(attrs.attrs[i], C.POINTER(A.Scalar)).contents
-            out[name] = int(C.cast(scalar.value, C.POINTER(C.c_int64)).contents.value)
-        elif attrs.types[i] == A.ATTR_ARRAY:
-            arr = C.cast(attrs.attrs[i], C.POINTER(A.Array)).contents
-            out[name] = [int(v) for v in C.cast(arr.data, C.POINTER(C.c_int64))[:arr.size]] if arr.size else []
-        else:
-            raise TypeError(f"attribute {name!r}: expected an integer scalar or array")
-    return out
+def _arr(buf: Buffer) -> np.ndarray[Any, Any]:
+    return cast("np.ndarray[Any, Any]", buf.owner)
 
 
-def _same(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> bool:
-    """Whether XLA aliased the output to the input (one buffer)."""
-    return bool(a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
-
-
-def _all_reduce(pg: ProcessGroup, ins: Arrays, outs: Arrays, a: dict[str, Any]) -> None:
-    if _same(outs[0], ins[0]):
-        pg.all_reduce(outs[0], OPS[a["op"]])
+def _all_reduce(p: Plan, ins: Bufs, outs: Bufs) -> None:
+    if outs[0].ptr == ins[0].ptr:  # XLA aliased the output to the input
+        p.pg.all_reduce(outs[0], OPS[p.attrs["op"]])
     else:
-        pg._all_reduce_into(outs[0], ins[0], OPS[a["op"]])
+        p.pg._all_reduce_into(outs[0], ins[0], OPS[p.attrs["op"]])
 
 
-def _broadcast(pg: ProcessGroup, ins: Arrays, outs: Arrays, a: dict[str, Any]) -> None:
-    if pg.rank() == a["root"] and not _same(outs[0], ins[0]):
-        np.copyto(outs[0], ins[0])
-    pg.broadcast(outs[0], a["root"])
+def _broadcast(p: Plan, ins: Bufs, outs: Bufs) -> None:
+    if p.pg.rank() == p.attrs["root"] and outs[0].ptr != ins[0].ptr:
+        np.copyto(_arr(outs[0]), _arr(ins[0]))
+    p.pg.broadcast(outs[0], p.attrs["root"])
 
 
-def _reduce(pg: ProcessGroup, ins: Arrays, outs: Arrays, a: dict[str, Any]) -> None:
-    if not _same(outs[0], ins[0]):
-        np.copyto(outs[0], ins[0])
-    pg.reduce(outs[0], a["root"], OPS[a["op"]])
+def _reduce(p: Plan, ins: Bufs, outs: Bufs) -> None:
+    if outs[0].ptr != ins[0].ptr:
+        np.copyto(_arr(outs[0]), _arr(ins[0]))
+    p.pg.reduce(outs[0], p.attrs["root"], OPS[p.attrs["op"]])
 
 
-def _all_gather(pg: ProcessGroup, ins: Arrays, outs: Arrays, a: dict[str, Any]) -> None:
-    pg.all_gather_single(outs[0], ins[0])
+def _all_gather(p: Plan, ins: Bufs, outs: Bufs) -> None:
+    p.pg.all_gather_single(outs[0], ins[0])
 
 
-def _reduce_scatter(pg: ProcessGroup, ins: Arrays, outs: Arrays, a: dict[str, Any]) -> None:
-    pg.reduce_scatter_single(outs[0], ins[0], OPS[a["op"]])
+def _reduce_scatter(p: Plan, ins: Bufs, outs: Bufs) -> None:
+    p.pg.reduce_scatter_single(outs[0], ins[0], OPS[p.attrs["op"]])
 
 
-def _all_to_all_single(pg: ProcessGroup, ins: Arrays, outs: Arrays, a: dict[str, Any]) -> None:
-    pg.all_to_all_single(outs[0], ins[0], a.get("out_splits") or None, a.get("in_splits") or None)
+def _all_to_all_single(p: Plan, ins: Bufs, outs: Bufs) -> None:
+    p.pg.all_to_all_single(outs[0], ins[0], p.attrs.get("out_splits"), p.attrs.get("in_splits"))
 
 
-def _gather(pg: ProcessGroup, ins: Arrays, outs: Arrays, a: dict[str, Any]) -> None:
-    pg.gather(ins[0], list(outs[0]) if outs else None, a["root"])
+def _gather(p: Plan, ins: Bufs, outs: Bufs) -> None:
+    p.pg.gather(ins[0], list(_arr(outs[0])) if outs else None, p.attrs["root"])
 
 
-def _scatter(pg: ProcessGroup, ins: Arrays, outs: Arrays, a: dict[str, Any]) -> None:
-    pg.scatter(outs[0], list(ins[0]) if pg.rank() == a["root"] else None, a["root"])
+def _scatter(p: Plan, ins: Bufs, outs: Bufs) -> None:
+    p.pg.scatter(outs[0], list(_arr(ins[0])) if p.pg.rank() == p.attrs["root"] else None, p.attrs["root"])
 
 
-def _send(pg: ProcessGroup, ins: Arrays, outs: Arrays, a: dict[str, Any]) -> None:
-    pg.send(ins[0], a["peer"], a["tag"], async_op=False)
+def _send(p: Plan, ins: Bufs, outs: Bufs) -> None:
+    p.pg.send(ins[0], p.attrs["peer"], p.attrs["tag"], async_op=False)
 
 
-def _recv(pg: ProcessGroup, ins: Arrays, outs: Arrays, a: dict[str, Any]) -> None:
-    pg.recv(outs[0], None if a["peer"] < 0 else a["peer"], a["tag"], async_op=False)
+def _recv(p: Plan, ins: Bufs, outs: Bufs) -> None:
+    p.pg.recv(outs[0], None if p.attrs["peer"] < 0 else p.attrs["peer"], p.attrs["tag"], async_op=False)
 
 
-def _barrier(pg: ProcessGroup, ins: Arrays, outs: Arrays, a: dict[str, Any]) -> None:
-    pg.barrier()
-    if outs and not _same(outs[0], ins[0]):
-        np.copyto(outs[0], ins[0])
+def _barrier(p: Plan, ins: Bufs, outs: Bufs) -> None:
+    p.pg.barrier()
+    if outs and outs[0].ptr != ins[0].ptr:
+        np.copyto(_arr(outs[0]), _arr(ins[0]))
 
 
-Runner = Callable[[ProcessGroup, Arrays, Arrays, dict[str, Any]], None]
+Runner = Callable[[Plan, Bufs, Bufs], None]
 RUNNERS: dict[str, Runner] = {
     "all_reduce": _all_reduce, "broadcast": _broadcast, "reduce": _reduce, "all_gather": _all_gather,
     "reduce_scatter": _reduce_scatter, "all_to_all_single": _all_to_all_single, "gather": _gather,
     "scatter": _scatter, "send": _send, "recv": _recv, "barrier": _barrier,
 }
+
+# Byte offsets in XLA's structs (c_api.h), read with from_address: cheaper than ctypes casts.
+_DATA = A.Buffer.data.offset            # XLA_FFI_Buffer.data
+_VALUE = A.Scalar.value.offset          # XLA_FFI_Scalar.value
+_ptr = C.c_void_p.from_address
+_i64 = C.c_int64.from_address
+
+
+def _plan_of(attrs: A.Attrs) -> Plan:
+    if attrs.size != 1 or attrs.types[0] != A.ATTR_SCALAR:
+        raise TypeError("expected one integer attribute (the call's plan)")
+    return _PLANS[_i64(_ptr(attrs.attrs[0] + _VALUE).value or 0).value]
+
+
+def _buffers(p: Plan, ptrs: Any, shapes: list[tuple[tuple[int, ...], np.dtype[Any]]], base: int) -> Bufs:
+    return [p.buffer(base + i, shape, dtype, _ptr(ptrs[i] + _DATA).value or 0)
+            for i, (shape, dtype) in enumerate(shapes)]  # the token (last) is left out
 
 
 def _error(frame: A.CallFrame, message: str) -> int:
@@ -180,9 +193,8 @@ def _make_handler(kind: str) -> Any:
         if frame.stage != A.STAGE_EXECUTE:
             return None
         try:
-            args, rets = frame.args, frame.rets
-            a = _attrs(frame.attrs)
-            run(_GROUPS[a["group"]], _views(args.args, args.size), _views(rets.rets, rets.size), a)
+            p = _plan_of(frame.attrs)
+            run(p, _buffers(p, frame.args.args, p.ins, 0), _buffers(p, frame.rets.rets, p.outs, len(p.ins)))
             return None
         except BaseException as exc:  # an exception must not cross into XLA: it becomes XLA's error
             return _error(frame, f"gpucoll.functional.{kind} inside jax.jit failed: {type(exc).__name__}: {exc}")

@@ -78,8 +78,9 @@ def _lowering(ctx: Any, *operands: Any, kind: str, attrs: Any, result_avals: Any
                              avals_out=(*ctx.avals_out, core.abstract_token))
     rule = jax.ffi.ffi_lowering(handler.target(kind), has_side_effect=True,
                                 operand_output_aliases={0: 0} if alias else None)
-    values = {k: np.asarray(v, np.int64) if isinstance(v, tuple) else np.int64(v) for k, v in attrs}
-    results = list(rule(with_token, *operands, token, **values))
+    plan = handler.plan_id(kind, attrs, [(a.shape, a.dtype) for a in ctx.avals_in],
+                           [(a.shape, a.dtype) for a in ctx.avals_out])
+    results = list(rule(with_token, *operands, token, plan=np.int64(plan)))
     ctx.set_tokens_out(mlir.TokenSet({EFFECT: results.pop()}))
     return results
 
