@@ -94,6 +94,20 @@ def ops_body() -> str:
             eq(np.asarray(a), data(prv, (4,)) + i)
             eq(np.asarray(b), 2 * (data(prv, (4,)) + i))
 
+        # inside a fori_loop: the token goes around the loop, each turn's calls in order
+        def turn(i: Any, v: Any) -> Any:
+            F.send(v, dst=nxt)
+            return F.recv(jnp.zeros_like(v), src=prv) + F.all_reduce(jnp.ones_like(v))
+        got = jax.jit(lambda v: jax.lax.fori_loop(0, n, turn, v))(jnp.asarray(data(r, (4,))))
+        eq(np.asarray(got), data(r, (4,)) + n * n)  # n turns around the ring, each adds n
+
+    # an in-place op's output aliases its input, yet an input used afterwards is kept
+    v0 = jnp.asarray(data(r, (5,)))
+    y, same = jax.jit(lambda v: (F.all_reduce(v), v * 1))(v0)
+    eq(np.asarray(same), data(r, (5,)))
+    eq(np.asarray(y), sum(data(k, (5,)) for k in range(n)))
+    eq(np.asarray(v0), data(r, (5,)))
+
     # barrier carries its value; and orders what follows it
     eq(np.asarray(jax.jit(lambda v: F.barrier(v) + 1)(jnp.ones(3))), np.full(3, 2.0))
 
