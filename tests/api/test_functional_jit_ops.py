@@ -148,3 +148,32 @@ def test_every_op_inside_jit_matches_numpy(world_size: int) -> None:
     skip_without_jax()
     assert run_spmd(ops_body, world_size, timeout=600,
                     env={"JAX_PLATFORMS": "cpu"}) == ["ok"] * world_size
+
+
+def mismatch_body() -> str:
+    import jax
+    import jax.numpy as jnp
+
+    import gpucoll
+    import gpucoll.functional as F
+
+    r = gpucoll.get_rank()
+
+    @jax.jit
+    def step(v: Any) -> Any:  # rank 1 compiled a different sequence of collectives
+        if r == 1:
+            return F.broadcast(v, src=0) + F.all_reduce(v)
+        return F.all_reduce(v) + F.broadcast(v, src=0)
+
+    # the cross-rank signature check runs inside the compiled program too: an error on
+    # every rank naming what differs, not a hang and not a wrong result
+    first = "broadcast" if r == 1 else "all_reduce"
+    with pytest.raises(Exception, match=rf"gpucoll.functional.{first} inside jax.jit failed: DistBackendError: "
+                                        r".*issued a different collective.*differ in op"):
+        step(jnp.ones(3)).block_until_ready()
+    return "ok"
+
+
+def test_ranks_that_compiled_different_sequences_get_an_error() -> None:
+    skip_without_jax()
+    assert run_spmd(mismatch_body, 3, timeout=120, env={"JAX_PLATFORMS": "cpu"}) == ["ok"] * 3
