@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes as C
 import math
+import os
 from typing import Any, Callable, cast
 
 import numpy as np
@@ -72,6 +73,11 @@ class Plan:
 
 _PLANS: list[Plan] = []
 _PLAN_IDS: dict[Any, int] = {}
+# Plans are this process's: the attribute carries a random per-process tag beside the
+# plan's index, so a program compiled elsewhere (a persistent compilation cache) is
+# refused by name instead of running another process's plan numbers.
+_INDEX_BITS = 24
+_TAG = int.from_bytes(os.urandom(4), "little") | 1
 
 
 def plan_id(kind: str, attrs: tuple[tuple[str, Any], ...], ins: list[tuple[tuple[int, ...], Any]],
@@ -83,7 +89,7 @@ def plan_id(kind: str, attrs: tuple[tuple[str, Any], ...], ins: list[tuple[tuple
         values = {k: list(v) if isinstance(v, tuple) else v for k, v in attrs}
         _PLANS.append(Plan(kind, values, [(s, np.dtype(d)) for s, d in ins], [(s, np.dtype(d)) for s, d in outs]))
         found = _PLAN_IDS[key] = len(_PLANS) - 1
-    return found
+    return (_TAG << _INDEX_BITS) | found
 
 
 Bufs = list[Buffer]
@@ -163,7 +169,11 @@ _i64 = C.c_int64.from_address
 def _plan_of(attrs: A.Attrs) -> Plan:
     if attrs.size != 1 or attrs.types[0] != A.ATTR_SCALAR:
         raise TypeError("expected one integer attribute (the call's plan)")
-    return _PLANS[_i64(_ptr(attrs.attrs[0] + _VALUE).value or 0).value]
+    value = _i64(_ptr(attrs.attrs[0] + _VALUE).value or 0).value
+    if value >> _INDEX_BITS != _TAG:
+        raise RuntimeError("this program was compiled by another process (its gpucoll calls name that "
+                           "process's groups): compile it in this one (no persistent compilation cache)")
+    return _PLANS[value & ((1 << _INDEX_BITS) - 1)]
 
 
 def _buffers(p: Plan, ptrs: Any, shapes: list[tuple[tuple[int, ...], np.dtype[Any]]], base: int) -> Bufs:

@@ -177,3 +177,25 @@ def mismatch_body() -> str:
 def test_ranks_that_compiled_different_sequences_get_an_error() -> None:
     skip_without_jax()
     assert run_spmd(mismatch_body, 3, timeout=120, env={"JAX_PLATFORMS": "cpu"}) == ["ok"] * 3
+
+
+def test_a_plan_number_from_another_process_is_refused() -> None:
+    import ctypes as C
+
+    from gpucoll._jax import ffi_api as A
+    from gpucoll._jax import handler
+
+    def attrs(value: int) -> Any:
+        v = C.c_int64(value)
+        scalar = A.Scalar(dtype=5, value=C.cast(C.pointer(v), C.c_void_p))
+        types = (C.c_int * 1)(A.ATTR_SCALAR)
+        ptrs = (C.c_void_p * 1)(C.addressof(scalar))
+        a = A.Attrs(size=1, types=types, attrs=ptrs)
+        a._keep = (v, scalar, types, ptrs)
+        return a
+
+    other = ((handler._TAG ^ 0x5A5A) << handler._INDEX_BITS) | 0
+    with pytest.raises(RuntimeError, match="compiled by another process"):
+        handler._plan_of(attrs(other))
+    with pytest.raises(IndexError):  # this process's tag, a plan number it never made
+        handler._plan_of(attrs((handler._TAG << handler._INDEX_BITS) | (1 << handler._INDEX_BITS) - 1))
