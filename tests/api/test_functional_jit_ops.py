@@ -120,6 +120,29 @@ def ops_body() -> str:
     eq(np.asarray(jax.jit(jax.vmap(F.all_to_all_single))(batch)),
        np.concatenate([np.split(rows_k[k], n, axis=1)[r] for k in range(n)], axis=1))
 
+    g = jax.jit(jax.vmap(lambda v: F.gather(v, dst=0)))(batch)
+    if r == 0:
+        eq(np.asarray(g), np.concatenate(rows_k, axis=1))
+    else:
+        assert g is None
+    eq(np.asarray(jax.jit(jax.vmap(lambda v: F.scatter(v, src=n - 1)))(batch)),
+       np.split(rows_k[n - 1], n, axis=1)[r])
+    red = jax.jit(jax.vmap(lambda v: F.reduce(v, dst=0, op=R.MIN)))(batch)
+    if r == 0:
+        eq(np.asarray(red), np.minimum.reduce(rows_k))
+    else:
+        assert red is None
+    # bfloat16 and float16 travel as they are
+    import ml_dtypes
+
+    for dt in (jnp.bfloat16, jnp.float16):
+        h = jnp.asarray(data(r, (2, 3)), dt)
+        got = jax.jit(lambda v: (F.all_gather(v), F.broadcast(v, src=n - 1)))(h)
+        ref = [data(k, (2, 3)).astype(ml_dtypes.bfloat16 if dt == jnp.bfloat16 else np.float16) for k in range(n)]
+        assert got[0].dtype == dt
+        eq(np.asarray(got[0]), np.concatenate(ref))
+        eq(np.asarray(got[1]), ref[n - 1])
+
     # grad: a send passes no gradient; a received value does not depend on the template
     if n > 1:
         def loss(v: Any) -> Any:
