@@ -153,6 +153,10 @@ def ops_body() -> str:
         v = data(r, (3,))
         grad = np.asarray(jax.jit(jax.grad(loss))(jnp.asarray(v)))
         eq(grad, 2 * v + data((r - 1) % n, (3,)))
+    # grad and vmap without jit: the primitive runs as a one-op program
+    eq(np.asarray(jax.grad(lambda v: jnp.sum(F.all_reduce(v) * (r + 1)))(jnp.ones(3))),
+       np.full(3, n * (n + 1) / 2))
+    eq(np.asarray(jax.vmap(lambda v: F.broadcast(v, src=n - 1))(batch)), rows_k[n - 1])
     with pytest.raises(NotImplementedError, match=r"gpucoll.functional.broadcast inside jax.grad"):
         jax.jit(jax.grad(lambda v: jnp.sum(F.broadcast(v, src=0))))(jnp.ones(3))
     # bad arguments fail at trace time, on every rank alike, before anything is issued
