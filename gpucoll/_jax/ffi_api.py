@@ -14,16 +14,9 @@ API_MINOR = 3  # XLA_FFI_API_MINOR
 
 EXTENSION_METADATA = 1       # XLA_FFI_Extension_Metadata
 STAGE_EXECUTE = 3            # XLA_FFI_ExecutionStage_EXECUTE
-ATTR_ARRAY = 1               # XLA_FFI_AttrType_ARRAY
 ATTR_SCALAR = 3              # XLA_FFI_AttrType_SCALAR
 ATTR_STRING = 4              # XLA_FFI_AttrType_STRING
 ERROR_INTERNAL = 13          # XLA_FFI_Error_Code_INTERNAL
-DTYPE_TOKEN = 17             # XLA_FFI_DataType_TOKEN: the ordering token, no data
-
-# XLA_FFI_DataType -> NumPy dtype name (the types gpucoll's CPU backend reduces).
-DTYPES = {1: "bool", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "uint8", 7: "uint16",
-          8: "uint32", 9: "uint64", 10: "float16", 11: "float32", 12: "float64", 16: "bfloat16",
-          15: "complex64", 18: "complex128"}
 
 
 class ExtensionBase(C.Structure):
@@ -75,10 +68,6 @@ class ByteSpan(C.Structure):
 
 class Scalar(C.Structure):
     _fields_ = [("dtype", C.c_int), ("value", C.c_void_p)]
-
-
-class Array(C.Structure):
-    _fields_ = [("dtype", C.c_int), ("size", C.c_size_t), ("data", C.c_void_p)]
 
 
 class Args(C.Structure):
