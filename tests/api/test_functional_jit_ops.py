@@ -165,6 +165,27 @@ def ops_body() -> str:
             jax.jit(lambda v: F.reduce_scatter(v))(jnp.ones(5 if n != 5 else 6))
     with pytest.raises(ValueError, match=r"axis=5 is out of range"):
         jax.jit(lambda v: F.gather(v, dst=0, axis=5))(jnp.ones(3))
+    # a subgroup (even ranks) beside the default group in one program; group ranks for p2p
+    evens = gpucoll.new_group(list(range(0, n, 2)))
+    if r % 2 == 0:
+        m = len(range(0, n, 2))
+
+        @jax.jit
+        def sub(v: Any) -> Any:
+            s = F.all_reduce(v, group=evens)
+            w = F.all_reduce(v)
+            if m > 1:
+                F.send(v, group=evens, group_dst=(r // 2 + 1) % m)
+                return s, w, F.recv(v, group=evens, group_src=(r // 2 - 1) % m)
+            return s, w, v
+
+        s, w, got = sub(jnp.asarray(data(r, (3,))))
+        eq(np.asarray(s), sum(data(k, (3,)) for k in range(0, n, 2)))
+        eq(np.asarray(w), sum(data(k, (3,)) for k in range(n)))
+        eq(np.asarray(got), data(2 * ((r // 2 - 1) % m), (3,)))
+    else:
+        eq(np.asarray(jax.jit(F.all_reduce)(jnp.asarray(data(r, (3,))))), sum(data(k, (3,)) for k in range(n)))
+
     # the next collective outside jit still pairs up: no call was dropped or left behind
     eq(np.asarray(F.all_reduce(np.full(3, r, np.int64))), np.full(3, n * (n - 1) // 2))
     return "ok"
