@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes as C
 import math
 import os
+import threading
 from typing import Any, Callable, cast
 
 import numpy as np
@@ -73,6 +74,7 @@ class Plan:
 
 _PLANS: list[Plan] = []
 _PLAN_IDS: dict[Any, int] = {}
+_PLAN_LOCK = threading.Lock()
 # Plans are this process's: the attribute carries a random per-process tag beside the
 # plan's index, so a program compiled elsewhere (a persistent compilation cache) is
 # refused by name instead of running another process's plan numbers.
@@ -84,11 +86,14 @@ def plan_id(kind: str, attrs: tuple[tuple[str, Any], ...], ins: list[tuple[tuple
             outs: list[tuple[tuple[int, ...], Any]]) -> int:
     """The integer naming this call site's Plan (one per distinct op, attributes, shapes)."""
     key = (kind, attrs, tuple((s, str(d)) for s, d in ins), tuple((s, str(d)) for s, d in outs))
-    found = _PLAN_IDS.get(key)
-    if found is None:
-        values = {k: list(v) if isinstance(v, tuple) else v for k, v in attrs}
-        _PLANS.append(Plan(kind, values, [(s, np.dtype(d)) for s, d in ins], [(s, np.dtype(d)) for s, d in outs]))
-        found = _PLAN_IDS[key] = len(_PLANS) - 1
+    with _PLAN_LOCK:  # programs may be lowered on several threads
+        found = _PLAN_IDS.get(key)
+        if found is None:
+            values = {k: list(v) if isinstance(v, tuple) else v for k, v in attrs}
+            _PLANS.append(Plan(kind, values, [(s, np.dtype(d)) for s, d in ins], [(s, np.dtype(d)) for s, d in outs]))
+            found = _PLAN_IDS[key] = len(_PLANS) - 1
+    if found >> _INDEX_BITS:
+        raise RuntimeError(f"more than {1 << _INDEX_BITS} distinct gpucoll call sites in one process")
     return (_TAG << _INDEX_BITS) | found
 
 
