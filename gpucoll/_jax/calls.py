@@ -97,12 +97,53 @@ def _joined(stacked: Any, n: int, shape: tuple[int, ...], axis: int) -> Any:
     return jnp.concatenate([stacked[i] for i in range(n)], axis=k)
 
 
+def _stack(x: Any, handle: int, n: int) -> Any:
+    """Every rank's ``x`` stacked in rank order: (n, *x.shape)."""
+    return bind("all_gather", [x], {"group": handle}, [((n, *x.shape), x.dtype)])[0]
+
+
+def _sum_chunk(stacked: Any, handle: int) -> Any:
+    """This rank's chunk of the sum over ranks of ``stacked`` (n, *chunk): (chunk)."""
+    total = OPS.index(ReduceOp.SUM)
+    return bind("reduce_scatter", [stacked], {"group": handle, "op": total},
+                [(stacked.shape[1:], stacked.dtype)])[0]
+
+
+_LINEAR: dict[str, Any] = {}  # the custom_vjp functions, built on first use
+
+
+def _linear_pair() -> tuple[Any, Any]:
+    """all_gather and reduce_scatter(SUM) with their gradient rules: each is the other's
+    transpose (the global loss is the sum of the ranks' losses, as for all_reduce)."""
+    if not _LINEAR:
+        import jax
+
+        def gather_fwd(x: Any, handle: int, n: int) -> tuple[Any, None]:
+            return _stack(x, handle, n), None
+
+        def gather_bwd(handle: int, n: int, _: None, cotangent: Any) -> tuple[Any]:
+            return (_sum_chunk(cotangent, handle),)
+
+        def scatter_fwd(stacked: Any, handle: int, n: int) -> tuple[Any, None]:
+            return _sum_chunk(stacked, handle), None
+
+        def scatter_bwd(handle: int, n: int, _: None, cotangent: Any) -> tuple[Any]:
+            return (_stack(cotangent, handle, n),)
+
+        stack = jax.custom_vjp(_stack, nondiff_argnums=(1, 2))
+        stack.defvjp(gather_fwd, gather_bwd)
+        chunk = jax.custom_vjp(lambda v, handle, n: _sum_chunk(v, handle), nondiff_argnums=(1, 2))
+        chunk.defvjp(scatter_fwd, scatter_bwd)
+        _LINEAR.update(stack=stack, chunk=chunk)
+    return _LINEAR["stack"], _LINEAR["chunk"]
+
+
 def all_gather(x: Any, pg: ProcessGroup, axis: int) -> Any:
     """Every rank's ``x`` stacked in rank order, then joined along ``axis`` as outside jit."""
     n = pg.size()
     if x.shape:
         _axis(axis, len(x.shape))
-    return _joined(_one("all_gather", x, pg, (n, *x.shape)), n, x.shape, axis)
+    return _joined(_linear_pair()[0](x, group_handle(pg), n), n, x.shape, axis)
 
 
 def _chunked(x: Any, n: int, axis: int, name: str) -> tuple[Any, tuple[int, ...]]:
@@ -123,6 +164,8 @@ def _chunked(x: Any, n: int, axis: int, name: str) -> tuple[Any, tuple[int, ...]
 def reduce_scatter(x: Any, op: Any, pg: ProcessGroup, axis: int) -> Any:
     index = _op_index(op, "reduce_scatter")
     staged, chunk = _chunked(x, pg.size(), axis, "reduce_scatter")
+    if OPS[index] is ReduceOp.SUM:
+        return _linear_pair()[1](staged, group_handle(pg), pg.size())
     return _one("reduce_scatter", staged, pg, chunk, op=index)
 
 

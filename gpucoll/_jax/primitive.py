@@ -103,8 +103,8 @@ def _jvp(primals: Any, tangents: Any, *, kind: str, attrs: Any, result_avals: An
     tangent); a barrier passes its value through (tangent passed through too)."""
     if kind not in ("send", "recv", "barrier"):
         raise NotImplementedError(
-            f"gpucoll.functional.{kind} inside jax.grad/jvp: no differentiation rule (all_reduce with "
-            "ReduceOp.SUM, send, recv and barrier have one; see docs/arrays.md)")
+            f"gpucoll.functional.{kind} inside jax.grad/jvp: no differentiation rule (all_reduce and "
+            "reduce_scatter with ReduceOp.SUM, all_gather, send, recv and barrier have one; see docs/arrays.md)")
     outs = gpucoll_p.bind(*primals, kind=kind, attrs=attrs, result_avals=result_avals, alias=alias)
     if kind == "barrier":
         tan = tangents[0]

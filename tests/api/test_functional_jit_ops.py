@@ -153,6 +153,18 @@ def ops_body() -> str:
         v = data(r, (3,))
         grad = np.asarray(jax.jit(jax.grad(loss))(jnp.asarray(v)))
         eq(grad, 2 * v + data((r - 1) % n, (3,)))
+    # grad through all_gather and reduce_scatter(SUM): each is the other's transpose. With
+    # rank k's loss sum(out * c_k), d(sum of losses)/dx_r is the sum over k of c_k's chunk r
+    # (all_gather), and every rank's c_k concatenated along the scattered axis (reduce_scatter)
+    c = [data(k, (2 * n, 2)) + 1 for k in range(n)]
+    xg = jnp.asarray(data(r, (2, 2)))
+    grad = jax.jit(jax.grad(lambda v: jnp.sum(F.all_gather(v) * c[r])))(xg)
+    eq(np.asarray(grad), sum(np.split(ck, n)[r] for ck in c))
+    cs = [data(k, (2, 2)) * 2 + 1 for k in range(n)]
+    grad = jax.jit(jax.grad(lambda v: jnp.sum(F.reduce_scatter(v, axis=1) * cs[r])))(
+        jnp.asarray(data(r, (2, 2 * n))))
+    eq(np.asarray(grad), np.concatenate(cs, axis=1))
+
     # grad and vmap without jit: the primitive runs as a one-op program
     eq(np.asarray(jax.grad(lambda v: jnp.sum(F.all_reduce(v) * (r + 1)))(jnp.ones(3))),
        np.full(3, n * (n + 1) / 2))
