@@ -6,6 +6,8 @@ In the same run, on 2 ranks of the CPU backend (JAX on the CPU), for a small flo
 - outside: N calls of ``F.all_reduce`` on a jax.Array from Python;
 - mpi4jax (if importable, run under ``mpirun``): a jitted ``fori_loop`` of N ``mpi4jax.allreduce``.
 
+Every timed loop starts after a barrier, so that no rank's late start is timed.
+
 Prints microseconds per op for each, and the ratios inside/outside and inside/mpi4jax
 (lower is better). Times are the median of a few repetitions.
 
@@ -35,6 +37,7 @@ def gpucoll_body(ops: int, size: int, reps: int) -> dict[str, float]:
     import jax
     import jax.numpy as jnp
 
+    import gpucoll
     import gpucoll.functional as F
 
     @jax.jit
@@ -45,9 +48,13 @@ def gpucoll_body(ops: int, size: int, reps: int) -> dict[str, float]:
     inside(x).block_until_ready()  # compile
     t_in, t_out = [], []
     for _ in range(reps):
+        # start every timed loop together: a rank that starts late would be timed as the
+        # others' wait for it (tens of ms on a shared machine)
+        gpucoll.barrier()
         t0 = time.perf_counter()
         inside(x).block_until_ready()
         t_in.append((time.perf_counter() - t0) / ops)
+        gpucoll.barrier()
         t0 = time.perf_counter()
         v = x
         for _ in range(ops):
@@ -69,6 +76,7 @@ x = jnp.ones(size, jnp.float32)
 inside(x).block_until_ready()
 ts = []
 for _ in range(reps):
+    MPI.COMM_WORLD.Barrier()
     t0 = time.perf_counter(); inside(x).block_until_ready(); ts.append((time.perf_counter() - t0) / ops)
 if MPI.COMM_WORLD.rank == 0:
     print("MPI4JAX", statistics.median(ts))

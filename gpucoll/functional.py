@@ -10,10 +10,12 @@ Inputs need not be contiguous: a non-contiguous input is copied to a contiguous
 one first (the in-place API raises instead). Every function is a collective: all
 ranks of the group call it with matching arrays.
 
-Inside ``jax.jit`` on the CPU backend, :func:`all_reduce` and :func:`all_gather` lower to an XLA FFI
-custom call (``gpucoll._jax``) that runs the group's op on XLA's own buffers. Every
-other function here still raises a TypeError on a JAX tracer: call it on concrete
-arrays between jitted functions (see docs/arrays.md, "inside jit").
+Inside ``jax.jit`` on the CPU backend, every single-array function here (and
+:func:`barrier`) lowers to an XLA FFI custom call (``gpucoll._jax``) that runs the
+group's op on XLA's own buffers, ordered with the program's other gpucoll calls. The
+list functions (:func:`all_reduce_coalesced`, :func:`all_to_all`) raise a TypeError on
+a JAX tracer: call them on concrete arrays between jitted functions (docs/arrays.md,
+"inside jit").
 
 Example:
     >>> import jax.numpy as jnp, gpucoll.functional as F
@@ -35,7 +37,7 @@ from ._reduce_op import ReduceOp, ReduceOpLike
 from .array import ArrayLike
 
 __all__ = ["all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather", "reduce_scatter",
-           "all_to_all_single", "all_to_all", "gather", "scatter", "send", "recv"]
+           "all_to_all_single", "all_to_all", "gather", "scatter", "send", "recv", "barrier"]
 
 
 def _contiguous(x: Any) -> Any:
@@ -122,6 +124,10 @@ def broadcast(x: ArrayLike, src: int | None = None, group: ProcessGroup | None =
     """Return rank ``src``'s ``x`` on every rank (``x`` gives the shape and dtype elsewhere)."""
     pg = _pg(group)
     root = _group_rank(pg, src, group_src, "src")
+    if _traced(x):
+        from ._jax import calls
+
+        return calls.broadcast(x, root, pg)
     _, inp = _input(x, "x")
     out, dst = _array.new_output(x, inp.shape, inp.dtype)
     if pg.rank() == root:
@@ -135,6 +141,10 @@ def reduce(x: ArrayLike, dst: int | None = None, op: ReduceOpLike = ReduceOp.SUM
     """Return the reduction of ``x`` over the group on rank ``dst``; None on other ranks."""
     pg = _pg(group)
     root = _group_rank(pg, dst, group_dst, "dst")
+    if _traced(x):
+        from ._jax import calls
+
+        return calls.reduce(x, root, op, pg)
     _, src = _input(x, "x")
     out, buf = _array.new_output(x, src.shape, src.dtype)
     _array.copy_buffer(buf, src)
@@ -174,6 +184,10 @@ def reduce_scatter(x: ArrayLike, op: ReduceOpLike = ReduceOp.SUM, group: Process
         ValueError: ``x.shape[axis]`` is not divisible by the group size.
     """
     pg = _pg(group)
+    if _traced(x):
+        from ._jax import calls
+
+        return calls.reduce_scatter(x, op, pg, axis)
     n = pg.size()
     x_c, inp = _input(x, "x")
     if not inp.shape:
@@ -202,6 +216,10 @@ def all_to_all_single(x: ArrayLike, output_split_sizes: Sequence[int] | None = N
     """Split ``x`` along dim 0 (``input_split_sizes`` rows per rank, default equal), exchange,
     and return the concatenation of what arrived (``output_split_sizes`` rows per rank)."""
     pg = _pg(group)
+    if _traced(x):
+        from ._jax import calls
+
+        return calls.all_to_all_single(x, output_split_sizes, input_split_sizes, pg)
     _, inp = _input(x, "x")
     if not inp.shape:
         raise ValueError("all_to_all_single needs an array with at least one dimension; got a 0-d array")
@@ -242,6 +260,10 @@ def gather(x: ArrayLike, dst: int | None = None, group: ProcessGroup | None = No
     """
     pg = _pg(group)
     root = _group_rank(pg, dst, group_dst, "dst")
+    if _traced(x):
+        from ._jax import calls
+
+        return calls.gather(x, root, pg, axis)
     n = pg.size()
     _, inp = _input(x, "x")
     if inp.shape:
@@ -269,6 +291,10 @@ def scatter(x: ArrayLike, src: int | None = None, group: ProcessGroup | None = N
     """
     pg = _pg(group)
     root = _group_rank(pg, src, group_src, "src")
+    if _traced(x):
+        from ._jax import calls
+
+        return calls.scatter(x, root, pg, axis)
     n = pg.size()
     _, inp = _input(x, "x")
     if not inp.shape:
@@ -319,8 +345,13 @@ def send(x: ArrayLike, dst: int | None = None, group: ProcessGroup | None = None
          group_dst: int | None = None) -> None:
     """Send ``x`` to rank ``dst`` and wait until it is sent (``x`` is not modified)."""
     pg = _pg(group)
+    peer = _group_rank(pg, dst, group_dst, "dst")
+    if _traced(x):
+        from ._jax import calls
+
+        return calls.send(x, peer, tag, pg)
     _, inp = _input(x, "x")
-    pg.send(inp, _group_rank(pg, dst, group_dst, "dst"), tag, async_op=False)
+    pg.send(inp, peer, tag, async_op=False)
 
 
 def recv(x: ArrayLike, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
@@ -334,8 +365,11 @@ def recv(x: ArrayLike, src: int | None = None, group: ProcessGroup | None = None
         ...     y = F.recv(jnp.zeros(4), src=0)      # a new jax.Array
     """
     pg = _pg(group)
-    _not_traced(x, "x")
     peer = None if src is None and group_src is None else _group_rank(pg, src, group_src, "src")
+    if _traced(x):
+        from ._jax import calls
+
+        return calls.recv(x, peer, tag, pg)
     try:
         like = _array.as_buffer(x, name="x")
     except _array.NotContiguousError:
@@ -343,6 +377,21 @@ def recv(x: ArrayLike, src: int | None = None, group: ProcessGroup | None = None
     out, dst = _array.new_output(x, like.shape, like.dtype)
     pg.recv(dst, peer, tag, async_op=False)
     return _array.to_caller_type(out, x, like.dtype)
+
+
+def barrier(x: Any = None, group: ProcessGroup | None = None) -> Any:
+    """Wait until every rank of the group has called barrier, then return ``x``.
+
+    Inside ``jax.jit`` the barrier is one of the program's ordered gpucoll calls and ``x``
+    (a value computed before it) comes out of it, so what uses the result runs after it.
+    """
+    pg = _pg(group)
+    if _traced(x):
+        from ._jax import calls
+
+        return calls.barrier(x, pg)
+    pg.barrier()
+    return x
 
 
 def _namespace(arr: Any) -> Any:

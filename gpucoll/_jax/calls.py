@@ -1,162 +1,60 @@
-"""gpucoll ops as XLA FFI custom calls, with a Python handler registered through ctypes.
+"""gpucoll.functional's ops on JAX tracers: each is one ordered gpucoll primitive call.
 
-Each traced call becomes ``jax.ffi.ffi_call("gpucoll_<op>", ..., has_side_effect=True)``
-with the group, reduce op, root and tag as static integer attributes. XLA calls
-:func:`_handler` with the buffers it owns; the handler wraps them as NumPy views (no
-copy) and runs the group's CPU backend op on them, writing straight into XLA's output.
-
-No compiler is needed: the handler is a ``ctypes.CFUNCTYPE`` callback following
-``XLA_FFI_Handler`` (FFI API 0.3), handed to ``jax.ffi.register_ffi_target`` in a
-PyCapsule.
+Each rank traces its own program, so the rank is a static value here: ops whose result
+exists on one rank only (``reduce``, ``gather``) return None elsewhere, as outside jit.
+Arguments are checked at trace time, on every rank alike, with the errors outside jit
+gives. The layout work around an op (the axis of a gather, the chunks of a scatter) is
+JAX code around the call, so XLA fuses it into the program.
 """
 
 from __future__ import annotations
 
-import ctypes as C
-import math
-from typing import Any, Callable, cast
+from typing import Any, Sequence
 
 import numpy as np
 
 from .._group import ProcessGroup
 from .._reduce_op import PremulSum, ReduceOp, as_reduce_op
-from .. import array as _array
-from . import ffi_api as A
-
-_OPS: tuple[ReduceOp, ...] = tuple(ReduceOp)
+from .handler import OPS, group_handle
+from .primitive import bind
 
 
-def _np_dtype(code: int) -> np.dtype[Any]:
-    name = A.DTYPES.get(code)
-    if name is None:
-        raise TypeError(f"XLA data type code {code} is not supported by gpucoll collectives")
-    if name == "bfloat16":
-        import ml_dtypes  # a dependency of jax itself
-
-        return cast("np.dtype[Any]", np.dtype(ml_dtypes.bfloat16))
-    return np.dtype(name)
+def _op_index(op: Any, name: str) -> int:
+    rop = as_reduce_op(op)
+    # A PremulSum is an instance of ReduceOp too (as in torch): refuse it by its own type.
+    if isinstance(rop, PremulSum) or not isinstance(rop, ReduceOp) or rop is ReduceOp.PREMUL_SUM:
+        raise TypeError(f"gpucoll.functional.{name} inside jax.jit: op={op!r} is not supported; "
+                        "use a plain ReduceOp and scale outside the collective")
+    return OPS.index(rop)
 
 
-def _view(ptr: int) -> np.ndarray[Any, Any]:
-    """A NumPy view (no copy) of the XLA_FFI_Buffer at ``ptr``."""
-    buf = C.cast(ptr, C.POINTER(A.Buffer)).contents
-    shape = tuple(int(buf.dims[i]) for i in range(buf.rank))
-    dtype = _np_dtype(buf.dtype)
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:
-        return np.empty(shape, dtype)
-    raw = (C.c_char * nbytes).from_address(buf.data)
-    return cast("np.ndarray[Any, Any]", np.frombuffer(memoryview(raw), dtype).reshape(shape))
+def _axis(axis: int, ndim: int) -> int:
+    if isinstance(axis, bool) or not isinstance(axis, int) or not -ndim <= axis < ndim:
+        raise ValueError(f"axis={axis!r} is out of range for an array of {ndim} dimension(s)")
+    return axis % ndim
 
 
-def _attrs(attrs: A.Attrs) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for i in range(attrs.size):
-        span = attrs.names[i].contents
-        name = C.string_at(span.ptr, span.len).decode()
-        if attrs.types[i] != A.ATTR_SCALAR:
-            raise TypeError(f"attribute {name!r}: expected an integer scalar")
-        scalar = C.cast(attrs.attrs[i], C.POINTER(A.Scalar)).contents
-        out[name] = int(C.cast(scalar.value, C.POINTER(C.c_int64)).contents.value)
-    return out
-
-
-# Groups are named in the compiled program by an integer handle: XLA attributes are
-# static values, and a ProcessGroup is not one. A group gets its handle when it is first
-# traced into a program and keeps it for the life of the process.
-_GROUPS: dict[int, ProcessGroup] = {}
-
-
-def group_handle(pg: ProcessGroup) -> int:
-    handle = id(pg)
-    _GROUPS.setdefault(handle, pg)
-    return handle
-
-
-def _run_all_reduce(ins: list[np.ndarray[Any, Any]], outs: list[np.ndarray[Any, Any]], attrs: dict[str, int]) -> None:
-    pg = _GROUPS[attrs["group"]]
-    src = _array.as_buffer(ins[0], name="x")
-    dst = _array.as_buffer(outs[0], name="out", writable=True)
-    pg._all_reduce_into(dst, src, _OPS[attrs["op"]])
-
-
-def _run_all_gather(ins: list[np.ndarray[Any, Any]], outs: list[np.ndarray[Any, Any]], attrs: dict[str, int]) -> None:
-    pg = _GROUPS[attrs["group"]]
-    pg.all_gather_single(_array.as_buffer(outs[0], name="out", writable=True), _array.as_buffer(ins[0], name="x"))
-
-
-_RUNNERS: dict[str, Callable[[list[np.ndarray[Any, Any]], list[np.ndarray[Any, Any]], dict[str, int]], None]] = {
-    "all_reduce": _run_all_reduce, "all_gather": _run_all_gather,
-}
-
-
-def _error(frame: A.CallFrame, message: str) -> int:
-    args = A.ErrorCreateArgs(struct_size=A.struct_size(A.ErrorCreateArgs), message=message.encode(),
-                             errc=A.ERROR_INTERNAL)
-    return int(frame.api.contents.error_create(C.byref(args)) or 0)
-
-
-def _make_handler(kind: str) -> Any:
-    run = _RUNNERS[kind]
-
-    def handler(frame_ptr: Any) -> int | None:
-        frame = frame_ptr.contents
-        ext = frame.extension_start
-        if ext and ext.contents.type == A.EXTENSION_METADATA:
-            # XLA asks which FFI API version the handler speaks (at registration).
-            md = C.cast(ext, C.POINTER(A.MetadataExtension)).contents.metadata.contents
-            md.api_version.major_version = A.API_MAJOR
-            md.api_version.minor_version = A.API_MINOR
-            md.traits = 0
-            return None
-        if frame.stage != A.STAGE_EXECUTE:
-            return None
-        try:
-            ins = [_view(frame.args.args[i]) for i in range(frame.args.size)]
-            outs = [_view(frame.rets.rets[i]) for i in range(frame.rets.size)]
-            run(ins, outs, _attrs(frame.attrs))
-            return None
-        except BaseException as exc:  # an exception must not cross into XLA: it becomes XLA's error
-            return _error(frame, f"gpucoll.functional.{kind} inside jax.jit failed: {type(exc).__name__}: {exc}")
-
-    return A.Handler(handler)
-
-
-_HANDLERS: dict[str, Any] = {}  # kept alive: XLA holds raw pointers to these callbacks
-
-
-def _target(kind: str) -> str:
-    name = f"gpucoll_{kind}"
-    if kind not in _HANDLERS:
-        import jax
-
-        A.check_sizes()
-        _HANDLERS[kind] = _make_handler(kind)
-        capsule = jax.ffi.pycapsule(_HANDLERS[kind])  # type: ignore[no-untyped-call]
-        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
-    return name
+def _one(kind: str, x: Any, pg: ProcessGroup, shape: tuple[int, ...] | None = None, *, alias: bool = False,
+         **attrs: int | list[int]) -> Any:
+    out = bind(kind, [x], {"group": group_handle(pg), **attrs},
+               [(x.shape if shape is None else shape, x.dtype)], alias)
+    return out[0]
 
 
 def _all_reduce_call(x: Any, op_index: int, handle: int) -> Any:
-    import jax
-
-    # vmap: a reduction is elementwise across ranks, so the batched call reduces the
-    # whole batched array (every rank batches alike, as every rank traces the same code).
-    call = jax.ffi.ffi_call(_target("all_reduce"), jax.ShapeDtypeStruct(x.shape, x.dtype),  # type: ignore[no-untyped-call]
-                            has_side_effect=True, vmap_method="broadcast_all")
-    return call(x, group=np.int64(handle), op=np.int64(op_index))
+    return bind("all_reduce", [x], {"group": handle, "op": op_index}, [(x.shape, x.dtype)], alias=True)[0]
 
 
-_SUM_WITH_GRAD: list[Any] = []  # the custom_vjp function, built on first use (imports jax)
+_SUM_WITH_GRAD: list[Any] = []  # the custom_vjp function, built on first use
 
 
 def _sum_with_grad() -> Any:
     """all_reduce(SUM) with its gradient rule: the cotangent of a sum all_reduce is the
-    sum all_reduce of the cotangent (mpi4jax's rule for allreduce(SUM))."""
+    sum all_reduce of the cotangent (each rank's loss depends on every rank's input)."""
     if not _SUM_WITH_GRAD:
         import jax
 
-        total = _OPS.index(ReduceOp.SUM)
+        total = OPS.index(ReduceOp.SUM)
 
         def f(x: Any, handle: int) -> Any:
             return _all_reduce_call(x, total, handle)
@@ -174,33 +72,153 @@ def _sum_with_grad() -> Any:
 
 
 def all_reduce(x: Any, op: Any, pg: ProcessGroup) -> Any:
-    rop = as_reduce_op(op)
-    # A PremulSum is an instance of ReduceOp too (as in torch): refuse it by its own type.
-    if isinstance(rop, PremulSum) or not isinstance(rop, ReduceOp) or rop is ReduceOp.PREMUL_SUM:
-        raise TypeError(f"gpucoll.functional.all_reduce inside jax.jit: op={op!r} is not supported; "
-                        "use a plain ReduceOp and scale outside the collective")
-    if rop is ReduceOp.SUM:
+    index = _op_index(op, "all_reduce")
+    if OPS[index] is ReduceOp.SUM:
         return _sum_with_grad()(x, group_handle(pg))
-    return _all_reduce_call(x, _OPS.index(rop), group_handle(pg))
+    return _all_reduce_call(x, index, group_handle(pg))
 
 
-def _call(kind: str, x: Any, shape: tuple[int, ...], dtype: Any, **attrs: int) -> Any:
-    import jax
+def broadcast(x: Any, root: int, pg: ProcessGroup) -> Any:
+    return _one("broadcast", x, pg, alias=True, root=root)
 
-    call = jax.ffi.ffi_call(_target(kind), jax.ShapeDtypeStruct(shape, dtype),  # type: ignore[no-untyped-call]
-                            has_side_effect=True)
-    return call(x, **{k: np.int64(v) for k, v in attrs.items()})
+
+def reduce(x: Any, root: int, op: Any, pg: ProcessGroup) -> Any:
+    out = _one("reduce", x, pg, alias=True, root=root, op=_op_index(op, "reduce"))
+    return out if pg.rank() == root else None
+
+
+def _joined(stacked: Any, n: int, shape: tuple[int, ...], axis: int) -> Any:
+    """A ``(n, *shape)`` stack as one array concatenated along ``axis``."""
+    import jax.numpy as jnp
+
+    if not shape:
+        return stacked
+    k = _axis(axis, len(shape))
+    return jnp.concatenate([stacked[i] for i in range(n)], axis=k)
+
+
+def _stack(x: Any, handle: int, n: int) -> Any:
+    """Every rank's ``x`` stacked in rank order: (n, *x.shape)."""
+    return bind("all_gather", [x], {"group": handle}, [((n, *x.shape), x.dtype)])[0]
+
+
+def _sum_chunk(stacked: Any, handle: int) -> Any:
+    """This rank's chunk of the sum over ranks of ``stacked`` (n, *chunk): (chunk)."""
+    total = OPS.index(ReduceOp.SUM)
+    return bind("reduce_scatter", [stacked], {"group": handle, "op": total},
+                [(stacked.shape[1:], stacked.dtype)])[0]
+
+
+_LINEAR: dict[str, Any] = {}  # the custom_vjp functions, built on first use
+
+
+def _linear_pair() -> tuple[Any, Any]:
+    """all_gather and reduce_scatter(SUM) with their gradient rules: each is the other's
+    transpose (the global loss is the sum of the ranks' losses, as for all_reduce)."""
+    if not _LINEAR:
+        import jax
+
+        def gather_fwd(x: Any, handle: int, n: int) -> tuple[Any, None]:
+            return _stack(x, handle, n), None
+
+        def gather_bwd(handle: int, n: int, _: None, cotangent: Any) -> tuple[Any]:
+            return (_sum_chunk(cotangent, handle),)
+
+        def scatter_fwd(stacked: Any, handle: int, n: int) -> tuple[Any, None]:
+            return _sum_chunk(stacked, handle), None
+
+        def scatter_bwd(handle: int, n: int, _: None, cotangent: Any) -> tuple[Any]:
+            return (_stack(cotangent, handle, n),)
+
+        stack = jax.custom_vjp(_stack, nondiff_argnums=(1, 2))
+        stack.defvjp(gather_fwd, gather_bwd)
+        chunk = jax.custom_vjp(lambda v, handle, n: _sum_chunk(v, handle), nondiff_argnums=(1, 2))
+        chunk.defvjp(scatter_fwd, scatter_bwd)
+        _LINEAR.update(stack=stack, chunk=chunk)
+    return _LINEAR["stack"], _LINEAR["chunk"]
 
 
 def all_gather(x: Any, pg: ProcessGroup, axis: int) -> Any:
     """Every rank's ``x`` stacked in rank order, then joined along ``axis`` as outside jit."""
+    n = pg.size()
+    if x.shape:
+        _axis(axis, len(x.shape))
+    return _joined(_linear_pair()[0](x, group_handle(pg), n), n, x.shape, axis)
+
+
+def _chunked(x: Any, n: int, axis: int, name: str) -> tuple[Any, tuple[int, ...]]:
+    """``x`` split into ``n`` chunks along ``axis``, the chunks stacked first: (n, *chunk)."""
     import jax.numpy as jnp
 
-    n = pg.size()
-    stacked = _call("all_gather", x, (n, *x.shape), x.dtype, group=group_handle(pg))
     if not x.shape:
-        return stacked
-    ndim = len(x.shape)
-    if isinstance(axis, bool) or not isinstance(axis, int) or not -ndim <= axis < ndim:
-        raise ValueError(f"axis={axis!r} is out of range for an array of {ndim} dimension(s)")
-    return jnp.concatenate([stacked[i] for i in range(n)], axis=axis % ndim)
+        raise ValueError(f"{name} needs an array with at least one dimension; got a 0-d array")
+    k = _axis(axis, len(x.shape))
+    if x.shape[k] % n:
+        raise ValueError(f"x.shape[{k}]={x.shape[k]} is not divisible by the group size {n}")
+    m = x.shape[k] // n
+    chunk = x.shape[:k] + (m,) + x.shape[k + 1:]
+    parts = jnp.reshape(x, x.shape[:k] + (n, m) + x.shape[k + 1:])
+    return jnp.moveaxis(parts, k, 0), chunk
+
+
+def reduce_scatter(x: Any, op: Any, pg: ProcessGroup, axis: int) -> Any:
+    index = _op_index(op, "reduce_scatter")
+    staged, chunk = _chunked(x, pg.size(), axis, "reduce_scatter")
+    if OPS[index] is ReduceOp.SUM:
+        return _linear_pair()[1](staged, group_handle(pg), pg.size())
+    return _one("reduce_scatter", staged, pg, chunk, op=index)
+
+
+def scatter(x: Any, root: int, pg: ProcessGroup, axis: int) -> Any:
+    staged, chunk = _chunked(x, pg.size(), axis, "scatter")
+    return _one("scatter", staged, pg, chunk, root=root)
+
+
+def gather(x: Any, root: int, pg: ProcessGroup, axis: int) -> Any:
+    n = pg.size()
+    if x.shape:
+        _axis(axis, len(x.shape))  # a bad axis fails on every rank
+    mine = pg.rank() == root
+    outs = bind("gather", [x], {"group": group_handle(pg), "root": root},
+                [((n, *x.shape), x.dtype)] if mine else [])
+    return _joined(outs[0], n, x.shape, axis) if mine else None
+
+
+def _splits(sizes: Sequence[int] | None, name: str) -> list[int]:
+    if sizes is None:
+        return []
+    out = [int(s) for s in sizes]
+    if any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0 for s in sizes):
+        raise ValueError(f"{name} must be non-negative ints; got {sizes!r}")
+    return out
+
+
+def all_to_all_single(x: Any, output_split_sizes: Sequence[int] | None, input_split_sizes: Sequence[int] | None,
+                      pg: ProcessGroup) -> Any:
+    n = pg.size()
+    if not x.shape:
+        raise ValueError("all_to_all_single needs an array with at least one dimension; got a 0-d array")
+    outs, ins = _splits(output_split_sizes, "output_split_sizes"), _splits(input_split_sizes, "input_split_sizes")
+    for name, sizes in (("output_split_sizes", outs), ("input_split_sizes", ins)):
+        if sizes and len(sizes) != n:
+            raise ValueError(f"{name} must have {n} entries (one per rank); got {len(sizes)}")
+    if ins and sum(ins) != x.shape[0]:
+        raise ValueError(f"input_split_sizes sum to {sum(ins)}, but x has {x.shape[0]} rows")
+    if not ins and x.shape[0] % n:
+        raise ValueError(f"x.shape[0]={x.shape[0]} is not divisible by the group size {n}")
+    rows = sum(outs) if outs else x.shape[0]
+    attrs: dict[str, Any] = {"group": group_handle(pg)}
+    attrs.update((k, v) for k, v in (("out_splits", outs), ("in_splits", ins)) if v)  # none: equal splits
+    return bind("all_to_all_single", [x], attrs, [((rows, *x.shape[1:]), x.dtype)])[0]
+
+
+def send(x: Any, peer: int, tag: int, pg: ProcessGroup) -> None:
+    bind("send", [x], {"group": group_handle(pg), "peer": peer, "tag": tag}, [])
+
+
+def recv(x: Any, peer: int | None, tag: int, pg: ProcessGroup) -> Any:
+    return _one("recv", x, pg, peer=-1 if peer is None else peer, tag=tag)
+
+
+def barrier(x: Any, pg: ProcessGroup) -> Any:
+    return _one("barrier", x, pg, alias=True)

@@ -18,11 +18,6 @@ ATTR_SCALAR = 3              # XLA_FFI_AttrType_SCALAR
 ATTR_STRING = 4              # XLA_FFI_AttrType_STRING
 ERROR_INTERNAL = 13          # XLA_FFI_Error_Code_INTERNAL
 
-# XLA_FFI_DataType -> NumPy dtype name (the types gpucoll's CPU backend reduces).
-DTYPES = {1: "bool", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "uint8", 7: "uint16",
-          8: "uint32", 9: "uint64", 10: "float16", 11: "float32", 12: "float64", 16: "bfloat16",
-          15: "complex64", 18: "complex128"}
-
 
 class ExtensionBase(C.Structure):
     pass

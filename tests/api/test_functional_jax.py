@@ -110,12 +110,12 @@ def jit_body() -> str:
 
     @jax.jit
     def inside(v: Any) -> Any:
-        return F.broadcast(v, src=0)  # all_reduce runs inside jit (tests/api/test_functional_jit.py)
+        return F.all_reduce_coalesced([v])  # the single-array ops run inside jit (test_functional_jit*.py)
 
-    with pytest.raises(TypeError, match=r"broadcast: x is a JAX tracer .* between jitted functions"):
+    with pytest.raises(TypeError, match=r"all_reduce_coalesced: xs\[0\] is a JAX tracer .* between jitted functions"):
         inside(jnp.ones(3))
-    with pytest.raises(TypeError, match=r"recv: x is a JAX tracer"):
-        jax.jit(lambda v: F.recv(v, src=0))(jnp.ones(3))
+    with pytest.raises(TypeError, match=r"all_to_all: xs\[0\] is a JAX tracer"):
+        jax.jit(lambda v: F.all_to_all([v] * gpucoll.get_world_size()))(jnp.ones(3))
     # the in-place API names the tracer too
     with pytest.raises(TypeError, match="JAX tracer"):
         jax.jit(lambda v: gpucoll.all_reduce(v))(jnp.ones(3))

@@ -91,33 +91,40 @@ def interleaved_body(rounds: int) -> str:
 
     rank, n = gpucoll.get_rank(), gpucoll.get_world_size()
 
-    # all_reduce and all_gather interleaved in one compiled program, one result unused
+    nxt, prv = (rank + 1) % n, (rank - 1) % n
+
+    # all_reduce, all_gather and send/recv interleaved in one compiled program, one result
+    # unused; the sends and receives have no data dependence on the collectives around them
     @jax.jit
     def step(x: Any) -> Any:
         s = F.all_reduce(x)
+        F.send(x + 1, dst=nxt)
         g = F.all_gather(x * 2, axis=0)
         F.all_gather(x[:1])  # unused: still issued on every rank
+        p = F.recv(jnp.zeros_like(x), src=prv)
         m = F.all_reduce(g[rank * 3:rank * 3 + 3] + s[0], op=gpucoll.ReduceOp.MAX)
+        F.send(m, dst=prv, tag=5)
         g2 = F.all_gather(jnp.stack([x, x]), axis=1)
-        return s, g, m, g2
+        q = F.recv(jnp.zeros_like(x), src=nxt, tag=5)
+        return s, g, m, g2, p, q
 
     xs = [np.arange(3, dtype=np.float32) + 10 * k for k in range(n)]
     for i in range(rounds):
         mine = [x + np.float32(i) for x in xs]
-        s, g, m, g2 = (np.asarray(a) for a in step(jnp.asarray(mine[rank])))
+        s, g, m, g2, p, q = (np.asarray(a) for a in step(jnp.asarray(mine[rank])))
         np.testing.assert_array_equal(s, sum(mine))
         np.testing.assert_array_equal(g, np.concatenate([2 * v for v in mine]))
         np.testing.assert_array_equal(m, 2 * mine[n - 1] + sum(mine)[0])
         np.testing.assert_array_equal(g2, np.concatenate([np.stack([v, v]) for v in mine], axis=1))
-    # the other ops keep their TypeError on tracers
-    with pytest.raises(TypeError, match=r"broadcast: x is a JAX tracer"):
-        jax.jit(lambda v: F.broadcast(v, src=0))(jnp.ones(2))
-    with pytest.raises(TypeError, match=r"send: x is a JAX tracer"):
-        jax.jit(lambda v: F.send(v, dst=0))(jnp.ones(2))
+        np.testing.assert_array_equal(p, mine[prv] + 1)
+        np.testing.assert_array_equal(q, m)  # every rank's m is the same
+    # the list all_to_all keeps its TypeError on tracers
+    with pytest.raises(TypeError, match=r"all_to_all: xs\[0\] is a JAX tracer"):
+        jax.jit(lambda v: F.all_to_all([v] * n))(jnp.ones(2))
     return "ok"
 
 
-def test_interleaved_all_reduce_all_gather_inside_jit_100_times_world_size_3() -> None:
+def test_interleaved_all_reduce_all_gather_send_recv_inside_jit_100_times_world_size_3() -> None:
     skip_without_jax()
     assert run_spmd(interleaved_body, 3, args=(100,), timeout=300,
                     env={"JAX_PLATFORMS": "cpu"}) == ["ok"] * 3

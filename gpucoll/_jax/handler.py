@@ -1,0 +1,233 @@
+"""The XLA FFI handler of every gpucoll op: a Python callback registered through ctypes.
+
+XLA calls the handler with the buffers it owns; the handler wraps them as NumPy views (no
+copy) and runs the group's op on them, writing straight into XLA's output buffers. The
+ordering token (last operand, last result; dtype TOKEN, no data) is skipped. A call's
+static part (op, group, attributes, shapes) is a :class:`Plan` made at lowering, named in
+the program by one integer attribute.
+
+No compiler is needed: the handler is a ``ctypes.CFUNCTYPE`` callback following
+``XLA_FFI_Handler`` (FFI API 0.3), handed to ``jax.ffi.register_ffi_target`` in a
+PyCapsule.
+"""
+
+from __future__ import annotations
+
+import ctypes as C
+import math
+import os
+import threading
+from typing import Any, Callable, cast
+
+import numpy as np
+
+from .. import array as _array
+from .._buffer import Buffer
+from .._group import ProcessGroup
+from .._reduce_op import ReduceOp
+from . import ffi_api as A
+
+OPS: tuple[ReduceOp, ...] = tuple(ReduceOp)
+
+# Groups are named at trace time by an integer handle (a primitive's parameters must be
+# hashable static values, and a ProcessGroup is not one). A group gets its handle when it
+# is first traced into a program and keeps it for the life of the process.
+_GROUPS: dict[int, ProcessGroup] = {}
+
+
+def group_handle(pg: ProcessGroup) -> int:
+    handle = id(pg)
+    _GROUPS.setdefault(handle, pg)
+    return handle
+
+
+class Plan:
+    """One call site's static part, made when it is lowered: the op, its group, its
+    attributes and its operands' shapes and dtypes. The compiled program names it by
+    one integer attribute, so a call reads one int64 to find it all; the NumPy views of
+    XLA's buffers are made once per buffer address and kept (XLA reuses its buffers)."""
+
+    __slots__ = ("kind", "pg", "attrs", "ins", "outs", "views")
+
+    def __init__(self, kind: str, attrs: dict[str, Any], ins: list[tuple[tuple[int, ...], np.dtype[Any]]],
+                 outs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> None:
+        self.kind = kind
+        self.pg = _GROUPS[attrs["group"]]
+        self.attrs = attrs
+        self.ins, self.outs = ins, outs
+        self.views: dict[tuple[int, int], Buffer] = {}
+
+    def buffer(self, slot: int, shape: tuple[int, ...], dtype: np.dtype[Any], ptr: int) -> Buffer:
+        """A Buffer over XLA's memory at ``ptr`` (a NumPy view of it is its owner)."""
+        key = (slot, ptr)
+        buf = self.views.get(key)
+        if buf is None:
+            if len(self.views) > 4096:  # a program that keeps moving its buffers
+                self.views.clear()
+            nbytes = math.prod(shape) * dtype.itemsize
+            view = (np.frombuffer(memoryview((C.c_char * nbytes).from_address(ptr)), dtype).reshape(shape) if nbytes
+                    else np.empty(shape, dtype))
+            buf = _array.as_buffer(view, name=f"{self.kind} operand", writable=True)
+            self.views[key] = buf
+        return buf
+
+
+_PLANS: list[Plan] = []
+_PLAN_IDS: dict[Any, int] = {}
+_PLAN_LOCK = threading.Lock()
+# Plans are this process's: the attribute carries a random per-process tag beside the
+# plan's index, so a program compiled elsewhere (a persistent compilation cache) is
+# refused by name instead of running another process's plan numbers.
+_INDEX_BITS = 24
+_TAG = int.from_bytes(os.urandom(4), "little") | 1
+
+
+def plan_id(kind: str, attrs: tuple[tuple[str, Any], ...], ins: list[tuple[tuple[int, ...], Any]],
+            outs: list[tuple[tuple[int, ...], Any]]) -> int:
+    """The integer naming this call site's Plan (one per distinct op, attributes, shapes)."""
+    key = (kind, attrs, tuple((s, str(d)) for s, d in ins), tuple((s, str(d)) for s, d in outs))
+    with _PLAN_LOCK:  # programs may be lowered on several threads
+        found = _PLAN_IDS.get(key)
+        if found is None:
+            values = {k: list(v) if isinstance(v, tuple) else v for k, v in attrs}
+            _PLANS.append(Plan(kind, values, [(s, np.dtype(d)) for s, d in ins], [(s, np.dtype(d)) for s, d in outs]))
+            found = _PLAN_IDS[key] = len(_PLANS) - 1
+    if found >> _INDEX_BITS:
+        raise RuntimeError(f"more than {1 << _INDEX_BITS} distinct gpucoll call sites in one process")
+    return (_TAG << _INDEX_BITS) | found
+
+
+Bufs = list[Buffer]
+
+
+def _arr(buf: Buffer) -> np.ndarray[Any, Any]:
+    return cast("np.ndarray[Any, Any]", buf.owner)
+
+
+def _all_reduce(p: Plan, ins: Bufs, outs: Bufs) -> None:
+    if outs[0].ptr == ins[0].ptr:  # XLA aliased the output to the input
+        p.pg.all_reduce(outs[0], OPS[p.attrs["op"]])
+    else:
+        p.pg._all_reduce_into(outs[0], ins[0], OPS[p.attrs["op"]])
+
+
+def _broadcast(p: Plan, ins: Bufs, outs: Bufs) -> None:
+    if p.pg.rank() == p.attrs["root"] and outs[0].ptr != ins[0].ptr:
+        np.copyto(_arr(outs[0]), _arr(ins[0]))
+    p.pg.broadcast(outs[0], p.attrs["root"])
+
+
+def _reduce(p: Plan, ins: Bufs, outs: Bufs) -> None:
+    if outs[0].ptr != ins[0].ptr:
+        np.copyto(_arr(outs[0]), _arr(ins[0]))
+    p.pg.reduce(outs[0], p.attrs["root"], OPS[p.attrs["op"]])
+
+
+def _all_gather(p: Plan, ins: Bufs, outs: Bufs) -> None:
+    p.pg.all_gather_single(outs[0], ins[0])
+
+
+def _reduce_scatter(p: Plan, ins: Bufs, outs: Bufs) -> None:
+    p.pg.reduce_scatter_single(outs[0], ins[0], OPS[p.attrs["op"]])
+
+
+def _all_to_all_single(p: Plan, ins: Bufs, outs: Bufs) -> None:
+    p.pg.all_to_all_single(outs[0], ins[0], p.attrs.get("out_splits"), p.attrs.get("in_splits"))
+
+
+def _gather(p: Plan, ins: Bufs, outs: Bufs) -> None:
+    p.pg.gather(ins[0], list(_arr(outs[0])) if outs else None, p.attrs["root"])
+
+
+def _scatter(p: Plan, ins: Bufs, outs: Bufs) -> None:
+    p.pg.scatter(outs[0], list(_arr(ins[0])) if p.pg.rank() == p.attrs["root"] else None, p.attrs["root"])
+
+
+def _send(p: Plan, ins: Bufs, outs: Bufs) -> None:
+    p.pg.send(ins[0], p.attrs["peer"], p.attrs["tag"], async_op=False)
+
+
+def _recv(p: Plan, ins: Bufs, outs: Bufs) -> None:
+    p.pg.recv(outs[0], None if p.attrs["peer"] < 0 else p.attrs["peer"], p.attrs["tag"], async_op=False)
+
+
+def _barrier(p: Plan, ins: Bufs, outs: Bufs) -> None:
+    p.pg.barrier()
+    if outs and outs[0].ptr != ins[0].ptr:
+        np.copyto(_arr(outs[0]), _arr(ins[0]))
+
+
+Runner = Callable[[Plan, Bufs, Bufs], None]
+RUNNERS: dict[str, Runner] = {
+    "all_reduce": _all_reduce, "broadcast": _broadcast, "reduce": _reduce, "all_gather": _all_gather,
+    "reduce_scatter": _reduce_scatter, "all_to_all_single": _all_to_all_single, "gather": _gather,
+    "scatter": _scatter, "send": _send, "recv": _recv, "barrier": _barrier,
+}
+
+# Byte offsets in XLA's structs (c_api.h), read with from_address: cheaper than ctypes casts.
+_DATA = A.Buffer.data.offset            # XLA_FFI_Buffer.data
+_VALUE = A.Scalar.value.offset          # XLA_FFI_Scalar.value
+_ptr = C.c_void_p.from_address
+_i64 = C.c_int64.from_address
+
+
+def _plan_of(attrs: A.Attrs) -> Plan:
+    if attrs.size != 1 or attrs.types[0] != A.ATTR_SCALAR:
+        raise TypeError("expected one integer attribute (the call's plan)")
+    value = _i64(_ptr(attrs.attrs[0] + _VALUE).value or 0).value
+    if value >> _INDEX_BITS != _TAG:
+        raise RuntimeError("this program was compiled by another process (its gpucoll calls name that "
+                           "process's groups): compile it in this one (no persistent compilation cache)")
+    return _PLANS[value & ((1 << _INDEX_BITS) - 1)]
+
+
+def _buffers(p: Plan, ptrs: Any, shapes: list[tuple[tuple[int, ...], np.dtype[Any]]], base: int) -> Bufs:
+    return [p.buffer(base + i, shape, dtype, _ptr(ptrs[i] + _DATA).value or 0)
+            for i, (shape, dtype) in enumerate(shapes)]  # the token (last) is left out
+
+
+def _error(frame: A.CallFrame, message: str) -> int:
+    args = A.ErrorCreateArgs(struct_size=A.struct_size(A.ErrorCreateArgs), message=message.encode(),
+                             errc=A.ERROR_INTERNAL)
+    return int(frame.api.contents.error_create(C.byref(args)) or 0)
+
+
+def _make_handler(kind: str) -> Any:
+    run = RUNNERS[kind]
+
+    def handler(frame_ptr: Any) -> int | None:
+        frame = frame_ptr.contents
+        ext = frame.extension_start
+        if ext and ext.contents.type == A.EXTENSION_METADATA:
+            # XLA asks which FFI API version the handler speaks (at registration).
+            md = C.cast(ext, C.POINTER(A.MetadataExtension)).contents.metadata.contents
+            md.api_version.major_version = A.API_MAJOR
+            md.api_version.minor_version = A.API_MINOR
+            md.traits = 0
+            return None
+        if frame.stage != A.STAGE_EXECUTE:
+            return None
+        try:
+            p = _plan_of(frame.attrs)
+            run(p, _buffers(p, frame.args.args, p.ins, 0), _buffers(p, frame.rets.rets, p.outs, len(p.ins)))
+            return None
+        except BaseException as exc:  # an exception must not cross into XLA: it becomes XLA's error
+            return _error(frame, f"gpucoll.functional.{kind} inside jax.jit failed: {type(exc).__name__}: {exc}")
+
+    return A.Handler(handler)
+
+
+_HANDLERS: dict[str, Any] = {}  # kept alive: XLA holds raw pointers to these callbacks
+
+
+def target(kind: str) -> str:
+    """The FFI target name of ``kind``, registered with XLA on first use."""
+    name = f"gpucoll_{kind}"
+    if kind not in _HANDLERS:
+        import jax
+
+        A.check_sizes()
+        _HANDLERS[kind] = _make_handler(kind)
+        capsule = jax.ffi.pycapsule(_HANDLERS[kind])  # type: ignore[no-untyped-call]
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    return name
