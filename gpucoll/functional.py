@@ -25,7 +25,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+import array as _pyarray
+from typing import Any, Sequence, TypeVar, Union, overload
 
 import numpy as np
 
@@ -35,6 +36,12 @@ from ._collectives import _group_rank, _pg
 from ._group import ProcessGroup
 from ._reduce_op import ReduceOp, ReduceOpLike
 from .array import ArrayLike
+
+#: Host memory through the buffer protocol: its result comes back as a NumPy array.
+HostBytes = Union[bytes, bytearray, memoryview, "_pyarray.array[Any]"]
+#: An array of the caller's framework: the result is an array of the same type.
+ArrayT = TypeVar("ArrayT", bound=ArrayLike)
+_T = TypeVar("_T")
 
 __all__ = ["all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather", "reduce_scatter",
            "all_to_all_single", "all_to_all", "gather", "scatter", "send", "recv", "barrier"]
@@ -87,7 +94,15 @@ def _axis(axis: int, ndim: int) -> int:
     return axis % ndim
 
 
-def all_reduce(x: ArrayLike, op: ReduceOpLike = ReduceOp.SUM, group: ProcessGroup | None = None) -> Any:
+@overload
+def all_reduce(x: HostBytes, op: ReduceOpLike = ReduceOp.SUM, group: ProcessGroup | None = None) -> np.ndarray[Any, Any]: ...
+
+
+@overload
+def all_reduce(x: ArrayT, op: ReduceOpLike = ReduceOp.SUM, group: ProcessGroup | None = None) -> ArrayT: ...
+
+
+def all_reduce(x: ArrayLike, op: ReduceOpLike = ReduceOp.SUM, group: ProcessGroup | None = None) -> object:
     """Return the reduction of ``x`` over the group (``x`` is not modified).
 
     Example:
@@ -119,8 +134,18 @@ def all_reduce_coalesced(xs: Sequence[ArrayLike], op: ReduceOpLike = ReduceOp.SU
     return [_array.to_caller_type(o, x, d) for o, x, d in zip(outs, xs, dtypes)]
 
 
+@overload
+def broadcast(x: HostBytes, src: int | None = None, group: ProcessGroup | None = None,
+              group_src: int | None = None) -> np.ndarray[Any, Any]: ...
+
+
+@overload
+def broadcast(x: ArrayT, src: int | None = None, group: ProcessGroup | None = None,
+              group_src: int | None = None) -> ArrayT: ...
+
+
 def broadcast(x: ArrayLike, src: int | None = None, group: ProcessGroup | None = None,
-              group_src: int | None = None) -> Any:
+              group_src: int | None = None) -> object:
     """Return rank ``src``'s ``x`` on every rank (``x`` gives the shape and dtype elsewhere)."""
     pg = _pg(group)
     root = _group_rank(pg, src, group_src, "src")
@@ -136,8 +161,18 @@ def broadcast(x: ArrayLike, src: int | None = None, group: ProcessGroup | None =
     return _array.to_caller_type(out, x, inp.dtype)
 
 
+@overload
+def reduce(x: HostBytes, dst: int | None = None, op: ReduceOpLike = ReduceOp.SUM, group: ProcessGroup | None = None,
+           group_dst: int | None = None) -> np.ndarray[Any, Any] | None: ...
+
+
+@overload
+def reduce(x: ArrayT, dst: int | None = None, op: ReduceOpLike = ReduceOp.SUM, group: ProcessGroup | None = None,
+           group_dst: int | None = None) -> ArrayT | None: ...
+
+
 def reduce(x: ArrayLike, dst: int | None = None, op: ReduceOpLike = ReduceOp.SUM, group: ProcessGroup | None = None,
-           group_dst: int | None = None) -> Any:
+           group_dst: int | None = None) -> object:
     """Return the reduction of ``x`` over the group on rank ``dst``; None on other ranks."""
     pg = _pg(group)
     root = _group_rank(pg, dst, group_dst, "dst")
@@ -152,7 +187,15 @@ def reduce(x: ArrayLike, dst: int | None = None, op: ReduceOpLike = ReduceOp.SUM
     return _array.to_caller_type(out, x, src.dtype) if pg.rank() == root else None
 
 
-def all_gather(x: ArrayLike, group: ProcessGroup | None = None, axis: int = 0) -> Any:
+@overload
+def all_gather(x: HostBytes, group: ProcessGroup | None = None, axis: int = 0) -> np.ndarray[Any, Any]: ...
+
+
+@overload
+def all_gather(x: ArrayT, group: ProcessGroup | None = None, axis: int = 0) -> ArrayT: ...
+
+
+def all_gather(x: ArrayLike, group: ProcessGroup | None = None, axis: int = 0) -> object:
     """Return every rank's ``x`` concatenated along ``axis``, in rank order.
 
     A 0-d ``x`` gives a 1-d result of group-size elements.
@@ -177,7 +220,15 @@ def all_gather(x: ArrayLike, group: ProcessGroup | None = None, axis: int = 0) -
     return _array.to_caller_type(out, x, inp.dtype)
 
 
-def reduce_scatter(x: ArrayLike, op: ReduceOpLike = ReduceOp.SUM, group: ProcessGroup | None = None, axis: int = 0) -> Any:
+@overload
+def reduce_scatter(x: HostBytes, op: ReduceOpLike = ReduceOp.SUM, group: ProcessGroup | None = None, axis: int = 0) -> np.ndarray[Any, Any]: ...
+
+
+@overload
+def reduce_scatter(x: ArrayT, op: ReduceOpLike = ReduceOp.SUM, group: ProcessGroup | None = None, axis: int = 0) -> ArrayT: ...
+
+
+def reduce_scatter(x: ArrayLike, op: ReduceOpLike = ReduceOp.SUM, group: ProcessGroup | None = None, axis: int = 0) -> object:
     """Reduce ``x`` over the group and return this rank's chunk of the result along ``axis``.
 
     Raises:
@@ -210,9 +261,21 @@ def reduce_scatter(x: ArrayLike, op: ReduceOpLike = ReduceOp.SUM, group: Process
     return _array.to_caller_type(out, x, dtype)
 
 
+@overload
+def all_to_all_single(x: HostBytes, output_split_sizes: Sequence[int] | None = None,
+                      input_split_sizes: Sequence[int] | None = None,
+                      group: ProcessGroup | None = None) -> np.ndarray[Any, Any]: ...
+
+
+@overload
+def all_to_all_single(x: ArrayT, output_split_sizes: Sequence[int] | None = None,
+                      input_split_sizes: Sequence[int] | None = None,
+                      group: ProcessGroup | None = None) -> ArrayT: ...
+
+
 def all_to_all_single(x: ArrayLike, output_split_sizes: Sequence[int] | None = None,
                       input_split_sizes: Sequence[int] | None = None,
-                      group: ProcessGroup | None = None) -> Any:
+                      group: ProcessGroup | None = None) -> object:
     """Split ``x`` along dim 0 (``input_split_sizes`` rows per rank, default equal), exchange,
     and return the concatenation of what arrived (``output_split_sizes`` rows per rank)."""
     pg = _pg(group)
@@ -251,8 +314,18 @@ def _joined(out: Any, n: int, shape: tuple[int, ...], axis: int) -> Any:
     return out.reshape(joined)
 
 
+@overload
+def gather(x: HostBytes, dst: int | None = None, group: ProcessGroup | None = None,
+           group_dst: int | None = None, axis: int = 0) -> np.ndarray[Any, Any] | None: ...
+
+
+@overload
+def gather(x: ArrayT, dst: int | None = None, group: ProcessGroup | None = None,
+           group_dst: int | None = None, axis: int = 0) -> ArrayT | None: ...
+
+
 def gather(x: ArrayLike, dst: int | None = None, group: ProcessGroup | None = None,
-           group_dst: int | None = None, axis: int = 0) -> Any:
+           group_dst: int | None = None, axis: int = 0) -> object:
     """Return every rank's ``x`` concatenated along ``axis`` on rank ``dst``; None elsewhere.
 
     Example:
@@ -276,8 +349,18 @@ def gather(x: ArrayLike, dst: int | None = None, group: ProcessGroup | None = No
     return _array.to_caller_type(_joined(out, n, inp.shape, axis), x, inp.dtype)
 
 
+@overload
+def scatter(x: HostBytes, src: int | None = None, group: ProcessGroup | None = None,
+            group_src: int | None = None, axis: int = 0) -> np.ndarray[Any, Any]: ...
+
+
+@overload
+def scatter(x: ArrayT, src: int | None = None, group: ProcessGroup | None = None,
+            group_src: int | None = None, axis: int = 0) -> ArrayT: ...
+
+
 def scatter(x: ArrayLike, src: int | None = None, group: ProcessGroup | None = None,
-            group_src: int | None = None, axis: int = 0) -> Any:
+            group_src: int | None = None, axis: int = 0) -> object:
     """Split rank ``src``'s ``x`` into group-size chunks along ``axis``; return this rank's chunk.
 
     Every rank passes an ``x`` of the same shape and dtype (only rank ``src``'s values
@@ -354,8 +437,18 @@ def send(x: ArrayLike, dst: int | None = None, group: ProcessGroup | None = None
     pg.send(inp, peer, tag, async_op=False)
 
 
+@overload
+def recv(x: HostBytes, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+         group_src: int | None = None) -> np.ndarray[Any, Any]: ...
+
+
+@overload
+def recv(x: ArrayT, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+         group_src: int | None = None) -> ArrayT: ...
+
+
 def recv(x: ArrayLike, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
-         group_src: int | None = None) -> Any:
+         group_src: int | None = None) -> object:
     """Return what rank ``src`` sent, as a new array shaped like ``x`` (``x`` gives the
     shape, dtype and framework; its values are not read). ``src=None`` takes any rank;
     :func:`gpucoll.recv` also tells which.
@@ -379,7 +472,7 @@ def recv(x: ArrayLike, src: int | None = None, group: ProcessGroup | None = None
     return _array.to_caller_type(out, x, like.dtype)
 
 
-def barrier(x: Any = None, group: ProcessGroup | None = None) -> Any:
+def barrier(x: _T | None = None, group: ProcessGroup | None = None) -> _T | None:
     """Wait until every rank of the group has called barrier, then return ``x``.
 
     Inside ``jax.jit`` the barrier is one of the program's ordered gpucoll calls and ``x``
@@ -389,7 +482,8 @@ def barrier(x: Any = None, group: ProcessGroup | None = None) -> Any:
     if _traced(x):
         from ._jax import calls
 
-        return calls.barrier(x, pg)
+        carried: _T | None = calls.barrier(x, pg)
+        return carried
     pg.barrier()
     return x
 
