@@ -604,6 +604,7 @@ class FakeFabric:
         self._keep_streams: list[FakeStream] = []
         self.events: dict[int, FakeEvent] = {}
         self.worlds: dict[bytes, FakeWorld] = {}
+        self.scalable_ids: dict[bytes, tuple[bytes, ...]] = {}  # each id -> the id list it came in
         self.lock = threading.Lock()
         self.errors: list[str] = []
         self.hang_limit = hang_limit
@@ -708,6 +709,7 @@ class FakeRuntime:
         self.fabric = fabric
         # ncclConfig_t fields every communicator was made with: ("init"|"split"|"shrink", fields or None)
         self.configs: list[tuple[str, dict[str, Any] | None]] = []
+        self.scalable_inits: list[int] = []  # ids passed to each ncclCommInitRankScalable
         self.refuse_config = refuse_config  # fields this runtime cannot apply (as CuPy's cannot most)
         self.features = features or Features(version=(2, 32, 3), all_to_all=True, gather=True, scatter=True)
         self._devices = devices
@@ -936,6 +938,37 @@ class FakeRuntime:
         self._check_blocking()
         self.configs.append(("init", None if config is None else dict(config)))
         world = self.fabric.world(uid, size)
+        with world.cond:
+            world.joined.add(rank)
+            world.cond.notify_all()
+        world.wait_until(rank, lambda: len(world.joined) == size, "every rank to create the communicator")
+        return FakeComm(self, world, rank, config)
+
+    def new_comm_scalable(self, size: int, uids: Any, rank: int,
+                          config: dict[str, Any] | None = None) -> FakeComm:
+        """ncclCommInitRankScalable, as strict as NCCL's contract: 1 <= nId <= nranks, and
+        every rank passes the same ids in the same order (real NCCL would hang or fail in
+        its bootstrap: here the mismatch is an error naming it)."""
+        if not self.features.init_scalable:
+            raise FakeError("ncclCommInitRankScalable is not in this NCCL (features.init_scalable)")
+        self.fabric.context()
+        self.fabric.unsafe("ncclCommInitRankScalable")
+        self._check_blocking()
+        ids = tuple(bytes(u) for u in uids)
+        if not 1 <= len(ids) <= size:
+            raise FakeError(f"ncclCommInitRankScalable: nId={len(ids)} for nranks={size} (needs 1 <= nId <= nranks)")
+        if any(len(u) != 128 for u in ids) or len(set(ids)) != len(ids):
+            raise FakeError("ncclCommInitRankScalable: the ids are not distinct 128-byte ncclUniqueIds")
+        with self.fabric.lock:
+            for u in ids:
+                seen = self.fabric.scalable_ids.setdefault(u, ids)
+                if seen != ids:
+                    raise FakeError(f"ncclCommInitRankScalable: rank {rank} passed {len(ids)} ids that differ "
+                                    f"from (or are ordered unlike) another rank's {len(seen)}: every rank must "
+                                    "pass the same ids in the same order")
+        self.configs.append(("init_scalable", None if config is None else dict(config)))
+        self.scalable_inits.append(len(ids))
+        world = self.fabric.world(b"scalable:" + ids[0], size)
         with world.cond:
             world.joined.add(rank)
             world.cond.notify_all()

@@ -65,6 +65,17 @@ CPU_IFADDR_ENV: Final = "GPUCOLL_CPU_IFADDR"
 MAX_OBJECT_BYTES_ENV: Final = "GPUCOLL_MAX_OBJECT_BYTES"
 """The largest payload (bytes) one rank may send in an object or bytes collective."""
 
+# -- the NCCL backend ------------------------------------------------------------------------
+
+NCCL_SCALABLE_INIT_ENV: Final = "GPUCOLL_NCCL_SCALABLE_INIT"
+"""From how many ranks a group's NCCL communicator is made with ncclCommInitRankScalable
+(several roots' unique ids) where the loaded NCCL has it (>= 2.23); default 1024; "off" or
+0: never (one root, ncclCommInitRank)."""
+
+NCCL_RANKS_PER_ROOT_ENV: Final = "GPUCOLL_NCCL_RANKS_PER_ROOT"
+"""Ranks per unique id on the scalable path (GPUCOLL_NCCL_SCALABLE_INIT): ceil(ranks / this)
+roots, spread evenly over the group; default 256."""
+
 # -- gpucoll-bench ---------------------------------------------------------------------------
 
 BENCH_COMMAND_ENV: Final = "GPUCOLL_BENCH_COMMAND"
@@ -75,5 +86,6 @@ BENCH_CORRUPT_ENV: Final = "GPUCOLL_BENCH_CORRUPT"
 
 NAMES: Final = (STORE_HOSTED_ENV, STORE_TOKEN_ENV, STORE_RELAY_ENV, ERROR_FILE_ENV, LAUNCHER_PID_ENV, DEBUG_ENV,
                 FLIGHT_RECORDER_SIZE_ENV, FLIGHT_RECORDER_DIR_ENV, CONTROL_PLANE_ENV, CPU_TRANSPORT_ENV,
-                CPU_IFADDR_ENV, MAX_OBJECT_BYTES_ENV, BENCH_COMMAND_ENV, BENCH_CORRUPT_ENV)
+                CPU_IFADDR_ENV, MAX_OBJECT_BYTES_ENV, NCCL_SCALABLE_INIT_ENV, NCCL_RANKS_PER_ROOT_ENV,
+                BENCH_COMMAND_ENV, BENCH_CORRUPT_ENV)
 """Every name above."""

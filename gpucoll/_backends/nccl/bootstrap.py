@@ -4,8 +4,10 @@ it (functions over an NCCLBackend's state)."""
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Callable
 
+from ..._env import NCCL_RANKS_PER_ROOT_ENV, NCCL_SCALABLE_INIT_ENV
 from ...errors import DistBackendError, DistStoreError
 from ...store.base import Store
 from . import lib as _nccl_lib
@@ -104,24 +106,102 @@ def _all_arrive(store: Store, counter: str, flag: str, size: int, timeout: float
             return f"not all {size}"
 
 
+DEFAULT_SCALABLE_FROM = 1024
+"""Ranks from which a communicator is made from several roots (GPUCOLL_NCCL_SCALABLE_INIT)."""
+DEFAULT_RANKS_PER_ROOT = 256
+"""Ranks per root on that path (GPUCOLL_NCCL_RANKS_PER_ROOT)."""
+
+
+def _positive_env(name: str, default: int, *, off: bool = False) -> int | None:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    if off and text.lower() in ("off", "0", "no", "false"):
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{name} must be a positive number of ranks{' or off' if off else ''}; got {text!r}")
+    return value
+
+
+def scalable_roots(size: int) -> list[int] | None:
+    """The ranks that each make one unique id for ``ncclCommInitRankScalable`` in a group
+    of ``size`` ranks (ceil(size / GPUCOLL_NCCL_RANKS_PER_ROOT) of them, spread evenly:
+    rank i * size // n), or None below GPUCOLL_NCCL_SCALABLE_INIT ranks (one root).
+
+    Raises:
+        ValueError: either variable is set to something other than a positive count
+            (or "off" for the threshold).
+    """
+    start = _positive_env(NCCL_SCALABLE_INIT_ENV, DEFAULT_SCALABLE_FROM, off=True)
+    per_root = _positive_env(NCCL_RANKS_PER_ROOT_ENV, DEFAULT_RANKS_PER_ROOT)
+    assert per_root is not None
+    if start is None or size < start:
+        return None
+    n = -(-size // per_root)
+    return [i * size // n for i in range(n)]
+
+
+def scalable_rendezvous(store: Store, rank: int, size: int, roots: list[int], *, timeout: float,
+                        group_name: str, make_uid: Callable[[], bytes]) -> list[bytes]:
+    """Every root's unique id, in root order, on every rank: each root makes one and
+    publishes it through ``store``; every rank reads them all in one request, then counts
+    itself in as :func:`rendezvous` does.
+
+    Raises:
+        DistBackendError: an id or some ranks did not arrive within ``timeout``.
+    """
+    keys = [f"{_UID_KEY}/{i}" for i in range(len(roots))]
+    try:
+        if rank in roots:
+            store.set(keys[roots.index(rank)], normalise_unique_id(make_uid()))
+        store.wait(keys, timeout)
+        uids = [normalise_unique_id(v) for v in store.multi_get(keys)]
+    except DistStoreError as exc:
+        raise DistBackendError(
+            f"group {group_name!r}: rank {rank} did not get the NCCL unique ids of the {len(roots)} roots "
+            f"(ranks {roots[:8]}{' ...' if len(roots) > 8 else ''}) through the store within {timeout:.3g} s: "
+            f"{exc}") from exc
+    arrived = _all_arrive(store, _ARRIVED_KEY, _ALL_ARRIVED_KEY, size, timeout)
+    if arrived is not None:
+        raise DistBackendError(f"group {group_name!r}: only {arrived} ranks reached NCCL communicator "
+                               f"setup within {timeout:.3g} s")
+    return uids
+
+
 def create_comm(b: NCCLBackend, device: int) -> None:
     """Make ``b``'s communicator on ``device``: its unique id through the group's store
-    (:func:`rendezvous`), then ncclCommInitRank(Config); see :func:`adopt`."""
+    (:func:`rendezvous`), then ncclCommInitRank(Config); from GPUCOLL_NCCL_SCALABLE_INIT
+    ranks, where the loaded NCCL has it, several roots' ids (:func:`scalable_rendezvous`)
+    and ncclCommInitRankScalable instead. See :func:`adopt`."""
     rt = b._rt
+    roots = scalable_roots(b.size) if b._features.init_scalable else None
     prev = enter_device(rt, device)
     try:
-        uid = rendezvous(b._store, b.rank, b.size, timeout=b._timeout,
-                         group_name=b._group_name, make_uid=rt.unique_id)
+        if roots is None:
+            uid = rendezvous(b._store, b.rank, b.size, timeout=b._timeout,
+                             group_name=b._group_name, make_uid=rt.unique_id)
+        else:
+            uids = scalable_rendezvous(b._store, b.rank, b.size, roots, timeout=b._timeout,
+                                       group_name=b._group_name, make_uid=rt.unique_id)
         try:
-            comm = rt.new_comm(b.size, uid, b.rank, b.config or None)
+            if roots is None:
+                comm = rt.new_comm(b.size, uid, b.rank, b.config or None)
+            else:
+                comm = rt.new_comm_scalable(b.size, uids, b.rank, b.config or None)
         except Exception as exc:
+            how = "ncclCommInitRank" if roots is None else f"ncclCommInitRankScalable, {len(roots)} roots"
             raise DistBackendError(
                 f"creating the NCCL communicator of group {b._group_name!r} (rank {b.rank} of "
-                f"{b.size}, cuda:{device}) failed: {type(exc).__name__}: {exc}. With several ranks "
+                f"{b.size}, cuda:{device}, {how}) failed: {type(exc).__name__}: {exc}. With several ranks "
                 "on one GPU, NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1 are needed") from exc
         adopt(b, comm, device)
     finally:
         leave_device(rt, prev)
+
 
 def adopt(b: NCCLBackend, comm: Comm, device: int) -> None:
     """Give ``b`` the communicator ``comm`` on ``device``, with its stream, scratch word

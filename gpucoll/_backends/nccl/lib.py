@@ -84,6 +84,9 @@ class Features:
             2.27). The shim binds it, but CuPy cannot adopt the raw communicator it
             returns, so the CuPy runtime leaves this False and shrink_group builds a
             fresh communicator through the store instead.
+        init_scalable: ``ncclCommInitRankScalable`` (NCCL >= 2.23) and the raw collective
+            calls a communicator it makes needs, through the shim (several roots' unique
+            ids for one communicator: large jobs, see bootstrap.create_comm).
     """
 
     version: tuple[int, int, int]
@@ -96,14 +99,24 @@ class Features:
     comm_split: bool = True
     async_error: bool = True
     comm_shrink: bool = False
+    init_scalable: bool = False
 
     def describe(self) -> str:
         on = [name for name in ("avg", "premul_sum", "fp8", "all_to_all", "gather", "scatter",
-                                "comm_split", "async_error", "comm_shrink") if getattr(self, name)]
+                                "comm_split", "async_error", "comm_shrink", "init_scalable") if getattr(self, name)]
         return f"NCCL {'.'.join(map(str, self.version))} ({', '.join(on) or 'no extras'})"
 
 
 # ----- the ctypes shim -----
+
+class NcclCallError(RuntimeError):
+    """An NCCL call made through the ctypes shim failed; ``code`` is its ncclResult_t."""
+
+    def __init__(self, what: str, code: int, detail: str = "") -> None:
+        super().__init__(f"{what} failed: {result_name(code)}" + (f": {detail}" if detail else ""))
+        self.code = code
+
+
 
 class UniqueId(ctypes.Structure):
     """``ncclUniqueId`` (passed by value to ncclCommInitRank*)."""
@@ -160,6 +173,25 @@ class NcclShim:
         self.init_rank_config_fn = self._bind(lib, "ncclCommInitRankConfig",
                                               [ctypes.POINTER(vp), c_int, UniqueId, c_int, vp])
         self.comm_split_fn = self._bind(lib, "ncclCommSplit", [vp, c_int, c_int, ctypes.POINTER(vp), vp])
+        # ncclResult_t ncclCommInitRankScalable(ncclComm_t* newcomm, int nranks, int myrank, int nId,
+        #                                       ncclUniqueId* commIds, ncclConfig_t* config)  (nccl.h, 2.23+)
+        self.init_rank_scalable_fn = self._bind(lib, "ncclCommInitRankScalable",
+                                                [ctypes.POINTER(vp), c_int, c_int, c_int, ctypes.POINTER(UniqueId), vp])
+        # What a communicator CuPy did not make (RawComm) is driven with (nccl.h): buffers,
+        # count, datatype, [op], [root|peer], comm, stream.
+        self.raw = {
+            "all_reduce": self._bind(lib, "ncclAllReduce", [vp, vp, c_size_t, c_int, c_int, vp, vp]),
+            "reduce": self._bind(lib, "ncclReduce", [vp, vp, c_size_t, c_int, c_int, c_int, vp, vp]),
+            "broadcast": self._bind(lib, "ncclBroadcast", [vp, vp, c_size_t, c_int, c_int, vp, vp]),
+            "all_gather": self._bind(lib, "ncclAllGather", [vp, vp, c_size_t, c_int, vp, vp]),
+            "reduce_scatter": self._bind(lib, "ncclReduceScatter", [vp, vp, c_size_t, c_int, c_int, vp, vp]),
+            "send": self._bind(lib, "ncclSend", [vp, c_size_t, c_int, c_int, vp, vp]),
+            "recv": self._bind(lib, "ncclRecv", [vp, c_size_t, c_int, c_int, vp, vp]),
+            "abort": self._bind(lib, "ncclCommAbort", [vp]),
+            "destroy": self._bind(lib, "ncclCommDestroy", [vp]),
+            "user_rank": self._bind(lib, "ncclCommUserRank", [vp, ctypes.POINTER(c_int)]),
+            "count": self._bind(lib, "ncclCommCount", [vp, ctypes.POINTER(c_int)]),
+        }
 
     @staticmethod
     def _bind(lib: ctypes.CDLL, name: str, argtypes: list[Any], restype: Any = ctypes.c_int) -> Any:
@@ -357,6 +389,8 @@ def features_of(code: int, shim: NcclShim | None, nccl: Any) -> Features:
         scatter=v >= (2, 28, 0) and shim is not None and shim.scatter_fn is not None,
         comm_split=v >= (2, 18, 0) and hasattr(getattr(nccl, "NcclCommunicator", None), "commSplit"),
         async_error=shim is not None and shim._async_error is not None,
+        init_scalable=v >= (2, 23, 0) and shim is not None and shim.init_rank_scalable_fn is not None
+        and all(fn is not None for fn in shim.raw.values()),
     )
 
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from ...errors import BackendUnavailableError
 
-from .lib import Features, NcclLib, comm_id_arg, normalise_unique_id, result_name
+from .lib import Features, NcclCallError, NcclLib, comm_id_arg, normalise_unique_id
 
 __all__ = ["Event", "Comm", "Runtime", "CudaRuntime", "CupyComm", "NcclCallError", "enter_device", "leave_device"]
 
@@ -26,14 +26,6 @@ _EVENT_DISABLE_TIMING = 2
 _EVENT_DEFAULT = 0
 # cudaStreamCaptureMode (driver_types.h).
 CAPTURE_GLOBAL, CAPTURE_THREAD_LOCAL, CAPTURE_RELAXED = 0, 1, 2
-
-
-class NcclCallError(RuntimeError):
-    """An NCCL call made through the ctypes shim failed; ``code`` is its ncclResult_t."""
-
-    def __init__(self, what: str, code: int, detail: str = "") -> None:
-        super().__init__(f"{what} failed: {result_name(code)}" + (f": {detail}" if detail else ""))
-        self.code = code
 
 
 class Event(Protocol):
@@ -139,6 +131,12 @@ class Runtime(Protocol):
     def unique_id(self) -> bytes: ...
     def new_comm(self, size: int, uid: bytes, rank: int, config: Mapping[str, Any] | None = None) -> Comm:
         """``ncclCommInitRank(Config)``; ``config``: ncclConfig_t fields by gpucoll name."""
+        ...
+    def new_comm_scalable(self, size: int, uids: Sequence[bytes], rank: int,
+                          config: Mapping[str, Any] | None = None) -> Comm:
+        """``ncclCommInitRankScalable``: one communicator from several roots' unique ids
+        (the same ids, in the same order, on every rank); only when
+        ``features.init_scalable``."""
         ...
     def check_config(self, config: Mapping[str, Any]) -> None:
         """Raise BackendUnavailableError naming the fields of ``config`` this runtime
@@ -321,6 +319,27 @@ class CudaRuntime:
         else:
             comm = self.lib.nccl.NcclCommunicator(size, uid_arg, rank, cfg)
         return CupyComm(self.lib, comm, rank, size)
+
+    def new_comm_scalable(self, size: int, uids: Sequence[bytes], rank: int,
+                          config: Mapping[str, Any] | None = None) -> Comm:
+        import ctypes
+
+        from .lib import UniqueId, config_pointer
+        from .rawcomm import RawComm
+
+        shim = self.lib.shim
+        if shim is None or shim.init_rank_scalable_fn is None:
+            raise BackendUnavailableError("ncclCommInitRankScalable is not in NCCL "
+                                          f"{'.'.join(map(str, self.lib.version))} (needs >= 2.23)")
+        ids = (UniqueId * len(uids))()
+        for i, uid in enumerate(uids):
+            ctypes.memmove(ctypes.addressof(ids[i]), normalise_unique_id(uid), ctypes.sizeof(UniqueId))
+        handle = ctypes.c_void_p()
+        code = shim.init_rank_scalable_fn(ctypes.byref(handle), size, rank, len(uids), ids,
+                                          config_pointer(dict(config) if config else None))
+        if code != 0:
+            raise NcclCallError("ncclCommInitRankScalable", code, shim.error_string(code))
+        return RawComm(self.lib, int(handle.value or 0), rank, size)
 
 
 _HIGHEST_PRIORITY = -1000
