@@ -27,6 +27,7 @@ import time
 from typing import TYPE_CHECKING, Final
 
 from .._env import STORE_RELAY_ENV
+from .._timeouts import Backoff
 from ..errors import DistNetworkError, DistStoreError, DistStoreTimeoutError
 from . import _wire as w
 from ._mux import CHANNEL, MUX_CLOSE, MUX_DATA, close_frame, data_frame
@@ -400,18 +401,15 @@ class StoreRelay:
 def _connect_upstream(host: str, port: int, token: bytes | None, timeout: float) -> socket.socket:
     """Connect to the store server over TCP and say HELLO; retry refusals until ``timeout``."""
     deadline = time.monotonic() + timeout
-    delay = 0.01
+    wait = Backoff(timeout, first=0.01, cap=0.5)
     while True:
         try:
             sock = socket.create_connection((host, port), timeout=max(0.05, deadline - time.monotonic()))
             break
         except (ConnectionRefusedError, TimeoutError) as e:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            if not wait.sleep():
                 raise DistStoreTimeoutError(f"store relay: could not connect to the store at "
                                             f"{host}:{port} within {timeout:g} s: {e}") from e
-            time.sleep(min(delay, left))
-            delay = min(2 * delay, 0.5)
         except OSError as e:
             raise DistNetworkError(f"store relay: cannot connect to the store at {host}:{port}: {e}") from e
     try:
