@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ..._buffer import DTYPES, Buffer, Device
 from ...errors import BackendUnavailableError, DistBackendError
-from ..._reduce_op import ReduceOpLike
+from ..._reduce_op import ReduceOp, ReduceOpLike
 from ..._work import Work
 from ...store.base import Store
 from . import lib as _nccl_lib
@@ -37,6 +37,14 @@ __all__ = ["NCCLBackend", "nccl_unavailable_reason", "is_nccl_available", "nccl_
 
 _REDUCING = frozenset({"all_reduce", "reduce", "reduce_scatter"})
 _PRUNE_AT = 64  # outstanding works kept before the issue path completes finished ones itself
+_PLANS_MAX = 256  # cached plans per backend (a plan names its buffers: bounded, cleared when full)
+
+
+def _calls_only(plan: Plan) -> bool:
+    """True for a plan of NCCL calls alone: no local copy or kernel, no PreMul operator
+    made per call, so it can be issued again for the same key as it is."""
+    return all(not pre and not post and not any(isinstance(x, Premul) for step in calls for x in step)
+               for pre, calls, post in plan)
 
 
 class NCCLBackend:
@@ -128,6 +136,8 @@ class NCCLBackend:
         self._aborted: str | None = None
         self._closed: str | None = None
         self._splits = 0                    # ncclCommSplit calls so far (keys the check-in)
+        self._plans: dict[tuple[Any, ...], Plan] = {}  # plans with no local steps, by op and buffers
+        self._prune_next = _PRUNE_AT        # pending works at which the issue path next completes some
         if device_id is not None:
             count = self._rt.device_count()
             if not isinstance(device_id, int) or isinstance(device_id, bool) or not 0 <= device_id < count:
@@ -230,7 +240,10 @@ class NCCLBackend:
         return work
 
     def _issue(self, op_type: str, bufs: Sequence[Buffer], build: Callable[[Planner], Plan],
-               *, host_wait: bool = False) -> NCCLWork:
+               *, host_wait: bool = False, key: tuple[Any, ...] | None = None) -> NCCLWork:
+        """Plan and launch one op. ``key`` names what the plan depends on (op, buffers,
+        dtype, reduction): a plan of NCCL calls only (no copy, kernel or temporary) is
+        made once per key and reused."""
         work = self._work(op_type, bufs)
         work.host_wait = work.host_wait or host_wait
         with self._lock:
@@ -259,8 +272,14 @@ class NCCLBackend:
                 # temporaries live as long as the backend (see _launch).
                 mode = rt.exchange_capture_mode(CAPTURE_RELAXED) if captured else -1
                 try:
-                    plan = build(self._planner)
-                    self._prepare_kernels(plan)
+                    plan = self._plans.get(key) if key is not None else None
+                    if plan is None:
+                        plan = build(self._planner)
+                        self._prepare_kernels(plan)
+                        if key is not None and not temps and _calls_only(plan):
+                            if len(self._plans) >= _PLANS_MAX:
+                                self._plans.clear()
+                            self._plans[key] = plan
                 finally:
                     self._temps = []
                     if mode >= 0:
@@ -390,11 +409,13 @@ class NCCLBackend:
             with self._state:
                 pending = self._pending
                 pending.extend(works)
-                prune = len(pending) > _PRUNE_AT
+                prune = len(pending) > self._prune_next
             if prune:
                 # Normally the group's watchdog completes works (off this thread);
-                # without one, completing them here releases their arrays.
+                # without one, completing them here releases their arrays. In batches:
+                # the next sweep comes _PRUNE_AT ops later, whatever this one left.
                 self._complete_earlier(works[0])
+                self._prune_next = len(pending) + _PRUNE_AT
 
     def _run_phase(self, phase: Phase) -> None:
         pre, calls, post = phase
@@ -461,7 +482,8 @@ class NCCLBackend:
     # ----- the Backend protocol: reductions -----
 
     def all_reduce(self, buf: Buffer, op: ReduceOpLike) -> Work:
-        return self._issue("all_reduce", (buf,), lambda p: p.all_reduce(buf, op))
+        key = ("all_reduce", buf.ptr, buf.nbytes, buf.dtype.name, op) if type(op) is ReduceOp else None
+        return self._issue("all_reduce", (buf,), lambda p: p.all_reduce(buf, op), key=key)
 
     def all_reduce_into(self, out: Buffer, inp: Buffer, op: ReduceOpLike) -> Work:
         """Out-of-place all_reduce: ``out`` = the reduction of every rank's ``inp`` (same
