@@ -13,6 +13,7 @@ from typing import Any, Sequence
 from . import _world as _w
 from ._timeouts import to_seconds
 from ._group import GroupMember, ProcessGroup, normalize_backend
+from ._group.dispatch import split_device_backend_of
 from ._group.checks import _check_desc, _check_ranks, _ranks_label
 from ._group.options import PGOptions, PGOptionsLike, coerce_options, options_timeout
 from .store import PrefixStore
@@ -46,7 +47,7 @@ def _make_group(world: _w._World, name: str, global_ranks: list[int] | None, my_
     store = PrefixStore(f"pg/{name}", world.store)
     device_backend = None
     if parent is not None and kind == "nccl":
-        device_backend = parent._split_device_backend(parent_ranks, color, store=store, group_name=name,
+        device_backend = split_device_backend_of(parent, parent_ranks, color, store=store, group_name=name,
                                                          timeout=seconds, pg_options=pg_options)
     if global_ranks is None:
         return None

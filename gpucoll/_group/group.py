@@ -28,9 +28,10 @@ from .arglists import _list_like, _p2p_check, _split_counts, _uneven_list
 from .barrier import monitored_barrier
 from .checks import _check_op, _list_dtypes, _real_view
 from .coalescing import CoalescingManager, _not_coalescable
+from .dispatch import backend_for, backend_for_all, make_device_backend_for, set_device_backend
 from .core import Issuer, time_ops
 from .options import PGOptions
-from .registry import _BACKEND_GRACE_S, BACKENDS, backend_kwargs, make_device_backend, split_device_backend
+from .registry import _BACKEND_GRACE_S, BACKENDS, backend_kwargs
 
 __all__ = ["ProcessGroup", "TAG_MAX"]
 
@@ -59,7 +60,7 @@ class ProcessGroup:
         backend: ``"cpu"`` or ``"nccl"``.
         device_id: for NCCL groups, the CUDA device to bind now (else on first device op).
         device_backend: for NCCL groups, a device backend already made for this group
-            (by :meth:`_split_device_backend` of its parent); used instead of a new one.
+            (by :func:`~gpucoll._group.dispatch.split_device_backend_of` of its parent); used instead of a new one.
         pg_options: the group's :class:`~gpucoll.NCCLOptions` / :class:`~gpucoll.CPUOptions`
             (already coerced); kept as ``pg_options``.
     """
@@ -103,11 +104,11 @@ class ProcessGroup:
         if device_backend is not None:
             if backend != "nccl":
                 raise ValueError(f"group {group_name!r}: a device backend was given to a {backend} group")
-            self._set_device_backend(device_backend)
+            set_device_backend(self, device_backend)
             self._device_id = getattr(device_backend, "device", device_id)
         elif backend == "nccl" and device_id is not None:
             try:
-                self._set_device_backend(self._make_device_backend(device_id))
+                set_device_backend(self, make_device_backend_for(self, device_id))
             except BaseException:
                 self._issuer.stop()
                 self._cpu.shutdown()
@@ -206,51 +207,9 @@ class ProcessGroup:
     def _check_rank(self, r: Any, name: str) -> int:
         return _check_rank(self._size, self.group_name, r, name)
 
-    def _backend_for(self, buf: Buffer, name: str) -> Backend:
-        if buf.device.type == "cpu" or self.backend_name == "fake":
-            return self._cpu
-        nccl = self._nccl
-        if nccl is None:
-            if self.backend_name != "nccl":
-                raise TypeError(
-                    f"{name} is a device array ({buf.device}) but group {self.group_name!r} uses the cpu "
-                    "backend, which moves host arrays only; use init_process_group('nccl') or "
-                    "new_group(backend='nccl') for device arrays")
-            nccl = self._set_device_backend(self._make_device_backend(buf.device.index))
-        elif buf.device.index != self._device_id:
-            raise ValueError(f"{name} is on {buf.device} but group {self.group_name!r} communicates "
-                             f"on cuda:{self._device_id}")
-        return nccl
-
-    def _make_device_backend(self, device_id: int) -> Backend:
-        self._device_id = device_id
-        return make_device_backend(self._store, self._rank, self._size, timeout=self.timeout,
-                                   group_name=self.group_name, device_id=device_id, pg_options=self.pg_options)
-
-    def _set_device_backend(self, backend: Backend) -> Backend:
-        self._issuer.forget_plans()  # a plan names its backend
-        self._nccl = time_ops(backend) if self._issuer.hooks else backend
-        self._nccl_into = backend if isinstance(backend, ReducesInto) else None
-        return backend
-
-    def _split_device_backend(self, members: Sequence[int] | None, color: int, *, store: Store,
-                              group_name: str, timeout: float,
-                              pg_options: PGOptions | None = None) -> Backend | None:
-        """The device backend of a new group carved out of this one with ``ncclCommSplit``
-        (:func:`~gpucoll._group.registry.split_device_backend`); None unless this group was
-        bound to a device at creation."""
-        if not self._bound:
-            return None
-        return split_device_backend(self._nccl, members, color, store=store, group_name=group_name,
-                                    timeout=timeout, pg_options=pg_options)
-
     def _backend_for_all(self, bufs: Sequence[Buffer], names: Sequence[str]) -> Backend:
-        first = bufs[0]
-        for buf, name in zip(bufs[1:], names[1:]):
-            if buf.device != first.device:
-                raise TypeError(f"cannot mix memory kinds in one call: {names[0]} is on {first.device} "
-                                f"but {name} is on {buf.device}")
-        return self._backend_for(first, names[0])
+        """For coalescing blocks (a CoalescingGroup): :func:`~gpucoll._group.dispatch.backend_for_all`."""
+        return backend_for_all(self, bufs, names)
 
     def _issue(self, backend: Backend, start: Callable[[], Work], buf: Buffer | None,
                outputs: list[Any], peer: int = -1, op: str = "", red: Any = None) -> Work:
@@ -273,7 +232,7 @@ class ProcessGroup:
             red = _check_op(op, buf.dtype)
             if self._coalescing is not None:
                 return self._coalescing._defer(self, "all_reduce", red, ("tensor", buf, tensor), async_op)
-            backend = self._backend_for(buf, "tensor")
+            backend = backend_for(self, buf, "tensor")
             plan = self._issuer.plan(key, backend, red, backend is not self._cpu)
         backend, red, issuer, now = plan.backend, plan.red, self._issuer, plan.now
         if now is not None and not async_op and not issuer.hooks and not issuer.debug_detail:  # no Work
@@ -297,7 +256,7 @@ class ProcessGroup:
         red = _check_op(op, out.dtype)
         into = None
         if self._coalescing is None:
-            backend = self._backend_for_all([out, inp], ["output", "input"])
+            backend = backend_for_all(self, [out, inp], ["output", "input"])
             into = getattr(backend, "all_reduce_into", None)
         if into is None:
             _array.copy_buffer(out, inp)
@@ -316,7 +275,7 @@ class ProcessGroup:
             raise ValueError("tensors must contain at least one array")
         bufs = [_array.as_buffer(t, name=n, writable=True) for t, n in zip(tensors, names)]
         reds = [_check_op(op, b.dtype) for b in bufs]
-        backend = self._backend_for_all(bufs, names)
+        backend = backend_for_all(self, bufs, names)
         work = self._issue(backend, lambda: backend.all_reduce_coalesced(bufs, reds[0]), bufs[0], list(tensors),
                            op="all_reduce_coalesced", red=reds[0])
         work._wait_gives_result = True
@@ -330,7 +289,7 @@ class ProcessGroup:
         self._check_rank(dst, "group_dst")
         buf = _array.as_buffer(tensor, name="tensor", writable=True)
         red = _check_op(op, buf.dtype)
-        backend = self._backend_for(buf, "tensor")
+        backend = backend_for(self, buf, "tensor")
         work = self._issue(backend, lambda: backend.reduce(buf, dst, red), buf, [tensor], dst, op="reduce", red=red)
         return self._finish(backend, work, async_op)
 
@@ -346,7 +305,7 @@ class ProcessGroup:
         out = _array.as_buffer(output, name="output", writable=True)
         ins = _uneven_list(self, input_list, "input_list", out, "output")
         red = _check_op(op, out.dtype)
-        backend = self._backend_for_all([out, *ins], ["output"] + [f"input_list[{i}]" for i in range(len(ins))])
+        backend = backend_for_all(self, [out, *ins], ["output"] + [f"input_list[{i}]" for i in range(len(ins))])
         work = self._issue(backend, lambda: backend.reduce_scatter(out, ins, red), out, [output], op="reduce_scatter",
                            red=red)
         return self._finish(backend, work, async_op)
@@ -362,7 +321,7 @@ class ProcessGroup:
         if self._coalescing is not None:
             return self._coalescing._defer(self, "reduce_scatter_single", red,
                                            ("output", out, output, inp), async_op)
-        backend = self._backend_for_all([out, inp], ["output", "input"])
+        backend = backend_for_all(self, [out, inp], ["output", "input"])
         work = self._issue(backend, lambda: backend.reduce_scatter_single(out, inp, red), out, [output],
                            op="reduce_scatter_single", red=red)
         return self._finish(backend, work, async_op)
@@ -378,7 +337,7 @@ class ProcessGroup:
         key = ("broadcast", buf.dtype.name, buf.shape, buf.device.type, buf.device.index, src)
         plan = self._plans.get(key)
         if plan is None:
-            backend = self._backend_for(buf, "tensor")
+            backend = backend_for(self, buf, "tensor")
             plan = self._issuer.plan(key, backend, None, backend is not self._cpu)
         backend = plan.backend
         work = self._issuer.issue(backend, lambda: backend.broadcast(buf, src), buf, [tensor], src, op="broadcast")
@@ -392,7 +351,7 @@ class ProcessGroup:
         inp = _array.as_buffer(tensor, name="tensor")
         outs = _list_like(self, tensor_list, "tensor_list", inp, "tensor", writable=True, views=True)
         inp = _real_view(inp)
-        backend = self._backend_for_all([inp, *outs], ["tensor"] + [f"tensor_list[{i}]" for i in range(len(outs))])
+        backend = backend_for_all(self, [inp, *outs], ["tensor"] + [f"tensor_list[{i}]" for i in range(len(outs))])
         work = self._issue(backend, lambda: backend.all_gather(outs, inp), inp, list(tensor_list), op="all_gather")
         return self._finish(backend, work, async_op)
 
@@ -405,7 +364,7 @@ class ProcessGroup:
         if self._coalescing is not None:
             return self._coalescing._defer(self, "all_gather_single", None,
                                            ("output_tensor", out, output, inp), async_op)
-        backend = self._backend_for_all([out, inp], ["output_tensor", "input_tensor"])
+        backend = backend_for_all(self, [out, inp], ["output_tensor", "input_tensor"])
         work = self._issue(backend, lambda: backend.all_gather_single(out, inp), inp, [output], op="all_gather_single")
         return self._finish(backend, work, async_op)
 
@@ -421,7 +380,7 @@ class ProcessGroup:
         flat = ins + [b for row in outs for b in row]
         names = [f"input_tensor_list[{k}]" for k in range(len(ins))] + \
             [f"output_tensor_lists[{r}][{k}]" for k in range(len(outs)) for r in range(self._size)]
-        backend = self._backend_for_all(flat, names)
+        backend = backend_for_all(self, flat, names)
         work = self._issue(backend, lambda: backend.all_gather_coalesced(outs, ins), ins[0],
                            [list(row) for row in output_lists], op="all_gather_coalesced")
         return self._finish(backend, work, async_op)
@@ -444,7 +403,7 @@ class ProcessGroup:
             raise ValueError(f"gather_list must not be given on a non-destination rank (this is rank "
                              f"{self._rank}, dst is {dst})")
         inp = _real_view(inp)
-        backend = self._backend_for_all([inp, *(outs or ())], ["tensor"] + ["gather_list"] * len(outs or ()))
+        backend = backend_for_all(self, [inp, *(outs or ())], ["tensor"] + ["gather_list"] * len(outs or ()))
         work = self._issue(backend, lambda: backend.gather(outs, inp, dst), inp,
                            list(gather_list) if gather_list else [], dst, op="gather")
         return self._finish(backend, work, async_op)
@@ -468,7 +427,7 @@ class ProcessGroup:
             raise ValueError(f"scatter_list must not be given on a non-source rank (this is rank "
                              f"{self._rank}, src is {src})")
         out = _real_view(out)
-        backend = self._backend_for_all([out, *(ins or ())], ["tensor"] + ["scatter_list"] * len(ins or ()))
+        backend = backend_for_all(self, [out, *(ins or ())], ["tensor"] + ["scatter_list"] * len(ins or ()))
         work = self._issue(backend, lambda: backend.scatter(out, ins, src), out, [tensor], src, op="scatter")
         return self._finish(backend, work, async_op)
 
@@ -479,7 +438,7 @@ class ProcessGroup:
         if self._coalescing is not None:
             _not_coalescable("all_to_all")
         outs, ins, names = _a2a_lists(self, output_list, input_list)
-        backend = self._backend_for_all(outs + ins, names)
+        backend = backend_for_all(self, outs + ins, names)
         work = self._issue(backend, lambda: backend.all_to_all(outs, ins), ins[0], list(output_list),
                            op="all_to_all")
         return self._finish(backend, work, async_op)
@@ -493,7 +452,7 @@ class ProcessGroup:
         if self._coalescing is not None:
             _not_coalescable("all_to_all_single")
         out, inp, out_counts, in_counts = _split_counts(self, output, input, output_split_sizes, input_split_sizes)
-        backend = self._backend_for_all([out, inp], ["output", "input"])
+        backend = backend_for_all(self, [out, inp], ["output", "input"])
         work = self._issue(backend, lambda: backend.all_to_all_single(out, inp, out_counts, in_counts), inp,
                            [output], op="all_to_all_single")
         return self._finish(backend, work, async_op)
@@ -505,7 +464,7 @@ class ProcessGroup:
         buf = _p2p_check(self, tensor, dst, tag, "group_dst", writable=False)
         if self._coalescing is not None:
             return self._coalescing._defer_p2p(self, ("send", buf, tensor, dst, tag))
-        backend = self._backend_for(buf, "tensor")
+        backend = backend_for(self, buf, "tensor")
         work = self._issue(backend, lambda: backend.send(buf, dst, tag), buf, [], dst)
         self._finish(backend, work, async_op)
         return work
@@ -519,7 +478,7 @@ class ProcessGroup:
             if src is None:
                 raise ValueError("recv from any source (src=None) cannot run inside gpucoll.coalescing()")
             return self._coalescing._defer_p2p(self, ("recv", buf, tensor, src, tag))
-        backend = self._backend_for(buf, "tensor")
+        backend = backend_for(self, buf, "tensor")
         work = self._issue(backend, lambda: backend.recv(buf, src, tag), buf, [tensor],
                            -1 if src is None else src)
         self._finish(backend, work, async_op)
@@ -533,7 +492,7 @@ class ProcessGroup:
         if not ops:
             raise ValueError("p2p_op_list must not be empty")
         bufs = [_p2p_check(self, t, peer, tag, "peer", writable=(kind == "recv")) for kind, t, peer, tag in ops]
-        backend = self._backend_for_all(bufs, [f"p2p_op_list[{i}].tensor" for i in range(len(bufs))])
+        backend = backend_for_all(self, bufs, [f"p2p_op_list[{i}].tensor" for i in range(len(bufs))])
         batch = [(kind, b, peer, tag) for (kind, _, peer, tag), b in zip(ops, bufs)]
         outputs = [t for kind, t, _, _ in ops if kind == "recv"]
         work = self._issue(backend, lambda: backend.batch_p2p(batch), bufs[0], outputs)

@@ -135,7 +135,7 @@ def split_device_backend(parent: Backend | None, members: Sequence[int] | None, 
                          store: Store, group_name: str, timeout: float,
                          pg_options: PGOptions | None = None) -> Backend | None:
     """The device backend of a new group carved out of ``parent``'s communicator with
-    ``ncclCommSplit`` (``ProcessGroup._split_device_backend`` calls it for groups bound
+    ``ncclCommSplit`` (``dispatch.split_device_backend_of`` calls it for groups bound
     to a device at creation).
 
     Every rank of the parent group must call it for each new group, in the same order,

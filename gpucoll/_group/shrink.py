@@ -27,7 +27,7 @@ has been carved out of it with ``ncclCommShrink`` where the backend can.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from .._backends.base import Backend, ShrinksCommunicator
 from ..errors import DistError, DistStoreError

@@ -25,7 +25,7 @@ from .config import usable_config
 from .bootstrap import adopt, create_comm
 from .bootstrap import is_nccl_available, nccl_unavailable_reason, nccl_version, rendezvous  # noqa: F401
 from .lib import NCCL_DTYPES, OP_SUM
-from .plan import Phase, Plan, Planner, Premul, Step, merge
+from .plan import Phase, Plan, Planner, Premul, Step, calls_only, merge
 from .runtime import CAPTURE_RELAXED, CAPTURE_THREAD_LOCAL, Comm, Event, Runtime, enter_device, leave_device
 from .connect import check_in
 from . import lifecycle as _lifecycle
@@ -38,13 +38,6 @@ __all__ = ["NCCLBackend", "nccl_unavailable_reason", "is_nccl_available", "nccl_
 _REDUCING = frozenset({"all_reduce", "reduce", "reduce_scatter"})
 _PRUNE_AT = 64  # outstanding works kept before the issue path completes finished ones itself
 _PLANS_MAX = 256  # cached plans per backend (a plan names its buffers: bounded, cleared when full)
-
-
-def _calls_only(plan: Plan) -> bool:
-    """True for a plan of NCCL calls alone: no local copy or kernel, no PreMul operator
-    made per call, so it can be issued again for the same key as it is."""
-    return all(not pre and not post and not any(isinstance(x, Premul) for step in calls for x in step)
-               for pre, calls, post in plan)
 
 
 class NCCLBackend:
@@ -276,7 +269,7 @@ class NCCLBackend:
                     if plan is None:
                         plan = build(self._planner)
                         self._prepare_kernels(plan)
-                        if key is not None and not temps and _calls_only(plan):
+                        if key is not None and not temps and calls_only(plan):
                             if len(self._plans) >= _PLANS_MAX:
                                 self._plans.clear()
                             self._plans[key] = plan

@@ -43,7 +43,7 @@ from ..._reduce_op import PremulSum, ReduceOp, ReduceOpLike
 from .lib import (MOVE_DTYPE, NCCL_DTYPES, OP_AVG, OP_MAX, OP_MIN, OP_PROD, OP_SUM, Features,
                         encode_scalar)
 
-__all__ = ["Premul", "Reduction", "Planner", "Phase", "Plan", "merge", "KTYPES", "kernel_name"]
+__all__ = ["Premul", "Reduction", "Planner", "Phase", "Plan", "merge", "calls_only", "KTYPES", "kernel_name"]
 
 Step = tuple[Any, ...]
 Phase = tuple[list[Step], list[Step], list[Step]]
@@ -554,3 +554,10 @@ class Planner:
             if buf.nbytes:
                 calls.append((kind, buf.ptr, buf.nbytes, MOVE_DTYPE, peer))
         return [([], calls, [])]
+
+
+def calls_only(plan: Plan) -> bool:
+    """True for a plan of NCCL calls alone: no local copy or kernel, no PreMul operator
+    made per call, so it can be issued again for the same key as it is."""
+    return all(not pre and not post and not any(isinstance(x, Premul) for step in calls for x in step)
+               for pre, calls, post in plan)
