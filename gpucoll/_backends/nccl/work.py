@@ -135,7 +135,8 @@ class NCCLWork(Work):
 
     def _check_event(self, mode_set: bool = False) -> bool:
         """Complete the Work if its end event has fired; True once complete.
-        ``mode_set``: the caller set thread-local capture mode for the query already."""
+        ``mode_set``: the caller (the backend's completion sweep, which pops this Work
+        and every earlier one itself) set thread-local capture mode for the query already."""
         if self._done.is_set():
             return True
         end = self._end
@@ -158,7 +159,8 @@ class NCCLWork(Work):
             self._fail(why)
             return True
         self._ready = self._prev = None
-        self._owner._complete_earlier(self)
+        if not mode_set:  # the sweep completes earlier works itself, in order
+            self._owner._complete_earlier(self)
         self._set_result(active_duration=None if duration is None else duration / 1000.0)
         return True
 
