@@ -187,7 +187,11 @@ class _Agent:
                 # One node: loopback (or the given address) only. Several: every interface,
                 # since the name other nodes use may not be an address of this host.
                 bind = cfg.master_addr if cfg.nnodes == 1 else ("::" if ":" in cfg.master_addr else "")
-                self.server = TCPStore(bind, cfg.master_port, is_master=True,
+                # Its clients: every node's link and every rank, or, through relays, one
+                # connection per node: the server raises the open-file limit for them, sizes
+                # its accept queues, and refuses at once (naming the limit) if they cannot fit.
+                clients = cfg.nnodes + (cfg.nnodes if cfg.store_relay else cfg.world_size)
+                self.server = TCPStore(bind, cfg.master_port, clients, is_master=True,
                                        wait_for_workers=False, timeout=cfg.join_timeout, token=cfg.token)
                 self.port = int(self.server.port)
                 if cfg.nnodes > 1 and cfg.master_port == 0:

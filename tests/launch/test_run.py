@@ -474,3 +474,24 @@ def test_count_gpus_agrees_with_cuda() -> None:
     assert probe.returncode == 0, probe.stderr
     assert count_gpus()[0] == int(probe.stdout.strip())
     assert resolve_nproc("gpu") == resolve_nproc("auto") == int(probe.stdout.strip())
+
+
+def test_a_launcher_store_too_big_for_the_open_file_limit_is_refused_before_any_rank(tmp_path: Path) -> None:
+    """The store gpucoll-run hosts knows its clients (every rank and node link): with a
+    hard open-file limit that cannot hold them, the job fails at once naming the limit
+    and the count, and no rank starts (instead of ranks timing out on a full server)."""
+    import resource
+
+    marker = tmp_path / "ran"
+    script = _script(tmp_path, "s.py", f"open({str(marker)!r}, 'a').write('x')\n")
+
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200))
+
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "gpucoll.run", "--nproc-per-node", "400", script], cwd=tmp_path,
+                          env=_env(), capture_output=True, text=True, timeout=60, preexec_fn=low_limit)
+    assert proc.returncode != 0
+    assert "open-file limit" in proc.stderr and "401 clients" in proc.stderr and "200" in proc.stderr, proc.stderr
+    assert not marker.exists(), "a rank ran although the store could not hold the job"
+    assert time.monotonic() - t0 < 30
