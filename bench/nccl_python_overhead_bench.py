@@ -196,6 +196,25 @@ def main(argv: list[str] | None = None) -> int:
             ("ProcessGroup.all_reduce(array, async_op=True).wait()",
              _per_op_us(lambda: pg.all_reduce(x, async_op=True).wait(), args.ops, args.repeat)),
         ]
+        # What the no-op runtime's own Python costs per op: the calls one backend op makes
+        # on its hot path (two events; device, stream and capture queries; two records,
+        # two stream waits; the NCCL call), timed alone. The rows above include it; a real
+        # runtime makes each of these a C call instead.
+        comm = _Comm()
+
+        def runtime_calls() -> None:
+            rt.get_device()
+            s = rt.current_stream()
+            rt.is_capturing(s)
+            ready = rt.event(True, False)
+            rt.record(ready.ptr, s)
+            rt.wait_event(0x5000, ready.ptr)
+            comm.all_reduce(1, 2, 3, 4, 5, 0x5000)
+            end = rt.event(True, False)
+            rt.record(end.ptr, 0x5000)
+            rt.get_device()
+            rt.wait_event(rt.current_stream(), end.ptr)
+        runtime_us = _per_op_us(runtime_calls, args.ops, args.repeat)
         rt.finish_all()  # the fake GPU catches up, so shutdown's drain returns at once
         pg._destroy()
     finally:
@@ -208,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|")
     for name, us in rows:
         print(f"| {name} | {us:.2f} |")
+    print(f"# of each row, the no-op runtime's own Python (the calls one op makes, timed alone): "
+          f"{runtime_us:.2f} µs")
     return 0
 
 

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ["DType", "Device", "Buffer", "DTYPES", "dtype_by_name", "host_address"]
+__all__ = ["DType", "Device", "Buffer", "DTYPES", "dtype_by_name", "dtype_of_typestr", "host_address"]
 
 
 @dataclass(frozen=True)
@@ -159,3 +159,78 @@ def host_address(a: np.ndarray[Any, Any]) -> int:
     if _FAST_ADDRESS:
         return _read_ptr(id(a) + _DATA_AT).value or 0
     return int(a.ctypes.data)
+
+
+_TYPESTRS: dict[str, DType] = {}  # typestr -> DType, for every typestr that names its type alone
+
+
+def dtype_of_typestr(typestr: Any, array: Any, name: str) -> DType:
+    """The DType a CUDA array interface's ``typestr`` names (opaque ones, bfloat16 and
+    float8, by the array's own ``dtype`` attribute); TypeError where it names none."""
+    found = _TYPESTRS.get(typestr)
+    if found is not None:
+        return found
+    typestr = str(typestr)
+    order, kind, size = typestr[:1], typestr[1:2], typestr[2:]
+    try:
+        itemsize = int(size)
+    except ValueError:
+        raise TypeError(f"{name} has an unparsable typestr {typestr!r}") from None
+    if itemsize > 1 and (order == ">" or (order == "=" and sys.byteorder == "big")):
+        raise TypeError(f"{name} has non-native byte order (typestr {typestr!r})")
+    if kind == "V" or (kind == "f" and itemsize == 1):
+        # bfloat16/float8 have no typestr of their own (ml_dtypes gives '<V2', '|V1', and
+        # '<f1' for float8_e5m2); the array's own dtype attribute says which type it is.
+        dname = str(getattr(getattr(array, "dtype", None), "name", getattr(array, "dtype", "")))
+        dname = dname.rsplit(".", 1)[-1]
+        if dname in DTYPES and DTYPES[dname].itemsize == itemsize:
+            return DTYPES[dname]
+        raise TypeError(f"{name} has opaque typestr {typestr!r} and no recognisable dtype attribute "
+                        f"(got {dname!r}); bfloat16/float8 arrays must expose .dtype")
+    names = {"b": "bool", "i": f"int{8 * itemsize}", "u": f"uint{8 * itemsize}",
+             "f": f"float{8 * itemsize}", "c": f"complex{8 * itemsize}"}
+    try:
+        found = dtype_by_name(names[kind])
+    except (KeyError, TypeError):
+        raise TypeError(f"{name} has unsupported typestr {typestr!r}") from None
+    _TYPESTRS[typestr] = found
+    return found
+
+
+
+# ----- DLPack's structures, read with ctypes (the array layer reads capsules with them) -----
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+class _DLPackVersion(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+class _DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [("version", _DLPackVersion), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.c_void_p), ("flags", ctypes.c_uint64), ("dl_tensor", _DLTensor)]
+
+
+_DLPACK_FLAG_READ_ONLY = 1
+_capsule_get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_get_pointer.restype = ctypes.c_void_p
+_capsule_get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_capsule_get_name = ctypes.pythonapi.PyCapsule_GetName
+_capsule_get_name.restype = ctypes.c_char_p
+_capsule_get_name.argtypes = [ctypes.py_object]

@@ -95,11 +95,13 @@ class Work:
     def _set_exception(self, exc: BaseException) -> None:
         self._finish(exc, None, None)
 
-    def _finish(self, exc: BaseException | None, active: float | None, source_rank: int | None) -> None:
+    def _finish(self, exc: BaseException | None, active: float | None, source_rank: int | None,
+                now: float | None = None) -> None:
         with self._lock:
-            if self._done.is_set():
+            if self._done._flag:
                 return
-            now = time.perf_counter()
+            if now is None:
+                now = time.perf_counter()
             self.time_finished = self.time_started + (now - self._t0)
             self.active_duration = active if active is not None else now - self._t0
             if source_rank is not None:
@@ -107,15 +109,23 @@ class Work:
             self._exc = exc
             self._keepalive = None
             event = self._done._set_locked()
-            callbacks, self._callbacks = self._callbacks, None
+            callbacks = self._callbacks
             future = self._future
+        self._finish_rest(event, callbacks, future)
+
+    def _finish_rest(self, event: threading.Event | None, callbacks: list[Callable[[Work], None]] | None,
+                     future: Future[list[Any]] | None) -> None:
+        """What completion does after the state is set (outside the lock): wake waiters,
+        update the flight recorder, resolve the future, run the callbacks."""
+        if callbacks is not None:
+            self._callbacks = None
         if event is not None:
             event.set()
         entry = self._fr_entry
         if entry is not None:
             entry.finish(self)
         if future is not None:
-            _resolve(future, self._result, exc)
+            _resolve(future, self._result, self._exc)
         if callbacks:
             for cb in callbacks:
                 cb(self)

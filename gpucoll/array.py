@@ -31,7 +31,9 @@ from typing import Any, Protocol, TypeAlias, Union, runtime_checkable
 
 import numpy as np
 
-from ._buffer import DTYPES, Buffer, Device, DType, dtype_by_name, host_address
+from ._buffer import _TYPESTRS, DTYPES, Buffer, Device, DType, dtype_of_typestr, host_address
+from ._buffer import (_DLPACK_FLAG_READ_ONLY, _DLManagedTensor, _DLManagedTensorVersioned, _capsule_get_name,
+                      _capsule_get_pointer)
 
 __all__ = [
     "ArrayLike", "SupportsBuffer", "SupportsCudaArrayInterface", "SupportsDLPack", "NotContiguousError", "xp_view",
@@ -137,6 +139,14 @@ def as_buffer(array: Any, *, name: str = "tensor", writable: bool = False) -> Bu
         if writable and array.readonly:
             raise ValueError(f"{name} is a read-only Buffer and this op writes into it")
         return array  # type: ignore[no-any-return]
+    has_dlpack = _CAI_TYPES.get(cls)
+    if has_dlpack is not None:  # a type whose arrays were described by their CAI before
+        try:
+            cai = array.__cuda_array_interface__
+        except Exception:
+            cai = None
+        if type(cai) is dict and (not has_dlpack or cai.get("version", 2) >= 3):
+            return _from_cai(array, cai, name, writable)
     if hasattr(cls, "__cuda_array_interface__"):
         try:
             cai = array.__cuda_array_interface__
@@ -148,9 +158,12 @@ def as_buffer(array: Any, *, name: str = "tensor", writable: bool = False) -> Bu
             # CAI before version 3 carries no stream: the producer's pending work is
             # not ordered. A producer that also speaks DLPack (torch, JAX) gets the
             # DLPack stream handshake instead, which orders it on our stream.
-            if (isinstance(cai, dict) and int(cai.get("version", 2)) >= 3) or not (
-                    hasattr(cls, "__dlpack__") and hasattr(cls, "__dlpack_device__")):
-                return _from_cai(array, cai, name, writable)
+            has_dlpack = hasattr(cls, "__dlpack__") and hasattr(cls, "__dlpack_device__")
+            if (isinstance(cai, dict) and int(cai.get("version", 2)) >= 3) or not has_dlpack:
+                found = _from_cai(array, cai, name, writable)
+                if len(_CAI_TYPES) < 64:
+                    _CAI_TYPES[cls] = has_dlpack
+                return found
     if hasattr(cls, "__dlpack__") and hasattr(cls, "__dlpack_device__"):
         return _from_dlpack(array, name, writable)
     try:
@@ -186,37 +199,61 @@ def _from_ndarray(a: np.ndarray, name: str, writable: bool, device: Device) -> B
 
 # ----- __cuda_array_interface__ -----
 
-_TYPESTRS: dict[str, DType] = {}  # typestr -> DType, for every typestr that names its type alone
 _CUDA: dict[int, Device] = {}       # index -> Device("cuda", index)
+# Types whose arrays were described by their CAI (the value: whether the type also speaks
+# DLPack, whose handshake is preferred to a CAI before version 3), and the layouts seen:
+# (type, typestr, shape, strides) -> (dtype, shape as ints, nbytes), checked once.
+_CAI_TYPES: dict[type, bool] = {}
+_LAYOUTS: dict[tuple[Any, ...], tuple[DType, tuple[int, ...], int]] = {}
 
 
 def _from_cai(array: Any, cai: dict[str, Any], name: str, writable: bool) -> Buffer:
     try:
         ptr, readonly = cai["data"]
-        shape = tuple(map(int, cai["shape"]))
+        raw_shape = cai["shape"]
         typestr = cai["typestr"]
     except (KeyError, TypeError, ValueError) as exc:
         raise TypeError(f"{name}.__cuda_array_interface__ is malformed ({exc!r}): {cai!r}") from exc
     if cai.get("mask") is not None:
         raise ValueError(f"{name} is a masked device array; masks are not supported")
-    dtype = _TYPESTRS.get(typestr) or _dtype_of_typestr(str(typestr), array, name)
     strides = cai.get("strides")
-    if strides is not None:
-        _check_c_strides(strides, shape, dtype.itemsize, name)
+    key: tuple[Any, ...] | None = (type(array), typestr, raw_shape, strides)
+    try:
+        layout = _LAYOUTS.get(key)  # type: ignore[arg-type]
+    except TypeError:  # a list for shape or strides: not a key
+        layout, key = None, None
+    if layout is None:
+        layout = _cai_layout(array, typestr, raw_shape, strides, name, cai)
+        if key is not None and typestr in _TYPESTRS:  # not an opaque one, which the array's dtype names
+            if len(_LAYOUTS) >= 1024:
+                _LAYOUTS.clear()
+            _LAYOUTS[key] = layout
+    dtype, shape, nbytes = layout
     if writable and readonly:
         raise ValueError(f"{name} is read-only device memory and this op writes into it; "
                          "use gpucoll.functional, which returns a new array")
-    numel = math.prod(shape)
     stream = cai.get("stream") if int(cai.get("version", 2)) >= 3 else None
     ptr = int(ptr or 0)
     index = _cuda_device_index(array, ptr)
     device = _CUDA.get(index) or _CUDA.setdefault(index, Device("cuda", index))
     stream = None if stream is None or stream == 1 or stream == 0 else _normalise_stream(stream)
     if stream is None:
-        return Buffer(ptr, numel * dtype.itemsize, dtype, shape, device, bool(readonly), None, array)
+        return Buffer(ptr, nbytes, dtype, shape, device, bool(readonly), None, array)
     held = _hold_stream(array, stream)
-    return Buffer(ptr, numel * dtype.itemsize, dtype, shape, device, bool(readonly), stream, array,
-                  held, held is None)
+    return Buffer(ptr, nbytes, dtype, shape, device, bool(readonly), stream, array, held, held is None)
+
+
+def _cai_layout(array: Any, typestr: Any, raw_shape: Any, strides: Any, name: str,
+                cai: dict[str, Any]) -> tuple[DType, tuple[int, ...], int]:
+    """A CAI's element type, shape and size, checked (C-contiguous, a known type)."""
+    try:
+        shape = tuple(map(int, raw_shape))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{name}.__cuda_array_interface__ is malformed ({exc!r}): {cai!r}") from exc
+    dtype = dtype_of_typestr(typestr, array, name)
+    if strides is not None:
+        _check_c_strides(strides, shape, dtype.itemsize, name)
+    return dtype, shape, math.prod(shape) * dtype.itemsize
 
 
 def _hold_stream(array: Any, stream: int) -> Any:
@@ -230,33 +267,6 @@ def _hold_stream(array: Any, stream: int) -> Any:
     except Exception:
         return None
     return current if int(current.ptr) == stream else None
-
-
-def _dtype_of_typestr(typestr: str, array: Any, name: str) -> DType:
-    order, kind, size = typestr[:1], typestr[1:2], typestr[2:]
-    try:
-        itemsize = int(size)
-    except ValueError:
-        raise TypeError(f"{name} has an unparsable typestr {typestr!r}") from None
-    if itemsize > 1 and (order == ">" or (order == "=" and sys.byteorder == "big")):
-        raise TypeError(f"{name} has non-native byte order (typestr {typestr!r})")
-    if kind == "V" or (kind == "f" and itemsize == 1):
-        # bfloat16/float8 have no typestr of their own (ml_dtypes gives '<V2', '|V1', and
-        # '<f1' for float8_e5m2); the array's own dtype attribute says which type it is.
-        dname = str(getattr(getattr(array, "dtype", None), "name", getattr(array, "dtype", "")))
-        dname = dname.rsplit(".", 1)[-1]
-        if dname in DTYPES and DTYPES[dname].itemsize == itemsize:
-            return DTYPES[dname]
-        raise TypeError(f"{name} has opaque typestr {typestr!r} and no recognisable dtype attribute "
-                        f"(got {dname!r}); bfloat16/float8 arrays must expose .dtype")
-    names = {"b": "bool", "i": f"int{8 * itemsize}", "u": f"uint{8 * itemsize}",
-             "f": f"float{8 * itemsize}", "c": f"complex{8 * itemsize}"}
-    try:
-        found = dtype_by_name(names[kind])
-    except (KeyError, TypeError):
-        raise TypeError(f"{name} has unsupported typestr {typestr!r}") from None
-    _TYPESTRS[typestr] = found
-    return found
 
 
 def _check_c_strides(strides: Any, shape: tuple[int, ...], itemsize: int, name: str) -> None:
@@ -278,14 +288,25 @@ def _normalise_stream(stream: Any) -> int | None:
     return int(stream)
 
 
+_DEVICE_ATTR: dict[type, str] = {}  # types whose arrays' .device.<attr> gave the index
+
+
 def _cuda_device_index(array: Any, ptr: int) -> int:
-    if type(array).__module__.startswith("cupy"):
+    cls = type(array)
+    attr = _DEVICE_ATTR.get(cls)
+    if attr is not None:
+        index = getattr(getattr(array, "device", None), attr, None)
+        if type(index) is int:
+            return index
+    if cls.__module__.startswith("cupy"):
         # CuPy's __dlpack_device__ asks the driver for the pointer's attributes
         # (managed or not) on every call; its Device object already knows.
         index = getattr(getattr(array, "device", None), "id", None)
         if isinstance(index, int):
+            if len(_DEVICE_ATTR) < 64:
+                _DEVICE_ATTR[cls] = "id"
             return index
-    dev = getattr(type(array), "__dlpack_device__", None)
+    dev = getattr(cls, "__dlpack_device__", None)
     if dev is not None:
         try:
             kind, index = array.__dlpack_device__()
@@ -297,6 +318,8 @@ def _cuda_device_index(array: Any, ptr: int) -> int:
     for attr in ("id", "index"):  # CuPy Device.id, torch.device.index
         index = getattr(device, attr, None)
         if isinstance(index, int):
+            if dev is None and len(_DEVICE_ATTR) < 64:
+                _DEVICE_ATTR[cls] = attr  # no DLPack device to prefer: the attribute it is
             return index
     cupy = sys.modules.get("cupy")
     if cupy is not None and ptr:
@@ -307,43 +330,7 @@ def _cuda_device_index(array: Any, ptr: int) -> int:
     return 0
 
 
-# ----- DLPack, read with ctypes -----
-
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
-                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
-                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
-
-
-class _DLManagedTensor(ctypes.Structure):
-    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
-
-
-class _DLPackVersion(ctypes.Structure):
-    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
-
-
-class _DLManagedTensorVersioned(ctypes.Structure):
-    _fields_ = [("version", _DLPackVersion), ("manager_ctx", ctypes.c_void_p),
-                ("deleter", ctypes.c_void_p), ("flags", ctypes.c_uint64), ("dl_tensor", _DLTensor)]
-
-
-_DLPACK_FLAG_READ_ONLY = 1
-_capsule_get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-_capsule_get_pointer.restype = ctypes.c_void_p
-_capsule_get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-_capsule_get_name = ctypes.pythonapi.PyCapsule_GetName
-_capsule_get_name.restype = ctypes.c_char_p
-_capsule_get_name.argtypes = [ctypes.py_object]
-
+# ----- DLPack, read with ctypes (the structures are in _buffer.py) -----
 
 def consumer_stream() -> int:
     """The stream gpucoll names in the DLPack handshake: CuPy's current stream of the

@@ -112,6 +112,42 @@ class Issuer:
         entry = self._entry(seq, op or start.__name__.strip("<>"), backend, buf, peer)
         return self._start(seq, entry, start, outputs, peer, op)
 
+    def call(self, backend: Backend, start: Callable[..., Work], args: tuple[Any, ...], buf: Buffer | None,
+             outputs: list[Any], async_op: bool, device: bool, op: str, red: Any = None, peer: int = -1) -> Work | None:
+        """:meth:`issue` and :meth:`finish` in one call, for a collective ``op`` started by
+        ``start(*args)`` (arguments, not a closure: nothing is built per call)."""
+        seq = self.seq = self.seq + 1
+        if self.debug_detail:
+            self.check_across_ranks(op, seq, buf, peer, red)
+        recorder = self.recorder
+        entry = None
+        if recorder is not None:
+            entry = recorder.begin(seq, op, backend.name, buf, peer)
+            if self.debug_info:
+                entry.where = call_site()
+        work = start(*args)
+        work.seq = seq
+        work.group_name = self.group_name
+        if outputs:
+            work._result[:] = outputs
+        if entry is not None:
+            entry.op_type = work.op_type
+            work._fr_entry = entry
+            if work._done._flag:  # it may have finished before the entry was attached
+                entry.finish(work)
+        if self.hooks:
+            work._add_done_callback(self.watchdog.completed)
+        if async_op or not device:
+            return self.finish(backend, work, async_op, device)
+        # A synchronous device op: the caller's stream waits for it (DESIGN.md, Streams),
+        # and the watchdog watches the backend's queue, which holds it.
+        work.wait()
+        if not work._done._flag:
+            watchdog = self.watchdog
+            if not (watchdog._brisk and watchdog._backends and watchdog._backends[0] is backend):
+                watchdog.track(work, backend, True)
+        return None
+
     def _entry(self, seq: int, op: str, backend: Backend, buf: Buffer | None, peer: int) -> _Entry | None:
         """The op's flight-recorder entry, made before it starts: a host op may run to its
         end inside ``start()``, and a dump taken meanwhile must show it."""

@@ -238,8 +238,8 @@ class ProcessGroup:
         if now is not None and not async_op and not issuer.hooks and not issuer.debug_detail:  # no Work
             return issuer.run_now(backend, now, backend.all_reduce, (buf, red), buf, "all_reduce",
                                   [tensor])
-        work = issuer.issue(backend, lambda: backend.all_reduce(buf, red), buf, [tensor], op="all_reduce", red=red)
-        return issuer.finish(backend, work, async_op, plan.device)
+        return issuer.call(backend, backend.all_reduce, (buf, red), buf, [tensor], async_op, plan.device,
+                           "all_reduce", red)
 
     def _all_reduce_into(self, output: Any, input: Any, op: Any = ReduceOp.SUM,
                          async_op: bool = False) -> Work | None:
@@ -340,8 +340,8 @@ class ProcessGroup:
             backend = backend_for(self, buf, "tensor")
             plan = self._issuer.plan(key, backend, None, backend is not self._cpu)
         backend = plan.backend
-        work = self._issuer.issue(backend, lambda: backend.broadcast(buf, src), buf, [tensor], src, op="broadcast")
-        return self._issuer.finish(backend, work, async_op, plan.device)
+        return self._issuer.call(backend, backend.broadcast, (buf, src), buf, [tensor], async_op, plan.device,
+                                 "broadcast", None, src)
 
     def all_gather(self, tensor_list: Sequence[ArrayOrBuffer], tensor: ArrayOrBuffer, async_op: bool = False) -> Work | None:
         """Gather every rank's ``tensor`` into ``tensor_list`` (one array per rank) on every rank."""

@@ -175,7 +175,7 @@ def test_in_place_all_reduce_allocates_no_device_memory() -> None:
 
 
 def test_completed_works_are_released_without_a_watchdog() -> None:
-    from gpucoll._backends.nccl.backend import _PRUNE_AT
+    from gpucoll._backends.nccl.hot import PRUNE_AT as _PRUNE_AT
 
     def body(be: NCCLBackend, rt: FakeRuntime, rank: int) -> None:
         owners = []

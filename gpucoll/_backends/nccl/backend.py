@@ -26,8 +26,9 @@ from .bootstrap import adopt, create_comm
 from .bootstrap import is_nccl_available, nccl_unavailable_reason, nccl_version, rendezvous  # noqa: F401
 from .lib import NCCL_DTYPES, OP_SUM
 from .plan import Phase, Plan, Planner, Premul, Step, calls_only, merge
-from .runtime import CAPTURE_RELAXED, CAPTURE_THREAD_LOCAL, Comm, Event, Runtime, enter_device, leave_device
+from .runtime import CAPTURE_RELAXED, Comm, Event, Runtime, enter_device, leave_device
 from .connect import check_in
+from . import hot as _hot
 from . import lifecycle as _lifecycle
 from . import shrink as _shrink
 from . import split as _split
@@ -36,7 +37,6 @@ from .work import NCCLWork
 __all__ = ["NCCLBackend", "nccl_unavailable_reason", "is_nccl_available", "nccl_version", "rendezvous"]
 
 _REDUCING = frozenset({"all_reduce", "reduce", "reduce_scatter"})
-_PRUNE_AT = 64  # outstanding works kept before the issue path completes finished ones itself
 _PLANS_MAX = 256  # cached plans per backend (a plan names its buffers: bounded, cleared when full)
 
 
@@ -130,7 +130,9 @@ class NCCLBackend:
         self._closed: str | None = None
         self._splits = 0                    # ncclCommSplit calls so far (keys the check-in)
         self._plans: dict[tuple[Any, ...], Plan] = {}  # plans with no local steps, by op and buffers
-        self._prune_next = _PRUNE_AT        # pending works at which the issue path next completes some
+        self._hot: dict[tuple[Any, ...], _hot.Hot] = {}  # those of them that are one NCCL call (hot.py)
+        self._prune_every = _hot.PRUNE_AT   # outstanding works kept before the issue path completes some
+        self._prune_next = _hot.PRUNE_AT    # pending works at which the issue path next completes some
         if device_id is not None:
             count = self._rt.device_count()
             if not isinstance(device_id, int) or isinstance(device_id, bool) or not 0 <= device_id < count:
@@ -191,30 +193,8 @@ class NCCLBackend:
 
     def _complete_until(self, stop: NCCLWork | None) -> NCCLWork | None:
         """Complete and drop finished works from the head of the queue, up to ``stop``
-        (not included); the first one still running, or None."""
-        pending = self._pending
-        if not pending:
-            return None
-        # Event queries in thread-local capture mode (see work.query_outside_capture),
-        # set once for the whole sweep rather than per query.
-        rt = self._rt
-        mode = rt.exchange_capture_mode(CAPTURE_THREAD_LOCAL)
-        try:
-            while True:
-                # Peeking needs no lock (deque reads are atomic); popping does.
-                try:
-                    first = pending[0]
-                except IndexError:
-                    return None
-                if first is stop:
-                    return None
-                if not first._check_event(mode_set=True):
-                    return first
-                with self._state:
-                    if pending and pending[0] is first:
-                        pending.popleft()
-        finally:
-            rt.exchange_capture_mode(mode)
+        (not included); the first one still running, or None (:func:`.hot.complete_until`)."""
+        return _hot.complete_until(self, stop)
 
     # ----- issuing -----
 
@@ -272,12 +252,20 @@ class NCCLBackend:
                         if key is not None and not temps and calls_only(plan):
                             if len(self._plans) >= _PLANS_MAX:
                                 self._plans.clear()
+                                self._hot.clear()
                             self._plans[key] = plan
+                        else:
+                            key = None
                 finally:
                     self._temps = []
                     if mode >= 0:
                         rt.exchange_capture_mode(mode)
                 self._launch(op_type, plan, [work], bufs, temps, callers, captured)
+                if key is not None and key not in self._hot:
+                    # Issued once with every check: its later calls may take the hot path.
+                    hot = _hot.make(self, op_type, plan)
+                    if hot is not None:
+                        self._hot[key] = hot
             finally:
                 leave_device(rt, prev)
         return work
@@ -369,20 +357,11 @@ class NCCLBackend:
                 # communication stream back into the callers' streams now.
                 for s in callers:
                     rt.wait_event(s, end.ptr)
-        except (DistBackendError, BackendUnavailableError):
-            raise
         except Exception as exc:
-            aborted = self._aborted
-            why = f"the communicator was aborted: {aborted}" if aborted else f"{type(exc).__name__}: {exc}"
-            if issuing:
-                # Part of the op may be queued on the stream already: its arrays and
-                # temporaries must outlive it, and nothing will complete it.
-                self._keep.extend([*bufs, *temps])
-            if issuing and aborted is None:
-                # Part of the op may be queued on some ranks and not on others: the
-                # communicator is out of step and must not be used again.
-                self.abort(f"{op_type} failed while being issued ({why})")
-            raise DistBackendError(f"{op_type} on group {self._group_name!r} failed: {why}") from exc
+            failed = _hot.issue_failed(self, op_type, exc, issuing, bufs, temps)
+            if failed is exc:
+                raise
+            raise failed from exc
         finally:
             leave_device(rt, prev_device)
         if captured:
@@ -406,9 +385,9 @@ class NCCLBackend:
             if prune:
                 # Normally the group's watchdog completes works (off this thread);
                 # without one, completing them here releases their arrays. In batches:
-                # the next sweep comes _PRUNE_AT ops later, whatever this one left.
+                # the next sweep comes PRUNE_AT ops later, whatever this one left.
                 self._complete_earlier(works[0])
-                self._prune_next = len(pending) + _PRUNE_AT
+                self._prune_next = len(pending) + self._prune_every
 
     def _run_phase(self, phase: Phase) -> None:
         pre, calls, post = phase
@@ -472,10 +451,22 @@ class NCCLBackend:
         else:
             raise AssertionError(f"unknown local step {step[0]!r}")
 
+    def _hot_or_issue(self, key: tuple[Any, ...], buf: Buffer) -> NCCLWork | None:
+        """The op under ``key``, issued by its hot path (hot.py) if it has one that can."""
+        hot = self._hot.get(key)
+        return _hot.issue(self, hot, buf) if hot is not None else None
+
     # ----- the Backend protocol: reductions -----
 
     def all_reduce(self, buf: Buffer, op: ReduceOpLike) -> Work:
-        key = ("all_reduce", buf.ptr, buf.nbytes, buf.dtype.name, op) if type(op) is ReduceOp else None
+        if type(op) is not ReduceOp:
+            return self._issue("all_reduce", (buf,), lambda p: p.all_reduce(buf, op))
+        key = ("all_reduce", buf.ptr, buf.nbytes, buf.dtype.name, op._name_)
+        hot = self._hot.get(key)
+        if hot is not None:
+            work = _hot.issue(self, hot, buf)
+            if work is not None:
+                return work
         return self._issue("all_reduce", (buf,), lambda p: p.all_reduce(buf, op), key=key)
 
     def all_reduce_into(self, out: Buffer, inp: Buffer, op: ReduceOpLike) -> Work:
@@ -498,7 +489,9 @@ class NCCLBackend:
     # ----- data movement -----
 
     def broadcast(self, buf: Buffer, src: int) -> Work:
-        return self._issue("broadcast", (buf,), lambda p: p.broadcast(buf, src))
+        key = ("broadcast", buf.ptr, buf.nbytes, buf.dtype.name, src)
+        return self._hot_or_issue(key, buf) or self._issue("broadcast", (buf,), lambda p: p.broadcast(buf, src),
+                                                           key=key)
 
     def all_gather(self, outs: Sequence[Buffer], inp: Buffer) -> Work:
         return self._issue("all_gather", [inp, *outs], lambda p: p.all_gather(outs, inp))
@@ -528,13 +521,17 @@ class NCCLBackend:
     # ----- point to point -----
 
     def send(self, buf: Buffer, dst: int, tag: int) -> Work:
-        return self._issue("send", (buf,), lambda p: p.p2p([("send", buf, dst)]))
+        key = ("send", buf.ptr, buf.nbytes, buf.dtype.name, dst)
+        return self._hot_or_issue(key, buf) or self._issue("send", (buf,), lambda p: p.p2p([("send", buf, dst)]),
+                                                           key=key)
 
     def recv(self, buf: Buffer, src: int | None, tag: int) -> Work:
         if src is None:
             raise ValueError("recv from any source (src=None) is not possible with NCCL: name the "
                              "source rank, or use host arrays (the CPU backend)")
-        return self._issue("recv", (buf,), lambda p: p.p2p([("recv", buf, src)]))
+        key = ("recv", buf.ptr, buf.nbytes, buf.dtype.name, src)
+        return self._hot_or_issue(key, buf) or self._issue("recv", (buf,), lambda p: p.p2p([("recv", buf, src)]),
+                                                           key=key)
 
     def batch_p2p(self, ops: Sequence[tuple[str, Buffer, int, int]]) -> Work:
         for kind, _, peer, _ in ops:

@@ -21,15 +21,20 @@ have fired, so the duration is the smaller of the two elapsed times.
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import timedelta
 from typing import Any, Protocol, Sequence
 
 from ..._timeouts import Backoff, to_seconds
 from ...errors import DistBackendError, DistError
-from ..._work import Work
+from ..._work import Work, _Completion
 from .runtime import CAPTURE_THREAD_LOCAL, Event, Runtime, enter_device, leave_device
 
 __all__ = ["NCCLWork", "WorkOwner", "query_outside_capture"]
+
+_new_lock = threading.Lock
+_new_completion = object.__new__
 
 
 def query_outside_capture(rt: Runtime, event: int) -> bool:
@@ -90,6 +95,30 @@ class NCCLWork(Work):
                  result: list[Any] | None = None, default_timeout: float | None = None) -> None:
         super().__init__(op_type, keepalive=keepalive, result=result, default_timeout=default_timeout)
         self._owner = owner
+
+    @classmethod
+    def _hot(cls, op_type: str, owner: WorkOwner, buf: Any, default_timeout: float, device: int, end: Event,
+             ready: Event | None, prev: Event | None) -> NCCLWork:
+        """The Work of an op issued by the hot path (hot.py), made and marked issued in
+        one step: it keeps ``buf`` alive, holds no producer stream, and was not captured."""
+        w = cls.__new__(cls)
+        w.op_type = op_type
+        w._t0 = time.perf_counter()
+        w.time_started = time.time()
+        w._default_timeout = default_timeout
+        w._keepalive = (buf,)
+        w._result = []
+        lock = w._lock = _new_lock()
+        done = w._done = _new_completion(_Completion)
+        done._flag = False
+        done._event = None
+        done._lock = lock
+        w._owner = owner
+        w._device = device
+        w._end = end
+        if ready is not None:
+            w._ready, w._prev = ready, prev
+        return w
 
     # ----- set by the backend -----
 
@@ -164,6 +193,37 @@ class NCCLWork(Work):
         self._set_result(active_duration=None if duration is None else duration / 1000.0)
         return True
 
+    def _fired(self, rt: Runtime, now: float) -> None:
+        """Complete the Work, whose end event has fired (the backend's sweep saw it or a
+        later one fire), as of ``now`` (``time.perf_counter()``)."""
+        if self._ready is not None or self._prev is not None:  # timed: the events say how long
+            end = self._end
+            assert end is not None
+            duration = self._active_ms(rt, end)
+            self._ready = self._prev = None
+            self._finish(None, None if duration is None else duration / 1000.0, None, now)
+            return
+        # Untimed, and most often nobody waits, listens or holds a future: Work._finish
+        # in a few field writes.
+        done = self._done
+        with self._lock:
+            if done._flag:
+                return
+            since = now - self._t0
+            self.time_finished = self.time_started + since
+            self.active_duration = since
+            self._keepalive = None
+            done._flag = True
+            event = done._event
+            callbacks = self._callbacks
+            future = self._future
+        if event is not None or callbacks is not None or future is not None:
+            self._finish_rest(event, callbacks, future)
+        else:
+            entry = self._fr_entry
+            if entry is not None:
+                entry.finish(self)
+
     def _active_ms(self, rt: Runtime, end: Event) -> float | None:
         try:
             ms = float("inf")
@@ -221,15 +281,18 @@ class NCCLWork(Work):
         prev_device = -1 if rt.get_device() == self._device else enter_device(rt, self._device)
         try:
             current = rt.current_stream()
-            for stream in self._streams:
-                rt.wait_event(stream, end.ptr)
-            if current not in self._streams:
+            streams = self._streams
+            if streams:
+                for stream in streams:
+                    rt.wait_event(stream, end.ptr)
+            if current not in streams:
                 rt.wait_event(current, end.ptr)
         except Exception as exc:
             raise DistBackendError(f"{self._name()}: making the caller's stream wait failed: {exc}") from exc
         finally:
-            leave_device(rt, prev_device)
-        return self._waited()
+            if prev_device >= 0:
+                leave_device(rt, prev_device)
+        return self._result if self._wait_gives_result else True
 
     def synchronize(self, timeout: float | timedelta | None = None) -> None:
         """Block the host until the op completed on the GPU.

@@ -1,0 +1,198 @@
+"""The NCCL backend's hot path: a repeated op issued with only the calls it needs, and
+completion of finished ops in bulk. Functions over an :class:`NCCLBackend`'s state
+(declared in its ``__init__``), as lifecycle.py's are.
+
+**Issuing.** An op whose plan is one NCCL call and nothing else (no copy, kernel,
+temporary or PreMul operator) gets a :class:`Hot` the first time it is issued through
+the general path (``NCCLBackend._issue``), under the same key as its cached plan: the
+bound NCCL call and its arguments. A later call with that key goes through
+:func:`issue`, which makes only the runtime calls the op needs (two events, a record
+and a stream wait, the NCCL call, the end event's record) and one Work. It gives up,
+before it has done anything, whenever the general path has more to do: the producer's
+stream is held or foreign, the array is not on the communicator's device, that device
+is not current, the caller's stream is being captured, or the backend is aborted or
+closed. The general path then issues the op, with every check it makes.
+
+**Completing.** The communication stream runs its ops in issue order, so their end
+events fire in that order: when one has fired, every earlier one has too.
+:func:`complete_until` finds the newest finished op among the pending ones with a
+binary search (a few event queries, not one per op) and completes everything before
+it in order, each with a few field writes (:meth:`NCCLWork._fired`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from ..._buffer import Buffer
+from ...errors import BackendUnavailableError, DistBackendError
+from .plan import Plan
+from .runtime import CAPTURE_THREAD_LOCAL, enter_device, leave_device
+from .work import NCCLWork
+
+if TYPE_CHECKING:
+    from .backend import NCCLBackend
+
+__all__ = ["Hot", "PRUNE_AT", "make", "issue", "issue_failed", "complete_until"]
+
+PRUNE_AT = 64  # outstanding works kept before the issue path completes finished ones itself
+
+
+class Hot:
+    """A cached op's one NCCL call: ``call(*args, stream)``."""
+
+    __slots__ = ("op_type", "call", "args")
+
+    def __init__(self, op_type: str, call: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self.op_type = op_type
+        self.call = call
+        self.args = args
+
+
+def make(b: NCCLBackend, op_type: str, plan: Plan) -> Hot | None:
+    """The Hot of a cached ``plan`` (calls only), or None when it is not a single call."""
+    if len(plan) != 1 or b._comm is None:
+        return None
+    pre, calls, post = plan[0]
+    if pre or post or len(calls) != 1:
+        return None
+    step = calls[0]
+    return Hot(op_type, getattr(b._comm, step[0]), tuple(step[1:]))
+
+
+def issue(b: NCCLBackend, hot: Hot, buf: Buffer) -> NCCLWork | None:
+    """Issue ``hot`` on ``buf``; None, having done nothing, where the general path must."""
+    device = b._device
+    where = buf.device
+    if buf.stream_owner is not None or buf.foreign_stream or where.index != device or where.type != "cuda":
+        return None
+    rt = b._rt
+    if rt.get_device() != device:
+        return None
+    stream = buf.stream
+    if stream is None:
+        stream = rt.current_stream()
+    if rt.is_capturing(stream):
+        return None
+    with b._lock:
+        if b._aborted is not None or b._closed is not None:
+            return None
+        timing = b._timing
+        comm_stream = b._stream_ptr
+        ready = rt.event(True, timing)
+        issuing = False
+        try:
+            rt.record(ready.ptr, stream)
+            rt.wait_event(comm_stream, ready.ptr)
+            issuing = True
+            with b._comm_lock:
+                if b._comm_gone:
+                    raise RuntimeError("the communicator is gone")
+                hot.call(*hot.args, comm_stream)
+            if b._aborted is not None:
+                from . import lifecycle
+
+                lifecycle.abort_comm(b, blocking=True)
+                raise RuntimeError("the communicator was aborted while this op was being issued")
+            end = rt.event(True, timing)
+            rt.record(end.ptr, comm_stream)
+        except Exception as exc:
+            raise issue_failed(b, hot.op_type, exc, issuing, (buf,), []) from exc
+        if timing:
+            prev, b._last_end = b._last_end, end
+            work = NCCLWork._hot(hot.op_type, b, buf, b._timeout, device, end, ready, prev)
+        else:
+            b._last_end = None
+            work = NCCLWork._hot(hot.op_type, b, buf, b._timeout, device, end, None, None)
+        pending = b._pending
+        with b._state:
+            pending.append(work)
+            prune = len(pending) > b._prune_next
+        if prune:
+            complete_until(b, work)
+            b._prune_next = len(pending) + b._prune_every
+    return work
+
+
+def issue_failed(b: NCCLBackend, op_type: str, exc: Exception, issuing: bool, bufs: Sequence[Buffer],
+                 temps: list[Any]) -> Exception:
+    """The error to raise for an op that failed while being issued, after what that
+    failure requires: once any part of it may be queued on the stream (``issuing``),
+    its arrays and temporaries are kept for the backend's life, and the communicator,
+    out of step with its peers, is aborted."""
+    if isinstance(exc, (DistBackendError, BackendUnavailableError)):
+        return exc
+    aborted = b._aborted
+    why = f"the communicator was aborted: {aborted}" if aborted else f"{type(exc).__name__}: {exc}"
+    if issuing:
+        b._keep.extend([*bufs, *temps])
+        if aborted is None:
+            b.abort(f"{op_type} failed while being issued ({why})")
+    return DistBackendError(f"{op_type} on group {b._group_name!r} failed: {why}")
+
+
+def complete_until(b: NCCLBackend, stop: NCCLWork | None) -> NCCLWork | None:
+    """Complete, in issue order, the pending works that finished, up to ``stop`` (not
+    included); the oldest one still running, or None."""
+    pending = b._pending
+    with b._state:
+        works = list(pending)
+    if stop is not None:
+        try:
+            works = works[:works.index(stop)]
+        except ValueError:
+            pass  # completed (and popped) meanwhile: every earlier one was too
+    if not works:
+        return None
+    rt = b._rt
+    # Event queries in thread-local capture mode (see work.query_outside_capture), set
+    # once for the sweep; on the communicator's device, entered once for the sweep.
+    mode = rt.exchange_capture_mode(CAPTURE_THREAD_LOCAL)
+    try:
+        prev_device = -1 if rt.get_device() == b._device else enter_device(rt, b._device)
+        try:
+            done = _finished_prefix(b, works)
+            if done > 0:
+                now = time.perf_counter()
+                for w in works[:done]:
+                    w._fired(rt, now)
+        finally:
+            leave_device(rt, prev_device)
+    finally:
+        rt.exchange_capture_mode(mode)
+    if done < 0:
+        return None  # a query failed: the backend was aborted, and every pending work failed
+    if done:
+        with b._state:
+            for w in works[:done]:
+                if pending and pending[0] is w:
+                    pending.popleft()
+    return works[done] if done < len(works) else None
+
+
+def _finished_prefix(b: NCCLBackend, works: list[NCCLWork]) -> int:
+    """How many of ``works`` (in issue order) have finished: a binary search over their
+    end events, which fire in order. -1 when a query failed (then the backend is
+    aborted, and the work that failed names why)."""
+    rt = b._rt
+    lo, hi = 0, len(works)  # works[:lo] finished; works[hi:] have not
+    probe = hi - 1          # the newest first: when the GPU keeps up, one query settles it
+    while lo < hi:
+        w = works[probe]
+        end = w._end
+        try:
+            fired = w._done._flag or (end is not None and rt.query(end.ptr))
+        except Exception as exc:
+            # A failed query means a sticky CUDA error (a kernel faulted): the
+            # communicator cannot be trusted after it.
+            why = f"CUDA reported {type(exc).__name__}: {exc} while checking {w._name()}"
+            b.abort(why)
+            w._fail(why)
+            return -1
+        if fired:
+            lo = probe + 1
+        else:
+            hi = probe
+        probe = (lo + hi) // 2
+    return lo
