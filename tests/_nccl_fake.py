@@ -282,14 +282,21 @@ class FakeWorld:
             last = len(slot.calls) == self.size
             self.cond.notify_all()
         if last:
-            self.executed += 1
-            try:
-                self._check_match(seq, slot.calls)
-                execute(slot.calls)
-            finally:
-                slot.done.set()
-                with self.cond:
-                    self.cond.notify_all()
+            # An aborted rank's kernels exit (ncclCommAbort), so a collective one of them
+            # is part of never completes, and once its abort returned, that rank may free
+            # its memory: the data moves under the lock abort takes, or not at all.
+            with self.cond:
+                run = not self.aborted.intersection(slot.calls)
+                if run:
+                    self.executed += 1
+                    try:
+                        self._check_match(seq, slot.calls)
+                        execute(slot.calls)
+                    finally:
+                        slot.done.set()
+                        self.cond.notify_all()
+            if not run:
+                self.wait_until(rank, lambda: False, f"collective #{seq} {call[0]} with an aborted rank")
         else:
             self.wait_until(rank, slot.done.is_set, f"collective #{seq} {call[0]}")
 

@@ -41,7 +41,8 @@ from .._reduce_op import ReduceOpLike
 from .._work import Work
 from ..store.base import Store
 
-__all__ = ["Backend", "SplitsCommunicator", "ReducesInto", "PollsPending", "ShrinksCommunicator", "TimesOps"]
+__all__ = ["Backend", "SplitsCommunicator", "ReducesInto", "PollsPending", "IssuesQuietly", "ShrinksCommunicator",
+           "TimesOps"]
 
 
 @runtime_checkable
@@ -178,6 +179,23 @@ class PollsPending(Backend, Protocol):
     def poll_pending(self) -> Work | None:
         """Complete the finished ops in issue order; the oldest still running (None
         when none is). Never raises."""
+        ...
+
+
+@runtime_checkable
+class IssuesQuietly(Protocol):
+    """A device backend that issues a synchronous op with no Work: the caller's stream
+    waits for the op, and the backend's queue of outstanding ops (:class:`PollsPending`)
+    holds its record (sequence number, group, flight-recorder entry) until it completes
+    (the group's lean path when no completion hook needs a Work)."""
+
+    def all_reduce_quiet(self, buf: Buffer, op: ReduceOpLike, seq: int, entry: Any, group_name: str) -> bool:
+        """Issue ``all_reduce(buf, op)`` so, and return True; False, having done nothing,
+        when it must be issued the usual way (a Work)."""
+        ...
+
+    def broadcast_quiet(self, buf: Buffer, src: int, seq: int, entry: Any, group_name: str) -> bool:
+        """``broadcast(buf, src)`` as :meth:`all_reduce_quiet`."""
         ...
 
 

@@ -93,6 +93,14 @@ class _Entry:
         self.active_duration = work.active_duration
         self.error = None if exc is None else f"{type(exc).__name__}: {exc}"
 
+    def fail(self, error: str, active_duration: float) -> None:
+        """Mark the op failed with ``error`` ``active_duration`` seconds after it started
+        (an op with no Work: its backend's record of it failed)."""
+        self.state = "failed"
+        self.time_finished = self.time_started + active_duration
+        self.active_duration = active_duration
+        self.error = error
+
     def complete(self, active_duration: float) -> None:
         """Mark the op completed ``active_duration`` seconds after it started (an op that
         ran to its end on the issuing thread, with no Work)."""

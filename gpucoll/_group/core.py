@@ -15,13 +15,13 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import numpy as np
 
 from .. import array as _array
 from .._buffer import Buffer
-from .._backends.base import Backend, RunsNow, TimesOps
+from .._backends.base import Backend, IssuesQuietly, PollsPending, RunsNow, TimesOps
 from .._backends.mismatch import decode, describe, encode
 from .._debug import DebugLevel, call_site, get_debug_level
 from ..errors import DistBackendError, DistError
@@ -40,16 +40,19 @@ _PLANS_MAX = 1024  # distinct plans kept per group; a job with more re-plans som
 class Plan:
     """What a repeated op needs, decided by its first call: the backend it runs on, the
     reduction as checked for its dtype, whether the backend is the device one, and, for
-    a host backend, its Work-less all_reduce (``RunsNow``) if it has one."""
+    a host backend, its Work-less all_reduce (``RunsNow``) if it has one; for a device
+    backend, its Work-less synchronous form of the op (``IssuesQuietly``) if it has one."""
 
-    __slots__ = ("backend", "red", "device", "now")
+    __slots__ = ("backend", "red", "device", "now", "quiet")
 
-    def __init__(self, backend: Backend, red: Any, device: bool) -> None:
+    def __init__(self, backend: Backend, red: Any, device: bool, quiet: str = "") -> None:
         self.backend = backend
         self.red = red
         self.device = device
         # Host ops only: a device op's synchronous form orders the caller's stream, no host wait.
         self.now = backend.all_reduce_now if not device and isinstance(backend, RunsNow) else None
+        self.quiet: Callable[..., bool] | None = (
+            getattr(backend, quiet) if quiet and device and isinstance(backend, IssuesQuietly) else None)
 
 
 class Issuer:
@@ -87,10 +90,11 @@ class Issuer:
         self.hooks = self.watchdog.hooks
 
     # ----- plans -----
-    def plan(self, key: tuple[Any, ...] | None, backend: Backend, red: Any, device: bool) -> Plan:
+    def plan(self, key: tuple[Any, ...] | None, backend: Backend, red: Any, device: bool, quiet: str = "") -> Plan:
         """The plan of an op's first call (after every check), kept under ``key`` (None:
-        an op that is planned on every call, such as PREMUL_SUM with its factor)."""
-        plan = Plan(backend, red, device)
+        an op that is planned on every call, such as PREMUL_SUM with its factor);
+        ``quiet`` names the device backend's Work-less form of the op (IssuesQuietly)."""
+        plan = Plan(backend, red, device, quiet)
         if key is not None:
             if len(self.plans) >= _PLANS_MAX:
                 self.plans.clear()
@@ -113,9 +117,12 @@ class Issuer:
         return self._start(seq, entry, start, outputs, peer, op)
 
     def call(self, backend: Backend, start: Callable[..., Work], args: tuple[Any, ...], buf: Buffer | None,
-             outputs: list[Any], async_op: bool, device: bool, op: str, red: Any = None, peer: int = -1) -> Work | None:
+             outputs: list[Any], async_op: bool, device: bool, op: str, red: Any = None, peer: int = -1,
+             quiet: Callable[..., bool] | None = None) -> Work | None:
         """:meth:`issue` and :meth:`finish` in one call, for a collective ``op`` started by
-        ``start(*args)`` (arguments, not a closure: nothing is built per call)."""
+        ``start(*args)`` (arguments, not a closure: nothing is built per call). A
+        synchronous op with no hook to feed goes through ``quiet(*args, seq, entry,
+        group)`` first when given (a device backend's Work-less form, IssuesQuietly)."""
         seq = self.seq = self.seq + 1
         if self.debug_detail:
             self.check_across_ranks(op, seq, buf, peer, red)
@@ -125,6 +132,12 @@ class Issuer:
             entry = recorder.begin(seq, op, backend.name, buf, peer)
             if self.debug_info:
                 entry.where = call_site()
+        if quiet is not None and not async_op and not self.hooks and quiet(*args, seq, entry, self.group_name):
+            # Issued, the caller's stream waits for it; the watchdog watches the backend's queue.
+            watchdog = self.watchdog
+            if not (watchdog._brisk and watchdog._backends and watchdog._backends[0] is backend):
+                watchdog.watch_backend(cast(PollsPending, backend))
+            return None
         work = start(*args)
         work.seq = seq
         work.group_name = self.group_name

@@ -233,13 +233,13 @@ class ProcessGroup:
             if self._coalescing is not None:
                 return self._coalescing._defer(self, "all_reduce", red, ("tensor", buf, tensor), async_op)
             backend = backend_for(self, buf, "tensor")
-            plan = self._issuer.plan(key, backend, red, backend is not self._cpu)
+            plan = self._issuer.plan(key, backend, red, backend is not self._cpu, "all_reduce_quiet")
         backend, red, issuer, now = plan.backend, plan.red, self._issuer, plan.now
         if now is not None and not async_op and not issuer.hooks and not issuer.debug_detail:  # no Work
             return issuer.run_now(backend, now, backend.all_reduce, (buf, red), buf, "all_reduce",
                                   [tensor])
         return issuer.call(backend, backend.all_reduce, (buf, red), buf, [tensor], async_op, plan.device,
-                           "all_reduce", red)
+                           "all_reduce", red, -1, plan.quiet)
 
     def _all_reduce_into(self, output: Any, input: Any, op: Any = ReduceOp.SUM,
                          async_op: bool = False) -> Work | None:
@@ -338,10 +338,10 @@ class ProcessGroup:
         plan = self._plans.get(key)
         if plan is None:
             backend = backend_for(self, buf, "tensor")
-            plan = self._issuer.plan(key, backend, None, backend is not self._cpu)
+            plan = self._issuer.plan(key, backend, None, backend is not self._cpu, "broadcast_quiet")
         backend = plan.backend
         return self._issuer.call(backend, backend.broadcast, (buf, src), buf, [tensor], async_op, plan.device,
-                                 "broadcast", None, src)
+                                 "broadcast", None, src, plan.quiet)
 
     def all_gather(self, tensor_list: Sequence[ArrayOrBuffer], tensor: ArrayOrBuffer, async_op: bool = False) -> Work | None:
         """Gather every rank's ``tensor`` into ``tensor_list`` (one array per rank) on every rank."""

@@ -25,10 +25,11 @@ from .config import usable_config
 from .bootstrap import adopt, create_comm
 from .bootstrap import is_nccl_available, nccl_unavailable_reason, nccl_version, rendezvous  # noqa: F401
 from .lib import NCCL_DTYPES, OP_SUM
-from .plan import Phase, Plan, Planner, Premul, Step, calls_only, merge
+from .plan import Plan, Planner, calls_only, merge
 from .runtime import CAPTURE_RELAXED, Comm, Event, Runtime, enter_device, leave_device
 from .connect import check_in
 from . import hot as _hot
+from . import phases as _phases
 from . import lifecycle as _lifecycle
 from . import shrink as _shrink
 from . import split as _split
@@ -36,7 +37,6 @@ from .work import NCCLWork
 
 __all__ = ["NCCLBackend", "nccl_unavailable_reason", "is_nccl_available", "nccl_version", "rendezvous"]
 
-_REDUCING = frozenset({"all_reduce", "reduce", "reduce_scatter"})
 _PLANS_MAX = 256  # cached plans per backend (a plan names its buffers: bounded, cleared when full)
 
 
@@ -125,7 +125,7 @@ class NCCLBackend:
         self._timing = False                # events with timing (a completion hook asked)
         self._connected = False             # every rank checked in before the first collective
         self._p2p_peers: set[int] = set()   # peers checked in before the first send/recv with them
-        self._pending: deque[NCCLWork] = deque()
+        self._pending: deque[_hot.Pending] = deque()  # issued, not yet seen complete (Works, Quiets)
         self._aborted: str | None = None
         self._closed: str | None = None
         self._splits = 0                    # ncclCommSplit calls so far (keys the check-in)
@@ -184,14 +184,15 @@ class NCCLBackend:
     def poll_pending(self) -> NCCLWork | None:
         """For the group's watchdog: notice an asynchronous NCCL error (which aborts),
         complete the ops that finished, in issue order, and return the oldest one still
-        running (None when none is). Never raises."""
+        running (None when none is; a Work standing for it when it has none). Never raises."""
         self._failure()
-        return self._complete_until(None)
+        oldest = self._complete_until(None)
+        return oldest.as_work() if isinstance(oldest, _hot.Quiet) else oldest
 
     def _complete_earlier(self, work: NCCLWork) -> None:
         self._complete_until(work)
 
-    def _complete_until(self, stop: NCCLWork | None) -> NCCLWork | None:
+    def _complete_until(self, stop: _hot.Pending | None) -> _hot.Pending | None:
         """Complete and drop finished works from the head of the queue, up to ``stop``
         (not included); the first one still running, or None (:func:`.hot.complete_until`)."""
         return _hot.complete_until(self, stop)
@@ -349,7 +350,7 @@ class NCCLBackend:
                 rt.wait_event(comm_stream, ready.ptr)
             issuing = True
             for phase in plan:
-                self._run_phase(phase)
+                _phases.run_phase(self, phase)
             end = rt.event(pooled=not captured, timing=timing)
             rt.record(end.ptr, comm_stream)
             if captured:
@@ -389,72 +390,26 @@ class NCCLBackend:
                 self._complete_earlier(works[0])
                 self._prune_next = len(pending) + self._prune_every
 
-    def _run_phase(self, phase: Phase) -> None:
-        pre, calls, post = phase
-        for step in pre:
-            self._local(step)
-        if calls:
-            comm = self._comm
-            assert comm is not None
-            # NCCL communicators take one thread at a time, and ncclCommAbort frees the
-            # one under a call in flight: the calls hold _comm_lock, and an abort from
-            # another thread meanwhile is carried out by this thread once they return.
-            with self._comm_lock:
-                if self._comm_gone:
-                    raise RuntimeError("the communicator is gone")
-                self._issue_calls(comm, calls)
-            if self._aborted is not None:
-                _lifecycle.abort_comm(self, blocking=True)
-                raise RuntimeError("the communicator was aborted while this op was being issued")
-        for step in post:
-            self._local(step)
-
-    def _issue_calls(self, comm: Comm, calls: Sequence[Step]) -> None:
-        created: list[int] = []
-        try:
-            for s in calls:
-                if s[0] in _REDUCING and type(s[5]) is Premul:
-                    calls = [self._bind_premul(comm, s, created) for s in calls]
-                    break
-            stream = self._stream_ptr
-            if len(calls) == 1:
-                step = calls[0]
-                getattr(comm, step[0])(*step[1:], stream)
-            else:
-                self._rt.group_start()
-                try:
-                    for step in calls:
-                        getattr(comm, step[0])(*step[1:], stream)
-                finally:
-                    self._rt.group_end()
-        finally:
-            # NCCL allows destroying an op once the calls that use it returned.
-            for op in created:
-                comm.op_destroy(op)
-
-    @staticmethod
-    def _bind_premul(comm: Comm, step: Step, created: list[int]) -> Step:
-        if step[0] not in _REDUCING or not isinstance(step[5], Premul):
-            return step
-        op = comm.premul_sum(step[5].scalar, step[5].dtype)
-        created.append(op)
-        return step[:5] + (op,) + step[6:]
-
-    def _local(self, step: Step) -> None:
-        if step[0] == "copy":
-            _, dst, src, nbytes = step
-            if nbytes:
-                self._rt.memcpy(dst, src, nbytes, self._stream_ptr)
-        elif step[0] == "kernel":
-            _, name, n, args = step
-            self._rt.launch(name, n, args, self._stream, self._device)
-        else:
-            raise AssertionError(f"unknown local step {step[0]!r}")
-
     def _hot_or_issue(self, key: tuple[Any, ...], buf: Buffer) -> NCCLWork | None:
         """The op under ``key``, issued by its hot path (hot.py) if it has one that can."""
         hot = self._hot.get(key)
         return _hot.issue(self, hot, buf) if hot is not None else None
+
+    # ----- synchronous ops with no Work (the IssuesQuietly protocol; hot.py) -----
+
+    def all_reduce_quiet(self, buf: Buffer, op: ReduceOpLike, seq: int, entry: Any, group_name: str) -> bool:
+        """:meth:`all_reduce` for a synchronous caller, with no Work: True once issued
+        (the caller's stream waits for it); False, having done nothing, when it must go
+        the usual way."""
+        if type(op) is not ReduceOp:
+            return False
+        hot = self._hot.get(("all_reduce", buf.ptr, buf.nbytes, buf.dtype.name, op._name_))
+        return hot is not None and _hot.issue_quiet(self, hot, buf, seq, entry, group_name)
+
+    def broadcast_quiet(self, buf: Buffer, src: int, seq: int, entry: Any, group_name: str) -> bool:
+        """:meth:`broadcast` as :meth:`all_reduce_quiet`."""
+        hot = self._hot.get(("broadcast", buf.ptr, buf.nbytes, buf.dtype.name, src))
+        return hot is not None and _hot.issue_quiet(self, hot, buf, seq, entry, group_name)
 
     # ----- the Backend protocol: reductions -----
 

@@ -13,6 +13,13 @@ stream is held or foreign, the array is not on the communicator's device, that d
 is not current, the caller's stream is being captured, or the backend is aborted or
 closed. The general path then issues the op, with every check it makes.
 
+**Synchronous ops without a Work.** A group's synchronous op with no completion hook
+needs no Work: the caller gets nothing back, and its stream is made to wait for the op
+as ``NCCLWork.wait`` would. :func:`issue` given the op's sequence number makes a
+:class:`Quiet` instead, the backend's record of the op (its end event, the array it
+keeps alive, its flight-recorder entry) until it completes; the watchdog's timeout
+gets a Work made from it (:meth:`Quiet.as_work`) only when it asks.
+
 **Completing.** The communication stream runs its ops in issue order, so their end
 events fire in that order: when one has fired, every earlier one has too.
 :func:`complete_until` finds the newest finished op among the pending ones with a
@@ -23,7 +30,7 @@ it in order, each with a few field writes (:meth:`NCCLWork._fired`).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 
 from ..._buffer import Buffer
 from ...errors import BackendUnavailableError, DistBackendError
@@ -32,9 +39,10 @@ from .runtime import CAPTURE_THREAD_LOCAL, enter_device, leave_device
 from .work import NCCLWork
 
 if TYPE_CHECKING:
+    from ..._debug.flight_recorder import _Entry
     from .backend import NCCLBackend
 
-__all__ = ["Hot", "PRUNE_AT", "make", "issue", "issue_failed", "complete_until"]
+__all__ = ["Hot", "Quiet", "Pending", "PRUNE_AT", "make", "issue", "issue_quiet", "issue_failed", "complete_until"]
 
 PRUNE_AT = 64  # outstanding works kept before the issue path completes finished ones itself
 
@@ -50,6 +58,73 @@ class Hot:
         self.args = args
 
 
+class Quiet:
+    """The backend's record of a synchronous op issued with no Work (see the module
+    docstring): what completing it, failing it and timing it out need."""
+
+    __slots__ = ("op_type", "seq", "group_name", "_t0", "time_started", "_end", "_keepalive", "_fr_entry",
+                 "_owner", "done")
+
+    def __init__(self, op_type: str, seq: int, group_name: str, owner: NCCLBackend, end: Any, keep: Buffer,
+                 entry: _Entry | None) -> None:
+        self.op_type = op_type
+        self.seq = seq
+        self.group_name = group_name
+        self._t0 = time.perf_counter()
+        self.time_started = time.time()
+        self._end = end
+        self._keepalive: Buffer | None = keep
+        self._fr_entry = entry
+        self._owner = owner
+        self.done = False
+
+    def _fired(self, rt: Any, now: float) -> None:
+        """The op's end event fired (or a later one did): complete it as of ``now``."""
+        if self.done:
+            return
+        self.done = True
+        self._keepalive = None
+        entry = self._fr_entry
+        if entry is not None and entry.seq == self.seq:
+            entry.complete(now - self._t0)
+
+    def _fail(self, reason: str) -> None:
+        if self.done:
+            return
+        self.done = True
+        self._keepalive = None
+        entry = self._fr_entry
+        if entry is not None and entry.seq == self.seq:
+            entry.fail(f"DistBackendError: {self._name()} failed: {reason}", time.perf_counter() - self._t0)
+
+    def _poll(self) -> bool:
+        """Complete or fail the op if it finished or its backend failed; True once it has."""
+        if not self.done:
+            reason = self._owner._failure()
+            if reason is not None:
+                self._fail(reason)
+            else:
+                complete_until(self._owner, None)
+        return self.done
+
+    def _name(self) -> str:
+        group = f" on group {self.group_name!r}" if self.group_name else ""
+        return f"{self.op_type} (seq {self.seq}){group}"
+
+    def as_work(self) -> NCCLWork:
+        """A Work standing for this op (for the watchdog: its timeout fails that Work,
+        which updates the op's flight-recorder entry, and aborts the backend)."""
+        b = self._owner
+        w = NCCLWork._hot(self.op_type, b, None, b._timeout, b._device, self._end, None, None)
+        w._keepalive = None
+        w._t0, w.time_started = self._t0, self.time_started
+        w.seq, w.group_name, w._fr_entry = self.seq, self.group_name, self._fr_entry
+        return w
+
+
+Pending = Union[NCCLWork, Quiet]
+
+
 def make(b: NCCLBackend, op_type: str, plan: Plan) -> Hot | None:
     """The Hot of a cached ``plan`` (calls only), or None when it is not a single call."""
     if len(plan) != 1 or b._comm is None:
@@ -62,7 +137,21 @@ def make(b: NCCLBackend, op_type: str, plan: Plan) -> Hot | None:
 
 
 def issue(b: NCCLBackend, hot: Hot, buf: Buffer) -> NCCLWork | None:
-    """Issue ``hot`` on ``buf``; None, having done nothing, where the general path must."""
+    """Issue ``hot`` on ``buf``: its Work; None, having done nothing, where the general
+    path must issue it."""
+    work = _fire(b, hot, buf, -1, None, "")
+    return work if type(work) is NCCLWork else None
+
+
+def issue_quiet(b: NCCLBackend, hot: Hot, buf: Buffer, seq: int, entry: _Entry | None, group_name: str) -> bool:
+    """Issue ``hot`` on ``buf`` for a synchronous caller, with no Work: the caller's
+    stream waits for it, and the backend keeps a :class:`Quiet` (op number ``seq`` of
+    group ``group_name``, flight-recorder ``entry``) until it completes. True once
+    issued; False, having done nothing, where the general path must issue it."""
+    return _fire(b, hot, buf, seq, entry, group_name) is not None
+
+
+def _fire(b: NCCLBackend, hot: Hot, buf: Buffer, seq: int, entry: _Entry | None, group_name: str) -> Pending | None:
     device = b._device
     where = buf.device
     if buf.stream_owner is not None or buf.foreign_stream or where.index != device or where.type != "cuda":
@@ -99,7 +188,11 @@ def issue(b: NCCLBackend, hot: Hot, buf: Buffer) -> NCCLWork | None:
             rt.record(end.ptr, comm_stream)
         except Exception as exc:
             raise issue_failed(b, hot.op_type, exc, issuing, (buf,), []) from exc
-        if timing:
+        work: Pending
+        if seq >= 0:
+            b._last_end = end if timing else None
+            work = Quiet(hot.op_type, seq, group_name, b, end, buf, entry)
+        elif timing:
             prev, b._last_end = b._last_end, end
             work = NCCLWork._hot(hot.op_type, b, buf, b._timeout, device, end, ready, prev)
         else:
@@ -112,6 +205,13 @@ def issue(b: NCCLBackend, hot: Hot, buf: Buffer) -> NCCLWork | None:
         if prune:
             complete_until(b, work)
             b._prune_next = len(pending) + b._prune_every
+    if seq >= 0:
+        # What NCCLWork.wait does: the caller's current stream waits for the op (the
+        # producer's stream, named by the array but not held, is left alone as there).
+        try:
+            rt.wait_event(stream if buf.stream is None else rt.current_stream(), end.ptr)
+        except Exception as exc:
+            raise DistBackendError(f"{work._name()}: making the caller's stream wait failed: {exc}") from exc
     return work
 
 
@@ -132,7 +232,7 @@ def issue_failed(b: NCCLBackend, op_type: str, exc: Exception, issuing: bool, bu
     return DistBackendError(f"{op_type} on group {b._group_name!r} failed: {why}")
 
 
-def complete_until(b: NCCLBackend, stop: NCCLWork | None) -> NCCLWork | None:
+def complete_until(b: NCCLBackend, stop: Pending | None) -> Pending | None:
     """Complete, in issue order, the pending works that finished, up to ``stop`` (not
     included); the oldest one still running, or None."""
     pending = b._pending
@@ -171,7 +271,7 @@ def complete_until(b: NCCLBackend, stop: NCCLWork | None) -> NCCLWork | None:
     return works[done] if done < len(works) else None
 
 
-def _finished_prefix(b: NCCLBackend, works: list[NCCLWork]) -> int:
+def _finished_prefix(b: NCCLBackend, works: list[Pending]) -> int:
     """How many of ``works`` (in issue order) have finished: a binary search over their
     end events, which fire in order. -1 when a query failed (then the backend is
     aborted, and the work that failed names why)."""
@@ -182,7 +282,7 @@ def _finished_prefix(b: NCCLBackend, works: list[NCCLWork]) -> int:
         w = works[probe]
         end = w._end
         try:
-            fired = w._done._flag or (end is not None and rt.query(end.ptr))
+            fired = (w.done if isinstance(w, Quiet) else w._done._flag) or (end is not None and rt.query(end.ptr))
         except Exception as exc:
             # A failed query means a sticky CUDA error (a kernel faulted): the
             # communicator cannot be trusted after it.

@@ -1,0 +1,85 @@
+"""Running a plan's phases on the communication stream: local steps (copies, kernels)
+and NCCL calls, one NCCL group per phase, each call under the communicator's lock.
+Functions over an :class:`NCCLBackend`'s state, called by its issue path."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+from . import lifecycle as _lifecycle
+from .plan import Phase, Premul, Step
+from .runtime import Comm
+
+if TYPE_CHECKING:
+    from .backend import NCCLBackend
+
+__all__ = ["run_phase"]
+
+_REDUCING = frozenset({"all_reduce", "reduce", "reduce_scatter"})
+
+
+def run_phase(b: NCCLBackend, phase: Phase) -> None:
+    """Run one phase of a plan: its local steps before, its NCCL calls (one group),
+    its local steps after."""
+    pre, calls, post = phase
+    for step in pre:
+        _local(b, step)
+    if calls:
+        comm = b._comm
+        assert comm is not None
+        # NCCL communicators take one thread at a time, and ncclCommAbort frees the
+        # one under a call in flight: the calls hold _comm_lock, and an abort from
+        # another thread meanwhile is carried out by this thread once they return.
+        with b._comm_lock:
+            if b._comm_gone:
+                raise RuntimeError("the communicator is gone")
+            _issue_calls(b, comm, calls)
+        if b._aborted is not None:
+            _lifecycle.abort_comm(b, blocking=True)
+            raise RuntimeError("the communicator was aborted while this op was being issued")
+    for step in post:
+        _local(b, step)
+
+
+def _issue_calls(b: NCCLBackend, comm: Comm, calls: Sequence[Step]) -> None:
+    created: list[int] = []
+    try:
+        for s in calls:
+            if s[0] in _REDUCING and type(s[5]) is Premul:
+                calls = [_bind_premul(comm, s, created) for s in calls]
+                break
+        stream = b._stream_ptr
+        if len(calls) == 1:
+            step = calls[0]
+            getattr(comm, step[0])(*step[1:], stream)
+        else:
+            b._rt.group_start()
+            try:
+                for step in calls:
+                    getattr(comm, step[0])(*step[1:], stream)
+            finally:
+                b._rt.group_end()
+    finally:
+        # NCCL allows destroying an op once the calls that use it returned.
+        for op in created:
+            comm.op_destroy(op)
+
+
+def _bind_premul(comm: Comm, step: Step, created: list[int]) -> Step:
+    if step[0] not in _REDUCING or not isinstance(step[5], Premul):
+        return step
+    op = comm.premul_sum(step[5].scalar, step[5].dtype)
+    created.append(op)
+    return step[:5] + (op,) + step[6:]
+
+
+def _local(b: NCCLBackend, step: Step) -> None:
+    if step[0] == "copy":
+        _, dst, src, nbytes = step
+        if nbytes:
+            b._rt.memcpy(dst, src, nbytes, b._stream_ptr)
+    elif step[0] == "kernel":
+        _, name, n, args = step
+        b._rt.launch(name, n, args, b._stream, b._device)
+    else:
+        raise AssertionError(f"unknown local step {step[0]!r}")
