@@ -16,7 +16,7 @@ from gpucoll._backends.nccl.backend import NCCLBackend
 from gpucoll._reduce_op import ReduceOp
 from gpucoll.errors import DistBackendError
 
-from _nccl_fake import FakeRuntime, read
+from _nccl_fake import FakeRuntime, read, read_on_stream
 from _fake_gpu_world import dev, run_world
 
 
@@ -193,3 +193,18 @@ def test_repeated_broadcasts_sends_and_recvs_take_the_hot_path_and_stay_right() 
 
     for size in (1, 2, 3):
         assert run_world(size, body) == [[]] * size
+
+
+def test_an_op_the_abort_did_not_see_fails_even_if_its_end_fires() -> None:
+    def body(be: NCCLBackend, rt: FakeRuntime, rank: int) -> None:
+        buf = dev(rt, np.ones(2, np.float32))
+        be.all_reduce(buf, ReduceOp.SUM).synchronize()
+        work = be.all_reduce(buf, ReduceOp.SUM)  # the hot path
+        read_on_stream(rt, buf, np.float32, be._stream_ptr).get(timeout=10)  # its end has fired
+        # An abort whose snapshot of the pending ops came before this one was queued:
+        # only the flag is set when the sweep sees the op.
+        be._aborted = "planted abort"
+        be.poll_pending()
+        with pytest.raises(DistBackendError, match="planted abort"):
+            work.wait()
+    run_world(1, body, shutdown=False)

@@ -404,12 +404,12 @@ class NCCLBackend:
         if type(op) is not ReduceOp:
             return False
         hot = self._hot.get(("all_reduce", buf.ptr, buf.nbytes, buf.dtype.name, op._name_))
-        return hot is not None and _hot.issue_quiet(self, hot, buf, seq, entry, group_name)
+        return hot is not None and _hot.issue(self, hot, buf, seq, entry, group_name) is not None
 
     def broadcast_quiet(self, buf: Buffer, src: int, seq: int, entry: Any, group_name: str) -> bool:
         """:meth:`broadcast` as :meth:`all_reduce_quiet`."""
         hot = self._hot.get(("broadcast", buf.ptr, buf.nbytes, buf.dtype.name, src))
-        return hot is not None and _hot.issue_quiet(self, hot, buf, seq, entry, group_name)
+        return hot is not None and _hot.issue(self, hot, buf, seq, entry, group_name) is not None
 
     # ----- the Backend protocol: reductions -----
 

@@ -30,7 +30,7 @@ it in order, each with a few field writes (:meth:`NCCLWork._fired`).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Sequence, Union, overload
 
 from ..._buffer import Buffer
 from ...errors import BackendUnavailableError, DistBackendError
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from ..._debug.flight_recorder import _Entry
     from .backend import NCCLBackend
 
-__all__ = ["Hot", "Quiet", "Pending", "PRUNE_AT", "make", "issue", "issue_quiet", "issue_failed", "complete_until"]
+__all__ = ["Hot", "Quiet", "Pending", "PRUNE_AT", "make", "issue", "issue_failed", "complete_until"]
 
 PRUNE_AT = 64  # outstanding works kept before the issue path completes finished ones itself
 
@@ -136,22 +136,21 @@ def make(b: NCCLBackend, op_type: str, plan: Plan) -> Hot | None:
     return Hot(op_type, getattr(b._comm, step[0]), tuple(step[1:]))
 
 
-def issue(b: NCCLBackend, hot: Hot, buf: Buffer) -> NCCLWork | None:
+@overload
+def issue(b: NCCLBackend, hot: Hot, buf: Buffer) -> NCCLWork | None: ...
+
+
+@overload
+def issue(b: NCCLBackend, hot: Hot, buf: Buffer, seq: int, entry: _Entry | None, group_name: str) -> Pending | None:
+    ...
+
+
+def issue(b: NCCLBackend, hot: Hot, buf: Buffer, seq: int = -1, entry: _Entry | None = None,
+          group_name: str = "") -> Pending | None:
     """Issue ``hot`` on ``buf``: its Work; None, having done nothing, where the general
-    path must issue it."""
-    work = _fire(b, hot, buf, -1, None, "")
-    return work if type(work) is NCCLWork else None
-
-
-def issue_quiet(b: NCCLBackend, hot: Hot, buf: Buffer, seq: int, entry: _Entry | None, group_name: str) -> bool:
-    """Issue ``hot`` on ``buf`` for a synchronous caller, with no Work: the caller's
-    stream waits for it, and the backend keeps a :class:`Quiet` (op number ``seq`` of
-    group ``group_name``, flight-recorder ``entry``) until it completes. True once
-    issued; False, having done nothing, where the general path must issue it."""
-    return _fire(b, hot, buf, seq, entry, group_name) is not None
-
-
-def _fire(b: NCCLBackend, hot: Hot, buf: Buffer, seq: int, entry: _Entry | None, group_name: str) -> Pending | None:
+    path must issue it. Given ``seq``, for a synchronous caller, with no Work: the
+    caller's stream waits for the op, and the backend keeps a :class:`Quiet` (op number
+    ``seq`` of group ``group_name``, flight-recorder ``entry``) until it completes."""
     device = b._device
     where = buf.device
     if buf.stream_owner is not None or buf.foreign_stream or where.index != device or where.type != "cuda":
@@ -198,11 +197,13 @@ def _fire(b: NCCLBackend, hot: Hot, buf: Buffer, seq: int, entry: _Entry | None,
         else:
             b._last_end = None
             work = NCCLWork._hot(hot.op_type, b, buf, b._timeout, device, end, None, None)
+        # Appending needs no lock (a deque's append is atomic; only the sweep, under
+        # _state, pops from the other end); abort's snapshot under _state may miss a
+        # work appended meanwhile, as it may miss one issued a moment later: either way
+        # the work fails when waited on or polled, since the backend is aborted.
         pending = b._pending
-        with b._state:
-            pending.append(work)
-            prune = len(pending) > b._prune_next
-        if prune:
+        pending.append(work)
+        if len(pending) > b._prune_next:
             complete_until(b, work)
             b._prune_next = len(pending) + b._prune_every
     if seq >= 0:
@@ -254,9 +255,14 @@ def complete_until(b: NCCLBackend, stop: Pending | None) -> Pending | None:
         try:
             done = _finished_prefix(b, works)
             if done > 0:
-                now = time.perf_counter()
-                for w in works[:done]:
-                    w._fired(rt, now)
+                aborted = b._aborted
+                if aborted is not None:  # issued as the abort came: its end may fire, the op failed
+                    for w in works[:done]:
+                        w._fail(aborted)
+                else:
+                    now = time.perf_counter()
+                    for w in works[:done]:
+                        w._fired(rt, now)
         finally:
             leave_device(rt, prev_device)
     finally:
