@@ -101,7 +101,8 @@ def all_reduce(tensor: ArrayLike, op: ReduceOpLike = ReduceOp.SUM, group: Proces
         >>> x = np.full(4, gpucoll.get_rank(), np.float32)
         >>> gpucoll.all_reduce(x, op=gpucoll.ReduceOp.MAX)   # x == world_size - 1
     """
-    return _pg(group).all_reduce(tensor, op, async_op)
+    world = _world._WORLD  # the default group without a call: this is the hottest entry point
+    return (world.default if group is None and world is not None else _pg(group)).all_reduce(tensor, op, async_op)
 
 
 def all_reduce_coalesced(tensors: Sequence[ArrayLike], op: ReduceOpLike = ReduceOp.SUM, group: ProcessGroup | None = None,

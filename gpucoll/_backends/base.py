@@ -34,7 +34,7 @@ Rules every backend follows (ProcessGroup relies on them):
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from .._buffer import Buffer
 from .._reduce_op import ReduceOpLike
@@ -164,6 +164,12 @@ class RunsNow(Protocol):
 
     def barrier_now(self) -> bool:
         """A barrier now (True), or False as :meth:`all_reduce_now`."""
+        ...
+
+    def all_reduce_runner(self, dtype: str, nbytes: int, op: ReduceOpLike) -> tuple[Callable[..., bool], Any] | None:
+        """:meth:`all_reduce_now` of one kind the backend planned already, bound:
+        ``(run, reducer)``, ``run(flat_array, reducer)`` taking a 1-D NumPy view of the
+        caller's array; None when the kind is not planned (yet)."""
         ...
 
 

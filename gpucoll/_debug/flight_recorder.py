@@ -63,26 +63,19 @@ class _Entry:
 
     __slots__ = ("seq", "op_type", "backend", "shape", "dtype", "nbytes", "peer",
                  "time_started", "state", "time_finished", "active_duration", "error", "where")
-
-    def fill(self, seq: int, op_type: str, time_started: float, backend: str, buf: Buffer | None,
-             peer: int) -> None:
-        self.seq = seq
-        self.op_type = op_type
-        self.backend = backend
-        if buf is not None:
-            self.shape: tuple[int, ...] | None = buf.shape
-            self.dtype: str | None = buf.dtype.name
-            self.nbytes = buf.nbytes
-        else:
-            self.shape = self.dtype = None
-            self.nbytes = 0
-        self.peer = peer
-        self.time_started = time_started
-        self.state = "scheduled"
-        self.time_finished: float | None = None
-        self.active_duration: float | None = None
-        self.error: str | None = None
-        self.where = ""  # the caller's file:line, at debug level INFO and above
+    seq: int
+    op_type: str
+    backend: str
+    shape: tuple[int, ...] | None
+    dtype: str | None
+    nbytes: int
+    peer: int
+    time_started: float
+    state: str
+    time_finished: float | None
+    active_duration: float | None
+    error: str | None
+    where: str  # the caller's file:line, at debug level INFO and above
 
     def finish(self, work: Work) -> None:
         if self.seq != work.seq:
@@ -159,7 +152,21 @@ class FlightRecorder:
         if entry is None:
             entry = self._ring[i] = _Entry()
             self._count += 1
-        entry.fill(seq, op_type, time.time() if time_started is None else time_started, backend, buf, peer)
+        # Every field, written here rather than in a method of the entry: this runs once
+        # per op of every group.
+        entry.seq = seq
+        entry.op_type = op_type
+        entry.backend = backend
+        if buf is not None:
+            entry.shape, entry.dtype, entry.nbytes = buf.shape, buf.dtype.name, buf.nbytes
+        else:
+            entry.shape = entry.dtype = None
+            entry.nbytes = 0
+        entry.peer = peer
+        entry.time_started = time.time() if time_started is None else time_started
+        entry.state = "scheduled"
+        entry.time_finished = entry.active_duration = entry.error = None
+        entry.where = ""
         self._next = i + 1 if i + 1 < self.capacity else 0
         return entry
 

@@ -30,7 +30,7 @@ from .._work import Work, WorkInfo
 from .checks import _op_name
 from .watchdog import Watchdog
 
-__all__ = ["Issuer", "Plan"]
+__all__ = ["Issuer", "Plan", "HostRun"]
 
 _FINGERPRINT_BYTES = 256
 _SHAPES_MAY_DIFFER = frozenset({"all_to_all", "all_to_all_single"})  # per-peer sizes differ by design
@@ -55,6 +55,24 @@ class Plan:
             getattr(backend, quiet) if quiet and device and isinstance(backend, IssuesQuietly) else None)
 
 
+class HostRun:
+    """A planned host all_reduce on a NumPy array of one (dtype, shape, op), bound to the
+    backend's Work-less runner (``RunsNow.all_reduce_runner``): a repeated call needs no
+    Buffer and no look-up in the backend. ``desc`` describes the arrays for the flight
+    recorder; ``start(flat, reducer)`` issues the op the usual way when the backend
+    cannot run it now."""
+
+    __slots__ = ("backend", "run", "reducer", "desc", "start")
+
+    def __init__(self, backend: Backend, run: Callable[..., bool], reducer: Any, desc: Buffer,
+                 start: Callable[..., Work]) -> None:
+        self.backend = backend
+        self.run = run
+        self.reducer = reducer
+        self.desc = desc
+        self.start = start
+
+
 class Issuer:
     """Issues the ops of one group.
 
@@ -76,6 +94,7 @@ class Issuer:
         self.cpu = cpu
         self.seq = 0
         self.plans: dict[tuple[Any, ...], Plan] = {}
+        self.host_runs: dict[tuple[Any, ...], HostRun] = {}  # by (NumPy dtype, shape, op name)
         self.abort_reason: str | None = None
         self.abort_lock = threading.Lock()
         self.hook_errors: list[tuple[Callable[[WorkInfo], None], BaseException]] = []
@@ -98,12 +117,14 @@ class Issuer:
         if key is not None:
             if len(self.plans) >= _PLANS_MAX:
                 self.plans.clear()
+                self.host_runs.clear()
             self.plans[key] = plan
         return plan
 
     def forget_plans(self) -> None:
         """Drop every plan (the group's backends changed, or the group is destroyed)."""
         self.plans.clear()
+        self.host_runs.clear()
 
     # ----- issue and finish -----
     def issue(self, backend: Backend, start: Callable[[], Work], buf: Buffer | None, outputs: list[Any],
@@ -216,8 +237,10 @@ class Issuer:
             self.wait_host(work, backend)
             raise  # wait_host raises for a failed op; kept for the type checker
         if ran:
-            if entry is not None:
-                entry.complete(time.perf_counter() - t0)
+            if entry is not None:  # _Entry.complete, inline
+                entry.active_duration = took = time.perf_counter() - t0
+                entry.time_finished = entry.time_started + took
+                entry.state = "completed"
             return None
         return self.finish(backend, self._start(seq, entry, lambda: start(*args), outputs, -1, op), False, False)
 
@@ -321,6 +344,7 @@ class Issuer:
     def stop(self) -> list[tuple[Callable[[WorkInfo], None], BaseException]]:
         """Stop the watchdog and forget the plans; the hook errors seen."""
         self.plans.clear()
+        self.host_runs.clear()
         self.watchdog.stop()
         return self.hook_errors
 

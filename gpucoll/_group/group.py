@@ -14,6 +14,8 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any, Callable, Sequence, Union
 
+import numpy as np
+
 from .. import array as _array
 from ..array import ArrayLike
 from .._backends.base import Backend, ReducesInto, RunsNow
@@ -29,7 +31,7 @@ from .barrier import monitored_barrier
 from .checks import _check_op, _list_dtypes, _real_view
 from .coalescing import CoalescingManager, _not_coalescable
 from .dispatch import backend_for, backend_for_all, make_device_backend_for, set_device_backend
-from .core import Issuer, time_ops
+from .core import HostRun, Issuer, time_ops
 from .options import PGOptions
 from .registry import _BACKEND_GRACE_S, BACKENDS, backend_kwargs
 
@@ -95,6 +97,7 @@ class ProcessGroup:
         self._issuer = Issuer(group_name, self._label(), rank, self.global_ranks[rank], size, timeout,
                               self._cpu, group_desc)
         self._plans = self._issuer.plans  # the issuer's plan cache, looked up by the hot ops
+        self._host_runs = self._issuer.host_runs
         self._barrier_now = self._cpu.barrier_now if isinstance(self._cpu, RunsNow) else None
         self._watchdog, self._recorder = self._issuer.watchdog, self._issuer.recorder  # (debug tools read them)
         # Bound at creation on every rank: only then may new groups split its communicator (one
@@ -221,6 +224,16 @@ class ProcessGroup:
     # ----- reductions -----
     def all_reduce(self, tensor: ArrayOrBuffer, op: ReduceOpLike = ReduceOp.SUM, async_op: bool = False) -> Work | None:
         """Reduce ``tensor`` across the group, in place on every rank."""
+        # A NumPy array of a kind already run: the host runner, with the checks the plan
+        # does not settle (writable, contiguous, no coalescing block, hooks, DETAIL).
+        if type(tensor) is np.ndarray and type(op) is ReduceOp and not async_op:
+            fast = self._host_runs.get((tensor.dtype, tensor.shape, op._name_))
+            if fast is not None and self._coalescing is None and not self._destroyed:
+                flags, issuer = tensor.flags, self._issuer
+                if flags.c_contiguous and flags.writeable and not issuer.hooks and not issuer.debug_detail:
+                    return issuer.run_now(fast.backend, fast.run, fast.start,
+                                          (tensor if tensor.ndim == 1 else tensor.reshape(-1), fast.reducer),
+                                          fast.desc, "all_reduce", [tensor])
         if self._destroyed:
             self._check_usable()
         buf = _array.as_buffer(tensor, name="tensor", writable=True)
@@ -236,6 +249,8 @@ class ProcessGroup:
             plan = self._issuer.plan(key, backend, red, backend is not self._cpu, "all_reduce_quiet")
         backend, red, issuer, now = plan.backend, plan.red, self._issuer, plan.now
         if now is not None and not async_op and not issuer.hooks and not issuer.debug_detail:  # no Work
+            if type(tensor) is np.ndarray and type(op) is ReduceOp and len(self._host_runs) < 1024:
+                _remember_host_run(self._host_runs, backend, tensor, buf, red, op)
             return issuer.run_now(backend, now, backend.all_reduce, (buf, red), buf, "all_reduce",
                                   [tensor])
         return issuer.call(backend, backend.all_reduce, (buf, red), buf, [tensor], async_op, plan.device,
@@ -557,3 +572,16 @@ class ProcessGroup:
             raise DistBackendError(f"shutting down group {self.group_name!r} failed: {errors[0]}") from errors[0]
 
 
+def _remember_host_run(runs: dict[tuple[Any, ...], HostRun], backend: Backend, tensor: np.ndarray, buf: Buffer,
+                       red: Any, op: ReduceOp) -> None:
+    """Bind the next all_reduce of this NumPy kind to the backend's runner, once the
+    backend planned the kind (its first op does)."""
+    runner = backend.all_reduce_runner(buf.dtype.name, buf.nbytes, red) if isinstance(backend, RunsNow) else None
+    if runner is None:
+        return
+    run, reducer = runner
+
+    def start(flat: np.ndarray, _reducer: Any) -> Work:  # the backend cannot run it now: a Work
+        return backend.all_reduce(_array.as_buffer(flat, name="tensor", writable=True), red)
+    desc = Buffer(0, buf.nbytes, buf.dtype, buf.shape, buf.device)  # what the flight recorder shows
+    runs[(tensor.dtype, tensor.shape, op._name_)] = HostRun(backend, run, reducer, desc, start)

@@ -2,7 +2,8 @@
 (op, dtype, shape, device, reduction/root) instead of deciding them again. A plan is
 never served to a call that differs in any of these, or to another group; every check
 that is not part of the key (writability, coalescing blocks, a bool root, an op invalid
-for the dtype) still runs on every call; destroying a group drops its plans. Results are
+for the dtype) still runs on every call; destroying a group drops its plans and its
+NumPy runners (HostRun: a kind run before is bound to the backend's runner). Results are
 checked against NumPy on every rank (values are functions of the rank)."""
 
 from __future__ import annotations
@@ -51,6 +52,16 @@ def plans_body() -> dict[str, Any]:
             check(f"{op.name} i64", x, np.full(4, ref(np.arange(2, n + 2)), np.int64))
     keys = len(pg._plans)
     out["plans_grew"] = keys >= 8  # one per distinct (dtype, shape, op) above
+    # NumPy arrays of a kind run twice are bound to the CPU backend's runner (HostRun).
+    out["host_runs"] = len(pg._host_runs)
+    # Behind a queued op the runner cannot run now: the op goes the Work way, in order.
+    big = np.full(1 << 20, r + 1, np.float32)  # 4 MiB: queued for the backend's worker
+    work = gpucoll.all_reduce(big, async_op=True)
+    x = np.full(4, r + 1, np.float32)
+    gpucoll.all_reduce(x)
+    work.wait()
+    check("sum f32 (4,) behind a queued op", x, _expect_sum(n, (4,), np.float32))
+    check("the queued op", big[:3], _expect_sum(n, (3,), np.float32))
 
     # Checks outside the key still run on a planned kind.
     x = np.full(4, 1.0, np.float32)
@@ -104,10 +115,10 @@ def plans_body() -> dict[str, Any]:
 
     # destroy drops the plans; a new default group starts with none and computes right.
     gpucoll.destroy_process_group()
-    out["destroyed_plans"] = len(pg._plans)
+    out["destroyed_plans"] = len(pg._plans) + len(pg._host_runs)
     gpucoll.init_process_group("cpu", timeout=30.0)
     fresh = default_group()
-    out["fresh_plans"] = len(fresh._plans)
+    out["fresh_plans"] = len(fresh._plans) + len(fresh._host_runs)
     x = np.full(4, r + 1, np.float32)
     gpucoll.all_reduce(x)
     check("sum after re-init", x, _expect_sum(n, (4,), np.float32))
@@ -120,6 +131,7 @@ def test_plans_are_never_stale() -> None:
         for r, res in enumerate(run_spmd(plans_body, n, timeout=120)):
             assert res["bad"] == [], (n, r, res["bad"])
             assert res["plans_grew"], (n, r)
+            assert res["host_runs"] >= 6, res  # f32 (4,) SUM and each i64 op
             assert res["band_on_float"] == "TypeError", res
             assert res["read_only"] in ("TypeError", "ValueError"), res
             assert res["bool_root"] == "TypeError", res

@@ -14,6 +14,7 @@ a small op's cost); anything else goes to the backend's worker thread, so
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import sys
@@ -248,9 +249,12 @@ class CPUBackend:
                     raise
                 raise err  # its cause, if any, was set by _failed
         finally:
-            with lock:
-                self._busy = False
-                if self._queue or self._waiters:
+            # Cleared before the queue is read, so no lock is needed unless someone waits:
+            # an op queued meanwhile saw _busy (under the lock) and notified, or it sees
+            # it clear; a thread waiting for _busy to clear is notified below.
+            self._busy = False
+            if self._queue or self._waiters:
+                with lock:
                     self._cv.notify_all()
         return True
 
@@ -262,6 +266,15 @@ class CPUBackend:
         # Any size: a synchronous op has nothing to return early for, and a hand-off to the
         # worker thread costs two thread wakes, which on a busy machine wait for a core.
         return self._now("all_reduce", self._coll.all_reduce, plan[2], self._arr(buf), plan[0])
+
+    def all_reduce_runner(self, dtype: str, nbytes: int, op: ReduceOpLike) -> tuple[Callable[..., bool], Any] | None:
+        """``all_reduce_now`` of one planned kind, bound: ``(run, reducer)``, where
+        ``run(flat_array, reducer)`` is that op on a 1-D view of the caller's array; None
+        before the kind's first op planned it (or for PREMUL_SUM)."""
+        plan = self._plans.get((dtype, nbytes, op._name_)) if op.__class__ is ReduceOp else None
+        if plan is None or plan[1] is not None:
+            return None
+        return functools.partial(self._now, "all_reduce", self._coll.all_reduce, plan[2]), plan[0]
 
     def all_gather_single_now(self, out: Buffer, inp: Buffer) -> bool:
         """:meth:`all_gather_single` on this thread now, with no Work (as ``all_reduce_now``)."""

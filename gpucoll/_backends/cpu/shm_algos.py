@@ -180,7 +180,7 @@ class ShmCollectives:
         i = self._my_hdr[p]
         ctl[i] = u
         ctl[i + 1] = sig
-        slots = self._slots(p, nb, x.dtype)
+        slots = self._slot_views.get((p, nb, x.dtype)) or self._slots(p, nb, x.dtype)
         slots[self.rank][...] = x
         seg.post()
         for j, ci, hdr in self._words:
@@ -195,8 +195,9 @@ class ShmCollectives:
             red.fold(x, slots)
             return
         ufunc(slots[0], slots[1], out=x)
-        for part in slots[2:]:
-            ufunc(x, part, out=x)
+        if len(slots) > 2:
+            for part in slots[2:]:
+                ufunc(x, part, out=x)
 
     def reduce(self, ctx: Ctx, x: Array, dst: int, red: Reducer) -> None:
         self._reduce(ctx, x, red, dst)
