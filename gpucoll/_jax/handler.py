@@ -106,7 +106,9 @@ def _arr(buf: Buffer) -> np.ndarray[Any, Any]:
 
 def _all_reduce(p: Plan, ins: Bufs, outs: Bufs) -> None:
     if outs[0].ptr == ins[0].ptr:  # XLA aliased the output to the input
-        p.pg.all_reduce(outs[0], OPS[p.attrs["op"]])
+        # The NumPy view itself, not its Buffer: a host array of a kind run before takes
+        # the group's NumPy runner (no Buffer, no look-up in the backend).
+        p.pg.all_reduce(_arr(outs[0]), OPS[p.attrs["op"]])
     else:
         p.pg._all_reduce_into(outs[0], ins[0], OPS[p.attrs["op"]])
 
