@@ -80,22 +80,23 @@ class Quiet:
 
     def _fired(self, rt: Any, now: float) -> None:
         """The op's end event fired (or a later one did): complete it as of ``now``."""
-        if self.done:
-            return
-        self.done = True
-        self._keepalive = None
-        entry = self._fr_entry
-        if entry is not None and entry.seq == self.seq:
-            entry.complete(now - self._t0)
+        self._settle(None, now)
 
     def _fail(self, reason: str) -> None:
+        self._settle(f"DistBackendError: {self._name()} failed: {reason}", time.perf_counter())
+
+    def _settle(self, error: str | None, now: float) -> None:
+        """Complete (``error`` None) or fail the op once; its flight-recorder entry says so."""
         if self.done:
             return
         self.done = True
         self._keepalive = None
         entry = self._fr_entry
         if entry is not None and entry.seq == self.seq:
-            entry.fail(f"DistBackendError: {self._name()} failed: {reason}", time.perf_counter() - self._t0)
+            if error is None:
+                entry.complete(now - self._t0)
+            else:
+                entry.fail(error, now - self._t0)
 
     def _poll(self) -> bool:
         """Complete or fail the op if it finished or its backend failed; True once it has."""
