@@ -208,3 +208,30 @@ def test_an_op_the_abort_did_not_see_fails_even_if_its_end_fires() -> None:
         with pytest.raises(DistBackendError, match="planted abort"):
             work.wait()
     run_world(1, body, shutdown=False)
+
+
+def test_the_sweep_completes_every_work_someone_can_see() -> None:
+    """A finished Work only the backend's queue holds is dropped without being completed
+    (nothing can tell); one the caller holds, or whose future or callback someone holds,
+    is completed by the sweep."""
+    def body(be: NCCLBackend, rt: FakeRuntime, rank: int) -> None:
+        buf = dev(rt, np.ones(2, np.float32))
+        be.all_reduce(buf, ReduceOp.SUM).synchronize()
+        held, futures, called = [], [], []
+        for i in range(2 * _hot.PRUNE_AT):
+            w = be.all_reduce(buf, ReduceOp.MAX)
+            if i % 5 == 0:
+                held.append(w)
+            elif i % 5 == 1:
+                futures.append(w.get_future())
+            elif i % 5 == 2:
+                w._add_done_callback(lambda w, i=i: called.append(i))
+            del w
+        be.all_reduce(buf, ReduceOp.MAX).synchronize()
+        while be.poll_pending() is not None:
+            pass
+        assert all(w._done._flag for w in held)  # completed by the sweep, not by looking
+        assert all(f.done() and f.exception() is None for f in futures)
+        assert called == list(range(2, 2 * _hot.PRUNE_AT, 5))
+        assert not be._pending
+    run_world(2, body)

@@ -29,6 +29,7 @@ it in order, each with a few field writes (:meth:`NCCLWork._fired`).
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence, Union, overload
 
@@ -45,6 +46,12 @@ if TYPE_CHECKING:
 __all__ = ["Hot", "Quiet", "Pending", "PRUNE_AT", "make", "issue", "issue_failed", "complete_until"]
 
 PRUNE_AT = 64  # outstanding works kept before the issue path completes finished ones itself
+# A finished Work that only the sweep holds (its list of works, the pending queue, its loop
+# variable, and getrefcount's own argument) is not completed, only dropped: nothing can
+# see the difference, and its arrays go with it. Anyone holding it still sees it complete
+# when they look (its end event has fired), so a count that is off only costs time.
+_refs = sys.getrefcount
+_UNHELD = 4
 
 
 class Hot:
@@ -262,7 +269,11 @@ def complete_until(b: NCCLBackend, stop: Pending | None) -> Pending | None:
                         w._fail(aborted)
                 else:
                     now = time.perf_counter()
-                    for w in works[:done]:
+                    for i in range(done):
+                        w = works[i]
+                        if (type(w) is NCCLWork and w._fr_entry is None and w._callbacks is None
+                                and w._future is None and _refs(w) <= _UNHELD):
+                            continue  # nobody holds it: dropped below, its arrays with it
                         w._fired(rt, now)
         finally:
             leave_device(rt, prev_device)
