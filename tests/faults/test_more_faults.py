@@ -180,7 +180,9 @@ def test_soak_peer_death_in_random_ops(n: int, tmp_path: Path) -> None:
                 continue
             assert not rep.get("hung") and "setup_error" not in rep, (op, r, rep)
             if rep["raised"] is None:
-                assert op in ("broadcast", "scatter", "reduce", "gather", "recv_streaming") and \
+                # As in test_peer_death: all_reduce_big's victim dies 2 ms into its own op,
+                # and its data may all have gone out by then (the op completes, right).
+                assert op in ("broadcast", "scatter", "reduce", "gather", "recv_streaming", "all_reduce_big") and \
                     rep["correct"] in (True, None), (op, r, rep)
             else:
                 assert rep["dist"] and rep["elapsed"] < PG_TIMEOUT + 5, (op, r, rep)
