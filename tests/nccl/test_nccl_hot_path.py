@@ -235,3 +235,20 @@ def test_the_sweep_completes_every_work_someone_can_see() -> None:
         assert called == list(range(2, 2 * _hot.PRUNE_AT, 5))
         assert not be._pending
     run_world(2, body)
+
+
+def test_a_call_that_fails_on_the_hot_path_aborts_and_names_the_op() -> None:
+    def body(be: NCCLBackend, rt: FakeRuntime, rank: int) -> None:
+        buf = dev(rt, np.ones(2, np.float32))
+        be.all_reduce(buf, ReduceOp.SUM).synchronize()
+        hot = next(iter(be._hot.values()))
+
+        def broken(*args: Any) -> None:
+            raise RuntimeError("planted: ncclInternalError")
+        hot.call = broken
+        with pytest.raises(DistBackendError, match=r"all_reduce on group 'g' failed: RuntimeError: planted") as err:
+            be.all_reduce(buf, ReduceOp.SUM)
+        assert err.value.__cause__ is not None and err.value.__cause__ is not err.value
+        assert be._aborted is not None and "failed while being issued" in be._aborted
+        assert buf in be._keep  # part of the op may be queued: its array outlives it
+    run_world(1, body, shutdown=False)

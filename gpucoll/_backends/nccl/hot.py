@@ -37,6 +37,7 @@ from ..._buffer import Buffer
 from ...errors import BackendUnavailableError, DistBackendError
 from .plan import Plan
 from .runtime import CAPTURE_THREAD_LOCAL, enter_device, leave_device
+from . import lifecycle as _lifecycle
 from .work import NCCLWork
 
 if TYPE_CHECKING:
@@ -187,14 +188,15 @@ def issue(b: NCCLBackend, hot: Hot, buf: Buffer, seq: int = -1, entry: _Entry | 
                     raise RuntimeError("the communicator is gone")
                 hot.call(*hot.args, comm_stream)
             if b._aborted is not None:
-                from . import lifecycle
-
-                lifecycle.abort_comm(b, blocking=True)
+                _lifecycle.abort_comm(b, blocking=True)
                 raise RuntimeError("the communicator was aborted while this op was being issued")
             end = rt.event(True, timing)
             rt.record(end.ptr, comm_stream)
         except Exception as exc:
-            raise issue_failed(b, hot.op_type, exc, issuing, (buf,), []) from exc
+            failed = issue_failed(b, hot.op_type, exc, issuing, (buf,), [])
+            if failed is exc:
+                raise
+            raise failed from exc
         work: Pending
         if seq >= 0:
             b._last_end = end if timing else None
