@@ -140,14 +140,11 @@ def as_buffer(array: Any, *, name: str = "tensor", writable: bool = False) -> Bu
             raise ValueError(f"{name} is a read-only Buffer and this op writes into it")
         return array  # type: ignore[no-any-return]
     has_dlpack = _CAI_TYPES.get(cls)
-    if has_dlpack is not None:  # a type whose arrays were described by their CAI before
-        try:
-            cai = array.__cuda_array_interface__
-        except Exception:
-            cai = None
-        if type(cai) is dict and (not has_dlpack or cai.get("version", 2) >= 3):
-            return _from_cai(array, cai, name, writable)
-    if hasattr(cls, "__cuda_array_interface__"):
+    if has_dlpack is None and hasattr(cls, "__cuda_array_interface__"):
+        has_dlpack = hasattr(cls, "__dlpack__") and hasattr(cls, "__dlpack_device__")
+        if len(_CAI_TYPES) < 64:
+            _CAI_TYPES[cls] = has_dlpack
+    if has_dlpack is not None:
         try:
             cai = array.__cuda_array_interface__
         except Exception:
@@ -158,12 +155,8 @@ def as_buffer(array: Any, *, name: str = "tensor", writable: bool = False) -> Bu
             # CAI before version 3 carries no stream: the producer's pending work is
             # not ordered. A producer that also speaks DLPack (torch, JAX) gets the
             # DLPack stream handshake instead, which orders it on our stream.
-            has_dlpack = hasattr(cls, "__dlpack__") and hasattr(cls, "__dlpack_device__")
             if (isinstance(cai, dict) and int(cai.get("version", 2)) >= 3) or not has_dlpack:
-                found = _from_cai(array, cai, name, writable)
-                if len(_CAI_TYPES) < 64:
-                    _CAI_TYPES[cls] = has_dlpack
-                return found
+                return _from_cai(array, cai, name, writable)
     if hasattr(cls, "__dlpack__") and hasattr(cls, "__dlpack_device__"):
         return _from_dlpack(array, name, writable)
     try:
@@ -200,8 +193,8 @@ def _from_ndarray(a: np.ndarray, name: str, writable: bool, device: Device) -> B
 # ----- __cuda_array_interface__ -----
 
 _CUDA: dict[int, Device] = {}       # index -> Device("cuda", index)
-# Types whose arrays were described by their CAI (the value: whether the type also speaks
-# DLPack, whose handshake is preferred to a CAI before version 3), and the layouts seen:
+# Types with a CAI (the value: whether the type also speaks DLPack, whose handshake is
+# preferred to a CAI before version 3), and the layouts seen:
 # (type, typestr, shape, strides) -> (dtype, shape as ints, nbytes), checked once.
 _CAI_TYPES: dict[type, bool] = {}
 _LAYOUTS: dict[tuple[Any, ...], tuple[DType, tuple[int, ...], int]] = {}

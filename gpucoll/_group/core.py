@@ -135,7 +135,7 @@ class Issuer:
         if self.debug_detail and op:
             self.check_across_ranks(op, seq, buf, peer, red)
         entry = self._entry(seq, op or start.__name__.strip("<>"), backend, buf, peer)
-        return self._start(seq, entry, start, outputs, peer, op)
+        return self._start(seq, entry, start, (), outputs, peer, op)
 
     def call(self, backend: Backend, start: Callable[..., Work], args: tuple[Any, ...], buf: Buffer | None,
              outputs: list[Any], async_op: bool, device: bool, op: str, red: Any = None, peer: int = -1,
@@ -147,40 +147,13 @@ class Issuer:
         seq = self.seq = self.seq + 1
         if self.debug_detail:
             self.check_across_ranks(op, seq, buf, peer, red)
-        recorder = self.recorder
-        entry = None
-        if recorder is not None:
-            entry = recorder.begin(seq, op, backend.name, buf, peer)
-            if self.debug_info:
-                entry.where = call_site()
+        entry = self._entry(seq, op, backend, buf, peer)
         if quiet is not None and not async_op and not self.hooks and quiet(*args, seq, entry, self.group_name):
-            # Issued, the caller's stream waits for it; the watchdog watches the backend's queue.
-            watchdog = self.watchdog
-            if not (watchdog._brisk and watchdog._backends and watchdog._backends[0] is backend):
-                watchdog.watch_backend(cast(PollsPending, backend))
+            # Issued, and the caller's stream waits for it; the watchdog watches the
+            # backend's queue of outstanding ops, which holds its record.
+            self.watchdog.watch_backend(cast(PollsPending, backend))
             return None
-        work = start(*args)
-        work.seq = seq
-        work.group_name = self.group_name
-        if outputs:
-            work._result[:] = outputs
-        if entry is not None:
-            entry.op_type = work.op_type
-            work._fr_entry = entry
-            if work._done._flag:  # it may have finished before the entry was attached
-                entry.finish(work)
-        if self.hooks:
-            work._add_done_callback(self.watchdog.completed)
-        if async_op or not device:
-            return self.finish(backend, work, async_op, device)
-        # A synchronous device op: the caller's stream waits for it (DESIGN.md, Streams),
-        # and the watchdog watches the backend's queue, which holds it.
-        work.wait()
-        if not work._done._flag:
-            watchdog = self.watchdog
-            if not (watchdog._brisk and watchdog._backends and watchdog._backends[0] is backend):
-                watchdog.track(work, backend, True)
-        return None
+        return self.finish(backend, self._start(seq, entry, start, args, outputs, peer, op), async_op, device)
 
     def _entry(self, seq: int, op: str, backend: Backend, buf: Buffer | None, peer: int) -> _Entry | None:
         """The op's flight-recorder entry, made before it starts: a host op may run to its
@@ -193,10 +166,10 @@ class Issuer:
             entry.where = call_site()
         return entry
 
-    def _start(self, seq: int, entry: _Entry | None, start: Callable[[], Work], outputs: list[Any], peer: int,
-               op: str) -> Work:
+    def _start(self, seq: int, entry: _Entry | None, start: Callable[..., Work], args: tuple[Any, ...],
+               outputs: list[Any], peer: int, op: str) -> Work:
         recorder = self.recorder
-        work = start()
+        work = start(*args)
         work.seq = seq
         work.group_name = self.group_name
         if peer >= 0 and not op:
@@ -237,12 +210,10 @@ class Issuer:
             self.wait_host(work, backend)
             raise  # wait_host raises for a failed op; kept for the type checker
         if ran:
-            if entry is not None:  # _Entry.complete, inline
-                entry.active_duration = took = time.perf_counter() - t0
-                entry.time_finished = entry.time_started + took
-                entry.state = "completed"
+            if entry is not None:
+                entry.complete(time.perf_counter() - t0)
             return None
-        return self.finish(backend, self._start(seq, entry, lambda: start(*args), outputs, -1, op), False, False)
+        return self.finish(backend, self._start(seq, entry, start, args, outputs, -1, op), False, False)
 
     def finish(self, backend: Backend, work: Work, async_op: bool, device: bool) -> Work | None:
         """Return ``work`` (async) or wait for it as a synchronous op does."""

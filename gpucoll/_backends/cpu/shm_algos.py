@@ -180,7 +180,7 @@ class ShmCollectives:
         i = self._my_hdr[p]
         ctl[i] = u
         ctl[i + 1] = sig
-        slots = self._slot_views.get((p, nb, x.dtype)) or self._slots(p, nb, x.dtype)
+        slots = self._slot_views.get((p, nb, x.dtype)) or self._slots(p, nb, x.dtype)  # a hit: no call
         slots[self.rank][...] = x
         seg.post()
         for j, ci, hdr in self._words:

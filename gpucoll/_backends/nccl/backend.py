@@ -131,7 +131,6 @@ class NCCLBackend:
         self._splits = 0                    # ncclCommSplit calls so far (keys the check-in)
         self._plans: dict[tuple[Any, ...], Plan] = {}  # plans with no local steps, by op and buffers
         self._hot: dict[tuple[Any, ...], _hot.Hot] = {}  # those of them that are one NCCL call (hot.py)
-        self._prune_every = _hot.PRUNE_AT   # outstanding works kept before the issue path completes some
         self._prune_next = _hot.PRUNE_AT    # pending works at which the issue path next completes some
         if device_id is not None:
             count = self._rt.device_count()
@@ -379,16 +378,14 @@ class NCCLBackend:
             held = tuple(int(o.ptr) for o in w._stream_owners) if w._stream_owners else ()
             w._issued(device, start, end, prev, held, captured)
         if not captured:
-            with self._state:
-                pending = self._pending
-                pending.extend(works)
-                prune = len(pending) > self._prune_next
-            if prune:
+            pending = self._pending
+            pending.extend(works)  # no lock, as on the hot path (hot.issue says why)
+            if len(pending) > self._prune_next:
                 # Normally the group's watchdog completes works (off this thread);
                 # without one, completing them here releases their arrays. In batches:
                 # the next sweep comes PRUNE_AT ops later, whatever this one left.
                 self._complete_earlier(works[0])
-                self._prune_next = len(pending) + self._prune_every
+                self._prune_next = len(pending) + _hot.PRUNE_AT
 
     def _hot_or_issue(self, key: tuple[Any, ...], buf: Buffer) -> NCCLWork | None:
         """The op under ``key``, issued by its hot path (hot.py) if it has one that can."""
@@ -417,12 +414,8 @@ class NCCLBackend:
         if type(op) is not ReduceOp:
             return self._issue("all_reduce", (buf,), lambda p: p.all_reduce(buf, op))
         key = ("all_reduce", buf.ptr, buf.nbytes, buf.dtype.name, op._name_)
-        hot = self._hot.get(key)
-        if hot is not None:
-            work = _hot.issue(self, hot, buf)
-            if work is not None:
-                return work
-        return self._issue("all_reduce", (buf,), lambda p: p.all_reduce(buf, op), key=key)
+        return self._hot_or_issue(key, buf) or self._issue("all_reduce", (buf,), lambda p: p.all_reduce(buf, op),
+                                                           key=key)
 
     def all_reduce_into(self, out: Buffer, inp: Buffer, op: ReduceOpLike) -> Work:
         """Out-of-place all_reduce: ``out`` = the reduction of every rank's ``inp`` (same

@@ -29,6 +29,7 @@ it in order, each with a few field writes (:meth:`NCCLWork._fired`).
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence, Union, overload
@@ -37,7 +38,7 @@ from ..._buffer import Buffer
 from ...errors import BackendUnavailableError, DistBackendError
 from .plan import Plan
 from .runtime import CAPTURE_THREAD_LOCAL, enter_device, leave_device
-from . import lifecycle as _lifecycle
+from .phases import on_comm
 from .work import NCCLWork
 
 if TYPE_CHECKING:
@@ -56,14 +57,13 @@ _UNHELD = 4
 
 
 class Hot:
-    """A cached op's one NCCL call: ``call(*args, stream)``."""
+    """A cached op's one NCCL call, bound to its arguments: ``call(stream)``."""
 
-    __slots__ = ("op_type", "call", "args")
+    __slots__ = ("op_type", "call")
 
-    def __init__(self, op_type: str, call: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    def __init__(self, op_type: str, call: Callable[[int], Any]) -> None:
         self.op_type = op_type
         self.call = call
-        self.args = args
 
 
 class Quiet:
@@ -142,7 +142,7 @@ def make(b: NCCLBackend, op_type: str, plan: Plan) -> Hot | None:
     if pre or post or len(calls) != 1:
         return None
     step = calls[0]
-    return Hot(op_type, getattr(b._comm, step[0]), tuple(step[1:]))
+    return Hot(op_type, functools.partial(getattr(b._comm, step[0]), *step[1:]))
 
 
 @overload
@@ -183,13 +183,7 @@ def issue(b: NCCLBackend, hot: Hot, buf: Buffer, seq: int = -1, entry: _Entry | 
             rt.record(ready.ptr, stream)
             rt.wait_event(comm_stream, ready.ptr)
             issuing = True
-            with b._comm_lock:
-                if b._comm_gone:
-                    raise RuntimeError("the communicator is gone")
-                hot.call(*hot.args, comm_stream)
-            if b._aborted is not None:
-                _lifecycle.abort_comm(b, blocking=True)
-                raise RuntimeError("the communicator was aborted while this op was being issued")
+            on_comm(b, hot.call, comm_stream)
             end = rt.event(True, timing)
             rt.record(end.ptr, comm_stream)
         except Exception as exc:
@@ -215,7 +209,7 @@ def issue(b: NCCLBackend, hot: Hot, buf: Buffer, seq: int = -1, entry: _Entry | 
         pending.append(work)
         if len(pending) > b._prune_next:
             complete_until(b, work)
-            b._prune_next = len(pending) + b._prune_every
+            b._prune_next = len(pending) + PRUNE_AT
     if seq >= 0:
         # What NCCLWork.wait does: the caller's current stream waits for the op (the
         # producer's stream, named by the array but not held, is left alone as there).

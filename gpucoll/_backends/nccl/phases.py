@@ -4,7 +4,7 @@ Functions over an :class:`NCCLBackend`'s state, called by its issue path."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from . import lifecycle as _lifecycle
 from .plan import Phase, Premul, Step
@@ -13,7 +13,7 @@ from .runtime import Comm
 if TYPE_CHECKING:
     from .backend import NCCLBackend
 
-__all__ = ["run_phase"]
+__all__ = ["run_phase", "on_comm"]
 
 _REDUCING = frozenset({"all_reduce", "reduce", "reduce_scatter"})
 
@@ -27,18 +27,23 @@ def run_phase(b: NCCLBackend, phase: Phase) -> None:
     if calls:
         comm = b._comm
         assert comm is not None
-        # NCCL communicators take one thread at a time, and ncclCommAbort frees the
-        # one under a call in flight: the calls hold _comm_lock, and an abort from
-        # another thread meanwhile is carried out by this thread once they return.
-        with b._comm_lock:
-            if b._comm_gone:
-                raise RuntimeError("the communicator is gone")
-            _issue_calls(b, comm, calls)
-        if b._aborted is not None:
-            _lifecycle.abort_comm(b, blocking=True)
-            raise RuntimeError("the communicator was aborted while this op was being issued")
+        on_comm(b, _issue_calls, b, comm, calls)
     for step in post:
         _local(b, step)
+
+
+def on_comm(b: NCCLBackend, fn: Callable[..., None], *args: Any) -> None:
+    """``fn(*args)``, calls on the communicator. NCCL communicators take one thread at a
+    time, and ncclCommAbort frees the one under a call in flight: the calls hold
+    _comm_lock, and an abort from another thread meanwhile is carried out by this
+    thread once they return."""
+    with b._comm_lock:
+        if b._comm_gone:
+            raise RuntimeError("the communicator is gone")
+        fn(*args)
+    if b._aborted is not None:
+        _lifecycle.abort_comm(b, blocking=True)
+        raise RuntimeError("the communicator was aborted while this op was being issued")
 
 
 def _issue_calls(b: NCCLBackend, comm: Comm, calls: Sequence[Step]) -> None:
