@@ -76,6 +76,17 @@ NCCL_RANKS_PER_ROOT_ENV: Final = "GPUCOLL_NCCL_RANKS_PER_ROOT"
 """Ranks per unique id on the scalable path (GPUCOLL_NCCL_SCALABLE_INIT): ceil(ranks / this)
 roots, spread evenly over the group; default 256."""
 
+# -- JAX: collectives inside jax.jit ---------------------------------------------------------
+
+JAX_NATIVE_ENV: Final = "GPUCOLL_JAX_NATIVE"
+"""The compiled handler of small collectives inside jax.jit (built with the machine's C
+compiler on first use): "0" never builds or uses it; "1" makes a failed build an error;
+unset uses it when it builds (else the Python handler, with a warning)."""
+
+CACHE_DIR_ENV: Final = "GPUCOLL_CACHE_DIR"
+"""Where gpucoll keeps what it builds on first use (the compiled jit handler); default
+``$XDG_CACHE_HOME/gpucoll``, else ``~/.cache/gpucoll``. Must be this user's alone."""
+
 # -- gpucoll-bench ---------------------------------------------------------------------------
 
 BENCH_COMMAND_ENV: Final = "GPUCOLL_BENCH_COMMAND"
@@ -87,5 +98,5 @@ BENCH_CORRUPT_ENV: Final = "GPUCOLL_BENCH_CORRUPT"
 NAMES: Final = (STORE_HOSTED_ENV, STORE_TOKEN_ENV, STORE_RELAY_ENV, ERROR_FILE_ENV, LAUNCHER_PID_ENV, DEBUG_ENV,
                 FLIGHT_RECORDER_SIZE_ENV, FLIGHT_RECORDER_DIR_ENV, CONTROL_PLANE_ENV, CPU_TRANSPORT_ENV,
                 CPU_IFADDR_ENV, MAX_OBJECT_BYTES_ENV, NCCL_SCALABLE_INIT_ENV, NCCL_RANKS_PER_ROOT_ENV,
-                BENCH_COMMAND_ENV, BENCH_CORRUPT_ENV)
+                JAX_NATIVE_ENV, CACHE_DIR_ENV, BENCH_COMMAND_ENV, BENCH_CORRUPT_ENV)
 """Every name above."""

@@ -26,6 +26,7 @@ from .._buffer import Buffer
 from .._group import ProcessGroup
 from .._reduce_op import ReduceOp
 from . import ffi_api as A
+from . import native
 
 OPS: tuple[ReduceOp, ...] = tuple(ReduceOp)
 
@@ -47,10 +48,11 @@ class Plan:
     one integer attribute, so a call reads one int64 to find it all; the NumPy views of
     XLA's buffers are made once per buffer address and kept (XLA reuses its buffers)."""
 
-    __slots__ = ("kind", "pg", "attrs", "ins", "outs", "views")
+    __slots__ = ("index", "kind", "pg", "attrs", "ins", "outs", "views")
 
-    def __init__(self, kind: str, attrs: dict[str, Any], ins: list[tuple[tuple[int, ...], np.dtype[Any]]],
+    def __init__(self, index: int, kind: str, attrs: dict[str, Any], ins: list[tuple[tuple[int, ...], np.dtype[Any]]],
                  outs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> None:
+        self.index = index
         self.kind = kind
         self.pg = _GROUPS[attrs["group"]]
         self.attrs = attrs
@@ -80,6 +82,7 @@ _PLAN_LOCK = threading.Lock()
 # refused by name instead of running another process's plan numbers.
 _INDEX_BITS = 24
 _TAG = int.from_bytes(os.urandom(4), "little") | 1
+native.configure(_TAG, _INDEX_BITS)
 
 
 def plan_id(kind: str, attrs: tuple[tuple[str, Any], ...], ins: list[tuple[tuple[int, ...], Any]],
@@ -90,7 +93,7 @@ def plan_id(kind: str, attrs: tuple[tuple[str, Any], ...], ins: list[tuple[tuple
         found = _PLAN_IDS.get(key)
         if found is None:
             values = {k: list(v) if isinstance(v, tuple) else v for k, v in attrs}
-            _PLANS.append(Plan(kind, values, [(s, np.dtype(d)) for s, d in ins], [(s, np.dtype(d)) for s, d in outs]))
+            _PLANS.append(Plan(len(_PLANS), kind, values, [(s, np.dtype(d)) for s, d in ins], [(s, np.dtype(d)) for s, d in outs]))
             found = _PLAN_IDS[key] = len(_PLANS) - 1
     if found >> _INDEX_BITS:
         raise RuntimeError(f"more than {1 << _INDEX_BITS} distinct gpucoll call sites in one process")
@@ -196,6 +199,7 @@ def _error(frame: A.CallFrame, message: str) -> int:
 
 def _make_handler(kind: str) -> Any:
     run = RUNNERS[kind]
+    collective = kind not in native.P2P
 
     def handler(frame_ptr: Any) -> int | None:
         frame = frame_ptr.contents
@@ -211,6 +215,15 @@ def _make_handler(kind: str) -> Any:
             return None
         try:
             p = _plan_of(frame.attrs)
+            if collective:
+                # the group's channel (set up at its first collective inside jit): an op
+                # the compiled handler runs goes there; any other takes its step there
+                # (the signature check), then runs here
+                ch = native.channel_for(p.pg)
+                if ch.ptr is not None:
+                    if native.register(p.index, p, ch):
+                        return native.run(C.addressof(frame), p.index) or None
+                    native.round_(p.index)
             run(p, _buffers(p, frame.args.args, p.ins, 0), _buffers(p, frame.rets.rets, p.outs, len(p.ins)))
             return None
         except BaseException as exc:  # an exception must not cross into XLA: it becomes XLA's error
@@ -223,13 +236,20 @@ _HANDLERS: dict[str, Any] = {}  # kept alive: XLA holds raw pointers to these ca
 
 
 def target(kind: str) -> str:
-    """The FFI target name of ``kind``, registered with XLA on first use."""
+    """The FFI target name of ``kind``, registered with XLA on first use: the compiled
+    handler (native.c) for the kinds it runs, when it loads (it hands the calls it does
+    not run to the Python handler); else the Python handler."""
     name = f"gpucoll_{kind}"
     if kind not in _HANDLERS:
         import jax
 
         A.check_sizes()
         _HANDLERS[kind] = _make_handler(kind)
-        capsule = jax.ffi.pycapsule(_HANDLERS[kind])  # type: ignore[no-untyped-call]
+        fn: Any = _HANDLERS[kind]
+        lib = native.library() if kind in native.KINDS else None
+        if lib is not None:
+            lib.gcj_fallback(native.KINDS[kind], C.cast(fn, C.c_void_p))
+            fn = getattr(lib, f"gcj_{kind}")
+        capsule = jax.ffi.pycapsule(fn)  # type: ignore[no-untyped-call]
         jax.ffi.register_ffi_target(name, capsule, platform="cpu")
     return name

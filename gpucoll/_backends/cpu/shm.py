@@ -36,7 +36,7 @@ import numpy as np
 from ...errors import DistBackendError, DistStoreTimeoutError
 from .segments import PREFIX as _PREFIX, new_name, sweep_orphans, unlink_ours as _unlink
 
-__all__ = ["ShmSegment", "ShmUnavailable", "REC_WORDS", "futex_wait", "futex_wake"]
+__all__ = ["ShmSegment", "ShmUnavailable", "REC_WORDS", "futex_wait", "futex_wake", "map_segment"]
 
 REC_WORDS = 32  # u64 words per rank record (256 bytes: no false sharing between ranks)
 _CTR, _SLEEP, _HDR, _CPU = 0, 1, 2, 6  # word offsets in a record; headers at 2..5
@@ -369,6 +369,13 @@ def _map(store: Any, rank: int, size: int, total: int, timeout: float,
             mm.close()
         raise ShmUnavailable(ready.lstrip("!") or "the segment could not be mapped")
     return mm, path
+
+
+def map_segment(store: Any, rank: int, size: int, total: int, timeout: float,
+                gone: Callable[[int], str | None]) -> tuple[mmap.mmap, str]:
+    """A zeroed segment of ``total`` bytes mapped by every rank of a group on one host
+    (collective; the set-up and clean-up :class:`ShmSegment` uses, through ``store``)."""
+    return _map(store, rank, size, total, timeout, gone)
 
 
 def _count_mapped(store: Any, size: int, path: str) -> None:
