@@ -121,10 +121,17 @@ static inline volatile uint64_t* slot_hdr(channel* c, int r, int parity) {
 }
 static inline uint8_t* slot(channel* c, int r, int parity) { return (uint8_t*)slot_hdr(c, r, parity) + HDR_BYTES; }
 
-static void abort_all(channel* c) {
+/* End the channel's ops on every rank: the abort word names this rank (plus one), the
+ * next word the peer it failed on (plus one; 0: none), the next the error code. The
+ * first rank to abort wins; its culprit and code are written before its word. */
+static void abort_all(channel* c, int culprit, int code) {
+  volatile uint32_t* w = abort_word(c);
+  if (!*w) {
+    w[1] = (uint32_t)(culprit + 1);
+    w[2] = (uint32_t)code;
+  }
   uint32_t zero = 0;
-  __atomic_compare_exchange_n(abort_word(c), &zero, (uint32_t)(c->rank + 1), 0, __ATOMIC_SEQ_CST,
-                              __ATOMIC_SEQ_CST);
+  __atomic_compare_exchange_n(w, &zero, (uint32_t)(c->rank + 1), 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
   for (int r = 0; r < c->size; r++) {
     futex_wake(slot_hdr(c, r, 0));
     futex_wake(slot_hdr(c, r, 1));
@@ -182,7 +189,7 @@ static int wait_for(channel* c, int j, uint64_t k, int64_t* pid) {
   for (;;) {
     uint64_t cur = __atomic_load_n(w, __ATOMIC_SEQ_CST);
     if (cur == k) { rc = E_OK; break; }
-    uint32_t ab = *abort_word(c);
+    uint32_t ab = __atomic_load_n(abort_word(c), __ATOMIC_SEQ_CST);
     if (ab && ab != (uint32_t)c->rank + 1) { *pid = ab - 1; rc = E_ABORTED; break; }
     if (c->closed) { rc = E_CLOSED; break; }
     int64_t t = now_ns();
@@ -249,8 +256,10 @@ static inline uint16_t f32_to_bf16(float f) {
   return (uint16_t)(x >> 16);
 }
 
-#define FMIN(a, b) ((a) != (a) ? (a) : (b) != (b) ? (b) : (b) < (a) ? (b) : (a))
-#define FMAX(a, b) ((a) != (a) ? (a) : (b) != (b) ? (b) : (b) > (a) ? (b) : (a))
+/* NumPy's minimum/maximum on float32/float64 arrays: a NaN wins (the first one); on
+ * equal values (+0 and -0) the second operand. */
+#define FMIN(a, b) ((a) != (a) ? (a) : (b) != (b) ? (b) : (a) < (b) ? (a) : (b))
+#define FMAX(a, b) ((a) != (a) ? (a) : (b) != (b) ? (b) : (a) > (b) ? (a) : (b))
 
 /* o = a op b over n elements, integers wrapping (arithmetic in the unsigned type U) */
 #define INT_FOLD(NAME, T, U)                                                                   \
@@ -370,7 +379,12 @@ static int fail(plan* p, int64_t index, int code, int peer, uint64_t theirs, uin
   channel* c = p->ch;
   if (code != E_BROKEN && code != E_CLOSED && code != E_CONCURRENT) {
     c->broken = 1;
-    abort_all(c);
+    if (code == E_ABORTED) { /* say what the aborting rank said: its culprit (plus one), its code */
+      volatile uint32_t* w = abort_word(c);
+      theirs = (uint64_t)w[1] | ((uint64_t)w[2] << 32);
+    } else {
+      abort_all(c, peer, code);
+    }
   }
   t_msg[0] = 0;
   if (g_explain) g_explain(index, code, peer, theirs, opno, pid, t_msg, (int64_t)sizeof t_msg);
@@ -513,7 +527,7 @@ channel* gcj_channel(uint8_t* base, int rank, int size, int64_t slot_bytes, int6
  * (the mapping itself stays: another thread may still be reading it). */
 void gcj_close(channel* c) {
   c->closed = 1;
-  abort_all(c);
+  abort_all(c, -1, E_CLOSED);
 }
 
 int gcj_plan(int64_t index, channel* c, int native, int kind, int dtype, int op, int root, int64_t count,

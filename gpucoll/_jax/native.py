@@ -189,7 +189,7 @@ class Channel:
     only. ``mm`` keeps the mapping alive for the process's life: another thread may
     still be reading it when the group goes."""
 
-    __slots__ = ("pg", "ptr", "mm", "sigs", "first_error", "why")
+    __slots__ = ("closed_why", "first_error", "mm", "pg", "ptr", "sigs", "why")
 
     def __init__(self, pg: ProcessGroup, ptr: int | None, mm: Any, sigs: Signatures | None, why: str) -> None:
         self.pg = pg
@@ -197,6 +197,7 @@ class Channel:
         self.mm = mm
         self.sigs = sigs
         self.first_error = ""
+        self.closed_why = ""  # the CPU backend's reason when it aborted or shut down
         self.why = why  # why the group's in-jit ops run in Python ("" when they do not)
 
 
@@ -270,8 +271,14 @@ def _setup(pg: ProcessGroup) -> Channel:
     ptr = lib.gcj_channel(base, rank, size, SLOT_BYTES, data_off, float(pg.timeout), spin, int(same_ns))
     if not ptr:
         raise MemoryError("gpucoll: could not allocate a jit channel")
-    cpu.closers.append(lambda: lib.gcj_close(ptr))
-    return Channel(pg, ptr, mm, Signatures(store, rank, size, pg.timeout), "")
+    ch = Channel(pg, ptr, mm, Signatures(store, rank, size, pg.timeout), "")
+
+    def close(reason: str) -> None:
+        ch.closed_why = ch.closed_why or reason
+        lib.gcj_close(ptr)
+
+    cpu.closers.append(close)
+    return ch
 
 
 def _round(n: int, to: int = 4096) -> int:
@@ -372,10 +379,12 @@ def _explain(index: int, code: int, peer: int, theirs: int, opno: int, pid: int,
 
 
 def _text(index: int, code: int, peer: int, theirs: int, opno: int, pid: int) -> str:
+    """What failed: ``peer`` is the rank waited on; for a mismatch ``theirs`` is its
+    signature; for an abort ``pid`` is the rank that aborted and ``theirs`` packs the
+    rank it failed on (plus one) and its code; otherwise ``pid`` is ``peer``'s pid."""
     plan = _PLAN_OF[index]
     ch = _CHANNELS[id(plan.pg)]
-    name = plan.pg.group_name
-    what = f"group {name!r}, op #{opno} inside jit"
+    what = f"group {plan.pg.group_name!r}, op #{opno} inside jit"
     if code == _E_MISMATCH:
         assert ch.sigs is not None
         text = str(ch.sigs.reworded(SignatureMismatch("", peer, theirs, _SIGS.get(index, 0))))
@@ -385,9 +394,15 @@ def _text(index: int, code: int, peer: int, theirs: int, opno: int, pid: int) ->
     elif code == _E_DEAD:
         text = f"{what}: rank {peer} (pid {pid}) exited"
     elif code == _E_ABORTED:
-        text = f"{what}: rank {pid} failed an in-jit op of this group, which ends the group's in-jit ops"
+        culprit, why = (theirs & 0xFFFFFFFF) - 1, theirs >> 32
+        said = {_E_MISMATCH: f"found that rank {culprit} issued a different collective",
+                _E_TIMEOUT: f"timed out waiting for rank {culprit}", _E_DEAD: f"found that rank {culprit} exited",
+                _E_CLOSED: "destroyed or aborted the group"}.get(why, f"failed (code {why})")
+        text = f"{what}: rank {pid} {said}, which ends the group's in-jit ops (this rank waited for rank {peer})"
+        if ch.closed_why:
+            text += f"; this rank's group: {ch.closed_why}"
     elif code == _E_CLOSED:
-        text = f"{what}: the group was destroyed or aborted"
+        text = f"{what}: the group was aborted or destroyed: {ch.closed_why or 'on another thread'}"
     elif code == _E_BROKEN:
         text = f"{what}: an earlier op of this group inside jit failed: {ch.first_error}"
     else:

@@ -145,6 +145,42 @@ def _monitored_barrier(r: int, n: int, v: int) -> None:
     gpucoll.monitored_barrier(timeout=PG_TIMEOUT)
 
 
+_JIT: list[Any] = []  # the case's jitted step (made by _jit_warm_up)
+
+
+def _jit_warm_up(r: int, n: int) -> None:
+    """Every rank of a jit case, the victim too: compile the step and run it once, which
+    sets up the group's jit channel (with every rank alive)."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    import jax.numpy as jnp
+
+    import gpucoll.functional as F
+    from gpucoll._jax import native
+
+    _JIT.append(jax.jit(lambda v: F.all_reduce(v)))
+    assert (np.asarray(_JIT[0](jnp.ones(8))) == n).all()
+    # the compiled handler ran it, where it could be built (else the Python handler did)
+    assert native.library() is None or native.native_ops() == 1, native.native_ops()
+
+
+def _jit_all_reduce(r: int, n: int, v: int) -> None:
+    import jax.numpy as jnp
+
+    from gpucoll.errors import DistBackendError
+
+    try:
+        _JIT[0](jnp.ones(8)).block_until_ready()
+    except Exception as exc:
+        # an error inside jit reaches the caller as XLA's runtime error, carrying ours
+        if type(exc).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and "DistBackendError: " in str(exc):
+            raise DistBackendError(str(exc)) from exc
+        raise
+
+
+WARM_UP: dict[str, Callable[[int, int], None]] = {"jit_all_reduce": _jit_warm_up}
+"""Cases whose every rank (the victim too) runs a warm-up of its own first."""
+
 OPS: dict[str, tuple[str, Callable[[int, int, int], bool | None]]] = {
     # case op name -> (the op's name in messages, what survivors do)
     "all_reduce": ("all_reduce", _all_reduce),
@@ -166,6 +202,7 @@ OPS: dict[str, tuple[str, Callable[[int, int, int], bool | None]]] = {
     "gather_object": ("gather", _gather_object),
     "scatter_object_list": ("scatter", _scatter_object_list),
     "monitored_barrier": ("monitored_barrier", _monitored_barrier),
+    "jit_all_reduce": ("all_reduce", _jit_all_reduce),  # inside jax.jit: the compiled handler's channel
 }
 
 
@@ -211,6 +248,8 @@ def _case_child(i: int, op: str, victim: int, how: str, write_fd: int) -> None:
         x = _ones(8)
         gpucoll.all_reduce(x)
         assert (x == n).all()
+        if op in WARM_UP:
+            WARM_UP[op](r, n)
         if r == victim:
             _victim(op, r, n, how)
         t0 = time.monotonic()

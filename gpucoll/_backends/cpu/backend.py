@@ -73,7 +73,7 @@ class CPUBackend:
         transport: how collective data moves: ``"shm"`` (one host), ``"tcp"`` or
             ``"local"`` (a group of one).
         shm_unavailable: why a one-host group could not use shared memory ("" otherwise).
-        closers: callables run when the backend aborts or shuts down (a side channel's close).
+        closers: called with the reason when the backend aborts or shuts down (a side channel's close).
 
     Raises:
         ValueError: rank/size/timeout out of range.
@@ -111,7 +111,7 @@ class CPUBackend:
         self._views: dict[tuple[int, int, str], Array] = {}
         self._error: DistBackendError | None = None
         self._closed = False
-        self.closers: list[Callable[[], None]] = []
+        self.closers: list[Callable[[str], None]] = []
         self._store = store
         self._detail = get_debug_level() >= DebugLevel.DETAIL
         self._signatures = Signatures(store, rank, size, self.timeout)  # readable mismatch errors
@@ -561,7 +561,7 @@ class CPUBackend:
             work._set_exception(DistBackendError(f"{op_label(work.op_type, seq, self.group_name)}: {err}"))
         if first:
             for fn in self.closers:
-                fn()
+                fn(reason)
 
     def shutdown(self) -> None:
         """Finish queued ops (up to the timeout), say goodbye to peers and release everything."""
@@ -588,7 +588,7 @@ class CPUBackend:
             close()
         self._mesh.close(reason=str(self._error) if self._error is not None else "")
         for fn in self.closers:
-            fn()
+            fn(str(self._error) if self._error is not None else "the group was destroyed")
         if self._worker is not None and self._worker is not threading.current_thread():
             self._worker.join(1.0)
 
