@@ -49,11 +49,34 @@ class ErrorCreateArgs(C.Structure):
 ErrorCreate = C.CFUNCTYPE(C.c_void_p, C.POINTER(ErrorCreateArgs))
 
 
+class StreamGetArgs(C.Structure):
+    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.POINTER(ExtensionBase)),
+                ("ctx", C.c_void_p), ("stream", C.c_void_p)]
+
+
+class DeviceOrdinalGetArgs(C.Structure):
+    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.POINTER(ExtensionBase)),
+                ("ctx", C.c_void_p), ("device_ordinal", C.c_int32)]
+
+
+StreamGet = C.CFUNCTYPE(C.c_void_p, C.POINTER(StreamGetArgs))
+DeviceOrdinalGet = C.CFUNCTYPE(C.c_void_p, C.POINTER(DeviceOrdinalGetArgs))
+
+
 class Api(C.Structure):
-    # Only the fields up to XLA_FFI_Error_Create are read; the rest are opaque pointers.
+    # The functions gpucoll calls are typed; the others are opaque pointers, in order.
     _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.POINTER(ExtensionBase)),
                 ("api_version", ApiVersion), ("internal_api", C.c_void_p),
-                ("error_create", ErrorCreate), ("other_functions", C.c_void_p * 17)]
+                ("error_create", ErrorCreate),
+                ("error_get_message", C.c_void_p), ("error_destroy", C.c_void_p),
+                ("handler_register", C.c_void_p), ("stream_get", StreamGet),
+                ("type_register", C.c_void_p), ("execution_context_get", C.c_void_p),
+                ("state_set", C.c_void_p), ("state_get", C.c_void_p),
+                ("device_memory_allocate", C.c_void_p), ("device_memory_free", C.c_void_p),
+                ("thread_pool_schedule", C.c_void_p), ("thread_pool_num_threads", C.c_void_p),
+                ("future_create", C.c_void_p), ("future_set_available", C.c_void_p),
+                ("future_set_error", C.c_void_p), ("run_id_get", C.c_void_p),
+                ("device_ordinal_get", DeviceOrdinalGet)]
 
 
 class Buffer(C.Structure):
@@ -97,7 +120,7 @@ Handler = C.CFUNCTYPE(C.c_void_p, C.POINTER(CallFrame))
 # Each struct's XLA_FFI_STRUCT_SIZE as the header defines it (its last named field).
 _LAST_FIELD = {ApiVersion: "minor_version", Metadata: "traits", ErrorCreateArgs: "errc",
                Buffer: "dims", Args: "args", Rets: "rets", Attrs: "attrs", CallFrame: "attrs",
-               ExtensionBase: "next"}
+               ExtensionBase: "next", StreamGetArgs: "stream", DeviceOrdinalGetArgs: "device_ordinal"}
 
 
 def struct_size(cls: type[C.Structure]) -> int:
@@ -108,7 +131,11 @@ def struct_size(cls: type[C.Structure]) -> int:
 def check_sizes() -> dict[str, int]:
     """The header's STRUCT_SIZE of each mirrored struct (x86-64/aarch64 LP64 values pinned)."""
     expected = {"ApiVersion": 24, "Metadata": 36, "ErrorCreateArgs": 28, "Buffer": 48,
-                "Args": 40, "Rets": 40, "Attrs": 48, "CallFrame": 168, "ExtensionBase": 24}
+                "Args": 40, "Rets": 40, "Attrs": 48, "CallFrame": 168, "ExtensionBase": 24,
+                "StreamGetArgs": 32, "DeviceOrdinalGetArgs": 28}
+    # XLA_FFI_DeviceOrdinal_Get is the Api's 18th function after XLA_FFI_Error_Create
+    if Api.device_ordinal_get.offset != Api.error_create.offset + 17 * C.sizeof(C.c_void_p):
+        raise RuntimeError("XLA FFI Api mirror: its function table is out of order")
     got = {cls.__name__: struct_size(cls) for cls in _LAST_FIELD}
     if got != expected:
         raise RuntimeError(f"XLA FFI struct layout differs from c_api.h 0.3: {got} != {expected}")

@@ -14,6 +14,7 @@ PyCapsule.
 from __future__ import annotations
 
 import ctypes as C
+import dataclasses
 import math
 import os
 import threading
@@ -22,9 +23,10 @@ from typing import Any, Callable, cast
 import numpy as np
 
 from .. import array as _array
-from .._buffer import Buffer
+from .._buffer import DTYPES, Buffer, Device
 from .._group import ProcessGroup
 from .._reduce_op import ReduceOp
+from ..errors import DistBackendError
 from . import ffi_api as A
 from . import native
 
@@ -103,14 +105,38 @@ def plan_id(kind: str, attrs: tuple[tuple[str, Any], ...], ins: list[tuple[tuple
 Bufs = list[Buffer]
 
 
-def _arr(buf: Buffer) -> np.ndarray[Any, Any]:
+def _arr(buf: Buffer) -> Any:
+    """The op's operand as the group takes it: a host buffer's NumPy view (a host array
+    of a kind run before takes the group's NumPy runner: no Buffer, no look-up), a
+    device buffer itself."""
+    return buf if buf.is_cuda else buf.owner
+
+
+def _copy(dst: Buffer, src: Buffer) -> None:
+    """``dst = src`` where XLA gave an op an output apart from its input."""
+    if dst.is_cuda:
+        # XLA aliases the in-place ops' output to their input on GPUs (it copies the
+        # input first where it is still needed), so this does not happen there.
+        raise DistBackendError(f"XLA gave an in-place op an output buffer ({dst.ptr:#x}) that is not its input "
+                               f"({src.ptr:#x})")
+    np.copyto(buf_array(dst), buf_array(src))
+
+
+def buf_array(buf: Buffer) -> np.ndarray[Any, Any]:
     return cast("np.ndarray[Any, Any]", buf.owner)
+
+
+def _rows(buf: Buffer) -> list[Any]:
+    """The rows (leading axis) of a stacked operand: NumPy views, or device Buffers."""
+    if not buf.is_cuda:
+        return list(buf_array(buf))
+    n = buf.shape[0]
+    step = buf.nbytes // n if n else 0
+    return [dataclasses.replace(buf, ptr=buf.ptr + i * step, nbytes=step, shape=buf.shape[1:]) for i in range(n)]
 
 
 def _all_reduce(p: Plan, ins: Bufs, outs: Bufs) -> None:
     if outs[0].ptr == ins[0].ptr:  # XLA aliased the output to the input
-        # The NumPy view itself, not its Buffer: a host array of a kind run before takes
-        # the group's NumPy runner (no Buffer, no look-up in the backend).
         p.pg.all_reduce(_arr(outs[0]), OPS[p.attrs["op"]])
     else:
         p.pg._all_reduce_into(outs[0], ins[0], OPS[p.attrs["op"]])
@@ -118,13 +144,13 @@ def _all_reduce(p: Plan, ins: Bufs, outs: Bufs) -> None:
 
 def _broadcast(p: Plan, ins: Bufs, outs: Bufs) -> None:
     if p.pg.rank() == p.attrs["root"] and outs[0].ptr != ins[0].ptr:
-        np.copyto(_arr(outs[0]), _arr(ins[0]))
+        _copy(outs[0], ins[0])
     p.pg.broadcast(outs[0], p.attrs["root"])
 
 
 def _reduce(p: Plan, ins: Bufs, outs: Bufs) -> None:
     if outs[0].ptr != ins[0].ptr:
-        np.copyto(_arr(outs[0]), _arr(ins[0]))
+        _copy(outs[0], ins[0])
     p.pg.reduce(outs[0], p.attrs["root"], OPS[p.attrs["op"]])
 
 
@@ -141,11 +167,11 @@ def _all_to_all_single(p: Plan, ins: Bufs, outs: Bufs) -> None:
 
 
 def _gather(p: Plan, ins: Bufs, outs: Bufs) -> None:
-    p.pg.gather(ins[0], list(_arr(outs[0])) if outs else None, p.attrs["root"])
+    p.pg.gather(ins[0], _rows(outs[0]) if outs else None, p.attrs["root"])
 
 
 def _scatter(p: Plan, ins: Bufs, outs: Bufs) -> None:
-    p.pg.scatter(outs[0], list(_arr(ins[0])) if p.pg.rank() == p.attrs["root"] else None, p.attrs["root"])
+    p.pg.scatter(outs[0], _rows(ins[0]) if p.pg.rank() == p.attrs["root"] else None, p.attrs["root"])
 
 
 def _send(p: Plan, ins: Bufs, outs: Bufs) -> None:
@@ -159,7 +185,7 @@ def _recv(p: Plan, ins: Bufs, outs: Bufs) -> None:
 def _barrier(p: Plan, ins: Bufs, outs: Bufs) -> None:
     p.pg.barrier()
     if outs and outs[0].ptr != ins[0].ptr:
-        np.copyto(_arr(outs[0]), _arr(ins[0]))
+        _copy(outs[0], ins[0])
 
 
 Runner = Callable[[Plan, Bufs, Bufs], None]
@@ -197,21 +223,25 @@ def _error(frame: A.CallFrame, message: str) -> int:
     return int(frame.api.contents.error_create(C.byref(args)) or 0)
 
 
+def _answered_metadata(frame: A.CallFrame) -> bool:
+    """XLA asks which FFI API version the handler speaks (at registration): answered."""
+    ext = frame.extension_start
+    if not (ext and ext.contents.type == A.EXTENSION_METADATA):
+        return False
+    md = C.cast(ext, C.POINTER(A.MetadataExtension)).contents.metadata.contents
+    md.api_version.major_version = A.API_MAJOR
+    md.api_version.minor_version = A.API_MINOR
+    md.traits = 0
+    return True
+
+
 def _make_handler(kind: str) -> Any:
     run = RUNNERS[kind]
     collective = kind not in native.P2P
 
     def handler(frame_ptr: Any) -> int | None:
         frame = frame_ptr.contents
-        ext = frame.extension_start
-        if ext and ext.contents.type == A.EXTENSION_METADATA:
-            # XLA asks which FFI API version the handler speaks (at registration).
-            md = C.cast(ext, C.POINTER(A.MetadataExtension)).contents.metadata.contents
-            md.api_version.major_version = A.API_MAJOR
-            md.api_version.minor_version = A.API_MINOR
-            md.traits = 0
-            return None
-        if frame.stage != A.STAGE_EXECUTE:
+        if _answered_metadata(frame) or frame.stage != A.STAGE_EXECUTE:
             return None
         try:
             p = _plan_of(frame.attrs)
@@ -232,24 +262,86 @@ def _make_handler(kind: str) -> Any:
     return A.Handler(handler)
 
 
-_HANDLERS: dict[str, Any] = {}  # kept alive: XLA holds raw pointers to these callbacks
+# ----- on GPUs: the group's NCCL op on XLA's stream -----
+class XlaStream:
+    """XLA's CUDA stream during one call, as a Work holds a producer's stream (``ptr``):
+    the op waits for what XLA queued before it, and ``wait()`` makes this stream wait
+    for the op, so XLA's later work (and its reuse of the buffers) follows it. No host
+    synchronisation."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
 
 
-def target(kind: str) -> str:
-    """The FFI target name of ``kind``, registered with XLA on first use: the compiled
-    handler (native.c) for the kinds it runs, when it loads (it hands the calls it does
-    not run to the Python handler); else the Python handler."""
+_DEVICE_ORDINAL_END = A.Api.device_ordinal_get.offset + C.sizeof(C.c_void_p)
+
+
+def _stream_and_device(frame: A.CallFrame) -> tuple[int, int]:
+    """The call's CUDA stream and device ordinal, from XLA's FFI API."""
+    api = frame.api.contents
+    if api.struct_size < _DEVICE_ORDINAL_END:
+        raise DistBackendError(f"this XLA's FFI API ({api.struct_size} bytes) lacks XLA_FFI_DeviceOrdinal_Get")
+    sargs = A.StreamGetArgs(struct_size=A.struct_size(A.StreamGetArgs), ctx=frame.ctx)
+    dargs = A.DeviceOrdinalGetArgs(struct_size=A.struct_size(A.DeviceOrdinalGetArgs), ctx=frame.ctx)
+    if api.stream_get(C.byref(sargs)) or api.device_ordinal_get(C.byref(dargs)):
+        raise DistBackendError("XLA did not give the call its CUDA stream and device")
+    return int(sargs.stream or 0), int(dargs.device_ordinal)
+
+
+def _device_buffers(ptrs: Any, shapes: list[tuple[tuple[int, ...], np.dtype[Any]]], device: int, stream: int,
+                    owner: XlaStream) -> Bufs:
+    where = Device("cuda", device)
+    return [Buffer(_ptr(ptrs[i] + _DATA).value or 0, math.prod(shape) * dtype.itemsize, DTYPES[dtype.name],
+                   tuple(shape), where, False, stream, None, owner)
+            for i, (shape, dtype) in enumerate(shapes)]  # the token (last) is left out
+
+
+def make_gpu_handler(kind: str) -> Any:
+    """The CUDA platform's handler of ``kind``: XLA's device buffers go straight to the
+    group's NCCL backend, ordered on XLA's stream (see :class:`XlaStream`)."""
+    run = RUNNERS[kind]
+
+    def handler(frame_ptr: Any) -> int | None:
+        frame = frame_ptr.contents
+        if _answered_metadata(frame) or frame.stage != A.STAGE_EXECUTE:
+            return None
+        try:
+            p = _plan_of(frame.attrs)
+            stream, device = _stream_and_device(frame)
+            owner = XlaStream(stream)
+            run(p, _device_buffers(frame.args.args, p.ins, device, stream, owner),
+                _device_buffers(frame.rets.rets, p.outs, device, stream, owner))
+            return None
+        except BaseException as exc:  # an exception must not cross into XLA: it becomes XLA's error
+            return _error(frame, f"gpucoll.functional.{kind} inside jax.jit failed: {type(exc).__name__}: {exc}")
+
+    return A.Handler(handler)
+
+
+_HANDLERS: dict[tuple[str, str], Any] = {}  # kept alive: XLA holds raw pointers to these callbacks
+
+
+def target(kind: str, platform: str = "cpu") -> str:
+    """The FFI target name of ``kind``, registered with XLA for ``platform`` ("cpu" or
+    "cuda") on first use. On the CPU: the compiled handler (native.c) for the kinds it
+    runs, when it loads (it hands the calls it does not run to the Python handler), else
+    the Python handler. On CUDA: :func:`make_gpu_handler`'s."""
     name = f"gpucoll_{kind}"
-    if kind not in _HANDLERS:
+    if (kind, platform) not in _HANDLERS:
         import jax
 
         A.check_sizes()
-        _HANDLERS[kind] = _make_handler(kind)
-        fn: Any = _HANDLERS[kind]
-        lib = native.library() if kind in native.KINDS else None
-        if lib is not None:
-            lib.gcj_fallback(native.KINDS[kind], C.cast(fn, C.c_void_p))
-            fn = getattr(lib, f"gcj_{kind}")
+        fn: Any
+        if platform == "cuda":
+            fn = _HANDLERS[kind, platform] = make_gpu_handler(kind)
+        else:
+            fn = _HANDLERS[kind, platform] = _make_handler(kind)
+            lib = native.library() if kind in native.KINDS else None
+            if lib is not None:
+                lib.gcj_fallback(native.KINDS[kind], C.cast(fn, C.c_void_p))
+                fn = getattr(lib, f"gcj_{kind}")
         capsule = jax.ffi.pycapsule(fn)  # type: ignore[no-untyped-call]
-        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA" if platform == "cuda" else "cpu")
     return name

@@ -15,6 +15,7 @@ CPU runtime runs independent custom calls in any order or at once, so a ring of
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -70,13 +71,14 @@ def _abstract_eval(*avals: Any, kind: str, attrs: Any, result_avals: Any, alias:
     return list(result_avals), {EFFECT}
 
 
-def _lowering(ctx: Any, *operands: Any, kind: str, attrs: Any, result_avals: Any, alias: bool) -> Any:
+def _lowering(ctx: Any, *operands: Any, kind: str, attrs: Any, result_avals: Any, alias: bool,
+              platform: str = "cpu") -> Any:
     from . import handler
 
     token = ctx.tokens_in.get(EFFECT)
     with_token = ctx.replace(avals_in=(*ctx.avals_in, core.abstract_token),
                              avals_out=(*ctx.avals_out, core.abstract_token))
-    rule = jax.ffi.ffi_lowering(handler.target(kind), has_side_effect=True,
+    rule = jax.ffi.ffi_lowering(handler.target(kind, platform), has_side_effect=True,
                                 operand_output_aliases={0: 0} if alias else None)
     plan = handler.plan_id(kind, attrs, [(a.shape, a.dtype) for a in ctx.avals_in],
                            [(a.shape, a.dtype) for a in ctx.avals_out])
@@ -115,5 +117,7 @@ def _jvp(primals: Any, tangents: Any, *, kind: str, attrs: Any, result_avals: An
 gpucoll_p.def_impl(lambda *xs, **params: dispatch.apply_primitive(gpucoll_p, *xs, **params))
 gpucoll_p.def_effectful_abstract_eval(_abstract_eval)
 mlir.register_lowering(gpucoll_p, _lowering, platform="cpu")
+# On GPUs the handler runs the group's NCCL op on XLA's stream (handler.make_gpu_handler).
+mlir.register_lowering(gpucoll_p, functools.partial(_lowering, platform="cuda"), platform="cuda")
 batching.primitive_batchers[gpucoll_p] = _batch
 ad.primitive_jvps[gpucoll_p] = _jvp
