@@ -235,31 +235,40 @@ def _answered_metadata(frame: A.CallFrame) -> bool:
     return True
 
 
-def _make_handler(kind: str) -> Any:
-    run = RUNNERS[kind]
-    collective = kind not in native.P2P
+def _handler(kind: str, body: Callable[[A.CallFrame, Plan], int | None]) -> Any:
+    """An XLA_FFI_Handler: answers the metadata query, runs ``body`` at the execute
+    stage, and turns any exception into XLA's error naming the op."""
 
     def handler(frame_ptr: Any) -> int | None:
         frame = frame_ptr.contents
         if _answered_metadata(frame) or frame.stage != A.STAGE_EXECUTE:
             return None
         try:
-            p = _plan_of(frame.attrs)
-            if collective:
-                # the group's channel (set up at its first collective inside jit): an op
-                # the compiled handler runs goes there; any other takes its step there
-                # (the signature check), then runs here
-                ch = native.channel_for(p.pg)
-                if ch.ptr is not None:
-                    if native.register(p.index, p, ch):
-                        return native.run(C.addressof(frame), p.index) or None
-                    native.round_(p.index)
-            run(p, _buffers(p, frame.args.args, p.ins, 0), _buffers(p, frame.rets.rets, p.outs, len(p.ins)))
-            return None
+            return body(frame, _plan_of(frame.attrs))
         except BaseException as exc:  # an exception must not cross into XLA: it becomes XLA's error
             return _error(frame, f"gpucoll.functional.{kind} inside jax.jit failed: {type(exc).__name__}: {exc}")
 
     return A.Handler(handler)
+
+
+def _make_handler(kind: str) -> Any:
+    run = RUNNERS[kind]
+    collective = kind not in native.P2P
+
+    def body(frame: A.CallFrame, p: Plan) -> int | None:
+        if collective:
+            # the group's channel (set up at its first collective inside jit): an op the
+            # compiled handler runs goes there; any other takes its step there (the
+            # signature check), then runs here
+            ch = native.channel_for(p.pg)
+            if ch.ptr is not None:
+                if native.register(p.index, p, ch):
+                    return native.run(C.addressof(frame), p.index) or None
+                native.round_(p.index)
+        run(p, _buffers(p, frame.args.args, p.ins, 0), _buffers(p, frame.rets.rets, p.outs, len(p.ins)))
+        return None
+
+    return _handler(kind, body)
 
 
 # ----- on GPUs: the group's NCCL op on XLA's stream -----
@@ -303,21 +312,13 @@ def make_gpu_handler(kind: str) -> Any:
     group's NCCL backend, ordered on XLA's stream (see :class:`XlaStream`)."""
     run = RUNNERS[kind]
 
-    def handler(frame_ptr: Any) -> int | None:
-        frame = frame_ptr.contents
-        if _answered_metadata(frame) or frame.stage != A.STAGE_EXECUTE:
-            return None
-        try:
-            p = _plan_of(frame.attrs)
-            stream, device = _stream_and_device(frame)
-            owner = XlaStream(stream)
-            run(p, _device_buffers(frame.args.args, p.ins, device, stream, owner),
-                _device_buffers(frame.rets.rets, p.outs, device, stream, owner))
-            return None
-        except BaseException as exc:  # an exception must not cross into XLA: it becomes XLA's error
-            return _error(frame, f"gpucoll.functional.{kind} inside jax.jit failed: {type(exc).__name__}: {exc}")
+    def body(frame: A.CallFrame, p: Plan) -> None:
+        stream, device = _stream_and_device(frame)
+        owner = XlaStream(stream)
+        run(p, _device_buffers(frame.args.args, p.ins, device, stream, owner),
+            _device_buffers(frame.rets.rets, p.outs, device, stream, owner))
 
-    return A.Handler(handler)
+    return _handler(kind, body)
 
 
 _HANDLERS: dict[tuple[str, str], Any] = {}  # kept alive: XLA holds raw pointers to these callbacks

@@ -463,10 +463,11 @@ static plan* find(XLA_FFI_CallFrame* f, int64_t* index) {
   int64_t v = *(int64_t*)s->value;
   if (((uint64_t)v >> g_index_bits) != g_tag) return NULL;
   int64_t i = v & (((int64_t)1 << g_index_bits) - 1);
-  plan** chunk = g_chunks[(i / CHUNK) % CHUNK];
-  if (i >= (int64_t)CHUNK * CHUNK || !chunk) return NULL;
+  if (i >= (int64_t)CHUNK * CHUNK) return NULL;
+  plan** chunk = __atomic_load_n(&g_chunks[i / CHUNK], __ATOMIC_ACQUIRE);
+  if (!chunk) return NULL;
   *index = i;
-  return chunk[i % CHUNK];
+  return __atomic_load_n(&chunk[i % CHUNK], __ATOMIC_ACQUIRE);
 }
 
 static void* handle(XLA_FFI_CallFrame* f, int kind) {
@@ -537,7 +538,7 @@ int gcj_plan(int64_t index, channel* c, int native, int kind, int dtype, int op,
   if (!chunk) {
     chunk = calloc(CHUNK, sizeof *chunk);
     if (!chunk) return -1;
-    g_chunks[index / CHUNK] = chunk;
+    __atomic_store_n(&g_chunks[index / CHUNK], chunk, __ATOMIC_RELEASE);
   }
   plan* p = chunk[index % CHUNK];
   if (!p) {

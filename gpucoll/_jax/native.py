@@ -295,6 +295,12 @@ def register(index: int, plan: Any, ch: Channel) -> bool:
     done = _SEEN.get(index)
     if done is not None:
         return done
+    with _lock:  # native.c's plan table grows here (and a plan is told once)
+        done = _SEEN.get(index)
+        return done if done is not None else _register(index, plan, ch)
+
+
+def _register(index: int, plan: Any, ch: Channel) -> bool:
     kind, attrs = plan.kind, plan.attrs
     fields: dict[str, object] = {}
     if plan.ins and kind != "barrier":
