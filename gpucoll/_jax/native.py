@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -42,7 +43,7 @@ from .._debug import DebugLevel, get_debug_level
 from .._env import CACHE_DIR_ENV, JAX_NATIVE_ENV
 from .._group import ProcessGroup
 from .._reduce_op import ReduceOp
-from ..errors import DistBackendError
+from ..errors import DistBackendError, DistStoreTimeoutError
 from ..store.prefix import PrefixStore
 
 ENV = JAX_NATIVE_ENV
@@ -245,7 +246,7 @@ def _setup(pg: ProcessGroup) -> Channel:
     if size > 1:
         store.set(f"can/{rank}", f"{ns}\n{why}".encode())
         keys = [f"can/{r}" for r in range(size)]
-        store.wait(keys, pg.timeout)
+        _wait_for_all(store, keys, pg)
         for r, raw in enumerate(store.multi_get(keys)):
             their_ns, _, their_why = raw.decode().partition("\n")
             same_ns = same_ns and their_ns == ns
@@ -279,6 +280,29 @@ def _setup(pg: ProcessGroup) -> Channel:
 
     cpu.closers.append(close)
     return ch
+
+
+def _wait_for_all(store: Any, keys: list[str], pg: ProcessGroup) -> None:
+    """Wait for every rank's ``keys[rank]``, at most the group's timeout, failing within
+    moments once a rank that has not written its key is known to be gone."""
+    deadline = time.monotonic() + pg.timeout
+    cpu = pg._cpu
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            store.wait(keys, max(0.001, min(0.2, left)))
+            return
+        except DistStoreTimeoutError:
+            pass
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        for r in missing:
+            why = cpu.gone(r) if isinstance(cpu, CPUBackend) else None
+            if why is not None:
+                raise DistBackendError(f"group {pg.group_name!r}: rank {r} {why} before the group's first "
+                                       "collective inside jit")
+        if left <= 0:
+            raise DistBackendError(f"group {pg.group_name!r}: rank(s) {missing} did not reach the group's first "
+                                   f"collective inside jit within {pg.timeout:g} s")
 
 
 def _round(n: int, to: int = 4096) -> int:

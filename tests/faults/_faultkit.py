@@ -178,6 +178,18 @@ def _jit_all_reduce(r: int, n: int, v: int) -> None:
         raise
 
 
+def _jit_first_all_reduce(r: int, n: int, v: int) -> None:
+    """The group's first collective inside jit, which sets its jit channel up (the
+    victim never comes)."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    import gpucoll.functional as F
+
+    _JIT.append(jax.jit(lambda x: F.all_reduce(x)))
+    _jit_all_reduce(r, n, v)
+
+
 WARM_UP: dict[str, Callable[[int, int], None]] = {"jit_all_reduce": _jit_warm_up}
 """Cases whose every rank (the victim too) runs a warm-up of its own first."""
 
@@ -203,6 +215,7 @@ OPS: dict[str, tuple[str, Callable[[int, int, int], bool | None]]] = {
     "scatter_object_list": ("scatter", _scatter_object_list),
     "monitored_barrier": ("monitored_barrier", _monitored_barrier),
     "jit_all_reduce": ("all_reduce", _jit_all_reduce),  # inside jax.jit: the compiled handler's channel
+    "jit_first_all_reduce": ("all_reduce", _jit_first_all_reduce),  # ... while the channel is set up
 }
 
 

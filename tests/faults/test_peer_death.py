@@ -24,7 +24,7 @@ ALL_OPS = list(OPS)
 WORLDS: dict[str, tuple[int, dict[str, str], list[tuple[str, int, str]]]] = {
     "w3": (3, {}, [(op, 1, "kill") for op in ALL_OPS]
            + [(op, 0, "kill") for op in ("all_reduce", "broadcast", "gather", "scatter", "all_gather_object")]
-           + [("jit_all_reduce", 1, "kill")]),
+           + [("jit_all_reduce", 1, "kill"), ("jit_first_all_reduce", 1, "kill")]),
     "w3-tcp": (3, {"GPUCOLL_CPU_TRANSPORT": "tcp"}, [
         (op, 1, "kill") for op in ("all_reduce", "all_reduce_big", "all_gather", "broadcast_from_victim",
                                    "all_to_all", "barrier", "recv", "recv_streaming", "send_to_dead",
@@ -34,7 +34,7 @@ WORLDS: dict[str, tuple[int, dict[str, str], list[tuple[str, int, str]]]] = {
     "w4": (4, {}, [("all_reduce", 3, "kill"), ("all_to_all", 3, "kill"), ("reduce_scatter", 3, "kill"),
                    ("barrier", 3, "kill"), ("all_gather", 0, "kill")]),
     "w3-stop": (3, {}, [("all_reduce", 1, "stop"), ("all_reduce_big", 1, "stop"), ("recv", 1, "stop"),
-                        ("jit_all_reduce", 1, "stop")]),
+                        ("jit_all_reduce", 1, "stop"), ("jit_first_all_reduce", 1, "stop")]),
 }
 
 # Survivors whose result does not depend on the victim may complete, with a right result.
