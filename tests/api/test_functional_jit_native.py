@@ -185,9 +185,12 @@ def errors_body() -> str:
         assert time.monotonic() - t0 < 1.0
     else:
         with pytest.raises(Exception, match=rf"DistBackendError: .*(timed out after 2 s waiting for rank {late}|"
-                                            rf"timed out waiting for rank {late})"):
+                                            rf"timed out waiting for rank {late})") as caught:
             step2(jnp.ones(3)).block_until_ready()
-        assert 1.5 < time.monotonic() - t0 < 4.0, time.monotonic() - t0
+        elapsed = time.monotonic() - t0
+        assert elapsed < 4.5, elapsed
+        if "timed out after 2 s" in str(caught.value):  # its own wait ran out, not a peer's
+            assert elapsed > 1.9, elapsed
     gpucoll.barrier()
 
     # 3. a destroyed group's in-jit op fails at once, saying so
