@@ -10,9 +10,11 @@
  * each rank writes its slot of the op's parity (the signature, for the ops run here
  * the data right after it, and last the op number), then waits until every peer's
  * slot holds the op; a peer's signature that differs is a mismatch, reported on every
- * rank. all_reduce, broadcast and barrier of at most slot_bytes run here without
- * Python; every other collective takes the step from Python (gcj_round) for its
- * signature check and then runs in Python.
+ * rank. Every collective whose input (the root's, for broadcast and scatter) is at
+ * most slot_bytes runs here without Python: all_reduce, reduce, reduce_scatter,
+ * all_gather, gather, scatter, broadcast, barrier; any other (a larger one,
+ * all_to_all_single) takes the step from Python (gcj_round) for its signature check
+ * and then runs in Python.
  *
  * Two slots per rank, by op parity: a rank writes op k's slot only after it finished
  * op k-1, which needed every peer to have posted op k-1, which each did only after
@@ -38,7 +40,8 @@
 #include "xla/ffi/api/c_api.h"
 
 /* ---- codes shared with native.py ---- */
-enum { K_ALL_REDUCE = 0, K_BROADCAST = 1, K_BARRIER = 2, K_COUNT = 3 };
+enum { K_ALL_REDUCE, K_BROADCAST, K_BARRIER, K_REDUCE, K_ALL_GATHER, K_REDUCE_SCATTER, K_GATHER, K_SCATTER,
+       K_COUNT };
 enum { OP_SUM, OP_PRODUCT, OP_MIN, OP_MAX, OP_BAND, OP_BOR, OP_BXOR, OP_AVG };
 enum { T_BOOL, T_I8, T_U8, T_I16, T_U16, T_I32, T_U32, T_I64, T_U64, T_F16, T_BF16, T_F32, T_F64 };
 enum { E_OK = 0, E_MISMATCH = 1, E_TIMEOUT = 2, E_DEAD = 3, E_ABORTED = 4, E_CLOSED = 5, E_BROKEN = 6,
@@ -66,7 +69,9 @@ typedef struct channel {
 typedef struct plan {
   channel* ch;
   int native, kind, dtype, op, root;
-  int64_t count, nbytes;
+  int64_t count;  /* elements a reduction folds */
+  int64_t nbytes; /* bytes a rank writes into its slot (its input) */
+  int64_t piece;  /* bytes of one rank's part of a stacked operand (gathers, scatters) */
   uint64_t sig;
 } plan;
 
@@ -310,11 +315,13 @@ static void fold_bool(uint8_t* o, const uint8_t* a, const uint8_t* b, int64_t n,
 #define INT_AVG(T, n, count, size) \
   for (int64_t i = 0; i < (count); i++) ((T*)(n))[i] = (T)(((T*)(n))[i] / (T)(size))
 
+static const int8_t ITEMSIZE[] = {1, 1, 1, 2, 2, 4, 4, 8, 8, 2, 2, 4, 8}; /* by T_* */
+
 static void fold(plan* p, void* out, const uint8_t* const* parts) {
   int n = p->ch->size, op = p->op;
   int64_t c = p->count;
   if (n == 1) {
-    memcpy(out, parts[0], (size_t)p->nbytes);
+    memcpy(out, parts[0], (size_t)(c * ITEMSIZE[p->dtype]));
     return;
   }
   if (p->dtype == T_F16 || p->dtype == T_BF16) { /* fold in float32, round once */
@@ -433,23 +440,45 @@ static inline void* data_of(XLA_FFI_Buffer* const* v, int i) { return v[i]->data
 /* Run plan p on the frame's buffers (p->native). Returns the FFI error, or NULL. */
 static void* run(XLA_FFI_CallFrame* f, plan* p, int64_t index) {
   channel* c = p->ch;
-  void* in = f->args.size > 1 ? data_of((XLA_FFI_Buffer* const*)f->args.args, 0) : NULL;
-  void* out = f->rets.size > 1 ? data_of((XLA_FFI_Buffer* const*)f->rets.rets, 0) : NULL;
-  const void* sent = p->kind == K_ALL_REDUCE || (p->kind == K_BROADCAST && c->rank == p->root) ? in : NULL;
+  int kind = p->kind, me = c->rank, n = c->size, root = p->root;
+  uint8_t* in = f->args.size > 1 ? data_of((XLA_FFI_Buffer* const*)f->args.args, 0) : NULL;
+  uint8_t* out = f->rets.size > 1 ? data_of((XLA_FFI_Buffer* const*)f->rets.rets, 0) : NULL;
+  /* what this rank writes into its slot: its input, but for a rooted op only the root's */
+  int rooted = kind == K_BROADCAST || kind == K_SCATTER;
+  const void* sent = kind == K_BARRIER || (rooted && me != root) ? NULL : in;
   if (step(p, index, sent) != E_OK) return make_error(f);
   int par = (int)(c->ops & 1);
-  if (p->kind == K_ALL_REDUCE) {
-    const uint8_t* parts[c->size];
-    for (int r = 0; r < c->size; r++) parts[r] = slot(c, r, par);
-    fold(p, out, parts);
-  } else if (p->kind == K_BROADCAST) {
-    if (c->rank == p->root) {
-      if (out != in && p->nbytes) memcpy(out, in, (size_t)p->nbytes);
-    } else if (p->nbytes) {
-      memcpy(out, slot(c, p->root, par), (size_t)p->nbytes);
-    }
-  } else if (out && in && out != in && p->nbytes) { /* barrier passes its value through */
-    memcpy(out, in, (size_t)p->nbytes);
+  const uint8_t* parts[n];
+  for (int r = 0; r < n; r++) parts[r] = slot(c, r, par);
+  switch (kind) {
+    case K_ALL_REDUCE:
+      fold(p, out, parts);
+      break;
+    case K_REDUCE: /* the root folds; the others' value passes through */
+      if (me == root) fold(p, out, parts);
+      else if (out != in && p->nbytes) memcpy(out, in, (size_t)p->nbytes);
+      break;
+    case K_REDUCE_SCATTER: /* this rank's chunk of every rank's stacked input, folded */
+      for (int r = 0; r < n; r++) parts[r] += (int64_t)me * p->piece;
+      fold(p, out, parts);
+      break;
+    case K_ALL_GATHER:
+    case K_GATHER: /* every rank's input, stacked in rank order (gather: on the root) */
+      if (out && p->piece)
+        for (int r = 0; r < n; r++) memcpy(out + (int64_t)r * p->piece, parts[r], (size_t)p->piece);
+      break;
+    case K_SCATTER: /* this rank's chunk of the root's stacked input */
+      if (p->piece) memcpy(out, parts[root] + (int64_t)me * p->piece, (size_t)p->piece);
+      break;
+    case K_BROADCAST:
+      if (me != root) {
+        if (p->piece) memcpy(out, parts[root], (size_t)p->piece);
+      } else if (out != in && p->piece) {
+        memcpy(out, in, (size_t)p->piece);
+      }
+      break;
+    default: /* barrier passes its value through */
+      if (out && in && out != in && p->piece) memcpy(out, in, (size_t)p->piece);
   }
   __atomic_store_n(&c->busy, 0, __ATOMIC_RELEASE);
   g_native_ops++;
@@ -490,6 +519,11 @@ static void* handle(XLA_FFI_CallFrame* f, int kind) {
 void* gcj_all_reduce(XLA_FFI_CallFrame* f) { return handle(f, K_ALL_REDUCE); }
 void* gcj_broadcast(XLA_FFI_CallFrame* f) { return handle(f, K_BROADCAST); }
 void* gcj_barrier(XLA_FFI_CallFrame* f) { return handle(f, K_BARRIER); }
+void* gcj_reduce(XLA_FFI_CallFrame* f) { return handle(f, K_REDUCE); }
+void* gcj_all_gather(XLA_FFI_CallFrame* f) { return handle(f, K_ALL_GATHER); }
+void* gcj_reduce_scatter(XLA_FFI_CallFrame* f) { return handle(f, K_REDUCE_SCATTER); }
+void* gcj_gather(XLA_FFI_CallFrame* f) { return handle(f, K_GATHER); }
+void* gcj_scatter(XLA_FFI_CallFrame* f) { return handle(f, K_SCATTER); }
 
 void gcj_init(explain_fn explain, uint64_t tag, int index_bits) {
   g_explain = explain;
@@ -532,7 +566,7 @@ void gcj_close(channel* c) {
 }
 
 int gcj_plan(int64_t index, channel* c, int native, int kind, int dtype, int op, int root, int64_t count,
-             int64_t nbytes, uint64_t sig) {
+             int64_t nbytes, int64_t piece, uint64_t sig) {
   if (index < 0 || index >= (int64_t)CHUNK * CHUNK) return -1;
   plan** chunk = g_chunks[index / CHUNK];
   if (!chunk) {
@@ -553,6 +587,7 @@ int gcj_plan(int64_t index, channel* c, int native, int kind, int dtype, int op,
   p->root = root;
   p->count = count;
   p->nbytes = nbytes;
+  p->piece = piece;
   p->sig = sig;
   __atomic_store_n(&chunk[index % CHUNK], p, __ATOMIC_RELEASE);
   return 0;

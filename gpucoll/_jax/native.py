@@ -12,9 +12,10 @@ A group's channel is set up at its first collective inside jit, on every rank al
 (all ranks reach that op, in program order): the ranks say over the group's store
 whether each can use it (the library loaded, every rank on one host, no DETAIL debug
 level); if all can, they map a shared segment. From then on every in-jit collective
-of the group takes one numbered step on the channel (see ``native.c``): all_reduce,
-broadcast and barrier of at most :data:`SLOT_BYTES` bytes run there, without Python;
-every other collective takes the step for its signature check, then runs in Python.
+of the group takes one numbered step on the channel (see ``native.c``): the kinds in
+:data:`KINDS` whose input is at most :data:`SLOT_BYTES` bytes run there, without
+Python; every other collective takes the step for its signature check, then runs in
+Python.
 If some rank cannot, no rank uses the channel. p2p ops never use it.
 """
 
@@ -51,7 +52,9 @@ ENV = JAX_NATIVE_ENV
 SLOT_BYTES = 64 << 10
 """The largest op (bytes) the compiled handler runs; larger ones run in Python."""
 
-KINDS = {"all_reduce": 0, "broadcast": 1, "barrier": 2}  # kinds the compiled handler runs (native.c's K_*)
+KINDS = {"all_reduce": 0, "broadcast": 1, "barrier": 2, "reduce": 3, "all_gather": 4, "reduce_scatter": 5,
+         "gather": 6, "scatter": 7}  # the kinds the compiled handler runs (native.c's K_*)
+_REDUCING = frozenset({"all_reduce", "reduce", "reduce_scatter"})
 P2P = frozenset({"send", "recv"})
 _REDUCE_OPS: tuple[ReduceOp, ...] = tuple(ReduceOp)  # an op attribute's index (handler.OPS)
 _OPS = {ReduceOp.SUM: 0, ReduceOp.PRODUCT: 1, ReduceOp.MIN: 2, ReduceOp.MAX: 3, ReduceOp.BAND: 4,
@@ -159,15 +162,15 @@ def configure(tag: int, index_bits: int) -> None:
 
 def _load(path: str) -> Any:
     lib = C.CDLL(path)
-    for name in ("gcj_all_reduce", "gcj_broadcast", "gcj_barrier"):
-        getattr(lib, name).restype = C.c_void_p
+    for kind in KINDS:
+        getattr(lib, f"gcj_{kind}").restype = C.c_void_p
     lib.gcj_init.argtypes = [Explain, C.c_uint64, C.c_int]
     lib.gcj_fallback.argtypes = [C.c_int, C.c_void_p]
     lib.gcj_channel.restype = C.c_void_p
     lib.gcj_channel.argtypes = [C.c_void_p, C.c_int, C.c_int, C.c_int64, C.c_int64, C.c_double, C.c_double, C.c_int]
     lib.gcj_close.argtypes = [C.c_void_p]
     lib.gcj_plan.argtypes = [C.c_int64, C.c_void_p, C.c_int, C.c_int, C.c_int, C.c_int, C.c_int, C.c_int64,
-                             C.c_int64, C.c_uint64]
+                             C.c_int64, C.c_int64, C.c_uint64]
     lib.gcj_round.argtypes = [C.c_int64]
     lib.gcj_run.restype = C.c_void_p
     lib.gcj_run.argtypes = [C.c_void_p, C.c_int64]
@@ -341,20 +344,24 @@ def _register(index: int, plan: Any, ch: Channel) -> bool:
     assert ch.sigs is not None
     sig = ch.sigs.of(kind, fields)
     native = False
-    nbytes = count = 0
+    nbytes = count = piece = 0
     dcode = ocode = 0
     if kind in KINDS and plan.ins:
         shape, dtype = plan.ins[0]
-        count = math.prod(shape)
-        nbytes = count * dtype.itemsize
+        n = ch.pg.size()
+        nbytes = math.prod(shape) * dtype.itemsize  # what a rank writes into its slot
+        # one rank's part: the chunk of a stacked input (scatters), else the whole input
+        piece = nbytes // n if kind in ("reduce_scatter", "scatter") else nbytes
+        count = piece // dtype.itemsize if dtype.itemsize else 0
         dcode = _DTYPES.get(dtype.name, -1)
-        # a barrier moves no data (its value passes through); a broadcast moves bytes
+        # a barrier moves no data (its value passes through); the others move bytes
         native = kind == "barrier" or nbytes <= SLOT_BYTES
-        if kind == "all_reduce":
+        if kind in _REDUCING:
             ocode = _OPS.get(op, -1) if op is not None else -1
-            native = native and dcode >= 0 and ocode >= 0 and _defined(op, dtype.name, ch.pg.size())
+            native = native and dcode >= 0 and ocode >= 0 and _defined(op, dtype.name, n)
     root = int(attrs.get("root", 0))
-    if _lib.gcj_plan(index, ch.ptr, int(native), KINDS.get(kind, 0), dcode, ocode, root, count, nbytes, sig) != 0:
+    if _lib.gcj_plan(index, ch.ptr, int(native), KINDS.get(kind, 0), dcode, ocode, root, count, nbytes, piece,
+                     sig) != 0:
         raise MemoryError("gpucoll: could not record a jit plan")
     _SEEN[index] = native
     _SIGS[index] = sig

@@ -103,6 +103,37 @@ def reductions_body() -> str:
         assert same_bits(got, reference(ins, "float32", ReduceOp.SUM)), count
         assert native.native_ops() - before == ran, (count, native.native_ops() - before)
 
+    # the other kinds it runs, each against NumPy, each counted: reduce, reduce_scatter,
+    # all_gather, gather, scatter (rows of n * 3 elements: divisible by the group size)
+    @functools.partial(jax.jit, static_argnames=("op", "root"))
+    def others(x: Any, op: str, root: int) -> Any:
+        red = ReduceOp[op]
+        return (F.reduce(x, dst=root, op=red), F.reduce_scatter(x, op=red), F.all_gather(x),
+                F.gather(x, dst=root), F.scatter(x, src=root))
+
+    for name, op in (("float32", "SUM"), ("bfloat16", "MAX"), ("int64", "PRODUCT"), ("uint8", "BXOR")):
+        ins = [inputs(k, name, 3 * n) for k in range(n)]
+        full = reference(ins, name, ReduceOp[op])
+        for root in range(n):
+            before = native.native_ops()
+            red, rs, ag, ga, sc = others(jnp.asarray(ins[r]), op, root)
+            if r == root:
+                assert same_bits(np.asarray(red), full), (name, op, "reduce")
+                assert same_bits(np.asarray(ga), np.concatenate(ins)), (name, "gather")
+            else:
+                assert ga is None
+            assert same_bits(np.asarray(rs), full[3 * r:3 * r + 3]), (name, op, "reduce_scatter")
+            assert same_bits(np.asarray(ag), np.concatenate(ins)), (name, "all_gather")
+            assert same_bits(np.asarray(sc), ins[root][3 * r:3 * r + 3]), (name, "scatter")
+            assert native.native_ops() - before == 5, native.native_ops() - before
+    # a reduce_scatter whose input is the largest the handler runs, and one row more
+    for rows, ran in ((native.SLOT_BYTES // 4 // n, 1), (native.SLOT_BYTES // 4 // n + 1, 0)):
+        ins = [inputs(k, "float32", rows * n) for k in range(n)]
+        before = native.native_ops()
+        got = np.asarray(jax.jit(lambda v: F.reduce_scatter(v, op=ReduceOp.MIN))(jnp.asarray(ins[r])))
+        want = reference(ins, "float32", ReduceOp.MIN)[rows * r:rows * (r + 1)]
+        assert same_bits(got, want) and native.native_ops() - before == ran, (rows, native.native_ops() - before)
+
     # broadcast from every root (any dtype: bytes move) and barrier, in one program
     @functools.partial(jax.jit, static_argnames="src")
     def bcast(x: Any, y: Any, src: int) -> Any:
