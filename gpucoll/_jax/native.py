@@ -36,7 +36,7 @@ from typing import Any
 
 from .._backends.cpu.backend import CPUBackend
 from .._backends.cpu.reduce import make_reducer
-from .._backends.cpu.shm import map_segment
+from .._backends.cpu.shm import ShmUnavailable, map_segment
 from .._backends.cpu.signatures import Signatures
 from .._backends.mismatch import SignatureMismatch
 from .._buffer import DTYPES
@@ -216,7 +216,14 @@ def channel_for(pg: ProcessGroup) -> Channel:
         with _lock:
             ch = _CHANNELS.get(id(pg))
             if ch is None:
-                ch = _CHANNELS[id(pg)] = _setup(pg)
+                try:
+                    ch = _setup(pg)
+                except BaseException as exc:
+                    # set up once: later in-jit ops of the group run in Python (whose own
+                    # checks then fail them if the group is broken)
+                    _CHANNELS[id(pg)] = Channel(pg, None, None, None, f"setting the channel up failed: {exc}")
+                    raise
+                _CHANNELS[id(pg)] = ch
     return ch
 
 
@@ -264,8 +271,10 @@ def _setup(pg: ProcessGroup) -> Channel:
     if size == 1:
         mm: Any = mmap.mmap(-1, total)
     else:
-        # ShmUnavailable (some rank could not map it): raised on every rank alike
-        mm = map_segment(PrefixStore("seg/", store), rank, size, total, pg.timeout, cpu.gone)[0]
+        try:
+            mm = map_segment(PrefixStore("seg/", store), rank, size, total, pg.timeout, cpu.gone)[0]
+        except ShmUnavailable as exc:  # some rank could not map it: raised on every rank alike
+            return Channel(pg, None, None, None, f"no shared segment: {exc}")
     base = C.addressof(C.c_char.from_buffer(mm))
     try:
         cores = len(os.sched_getaffinity(0))
