@@ -232,8 +232,10 @@ def _can(pg: ProcessGroup, lib: Any) -> str:
     if lib is None:
         return f"the compiled handler is not loaded ({_why_not})"
     cpu = pg._cpu
-    if not isinstance(cpu, CPUBackend) or cpu.transport not in ("shm", "local"):
-        return "the group's ranks are not all on one host"
+    if not isinstance(cpu, CPUBackend):
+        return f"the group's host backend is {type(cpu).__name__}, not the CPU backend"
+    if cpu.transport not in ("shm", "local"):
+        return f"the group's CPU transport is {cpu.transport}, not shared memory (ranks on several hosts?)"
     if get_debug_level() >= DebugLevel.DETAIL:
         return "the debug level is DETAIL (every op takes the Python path and its checks)"
     return ""

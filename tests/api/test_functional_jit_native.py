@@ -285,6 +285,9 @@ def test_a_rank_with_the_handler_off_makes_every_rank_use_the_python_handler() -
     # DETAIL: every op takes the Python path and its checks
     why = run_spmd(python_path_body, 2, args=([], False), timeout=300, env=dict(ENV, GPUCOLL_DEBUG="DETAIL"))
     assert all("DETAIL" in w for w in why), why
+    # ranks that talk over TCP (as on several hosts): the same
+    why = run_spmd(python_path_body, 2, args=([], False), timeout=300, env=dict(ENV, GPUCOLL_CPU_TRANSPORT="tcp"))
+    assert all("the group's CPU transport is tcp, not shared memory" in w for w in why), why
     # the handler on: the same program runs there
     assert run_spmd(python_path_body, 2, args=([], True), timeout=300, env=ENV) == ["", ""]
 
