@@ -18,7 +18,7 @@ import dataclasses
 import math
 import os
 import threading
-from typing import Any, Callable, cast
+from typing import Any, Callable
 
 import numpy as np
 
@@ -119,17 +119,13 @@ def _copy(dst: Buffer, src: Buffer) -> None:
         # input first where it is still needed), so this does not happen there.
         raise DistBackendError(f"XLA gave an in-place op an output buffer ({dst.ptr:#x}) that is not its input "
                                f"({src.ptr:#x})")
-    np.copyto(buf_array(dst), buf_array(src))
-
-
-def buf_array(buf: Buffer) -> np.ndarray[Any, Any]:
-    return cast("np.ndarray[Any, Any]", buf.owner)
+    np.copyto(dst.owner, src.owner)  # (a host Buffer's owner is its NumPy view)
 
 
 def _rows(buf: Buffer) -> list[Any]:
     """The rows (leading axis) of a stacked operand: NumPy views, or device Buffers."""
     if not buf.is_cuda:
-        return list(buf_array(buf))
+        return list(buf.owner)
     n = buf.shape[0]
     step = buf.nbytes // n if n else 0
     return [dataclasses.replace(buf, ptr=buf.ptr + i * step, nbytes=step, shape=buf.shape[1:]) for i in range(n)]

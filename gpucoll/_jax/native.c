@@ -511,7 +511,7 @@ static void* handle(XLA_FFI_CallFrame* f, int kind) {
   if (f->stage != XLA_FFI_ExecutionStage_EXECUTE) return NULL;
   int64_t index = -1;
   plan* p = find(f, &index);
-  if (!p || !p->native || p->ch->closed || p->ch->broken) return g_fallback[kind](f);
+  if (!p || !p->native) return g_fallback[kind](f);
   return run(f, p, index);
 }
 
@@ -594,7 +594,7 @@ int gcj_plan(int64_t index, channel* c, int native, int kind, int dtype, int op,
 }
 
 /* The channel step of a collective run in Python (its signature check): 0 or an error
- * code, the message in gcj_message(). */
+ * code (the explain callback has worded it). */
 int gcj_round(int64_t index) {
   plan** chunk = index >= 0 && index < (int64_t)CHUNK * CHUNK ? g_chunks[index / CHUNK] : NULL;
   plan* p = chunk ? chunk[index % CHUNK] : NULL;
@@ -610,5 +610,4 @@ void* gcj_run(XLA_FFI_CallFrame* f, int64_t index) {
   return run(f, p, index);
 }
 
-const char* gcj_message(void) { return t_msg; }
 int64_t gcj_native_ops(void) { return g_native_ops; }

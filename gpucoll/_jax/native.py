@@ -32,11 +32,11 @@ import tempfile
 import threading
 import time
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._backends.cpu.backend import CPUBackend
 from .._backends.cpu.reduce import make_reducer
-from .._backends.cpu.shm import ShmUnavailable, map_segment
+from .._backends.cpu.shm import ShmUnavailable, get_while_alive, map_segment
 from .._backends.cpu.signatures import Signatures
 from .._backends.mismatch import SignatureMismatch
 from .._buffer import DTYPES
@@ -44,7 +44,7 @@ from .._debug import DebugLevel, get_debug_level
 from .._env import CACHE_DIR_ENV, JAX_NATIVE_ENV
 from .._group import ProcessGroup
 from .._reduce_op import ReduceOp
-from ..errors import DistBackendError, DistStoreTimeoutError
+from ..errors import DistBackendError
 from ..store.prefix import PrefixStore
 
 ENV = JAX_NATIVE_ENV
@@ -174,7 +174,6 @@ def _load(path: str) -> Any:
     lib.gcj_round.argtypes = [C.c_int64]
     lib.gcj_run.restype = C.c_void_p
     lib.gcj_run.argtypes = [C.c_void_p, C.c_int64]
-    lib.gcj_message.restype = C.c_char_p
     lib.gcj_native_ops.restype = C.c_int64
     lib.gcj_init(_EXPLAIN, *_TAG_BITS)
     return lib
@@ -257,10 +256,10 @@ def _setup(pg: ProcessGroup) -> Channel:
     same_ns = True
     if size > 1:
         store.set(f"can/{rank}", f"{ns}\n{why}".encode())
-        keys = [f"can/{r}" for r in range(size)]
-        _wait_for_all(store, keys, pg)
-        for r, raw in enumerate(store.multi_get(keys)):
-            their_ns, _, their_why = raw.decode().partition("\n")
+        deadline = time.monotonic() + pg.timeout
+        gone = pg._cpu.gone if isinstance(pg._cpu, CPUBackend) else (lambda r: None)
+        for r in range(size):  # each rank's word, failing at once when a rank is known gone
+            their_ns, _, their_why = get_while_alive(store, f"can/{r}", deadline, r, gone).partition("\n")
             same_ns = same_ns and their_ns == ns
             if their_why and not why:
                 why = f"rank {r}: {their_why}"
@@ -296,49 +295,33 @@ def _setup(pg: ProcessGroup) -> Channel:
     return ch
 
 
-def _wait_for_all(store: Any, keys: list[str], pg: ProcessGroup) -> None:
-    """Wait for every rank's ``keys[rank]``, at most the group's timeout, failing within
-    moments once a rank that has not written its key is known to be gone."""
-    deadline = time.monotonic() + pg.timeout
-    cpu = pg._cpu
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            store.wait(keys, max(0.001, min(0.2, left)))
-            return
-        except DistStoreTimeoutError:
-            pass
-        missing = [r for r, key in enumerate(keys) if not store.check([key])]
-        for r in missing:
-            why = cpu.gone(r) if isinstance(cpu, CPUBackend) else None
-            if why is not None:
-                raise DistBackendError(f"group {pg.group_name!r}: rank {r} {why} before the group's first "
-                                       "collective inside jit")
-        if left <= 0:
-            raise DistBackendError(f"group {pg.group_name!r}: rank(s) {missing} did not reach the group's first "
-                                   f"collective inside jit within {pg.timeout:g} s")
-
-
 def _round(n: int, to: int = 4096) -> int:
     return (n + to - 1) // to * to
 
 
 # ----- plans -----
-_SEEN: dict[int, bool] = {}  # plan index -> registered natively (True) or for its step only (False)
+class _Told(NamedTuple):
+    """A plan native.c knows: whether it runs there, its signature, the handler's Plan."""
+
+    native: bool
+    sig: int
+    plan: Any
+
+
+_TOLD: dict[int, _Told] = {}  # by plan index
 
 
 def register(index: int, plan: Any, ch: Channel) -> bool:
     """Tell native.c about a plan of a channel group (its first call); True when it
     runs there without Python."""
-    done = _SEEN.get(index)
-    if done is not None:
-        return done
-    with _lock:  # native.c's plan table grows here (and a plan is told once)
-        done = _SEEN.get(index)
-        return done if done is not None else _register(index, plan, ch)
+    told = _TOLD.get(index)
+    if told is None:
+        with _lock:  # native.c's plan table grows here (and a plan is told once)
+            told = _TOLD.get(index) or _register(index, plan, ch)
+    return told.native
 
 
-def _register(index: int, plan: Any, ch: Channel) -> bool:
+def _register(index: int, plan: Any, ch: Channel) -> _Told:
     kind, attrs = plan.kind, plan.attrs
     fields: dict[str, object] = {}
     if plan.ins and kind != "barrier":
@@ -374,10 +357,8 @@ def _register(index: int, plan: Any, ch: Channel) -> bool:
     if _lib.gcj_plan(index, ch.ptr, int(native), KINDS.get(kind, 0), dcode, ocode, root, count, nbytes, piece,
                      sig) != 0:
         raise MemoryError("gpucoll: could not record a jit plan")
-    _SEEN[index] = native
-    _SIGS[index] = sig
-    _PLAN_OF[index] = plan
-    return native
+    told = _TOLD[index] = _Told(native, sig, plan)
+    return told
 
 
 def _defined(op: Any, dtype: str, size: int) -> bool:
@@ -414,7 +395,7 @@ def _explain(index: int, code: int, peer: int, theirs: int, opno: int, pid: int,
     """native.c's callback: word a failure into ``buf`` (the FFI error's message)."""
     kind = "op"
     try:
-        kind = _PLAN_OF[index].kind
+        kind = _TOLD[index].plan.kind
         text = _text(index, code, peer, theirs, opno, pid)
     except BaseException as exc:  # never raise into C
         text = f"an op inside jax.jit failed (code {code}, peer {peer}); wording it failed: {exc!r}"
@@ -430,12 +411,12 @@ def _text(index: int, code: int, peer: int, theirs: int, opno: int, pid: int) ->
     """What failed: ``peer`` is the rank waited on; for a mismatch ``theirs`` is its
     signature; for an abort ``pid`` is the rank that aborted and ``theirs`` packs the
     rank it failed on (plus one) and its code; otherwise ``pid`` is ``peer``'s pid."""
-    plan = _PLAN_OF[index]
+    plan = _TOLD[index].plan
     ch = _CHANNELS[id(plan.pg)]
     what = f"group {plan.pg.group_name!r}, op #{opno} inside jit"
     if code == _E_MISMATCH:
         assert ch.sigs is not None
-        text = str(ch.sigs.reworded(SignatureMismatch("", peer, theirs, _SIGS.get(index, 0))))
+        text = str(ch.sigs.reworded(SignatureMismatch("", peer, theirs, _TOLD[index].sig)))
     elif code == _E_TIMEOUT:
         text = (f"{what}: timed out after {plan.pg.timeout:g} s waiting for rank {peer}"
                 f"{f' (pid {pid})' if pid else ''}")
@@ -461,6 +442,4 @@ def _text(index: int, code: int, peer: int, theirs: int, opno: int, pid: int) ->
     return text
 
 
-_SIGS: dict[int, int] = {}  # plan index -> its signature
-_PLAN_OF: dict[int, Any] = {}  # plan index -> its handler.Plan
 _EXPLAIN = Explain(_explain)

@@ -36,7 +36,7 @@ import numpy as np
 from ...errors import DistBackendError, DistStoreTimeoutError
 from .segments import PREFIX as _PREFIX, new_name, sweep_orphans, unlink_ours as _unlink
 
-__all__ = ["ShmSegment", "ShmUnavailable", "REC_WORDS", "futex_wait", "futex_wake", "map_segment"]
+__all__ = ["ShmSegment", "ShmUnavailable", "REC_WORDS", "futex_wait", "futex_wake", "map_segment", "get_while_alive"]
 
 REC_WORDS = 32  # u64 words per rank record (256 bytes: no false sharing between ranks)
 _CTR, _SLEEP, _HDR, _CPU = 0, 1, 2, 6  # word offsets in a record; headers at 2..5
@@ -125,7 +125,7 @@ class ShmSegment:
         total = self._bulk_off + 2 * size * bulk_bytes
         self.waiting_for: int | None = None  # the peer a sleeping wait waits for (timeout messages)
         self.timed_out_on: int | None = None  # the peer a wait gave up on (it ran out of time)
-        self._mm, self.path = _map(store, rank, size, total, timeout, gone or (lambda peer: None))
+        self._mm, self.path = map_segment(store, rank, size, total, timeout, gone or (lambda peer: None))
         self._anchor = ctypes.c_char.from_buffer(self._mm)
         self._base = ctypes.addressof(self._anchor)
         self._mv = memoryview(self._mm)
@@ -280,7 +280,7 @@ def _round(n: int, to: int = 4096) -> int:
 _SLICE = 0.2  # seconds between liveness checks while waiting on the store
 
 
-def _get(store: Any, key: str, deadline: float, peer: int, gone: Callable[[int], str | None]) -> str:
+def get_while_alive(store: Any, key: str, deadline: float, peer: int, gone: Callable[[int], str | None]) -> str:
     """``store.get(key)``, failing within moments once ``peer`` is known dead.
 
     A key already there wins over the peer's death: a fast peer may finish setting up,
@@ -302,9 +302,10 @@ def _get(store: Any, key: str, deadline: float, peer: int, gone: Callable[[int],
             continue
 
 
-def _map(store: Any, rank: int, size: int, total: int, timeout: float,
-         gone: Callable[[int], str | None]) -> tuple[mmap.mmap, str]:
-    """Create (rank 0) or open the segment; every rank learns whether all of them mapped it.
+def map_segment(store: Any, rank: int, size: int, total: int, timeout: float,
+                gone: Callable[[int], str | None]) -> tuple[mmap.mmap, str]:
+    """Create (rank 0) or open a zeroed segment of ``total`` bytes, through ``store``; every
+    rank learns whether all of them mapped it (:class:`ShmSegment`'s, and the jit channel's).
 
     Raises:
         ShmUnavailable: some rank could not create or map it (on every rank alike).
@@ -337,16 +338,16 @@ def _map(store: Any, rank: int, size: int, total: int, timeout: float,
             _count_mapped(store, size, path)
         try:
             for peer in range(1, size):
-                mark = _get(store, f"shm/mapped/{peer}", deadline, peer, gone)
+                mark = get_while_alive(store, f"shm/mapped/{peer}", deadline, peer, gone)
                 if mark not in ("1", "0"):  # "0": gave up because rank 0 failed
                     problems.append(mark)
         finally:
             _unlink(path)
         store.set("shm/ready", ("!" + "; ".join(problems)).encode() if problems else b"1")
     else:
-        path = _get(store, "shm/name", deadline, 0, gone)
+        path = get_while_alive(store, "shm/name", deadline, 0, gone)
         try:
-            created = _get(store, "shm/created", deadline, 0, gone)
+            created = get_while_alive(store, "shm/created", deadline, 0, gone)
             if created != "1":
                 store.set(f"shm/mapped/{rank}", b"0")
             else:
@@ -356,7 +357,7 @@ def _map(store: Any, rank: int, size: int, total: int, timeout: float,
                     _count_mapped(store, size, path)
                 except OSError as exc:
                     store.set(f"shm/mapped/{rank}", f"rank {rank} could not map {path}: {exc}".encode())
-            ready = _get(store, "shm/ready", deadline, 0, gone)
+            ready = get_while_alive(store, "shm/ready", deadline, 0, gone)
         except BaseException:
             _unlink(path)  # rank 0 died half-way: do not leave its segment behind
             if mm is not None:
@@ -369,13 +370,6 @@ def _map(store: Any, rank: int, size: int, total: int, timeout: float,
             mm.close()
         raise ShmUnavailable(ready.lstrip("!") or "the segment could not be mapped")
     return mm, path
-
-
-def map_segment(store: Any, rank: int, size: int, total: int, timeout: float,
-                gone: Callable[[int], str | None]) -> tuple[mmap.mmap, str]:
-    """A zeroed segment of ``total`` bytes mapped by every rank of a group on one host
-    (collective; the set-up and clean-up :class:`ShmSegment` uses, through ``store``)."""
-    return _map(store, rank, size, total, timeout, gone)
 
 
 def _count_mapped(store: Any, size: int, path: str) -> None:
