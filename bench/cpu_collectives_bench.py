@@ -19,7 +19,12 @@ Usage::
 
 ``--load`` runs the whole sweep twice, every library each time: quiet, then with one
 busy process per core beside the ranks (an oversubscribed machine); it prints both
-tables and, per row and library, the loaded time over the quiet one.
+tables and, per row and library, the loaded time over the quiet one. Beside them it
+runs a control: as many processes as ranks, each doing only the local memory work of
+its share of an all_reduce (copy the bytes once, fold them once) with no communication
+and no waiting. What the load does to the control is what the machine's scheduler does
+to any rank's own work, however it communicates: with one busy process per core, each
+process gets about half a core, so work bound by the CPU takes about twice as long.
 
 Anchors that are not installed (torch, mpirun + mpi4py) are skipped with a note.
 """
@@ -127,6 +132,43 @@ def run_gpucoll(world: int, quick: bool, sizes: list[int], transport: str) -> di
     res: dict[str, Any] = run_spmd(gpucoll_rank, world, args=(quick, sizes), timeout=900,
                                    backend="cpu", pg_timeout=60.0, env={TRANSPORT_ENV: transport})[0]
     return res
+
+
+# ----- the control: each rank's local work, with no communication -----
+
+def control_worker(world: int, quick: bool, sizes: list[int]) -> dict[str, Any]:
+    """The memory work of a rank's share of an all_reduce of each size (its bytes copied
+    once and folded once, about what one rank of a shared-memory all_reduce reads and
+    writes), timed the same way, alone: no peer, no flag, no wait."""
+    import pickle
+
+    spare: dict[int, np.ndarray[Any, Any]] = {}
+
+    def work(x: np.ndarray[Any, Any]) -> None:
+        y = spare.get(x.size)
+        if y is None:
+            y = spare[x.size] = np.empty_like(x)
+        np.copyto(y, x)
+        np.add(y, x, out=y)
+
+    return measure(0, world, quick, sizes, all_reduce=work,
+                   make=lambda nb: np.zeros(max(1, nb // 4), np.float32),
+                   gather_obj=lambda o: pickle.loads(pickle.dumps(o)),
+                   barrier=lambda: None, max_over_ranks=lambda v: v)
+
+
+def run_control(world: int, quick: bool, sizes: list[int]) -> dict[str, Any] | str:
+    """``world`` control processes at once (as many as ranks); per row, the slowest one."""
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", "control", "--ranks", str(world),
+                               "--sizes", ",".join(map(str, sizes))] + (["--quick"] if quick else []),
+                              stdout=subprocess.PIPE, text=True) for _ in range(world)]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        return f"control processes failed (exit codes {[p.returncode for p in procs]})"
+    each = [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    return {"all_reduce": {k: max(e["all_reduce"][k] for e in each) for k in each[0]["all_reduce"]},
+            "all_gather_object": max(e["all_gather_object"] for e in each),
+            "barrier": max(e["barrier"] for e in each)}
 
 
 # ----- torch gloo (subprocess workers over a torch TCPStore on port 0) -----
@@ -251,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="", help="also write the raw results to this file")
     ap.add_argument("--load", action="store_true",
                     help="also run the sweep with one busy process per core beside the ranks")
-    ap.add_argument("--worker", choices=("gloo", "mpi"), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=("gloo", "mpi", "control"), help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -260,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
         res = gloo_worker(args.rank, args.ranks, args.port, args.quick, sizes)
         if args.rank == 0:
             print(json.dumps(res))
+        return 0
+    if args.worker == "control":
+        print(json.dumps(control_worker(args.ranks, args.quick, sizes)))
         return 0
     if args.worker == "mpi":
         res = mpi_worker(args.quick, sizes)
@@ -296,6 +341,8 @@ def sweep(args: argparse.Namespace, sizes: list[int], skip: set[str]) -> dict[st
     results["gpucoll"] = run_gpucoll(args.ranks, args.quick, sizes, args.transport)
     results["gloo"] = "--skip given" if "gloo" in skip else run_gloo(args.ranks, args.quick, sizes)
     results["mpi"] = "--skip given" if "mpi" in skip else run_mpi(args.ranks, args.quick, sizes)
+    if args.load:
+        results["control"] = run_control(args.ranks, args.quick, sizes)
     return results
 
 
@@ -316,9 +363,14 @@ def stop_load(busy: list[subprocess.Popen[bytes]]) -> None:
 
 
 def load_report(quiet: dict[str, Any], loaded: dict[str, Any], sizes: list[int]) -> str:
-    """Per row and library: the time with --load over the quiet time (lower is better)."""
-    names = [k for k in ("gpucoll", "gloo", "mpi") if isinstance(quiet.get(k), dict) and isinstance(loaded.get(k), dict)]
-    lines = ["| row (loaded / quiet time) | " + " | ".join(names) + " |", "|" + "---|" * (1 + len(names))]
+    """Per row and library: the time with --load over the quiet time (lower is better);
+    the control's column (its all_reduce rows only) is what the load does to work with
+    no communication at all."""
+    names = [k for k in ("gpucoll", "gloo", "mpi", "control")
+             if isinstance(quiet.get(k), dict) and isinstance(loaded.get(k), dict)]
+    lines = ["| row (loaded / quiet time) | " + " | ".join("control (no communication)" if k == "control" else k
+                                                         for k in names) + " |",
+             "|" + "---|" * (1 + len(names))]
     rows: list[tuple[str, tuple[str, ...]]] = [(f"all_reduce {nb} B", ("all_reduce", str(nb))) for nb in sizes]
     rows += [(row, (row,)) for row in ("all_gather_object", "barrier")]
 
@@ -329,8 +381,12 @@ def load_report(quiet: dict[str, Any], loaded: dict[str, Any], sizes: list[int])
         return float(v)
 
     for label, path in rows:
-        lines.append(f"| {label} | " + " | ".join(f"{get(loaded[k], path) / get(quiet[k], path):.2f}x"
-                                                 for k in names) + " |")
+        lines.append(f"| {label} | " + " | ".join(
+            "-" if k == "control" and path[0] != "all_reduce" else f"{get(loaded[k], path) / get(quiet[k], path):.2f}x"
+            for k in names) + " |")
+    for res in (quiet, loaded):
+        if isinstance(res.get("control"), str):
+            lines.append(f"\ncontrol: {res['control']}")
     return "\n".join(lines)
 
 

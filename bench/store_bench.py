@@ -21,7 +21,12 @@ Usage::
 
 ``gpucoll-tcp`` turns off the Unix-socket path that same-host clients otherwise take;
 ``gpucoll-torchwire`` is gpucoll's server driven in torch's protocol (rendezvous only).
-The ratio columns are gpucoll / torch for the same row of the same run.
+``floor`` (rendezvous only) is bench/store_floor.c, built with ``cc``: a server that
+answers every gpucoll frame at once and keeps nothing, so what its rows show is what any
+server pays per client here (the generator's clients, the kernel's TCP), the least a
+server can take. The ratio columns are each implementation / torch for the same row of
+the same run. ``--rendezvous-only`` adds the servers' CPU per client (from
+``/proc/<pid>/stat``, in 10 ms ticks) beside each time.
 
 torch's server and client call ``getnameinfo()`` on each peer's address, which on
 some machines sends a reverse DNS query that stalls for seconds now and then. With
@@ -113,6 +118,7 @@ class _Server:
         if not self._conn.poll(60):
             raise RuntimeError(f"{impl} store server did not start")
         self.port: int = self._conn.recv()
+        self.pid = self._proc.pid
 
     def stop(self) -> None:
         try:
@@ -122,6 +128,44 @@ class _Server:
         self._proc.join(10)
         if self._proc.is_alive():
             self._proc.kill()
+
+
+class _FloorServer:
+    """bench/store_floor.c, built here with the machine's C compiler and run as a process."""
+
+    def __init__(self) -> None:
+        import shutil
+        import subprocess
+        import tempfile
+
+        cc = shutil.which("cc") or shutil.which("gcc")
+        if cc is None:
+            raise RuntimeError("--impl floor needs a C compiler (cc) to build bench/store_floor.c")
+        self._dir = tempfile.mkdtemp(prefix="gpucoll-bench-")
+        exe = os.path.join(self._dir, "store_floor")
+        subprocess.run([cc, "-O2", "-o", exe, os.path.join(_HERE, "store_floor.c")], check=True)
+        self._proc = subprocess.Popen([exe], stdout=subprocess.PIPE)
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()
+        if not line.strip().isdigit():
+            self.stop()
+            raise RuntimeError(f"store_floor did not start (said {line!r})")
+        self.port = int(line)
+        self.pid = self._proc.pid
+
+    def stop(self) -> None:
+        import shutil
+
+        self._proc.kill()
+        self._proc.wait(10)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User plus system CPU of process ``pid`` and its threads so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # -- workloads ------------------------------------------------------------------------------
@@ -255,14 +299,16 @@ def _rendezvous(impl: str, port: int, n: int, run: int, load: str = "threads") -
         procs.append(ctx.Process(target=worker, args=a, daemon=True))
     for p in procs:
         p.start()
-    master = _client(impl, port)
+    # The floor server answers every wait at once: it has no master to release them.
+    master = None if impl == "floor" else _client(impl, port)
     for _ in procs:  # every worker's threads are at start.wait()
         if results.get(timeout=_TIMEOUT) != "ready":
             raise RuntimeError("rendezvous worker out of step")
     t0 = time.monotonic()
     start.set()
-    master.wait([f"{tag}/all"])
-    master.set(f"{tag}/go", b"1")
+    if master is not None:
+        master.wait([f"{tag}/all"])
+        master.set(f"{tag}/go", b"1")
     ends: list[float] = []
     for _ in procs:
         e, errs = results.get(timeout=_TIMEOUT)
@@ -413,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="few iterations, small N: a smoke run")
     p.add_argument("--impl", default=None,
-                   help="comma list of gpucoll, gpucoll-tcp (no Unix-socket fast path), torch "
+                   help="comma list of gpucoll, gpucoll-tcp (no Unix-socket fast path), torch, "
+                        "gpucoll-torchwire and floor (rendezvous only; see above) "
                         "(default: gpucoll,torch, or gpucoll alone when torch does not import)")
     p.add_argument("--repeats", type=int, default=None, help="rendezvous runs per size (median)")
     p.add_argument("--clients", default=None, help="comma list of add-throughput client counts")
@@ -433,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     args.clients = [int(x) for x in (args.clients or ("1,8" if args.quick else "1,8,32")).split(",")]
     args.rendezvous = [int(x) for x in (args.rendezvous or ("64" if args.quick else "64,256,1024")).split(",")]
     impls = args.impl.split(",") if args.impl else (["gpucoll", "torch"] if _torch_available() else ["gpucoll"])
+    if "floor" in impls and not args.rendezvous_only:
+        p.error("--impl floor has only the rendezvous rows: add --rendezvous-only")
     if "torch" in impls and not args.no_numeric_names and _NUMERIC_ENV not in os.environ:
         _rerun_numeric(argv)  # does not return when the shim builds
     _raise_nofile()
@@ -460,7 +509,8 @@ def interleaved(impls: list[str], args: argparse.Namespace) -> list[Row]:
     # gpucoll's servers are forked before torch is imported: a server forked from a parent
     # holding torch's modules would carry them in its heap, and every full garbage
     # collection in the server's loop would walk them.
-    servers = {impl: _Server(impl) for impl in impls if impl != "torch"}
+    servers: dict[str, _Server | _FloorServer] = {
+        impl: _FloorServer() if impl == "floor" else _Server(impl) for impl in impls if impl != "torch"}
     if "torch" in impls:
         import torch.distributed  # noqa: F401
 
@@ -469,12 +519,17 @@ def interleaved(impls: list[str], args: argparse.Namespace) -> list[Row]:
         rows = []
         for n in args.rendezvous:
             times: dict[str, list[float]] = {impl: [] for impl in impls}
+            cpus: dict[str, list[float]] = {impl: [] for impl in impls}
             for r in range(args.repeats):
                 for k in range(len(impls)):
                     impl = impls[(r + k) % len(impls)]
+                    before = _cpu_seconds(servers[impl].pid)
                     times[impl].append(_rendezvous(impl, servers[impl].port, n, r, args.load))
+                    cpus[impl].append((_cpu_seconds(servers[impl].pid) - before) / n * 1e6)
             rows.append(Row(f"rendezvous, {n} clients", "s",
                             {impl: statistics.median(t) for impl, t in times.items()}))
+            rows.append(Row(f"server CPU per client, {n} clients", "us",
+                            {impl: statistics.median(c) for impl, c in cpus.items()}))
             print(f"# {n} clients: " + ", ".join(f"{i} {' '.join(f'{x:.3f}' for x in t)}"
                                                  for i, t in times.items()), file=sys.stderr)
         return rows

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -166,6 +169,46 @@ def test_a_burst_of_connections_is_served_without_dropping_any() -> None:
     finally:
         master.close()
         t.join(5)
+
+
+def _store_bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("store_bench",
+                                                  os.path.join(_REPO, "bench", "store_bench.py"))
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("store_bench", mod)  # its dataclasses look their module up
+    spec.loader.exec_module(sys.modules["store_bench"])
+    return sys.modules["store_bench"]
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="needs a C compiler")
+def test_the_benchmarks_floor_server_serves_the_rendezvous_script_and_counts_its_cpu() -> None:
+    """bench/store_floor.c (the floor the benchmark compares the servers with) builds,
+    answers HELLO and every request of the generator's rendezvous script, for a burst
+    of clients and pipelined frames alike, and its CPU is readable for the report."""
+    sb = _store_bench()
+    floor = sb._FloorServer()
+    try:
+        n = 600
+        before = sb._cpu_seconds(floor.pid)
+        ends = lg.drive("127.0.0.1", floor.port, "gpucoll", [lg.rendezvous_script("floor", 10 ** 6)] * n,
+                        timeout=60)
+        assert len(ends) == n and all(ends)
+        assert sb._cpu_seconds(floor.pid) >= before
+        # Three frames in one write get three replies (OK, one field "1"), in order.
+        with socket.create_connection(("127.0.0.1", floor.port), timeout=10) as s:
+            frame = struct.pack("<IB", 1, 4)
+            s.sendall(frame * 3)
+            got = b""
+            while len(got) < 30:
+                more = s.recv(64)
+                assert more
+                got += more
+            assert got == (struct.pack("<IBI", 6, 0, 1) + b"1") * 3
+    finally:
+        floor.stop()
+    with pytest.raises(SystemExit):
+        sb.main(["--impl", "floor"])  # the floor has only the rendezvous rows
 
 
 # -- the open-file limit -------------------------------------------------------------------
