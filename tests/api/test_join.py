@@ -116,3 +116,37 @@ def test_generations_count_apart_on_one_store() -> None:
             t.join(10)
         assert all(out[r][0] == "ok" for r in range(2)), (gen, out)
         assert store.check([f"{join.JOIN_KEY}/{2 * (gen + 1)}"])
+
+
+def test_the_parked_wait_works_on_torchs_store_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun the store is torch's TCPStore, spoken to in torch's protocol: the
+    timed wait (woken at the notice) and the count read after it work there too."""
+    torch_dist = pytest.importorskip("torch.distributed")
+    from datetime import timedelta
+
+    from gpucoll.store import TCPStore
+
+    monkeypatch.setattr(join, "NOTICE_AFTER", 0.3)
+    server = torch_dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+    out: dict[int, Any] = {}
+
+    def rank(r: int, delay: float) -> None:
+        time.sleep(delay)
+        store = TCPStore("127.0.0.1", server.port, timeout=30, use_unix_socket=False)
+        t0 = time.monotonic()
+        try:
+            join.await_all_joined(store, r, 2, 10.0)
+            out[r] = ("ok", time.monotonic() - t0)
+        except BaseException as e:  # reported by the test
+            out[r] = (e, time.monotonic() - t0)
+        finally:
+            store.close()
+
+    ts = [threading.Thread(target=rank, args=(0, 0.0)), threading.Thread(target=rank, args=(1, 1.0))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(20)
+    assert out[0][0] == "ok" and out[1][0] == "ok", out
+    assert 0.8 < out[0][1] < 3.0, out
+    assert server.check([f"{join.JOIN_KEY}/2"])  # the key the last rank set, seen by torch
