@@ -16,6 +16,12 @@ Usage::
     python bench/cpu_collectives_bench.py --ranks 4 --json results.json
     python bench/cpu_collectives_bench.py --transport tcp --skip mpi   # the TCP path
     python bench/cpu_collectives_bench.py --load     # the sweep quiet, then beside busy processes
+    python bench/cpu_collectives_bench.py --bind-to none   # gpucoll's ranks left unbound
+
+gpucoll's ranks are bound to a core each (``run_spmd(bind_to="core")``, what
+``gpucoll-run --bind-to core`` does), as ``mpirun`` binds Open MPI's: with up to two
+ranks it binds each to a core by default (``--report-bindings`` shows it); torch's gloo
+workers are not bound, as torchrun does not bind.
 
 ``--load`` runs the whole sweep twice, every library each time: quiet, then with one
 busy process per core beside the ranks (an oversubscribed machine); it prints both
@@ -124,13 +130,14 @@ def gpucoll_rank(quick: bool, sizes: list[int]) -> dict[str, Any]:
                    barrier=gpucoll.barrier, max_over_ranks=max_over_ranks)
 
 
-def run_gpucoll(world: int, quick: bool, sizes: list[int], transport: str) -> dict[str, Any]:
+def run_gpucoll(world: int, quick: bool, sizes: list[int], transport: str, bind_to: str) -> dict[str, Any]:
     from gpucoll._backends.cpu.backend import TRANSPORT_ENV
     from gpucoll.testing import run_spmd
 
     # A stuck op fails after pg_timeout, a stuck job after timeout, each with the ranks' stacks.
     res: dict[str, Any] = run_spmd(gpucoll_rank, world, args=(quick, sizes), timeout=900,
-                                   backend="cpu", pg_timeout=60.0, env={TRANSPORT_ENV: transport})[0]
+                                   backend="cpu", pg_timeout=60.0, env={TRANSPORT_ENV: transport},
+                                   bind_to=bind_to)[0]
     return res
 
 
@@ -290,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", default="", help="comma-separated anchors to skip: gloo, mpi")
     ap.add_argument("--transport", choices=("auto", "shm", "tcp"), default="auto",
                     help="gpucoll's CPU transport (GPUCOLL_CPU_TRANSPORT; default auto)")
+    ap.add_argument("--bind-to", choices=("core", "none"), default="core",
+                    help="bind gpucoll's ranks to a core each ('core', the default: what mpirun does with its "
+                         "ranks here, as its --report-bindings shows for up to 2 ranks) or not ('none')")
     ap.add_argument("--json", default="", help="also write the raw results to this file")
     ap.add_argument("--load", action="store_true",
                     help="also run the sweep with one busy process per core beside the ranks")
@@ -314,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(res))
         return 0
     skip = set(filter(None, args.skip.split(",")))
-    header = (f"{args.ranks} ranks, {os.cpu_count()} CPUs, gpucoll transport {args.transport}; time per op "
+    header = (f"{args.ranks} ranks, {os.cpu_count()} CPUs, gpucoll transport {args.transport}, "
+              f"gpucoll ranks bound: {args.bind_to}; time per op "
               "(median of batches, slowest rank), busbw = algbw * 2(n-1)/n")
     results = sweep(args, sizes, skip)
     print(header)
@@ -338,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
 def sweep(args: argparse.Namespace, sizes: list[int], skip: set[str]) -> dict[str, Any]:
     """Every library's sweep, one after the other (so a noisy neighbour hurts them alike)."""
     results: dict[str, Any] = {}
-    results["gpucoll"] = run_gpucoll(args.ranks, args.quick, sizes, args.transport)
+    results["gpucoll"] = run_gpucoll(args.ranks, args.quick, sizes, args.transport, args.bind_to)
     results["gloo"] = "--skip given" if "gloo" in skip else run_gloo(args.ranks, args.quick, sizes)
     results["mpi"] = "--skip given" if "mpi" in skip else run_mpi(args.ranks, args.quick, sizes)
     if args.load:

@@ -21,6 +21,7 @@ import sys
 from typing import Mapping, Sequence
 
 from ._launch.agent import run_job
+from ._launch.binding import BIND_CHOICES
 from ._launch.config import LaunchConfig, resolve_nproc, resolve_relay, resolve_token
 
 __all__ = ["main", "build_config"]
@@ -106,6 +107,7 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         grace_period=float(args.grace_period),
         join_timeout=float(args.join_timeout),
         store_relay=resolve_relay(args.store_relay, nnodes, nproc),
+        bind_to=args.bind_to,
     )
 
 
@@ -161,6 +163,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="serve this node's ranks' store traffic through a relay in the launcher, over one "
                         "connection to the job's store (auto, the default: on with --nnodes > 1 and at least "
                         "32 ranks per node; see docs/launching.md)")
+    p.add_argument("--bind-to", "--bind_to", choices=BIND_CHOICES, default="none",
+                   help="bind each local rank to a core of its own, as mpirun does ('core'), or not ('none', "
+                        "the default, as torchrun); with more local ranks than cores nothing is bound "
+                        "(see docs/launching.md)")
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     p.add_argument("script", metavar="SCRIPT", help="the program: a Python file, or a module with -m")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...", help="its arguments")

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Mapping, Sequence
 
+from ._env import CPU_BIND_ENV
+
 __all__ = ["run_spmd", "SPMDError", "RankFailure"]
 
 _STACK_SIGNAL = signal.SIGUSR1
@@ -77,6 +79,7 @@ def run_spmd(
     pg_timeout: float = 30.0,
     env: Mapping[str, str] | None = None,
     start_method: str = "forkserver",
+    bind_to: str = "none",
 ) -> list[Any]:
     """Run ``fn`` on ``world_size`` ranks and return each rank's result, in rank order.
 
@@ -93,16 +96,22 @@ def run_spmd(
         pg_timeout: the process group's timeout in seconds (how soon a dead peer surfaces).
         env: extra environment variables for every rank.
         start_method: multiprocessing start method ("forkserver" or "spawn").
+        bind_to: ``"core"`` binds rank i to core i (all its hardware threads), as
+            ``gpucoll-run --bind-to core`` does; ``"none"`` (default) binds nothing. With
+            more ranks than cores nothing is bound.
 
     Returns:
         ``[fn result of rank 0, rank 1, ...]``.
 
     Raises:
         SPMDError: a rank raised, died, or the job exceeded ``timeout``.
-        ValueError: ``world_size`` < 1.
+        ValueError: ``world_size`` < 1, or ``bind_to`` is not "none" or "core".
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1; got {world_size!r}")
+    from ._launch import binding
+
+    cpus = binding.plan(bind_to, world_size)
     _check_not_importing_main()
     from .clusters.base import ClusterEnv
     from .clusters.env import SOURCE, rank_environment
@@ -120,6 +129,8 @@ def run_spmd(
     try:
         for rank in range(world_size):
             rank_env = dict(env or {})
+            # Set either way: a rank never binds by a value its parent's launcher set.
+            rank_env[CPU_BIND_ENV] = binding.env_value(cpus[rank]) if cpus is not None else ""
             rank_env.update(rank_environment(
                 ClusterEnv(SOURCE, rank, world_size, rank, world_size, "127.0.0.1", server.port, store_hosted=True),
                 token=token))
@@ -251,6 +262,9 @@ def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     faulthandler.register(_STACK_SIGNAL, file=sys.stderr, all_threads=True)
     os.environ.update(env)
     try:
+        from ._launch.binding import apply_from_env
+
+        apply_from_env()
         import gpucoll
 
         if init:

@@ -36,6 +36,11 @@ instead of MASTER_ADDR:MASTER_PORT. Unset or empty: directly."""
 ERROR_FILE_ENV: Final = "GPUCOLL_ERROR_FILE"
 """The file a rank writes its uncaught exception to, for the launcher's summary."""
 
+CPU_BIND_ENV: Final = "GPUCOLL_CPU_BIND"
+"""The CPUs a rank binds itself to before its program runs ("3", or "2,66" for a core's two
+hardware threads), set per rank by a launcher asked to bind (``gpucoll-run --bind-to core``,
+``run_spmd(bind_to="core")``). Unset or empty: no binding."""
+
 LAUNCHER_PID_ENV: Final = "GPUCOLL_LAUNCHER_PID"
 """The launcher's pid, set for its workers: a worker whose parent is no longer the launcher
 (it died while the worker started) exits."""
@@ -95,7 +100,7 @@ BENCH_COMMAND_ENV: Final = "GPUCOLL_BENCH_COMMAND"
 BENCH_CORRUPT_ENV: Final = "GPUCOLL_BENCH_CORRUPT"
 """Test hook: "1" perturbs every checked output, so ``#wrong`` must come out non-zero."""
 
-NAMES: Final = (STORE_HOSTED_ENV, STORE_TOKEN_ENV, STORE_RELAY_ENV, ERROR_FILE_ENV, LAUNCHER_PID_ENV, DEBUG_ENV,
+NAMES: Final = (STORE_HOSTED_ENV, STORE_TOKEN_ENV, STORE_RELAY_ENV, ERROR_FILE_ENV, CPU_BIND_ENV, LAUNCHER_PID_ENV, DEBUG_ENV,
                 FLIGHT_RECORDER_SIZE_ENV, FLIGHT_RECORDER_DIR_ENV, CONTROL_PLANE_ENV, CPU_TRANSPORT_ENV,
                 CPU_IFADDR_ENV, MAX_OBJECT_BYTES_ENV, NCCL_SCALABLE_INIT_ENV, NCCL_RANKS_PER_ROOT_ENV,
                 JAX_NATIVE_ENV, CACHE_DIR_ENV, BENCH_COMMAND_ENV, BENCH_CORRUPT_ENV)

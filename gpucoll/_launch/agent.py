@@ -31,7 +31,8 @@ from .output import OutputPump
 from .summary import (RankExit, describe_code, failure_report, failure_summary, launcher_exit_code,
                       report_key, root_cause)
 from .worker import LAUNCHER_PID_ENV
-from .._env import STORE_RELAY_ENV
+from . import binding
+from .._env import CPU_BIND_ENV, STORE_RELAY_ENV
 from ..clusters.base import ClusterEnv
 from ..clusters.env import SOURCE, rank_environment
 from ..errors import DistError
@@ -237,6 +238,11 @@ class _Agent:
             # As torchrun does: N ranks each starting one OpenMP thread per core would
             # oversubscribe the node N times.
             base["OMP_NUM_THREADS"] = "1"
+        base.pop(CPU_BIND_ENV, None)  # nor is an outer job's binding
+        cpus = binding.plan(cfg.bind_to, cfg.nproc_per_node)
+        if cfg.bind_to != "none" and cpus is None:
+            print(f"gpucoll-run: --bind-to {cfg.bind_to}: {cfg.nproc_per_node} local ranks but "
+                  f"{len(binding.cores())} cores to run on; no rank is bound", file=sys.stderr, flush=True)
         cmd = [sys.executable, "-m", "gpucoll._launch.worker", *cfg.program]
         error_dir = cfg.log_dir or scratch
         for local_rank in range(cfg.nproc_per_node):
@@ -252,6 +258,8 @@ class _Agent:
                 ClusterEnv(SOURCE, rank, cfg.world_size, local_rank, cfg.nproc_per_node, cfg.master_addr,
                            self.port, store_hosted=True, node_rank=cfg.node_rank), token=cfg.token))
             env[ERROR_FILE_ENV] = error_file
+            if cpus is not None:
+                env[CPU_BIND_ENV] = binding.env_value(cpus[local_rank])
             pipe = subprocess.PIPE if pump is not None else None
             proc = subprocess.Popen(
                 cmd, env=env, start_new_session=True, close_fds=True,

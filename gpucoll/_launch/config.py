@@ -35,6 +35,8 @@ class LaunchConfig:
         join_timeout: seconds to wait for node 0's store (other nodes) or, on node 0,
             for the other nodes to finish after the local ranks did.
         store_relay: run a store relay on this node (see :func:`resolve_relay`).
+        bind_to: ``none`` or ``core``: bind each local rank to a core of its own
+            (:mod:`gpucoll._launch.binding`).
     """
 
     program: tuple[str, ...]
@@ -50,6 +52,7 @@ class LaunchConfig:
     grace_period: float = 5.0
     join_timeout: float = 300.0
     store_relay: bool = False
+    bind_to: str = "none"
 
     @property
     def world_size(self) -> int:

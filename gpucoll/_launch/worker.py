@@ -12,7 +12,9 @@ preparations:
 - on Linux the process asks the kernel to SIGKILL it when the launcher dies, so
   that even a launcher killed by SIGKILL leaves no rank behind;
 - stdout is line-buffered, so that ranks' lines reach the launcher's prefixing
-  pump (and the log files) as they are printed, not when a buffer fills.
+  pump (and the log files) as they are printed, not when a buffer fills;
+- with ``--bind-to core``, the process binds itself to the core its launcher planned
+  for it (GPUCOLL_CPU_BIND) before the program starts any thread.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ import sys
 from types import TracebackType
 from typing import Callable
 
+from . import binding
 from .errorfile import write_error
 
+from .._env import CPU_BIND_ENV
 from .._env import LAUNCHER_PID_ENV as LAUNCHER_PID_ENV
 
 _PR_SET_PDEATHSIG = 1
@@ -45,6 +49,12 @@ def main(argv: list[str]) -> int:
         print("usage: python -m gpucoll._launch.worker (script.py | -m module) [args...]", file=sys.stderr)
         return 2
     _die_with_launcher()
+    try:
+        binding.apply_from_env()
+    except (ValueError, OSError) as e:
+        print(f"gpucoll-run worker: cannot bind to the CPUs its launcher planned ({CPU_BIND_ENV}): {e}",
+              file=sys.stderr)
+        return 1
     if isinstance(sys.stdout, io.TextIOWrapper):
         sys.stdout.reconfigure(line_buffering=True)
     run: Callable[[], object]
