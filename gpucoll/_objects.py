@@ -34,6 +34,7 @@ from ._env import MAX_OBJECT_BYTES_ENV
 from ._group.options import DeviceLike
 from ._group import ProcessGroup
 from ._group.coalescing import refuse_inside
+from ._backends.base import RunsNow
 from .errors import DistError
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -151,6 +152,62 @@ def _gather_single(pg: ProcessGroup, out: np.ndarray, inp: np.ndarray) -> None:
     issuer.run_now(cpu, now, cpu.all_gather_single, (o, i), i, "all_gather_single", [out])
 
 
+class _FirstExchange:
+    """One group's arrays for all-gather's first exchange (a row of ``FIRST_BYTES`` out,
+    every rank's row in), kept from call to call with the CPU backend's op bound to them
+    (their views and the op's signature made once): a repeated small all_gather_object
+    allocates nothing and describes nothing again. One call holds them at a time."""
+
+    __slots__ = ("row", "size_word", "rows", "run", "buffers")
+
+    def __init__(self, pg: ProcessGroup, cpu: RunsNow) -> None:
+        self.row = np.zeros(FIRST_BYTES, np.uint8)
+        self.size_word = self.row[:8].view(np.int64)
+        self.rows = np.empty(pg.size() * FIRST_BYTES, np.uint8)
+        self.run = cpu.all_gather_runner(self.rows, self.row)
+        self.buffers = (_array.as_buffer(self.rows, writable=True), _array.as_buffer(self.row))
+
+
+def _first_exchange(pg: ProcessGroup, announced: int, payload: bytes, k: int) -> tuple[list[int], list[bytes]]:
+    """All-gather this rank's first row (its announced size, then ``k`` bytes of its
+    payload); returns every rank's announced size and the payload bytes its row holds."""
+    cpu, issuer = pg._cpu, pg._issuer
+    pool = pg._object_scratch
+    if pool is None:  # first call: arrays only where the backend has the Work-less path
+        pool = pg._object_scratch = [_FirstExchange(pg, cpu)] if isinstance(cpu, RunsNow) else []
+    scratch = None
+    if pool and pg._coalescing is None and not issuer.hooks and not issuer.debug_detail:
+        try:
+            scratch = pool.pop()  # atomic: a concurrent call finds the pool empty
+        except IndexError:
+            scratch = None
+    if scratch is None:  # the Work path, or another thread holds the arrays: arrays of this call's own
+        first = np.zeros(FIRST_BYTES, np.uint8)
+        first[:8].view(np.int64)[0] = announced
+        if k > 0:
+            first[8:8 + k] = np.frombuffer(payload, np.uint8, count=k)
+        out = np.empty(pg.size() * FIRST_BYTES, np.uint8)
+        _gather_single(pg, out, first)
+        return _rows(out)
+    try:
+        scratch.size_word[0] = announced  # (the bytes past k are stale: the sizes delimit every row)
+        if k > 0:
+            scratch.row[8:8 + k] = np.frombuffer(payload, np.uint8, count=k)
+        o, i = scratch.buffers
+        issuer.run_now(cpu, scratch.run, cpu.all_gather_single, (o, i), i, "all_gather_single", [scratch.rows])
+        return _rows(scratch.rows)  # copied out before another call may reuse the arrays
+    finally:
+        pool.append(scratch)
+
+
+def _rows(out: np.ndarray) -> tuple[list[int], list[bytes]]:
+    """Each rank's announced size, and the payload bytes its first row holds."""
+    head = FIRST_BYTES - 8
+    sizes: list[int] = out.view(np.int64)[::FIRST_BYTES // 8].tolist()
+    return sizes, [out[i * FIRST_BYTES + 8:i * FIRST_BYTES + 8 + max(0, min(n, head))].tobytes()
+                   for i, n in enumerate(sizes)]
+
+
 @_named
 def all_gather_bytes(data: bytes, group: ProcessGroup | None = None) -> list[bytes]:
     """Every rank gets every rank's ``data``, in rank order.
@@ -165,23 +222,15 @@ def all_gather_bytes(data: bytes, group: ProcessGroup | None = None) -> list[byt
     limit = _limit()  # read once per call
     announced = _announced(payload, limit)
     head = FIRST_BYTES - 8  # payload bytes that ride with the size
-    first = np.zeros(FIRST_BYTES, np.uint8)
-    first[:8].view(np.int64)[0] = announced
     k = min(announced, head)  # nothing of a payload over the limit (announced < 0)
-    if k > 0:
-        first[8:8 + k] = np.frombuffer(payload, np.uint8, count=k)
-    out = np.empty(n * FIRST_BYTES, np.uint8)
-    _gather_single(pg, out, first)
-    rows = out.reshape(n, FIRST_BYTES)
-    sizes = out.view(np.int64)[::FIRST_BYTES // 8].tolist()
+    sizes, heads = _first_exchange(pg, announced, payload, k)
     _check_sizes(sizes, "all_gather", pg.global_ranks, limit)
     cap = max(sizes) - head
     if cap <= 0:
-        return [rows[i, 8:8 + sizes[i]].tobytes() for i in range(n)]
+        return heads
     rest = np.empty(n * cap, np.uint8)
     _gather_single(pg, rest, _padded(memoryview(payload)[head:], cap))
-    return [rows[i, 8:8 + min(sizes[i], head)].tobytes() + rest[i * cap:i * cap + max(0, sizes[i] - head)].tobytes()
-            for i in range(n)]
+    return [heads[i] + rest[i * cap:i * cap + max(0, sizes[i] - head)].tobytes() for i in range(n)]
 
 
 @_named

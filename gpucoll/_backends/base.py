@@ -172,6 +172,15 @@ class RunsNow(Protocol):
         caller's array; None when the kind is not planned (yet)."""
         ...
 
+    def all_gather_single_now(self, out: Buffer, inp: Buffer) -> bool:
+        """All-gather ``inp`` into ``out`` now (True), or False as :meth:`all_reduce_now`."""
+        ...
+
+    def all_gather_runner(self, out: Any, inp: Any) -> Callable[..., bool]:
+        """:meth:`all_gather_single_now` bound to two 1-D host arrays the caller keeps and
+        reuses: ``run()`` returns True when it ran, False as :meth:`all_reduce_now`."""
+        ...
+
 
 @runtime_checkable
 class PollsPending(Backend, Protocol):

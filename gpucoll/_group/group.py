@@ -88,6 +88,9 @@ class ProcessGroup:
         self._split_count = 0
         self._last_release: str | None = None  # monitored_barrier's key still to delete
         self._monitored_seq = 0  # monitored barriers so far (p2p ops advance the sequence unevenly across ranks)
+        # The object collectives' reusable arrays (gpucoll._objects: made on first use; a
+        # list, so that a call takes them with one atomic pop and a concurrent call sees none).
+        self._object_scratch: list[Any] | None = None
         # A "fake" group's one backend serves host and device arrays alike (_backends/fake.py).
         self._cpu: Backend = BACKENDS["fake" if backend == "fake" else "cpu"](PrefixStore("cpu", store), rank, size,
                                              timeout=timeout + _BACKEND_GRACE_S, group_name=group_name,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -114,3 +115,55 @@ def nccl_like_group_body() -> str:
 
 def test_objects_in_an_nccl_group_use_the_cpu_backend() -> None:
     assert run_spmd(nccl_like_group_body, 2, timeout=60) == ["ok", "ok"]
+
+
+def _blob(rank: int, call: int) -> bytes:
+    """A payload whose length crosses the first exchange's edges as calls go on: empty,
+    short, exactly what rides with the size, one byte more, and several rows' worth."""
+    from gpucoll._objects import FIRST_BYTES
+
+    lengths = [0, 10, FIRST_BYTES - 8, FIRST_BYTES - 7, 3 * FIRST_BYTES + 5, 1]
+    n = lengths[(call + rank) % len(lengths)]
+    return bytes((rank * 31 + call * 7 + i) % 251 for i in range(n))
+
+
+def reused_first_exchange_body() -> str:
+    import gpucoll
+    from gpucoll import _world
+    from gpucoll._objects import all_gather_bytes
+
+    r, n = gpucoll.get_rank(), gpucoll.get_world_size()
+    pg = _world._resolve(None)
+    for call in range(24):
+        # Long payloads followed by short ones: stale bytes in the reused row must never show.
+        assert all_gather_bytes(_blob(r, call)) == [_blob(q, call) for q in range(n)], call
+        out: list[Any] = [None] * n
+        gpucoll.all_gather_object(out, {"r": r, "call": call, "pad": "y" * (call * 97 % 5000)})
+        assert out == [{"r": q, "call": call, "pad": "y" * (call * 97 % 5000)} for q in range(n)]
+    pool = pg._object_scratch
+    assert pool is not None and len(pool) == 1  # made once, given back after every call
+    kept = pool[0]
+    # Arrays held elsewhere (another thread's call): this call makes its own, same answer.
+    held = pool.pop()
+    assert all_gather_bytes(_blob(r, 3)) == [_blob(q, 3) for q in range(n)]
+    assert pool == []
+    pool.append(held)
+    # With a hook registered the op takes the Work path; the hook sees it.
+    seen: list[str] = []
+    pg.register_on_completion_hook(lambda info: seen.append(str(info.op_type)))
+    assert all_gather_bytes(_blob(r, 4)) == [_blob(q, 4) for q in range(n)]
+    deadline = time.monotonic() + 30  # hooks run on the group's watchdog thread, soon after
+    while "all_gather_single" not in seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "all_gather_single" in seen, seen
+    assert pool == [kept]
+    # A new group has arrays of its own.
+    sub = gpucoll.new_group(list(range(n)))
+    assert all_gather_bytes(_blob(r, 5), group=sub) == [_blob(q, 5) for q in range(n)]
+    assert sub._object_scratch is not None and sub._object_scratch[0] is not kept
+    return "ok"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_the_first_exchange_reuses_its_arrays_and_never_shows_stale_bytes(world_size: int) -> None:
+    assert run_spmd(reused_first_exchange_body, world_size, timeout=120) == ["ok"] * world_size

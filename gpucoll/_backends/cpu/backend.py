@@ -78,10 +78,6 @@ class CPUBackend:
     Raises:
         ValueError: rank/size/timeout out of range.
         DistNetworkError: peers did not connect within ``timeout``.
-
-    Example:
-        >>> be = CPUBackend(PrefixStore("pg0", store), rank, size, timeout=60.0, group_name="pg0")
-        >>> be.all_reduce(buf, ReduceOp.SUM).wait()
     """
 
     name = "cpu"
@@ -280,13 +276,17 @@ class CPUBackend:
 
     def all_gather_single_now(self, out: Buffer, inp: Buffer) -> bool:
         """:meth:`all_gather_single` on this thread now, with no Work (as ``all_reduce_now``)."""
-        if out.nbytes > INLINE_MAX:
-            return False
         # Fresh arrays per call (the object collectives'): their own NumPy views, not _arr's cache.
-        o, i = host_ndarray(out).reshape(-1), host_ndarray(inp).reshape(-1)
-        sig = self._sig("all_gather_single", {"dtype": inp.dtype.name, "count": inp.numel})
-        return self._now("all_gather_single", self._coll.all_gather, sig, [o[k * i.size:(k + 1) * i.size]
-                                                                          for k in range(self.size)], i)
+        return out.nbytes <= INLINE_MAX and self.all_gather_runner(host_ndarray(out).reshape(-1),
+                                                                    host_ndarray(inp).reshape(-1))()
+
+    def all_gather_runner(self, out: Array, inp: Array) -> Callable[..., bool]:
+        """:meth:`all_gather_single_now` bound to two 1-D host arrays the caller reuses (their
+        views and the signature made once); ``run()`` is True when it ran. One thread at a time."""
+        views = [out[k * inp.size:(k + 1) * inp.size] for k in range(self.size)]
+        sig, now, gather = self._sig("all_gather_single", {"dtype": inp.dtype.name, "count": inp.size}), self._now, \
+            self._coll.all_gather
+        return lambda *_: now("all_gather_single", gather, sig, views, inp)
 
     def barrier_now(self) -> bool:
         """:meth:`barrier` on this thread now, with no Work (see ``RunsNow``)."""
