@@ -221,7 +221,7 @@ class _Client:
 
 def drive(host: str, port: int, protocol: str, scripts: list[Script], *,
           timeout: float = 120.0, connect_gap: int = 0, source: str | None = None,
-          stats: dict[str, int] | None = None) -> list[float]:
+          stats: dict[str, int] | None = None, unix: str | None = None) -> list[float]:
     """Run every script on its own connection to ``host:port``; return, per script, the
     ``time.monotonic()`` at which its last reply arrived.
 
@@ -230,7 +230,8 @@ def drive(host: str, port: int, protocol: str, scripts: list[Script], *,
     real clients do. ``source``: the local address to connect from (another 127.x.y.z
     gives another 28,000 local ports on loopback, whose ports a 16k-client run and its
     TIME_WAITs otherwise use up). ``stats``, when given, gets "retries": connections
-    that had to be made again.
+    that had to be made again. ``unix``: connect to this (abstract) Unix socket instead
+    of ``host:port``, as a rank reaches a server or relay on its own host.
 
     Raises:
         RuntimeError: a client got an unexpected reply, or not every script finished
@@ -246,14 +247,27 @@ def drive(host: str, port: int, protocol: str, scripts: list[Script], *,
     addr = (host, port)
 
     def start(c: _Client) -> None:
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.setblocking(False)
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if source is not None:
-            s.bind((source, 0))
+        if unix is not None:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+        else:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setblocking(False)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if source is not None:
+                s.bind((source, 0))
         c.sock = s
         c.buf.clear()
-        err = s.connect_ex(addr)
+        err = s.connect_ex(unix if unix is not None else addr)
+        if unix is not None and err == errno.EAGAIN:
+            # A Unix listener's backlog is full: no SYN to retransmit, so try again later.
+            s.close()
+            c.sock = None
+            c.tries += 1
+            if stats is not None:
+                stats["retries"] = stats.get("retries", 0) + 1
+            retry.append((time.monotonic() + min(0.01 * 2 ** c.tries, 0.5), c))
+            return
         if err not in (0, errno.EINPROGRESS):
             s.close()
             c.sock = None
@@ -399,7 +413,8 @@ def _serve_relay(port: int, conn: "Any") -> None:
     relay.close()
 
 
-def _gen(port: int, n: int, k: int, tag: str, source: str, start: "Any", results: "Any") -> None:
+def _gen(port: int, n: int, k: int, tag: str, source: str, start: "Any", results: "Any",
+         unix: "str | None" = None) -> None:
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -408,15 +423,19 @@ def _gen(port: int, n: int, k: int, tag: str, source: str, start: "Any", results
     results.put("ready")
     start.wait()
     try:
-        results.put(drive("127.0.0.1", port, "gpucoll", [script] * k, timeout=120.0, source=source))
+        results.put(drive("127.0.0.1", port, "gpucoll", [script] * k, timeout=120.0, source=source,
+                          unix=unix))
     except Exception as e:  # reported by the parent
         results.put(f"{type(e).__name__}: {e}")
 
 
 def relay_rendezvous(server_port: int, count: "Callable[[], int]", n: int, ports: list[int],
-                     tag: str, cpu: "Callable[[], float]") -> tuple[float, int, float, float]:
+                     tag: str, cpu: "Callable[[], float]",
+                     unix: bool = False) -> tuple[float, int, float, float]:
     """One rendezvous of ``n`` clients split evenly over ``ports`` (a relay's each, or the
-    server's own port repeated), one generator process per port. Returns the time from
+    server's own port repeated), one generator process per port; ``unix``: each connects
+    to its port's abstract Unix socket, as a rank reaches the relay on its own node
+    (gpucoll-run's ranks do: their client tries the relay's Unix socket first). Returns the time from
     the start signal to the last client woken, and the server's connections while the
     clients were parked, the server process's CPU seconds over the rendezvous, and the
     fan-out: from the master's ``set`` of the key they wait for to the last one woken."""
@@ -428,7 +447,10 @@ def relay_rendezvous(server_port: int, count: "Callable[[], int]", n: int, ports
     ctx = mp.get_context("spawn")
     start, results = ctx.Event(), ctx.Queue()
     per = [n // len(ports) + (1 if i < n % len(ports) else 0) for i in range(len(ports))]
-    procs = [ctx.Process(target=_gen, args=(p, n, k, tag, f"127.{1 + i // 250}.{i % 250}.1", start, results),
+    from gpucoll.store._sockets import unix_socket_name
+
+    procs = [ctx.Process(target=_gen, args=(p, n, k, tag, f"127.{1 + i // 250}.{i % 250}.1", start, results,
+                                            unix_socket_name("127.0.0.1", p) if unix else None),
                          daemon=True) for i, (p, k) in enumerate(zip(ports, per))]
     for p in procs:
         p.start()
@@ -465,6 +487,9 @@ def main(argv: "list[str] | None" = None) -> int:
     ap.add_argument("--relays", default="1024,4096", help="client counts, comma-separated")
     ap.add_argument("--per-node", type=int, default=256, help="clients per node (per relay)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--relay-link", choices=("unix", "tcp"), default="unix",
+                    help="how a node's clients reach its relay: its Unix socket, as gpucoll-run's ranks do "
+                         "(default), or TCP on loopback")
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     ctx = mp.get_context("spawn")
@@ -502,7 +527,8 @@ def main(argv: "list[str] | None" = None) -> int:
             for kind in order:
                 run += 1
                 ports = [port] * nodes if kind == "direct" else [r[2] for r in relays]
-                t, c, used, fan = relay_rendezvous(port, count, n, ports, f"rdv{n}-{run}", cpu)
+                t, c, used, fan = relay_rendezvous(port, count, n, ports, f"rdv{n}-{run}", cpu,
+                                                   unix=kind == "relays" and args.relay_link == "unix")
                 times[kind].append(t)
                 cpus[kind].append(used)
                 fans[kind].append(fan)
