@@ -271,7 +271,8 @@ def drive(host: str, port: int, protocol: str, scripts: list[Script], *,
         if err not in (0, errno.EINPROGRESS):
             s.close()
             c.sock = None
-            raise RuntimeError(f"store load generator: connect to {host}:{port}: {errno.errorcode.get(err, err)}")
+            where = f"Unix socket {unix!r}" if unix is not None else f"{host}:{port}"
+            raise RuntimeError(f"store load generator: connect to {where}: {errno.errorcode.get(err, err)}")
         by_fd[s.fileno()] = c
         ep.register(s.fileno(), select.EPOLLOUT)
 

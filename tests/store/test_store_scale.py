@@ -321,3 +321,44 @@ def test_a_port_held_by_a_reuseport_listener_is_refused_not_joined() -> None:
             srv.close()
     finally:
         other.close()
+
+
+def test_the_generator_reaches_a_relay_through_its_unix_socket() -> None:
+    """The relay bench's clients reach their node's relay as gpucoll-run's ranks do, through
+    the relay's abstract Unix socket: the rendezvous completes through it, the server counts
+    every join, and the relay carried the clients (no TCP connection was made to it)."""
+    from gpucoll.store._relay import StoreRelay
+    from gpucoll.store._sockets import unix_socket_name
+
+    n = 300
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=60)
+    relay = StoreRelay("127.0.0.1", master.port, token=None, timeout=60)
+    errors: list[BaseException] = []
+    carried: list[int] = []
+
+    def release() -> None:
+        try:
+            master.wait(["ux/all"], timeout=60)
+            carried.append(relay.clients)
+            master.set("ux/go", b"1")
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    t = threading.Thread(target=release)
+    t.start()
+    try:
+        ends = lg.drive("127.0.0.1", relay.port, "gpucoll", [lg.rendezvous_script("ux", n)] * n, timeout=60,
+                        unix=unix_socket_name("127.0.0.1", relay.port))
+        t.join(60)
+        assert not errors
+        assert len(ends) == n and all(ends)
+        assert master.get("ux/joined") == b"%d" % n
+        assert carried and carried[0] >= n - 1  # the clients were the relay's while parked
+        # A name nobody listens on is a connect error naming the address, not a hang.
+        with pytest.raises(RuntimeError, match="connect to Unix socket .*gpucoll-store.*ECONNREFUSED"):
+            lg.drive("127.0.0.1", relay.port, "gpucoll", [lg.rendezvous_script("no", 1)], timeout=5,
+                     unix=unix_socket_name("127.0.0.1", 1))
+    finally:
+        relay.close()
+        master.close()
+        t.join(5)
