@@ -18,6 +18,10 @@ Usage::
     python bench/cpu_collectives_bench.py --load     # the sweep quiet, then beside busy processes
     python bench/cpu_collectives_bench.py --bind-to none   # gpucoll's ranks left unbound
 
+Each library's sweep runs ``--rounds`` times (default 3), the libraries taking turns, and
+each row is the median over the rounds: on a shared machine bandwidth drifts by 2x within
+a minute, and one sweep after the other would compare different moments.
+
 gpucoll's ranks are bound to a core each (``run_spmd(bind_to="core")``, what
 ``gpucoll-run --bind-to core`` does), as ``mpirun`` binds Open MPI's: with up to two
 ranks it binds each to a core by default (``--report-bindings`` shows it); torch's gloo
@@ -300,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bind-to", choices=("core", "none"), default="core",
                     help="bind gpucoll's ranks to a core each ('core', the default: what mpirun does with its "
                          "ranks here, as its --report-bindings shows for up to 2 ranks) or not ('none')")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="sweeps per library, the libraries taking turns; each row is the median (default 3)")
     ap.add_argument("--json", default="", help="also write the raw results to this file")
     ap.add_argument("--load", action="store_true",
                     help="also run the sweep with one busy process per core beside the ranks")
@@ -323,8 +329,11 @@ def main(argv: list[str] | None = None) -> int:
         if MPI.COMM_WORLD.Get_rank() == 0:
             print(json.dumps(res))
         return 0
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1; got {args.rounds}")
     skip = set(filter(None, args.skip.split(",")))
-    header = (f"{args.ranks} ranks, {os.cpu_count()} CPUs, gpucoll transport {args.transport}, "
+    header = (f"{args.ranks} ranks, {os.cpu_count()} CPUs, {args.rounds} rounds (median), "
+              f"gpucoll transport {args.transport}, "
               f"gpucoll ranks bound: {args.bind_to}; time per op "
               "(median of batches, slowest rank), busbw = algbw * 2(n-1)/n")
     results = sweep(args, sizes, skip)
@@ -347,14 +356,34 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def sweep(args: argparse.Namespace, sizes: list[int], skip: set[str]) -> dict[str, Any]:
-    """Every library's sweep, one after the other (so a noisy neighbour hurts them alike)."""
-    results: dict[str, Any] = {}
-    results["gpucoll"] = run_gpucoll(args.ranks, args.quick, sizes, args.transport, args.bind_to)
-    results["gloo"] = "--skip given" if "gloo" in skip else run_gloo(args.ranks, args.quick, sizes)
-    results["mpi"] = "--skip given" if "mpi" in skip else run_mpi(args.ranks, args.quick, sizes)
+    """Every library's sweep, ``--rounds`` times, the libraries taking turns (the order
+    rotating each round), so that drift in the machine's speed over a minute, which on a
+    shared machine moves bandwidth by 2x, falls on every library alike; per row and
+    library, the median over the rounds."""
+    runs: dict[str, Callable[[], Any]] = {
+        "gpucoll": lambda: run_gpucoll(args.ranks, args.quick, sizes, args.transport, args.bind_to),
+        "gloo": lambda: run_gloo(args.ranks, args.quick, sizes),
+        "mpi": lambda: run_mpi(args.ranks, args.quick, sizes),
+    }
     if args.load:
-        results["control"] = run_control(args.ranks, args.quick, sizes)
+        runs["control"] = lambda: run_control(args.ranks, args.quick, sizes)
+    names = [k for k in runs if k not in skip]
+    got: dict[str, list[Any]] = {k: [] for k in names}
+    for r in range(args.rounds):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            got[k].append(runs[k]())
+    results: dict[str, Any] = {k: "--skip given" for k in runs if k in skip}
+    for k, each in got.items():
+        failed = [e for e in each if isinstance(e, str)]
+        results[k] = failed[0] if failed else median_of(each)
     return results
+
+
+def median_of(each: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per row, the median of the rounds' figures (a round's figure is already a median of batches)."""
+    return {"all_reduce": {nb: statistics.median(e["all_reduce"][nb] for e in each) for nb in each[0]["all_reduce"]},
+            "all_gather_object": statistics.median(e["all_gather_object"] for e in each),
+            "barrier": statistics.median(e["barrier"] for e in each)}
 
 
 def start_load() -> list[subprocess.Popen[bytes]]:

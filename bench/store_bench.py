@@ -27,6 +27,13 @@ server pays per client here (the generator's clients, the kernel's TCP), the lea
 server can take. The ratio columns are each implementation / torch for the same row of
 the same run. ``--rendezvous-only`` adds the servers' CPU per client (from
 ``/proc/<pid>/stat``, in 10 ms ticks) beside each time.
+``gpucoll-relays`` (rendezvous only) is gpucoll's server reached through node-local relays,
+as ``gpucoll-run --store-relay`` runs a job: each of the generator's processes is a node
+whose clients reach their own relay through its Unix socket, as a rank reaches its node's
+relay, and each relay (a process of its own) carries them over one TCP connection to the
+server. The generator's processes and their clients are the same as in the direct runs;
+only where the clients connect differs. Its CPU column is the server's alone (the relays'
+runs on their nodes).
 
 torch's server and client call ``getnameinfo()`` on each peer's address, which on
 some machines sends a reverse DNS query that stalls for seconds now and then. With
@@ -161,6 +168,36 @@ class _FloorServer:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+class _RelayedServer:
+    """gpucoll's server with ``relays`` relays in front of it, each in a process of its own
+    (as each node's gpucoll-run runs one); ``relay_ports[i]`` serves generator process i."""
+
+    def __init__(self, relays: int) -> None:
+        self._server = _Server("gpucoll")
+        self.port, self.pid = self._server.port, self._server.pid
+        self._relays = []
+        self.relay_ports: list[int] = []
+        for _ in range(relays):
+            here, there = _SPAWN.Pipe()
+            proc = _SPAWN.Process(target=lg._serve_relay, args=(self.port, there), daemon=True)
+            proc.start()
+            if not here.poll(60):
+                raise RuntimeError("a store relay did not start")
+            self.relay_ports.append(here.recv())
+            self._relays.append((proc, here))
+
+    def stop(self) -> None:
+        for proc, conn in self._relays:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+        self._server.stop()
+
+
 def _cpu_seconds(pid: int) -> float:
     """User plus system CPU of process ``pid`` and its threads so far."""
     with open(f"/proc/{pid}/stat") as f:
@@ -259,19 +296,20 @@ _PER_PROCESS = 4096
 
 
 def _gen_joiner(protocol: str, port: int, n: int, k: int, tag: str, start: Any,
-                results: Any, source: str) -> None:
+                results: Any, source: str, unix: str | None = None) -> None:
     _raise_nofile()
     script = lg.rendezvous_script(tag, n)
     results.put("ready")
     start.wait()
     try:
         results.put((lg.drive("127.0.0.1", port, protocol, [script] * k, timeout=_TIMEOUT,
-                                      source=source), []))
+                              source=source, unix=unix), []))
     except Exception as e:  # reported to the parent, which fails the row
         results.put(([], [f"{type(e).__name__}: {e}"]))
 
 
-def _rendezvous(impl: str, port: int, n: int, run: int, load: str = "threads") -> float:
+def _rendezvous(impl: str, port: int, n: int, run: int, load: str = "threads",
+                relay_ports: list[int] | None = None) -> float:
     tag = f"rdv{n}-{run}"
     if load == "loadgen":
         nproc = max(1, -(-n // _PER_PROCESS))
@@ -296,6 +334,10 @@ def _rendezvous(impl: str, port: int, n: int, run: int, load: str = "threads") -
             # Its own loopback address, hence its own local ports (see lg.drive).
             src = next(_SOURCES)
             a += (f"127.{1 + src // 62500 % 250}.{src // 250 % 250}.{1 + src % 250}",)
+            if relay_ports is not None:  # this process is a node: its clients reach its relay
+                from gpucoll.store._sockets import unix_socket_name
+
+                a = (first, relay_ports[i]) + a[2:] + (unix_socket_name("127.0.0.1", relay_ports[i]),)
         procs.append(ctx.Process(target=worker, args=a, daemon=True))
     for p in procs:
         p.start()
@@ -460,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="few iterations, small N: a smoke run")
     p.add_argument("--impl", default=None,
                    help="comma list of gpucoll, gpucoll-tcp (no Unix-socket fast path), torch, "
-                        "gpucoll-torchwire and floor (rendezvous only; see above) "
+                        "gpucoll-torchwire, floor and gpucoll-relays (rendezvous only; see above) "
                         "(default: gpucoll,torch, or gpucoll alone when torch does not import)")
     p.add_argument("--repeats", type=int, default=None, help="rendezvous runs per size (median)")
     p.add_argument("--clients", default=None, help="comma list of add-throughput client counts")
@@ -480,8 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     args.clients = [int(x) for x in (args.clients or ("1,8" if args.quick else "1,8,32")).split(",")]
     args.rendezvous = [int(x) for x in (args.rendezvous or ("64" if args.quick else "64,256,1024")).split(",")]
     impls = args.impl.split(",") if args.impl else (["gpucoll", "torch"] if _torch_available() else ["gpucoll"])
-    if "floor" in impls and not args.rendezvous_only:
-        p.error("--impl floor has only the rendezvous rows: add --rendezvous-only")
+    for only in ("floor", "gpucoll-relays"):
+        if only in impls and not (args.rendezvous_only and args.load == "loadgen"):
+            p.error(f"--impl {only} has only the rendezvous rows, with the load generator: add --rendezvous-only")
     if "torch" in impls and not args.no_numeric_names and _NUMERIC_ENV not in os.environ:
         _rerun_numeric(argv)  # does not return when the shim builds
     _raise_nofile()
@@ -509,8 +552,10 @@ def interleaved(impls: list[str], args: argparse.Namespace) -> list[Row]:
     # gpucoll's servers are forked before torch is imported: a server forked from a parent
     # holding torch's modules would carry them in its heap, and every full garbage
     # collection in the server's loop would walk them.
-    servers: dict[str, _Server | _FloorServer] = {
-        impl: _FloorServer() if impl == "floor" else _Server(impl) for impl in impls if impl != "torch"}
+    nodes = max(1, -(-max(args.rendezvous) // _PER_PROCESS))  # the most generator processes a size uses
+    servers: dict[str, _Server | _FloorServer | _RelayedServer] = {
+        impl: _FloorServer() if impl == "floor" else _RelayedServer(nodes) if impl == "gpucoll-relays"
+        else _Server(impl) for impl in impls if impl != "torch"}
     if "torch" in impls:
         import torch.distributed  # noqa: F401
 
@@ -524,7 +569,9 @@ def interleaved(impls: list[str], args: argparse.Namespace) -> list[Row]:
                 for k in range(len(impls)):
                     impl = impls[(r + k) % len(impls)]
                     before = _cpu_seconds(servers[impl].pid)
-                    times[impl].append(_rendezvous(impl, servers[impl].port, n, r, args.load))
+                    srv = servers[impl]
+                    times[impl].append(_rendezvous(impl, srv.port, n, r, args.load,
+                                                   srv.relay_ports if isinstance(srv, _RelayedServer) else None))
                     cpus[impl].append((_cpu_seconds(servers[impl].pid) - before) / n * 1e6)
             rows.append(Row(f"rendezvous, {n} clients", "s",
                             {impl: statistics.median(t) for impl, t in times.items()}))
