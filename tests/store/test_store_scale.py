@@ -140,6 +140,24 @@ def test_load_generator_reports_a_rejected_greeting() -> None:
 
 # -- a whole job connecting at once -------------------------------------------------------
 
+def _releaser(master: TCPStore, tag: str, errors: list[BaseException],
+              before: Callable[[], object] | None = None) -> threading.Thread:
+    """The rendezvous script's master, in a thread: once ``{tag}/all`` is set, release every
+    client with ``{tag}/go`` (``before()`` first); errors go to ``errors``."""
+    def release() -> None:
+        try:
+            master.wait([f"{tag}/all"], timeout=60)
+            if before is not None:
+                before()
+            master.set(f"{tag}/go", b"1")
+        except BaseException as e:  # reported by the test
+            errors.append(e)
+
+    t = threading.Thread(target=release)
+    t.start()
+    return t
+
+
 def test_a_burst_of_connections_is_served_without_dropping_any() -> None:
     """1,500 clients connect at once and each says HELLO only once its connect is done:
     the server holds them all while their HELLOs arrive (it once kept 256 and dropped
@@ -148,16 +166,7 @@ def test_a_burst_of_connections_is_served_without_dropping_any() -> None:
     master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=60)
     stats: dict[str, int] = {}
     errors: list[BaseException] = []
-
-    def release() -> None:
-        try:
-            master.wait(["burst/all"], timeout=60)
-            master.set("burst/go", b"1")
-        except BaseException as e:  # reported below
-            errors.append(e)
-
-    t = threading.Thread(target=release)
-    t.start()
+    t = _releaser(master, "burst", errors)
     try:
         ends = lg.drive("127.0.0.1", master.port, "gpucoll", [lg.rendezvous_script("burst", n)] * n,
                         timeout=60, stats=stats)
@@ -335,17 +344,7 @@ def test_the_generator_reaches_a_relay_through_its_unix_socket() -> None:
     relay = StoreRelay("127.0.0.1", master.port, token=None, timeout=60)
     errors: list[BaseException] = []
     carried: list[int] = []
-
-    def release() -> None:
-        try:
-            master.wait(["ux/all"], timeout=60)
-            carried.append(relay.clients)
-            master.set("ux/go", b"1")
-        except BaseException as e:  # reported below
-            errors.append(e)
-
-    t = threading.Thread(target=release)
-    t.start()
+    t = _releaser(master, "ux", errors, lambda: carried.append(relay.clients))
     try:
         ends = lg.drive("127.0.0.1", relay.port, "gpucoll", [lg.rendezvous_script("ux", n)] * n, timeout=60,
                         unix=unix_socket_name("127.0.0.1", relay.port))
