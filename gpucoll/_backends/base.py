@@ -172,6 +172,10 @@ class RunsNow(Protocol):
         caller's array; None when the kind is not planned (yet)."""
         ...
 
+    def broadcast_now(self, buf: Buffer, src: int) -> bool:
+        """Broadcast ``buf`` from group rank ``src`` now (True), or False as :meth:`all_reduce_now`."""
+        ...
+
     def all_gather_single_now(self, out: Buffer, inp: Buffer) -> bool:
         """All-gather ``inp`` into ``out`` now (True), or False as :meth:`all_reduce_now`."""
         ...

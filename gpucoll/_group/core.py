@@ -40,17 +40,18 @@ _PLANS_MAX = 1024  # distinct plans kept per group; a job with more re-plans som
 class Plan:
     """What a repeated op needs, decided by its first call: the backend it runs on, the
     reduction as checked for its dtype, whether the backend is the device one, and, for
-    a host backend, its Work-less all_reduce (``RunsNow``) if it has one; for a device
+    a host backend, its Work-less form of the op (``RunsNow``, named by ``now``) if it has one; for a device
     backend, its Work-less synchronous form of the op (``IssuesQuietly``) if it has one."""
 
     __slots__ = ("backend", "red", "device", "now", "quiet")
 
-    def __init__(self, backend: Backend, red: Any, device: bool, quiet: str = "") -> None:
+    def __init__(self, backend: Backend, red: Any, device: bool, quiet: str = "", now: str = "all_reduce_now") -> None:
         self.backend = backend
         self.red = red
         self.device = device
         # Host ops only: a device op's synchronous form orders the caller's stream, no host wait.
-        self.now = backend.all_reduce_now if not device and isinstance(backend, RunsNow) else None
+        self.now: Callable[..., bool] | None = (
+            getattr(backend, now) if not device and isinstance(backend, RunsNow) else None)
         self.quiet: Callable[..., bool] | None = (
             getattr(backend, quiet) if quiet and device and isinstance(backend, IssuesQuietly) else None)
 
@@ -109,11 +110,13 @@ class Issuer:
         self.hooks = self.watchdog.hooks
 
     # ----- plans -----
-    def plan(self, key: tuple[Any, ...] | None, backend: Backend, red: Any, device: bool, quiet: str = "") -> Plan:
+    def plan(self, key: tuple[Any, ...] | None, backend: Backend, red: Any, device: bool, quiet: str = "",
+             now: str = "all_reduce_now") -> Plan:
         """The plan of an op's first call (after every check), kept under ``key`` (None:
         an op that is planned on every call, such as PREMUL_SUM with its factor);
-        ``quiet`` names the device backend's Work-less form of the op (IssuesQuietly)."""
-        plan = Plan(backend, red, device, quiet)
+        ``quiet`` names the device backend's Work-less form of the op (IssuesQuietly),
+        ``now`` the host backend's (RunsNow)."""
+        plan = Plan(backend, red, device, quiet, now)
         if key is not None:
             if len(self.plans) >= _PLANS_MAX:
                 self.plans.clear()

@@ -356,10 +356,12 @@ class ProcessGroup:
         plan = self._plans.get(key)
         if plan is None:
             backend = backend_for(self, buf, "tensor")
-            plan = self._issuer.plan(key, backend, None, backend is not self._cpu, "broadcast_quiet")
-        backend = plan.backend
-        return self._issuer.call(backend, backend.broadcast, (buf, src), buf, [tensor], async_op, plan.device,
-                                 "broadcast", None, src, plan.quiet)
+            plan = self._issuer.plan(key, backend, None, backend is not self._cpu, "broadcast_quiet", "broadcast_now")
+        backend, issuer = plan.backend, self._issuer
+        if plan.now is not None and not async_op and not issuer.hooks and not issuer.debug_detail:  # no Work
+            return issuer.run_now(backend, plan.now, backend.broadcast, (buf, src), buf, "broadcast", [tensor])
+        return issuer.call(backend, backend.broadcast, (buf, src), buf, [tensor], async_op, plan.device,
+                           "broadcast", None, src, plan.quiet)
 
     def all_gather(self, tensor_list: Sequence[ArrayOrBuffer], tensor: ArrayOrBuffer, async_op: bool = False) -> Work | None:
         """Gather every rank's ``tensor`` into ``tensor_list`` (one array per rank) on every rank."""
@@ -378,13 +380,20 @@ class ProcessGroup:
         self._check_usable()
         out = _array.as_buffer(output, name="output_tensor", writable=True)
         inp = _array.as_buffer(input, name="input_tensor")
-        _check_chunked(self, out, inp, "output_tensor", "input_tensor")
-        if self._coalescing is not None:
-            return self._coalescing._defer(self, "all_gather_single", None,
-                                           ("output_tensor", out, output, inp), async_op)
-        backend = backend_for_all(self, [out, inp], ["output_tensor", "input_tensor"])
-        work = self._issue(backend, lambda: backend.all_gather_single(out, inp), inp, [output], op="all_gather_single")
-        return self._finish(backend, work, async_op)
+        key = (op := "all_gather_single", out.dtype.name, out.nbytes, inp.dtype.name, inp.nbytes, out.device.type,
+               out.device.index, inp.device.type, inp.device.index)  # what the checks below depend on
+        plan = self._plans.get(key) if self._coalescing is None else None
+        if plan is None:
+            _check_chunked(self, out, inp, "output_tensor", "input_tensor")
+            if self._coalescing is not None:
+                return self._coalescing._defer(self, "all_gather_single", None,
+                                               ("output_tensor", out, output, inp), async_op)
+            backend = backend_for_all(self, [out, inp], ["output_tensor", "input_tensor"])
+            plan = self._issuer.plan(key, backend, None, backend is not self._cpu, now="all_gather_single_now")
+        backend, issuer = plan.backend, self._issuer
+        if plan.now is not None and not async_op and not issuer.hooks and not issuer.debug_detail:  # no Work
+            return issuer.run_now(backend, plan.now, backend.all_gather_single, (out, inp), inp, op, [output])
+        return issuer.call(backend, backend.all_gather_single, (out, inp), inp, [output], async_op, plan.device, op)
 
     def all_gather_coalesced(self, output_lists: Sequence[Sequence[Any]], input_list: Sequence[ArrayOrBuffer],
                              async_op: bool = False) -> Work | None:

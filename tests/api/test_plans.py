@@ -138,3 +138,88 @@ def test_plans_are_never_stale() -> None:
             assert res["coalesced_ops"] == 1, res
             assert res["own_plans"], res
             assert res["destroyed_plans"] == 0 and res["fresh_plans"] == 0, res
+
+
+def workless_body() -> dict[str, Any]:
+    """broadcast and all_gather_single: a repeated synchronous host op takes the CPU
+    backend's Work-less path (no Work: the backend's Work-making call is never reached),
+    and still falls back to a Work where one is needed (async, a hook, a large op); a
+    changed dtype, size or root is never served a stale plan; the checks the key settles
+    (dtypes, sizes) still fail a call that differs."""
+    import gpucoll
+    from gpucoll._world import default_group
+
+    r, n = gpucoll.get_rank(), gpucoll.get_world_size()
+    pg = default_group()
+    cpu = pg._cpu
+    bad: list[str] = []
+    made: dict[str, int] = {"broadcast": 0, "all_gather_single": 0}
+    for name in made:  # count the Work path's calls (each makes a Work)
+        real = getattr(cpu, name)
+
+        def counted(*args: Any, _real: Any = real, _name: str = name) -> Any:
+            made[_name] += 1
+            return _real(*args)
+        setattr(cpu, name, counted)
+
+    def check(name: str, got: Any, want: Any) -> None:
+        if got.dtype != want.dtype or got.shape != want.shape or not np.array_equal(got, want):
+            bad.append(f"{name}: got {got!r}, want {want!r}")
+
+    for dtype in (np.float32, np.int32, np.float64):  # float32 and int32: same bytes, another plan
+        for src in range(n):
+            for _ in range(2):
+                y = np.full(5, r * 10 + 1, dtype)
+                gpucoll.broadcast(y, src=src)
+                check(f"broadcast {dtype.__name__} from {src}", y, np.full(5, src * 10 + 1, dtype))
+        for count in (1, 3, 3, 7):
+            out = np.empty(n * count, dtype)
+            gpucoll.all_gather_into_tensor(out, np.arange(count, dtype=dtype) + r * 100)
+            check(f"all_gather {dtype.__name__} x{count}", out,
+                  np.concatenate([np.arange(count, dtype=dtype) + q * 100 for q in range(n)]))
+    # In place: the input is this rank's chunk of the output.
+    out = np.zeros(n * 4, np.float32)
+    out[r * 4:(r + 1) * 4] = r + 0.5
+    for _ in range(2):
+        gpucoll.all_gather_into_tensor(out, out[r * 4:(r + 1) * 4])
+    check("all_gather in place", out, np.repeat(np.arange(n, dtype=np.float32) + 0.5, 4))
+    workless = dict(made)
+
+    # Where a Work is needed, the Work path, with the right results.
+    y = np.full(5, float(r), np.float32)
+    w = gpucoll.broadcast(y, src=0, async_op=True)
+    assert w is not None
+    w.wait()
+    check("async broadcast", y, np.zeros(5, np.float32))
+    big = np.full(1 << 19, float(r), np.float32)  # 2 MiB: past what runs on the caller's thread
+    gpucoll.broadcast(big, src=n - 1)
+    check("large broadcast", big[:4], np.full(4, float(n - 1), np.float32))
+    seen: list[str] = []
+    pg.register_on_completion_hook(lambda info: seen.append(str(info.op_type)))
+    out = np.empty(n * 3, np.float32)
+    gpucoll.all_gather_into_tensor(out, np.full(3, float(r), np.float32))
+    check("all_gather with a hook", out, np.repeat(np.arange(n, dtype=np.float32), 3))
+    fallback = dict(made)
+
+    # The key's checks still fail a call that differs from a planned one.
+    errors = []
+    for o, i in ((np.empty(n * 3, np.float32), np.zeros(3, np.int32)),   # dtypes differ
+                 (np.empty(n * 3 + 1, np.float32), np.zeros(3, np.float32))):  # sizes differ
+        try:
+            gpucoll.all_gather_into_tensor(o, i)
+            errors.append("returned")
+        except ValueError:
+            errors.append("ValueError")
+    gpucoll.barrier()
+    return {"bad": bad, "workless": workless, "fallback": fallback, "errors": errors}
+
+
+def test_broadcast_and_all_gather_take_the_workless_path_and_are_never_stale() -> None:
+    for n in (1, 2, 3, 4):
+        for r, res in enumerate(run_spmd(workless_body, n, timeout=120)):
+            assert res["bad"] == [], (n, r, res["bad"])
+            if n > 1:  # (a group of one runs everything locally, no backend op)
+                assert res["workless"] == {"broadcast": 0, "all_gather_single": 0}, (n, r, res)
+                # async broadcast, 2 MiB broadcast, all_gather with a hook: a Work each.
+                assert res["fallback"] == {"broadcast": 2, "all_gather_single": 1}, (n, r, res)
+            assert res["errors"] == ["ValueError", "ValueError"], res

@@ -359,7 +359,7 @@ def _cpu_body() -> dict[str, Any]:
 @pytest.mark.parametrize("size", [2, 3])
 def test_cpu_options_pick_the_transport_and_timeout(size: int) -> None:
     results = run_spmd(_cpu_body, size, init=False, timeout=120)
-    from gpucoll._backends.cpu.backend import _shm_supported
+    from gpucoll._backends.cpu.segments import supported as _shm_supported
 
     want = np.arange(5, dtype=np.float64) * (size * (size + 1) / 2)
     for got in results:

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import functools
 import os
-import platform
-import sys
 import threading
 import time
 from collections import deque
@@ -26,7 +24,6 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..._buffer import Buffer
-from ...array import host_ndarray
 from ..._debug import DebugLevel, get_debug_level
 from ...errors import DistBackendError, DistError
 from ..._reduce_op import PremulSum, ReduceOp, ReduceOpLike
@@ -37,6 +34,7 @@ from .auth import host_id
 from .p2p import run_batch
 from .tcp import TcpMesh, local_address
 from ..mismatch import find_mismatch
+from .segments import supported as shm_supported
 from .signatures import Signatures
 from .tcp_algos import Ctx, TcpCollectives, op_label
 
@@ -47,12 +45,6 @@ INLINE_MAX = 1 << 20
 nothing is queued."""
 
 from ..._env import CPU_TRANSPORT_ENV as TRANSPORT_ENV
-
-
-def _shm_supported() -> bool:
-    # The shared-memory protocol relies on x86-64's total store order (flags are plain
-    # stores after the data) and on Linux futexes for sleeping.
-    return sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
 
 
 class CPUBackend:
@@ -135,7 +127,7 @@ class CPUBackend:
 
     def _choose_transport(self, store: Store, mode: str, me: str, source: str) -> None:
         rank, size, group_name = self.rank, self.size, self.group_name
-        if size > 1 and mode != "tcp" and _shm_supported():
+        if size > 1 and mode != "tcp" and shm_supported():
             same_host = all(store.get(f"tcp/{p}").decode().split("|")[0] == me for p in range(size))
             if same_host:
                 from .shm import ShmUnavailable
@@ -274,11 +266,19 @@ class CPUBackend:
             return None
         return functools.partial(self._now, "all_reduce", self._coll.all_reduce, plan[2]), plan[0]
 
+    def broadcast_now(self, buf: Buffer, src: int) -> bool:
+        """:meth:`broadcast` on this thread now, with no Work (as ``all_reduce_now``)."""
+        sig = self._sig("broadcast", {"dtype": buf.dtype.name, "count": buf.numel, "root": src})
+        return buf.nbytes <= INLINE_MAX and self._now("broadcast", self._coll.broadcast, sig, self._arr(buf), src)
+
     def all_gather_single_now(self, out: Buffer, inp: Buffer) -> bool:
         """:meth:`all_gather_single` on this thread now, with no Work (as ``all_reduce_now``)."""
-        # Fresh arrays per call (the object collectives'): their own NumPy views, not _arr's cache.
-        return out.nbytes <= INLINE_MAX and self.all_gather_runner(host_ndarray(out).reshape(-1),
-                                                                    host_ndarray(inp).reshape(-1))()
+        if out.nbytes > INLINE_MAX:
+            return False
+        o, i, n = self._arr(out), self._arr(inp), inp.numel
+        sig = self._sig("all_gather_single", {"dtype": inp.dtype.name, "count": n})
+        return self._now("all_gather_single", self._coll.all_gather, sig,
+                         [o[k * n:(k + 1) * n] for k in range(self.size)], i)
 
     def all_gather_runner(self, out: Array, inp: Array) -> Callable[..., bool]:
         """:meth:`all_gather_single_now` bound to two 1-D host arrays the caller reuses (their

@@ -15,16 +15,25 @@ Plain ``os`` calls only: the launcher imports this module.
 from __future__ import annotations
 
 import os
+import platform
 import re
 import secrets
 import stat
+import sys
 from typing import Callable
 
-__all__ = ["PREFIX", "new_name", "sweep_orphans", "remove_segments_of", "unlink_ours"]
+__all__ = ["PREFIX", "supported", "new_name", "sweep_orphans", "remove_segments_of", "unlink_ours"]
 
 DIR = "/dev/shm"
 PREFIX = DIR + "/gpucoll-"
 _NAME = re.compile(r"gpucoll-(\d+)-(\d+)-[0-9a-f]{16}")
+
+
+def supported() -> bool:
+    """Whether this host can run the shared-memory transport at all."""
+    # The shared-memory protocol relies on x86-64's total store order (flags are plain
+    # stores after the data) and on Linux futexes for sleeping.
+    return sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
 
 
 def _pidns() -> str:
