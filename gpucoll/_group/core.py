@@ -186,7 +186,7 @@ class Issuer:
         return work
 
     def run_now(self, backend: Backend, now: Callable[..., bool], start: Callable[..., Work], args: tuple[Any, ...],
-                buf: Buffer | None, op: str, outputs: list[Any]) -> Work | None:
+                buf: Buffer | None, op: str, outputs: list[Any], peer: int = -1) -> Work | None:
         """A synchronous host op through the backend's Work-less path (``RunsNow``):
         ``now(*args)``, numbered and recorded as :meth:`issue` does, with no Work unless it
         fails; when the backend cannot run it now (ops queued ahead of it), ``start(*args)``
@@ -196,7 +196,7 @@ class Issuer:
         recorder = self.recorder
         entry = None
         if recorder is not None:
-            entry = recorder.begin(seq, op, backend.name, buf, -1)
+            entry = recorder.begin(seq, op, backend.name, buf, peer)  # (a collective's peer: its root)
             if self.debug_info:
                 entry.where = call_site()
         t0 = time.perf_counter()
@@ -216,7 +216,7 @@ class Issuer:
             if entry is not None:
                 entry.complete(time.perf_counter() - t0)
             return None
-        return self.finish(backend, self._start(seq, entry, start, args, outputs, -1, op), False, False)
+        return self.finish(backend, self._start(seq, entry, start, args, outputs, peer, op), False, False)
 
     def finish(self, backend: Backend, work: Work, async_op: bool, device: bool) -> Work | None:
         """Return ``work`` (async) or wait for it as a synchronous op does."""

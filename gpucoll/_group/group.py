@@ -359,7 +359,7 @@ class ProcessGroup:
             plan = self._issuer.plan(key, backend, None, backend is not self._cpu, "broadcast_quiet", "broadcast_now")
         backend, issuer = plan.backend, self._issuer
         if plan.now is not None and not async_op and not issuer.hooks and not issuer.debug_detail:  # no Work
-            return issuer.run_now(backend, plan.now, backend.broadcast, (buf, src), buf, "broadcast", [tensor])
+            return issuer.run_now(backend, plan.now, backend.broadcast, (buf, src), buf, "broadcast", [tensor], src)
         return issuer.call(backend, backend.broadcast, (buf, src), buf, [tensor], async_op, plan.device,
                            "broadcast", None, src, plan.quiet)
 

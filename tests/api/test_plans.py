@@ -184,6 +184,13 @@ def workless_body() -> dict[str, Any]:
         gpucoll.all_gather_into_tensor(out, out[r * 4:(r + 1) * 4])
     check("all_gather in place", out, np.repeat(np.arange(n, dtype=np.float32) + 0.5, 4))
     workless = dict(made)
+    # The flight recorder shows each Work-less broadcast's root, as it does a Work's.
+    entries = pg._recorder.snapshot()["entries"] if pg._recorder is not None else []
+    roots = [e["peer"] for e in entries if e["op_type"] == "broadcast"]
+    if n > 1 and roots[-2:] != [n - 1, n - 1]:  # the last kind above broadcast from every root in turn
+        bad.append(f"broadcast roots in the flight recorder: {roots[-6:]}")
+    if any(e["state"] != "completed" for e in entries[-8:]):
+        bad.append(f"flight recorder states: {[e['state'] for e in entries[-8:]]}")
 
     # Where a Work is needed, the Work path, with the right results.
     y = np.full(5, float(r), np.float32)
