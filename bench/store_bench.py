@@ -175,26 +175,12 @@ class _RelayedServer:
     def __init__(self, relays: int) -> None:
         self._server = _Server("gpucoll")
         self.port, self.pid = self._server.port, self._server.pid
-        self._relays = []
-        self.relay_ports: list[int] = []
-        for _ in range(relays):
-            here, there = _SPAWN.Pipe()
-            proc = _SPAWN.Process(target=lg._serve_relay, args=(self.port, there), daemon=True)
-            proc.start()
-            if not here.poll(60):
-                raise RuntimeError("a store relay did not start")
-            self.relay_ports.append(here.recv())
-            self._relays.append((proc, here))
+        self._relays = [lg.start_relay(self.port) for _ in range(relays)]
+        self.relay_ports = [r[2] for r in self._relays]
 
     def stop(self) -> None:
-        for proc, conn in self._relays:
-            try:
-                conn.send(None)
-            except OSError:
-                pass
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
+        for relay in self._relays:
+            lg.stop_relay(relay)
         self._server.stop()
 
 
@@ -328,16 +314,17 @@ def _rendezvous(impl: str, port: int, n: int, run: int, load: str = "threads",
     results = ctx.Queue()
     per = [n // nproc + (1 if i < n % nproc else 0) for i in range(nproc)]
     procs = []
+    from gpucoll.store._sockets import unix_socket_name
+
     for i, k in enumerate(per):
-        a: tuple[Any, ...] = (first, port, n, k, tag, start, results)
+        # With relays, this process is a node: its clients reach its relay's Unix socket.
+        to = port if relay_ports is None else relay_ports[i]
+        a: tuple[Any, ...] = (first, to, n, k, tag, start, results)
         if load == "loadgen":
             # Its own loopback address, hence its own local ports (see lg.drive).
             src = next(_SOURCES)
-            a += (f"127.{1 + src // 62500 % 250}.{src // 250 % 250}.{1 + src % 250}",)
-            if relay_ports is not None:  # this process is a node: its clients reach its relay
-                from gpucoll.store._sockets import unix_socket_name
-
-                a = (first, relay_ports[i]) + a[2:] + (unix_socket_name("127.0.0.1", relay_ports[i]),)
+            a += (f"127.{1 + src // 62500 % 250}.{src // 250 % 250}.{1 + src % 250}",
+                  None if relay_ports is None else unix_socket_name("127.0.0.1", to))
         procs.append(ctx.Process(target=worker, args=a, daemon=True))
     for p in procs:
         p.start()

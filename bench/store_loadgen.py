@@ -247,12 +247,9 @@ def drive(host: str, port: int, protocol: str, scripts: list[Script], *,
     addr = (host, port)
 
     def start(c: _Client) -> None:
-        if unix is not None:
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.setblocking(False)
-        else:
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.setblocking(False)
+        s = socket.socket(socket.AF_UNIX if unix is not None else socket.AF_INET, socket.SOCK_STREAM)
+        s.setblocking(False)
+        if unix is None:
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if source is not None:
                 s.bind((source, 0))
@@ -263,10 +260,7 @@ def drive(host: str, port: int, protocol: str, scripts: list[Script], *,
             # A Unix listener's backlog is full: no SYN to retransmit, so try again later.
             s.close()
             c.sock = None
-            c.tries += 1
-            if stats is not None:
-                stats["retries"] = stats.get("retries", 0) + 1
-            retry.append((time.monotonic() + min(0.01 * 2 ** c.tries, 0.5), c))
+            later(c)
             return
         if err not in (0, errno.EINPROGRESS):
             s.close()
@@ -287,6 +281,10 @@ def drive(host: str, port: int, protocol: str, scripts: list[Script], *,
         c.req = None
         if c.steps is not None:
             raise RuntimeError(f"store load generator: client {c.i} lost its connection mid-script")
+        later(c)
+
+    def later(c: _Client) -> None:
+        """Connect ``c`` again after a back-off (10-500 ms, doubling), as the real client does."""
         c.tries += 1
         if stats is not None:
             stats["retries"] = stats.get("retries", 0) + 1
@@ -414,6 +412,31 @@ def _serve_relay(port: int, conn: "Any") -> None:
     relay.close()
 
 
+def start_relay(port: int) -> "tuple[Any, Any, int]":
+    """One node's relay to the server on ``port``, in a process of its own (as gpucoll-run's
+    agent runs it): (process, its pipe, the relay's port). :func:`stop_relay` ends it."""
+    import multiprocessing as mp
+
+    here, there = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=_serve_relay, args=(port, there), daemon=True)
+    proc.start()
+    if not here.poll(60):
+        proc.kill()
+        raise RuntimeError("a store relay did not start within 60 s")
+    return proc, here, int(here.recv())
+
+
+def stop_relay(relay: "tuple[Any, Any, int]") -> None:
+    proc, conn, _ = relay
+    try:
+        conn.send(None)
+    except OSError:
+        pass
+    proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+
+
 def _gen(port: int, n: int, k: int, tag: str, source: str, start: "Any", results: "Any",
          unix: "str | None" = None) -> None:
     import resource
@@ -513,12 +536,7 @@ def main(argv: "list[str] | None" = None) -> int:
     run = 0
     for n in (int(x) for x in args.relays.split(",")):
         nodes = max(1, n // args.per_node)
-        relays = []
-        for _ in range(nodes):
-            a, b = ctx.Pipe()
-            proc = ctx.Process(target=_serve_relay, args=(port, b), daemon=True)
-            proc.start()
-            relays.append((proc, a, a.recv()))
+        relays = [start_relay(port) for _ in range(nodes)]
         times: dict[str, list[float]] = {"direct": [], "relays": []}
         cpus: dict[str, list[float]] = {"direct": [], "relays": []}
         fans: dict[str, list[float]] = {"direct": [], "relays": []}
@@ -535,9 +553,8 @@ def main(argv: "list[str] | None" = None) -> int:
                 fans[kind].append(fan)
                 held[kind] = c
                 time.sleep(0.5)  # TIME_WAITs and the previous run's closes settle
-        for proc, a, _ in relays:
-            a.send(None)
-            proc.join(10)
+        for relay in relays:
+            stop_relay(relay)
         d, r = statistics.median(times["direct"]), statistics.median(times["relays"])
         print(f"| {n:,} | {nodes} | {d:.3f} ({', '.join(f'{x:.2f}' for x in times['direct'])}) "
               f"| {r:.3f} ({', '.join(f'{x:.2f}' for x in times['relays'])}) | {r / d:.2f}x "

@@ -158,14 +158,24 @@ class _FirstExchange:
     (their views and the op's signature made once): a repeated small all_gather_object
     allocates nothing and describes nothing again. One call holds them at a time."""
 
-    __slots__ = ("row", "size_word", "rows", "run", "buffers")
+    __slots__ = ("row", "rows", "run", "start", "buffer")
 
     def __init__(self, pg: ProcessGroup, cpu: RunsNow) -> None:
         self.row = np.zeros(FIRST_BYTES, np.uint8)
-        self.size_word = self.row[:8].view(np.int64)
         self.rows = np.empty(pg.size() * FIRST_BYTES, np.uint8)
         self.run = cpu.all_gather_runner(self.rows, self.row)
-        self.buffers = (_array.as_buffer(self.rows, writable=True), _array.as_buffer(self.row))
+        self.buffer = _array.as_buffer(self.row)
+        # The Work path, when the backend cannot run it now (ops queued ahead).
+        self.start = functools.partial(pg._cpu.all_gather_single, _array.as_buffer(self.rows, writable=True),
+                                       self.buffer)
+
+
+def _fill(row: np.ndarray, announced: int, payload: bytes, k: int) -> None:
+    """Write a first row: the announced size, then ``k`` bytes of the payload (the bytes
+    past them may be stale: the sizes delimit every row)."""
+    row[:8].view(np.int64)[0] = announced
+    if k > 0:
+        row[8:8 + k] = np.frombuffer(payload, np.uint8, count=k)
 
 
 def _first_exchange(pg: ProcessGroup, announced: int, payload: bytes, k: int) -> tuple[list[int], list[bytes]]:
@@ -183,18 +193,13 @@ def _first_exchange(pg: ProcessGroup, announced: int, payload: bytes, k: int) ->
             scratch = None
     if scratch is None:  # the Work path, or another thread holds the arrays: arrays of this call's own
         first = np.zeros(FIRST_BYTES, np.uint8)
-        first[:8].view(np.int64)[0] = announced
-        if k > 0:
-            first[8:8 + k] = np.frombuffer(payload, np.uint8, count=k)
+        _fill(first, announced, payload, k)
         out = np.empty(pg.size() * FIRST_BYTES, np.uint8)
         _gather_single(pg, out, first)
         return _rows(out)
     try:
-        scratch.size_word[0] = announced  # (the bytes past k are stale: the sizes delimit every row)
-        if k > 0:
-            scratch.row[8:8 + k] = np.frombuffer(payload, np.uint8, count=k)
-        o, i = scratch.buffers
-        issuer.run_now(cpu, scratch.run, cpu.all_gather_single, (o, i), i, "all_gather_single", [scratch.rows])
+        _fill(scratch.row, announced, payload, k)
+        issuer.run_now(cpu, scratch.run, scratch.start, (), scratch.buffer, "all_gather_single", [scratch.rows])
         return _rows(scratch.rows)  # copied out before another call may reuse the arrays
     finally:
         pool.append(scratch)

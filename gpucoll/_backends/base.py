@@ -180,7 +180,7 @@ class RunsNow(Protocol):
         """All-gather ``inp`` into ``out`` now (True), or False as :meth:`all_reduce_now`."""
         ...
 
-    def all_gather_runner(self, out: Any, inp: Any) -> Callable[..., bool]:
+    def all_gather_runner(self, out: Any, inp: Any) -> Callable[[], bool]:
         """:meth:`all_gather_single_now` bound to two 1-D host arrays the caller keeps and
         reuses: ``run()`` returns True when it ran, False as :meth:`all_reduce_now`."""
         ...

@@ -110,9 +110,13 @@ def test_apply_binds_every_thread_the_process_has_and_later_ones_inherit() -> No
 # -- real jobs -----------------------------------------------------------------------------
 
 def _affinity() -> dict[str, Any]:
-    pid = os.getpid()
-    return {"cpus": sorted(os.sched_getaffinity(0)),
-            "tasks": [sorted(os.sched_getaffinity(int(t))) for t in os.listdir(f"/proc/{pid}/task")]}
+    tasks = []
+    for t in os.listdir(f"/proc/{os.getpid()}/task"):
+        try:
+            tasks.append(sorted(os.sched_getaffinity(int(t))))
+        except ProcessLookupError:
+            pass  # that thread ended after the listing
+    return {"cpus": sorted(os.sched_getaffinity(0)), "tasks": tasks}
 
 
 @needs_two_cores
@@ -130,10 +134,13 @@ def test_run_spmd_binds_nothing_with_more_ranks_than_cores() -> None:
     assert all(r["cpus"] == sorted(os.sched_getaffinity(0)) for r in res)
 
 
+# One write of a whole line (under 4 KiB, so atomic on a pipe): print() writes the line and
+# its newline separately where stdout is unbuffered (PYTHONUNBUFFERED), and with --no-prefix
+# two ranks' lines could then interleave.
 _REPORT = """
-import json, os
-print(json.dumps({"rank": int(os.environ["RANK"]), "cpus": sorted(os.sched_getaffinity(0)),
-                  "env": os.environ.get("GPUCOLL_CPU_BIND")}))
+import json, os, sys
+sys.stdout.write(json.dumps({"rank": int(os.environ["RANK"]), "cpus": sorted(os.sched_getaffinity(0)),
+                             "env": os.environ.get("GPUCOLL_CPU_BIND")}) + "\\n")
 """
 
 
