@@ -132,6 +132,7 @@ class _Capture:
         self.counts: dict[int, int] = {origin: 0}   # captured ops per stream
         self.joined: dict[int, int] = {}            # stream -> its op count the origin waited for
         self.invalidated: str | None = None
+        self.comms: list[FakeComm] = []              # communicators whose calls were captured
 
 
 class FakeGraph:
@@ -408,6 +409,21 @@ class FakeComm:
         self._inside_lock = threading.Lock()
         self.connected = False
         self.p2p_peers: set[int] = set()
+        # Graphs that captured calls on this communicator (NCCL's persistent plans): NCCL's
+        # teardown (commDestroySync, src/init.cc, reached by ncclCommDestroy and
+        # ncclCommAbort alike) keeps polling "until all graphs referencing us die". Only a
+        # communicator of several ranks makes persistent plans: a one-rank one copies.
+        self.graphs: weakref.WeakSet[FakeGraph] = weakref.WeakSet()
+
+    def _wait_for_graphs(self, what: str) -> None:
+        deadline = time.monotonic() + self._rt.fabric.hang_limit
+        while len(self.graphs):
+            if time.monotonic() > deadline:
+                msg = (f"rank {self.rank}: {what} blocked for {self._rt.fabric.hang_limit} s: NCCL waits until "
+                       f"every CUDA graph that captured this communicator's calls is destroyed")
+                self._rt.fabric.errors.append(msg)
+                raise FakeError(msg)
+            time.sleep(0.01)
 
     # -- NCCL's host-side rules --
     def enter(self, what: str) -> None:
@@ -582,8 +598,10 @@ class FakeComm:
         with self.world.cond:
             self.world.aborted.add(self.rank)
             self.world.cond.notify_all()
+        self._wait_for_graphs("ncclCommAbort")
 
     def destroy(self) -> None:
+        self._wait_for_graphs("ncclCommDestroy")
         self.destroyed = True
         if self._ops:
             self._rt.fabric.errors.append(f"rank {self.rank}: PreMulSum ops {sorted(self._ops)} never destroyed")
@@ -794,7 +812,10 @@ class FakeRuntime:
         if unjoined:
             raise FakeCudaError(CAPTURE_UNJOINED, "cudaErrorStreamCaptureUnjoined",
                                 f"streams {[hex(s) for s in unjoined]} forked into the capture were not joined back")
-        return FakeGraph(self.fabric, cap.ops)
+        graph = FakeGraph(self.fabric, cap.ops)
+        for comm in cap.comms:
+            comm.graphs.add(graph)
+        return graph
 
     def exchange_capture_mode(self, mode: int) -> int:
         names = ("global", "thread_local", "relaxed")
@@ -1020,6 +1041,8 @@ class FakeRuntime:
         if stream in self.fabric.captures:
             # A captured call runs at each graph launch, as the next collective of its
             # communicator then.
+            cap = self.fabric.captures[stream]
+            cap.comms.extend(c[0] for c in calls if c[0].size > 1 and c[0] not in cap.comms)
             def replay() -> None:
                 run_nccl_group(mem, calls, [next(c[0]._seq) if c[1] in _COLLECTIVES else -1 for c in calls],
                                delay, eager)

@@ -120,6 +120,7 @@ class NCCLBackend:
         self._planner: Planner | None = None
         self._scratch = 0
         self._keep: list[Any] = []          # backend-lifetime allocations (the barrier's scratch)
+        self._captured = False              # an op was captured into a CUDA graph (lifecycle.shutdown)
         self._temps: list[Any] = []         # temporaries of the op being planned
         self._last_end: Event | None = None
         self._timing = False                # events with timing (a completion hook asked)
@@ -368,6 +369,7 @@ class NCCLBackend:
             # The graph uses the temporaries whenever it is replayed: keep them as long
             # as the backend lives.
             self._keep.extend(temps)
+            self._captured = True
         else:
             works[0]._keep_also(temps)
         prev, self._last_end = self._last_end, (end if timing else None)

@@ -10,7 +10,8 @@ which carries it out as soon as its calls return.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import threading
+from typing import TYPE_CHECKING, Any
 
 from ..._timeouts import Backoff
 from ...errors import DistBackendError
@@ -113,6 +114,18 @@ def shutdown(b: NCCLBackend) -> None:
         if not drained:
             abort(b, f"{b._closed} while ops were still running after {b._timeout:.3g} s")
             return
+        if b._captured and b.size > 1:
+            # NCCL's teardown (commDestroySync in its src/init.cc, reached from
+            # ncclCommDestroy and ncclCommAbort alike) polls "until all graphs referencing
+            # us die": with the caller still holding a graph that captured an op of this
+            # communicator, destroying it here would block until that graph is destroyed,
+            # which may be never. Hand the destroy to a thread of its own instead: NCCL
+            # frees the communicator once the last such graph is gone.
+            with b._comm_lock:
+                b._comm_gone = True
+            threading.Thread(target=_destroy_quietly, args=(comm,), daemon=True,
+                             name=f"gpucoll-nccl-destroy-{b._group_name}").start()
+            return
         try:
             with b._comm_lock:
                 b._comm_gone = True
@@ -120,6 +133,16 @@ def shutdown(b: NCCLBackend) -> None:
         except Exception as exc:
             raise DistBackendError(f"destroying the NCCL communicator of group {b._group_name!r} "
                                    f"failed: {exc}") from exc
+
+
+def _destroy_quietly(comm: Any) -> None:
+    """ncclCommDestroy of a communicator that CUDA graphs may still hold, off the caller's
+    thread. The group is gone by then, so an error has nobody to reach: the graphs that
+    held the communicator are the only users left, and NCCL frees it when they die."""
+    try:
+        comm.destroy()
+    except Exception:  # the group was shut down: nobody is left to tell
+        pass
 
 
 def drain(b: NCCLBackend, timeout: float) -> bool:
