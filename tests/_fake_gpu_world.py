@@ -168,7 +168,8 @@ def run_fake_gpu_worlds(size: int, body: Callable[[Any, FakeRuntime, int], Any],
         runtimes[rank] = FakeRuntime(fabric, features=features, **runtime_kw)
         device = 0 if eager else None
         pg = ProcessGroup(PrefixStore("pg/default", store), rank, size, group_name="default",
-                          global_ranks=range(size), timeout=timeout, backend="nccl", device_id=device)
+                          global_ranks=range(size), timeout=timeout, backend="nccl", device_id=device,
+                          group_desc="default_pg")  # as init_process_group names it
         local.world = world_mod._World(store, False, pg, "nccl", timeout, device)
         try:
             return body(world_mod, runtimes[rank], rank)
