@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["debug_detail_body", "check_debug_detail"]
+__all__ = ["debug_detail_body", "check_debug_detail", "scalable_ops_body", "check_scalable_ops"]
 
 
 def debug_detail_body(rank: int, make: Callable[[np.ndarray], Any], read: Callable[[Any], list[float]]) -> dict[str, Any]:
@@ -42,3 +42,42 @@ def check_debug_detail(out: dict[str, Any]) -> None:
     assert "rank 0: op=all_reduce seq=1 dtype=float32 shape=(4,) reduce op=SUM" in msg, out
     assert "rank 1: op=all_reduce seq=1 dtype=float32 shape=(8,) reduce op=SUM" in msg, out
     assert out["after"] == [3.0] * 3, out
+
+
+def scalable_ops_body(rank: int, size: int, make: Callable[[np.ndarray], Any],
+                      read: Callable[[Any], list[Any]]) -> dict[str, Any]:
+    """Each kind of op the plan steps issue, on the default group (made from several
+    roots by the caller: GPUCOLL_NCCL_SCALABLE_INIT=1, GPUCOLL_NCCL_RANKS_PER_ROOT=1):
+    {name: (got, want)}."""
+    import gpucoll
+
+    r, n = rank, size
+    out: dict[str, Any] = {}
+    x = make(np.arange(6, dtype=np.float32) + r)
+    gpucoll.all_reduce(x)
+    out["all_reduce"] = (read(x), (np.arange(6) * n + sum(range(n))).tolist())
+    y = make(np.full(4, r + 1, dtype=np.int32))
+    gpucoll.broadcast(y, src=n - 1)
+    out["broadcast"] = (read(y), [n] * 4)
+    outs = [make(np.zeros(3, dtype=np.float64)) for _ in range(n)]
+    gpucoll.all_gather(outs, make(np.full(3, float(r), dtype=np.float64)))
+    out["all_gather"] = ([read(o) for o in outs], [[float(i)] * 3 for i in range(n)])
+    z = make(np.full(2, r + 1.0, dtype=np.float32))
+    gpucoll.reduce(z, dst=0)
+    if r == 0:
+        out["reduce"] = (read(z), [float(sum(range(1, n + 1)))] * 2)
+    if n > 1:
+        got = make(np.zeros(5, dtype=np.float32))
+        works = [gpucoll.isend(make(np.full(5, r + 10.0, dtype=np.float32)), (r + 1) % n),
+                 gpucoll.irecv(got, (r - 1) % n)]
+        for w in works:
+            w.wait()
+        out["send_recv"] = (read(got), [(r - 1) % n + 10.0] * 5)
+    return out
+
+
+def check_scalable_ops(results: list[dict[str, Any]]) -> None:
+    for rank, cells in enumerate(results):
+        assert cells.pop("comm") == "RawComm", f"rank {rank} did not take the scalable path"
+        for name, (got, want) in cells.items():
+            assert got == want, f"rank {rank} {name}: got {got}, want {want}"
