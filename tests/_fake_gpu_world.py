@@ -143,15 +143,16 @@ def run_groups(size: int, body: Callable[[Any, FakeRuntime, int], Any], monkeypa
 
 def run_fake_gpu_worlds(size: int, body: Callable[[Any, FakeRuntime, int], Any], monkeypatch: pytest.MonkeyPatch,
                         *, features: Features = DEFAULT_FEATURES, eager: bool = True, timeout: float = 10.0,
-                        **runtime_kw: Any) -> list[Any]:
+                        fabric_kw: dict[str, Any] | None = None, **runtime_kw: Any) -> list[Any]:
     """Run ``body(world_module, runtime, rank)`` on rank threads, each with its own default
     group (backend "nccl", on the fake GPU), so that new_group and split_group run as in
-    a job. The world slot is made per thread for the test."""
+    a job. The world slot is made per thread for the test. ``fabric_kw``: FakeFabric's
+    keywords (``eager_bytes=0``: every send waits for its receive, NCCL's contract)."""
     from gpucoll._group import registry as group_mod
     from gpucoll import _world as world_mod
     from gpucoll._group import ProcessGroup
 
-    fabric = FakeFabric(hang_limit=30.0)
+    fabric = FakeFabric(**{"hang_limit": 30.0, **(fabric_kw or {})})
     store = HashStore(timeout=30.0)
     runtimes: dict[int, FakeRuntime] = {}
     local = threading.local()

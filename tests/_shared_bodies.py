@@ -67,9 +67,15 @@ def scalable_ops_body(rank: int, size: int, make: Callable[[np.ndarray], Any],
     if r == 0:
         out["reduce"] = (read(z), [float(sum(range(1, n + 1)))] * 2)
     if n > 1:
+        # One group (batch_isend_irecv): each rank's receive needs its peer's send, and
+        # NCCL's ncclSend/ncclRecv "is blocking for the GPU. If multiple ncclSend() and
+        # ncclRecv() operations need to progress concurrently to complete, they must be
+        # fused within a ncclGroupStart()/ncclGroupEnd() section" (nccl.h's docs): an
+        # isend then an irecv on every rank may wait forever.
         got = make(np.zeros(5, dtype=np.float32))
-        works = [gpucoll.isend(make(np.full(5, r + 10.0, dtype=np.float32)), (r + 1) % n),
-                 gpucoll.irecv(got, (r - 1) % n)]
+        works = gpucoll.batch_isend_irecv([
+            gpucoll.P2POp(gpucoll.isend, make(np.full(5, r + 10.0, dtype=np.float32)), (r + 1) % n),
+            gpucoll.P2POp(gpucoll.irecv, got, (r - 1) % n)])
         for w in works:
             w.wait()
         out["send_recv"] = (read(got), [(r - 1) % n + 10.0] * 5)
