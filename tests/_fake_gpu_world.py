@@ -143,15 +143,16 @@ def run_groups(size: int, body: Callable[[Any, FakeRuntime, int], Any], monkeypa
 
 def run_fake_gpu_worlds(size: int, body: Callable[[Any, FakeRuntime, int], Any], monkeypatch: pytest.MonkeyPatch,
                         *, features: Features = DEFAULT_FEATURES, eager: bool = True, timeout: float = 10.0,
-                        **runtime_kw: Any) -> list[Any]:
+                        fabric_kw: dict[str, Any] | None = None, **runtime_kw: Any) -> list[Any]:
     """Run ``body(world_module, runtime, rank)`` on rank threads, each with its own default
     group (backend "nccl", on the fake GPU), so that new_group and split_group run as in
-    a job. The world slot is made per thread for the test."""
+    a job. The world slot is made per thread for the test. ``fabric_kw``: FakeFabric's
+    keywords (``eager_bytes=0``: every send waits for its receive, NCCL's contract)."""
     from gpucoll._group import registry as group_mod
     from gpucoll import _world as world_mod
     from gpucoll._group import ProcessGroup
 
-    fabric = FakeFabric(hang_limit=30.0)
+    fabric = FakeFabric(**{"hang_limit": 30.0, **(fabric_kw or {})})
     store = HashStore(timeout=30.0)
     runtimes: dict[int, FakeRuntime] = {}
     local = threading.local()
@@ -168,7 +169,8 @@ def run_fake_gpu_worlds(size: int, body: Callable[[Any, FakeRuntime, int], Any],
         runtimes[rank] = FakeRuntime(fabric, features=features, **runtime_kw)
         device = 0 if eager else None
         pg = ProcessGroup(PrefixStore("pg/default", store), rank, size, group_name="default",
-                          global_ranks=range(size), timeout=timeout, backend="nccl", device_id=device)
+                          global_ranks=range(size), timeout=timeout, backend="nccl", device_id=device,
+                          group_desc="default_pg")  # as init_process_group names it
         local.world = world_mod._World(store, False, pg, "nccl", timeout, device)
         try:
             return body(world_mod, runtimes[rank], rank)

@@ -385,6 +385,30 @@ def _reduce(arrays: list[np.ndarray], op: int, factors: list[float | None], n: i
     return out
 
 
+class FakeNcclError(FakeError):
+    """An ncclResult_t other than ncclSuccess, as CuPy's NcclError carries it (``status``)."""
+
+    def __init__(self, status: int, name: str, detail: str) -> None:
+        super().__init__(f"{name}: {detail}")
+        self.status = status
+
+
+NCCL_INVALID_ARGUMENT = 4  # ncclInvalidArgument
+
+
+def refuse_one_rank_fp8(kind: str, size: int, dtype: int, op: int) -> None:
+    """NCCL's one-rank path refuses float8 AVG and PREMUL_SUM (checked in NCCL 2.28.9 and
+    2.32.3 on an H200): ``ncclLaunchOneRank`` (src/device/onerank.cu) runs every
+    reduction of a one-rank communicator, and only PreMulSum needs a kernel there; float
+    AVG becomes a PreMulSum by 1/n (hostToDevRedOp), and its fp8 kernels sit under
+    ``__CUDA_ARCH__ >= 900``, false in the host pass, so fp8 falls to
+    ``return ncclInvalidArgument``."""
+    if size == 1 and dtype in (10, 11) and (op == 4 or op >= 5):
+        raise FakeNcclError(NCCL_INVALID_ARGUMENT, "NCCL_ERROR_INVALID_ARGUMENT",
+                            f"{kind} of float8 (ncclDataType_t {dtype}) with "
+                            f"{'ncclAvg' if op == 4 else 'a PreMulSum op'} on a one-rank communicator")
+
+
 _ITEMSIZE = {0: 1, 1: 1, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 4, 8: 8, 9: 2, 10: 1, 11: 1}
 _COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter")
 
@@ -466,6 +490,7 @@ class FakeComm:
             op = args[4]
             if op >= 5 and op not in self._ops:
                 raise FakeError(f"{kind} with PreMulSum op {op}, which does not exist (destroyed?)")
+            refuse_one_rank_fp8(kind, self.size, args[3], op)
             # NCCL reads a host-immediate factor when the op is made; capture it now.
             args = args + ((self._ops[op][0] if op >= 5 else None),)
         self.calls.append((kind,) + args)
@@ -1054,7 +1079,7 @@ class FakeRuntime:
 
 _KERNEL_RE = re.compile(r"gpucoll_(reduce_(sum|prod|min|max|band|bor|bxor)_(i8|u8|i16|u16|i32|u32|i64|u64)"
                         r"|avg_trunc_(i8|u8|i16|u16|i32|u32|i64|u64)"
-                        r"|scale_(i8|u8|i16|u16|i32|u32|i64|u64|f16|bf16|f32|f64))")
+                        r"|scale_(i8|u8|i16|u16|i32|u32|i64|u64|f16|bf16|f32|f64|f8e4m3|f8e5m2))")
 
 
 # ----- executing NCCL calls (on a stream thread) -----
@@ -1199,7 +1224,8 @@ def _execute(mem: FakeMemory, kind: str, args: dict[int, tuple[Any, ...]], size:
 # ----- kernels -----
 
 _KT = {"i8": "int8", "u8": "uint8", "i16": "int16", "u16": "uint16", "i32": "int32", "u32": "uint32",
-       "i64": "int64", "u64": "uint64", "f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64"}
+       "i64": "int64", "u64": "uint64", "f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64",
+       "f8e4m3": "float8_e4m3fn", "f8e5m2": "float8_e5m2"}
 
 
 def _wrap(values: list[int], dtype: np.dtype) -> np.ndarray:
@@ -1243,12 +1269,29 @@ def emulate_kernel(mem: FakeMemory, name: str, n: int, args: tuple[Any, ...]) ->
         view = mem.view(x, n_ * isz).view(dtype)
         if dtype.kind in "iu":
             view[:] = _wrap([int(v) * int(factor) for v in view], dtype)
+        elif dtype.itemsize == 1:
+            view[:] = _f8_scale(view, dtype, factor)
         elif dtype.itemsize == 2:
             view[:] = (view.astype(np.float32) * np.float32(factor)).astype(dtype)
         else:
             view[:] = view * dtype.type(factor)
     else:
         raise FakeError(f"no emulation for kernel {name}")
+
+
+def _f8_scale(x: np.ndarray, dtype: np.dtype, factor: float) -> np.ndarray:
+    """gpucoll_scale_f8*: the factor rounded to the element type, the product rounded
+    once, saturating to the largest finite value (NCCL's __NV_SATFINITE); nan stays."""
+    import ml_dtypes
+
+    big = float(ml_dtypes.finfo(dtype).max)
+
+    def sat(v: np.ndarray) -> np.ndarray:
+        return np.where(np.isnan(v), v, np.clip(v, -big, big)).astype(np.float32)
+    k = sat(np.asarray([factor], np.float32)).astype(dtype).astype(np.float32)
+    with np.errstate(all="ignore"):
+        out: np.ndarray = sat(x.astype(np.float32) * k).astype(dtype)
+    return out
 
 
 # ----- helpers for tests -----

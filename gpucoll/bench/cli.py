@@ -268,7 +268,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.files:
             raise ValueError(f"unexpected arguments {args.files}: only 'plot' takes files")
         _check_output_paths(args)
-        config_from_args(args, "cpu")  # validate everything before starting anything
+        # Validate everything before starting anything: against the backend asked for,
+        # or for "auto" against nccl, which it may become; what depends on the backend
+        # is checked again below, once a GPU has been looked for.
+        config_from_args(args, "nccl" if args.backend == "auto" else args.backend)
         if args.nproc is not None and args.nproc < 1:
             raise ValueError(f"--nproc must be >= 1; got {args.nproc}")
         world = _launcher_world()

@@ -416,6 +416,42 @@ def test_the_docs_flag_table_matches_the_parser() -> None:
         assert actions[short] is actions[long], f"{short} and {long} are different flags"
 
 
+def test_cudagraph_on_the_command_line_is_judged_against_the_backend_the_run_gets(
+        capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """-G on the command line: refused by name on the cpu backend (asked for, or what
+    "auto" finds without a GPU); with --backend nccl it is the GPU that is missing, not
+    the backend; and with a GPU the run starts with -G and the nccl backend."""
+    from gpucoll.bench import cli
+
+    gpu = cli._gpu_count()[0] > 0
+    for argv in (["all_reduce", "-G", "2", "--backend", "cpu"], ["all_reduce", "-G", "2", "--nproc", "1"]):
+        if argv[-1] == "1" and gpu:
+            continue  # "auto" finds the GPU here
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+        assert "CUDA graphs need the nccl backend" in capsys.readouterr().err
+    if not gpu:
+        assert main(["all_reduce", "-G", "2", "--backend", "nccl", "--nproc", "1"]) == 1
+        err = capsys.readouterr().err
+        assert "--backend nccl needs a usable CUDA GPU" in err and "'cpu'" not in err, err
+    # With a GPU (pretended here): validation passes and the ranks start with -G and nccl.
+    started: list[list[str]] = []
+
+    def run_local(nproc: int, argv: list[str], **kw: Any) -> int:
+        started.append([str(nproc), *argv])
+        return 0
+    monkeypatch.setattr(cli, "_gpu_count", lambda: (1, ""))
+    monkeypatch.setattr("gpucoll.bench.spawn.run_local", run_local)
+    for backend in ("nccl", "auto"):
+        assert main(["all_reduce", "-G", "4", "--backend", backend, "-b", "1K", "-e", "1K"]) == 0
+        assert started[-1] == ["1", "all_reduce", "-G", "4", "--backend", backend, "-b", "1K", "-e", "1K",
+                               "--backend", "nccl"]
+    with pytest.raises(SystemExit):
+        main(["all_reduce", "-G", "4", "-z", "1", "--backend", "nccl"])
+    assert "-z 1" in capsys.readouterr().err
+
+
 def test_cudagraph_takes_nccl_tests_meaning() -> None:
     """-G N: the timed ops are captured once and the graph launched N times (nccl-tests'
     BenchTime); refused on the CPU backend and with -z 1."""

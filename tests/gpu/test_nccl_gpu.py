@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from _reference import DTYPE_NAMES, OPS, close, defined, make_input, np_dtype, reference
+from _shared_bodies import check_debug_detail, debug_detail_body
 
 from gpucoll._buffer import DTYPES
 from gpucoll._reduce_op import PremulSum, ReduceOp, make_premul_sum
@@ -441,26 +442,17 @@ def _debug_detail_body() -> dict[str, Any]:
 
     os.environ["GPUCOLL_DEBUG"] = "DETAIL"  # read when the group is created
     rank = _init()
-    out: dict[str, Any] = {}
-    x = cupy.ones(4 * (rank + 1), cupy.float32)
-    try:
-        gpucoll.all_reduce(x)  # different sizes: without the check NCCL would misbehave
-        out["mismatch"] = "not caught"
-    except gpucoll.DistBackendError as exc:
-        out["mismatch"] = str(exc)
-    y = cupy.full(3, rank + 1, cupy.float32)
-    gpucoll.all_reduce(y)
-    out["after"] = cupy.asnumpy(y).tolist()
+    out = debug_detail_body(rank, cupy.asarray, lambda a: cupy.asnumpy(a).tolist())
     gpucoll.destroy_process_group()
     return out
 
 
 @pytest.mark.skipif(_WHY_NOT_TWO is not None, reason=str(_WHY_NOT_TWO))
 def test_debug_detail_catches_mismatched_collectives() -> None:
+    # The same body and checks run on the fake GPU in CI
+    # (tests/nccl/test_nccl_groups.py::test_debug_detail_body_on_the_fake_gpu).
     for out in _spmd(_debug_detail_body, 2, timeout=300.0):
-        assert "rank 0: all_reduce (seq 1) float32 (4,) SUM" in out["mismatch"], out
-        assert "rank 1: all_reduce (seq 1) float32 (8,) SUM" in out["mismatch"], out
-        assert out["after"] == [3.0] * 3, out
+        check_debug_detail(out)
 
 
 def _new_groups_body() -> dict[str, Any]:

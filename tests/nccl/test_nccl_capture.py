@@ -16,7 +16,7 @@ import pytest
 import gpucoll
 from gpucoll._reduce_op import ReduceOp
 
-from _nccl_fake import FakeRuntime, read
+from _nccl_fake import FakeRuntime, read, read_on_stream
 from _fake_gpu_world import dev, run_groups
 
 _GPUCOLL = os.path.dirname(gpucoll.__file__)
@@ -61,3 +61,38 @@ def test_a_captured_loop_of_1000_all_reduce_replays_with_no_gpucoll_calls(monkey
 
     for out in run_groups(2, body, monkeypatch):
         assert out == {"calls": 0, "outstanding": 0, "replayed": True}, out
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_a_captured_premul_sum_replays_after_its_operator_is_destroyed(
+        size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/gpu's test_cuda_graph_capture on the fake GPU: a PREMUL_SUM all_reduce on a
+    side stream, captured in CuPy's default (relaxed) mode after a warm-up, the graph
+    launched three times. gpucoll destroys the PreMulSum operator once the captured call
+    returned, which NCCL allows ("An operator may be destroyed as soon as the last NCCL
+    function which is given that operator returns", ncclRedOpDestroy; enqueue.cc copies
+    the operator's state into the call, scalar by value), so every replay must still
+    reduce with the factor; no step of the capture waits on a peer (each rank's capture
+    is made before any rank replays)."""
+    from gpucoll._reduce_op import make_premul_sum
+
+    def body(pg: Any, rt: FakeRuntime, rank: int) -> dict[str, Any]:
+        x = dev(rt, np.ones(1024, np.float32))
+        side = rt.new_stream()
+        rt.set_current_stream(side.ptr)
+        op = make_premul_sum(2.0)
+        pg.all_reduce(x, op)  # warm-up outside the capture
+        comm = pg._nccl._comm
+        rt.begin_capture(side.ptr, mode="relaxed")
+        pg.all_reduce(x, op)
+        graph = rt.end_capture(side.ptr)
+        live_ops = len(comm._ops)  # the operator made for the captured call is gone
+        for _ in range(3):
+            graph.launch(side.ptr)
+        got = read_on_stream(rt, x, np.float32, side.ptr).get(timeout=10)[:4].tolist()
+        return {"got": got, "live_ops": live_ops,
+                "premul_calls": sum(1 for c in comm.calls if c[0] == "all_reduce" and c[5] >= 5)}
+
+    for out in run_groups(size, body, monkeypatch):
+        # warm-up, then three replays: each multiplies by 2 * size
+        assert out == {"got": [float((2 * size) ** 4)] * 4, "live_ops": 0, "premul_calls": 2}, out

@@ -135,6 +135,19 @@ def test_debug_detail_catches_collectives_that_differ_across_ranks(monkeypatch: 
         debug_level()
 
 
+def test_debug_detail_body_on_the_fake_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/gpu's test_debug_detail_catches_mismatched_collectives, body and checks, on
+    the fake GPU: the GPU-only test cannot drift from the message again."""
+    from _shared_bodies import check_debug_detail, debug_detail_body
+
+    monkeypatch.setenv("GPUCOLL_DEBUG", "DETAIL")
+
+    def body(w: Any, rt: FakeRuntime, rank: int) -> dict[str, Any]:
+        return debug_detail_body(rank, lambda v: FakeDeviceArray(rt, v), lambda a: a.get().tolist())
+    for out in run_fake_gpu_worlds(2, body, monkeypatch):
+        check_debug_detail(out)
+
+
 def test_process_group_timeout_aborts_and_names_op_seq_group(monkeypatch: pytest.MonkeyPatch) -> None:
     shared = HashStore()
 

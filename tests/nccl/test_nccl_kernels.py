@@ -26,16 +26,18 @@ def test_every_kernel_a_plan_can_name_is_in_the_kernel_source() -> None:
     for dtype in DTYPES.values():
         for op in OPS:
             for features in (DEFAULT_FEATURES, OLD_FEATURES):
-                try:
-                    red = resolve_reduction(dtype, op, 3, features, True)
-                except TypeError:
-                    continue
-                if red.op is None:
-                    names.add(kernel_name("reduce", red.ktype, red.kop))
-                if red.divide:
-                    names.add(kernel_name("avg_trunc", red.ktype))
-                if red.scale is not None:
-                    names.add(kernel_name("scale", red.ktype))
+                for size in (1, 3):  # one rank: float8 AVG/PREMUL_SUM scale with a kernel
+                    try:
+                        red = resolve_reduction(dtype, op, size, features, True)
+                    except TypeError:
+                        continue
+                    if red.op is None:
+                        names.add(kernel_name("reduce", red.ktype, red.kop))
+                    if red.divide:
+                        names.add(kernel_name("avg_trunc", red.ktype))
+                    if red.scale is not None:
+                        names.add(kernel_name("scale", red.ktype))
+    assert {"gpucoll_scale_f8e4m3", "gpucoll_scale_f8e5m2"} <= names
     lib = _host_kernels()
     missing = [n for n in sorted(names) if not hasattr(lib, n)]
     assert not missing
@@ -153,6 +155,36 @@ def test_half_and_bfloat16_scale_kernels_round_like_numpy() -> None:
         assert np.array_equal(x, want)
 
 
+def test_float8_scale_kernels_round_like_ml_dtypes_and_saturate() -> None:
+    """Every float8 value times factors that are and are not float8 values: the factor
+    rounded to the type first, the product rounded once to nearest even (ml_dtypes),
+    out-of-range results saturated to the largest finite value (NCCL's __NV_SATFINITE),
+    nan kept nan."""
+    import ml_dtypes
+
+    lib = _host_kernels()
+    every = np.arange(256, dtype=np.uint8)
+    for ktype, np_type in (("f8e4m3", ml_dtypes.float8_e4m3fn), ("f8e5m2", ml_dtypes.float8_e5m2)):
+        big = np.float32(ml_dtypes.finfo(np_type).max)
+        vals = every.view(np_type).astype(np.float32)
+        for factor in (1.0, 0.5, 3.0, 0.3, -1.75, 1e-3, 100.0, 1e9, -1e9):
+            x = every.copy()
+            _launch_host(lib, f"gpucoll_scale_{ktype}", x.size, (x.ctypes.data, x.size, factor), grid=1, block=1)
+            k = np.float32(np.clip(np.float32(factor), -big, big)).astype(np_type).astype(np.float32)
+            with np.errstate(all="ignore"):
+                prod = vals * k
+            want = np.where(np.isnan(prod), prod, np.clip(prod, -big, big)).astype(np_type)
+            got = x.view(np_type)
+            nan = np.isnan(want.astype(np.float32))
+            assert np.array_equal(np.isnan(got.astype(np.float32)), nan), (ktype, factor)
+            assert np.array_equal(got.view(np.uint8)[~nan], want.view(np.uint8)[~nan]), (ktype, factor)
+    # Rounding of the product: ties go to even, just below a tie goes down.
+    x = np.array([0x38, 0x39], np.uint8)  # e4m3fn 1.0 and 1.125
+    _launch_host(lib, "gpucoll_scale_f8e4m3", 2, (x.ctypes.data, 2, 1.0625), grid=1, block=1)
+    # 1.0625 rounds (tie) to 1.0 in e4m3; so the values stay as they are
+    assert x.view(ml_dtypes.float8_e4m3fn).astype(np.float32).tolist() == [1.0, 1.125]
+
+
 def test_kernels_compile_to_ptx_with_nvcc() -> None:
     nvcc = shutil.which("nvcc")
     if nvcc is None:
@@ -167,7 +199,7 @@ def test_kernels_compile_to_ptx_with_nvcc() -> None:
     assert proc.returncode == 0, proc.stderr
     with open(out) as f:
         entries = [line.split()[2].split("(")[0] for line in f if line.startswith(".visible .entry")]
-    assert len(entries) == 8 * 9 + 4 and "gpucoll_reduce_bxor_u64" in entries
+    assert len(entries) == 8 * 9 + 4 + 2 and "gpucoll_scale_f8e5m2" in entries
 
 
 def test_kernels_compile_with_nvrtc_as_cupy_compiles_them() -> None:
@@ -193,7 +225,7 @@ def test_kernels_compile_with_nvrtc_as_cupy_compiles_them() -> None:
         nvrtc.destroyProgram(prog)
     text = ptx.decode() if isinstance(ptx, bytes) else ptx
     entries = {line.split()[2].split("(")[0] for line in text.splitlines() if line.startswith(".visible .entry")}
-    assert len(entries) == 8 * 9 + 4 and "gpucoll_reduce_bxor_u64" in entries
+    assert len(entries) == 8 * 9 + 4 + 2 and "gpucoll_scale_f8e5m2" in entries
     for name in entries:
         _kernels.signature(name)  # every compiled kernel has a launch signature
 

@@ -16,7 +16,7 @@ from gpucoll._reduce_op import ReduceOp, make_premul_sum
 
 from _nccl_fake import FakeRuntime, read
 from _reference import DTYPE_NAMES, OPS, close, defined, make_input, np_dtype, reference
-from _fake_gpu_world import DEFAULT_FEATURES, OLD_FEATURES, dev, run_world
+from _fake_gpu_world import DEFAULT_FEATURES, OLD_FEATURES, FakeDeviceArray, dev, run_fake_gpu_worlds, run_world
 
 
 # ============================================================ reductions against NumPy
@@ -124,6 +124,54 @@ def test_kernel_path_with_arrays_that_divide_evenly_and_not() -> None:
     for features in (DEFAULT_FEATURES, OLD_FEATURES):
         bad = [b for r in run_world(3, body, features=features) for b in r]
         assert not bad, "\n".join(bad[:30])
+
+
+def _one_rank_fp8(x: np.ndarray, op: Any) -> np.ndarray:
+    """What a one-rank float8 AVG / PREMUL_SUM gives on NCCL's multi-rank kernels (and so
+    must give on one rank): AVG is the input itself; PREMUL_SUM multiplies by the factor
+    rounded to the element type (ncclRedOpCreatePreMulSum takes it in that type), the
+    product rounded once to the element type."""
+    if op is ReduceOp.AVG:
+        return x.copy()
+    f = np.asarray(op.factor).astype(x.dtype).astype(np.float32)
+    out: np.ndarray = (x.astype(np.float32) * f).astype(x.dtype)
+    return out
+
+
+FP8_ONE_RANK_OPS = [ReduceOp.AVG, make_premul_sum(0.5), make_premul_sum(3.0), make_premul_sum(0.3),
+                    make_premul_sum(-1.75)]
+
+
+def test_float8_avg_and_premul_sum_on_one_rank_subgroups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL refuses float8 AVG/PREMUL_SUM on a communicator of one rank (the fake as
+    NCCL 2.28.9 and 2.32.3 on an H200): a subgroup of one rank does them itself, bit for
+    bit what NCCL's kernels compute, the input of an out-of-place op left alone."""
+    import gpucoll
+
+    def body(w: Any, rt: FakeRuntime, rank: int) -> list[str]:
+        sub, _ = gpucoll.new_subgroups(1)
+        assert sub.size() == 1
+        bad: list[str] = []
+        for name in ("float8_e4m3fn", "float8_e5m2"):
+            dt = np_dtype(name)
+            x = make_input(name, 13, rank)
+            for op in FP8_ONE_RANK_OPS:
+                want = _one_rank_fp8(x, op)
+                a = FakeDeviceArray(rt, x)
+                gpucoll.all_reduce(a, op=op, group=sub)
+                b = FakeDeviceArray(rt, x)
+                gpucoll.reduce(b, dst=rank, op=op, group=sub)
+                inp, out = FakeDeviceArray(rt, x), FakeDeviceArray(rt, np.zeros(13, dt))
+                gpucoll.reduce_scatter_single(out, inp, op=op, group=sub)
+                for what, arr in (("all_reduce", a), ("reduce", b), ("reduce_scatter_single", out)):
+                    got = arr.get()
+                    if not np.array_equal(got.view(np.uint8), want.view(np.uint8)):
+                        bad.append(f"{what} {name} {op}: got {got!r}, want {want!r}")
+                if not np.array_equal(inp.get().view(np.uint8), x.view(np.uint8)):
+                    bad.append(f"reduce_scatter_single {name} {op}: the input was modified")
+        return bad
+    bad = [b for r in run_fake_gpu_worlds(2, body, monkeypatch) for b in r]
+    assert not bad, "\n".join(bad[:30])
 
 
 def test_float8_reductions_need_sm90() -> None:

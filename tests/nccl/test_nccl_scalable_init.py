@@ -65,8 +65,22 @@ def test_roots_are_spread_evenly_and_the_settings_are_checked(monkeypatch: pytes
     assert roots[0] == 0 and all(b - a == bootstrap.DEFAULT_RANKS_PER_ROOT for a, b in zip(roots, roots[1:]))
     monkeypatch.setenv(NCCL_SCALABLE_INIT_ENV, "10")
     monkeypatch.setenv(NCCL_RANKS_PER_ROOT_ENV, "4")
-    assert bootstrap.scalable_roots(10) == [0, 3, 6]  # ceil(10 / 4) = 3 roots, evenly spread
+    assert bootstrap.scalable_roots(10) == [0, 4, 7]  # ceil(10 / 4) = 3 roots: 4, 3 and 3 ranks
     assert bootstrap.scalable_roots(9) is None
+    # Root i is the first rank that NCCL's bootstrap sends to id i (src/bootstrap.cc,
+    # rootIdFromRank, ported as it is).
+    def root_id_from_rank(rank: int, n_ranks: int, n_roots: int) -> int:
+        rmr, rpr = n_ranks % n_roots, n_ranks // n_roots
+        d = rmr * (rpr + 1)
+        return rank // (rpr + 1) if rank < d else (rank - d) // rpr + rmr
+    for per_root in ("1", "3", "4", "7"):
+        monkeypatch.setenv(NCCL_RANKS_PER_ROOT_ENV, per_root)
+        for size in (10, 11, 13, 23, 50):
+            roots = bootstrap.scalable_roots(size)
+            assert roots is not None and len(roots) == -(-size // int(per_root))
+            ids = [root_id_from_rank(r, size, len(roots)) for r in range(size)]
+            assert roots == [ids.index(i) for i in range(len(roots))], (per_root, size)
+    monkeypatch.setenv(NCCL_RANKS_PER_ROOT_ENV, "4")
     for name, bad in ((NCCL_SCALABLE_INIT_ENV, "many"), (NCCL_SCALABLE_INIT_ENV, "-5"),
                       (NCCL_RANKS_PER_ROOT_ENV, "0"), (NCCL_RANKS_PER_ROOT_ENV, "off")):
         monkeypatch.setenv(name, bad)
@@ -184,3 +198,51 @@ def test_a_raw_communicator_passes_the_arguments_in_ncclh_order() -> None:
     failing = RawComm(type("Lib", (), {"shim": _RecordingShim(code=2), "version": (2, 32, 3)})(), 0xBEEF, 0, 2)  # type: ignore[arg-type]
     with pytest.raises(NcclCallError, match="ncclAllReduce.*remote process exited"):
         failing.all_reduce(0x10, 0x10, 1, 7, 0, 0x5)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_the_gpu_suites_scalable_body_on_the_fake_gpu(size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/gpu/test_nccl_gpu_scalable.py's body and checks (every rank a root) on the
+    fake GPU, world sizes 1 to 3, every send waiting for its receive: ncclSend/ncclRecv
+    are "blocking for the GPU", and only a group lets them progress together (nccl.h);
+    the small-message buffering that often lets an ungrouped exchange through is not
+    promised, and two ranks sharing one GPU may not get it."""
+    from _fake_gpu_world import FakeDeviceArray, run_fake_gpu_worlds
+    from _shared_bodies import check_scalable_ops, scalable_ops_body
+
+    monkeypatch.setenv(NCCL_SCALABLE_INIT_ENV, "1")
+    monkeypatch.setenv(NCCL_RANKS_PER_ROOT_ENV, "1")
+
+    def body(w: Any, rt: FakeRuntime, rank: int) -> dict[str, Any]:
+        out = scalable_ops_body(rank, size, lambda v: FakeDeviceArray(rt, v), lambda a: a.get().tolist())
+        out["comm"] = "RawComm" if rt.scalable_inits == [size] else "one root"
+        return out
+    check_scalable_ops(run_fake_gpu_worlds(size, body, monkeypatch, features=SCALABLE,
+                                           fabric_kw={"eager_bytes": 0, "hang_limit": 8.0}))
+
+
+def test_a_failed_scalable_init_is_an_error_naming_the_call_and_its_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ncclCommInitRankScalable failing (as on a GPU) is a DistBackendError naming the
+    call, nranks, nId and the ranks whose ids were passed, in order; ids NCCL would
+    refuse or hang on never reach it."""
+    from gpucoll._backends.nccl.lib import NcclCallError
+    from gpucoll.errors import DistBackendError
+
+    monkeypatch.setenv(NCCL_SCALABLE_INIT_ENV, "1")
+    monkeypatch.setenv(NCCL_RANKS_PER_ROOT_ENV, "1")
+
+    def refuse(self: FakeRuntime, size: int, uids: Any, rank: int, config: Any = None) -> Any:
+        raise NcclCallError("ncclCommInitRankScalable", 3, "injected: internal error")
+    monkeypatch.setattr(FakeRuntime, "new_comm_scalable", refuse)
+
+    def body(be: Any, rt: FakeRuntime, rank: int) -> str:
+        with pytest.raises(DistBackendError) as info:
+            be.all_reduce(dev(rt, np.ones(3, np.float32)), ReduceOp.SUM)
+        return str(info.value)
+    for msg in run_world(2, body, features=SCALABLE, eager=False, shutdown=False):
+        assert "ncclCommInitRankScalable with nranks=2, nId=2, the ids made by ranks [0, 1]" in msg, msg
+        assert "injected: internal error" in msg and "group 'g'" in msg, msg
+    with pytest.raises(ValueError, match="nId=3 ids for nranks=2"):
+        bootstrap._check_scalable_ids([bytes([i]) * 128 for i in range(3)], 2)
+    with pytest.raises(ValueError, match="not distinct"):
+        bootstrap._check_scalable_ids([b"x" * 128] * 2, 2)

@@ -7,6 +7,7 @@ timeout in real multi-process worlds."""
 from __future__ import annotations
 
 import ctypes
+import os
 import re
 from datetime import timedelta
 from pathlib import Path
@@ -115,8 +116,11 @@ def _wheel_header() -> tuple[str, list[Path]]:
     return header.read_text(), libs
 
 
-def test_the_config_struct_matches_the_wheels_nccl_h() -> None:
-    text, _ = _wheel_header()
+def check_struct_against_nccl_h(text: str) -> tuple[int, int, int]:
+    """The struct gpucoll passes to the NCCL whose nccl.h is ``text``: that header's
+    ``ncclConfig_t`` member for member (names, C types, order), ``size`` its sizeof,
+    ``magic`` and ``version`` as its NCCL_CONFIG_INITIALIZER sets them, every other
+    member unset. Returns the header's release."""
     body = re.search(r"typedef struct ncclConfig_v\d+ \{(.*?)\} ncclConfig_t;", text, re.S)
     assert body is not None
     c_types = {"size_t": ctypes.c_size_t, "unsigned int": ctypes.c_uint, "int": ctypes.c_int,
@@ -128,24 +132,87 @@ def test_the_config_struct_matches_the_wheels_nccl_h() -> None:
             m = re.fullmatch(r"(size_t|unsigned int|int|const char \*)\s*(\w+);", line.replace("char*", "char *"))
             assert m is not None, f"an ncclConfig_t member of a type the mirror does not know: {line!r}"
             declared.append((m.group(2), c_types[m.group(1)]))
-    assert [(n, t) for n, t in nccl_config.NcclConfigStruct._fields_] == declared
+    code = int(re.search(r"#define NCCL_VERSION_CODE (\d+)", text).group(1))  # type: ignore[union-attr]
+    release = (code // 10000, code // 100 % 100, code % 100)
+    layout = nccl_config.struct_for(release)
+    assert [(n, t) for n, t in layout._fields_] == declared, release  # type: ignore[misc]
     # NCCL_CONFIG_INITIALIZER: size, magic, version, then every member unset, in order.
     init = re.search(r"#define NCCL_CONFIG_INITIALIZER \{(.*?)\n\}", text, re.S)
     assert init is not None
-    entries = [(v.strip(), c.strip()) for v, c in re.findall(r"([\w()]+),\s*/\* (\w+) \*/", init.group(1))]
+    entries = [(v.strip(), c.strip()) for v, c in re.findall(r"^\s*(.+?),\s*/\* (\w+) \*/", init.group(1), re.M)]
     assert [c for _, c in entries] == [n for n, _ in declared]
-    version = int(re.search(r"#define NCCL_VERSION_CODE (\d+)", text).group(1))  # type: ignore[union-attr]
-    magic = int(re.search(r"#define NCCL_API_MAGIC (0x[0-9a-fA-F]+)", text).group(1), 16)  # type: ignore[union-attr]
-    assert entries[:3] == [("sizeof(ncclConfig_t)", "size"), ("NCCL_API_MAGIC", "magic"),
-                           ("NCCL_VERSION_CODE", "version")]
+    # 2.32's header spells magic NCCL_API_MAGIC and version NCCL_VERSION_CODE; 2.28's
+    # the literal and NCCL_VERSION(NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH): the same values.
+    api_magic = re.search(r"#define NCCL_API_MAGIC (0x[0-9a-fA-F]+)", text)
+    magic = int(api_magic.group(1) if entries[1][0] == "NCCL_API_MAGIC" and api_magic else entries[1][0], 16)
+    assert entries[0] == ("sizeof(ncclConfig_t)", "size") and entries[1][1] == "magic"
+    assert entries[2] in (("NCCL_VERSION_CODE", "version"),
+                          ("NCCL_VERSION(NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH)", "version"))
     assert {v for v, _ in entries[3:]} <= {"NCCL_CONFIG_UNDEF_INT", "NCCL_CONFIG_UNDEF_PTR"}
-    empty = nccl_config.make_struct({})
-    assert (empty.size, empty.magic, empty.version) == (ctypes.sizeof(nccl_config.NcclConfigStruct), magic, version)
+    empty = nccl_config.make_struct({}, release)
+    assert (empty.size, empty.magic, empty.version) == (ctypes.sizeof(layout), magic, code)
     for (name, kind), (value, _) in zip(declared[3:], entries[3:]):
         expect = None if value == "NCCL_CONFIG_UNDEF_PTR" else nccl_config.UNDEF_INT
         assert getattr(empty, name) == expect, name
-    full = nccl_config.make_struct({"max_ctas": 8, "net_name": "IB", "split_share": True})
+    full = nccl_config.make_struct({"max_ctas": 8, "net_name": "IB", "split_share": True}, release)
     assert (full.maxCTAs, full.netName, full.splitShare, full.minCTAs) == (8, b"IB", 1, nccl_config.UNDEF_INT)
+    return release
+
+
+def test_the_config_struct_matches_the_wheels_nccl_h() -> None:
+    """Against the installed wheel's nccl.h, whichever release it is (2.32.3 in CI; the
+    GPU image's 2.28.9 once failed the old check, which compared 2.32's layout to it).
+    A copy of an older nccl.h (GPUCOLL_TEST_NCCL_H=path[:path...]) is checked alike."""
+    text, _ = _wheel_header()
+    check_struct_against_nccl_h(text)
+    for path in filter(None, os.environ.get("GPUCOLL_TEST_NCCL_H", "").split(os.pathsep)):
+        check_struct_against_nccl_h(Path(path).read_text())
+
+
+# ncclConfig_t's members after size, magic and version, as each release's nccl.h
+# declares them (NVIDIA/nccl, src/nccl.h.in at the release tags).
+_HEADER_FIELDS = {
+    (2, 17, 1): "blocking cgaClusterSize minCTAs maxCTAs netName",
+    (2, 19, 3): "blocking cgaClusterSize minCTAs maxCTAs netName splitShare",
+    (2, 25, 1): "blocking cgaClusterSize minCTAs maxCTAs netName splitShare",
+    (2, 26, 2): "blocking cgaClusterSize minCTAs maxCTAs netName splitShare trafficClass",
+    (2, 27, 3): "blocking cgaClusterSize minCTAs maxCTAs netName splitShare trafficClass commName collnetEnable "
+                "CTAPolicy shrinkShare nvlsCTAs",
+    (2, 28, 9): "blocking cgaClusterSize minCTAs maxCTAs netName splitShare trafficClass commName collnetEnable "
+                "CTAPolicy shrinkShare nvlsCTAs nChannelsPerNetPeer nvlinkCentricSched",
+    (2, 29, 7): "blocking cgaClusterSize minCTAs maxCTAs netName splitShare trafficClass commName collnetEnable "
+                "CTAPolicy shrinkShare nvlsCTAs nChannelsPerNetPeer nvlinkCentricSched graphUsageMode numRmaCtx",
+    (2, 30, 4): "blocking cgaClusterSize minCTAs maxCTAs netName splitShare trafficClass commName collnetEnable "
+                "CTAPolicy shrinkShare nvlsCTAs nChannelsPerNetPeer nvlinkCentricSched graphUsageMode numRmaCtx "
+                "maxP2pPeers",
+    (2, 30, 7): "blocking cgaClusterSize minCTAs maxCTAs netName splitShare trafficClass commName collnetEnable "
+                "CTAPolicy shrinkShare nvlsCTAs nChannelsPerNetPeer nvlinkCentricSched graphUsageMode numRmaCtx "
+                "maxP2pPeers graphStreamOrdering",
+}
+
+
+@pytest.mark.parametrize("release", sorted(_HEADER_FIELDS))
+def test_an_older_nccl_gets_the_struct_its_nccl_h_declares(release: tuple[int, int, int]) -> None:
+    """NCCL reads ``size`` and copies that many bytes (at most its own sizeof), then
+    resets the fields newer than ``version`` (parseCommConfig, src/init.cc): the
+    struct for an older NCCL is its own nccl.h's, with its size and version code, so
+    that what it reads is what its headers promise."""
+    names = _HEADER_FIELDS[release].split()
+    cfg = nccl_config.make_struct({"max_ctas": 4}, release)
+    assert [n for n, _ in cfg._fields_] == ["size", "magic", "version", *names]
+    x, y, z = release
+    assert (cfg.size, cfg.magic, cfg.version) == (ctypes.sizeof(cfg), nccl_config.NCCL_API_MAGIC, x * 10000 + y * 100 + z)
+    # size_t, two unsigned ints, then 4-byte ints and 8-byte pointers, C's alignment
+    offset = 16
+    for name, kind in cfg._fields_[3:]:
+        width = 8 if kind is ctypes.c_char_p else 4
+        offset = -(-offset // width) * width + width
+    assert cfg.size == -(-offset // 8) * 8
+    assert cfg.maxCTAs == 4 and cfg.minCTAs == nccl_config.UNDEF_INT
+    # A newer NCCL than the mirror gets the mirror's whole struct, with the mirror's version.
+    newest = nccl_config.make_struct({}, (2, 99, 0))
+    assert newest.version == nccl_config.CONFIG_LAYOUT_VERSION
+    assert newest.size == ctypes.sizeof(nccl_config.NcclConfigStruct)
 
 
 def test_the_shim_binds_the_config_taking_calls_as_nccl_h_declares_them() -> None:
@@ -163,10 +230,10 @@ def test_the_shim_binds_the_config_taking_calls_as_nccl_h_declares_them() -> Non
         declared = [c_types[" ".join(p.split()[:-1])] for p in params]
         assert list(fn.argtypes) == declared and fn.restype is ctypes.c_int
     assert ctypes.sizeof(UniqueId) == int(re.search(r"#define NCCL_UNIQUE_ID_BYTES (\d+)", text).group(1))  # type: ignore[union-attr]
-    assert config_pointer(None) is None and config_pointer({}) is None
-    ref = config_pointer({"min_ctas": 2})
-    struct = ctypes.cast(ref, ctypes.POINTER(nccl_config.NcclConfigStruct)).contents
-    assert struct.minCTAs == 2 and struct.magic == nccl_config.NCCL_API_MAGIC
+    assert config_pointer(None, (2, 32, 3)) is None and config_pointer({}, (2, 32, 3)) is None
+    ref = config_pointer({"min_ctas": 2}, (2, 28, 9))
+    struct = ctypes.cast(ref, ctypes.POINTER(nccl_config.struct_for((2, 28, 9)))).contents
+    assert struct.minCTAs == 2 and struct.magic == nccl_config.NCCL_API_MAGIC and struct.version == 22809
 
 
 def test_field_versions_refuse_what_an_older_nccl_lacks() -> None:

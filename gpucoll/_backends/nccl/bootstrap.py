@@ -129,8 +129,12 @@ def _positive_env(name: str, default: int, *, off: bool = False) -> int | None:
 
 def scalable_roots(size: int) -> list[int] | None:
     """The ranks that each make one unique id for ``ncclCommInitRankScalable`` in a group
-    of ``size`` ranks (ceil(size / GPUCOLL_NCCL_RANKS_PER_ROOT) of them, spread evenly:
-    rank i * size // n), or None below GPUCOLL_NCCL_SCALABLE_INIT ranks (one root).
+    of ``size`` ranks, or None below GPUCOLL_NCCL_SCALABLE_INIT ranks (one root).
+
+    ceil(size / GPUCOLL_NCCL_RANKS_PER_ROOT) roots; root i is the first rank NCCL's
+    bootstrap assigns to id i (``firstRankFromRoot`` in src/bootstrap.cc: size // n
+    ranks per id, the first size % n ids one more), so that each id's bootstrap root
+    thread runs in a process that talks to it anyway.
 
     Raises:
         ValueError: either variable is set to something other than a positive count
@@ -142,7 +146,7 @@ def scalable_roots(size: int) -> list[int] | None:
     if start is None or size < start:
         return None
     n = -(-size // per_root)
-    return [i * size // n for i in range(n)]
+    return [i * (size // n) + min(i, size % n) for i in range(n)]
 
 
 def scalable_rendezvous(store: Store, rank: int, size: int, roots: list[int], *, timeout: float,
@@ -172,6 +176,20 @@ def scalable_rendezvous(store: Store, rank: int, size: int, roots: list[int], *,
     return uids
 
 
+def _short(ranks: list[int]) -> str:
+    return str(ranks) if len(ranks) <= 8 else f"[{', '.join(map(str, ranks[:8]))}, ... ({len(ranks)} in all)]"
+
+
+def _check_scalable_ids(uids: list[bytes], size: int) -> None:
+    """What ncclCommInitRankScalable asks of its ids (ncclCommInitRankDev, src/init.cc:
+    1 <= nId <= nranks; each a distinct 128-byte ncclUniqueId), checked before NCCL's
+    bootstrap would hang on them."""
+    if not 1 <= len(uids) <= size:
+        raise ValueError(f"nId={len(uids)} ids for nranks={size}; NCCL needs 1 <= nId <= nranks")
+    if len(set(uids)) != len(uids) or any(len(u) != 128 for u in uids):
+        raise ValueError("the roots' ids are not distinct 128-byte ncclUniqueIds")
+
+
 def create_comm(b: NCCLBackend, device: int) -> None:
     """Make ``b``'s communicator on ``device``: its unique id through the group's store
     (:func:`rendezvous`), then ncclCommInitRank(Config); from GPUCOLL_NCCL_SCALABLE_INIT
@@ -191,9 +209,12 @@ def create_comm(b: NCCLBackend, device: int) -> None:
             if roots is None:
                 comm = rt.new_comm(b.size, uid, b.rank, b.config or None)
             else:
+                _check_scalable_ids(uids, b.size)
                 comm = rt.new_comm_scalable(b.size, uids, b.rank, b.config or None)
         except Exception as exc:
-            how = "ncclCommInitRank" if roots is None else f"ncclCommInitRankScalable, {len(roots)} roots"
+            how = "ncclCommInitRank" if roots is None else (
+                f"ncclCommInitRankScalable with nranks={b.size}, nId={len(uids)}, the ids made by ranks "
+                f"{_short(roots)} and taken in that order")
             raise DistBackendError(
                 f"creating the NCCL communicator of group {b._group_name!r} (rank {b.rank} of "
                 f"{b.size}, cuda:{device}, {how}) failed: {type(exc).__name__}: {exc}. With several ranks "

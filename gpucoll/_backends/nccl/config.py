@@ -1,10 +1,16 @@
 """``ncclConfig_t``: the fields gpucoll can set, the NCCL release each needs, and a
 ctypes mirror of the struct for ``ncclCommInitRankConfig``/``ncclCommSplit``/``ncclCommShrink``.
 
-The struct is versioned and append-only (nccl.h): a library copies
-``min(config.size, its own sizeof)`` bytes, so a field newer than the loaded
-library would be dropped without a word. :func:`check_config` refuses such a field
-instead, naming it and the release it needs. Importing this module imports no CuPy.
+The struct is versioned and append-only (nccl.h). NCCL's ``parseCommConfig``
+(src/init.cc) reads ``size`` first and copies ``min(config.size, its own sizeof)``
+bytes, checks ``magic``, then resets to its defaults every field newer than the
+struct's ``version`` (``if (version < NCCL_VERSION(2, 28, 0)) nChannelsPerNetPeer =
+default``...). So a field newer than the loaded library would be dropped without a
+word: :func:`check_config` refuses such a field instead, naming it and the release it
+needs. And :func:`make_struct` builds the struct the loaded NCCL's own nccl.h
+declares: its fields only, ``size`` its sizeof, ``version`` its NCCL_VERSION_CODE
+(what NCCL_CONFIG_INITIALIZER gives a program built against that header).
+Importing this module imports no CuPy.
 """
 
 from __future__ import annotations
@@ -15,15 +21,17 @@ from typing import Any, Callable, Mapping
 
 from ...errors import BackendUnavailableError
 
-__all__ = ["ConfigField", "FIELDS", "FIELD_NAMES", "NCCL_API_MAGIC", "CONFIG_LAYOUT_VERSION", "UNDEF_INT",
-           "NcclConfigStruct", "check_value", "check_config", "usable_config", "make_struct"]
+__all__ = ["ConfigField", "FIELDS", "FIELD_NAMES", "NCCL_API_MAGIC", "CONFIG_LAYOUT_VERSION", "LAYOUT",
+           "UNDEF_INT", "NcclConfigStruct", "check_value", "check_config", "usable_config", "version_code",
+           "struct_for", "make_struct"]
 
 NCCL_API_MAGIC = 0xCAFEBEEF
 """nccl.h's NCCL_API_MAGIC: NCCL_CONFIG_INITIALIZER's ``magic``."""
+LAYOUT = (2, 32, 3)
+"""The NCCL release whose nccl.h :class:`NcclConfigStruct` mirrors whole."""
 CONFIG_LAYOUT_VERSION = 23203
-"""The NCCL_VERSION_CODE of the nccl.h whose ``ncclConfig_t`` :class:`NcclConfigStruct`
-mirrors (2.32.3): the initializer's ``version``, so that a newer library resets only
-the fields this layout lacks."""
+"""The NCCL_VERSION_CODE of :data:`LAYOUT`: the ``version`` of a struct passed to that
+NCCL or a newer one, so that a newer library resets only the fields this layout lacks."""
 UNDEF_INT = -(2 ** 31)
 """NCCL_CONFIG_UNDEF_INT (INT_MIN): the field is left to NCCL (or its environment variable)."""
 
@@ -36,9 +44,10 @@ class ConfigField:
         name: gpucoll's (and torch's) spelling, e.g. ``"cga_cluster_size"``.
         c_name: nccl.h's, e.g. ``"cgaClusterSize"``.
         kind: ``"bool"``, ``"int"`` (>= 0) or ``"str"``.
-        since: the first NCCL release whose ``ncclConfig_t`` holds it (from NCCL's
-            init.cc version guards and nccl.h; a few conservatively later, see
-            docs/nccl-backend.md).
+        since: the first NCCL release whose nccl.h declares it in ``ncclConfig_t``
+            (NCCL's release tags; init.cc's version guards agree but for
+            trafficClass, guarded from 2.25.0 and declared from 2.26). The fields of
+            one release are those with ``since`` at or below it, in this order.
     """
 
     name: str
@@ -54,7 +63,7 @@ FIELDS: tuple[ConfigField, ...] = (
     ConfigField("max_ctas", "maxCTAs", "int", (2, 17, 0)),
     ConfigField("net_name", "netName", "str", (2, 17, 0)),
     ConfigField("split_share", "splitShare", "bool", (2, 18, 0)),
-    ConfigField("traffic_class", "trafficClass", "int", (2, 25, 0)),
+    ConfigField("traffic_class", "trafficClass", "int", (2, 26, 0)),
     ConfigField("comm_name", "commName", "str", (2, 27, 0)),
     ConfigField("collnet_enable", "collnetEnable", "bool", (2, 27, 0)),
     ConfigField("cta_policy", "CTAPolicy", "int", (2, 27, 0)),
@@ -150,14 +159,45 @@ def usable_config(config: Mapping[str, Any] | None, version: tuple[int, int, int
     return out
 
 
-def make_struct(fields: Mapping[str, Any]) -> NcclConfigStruct:
-    """An ``ncclConfig_t`` made as NCCL_CONFIG_INITIALIZER makes it, with ``fields`` set
-    (the struct keeps the string fields' bytes alive)."""
-    cfg = NcclConfigStruct()
-    cfg.size = ctypes.sizeof(NcclConfigStruct)
+def version_code(version: tuple[int, int, int]) -> int:
+    """nccl.h's NCCL_VERSION(X, Y, Z) (releases from 2.9): X*10000 + Y*100 + Z."""
+    x, y, z = version
+    return x * 10000 + y * 100 + z
+
+
+_STRUCTS: dict[int, type[ctypes.Structure]] = {len(FIELDS): NcclConfigStruct}
+
+
+def struct_for(version: tuple[int, int, int]) -> type[ctypes.Structure]:
+    """The ``ncclConfig_t`` of NCCL ``version``'s nccl.h: ``size``, ``magic``, ``version``,
+    then the fields that release declares (:class:`NcclConfigStruct` from :data:`LAYOUT` on)."""
+    n = sum(1 for f in FIELDS if f.since <= version)
+    cls = _STRUCTS.get(n)
+    if cls is None:
+        cls = _STRUCTS[n] = type(f"NcclConfigStruct_{n}", (ctypes.Structure,),
+                                 {"_fields_": NcclConfigStruct._fields_[:3 + n]})
+    return cls
+
+
+def make_struct(fields: Mapping[str, Any], version: tuple[int, int, int] = LAYOUT) -> Any:
+    """An ``ncclConfig_t`` for NCCL ``version`` (the loaded library's), made as
+    NCCL_CONFIG_INITIALIZER makes it in a program built against that release's nccl.h:
+    its fields, ``size`` its sizeof, ``version`` its NCCL_VERSION_CODE (:data:`LAYOUT`'s
+    for a newer NCCL); ``fields`` set (check them first with :func:`check_config`). The
+    struct keeps the string fields' bytes alive."""
+    layout = min(version, LAYOUT)
+    cls = struct_for(layout)
+    cfg = cls()
+    cfg.size = ctypes.sizeof(cls)
     cfg.magic = NCCL_API_MAGIC
-    cfg.version = CONFIG_LAYOUT_VERSION
+    cfg.version = version_code(layout)
+    names = {name for name, _ in cls._fields_}  # type: ignore[misc]
     for f in FIELDS:
+        if f.c_name not in names:
+            if fields.get(f.name) is not None:
+                raise ValueError(f"NCCL config field {f.name} is not in NCCL {'.'.join(map(str, version))}'s "
+                                 f"ncclConfig_t (it needs {'.'.join(map(str, f.since))})")
+            continue
         value = fields.get(f.name)
         if f.kind == "str":
             setattr(cfg, f.c_name, None if value is None else str(value).encode())

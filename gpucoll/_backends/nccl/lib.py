@@ -124,15 +124,16 @@ class UniqueId(ctypes.Structure):
     _fields_ = [("internal", ctypes.c_char * _UNIQUE_ID_BYTES)]
 
 
-def config_pointer(fields: dict[str, Any] | None) -> Any:
+def config_pointer(fields: dict[str, Any] | None, version: tuple[int, int, int]) -> Any:
     """The ``ncclConfig_t*`` argument for ``fields`` (gpucoll names): None (NULL) when
-    nothing is set, else a reference to a struct made as NCCL_CONFIG_INITIALIZER makes
-    it. Check the fields against the loaded version first (config.check_config)."""
+    nothing is set, else a reference to the struct that NCCL ``version`` (the loaded
+    library's) declares, made as NCCL_CONFIG_INITIALIZER makes it
+    (config.make_struct). Check the fields against the version first (config.check_config)."""
     if not fields:
         return None
     from .config import make_struct
 
-    return ctypes.byref(make_struct(fields))
+    return ctypes.byref(make_struct(fields, version))
 
 
 class NcclShim:

@@ -65,6 +65,7 @@ KTYPES: dict[str, str] = {
     "bool": "u8", "int8": "i8", "uint8": "u8", "int16": "i16", "uint16": "u16",
     "int32": "i32", "uint32": "u32", "int64": "i64", "uint64": "u64",
     "float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64",
+    "float8_e4m3fn": "f8e4m3", "float8_e5m2": "f8e5m2",
 }
 
 _NATIVE_OPS = {ReduceOp.SUM: OP_SUM, ReduceOp.PRODUCT: OP_PROD, ReduceOp.MIN: OP_MIN, ReduceOp.MAX: OP_MAX}
@@ -152,6 +153,13 @@ def resolve_reduction(dtype: DType, op: ReduceOpLike, size: int, features: Featu
             raise _refuse(dtype, op, "float8 reductions need NCCL >= 2.24 on a GPU of compute capability "
                           f">= 9.0 (this is NCCL {'.'.join(map(str, features.version))}); "
                           "data movement of float8 works everywhere")
+        if size == 1 and base in (ReduceOp.AVG, ReduceOp.PREMUL_SUM):
+            # NCCL's one-rank path (ncclLaunchOneRank) has no float8 PreMulSum kernel and
+            # returns ncclInvalidArgument (float AVG is a PreMulSum by 1/n there). On one
+            # rank AVG is the input itself and PREMUL_SUM a scale: NCCL's SUM (a copy) and
+            # gpucoll's scale kernel, which rounds the factor to the type as NCCL does.
+            return Reduction(NCCL_DTYPES[name], 1, 1, OP_SUM, "", KTYPES[name],
+                             None if base is ReduceOp.AVG else factor)
         if base is ReduceOp.PREMUL_SUM and not features.premul_sum:
             raise _refuse(dtype, op, "needs NCCL's PreMulSum (NCCL >= 2.11 and its library found)")
         return _float_reduction(dtype, name, 1, base, factor, size, features, op)

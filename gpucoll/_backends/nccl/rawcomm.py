@@ -98,7 +98,7 @@ class RawComm:
 
         new = ctypes.c_void_p()
         self._shim_fn(self._shim.comm_split_fn, "ncclCommSplit", self._handle, color, key, ctypes.byref(new),
-                      config_pointer(dict(config) if config else None))
+                      config_pointer(dict(config) if config else None, self._lib.version))
         return self._adopt(new)
 
     def shrink(self, exclude: Sequence[int], flags: int, config: Mapping[str, Any] | None = None) -> Comm:
@@ -109,7 +109,7 @@ class RawComm:
         gone = (ctypes.c_int * len(exclude))(*exclude)
         new = ctypes.c_void_p()
         self._shim_fn(self._shim.comm_shrink_fn, "ncclCommShrink", self._handle, gone, len(exclude),
-                      ctypes.byref(new), config_pointer(dict(config) if config else None), flags)
+                      ctypes.byref(new), config_pointer(dict(config) if config else None, self._lib.version), flags)
         made = self._adopt(new)
         if made is None:
             raise NcclCallError("ncclCommShrink", 5, "it returned no communicator")

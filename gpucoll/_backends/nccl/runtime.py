@@ -336,7 +336,7 @@ class CudaRuntime:
             ctypes.memmove(ctypes.addressof(ids[i]), normalise_unique_id(uid), ctypes.sizeof(UniqueId))
         handle = ctypes.c_void_p()
         code = shim.init_rank_scalable_fn(ctypes.byref(handle), size, rank, len(uids), ids,
-                                          config_pointer(dict(config) if config else None))
+                                          config_pointer(dict(config) if config else None, self.lib.version))
         if code != 0:
             raise NcclCallError("ncclCommInitRankScalable", code, shim.error_string(code))
         return RawComm(self.lib, int(handle.value or 0), rank, size)

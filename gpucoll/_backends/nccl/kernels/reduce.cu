@@ -17,6 +17,10 @@
 //   gpucoll_scale_<T>(T* x, long long n, <factor>)
 //       x[i] = x[i] * factor; factor is long long for integers (wrapping), double
 //       for floats (f16/bf16 multiply in float and round to nearest even).
+//       T f8e4m3 / f8e5m2 (float8): factor is first rounded to the element type, as
+//       ncclRedOpCreatePreMulSum takes it; the exact product is rounded once to nearest
+//       even, saturating to the largest finite value as NCCL's conversions do
+//       (__NV_SATFINITE); nan stays nan. NCCL's one-rank path lacks these.
 
 typedef signed char gc_i8;
 typedef unsigned char gc_u8;
@@ -205,3 +209,63 @@ extern "C" __global__ void gpucoll_scale_f32(float* x, long long n, double facto
 extern "C" __global__ void gpucoll_scale_f64(double* x, long long n, double factor) {
   GC_GRID_LOOP(i, n) { x[i] = x[i] * factor; }
 }
+
+// ----- float8: PREMUL_SUM on a one-rank communicator (NCCL's one-rank path refuses it) -----
+//
+// E exponent bits, M mantissa bits, bias B = 2^(E-1) - 1. e4m3fn (E4 M3): no inf, nan is
+// S.1111.111, largest finite 0x7E = 448. e5m2 (E5 M2): inf S.11111.00, nan S.11111.xx
+// (xx != 0), largest finite 0x7B = 57344.
+
+__device__ __forceinline__ float gc_f8_to_float(gc_u8 v, int E, int M) {
+  int B = (1 << (E - 1)) - 1;
+  unsigned int sign = (unsigned int)(v & 0x80u) << 24;
+  unsigned int ef = (v & 0x7Fu) >> M;
+  unsigned int man = v & ((1u << M) - 1u);
+  gc_f32_bits r;
+  if (E == 4 && (v & 0x7Fu) == 0x7Fu) {
+    r.u = sign | 0x7FC00000u;  // e4m3fn nan
+  } else if (E == 5 && ef == 0x1Fu) {
+    r.u = sign | 0x7F800000u | (man ? 0x400000u : 0u);  // e5m2 inf, nan
+  } else if (ef != 0) {
+    r.u = sign | ((ef - B + 127u) << 23) | (man << (23 - M));
+  } else {
+    gc_f32_bits q;  // subnormal: man * 2^(1 - B - M), exact in float
+    q.u = (unsigned int)(1 - B - M + 127) << 23;
+    r.f = (float)man * q.f;
+    r.u |= sign;
+  }
+  return r.f;
+}
+
+__device__ __forceinline__ gc_u8 gc_float_to_f8(float f, int E, int M) {
+  int B = (1 << (E - 1)) - 1;
+  unsigned int maxfinite = E == 4 ? 0x7Eu : 0x7Bu;
+  gc_f32_bits v;
+  v.f = f;
+  unsigned int sign = (v.u >> 24) & 0x80u;
+  unsigned int a = v.u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return (gc_u8)(sign | 0x7Fu);  // nan
+  int fe = (int)(a >> 23) - 127;
+  if (fe < -B - M - 1) return (gc_u8)sign;  // below half the smallest subnormal (float subnormals too)
+  unsigned int sig = (a & 0x7FFFFFu) | 0x800000u;
+  int e = fe > 1 - B ? fe : 1 - B;  // the exponent whose quantum 2^(e-M) the result has
+  int s = 23 + e - M - fe;          // sig * 2^(fe-23) / 2^(e-M) = sig >> s; s is in [23-M, 25]
+  unsigned int q = sig >> s;
+  unsigned int rest = sig & ((1u << s) - 1u);
+  unsigned int half = 1u << (s - 1);
+  if (rest > half || (rest == half && (q & 1u))) q += 1u;
+  // exponent field (e - (1 - B)) above the subnormals; a carry out of the mantissa
+  // moves into the exponent by itself.
+  long long code = ((long long)(e - (1 - B)) << M) + q;
+  if (code > (long long)maxfinite) code = maxfinite;  // saturate (inf too)
+  return (gc_u8)(sign | (unsigned int)code);
+}
+
+#define GC_F8_SCALE(T, E, M)                                                          \
+  extern "C" __global__ void gpucoll_scale_##T(gc_u8* x, long long n, double factor) { \
+    float k = gc_f8_to_float(gc_float_to_f8((float)factor, E, M), E, M);             \
+    GC_GRID_LOOP(i, n) { x[i] = gc_float_to_f8(gc_f8_to_float(x[i], E, M) * k, E, M); } \
+  }
+
+GC_F8_SCALE(f8e4m3, 4, 3)
+GC_F8_SCALE(f8e5m2, 5, 2)
