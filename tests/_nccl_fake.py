@@ -759,6 +759,17 @@ class FakeRuntime:
             ptr = self._current[d] = stream.ptr
         return ptr
 
+    def current_stream_of(self, device: int) -> int:
+        """CuPy's ``get_current_stream(device)``: the current stream of ``device``, whatever is current."""
+        ptr = self._current.get(device)
+        if ptr is None:
+            if device == self.default_stream.device:
+                return self.default_stream.ptr
+            stream = FakeStream(self.fabric, f"default-{device}", device)
+            self.fabric._keep_streams.append(stream)
+            ptr = self._current[device] = stream.ptr
+        return ptr
+
     def set_current_stream(self, ptr: int) -> None:
         self._current[self.fabric.stream(ptr).device] = ptr
 
@@ -796,7 +807,12 @@ class FakeRuntime:
                                 f"streams {[hex(s) for s in unjoined]} forked into the capture were not joined back")
         return FakeGraph(self.fabric, cap.ops)
 
+    # False: as CudaRuntime where no exchange call is found (exchanges change nothing)
+    can_exchange_capture_mode = True
+
     def exchange_capture_mode(self, mode: int) -> int:
+        if not self.can_exchange_capture_mode:
+            return mode
         names = ("global", "thread_local", "relaxed")
         return names.index(self.fabric.exchange_capture_mode(names[mode]))
 
@@ -804,13 +820,23 @@ class FakeRuntime:
         return self.fabric.has_context()
 
     # -- events --
-    def event(self, pooled: bool = True, timing: bool = True) -> FakeEvent:
+    def event(self, pooled: bool = True, timing: bool = True, device: int = -1) -> FakeEvent:
         self.fabric.context()
         if not pooled:
             self.unpooled_events += 1
         if timing:
             self.timing_events += 1
-        return FakeEvent(self.fabric, self.fabric.current_device(), timing)
+        return FakeEvent(self.fabric, self.fabric.current_device() if device < 0 else device, timing)
+
+    def new_event(self, timing: bool = False) -> int:
+        """cudaEventCreateWithFlags: an event of the current device."""
+        self.fabric.context()
+        if timing:
+            self.timing_events += 1
+        return FakeEvent(self.fabric, self.fabric.current_device(), timing).ptr
+
+    def destroy_event(self, event: int) -> None:
+        self.fabric.events.pop(event, None)
 
     def record(self, event: int, stream: int) -> None:
         self.fabric.context()
@@ -1362,9 +1388,13 @@ def _dtype_of(host: np.ndarray) -> DType:
 # ----- the realistic fake: what each call costs, and device work that takes time -----
 
 _LIBC = ctypes.CDLL(None)
-_sched_yield = _LIBC.sched_yield
-_sched_yield.restype = ctypes.c_int
-_sched_yield.argtypes = []
+# A C call that does nothing: ctypes releases the GIL around it (CDLL, not PyDLL), so a
+# thread waiting for the GIL may take it there, as it may during any CuPy call into
+# CUDA (CuPy calls CUDA with the GIL released). sched_yield would do as well on a quiet
+# machine; on a loaded one it hands the core to other processes, and measures them.
+_release_gil = _LIBC.labs
+_release_gil.restype = ctypes.c_long
+_release_gil.argtypes = [ctypes.c_long]
 
 # The Runtime calls that are CUDA runtime or driver calls (cudaGetDevice, cudaEventRecord,
 # cudaStreamWaitEvent, cudaEventQuery, cudaStreamIsCapturing, cuCtxGetCurrent, ...): the
@@ -1381,8 +1411,8 @@ class CallCosts:
 
     Every CUDA and NCCL call the backend makes takes ``call_us`` of host time and lets
     other threads run meanwhile, as a C call that releases the GIL does: a ctypes call
-    to ``sched_yield`` (ctypes releases the GIL around it), then a busy wait to the
-    deadline. Device work takes ``op_us`` plus its bytes over ``gbps``: an event
+    (ctypes releases the GIL around it: a thread waiting for the GIL takes it there),
+    then a busy wait to the deadline. Device work takes ``op_us`` plus its bytes over ``gbps``: an event
     recorded after it fires only then (:class:`TimedRuntime`).
 
     ``counts[thread ident][kind]`` counts each call by kind ("cuda", "nccl", "cupy",
@@ -1419,7 +1449,7 @@ class CallCosts:
         mine[name] = mine.get(name, 0) + 1
         if seconds > 0:
             deadline = time.perf_counter() + seconds
-            _sched_yield()
+            _release_gil(0)
             while time.perf_counter() < deadline:
                 pass
 
@@ -1628,10 +1658,17 @@ class TimedRuntime:
     def new_stream(self, high_priority: bool = False) -> Any:
         return _TimedStream(next(self._handles))
 
-    def event(self, pooled: bool = True, timing: bool = False) -> Any:
+    def event(self, pooled: bool = True, timing: bool = False, device: int = -1) -> Any:
         if not pooled:
             self.costs.spend("event", "event_create", self.costs.create_s)
         return _TimedEvent(next(self._handles))
+
+    def new_event(self, timing: bool = False) -> int:
+        self.costs.spend("event", "event_create", self.costs.create_s)
+        return next(self._handles)
+
+    def destroy_event(self, event: int) -> None:
+        self._fires.pop(event, None)
 
     def query(self, event: int) -> bool:
         self.costs.spend("cuda", "query", self.costs.call_s)

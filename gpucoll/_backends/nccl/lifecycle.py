@@ -123,7 +123,8 @@ def shutdown(b: NCCLBackend) -> None:
 
 
 def drain(b: NCCLBackend, timeout: float) -> bool:
-    """True once everything queued on the communication stream has finished."""
+    """True once everything queued on the communication stream, and every op issued on
+    a caller's stream, has finished."""
     if b._comm is None:
         return True
     rt, device = b._rt, b._device
@@ -132,9 +133,9 @@ def drain(b: NCCLBackend, timeout: float) -> bool:
         marker = rt.event(pooled=False, timing=False)
         rt.record(marker.ptr, b._stream_ptr)
         wait = Backoff(timeout, first=1e-4, cap=0.01)
-        while not query_outside_capture(rt, marker.ptr):
+        while not (query_outside_capture(rt, marker.ptr) and b._complete_until(None) is None):
             if b._aborted is not None or not wait.sleep():
                 return False
-        return True
+        return b._aborted is None
     finally:
         leave_device(rt, prev)

@@ -97,8 +97,26 @@ class Runtime(Protocol):
         ...
 
     def exchange_capture_mode(self, mode: int) -> int:
-        """``cudaThreadExchangeStreamCaptureMode`` for this thread; returns the previous mode."""
+        """``cuThreadExchangeStreamCaptureMode`` for this thread; returns the previous mode."""
         ...
+
+    @property
+    def can_exchange_capture_mode(self) -> bool:
+        """False where no capture-mode exchange call was found (then
+        :meth:`exchange_capture_mode` changes nothing)."""
+        ...
+
+    def current_stream_of(self, device: int) -> int:
+        """The calling thread's current stream on ``device`` (CuPy's, per device), with no
+        ``cudaGetDevice``: whatever device is current."""
+        ...
+
+    def new_event(self, timing: bool = False) -> int:
+        """``cudaEventCreateWithFlags`` on the current device: a raw event handle that the
+        caller owns (and pools); :meth:`destroy_event` frees it."""
+        ...
+
+    def destroy_event(self, event: int) -> None: ...
     @property
     def record(self) -> Callable[[int, int], None]:
         """(event, stream): record ``event`` on ``stream``."""
@@ -122,7 +140,9 @@ class Runtime(Protocol):
     def compute_capability(self, device: int) -> tuple[int, int]: ...
     def current_stream(self) -> int: ...
     def new_stream(self, high_priority: bool = False) -> Any: ...
-    def event(self, pooled: bool = True, timing: bool = False) -> Event: ...
+    def event(self, pooled: bool = True, timing: bool = False, device: int = -1) -> Event:
+        """An event of ``device`` (-1: the current one)."""
+        ...
     def query(self, event: int) -> bool: ...
     def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None: ...
     def alloc(self, nbytes: int, stream: Any) -> tuple[int, Any]: ...
@@ -229,9 +249,14 @@ class CudaRuntime:
         self._pools: dict[tuple[int, bool], _EventPool] = {}
         self._ctx_current = lib.cupy.cuda.driver.ctxGetCurrent
         self._exchange_mode = _capture_mode_exchanger()
+        self._destroy_event = rt.eventDestroy
 
     def has_context(self) -> bool:
         return bool(self._ctx_current())
+
+    @property
+    def can_exchange_capture_mode(self) -> bool:
+        return self._exchange_mode is not None
 
     def exchange_capture_mode(self, mode: int) -> int:
         fn = self._exchange_mode
@@ -255,6 +280,20 @@ class CudaRuntime:
     def current_stream(self) -> int:
         return int(self._get_current_stream().ptr)
 
+    def current_stream_of(self, device: int) -> int:
+        # CuPy keeps a current stream per device and thread; given the device, it makes
+        # no cudaGetDevice.
+        return int(self._get_current_stream(device).ptr)
+
+    def new_event(self, timing: bool = False) -> int:
+        return int(self._create_event(_EVENT_DEFAULT if timing else _EVENT_DISABLE_TIMING))
+
+    def destroy_event(self, event: int) -> None:
+        try:
+            self._destroy_event(event)
+        except Exception:
+            pass  # a dead context: nothing left to free
+
     def new_stream(self, high_priority: bool = False) -> Any:
         # Non-blocking: the communication stream must not serialise with the legacy
         # default stream, only with what the backend makes it wait for.
@@ -264,18 +303,28 @@ class CudaRuntime:
             return self._stream_cls(non_blocking=True, priority=_HIGHEST_PRIORITY)
         return self._stream_cls(non_blocking=True)
 
-    def event(self, pooled: bool = True, timing: bool = False) -> Event:
-        """An event of the current device, with timing only when ``timing`` (a
-        completion hook reads active_duration). Events recorded during CUDA graph
+    def event(self, pooled: bool = True, timing: bool = False, device: int = -1) -> Event:
+        """An event of ``device`` (-1: the current one), with timing only when ``timing``
+        (a completion hook reads active_duration). Events recorded during CUDA graph
         capture must not be reused outside it: ask for ``pooled=False`` then."""
         flags = _EVENT_DEFAULT if timing else _EVENT_DISABLE_TIMING
         if not pooled:
             return _PooledEvent(self._create_event(flags), None)
-        key = (self.get_device(), timing)
+        key = (self.get_device() if device < 0 else device, timing)
         pool = self._pools.get(key)
         if pool is None:
-            pool = self._pools.setdefault(key, _EventPool(self._create_event, flags=flags))
+            pool = self._pools.setdefault(key, _EventPool(self._make_event(key[0]), flags=flags))
         return pool.acquire()
+
+    def _make_event(self, device: int) -> Callable[[int], int]:
+        """cudaEventCreateWithFlags on ``device`` (made current for the call if it is not)."""
+        def create(flags: int) -> int:
+            prev = enter_device(self, device)
+            try:
+                return int(self._create_event(flags))
+            finally:
+                leave_device(self, prev)
+        return create
 
     def query(self, event: int) -> bool:
         status = self._event_query(event)
@@ -366,22 +415,29 @@ def leave_device(rt: Runtime, prev: int) -> None:
 
 
 def _capture_mode_exchanger() -> Any:
-    """``cudaThreadExchangeStreamCaptureMode`` from the CUDA runtime CuPy loaded (CuPy
-    binds no such call); None where it cannot be found, and then no exchange is made."""
+    """The call that exchanges this thread's stream-capture mode (CuPy binds none): the
+    driver's ``cuThreadExchangeStreamCaptureMode`` from ``libcuda.so.1``, which is loaded
+    wherever CUDA works (CuPy 14 for CUDA 13 loads no ``libcudart.so`` at all); the
+    runtime's ``cudaThreadExchangeStreamCaptureMode`` where the driver lacks it. Both
+    take the same modes (global 0, thread-local 1, relaxed 2) and act on the calling
+    thread. None where neither is found, and then no exchange is made."""
     import ctypes
 
     from .lib import loaded_library_path
 
-    path = loaded_library_path("libcudart.so")
-    if path is None:
-        return None
-    try:
-        fn = ctypes.CDLL(path).cudaThreadExchangeStreamCaptureMode
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.POINTER(ctypes.c_int)]
-    fn.restype = ctypes.c_int
-    return fn
+    candidates = [(loaded_library_path("libcuda.so") or "libcuda.so.1", "cuThreadExchangeStreamCaptureMode")]
+    cudart = loaded_library_path("libcudart.so")
+    if cudart is not None:
+        candidates.append((cudart, "cudaThreadExchangeStreamCaptureMode"))
+    for path, name in candidates:
+        try:
+            fn = getattr(ctypes.CDLL(path), name)
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        fn.restype = ctypes.c_int
+        return fn
+    return None
 CUPY_CONFIG_FIELDS = frozenset({"split_share"})
 """The ncclConfig_t fields CuPy's ``NcclConfig`` can carry (CuPy 14)."""
 
