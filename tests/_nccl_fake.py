@@ -1388,13 +1388,39 @@ def _dtype_of(host: np.ndarray) -> DType:
 # ----- the realistic fake: what each call costs, and device work that takes time -----
 
 _LIBC = ctypes.CDLL(None)
-# A C call that does nothing: ctypes releases the GIL around it (CDLL, not PyDLL), so a
-# thread waiting for the GIL may take it there, as it may during any CuPy call into
-# CUDA (CuPy calls CUDA with the GIL released). sched_yield would do as well on a quiet
-# machine; on a loaded one it hands the core to other processes, and measures them.
-_release_gil = _LIBC.labs
-_release_gil.restype = ctypes.c_long
-_release_gil.argtypes = [ctypes.c_long]
+# A C call that takes time with the GIL released, as CuPy's calls into CUDA do: libc's
+# memset over a scratch buffer (ctypes releases the GIL around a CDLL call). A thread
+# waiting for the GIL takes it meanwhile, and the caller waits to get it back: the
+# trade the GPU run showed. The length per microsecond is calibrated once.
+_memset = _LIBC.memset
+_memset.restype = ctypes.c_void_p
+_memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+_SCRATCH = ctypes.create_string_buffer(1 << 20)
+_SCRATCH_PTR = ctypes.addressof(_SCRATCH)
+_lengths: dict[float, int] = {}
+
+
+def _memset_length(seconds: float) -> int:
+    """The memset length whose call takes ``seconds`` more than a 64-byte one here:
+    that long in C with the GIL released (calibrated once per value)."""
+    n = _lengths.get(seconds)
+    if n is None:
+        def per_call(length: int) -> float:
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                for _ in range(500):
+                    _memset(_SCRATCH_PTR, 0, length)
+                best = min(best, (time.perf_counter() - t0) / 500)
+            return best
+        floor = per_call(64)
+        n = 4096
+        for _ in range(5):
+            extra = max(per_call(n) - floor, 1e-9)
+            n = max(64, min(int(n * seconds / extra), 1 << 20))
+        _lengths[seconds] = n
+    return n
+
 
 # The Runtime calls that are CUDA runtime or driver calls (cudaGetDevice, cudaEventRecord,
 # cudaStreamWaitEvent, cudaEventQuery, cudaStreamIsCapturing, cuCtxGetCurrent, ...): the
@@ -1410,9 +1436,10 @@ class CallCosts:
     """The realistic fake's cost model and call counter.
 
     Every CUDA and NCCL call the backend makes takes ``call_us`` of host time and lets
-    other threads run meanwhile, as a C call that releases the GIL does: a ctypes call
-    (ctypes releases the GIL around it: a thread waiting for the GIL takes it there),
-    then a busy wait to the deadline. Device work takes ``op_us`` plus its bytes over ``gbps``: an event
+    other threads run meanwhile, as a C call that releases the GIL does: most of it in a
+    ctypes call to libc's memset (ctypes releases the GIL around it: a thread waiting
+    for the GIL takes it there, and the caller waits to get it back), the rest in a busy
+    wait to the deadline (``release_us`` below). Device work takes ``op_us`` plus its bytes over ``gbps``: an event
     recorded after it fires only then (:class:`TimedRuntime`).
 
     ``counts[thread ident][kind]`` counts each call by kind ("cuda", "nccl", "cupy",
@@ -1423,12 +1450,15 @@ class CallCosts:
             streamWaitEvent and ncclAllReduce from Python measured 0.7-0.9 µs).
         cupy_us: host microseconds of CuPy's current-stream lookup (0.14 measured).
         create_us: host microseconds of cudaEventCreate (1.5 measured).
+        release_us: of each call, the microseconds spent in C with the GIL released
+            (ctypes' own cost comes on top: on the 2-core development machine a counted
+            call takes about 1.3 µs in all, whatever ``call_us`` below that).
         op_us: device microseconds of any NCCL op, before its bytes.
         gbps: device bandwidth, GB/s, for an op's bytes.
     """
 
-    def __init__(self, call_us: float = 0.7, *, cupy_us: float = 0.14, create_us: float = 1.5,
-                 op_us: float = 5.0, gbps: float = 100.0) -> None:
+    def __init__(self, call_us: float = 0.7, *, release_us: float = 0.5, cupy_us: float = 0.14,
+                 create_us: float = 1.5, op_us: float = 5.0, gbps: float = 100.0) -> None:
         self.call_s = call_us * 1e-6
         self.cupy_s = cupy_us * 1e-6
         self.create_s = create_us * 1e-6
@@ -1436,6 +1466,7 @@ class CallCosts:
         self.bytes_per_s = gbps * 1e9
         self.counts: dict[int, dict[str, int]] = {}
         self.enabled = True
+        self._c_len = _memset_length(release_us * 1e-6) if call_us > 0 else 0
 
     def spend(self, kind: str, name: str, seconds: float) -> None:
         """One call of ``kind``/``name``: count it, then take ``seconds`` with the GIL let go."""
@@ -1449,7 +1480,9 @@ class CallCosts:
         mine[name] = mine.get(name, 0) + 1
         if seconds > 0:
             deadline = time.perf_counter() + seconds
-            _release_gil(0)
+            # Most of the time in C without the GIL, the rest (and whatever the GIL's
+            # return took less) spent here.
+            _memset(_SCRATCH_PTR, 0, self._c_len)
             while time.perf_counter() < deadline:
                 pass
 
