@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, cast
 
 from ..._buffer import DTYPES, Buffer, Device
 from ...errors import BackendUnavailableError, DistBackendError
@@ -149,6 +149,13 @@ class NCCLBackend:
                 adopt(self, _comm, device_id)
             else:
                 create_comm(self, device_id)
+
+    def _child(self, store: Store, rank: int, size: int, *, timeout: float, group_name: str, device_id: int | None,
+               comm: Comm | None, config: Mapping[str, Any] | None, high_priority: bool) -> NCCLBackend:
+        """A new backend beside this one, on its runtime (split.py, shrink.py): on ``comm``
+        when given, else one made through ``store``."""
+        return type(self)(store, rank, size, timeout=timeout, group_name=group_name, device_id=device_id,
+                          config=config, high_priority=high_priority, _runtime=self._rt, _comm=comm)
 
     def _checked_config(self, config: Mapping[str, Any] | None) -> dict[str, Any]:
         """``config``'s set fields, refused where the loaded NCCL or the runtime cannot apply them."""
@@ -560,8 +567,8 @@ class NCCLBackend:
               timeout: float, config: Mapping[str, Any] | None = None,
               high_priority: bool = False) -> NCCLBackend | None:
         """The backend of a new group carved out of this one (:func:`.split.split`)."""
-        return _split.split(self, ranks, color=color, store=store, group_name=group_name, timeout=timeout,
-                            config=config, high_priority=high_priority)
+        return cast("NCCLBackend | None", _split.split(self, ranks, color=color, store=store, group_name=group_name,
+                                                      timeout=timeout, config=config, high_priority=high_priority))
 
     @property
     def can_shrink(self) -> bool:
@@ -571,5 +578,5 @@ class NCCLBackend:
     def shrink(self, exclude: Sequence[int], *, store: Store, group_name: str, timeout: float,
                config: Mapping[str, Any] | None = None, high_priority: bool = False) -> NCCLBackend:
         """This communicator without the ranks in ``exclude`` (:func:`.shrink.shrink`)."""
-        return _shrink.shrink(self, exclude, store=store, group_name=group_name, timeout=timeout,
-                              config=config, high_priority=high_priority)
+        return cast("NCCLBackend", _shrink.shrink(self, exclude, store=store, group_name=group_name, timeout=timeout,
+                                                  config=config, high_priority=high_priority))

@@ -44,7 +44,7 @@ from .work import NCCLWork
 
 if TYPE_CHECKING:
     from ..._debug.flight_recorder import _Entry
-    from .backend import NCCLBackend
+    from .state import BackendState
 
 __all__ = ["Hot", "Quiet", "Pending", "PRUNE_AT", "make", "issue", "issue_quiet", "issue_failed", "complete_until"]
 
@@ -78,7 +78,7 @@ class Quiet:
     __slots__ = ("op_type", "seq", "group_name", "_t0", "time_started", "stream", "_end", "_keepalive",
                  "_fr_entry", "_owner", "done")
 
-    def __init__(self, op_type: str, seq: int, group_name: str, owner: NCCLBackend, stream: int, end: int,
+    def __init__(self, op_type: str, seq: int, group_name: str, owner: BackendState, stream: int, end: int,
                  keep: Buffer, entry: _Entry | None) -> None:
         self.op_type = op_type
         self.seq = seq
@@ -149,7 +149,7 @@ class _Handle:
 Pending = Union[NCCLWork, Quiet]
 
 
-def make(b: NCCLBackend, op_type: str, plan: Plan) -> Hot | None:
+def make(b: BackendState, op_type: str, plan: Plan) -> Hot | None:
     """The Hot of a cached ``plan`` (calls only), or None when it is not a single call."""
     if len(plan) != 1 or b._comm is None:
         return None
@@ -160,7 +160,7 @@ def make(b: NCCLBackend, op_type: str, plan: Plan) -> Hot | None:
     return Hot(op_type, functools.partial(getattr(b._comm, step[0]), *step[1:]))
 
 
-def issue_quiet(b: NCCLBackend, hot: Hot, buf: Buffer, seq: int, entry: _Entry | None, group_name: str) -> bool:
+def issue_quiet(b: BackendState, hot: Hot, buf: Buffer, seq: int, entry: _Entry | None, group_name: str) -> bool:
     """Issue ``hot`` on ``buf`` for a synchronous caller, with no Work, on the caller's
     current stream of the communicator's device: True once issued; False, having done
     nothing, where the general path must issue it. The backend keeps a :class:`Quiet`
@@ -220,7 +220,7 @@ def issue_quiet(b: NCCLBackend, hot: Hot, buf: Buffer, seq: int, entry: _Entry |
     return True
 
 
-def issue(b: NCCLBackend, hot: Hot, buf: Buffer) -> NCCLWork | None:
+def issue(b: BackendState, hot: Hot, buf: Buffer) -> NCCLWork | None:
     """Issue ``hot`` on ``buf`` on the communication stream: its Work; None, having done
     nothing, where the general path must issue it. The communication stream waits for
     the caller's stream (a ``ready`` event), runs the op, records ``end``; the Work's
@@ -269,7 +269,7 @@ def issue(b: NCCLBackend, hot: Hot, buf: Buffer) -> NCCLWork | None:
     return work
 
 
-def issue_failed(b: NCCLBackend, op_type: str, exc: Exception, issuing: bool, bufs: Sequence[Buffer],
+def issue_failed(b: BackendState, op_type: str, exc: Exception, issuing: bool, bufs: Sequence[Buffer],
                  temps: list[Any]) -> Exception:
     """The error to raise for an op that failed while being issued, after what that
     failure requires: once any part of it may be queued on the stream (``issuing``),
@@ -286,7 +286,7 @@ def issue_failed(b: NCCLBackend, op_type: str, exc: Exception, issuing: bool, bu
     return DistBackendError(f"{op_type} on group {b._group_name!r} failed: {why}")
 
 
-def complete_until(b: NCCLBackend, stop: Pending | None, mode_set: bool = False) -> Pending | None:
+def complete_until(b: BackendState, stop: Pending | None, mode_set: bool = False) -> Pending | None:
     """Complete, in issue order, the pending works that finished, up to ``stop`` (not
     included); the oldest one still running, or None. ``mode_set``: the calling thread
     (the watchdog's) is in thread-local capture mode already; otherwise the queries are
@@ -339,7 +339,7 @@ def complete_until(b: NCCLBackend, stop: Pending | None, mode_set: bool = False)
     return works[done] if done < len(works) else None
 
 
-def _finished_prefix(b: NCCLBackend, works: list[Pending]) -> int:
+def _finished_prefix(b: BackendState, works: list[Pending]) -> int:
     """How many of ``works`` (in issue order) have finished. Ops on one stream finish
     in issue order, so each run of consecutive ops on one stream (the caller's, for
     Work-less ops; the communication stream for the rest) takes a binary search over
@@ -364,7 +364,7 @@ def _finished_prefix(b: NCCLBackend, works: list[Pending]) -> int:
     return n
 
 
-def _finished_run(b: NCCLBackend, works: list[Pending], lo: int, hi: int) -> int:
+def _finished_run(b: BackendState, works: list[Pending], lo: int, hi: int) -> int:
     """The end of the finished prefix of ``works[lo:hi]`` (one stream's run), or -1."""
     rt = b._rt
     probe = hi - 1          # the newest first: when the GPU keeps up, one query settles it
