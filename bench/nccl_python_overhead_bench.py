@@ -6,6 +6,13 @@ do nothing, so what is timed is gpucoll's Python and nothing else. The "GPU" fin
 each op ``--lag`` ops after it is issued (event queries say so), as a busy GPU would,
 so the completion path (the watchdog, the backend's pruning) runs as it does for real.
 
+With ``--realistic`` the runtime is the fake GPU with costs (tests/_nccl_fake.py,
+``TimedRuntime``): every CUDA and NCCL call takes ``--call-us`` (default 0.7 µs, an
+H200's) and lets other threads run, as a C call that releases the GIL does, and
+device work takes ``--op-us`` plus its bytes over the bandwidth, so event queries say
+"not ready" until then. That is where threads trading the GIL show, as they did on the
+GPU; each row also gives the CUDA and NCCL calls per op, by thread.
+
 This is not the issue's benchmark (that is ``nccl_overhead_bench.py``, on a GPU,
 against a bare ``cupy.cuda.nccl`` call and torch); it tracks the part of the host
 cost that gpucoll controls, on any machine. Add the cost of the CUDA calls gpucoll
@@ -15,6 +22,7 @@ compare with a GPU run.
 Usage::
 
     python bench/nccl_python_overhead_bench.py [--ops 50000] [--repeat 5] [--lag 20]
+    python bench/nccl_python_overhead_bench.py --realistic [--call-us 0.7] [--op-us 5]
 """
 
 from __future__ import annotations
@@ -24,12 +32,14 @@ import itertools
 import os
 import statistics
 import sys
+import threading
 import time
 from typing import Any, Callable
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
+_TESTS = os.path.join(_ROOT, "tests")
 
 from gpucoll._group import registry as _group  # noqa: E402
 from gpucoll._buffer import DTYPES, Buffer, Device  # noqa: E402
@@ -106,9 +116,21 @@ class NoopRuntime:
     def new_stream(self, high_priority: bool = False) -> Any:
         return _Stream()
 
-    def event(self, pooled: bool = True, timing: bool = False) -> Any:
+    def event(self, pooled: bool = True, timing: bool = False, device: int = -1) -> Any:
         self._made = next(self._count)
         return _Event(self._made)
+
+    def new_event(self, timing: bool = False) -> int:
+        self._made = next(self._count)
+        return self._made
+
+    def destroy_event(self, event: int) -> None:
+        pass
+
+    can_exchange_capture_mode = True
+
+    def current_stream_of(self, device: int) -> int:
+        return 0x7000
 
     def has_context(self) -> bool:
         return True
@@ -159,16 +181,29 @@ class DeviceArray:
                 "strides": None, "stream": 1}
 
 
-def _per_op_us(call: Callable[[], Any], ops: int, repeat: int) -> float:
+def _per_op_us(call: Callable[[], Any], ops: int, repeat: int, costs: Any = None) -> tuple[float, str]:
+    """Median µs per call of ``call``; with ``costs`` (realistic mode), also the CUDA and
+    NCCL calls per op of the timed runs, by thread."""
     for _ in range(min(ops, 2000)):
         call()
+    if costs is not None:
+        costs.reset()
     runs = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         for _ in range(ops):
             call()
         runs.append((time.perf_counter() - t0) / ops * 1e6)
-    return statistics.median(runs)
+    counts = ""
+    if costs is not None:
+        me = threading.get_ident()
+        parts = []
+        for thread, c in sorted(costs.counts.items(), key=lambda kv: kv[0] != me):
+            who = "caller" if thread == me else "other thread"
+            parts.append(f"{who}: cuda {c.get('cuda', 0) / (ops * repeat):.3f}, "
+                         f"nccl {c.get('nccl', 0) / (ops * repeat):.3f}")
+        counts = "; ".join(parts)
+    return statistics.median(runs), counts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,9 +211,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ops", type=int, default=50000, help="ops per timed run")
     ap.add_argument("--repeat", type=int, default=5, help="timed runs; the median is reported")
     ap.add_argument("--lag", type=int, default=20, help="ops the fake GPU runs behind the host")
+    ap.add_argument("--realistic", action="store_true",
+                    help="the fake GPU with costs: each CUDA/NCCL call takes --call-us, device work --op-us")
+    ap.add_argument("--call-us", type=float, default=0.7, help="realistic: host µs per CUDA or NCCL call")
+    ap.add_argument("--op-us", type=float, default=5.0, help="realistic: device µs per op (plus bytes/bandwidth)")
     args = ap.parse_args(argv)
 
-    rt = NoopRuntime(args.lag)
+    costs: Any = None
+    rt: Any
+    if args.realistic:
+        if _TESTS not in sys.path:
+            sys.path.insert(0, _TESTS)
+        from _nccl_fake import CallCosts, TimedRuntime
+
+        costs = CallCosts(args.call_us, op_us=args.op_us)
+        rt = TimedRuntime(costs)
+        if args.ops == 50000:
+            args.ops = 5000  # each op takes tens of µs here
+    else:
+        rt = NoopRuntime(args.lag)
     backend = NCCLBackend(PrefixStore("b", HashStore()), 0, 1, timeout=60.0, group_name="b", device_id=0,
                           _runtime=rt)
     buf = Buffer(0x200000, 1024, DTYPES["float32"], (256,), Device("cuda", 0), stream=None)
@@ -189,12 +240,19 @@ def main(argv: list[str] | None = None) -> int:
         pg = ProcessGroup(PrefixStore("pg", HashStore()), 0, 1, group_name="g", global_ranks=[0], timeout=60.0,
                           backend="nccl", device_id=0)
         x = DeviceArray()
+        SUM = ReduceOp.SUM
+        backend.all_reduce(buf, SUM).wait()  # planned once: later calls take the hot path
+
+        def quiet() -> None:
+            if not backend.all_reduce_quiet(buf, SUM, 1, None, ""):
+                backend.all_reduce(buf, SUM).wait()
         rows = [
-            ("backend: all_reduce(buf).wait()", _per_op_us(lambda: backend.all_reduce(buf, ReduceOp.SUM).wait(),
-                                                           args.ops, args.repeat)),
-            ("ProcessGroup.all_reduce(array)", _per_op_us(lambda: pg.all_reduce(x), args.ops, args.repeat)),
+            ("backend: all_reduce_quiet(buf) (synchronous, no Work)", *_per_op_us(quiet, args.ops, args.repeat, costs)),
+            ("backend: all_reduce(buf).wait()", *_per_op_us(lambda: backend.all_reduce(buf, ReduceOp.SUM).wait(),
+                                                            args.ops, args.repeat, costs)),
+            ("ProcessGroup.all_reduce(array)", *_per_op_us(lambda: pg.all_reduce(x), args.ops, args.repeat, costs)),
             ("ProcessGroup.all_reduce(array, async_op=True).wait()",
-             _per_op_us(lambda: pg.all_reduce(x, async_op=True).wait(), args.ops, args.repeat)),
+             *_per_op_us(lambda: pg.all_reduce(x, async_op=True).wait(), args.ops, args.repeat, costs)),
         ]
         # What the no-op runtime's own Python costs per op: the calls one backend op makes
         # on its hot path (two events; device, stream and capture queries; two records,
@@ -214,21 +272,33 @@ def main(argv: list[str] | None = None) -> int:
             rt.record(end.ptr, 0x5000)
             rt.get_device()
             rt.wait_event(rt.current_stream(), end.ptr)
-        runtime_us = _per_op_us(runtime_calls, args.ops, args.repeat)
+        if costs is not None:
+            costs.enabled = False  # the no-op runtime's own Python only
+        runtime_us = _per_op_us(runtime_calls, args.ops, args.repeat)[0]
+        if costs is not None:
+            costs.enabled = True
         rt.finish_all()  # the fake GPU catches up, so shutdown's drain returns at once
         pg._destroy()
     finally:
         _group.BACKENDS["nccl"] = saved
         rt.finish_all()
         backend.shutdown()
-    print(f"# gpucoll's Python per op, no-op CUDA runtime (GPU {args.lag} ops behind), "
-          f"median of {args.repeat} x {args.ops} ops")
-    print("| path | µs per op |")
-    print("|---|---|")
-    for name, us in rows:
-        print(f"| {name} | {us:.2f} |")
-    print(f"# of each row, the no-op runtime's own Python (the calls one op makes, timed alone): "
-          f"{runtime_us:.2f} µs")
+    if costs is not None:
+        print(f"# gpucoll per op on the realistic fake GPU (each CUDA/NCCL call {args.call_us} µs with the GIL "
+              f"let go, device work {args.op_us} µs + bytes/bandwidth), median of {args.repeat} x {args.ops} ops")
+        print("| path | µs per op | calls per op |")
+        print("|---|---|---|")
+        for name, us, counts in rows:
+            print(f"| {name} | {us:.2f} | {counts} |")
+    else:
+        print(f"# gpucoll's Python per op, no-op CUDA runtime (GPU {args.lag} ops behind), "
+              f"median of {args.repeat} x {args.ops} ops")
+        print("| path | µs per op |")
+        print("|---|---|")
+        for name, us, _ in rows:
+            print(f"| {name} | {us:.2f} |")
+    print(f"# of each row, the runtime's own Python (the calls one op made at 68f6d9f, timed alone, "
+          f"their costs left out): {runtime_us:.2f} µs")
     return 0
 
 

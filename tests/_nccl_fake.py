@@ -802,6 +802,17 @@ class FakeRuntime:
             ptr = self._current[d] = stream.ptr
         return ptr
 
+    def current_stream_of(self, device: int) -> int:
+        """CuPy's ``get_current_stream(device)``: the current stream of ``device``, whatever is current."""
+        ptr = self._current.get(device)
+        if ptr is None:
+            if device == self.default_stream.device:
+                return self.default_stream.ptr
+            stream = FakeStream(self.fabric, f"default-{device}", device)
+            self.fabric._keep_streams.append(stream)
+            ptr = self._current[device] = stream.ptr
+        return ptr
+
     def set_current_stream(self, ptr: int) -> None:
         self._current[self.fabric.stream(ptr).device] = ptr
 
@@ -842,7 +853,12 @@ class FakeRuntime:
             comm.graphs.add(graph)
         return graph
 
+    # False: as CudaRuntime where no exchange call is found (exchanges change nothing)
+    can_exchange_capture_mode = True
+
     def exchange_capture_mode(self, mode: int) -> int:
+        if not self.can_exchange_capture_mode:
+            return mode
         names = ("global", "thread_local", "relaxed")
         return names.index(self.fabric.exchange_capture_mode(names[mode]))
 
@@ -850,13 +866,23 @@ class FakeRuntime:
         return self.fabric.has_context()
 
     # -- events --
-    def event(self, pooled: bool = True, timing: bool = True) -> FakeEvent:
+    def event(self, pooled: bool = True, timing: bool = True, device: int = -1) -> FakeEvent:
         self.fabric.context()
         if not pooled:
             self.unpooled_events += 1
         if timing:
             self.timing_events += 1
-        return FakeEvent(self.fabric, self.fabric.current_device(), timing)
+        return FakeEvent(self.fabric, self.fabric.current_device() if device < 0 else device, timing)
+
+    def new_event(self, timing: bool = False) -> int:
+        """cudaEventCreateWithFlags: an event of the current device."""
+        self.fabric.context()
+        if timing:
+            self.timing_events += 1
+        return FakeEvent(self.fabric, self.fabric.current_device(), timing).ptr
+
+    def destroy_event(self, event: int) -> None:
+        self.fabric.events.pop(event, None)
 
     def record(self, event: int, stream: int) -> None:
         self.fabric.context()
@@ -1423,3 +1449,358 @@ class FakeStreamArray:
 def _dtype_of(host: np.ndarray) -> DType:
     from gpucoll._buffer import DTYPES
     return DTYPES[host.dtype.name]
+
+
+# ----- the realistic fake: what each call costs, and device work that takes time -----
+
+_LIBC = ctypes.CDLL(None)
+# A C call that takes time with the GIL released, as CuPy's calls into CUDA do: libc's
+# memset over a scratch buffer (ctypes releases the GIL around a CDLL call). A thread
+# waiting for the GIL takes it meanwhile, and the caller waits to get it back: the
+# trade the GPU run showed. The length per microsecond is calibrated once.
+_memset = _LIBC.memset
+_memset.restype = ctypes.c_void_p
+_memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+_SCRATCH = ctypes.create_string_buffer(1 << 20)
+_SCRATCH_PTR = ctypes.addressof(_SCRATCH)
+_lengths: dict[float, int] = {}
+
+
+def _memset_length(seconds: float) -> int:
+    """The memset length whose call takes ``seconds`` more than a 64-byte one here:
+    that long in C with the GIL released (calibrated once per value)."""
+    n = _lengths.get(seconds)
+    if n is None:
+        def per_call(length: int) -> float:
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                for _ in range(500):
+                    _memset(_SCRATCH_PTR, 0, length)
+                best = min(best, (time.perf_counter() - t0) / 500)
+            return best
+        floor = per_call(64)
+        n = 4096
+        for _ in range(5):
+            extra = max(per_call(n) - floor, 1e-9)
+            n = max(64, min(int(n * seconds / extra), 1 << 20))
+        _lengths[seconds] = n
+    return n
+
+
+# The Runtime calls that are CUDA runtime or driver calls (cudaGetDevice, cudaEventRecord,
+# cudaStreamWaitEvent, cudaEventQuery, cudaStreamIsCapturing, cuCtxGetCurrent, ...): the
+# ones the count tests count. current_stream is CuPy's thread-local lookup (its
+# cudaGetDevice is made in C, inside it): it costs, and is counted apart ("cupy").
+CUDA_CALLS = ("get_device", "set_device", "record", "wait_event", "elapsed_ms", "is_capturing", "query",
+              "exchange_capture_mode", "has_context", "memcpy", "alloc", "launch")
+NCCL_CALLS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "send", "recv", "all_to_all",
+              "gather", "scatter", "async_error", "last_error", "premul_sum", "op_destroy")
+
+
+class CallCosts:
+    """The realistic fake's cost model and call counter.
+
+    Every CUDA and NCCL call the backend makes takes ``call_us`` of host time and lets
+    other threads run meanwhile, as a C call that releases the GIL does: most of it in a
+    ctypes call to libc's memset (ctypes releases the GIL around it: a thread waiting
+    for the GIL takes it there, and the caller waits to get it back), the rest in a busy
+    wait to the deadline (``release_us`` below). Device work takes ``op_us`` plus its bytes over ``gbps``: an event
+    recorded after it fires only then (:class:`TimedRuntime`).
+
+    ``counts[thread ident][kind]`` counts each call by kind ("cuda", "nccl", "cupy",
+    "event" for an event made by cudaEventCreate) and by name, per calling thread.
+
+    Args:
+        call_us: host microseconds per CUDA or NCCL call (0.7: an H200's eventRecord,
+            streamWaitEvent and ncclAllReduce from Python measured 0.7-0.9 µs).
+        cupy_us: host microseconds of CuPy's current-stream lookup (0.14 measured).
+        create_us: host microseconds of cudaEventCreate (1.5 measured).
+        release_us: of each call, the microseconds spent in C with the GIL released
+            (ctypes' own cost comes on top: on the 2-core development machine a counted
+            call takes about 1.3 µs in all, whatever ``call_us`` below that).
+        op_us: device microseconds of any NCCL op, before its bytes.
+        gbps: device bandwidth, GB/s, for an op's bytes.
+    """
+
+    def __init__(self, call_us: float = 0.7, *, release_us: float = 0.5, cupy_us: float = 0.14,
+                 create_us: float = 1.5, op_us: float = 5.0, gbps: float = 100.0) -> None:
+        self.call_s = call_us * 1e-6
+        self.cupy_s = cupy_us * 1e-6
+        self.create_s = create_us * 1e-6
+        self.op_s = op_us * 1e-6
+        self.bytes_per_s = gbps * 1e9
+        self.counts: dict[int, dict[str, int]] = {}
+        self.enabled = True
+        self._c_len = _memset_length(release_us * 1e-6) if call_us > 0 else 0
+
+    def spend(self, kind: str, name: str, seconds: float) -> None:
+        """One call of ``kind``/``name``: count it, then take ``seconds`` with the GIL let go."""
+        if not self.enabled:
+            return
+        me = threading.get_ident()
+        mine = self.counts.get(me)
+        if mine is None:
+            mine = self.counts.setdefault(me, {})
+        mine[kind] = mine.get(kind, 0) + 1
+        mine[name] = mine.get(name, 0) + 1
+        if seconds > 0:
+            deadline = time.perf_counter() + seconds
+            # Most of the time in C without the GIL, the rest (and whatever the GIL's
+            # return took less) spent here.
+            _memset(_SCRATCH_PTR, 0, self._c_len)
+            while time.perf_counter() < deadline:
+                pass
+
+    def of(self, thread: int | None = None) -> dict[str, int]:
+        """The counts of one thread (default: the calling one)."""
+        return dict(self.counts.get(threading.get_ident() if thread is None else thread, {}))
+
+    def reset(self) -> None:
+        self.counts.clear()
+
+
+class _TimedEvent:
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+
+class _TimedStream:
+    def __init__(self, ptr: int, device: int = 0) -> None:
+        self.ptr = ptr
+        self.device = device
+
+    def __enter__(self) -> _TimedStream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+class _TimedComm:
+    """A communicator of one rank whose calls cost ``costs`` and whose ops keep their
+    stream busy for the modeled time (data is not moved: the count tests and the bench
+    need the costs, the semantic tests use :class:`FakeComm`)."""
+
+    def __init__(self, rt: TimedRuntime, rank: int, size: int) -> None:
+        self._rt = rt
+        self.rank = rank
+        self.size = size
+        self.aborted = False
+        self.async_code = 0
+
+    def _op(self, name: str, nbytes: int, stream: int) -> None:
+        rt = self._rt
+        rt.costs.spend("nccl", name, rt.costs.call_s)
+        if self.aborted:
+            raise FakeError(f"{name} on an aborted communicator")
+        rt.busy(stream, rt.costs.op_s + nbytes / rt.costs.bytes_per_s)
+
+    def all_reduce(self, s: int, r: int, n: int, dt: int, op: int, stream: int) -> None:
+        self._op("all_reduce", n * _ITEMSIZE.get(dt, 4), stream)
+
+    def reduce(self, s: int, r: int, n: int, dt: int, op: int, root: int, stream: int) -> None:
+        self._op("reduce", n * _ITEMSIZE.get(dt, 4), stream)
+
+    def broadcast(self, s: int, r: int, n: int, dt: int, root: int, stream: int) -> None:
+        self._op("broadcast", n * _ITEMSIZE.get(dt, 4), stream)
+
+    def all_gather(self, s: int, r: int, n: int, dt: int, stream: int) -> None:
+        self._op("all_gather", n * _ITEMSIZE.get(dt, 4) * self.size, stream)
+
+    def reduce_scatter(self, s: int, r: int, n: int, dt: int, op: int, stream: int) -> None:
+        self._op("reduce_scatter", n * _ITEMSIZE.get(dt, 4) * self.size, stream)
+
+    def send(self, p: int, n: int, dt: int, peer: int, stream: int) -> None:
+        self._op("send", n * _ITEMSIZE.get(dt, 4), stream)
+
+    def recv(self, p: int, n: int, dt: int, peer: int, stream: int) -> None:
+        self._op("recv", n * _ITEMSIZE.get(dt, 4), stream)
+
+    def async_error(self) -> int:
+        self._rt.costs.spend("nccl", "async_error", self._rt.costs.call_s)
+        return self.async_code
+
+    def last_error(self) -> str:
+        return ""
+
+    def abort(self) -> None:
+        self._rt.costs.spend("nccl", "abort", self._rt.costs.call_s)
+        self.aborted = True
+
+    def destroy(self) -> None:
+        self._rt.costs.spend("nccl", "destroy", self._rt.costs.call_s)
+        self.aborted = True
+
+
+class TimedRuntime:
+    """A one-rank Runtime whose every CUDA call costs what ``costs`` says and whose
+    device work takes time: each stream is busy until a modeled instant, an event
+    recorded on it fires then (``query`` says not ready until that instant), and
+    ``wait_event`` makes a stream busy until the event fires. It moves no data.
+
+    The capture state is modeled too (``begin_capture``/``end_capture`` on a stream,
+    ``capturing`` the set), and so is the per-thread capture mode: a query from another
+    thread in global mode during a global-mode capture invalidates that capture
+    (``invalidated`` names why), as on a GPU.
+    """
+
+    def __init__(self, costs: CallCosts | None = None, *, features: Features | None = None,
+                 exchange_works: bool = True) -> None:
+        self.costs = costs or CallCosts()
+        self.features = features or Features(version=(2, 32, 3), all_to_all=True, gather=True, scatter=True)
+        self.can_exchange_capture_mode = exchange_works
+        self._handles = itertools.count(0x1000)
+        self._busy: dict[int, float] = {}
+        self._fires: dict[int, float] = {}
+        self.capturing: dict[int, tuple[int, str]] = {}   # stream -> (thread, mode)
+        self.invalidated: list[str] = []
+        self._tls = threading.local()
+        self._default = 0x7000
+        self._current = self._default
+        self.comms: list[_TimedComm] = []
+        c = self.costs
+        call = c.call_s
+
+        # Bound per instance, as CudaRuntime binds CuPy's functions.
+        def get_device() -> int:
+            c.spend("cuda", "get_device", call)
+            return 0
+
+        def set_device(device: int) -> None:
+            c.spend("cuda", "set_device", call)
+
+        def record(event: int, stream: int) -> None:
+            c.spend("cuda", "record", call)
+            self._fires[event] = max(self._busy.get(stream, 0.0), time.perf_counter())
+
+        def wait_event(stream: int, event: int) -> None:
+            c.spend("cuda", "wait_event", call)
+            fires = self._fires.get(event, 0.0)
+            if fires > self._busy.get(stream, 0.0):
+                self._busy[stream] = fires
+
+        def elapsed_ms(a: int, b: int) -> float:
+            c.spend("cuda", "elapsed_ms", call)
+            return max(self._fires.get(b, 0.0) - self._fires.get(a, 0.0), 0.0) * 1e3
+
+        def is_capturing(stream: int) -> bool:
+            c.spend("cuda", "is_capturing", call)
+            return stream in self.capturing
+
+        self.get_device = get_device
+        self.set_device = set_device
+        self.record = record
+        self.wait_event = wait_event
+        self.elapsed_ms = elapsed_ms
+        self.is_capturing = is_capturing
+        self.group_start = lambda: c.spend("nccl", "group_start", call)
+        self.group_end = lambda: c.spend("nccl", "group_end", call)
+
+    # -- the device's clock --
+    def busy(self, stream: int, seconds: float) -> None:
+        """Queue ``seconds`` of device work on ``stream``."""
+        self._busy[stream] = max(self._busy.get(stream, 0.0), time.perf_counter()) + seconds
+
+    def stall(self, stream: int) -> None:
+        """Work on ``stream`` never finishes (a peer that never joins)."""
+        self._busy[stream] = float("inf")
+
+    def finish_all(self) -> None:
+        """The device catches up: every event recorded so far has fired."""
+        now = time.perf_counter()
+        self._busy = {s: min(t, now) for s, t in self._busy.items()}
+        self._fires = {e: min(t, now) for e, t in self._fires.items()}
+
+    # -- capture --
+    def begin_capture(self, stream: int, mode: str = "global") -> None:
+        self.capturing[stream] = (threading.get_ident(), mode)
+
+    def end_capture(self, stream: int) -> None:
+        del self.capturing[stream]
+
+    def _mode(self) -> int:
+        return int(getattr(self._tls, "mode", 0))
+
+    # -- the Runtime protocol --
+    def device_count(self) -> int:
+        return 1
+
+    def compute_capability(self, device: int) -> tuple[int, int]:
+        return (9, 0)
+
+    def has_context(self) -> bool:
+        self.costs.spend("cuda", "has_context", self.costs.call_s)
+        return True
+
+    def exchange_capture_mode(self, mode: int) -> int:
+        self.costs.spend("cuda", "exchange_capture_mode", self.costs.call_s)
+        if not self.can_exchange_capture_mode:
+            return mode  # as CudaRuntime where no exchange call was found
+        prev = self._mode()
+        self._tls.mode = mode
+        return prev
+
+    def current_stream(self) -> int:
+        self.costs.spend("cupy", "current_stream", self.costs.cupy_s)
+        return self._current
+
+    def current_stream_of(self, device: int) -> int:
+        self.costs.spend("cupy", "current_stream", self.costs.cupy_s)
+        return self._current
+
+    def set_current_stream(self, ptr: int) -> None:
+        self._current = ptr
+
+    def new_stream(self, high_priority: bool = False) -> Any:
+        return _TimedStream(next(self._handles))
+
+    def event(self, pooled: bool = True, timing: bool = False, device: int = -1) -> Any:
+        if not pooled:
+            self.costs.spend("event", "event_create", self.costs.create_s)
+        return _TimedEvent(next(self._handles))
+
+    def new_event(self, timing: bool = False) -> int:
+        self.costs.spend("event", "event_create", self.costs.create_s)
+        return next(self._handles)
+
+    def destroy_event(self, event: int) -> None:
+        self._fires.pop(event, None)
+
+    def query(self, event: int) -> bool:
+        self.costs.spend("cuda", "query", self.costs.call_s)
+        me = threading.get_ident()
+        for thread, mode in self.capturing.values():
+            if thread != me and mode == "global" and self._mode() == 0:
+                why = "cudaEventQuery from another thread in global mode during a global-mode capture"
+                self.invalidated.append(why)
+                raise FakeCudaError(CAPTURE_UNSUPPORTED, "cudaErrorStreamCaptureUnsupported", why)
+        return time.perf_counter() >= self._fires.get(event, 0.0)
+
+    def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self.costs.spend("cuda", "memcpy", self.costs.call_s)
+        self.busy(stream, nbytes / self.costs.bytes_per_s)
+
+    def alloc(self, nbytes: int, stream: Any) -> tuple[int, Any]:
+        self.costs.spend("cuda", "alloc", self.costs.call_s)
+        return 0x100000, object()
+
+    def prepare(self, kernel: str, device: int) -> None:
+        pass
+
+    def launch(self, kernel: str, n: int, args: tuple[Any, ...], stream: Any, device: int) -> None:
+        self.costs.spend("cuda", "launch", self.costs.call_s)
+        self.busy(stream.ptr, self.costs.op_s)
+
+    def unique_id(self) -> bytes:
+        return bytes(128)
+
+    def new_comm(self, size: int, uid: bytes, rank: int, config: Any = None) -> Any:
+        comm = _TimedComm(self, rank, size)
+        self.comms.append(comm)
+        return comm
+
+    def check_config(self, config: Any) -> None:
+        pass

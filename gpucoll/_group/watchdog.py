@@ -1,14 +1,21 @@
 """One watchdog thread per process group: completion hooks, device-work polling, timeouts.
 
 The thread starts on first need (an async op, a device op, a registered hook) and
-is a daemon, so a forgotten group never keeps the interpreter alive. It:
+is a daemon, so a forgotten group never keeps the interpreter alive. It runs on a
+timer and is never woken per op (an op issued wakes nobody: waking a thread per op
+made every op trade the GIL with it, tens of µs on a GPU). On each tick it:
 
-- fires the group's completion hooks with each finished op's WorkInfo, on this
-  thread (never the caller's), in completion order;
-- polls outstanding works (``Work._poll``), which completes device work whose end
-  event has fired and so releases the arrays it keeps alive;
+- polls outstanding works (``Work._poll``) and device backends' queues of outstanding
+  ops (``PollsPending.poll_pending``, which also asks NCCL for asynchronous errors):
+  this completes device work whose end event has fired and releases the arrays it
+  keeps alive (the issuing thread completes its ops too, in batches);
 - calls ``on_timeout(work, backend)`` once for any op still outstanding after the
   group's timeout; the group aborts the backend and dumps its flight recorder.
+
+The tick is a twentieth of the timeout, between 20 ms and 1 s: timeouts are seconds.
+With a completion hook registered and work outstanding it polls every 5 ms, and it
+fires the group's hooks with each finished op's WorkInfo, on this thread (never the
+caller's), in completion order, as soon as an op is seen complete.
 """
 
 from __future__ import annotations
@@ -24,8 +31,9 @@ from .._work import Work, WorkInfo
 __all__ = ["Watchdog"]
 
 _STOP = object()
-_IDLE_POLL_S = 0.2  # timeouts are checked this often; hook delivery does not wait for it
-_DEVICE_POLL_S = 0.005  # device work completes only when polled, so poll it briskly
+_TICK_MAX_S = 1.0   # outstanding work is looked at at least this often
+_TICK_MIN_S = 0.02
+_HOOK_POLL_S = 0.005  # with a hook registered, device work completes (and its hook fires) this soon
 
 
 class Watchdog:
@@ -52,52 +60,40 @@ class Watchdog:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopped = False
-        self._brisk = False  # the thread polls briskly (device work was pending when it last looked)
+        self.tick = min(_TICK_MAX_S, max(_TICK_MIN_S, timeout / 20.0))
+        self.ticks = 0  # times the thread looked at outstanding work (tests count them)
         # Device backends whose outstanding ops this thread watches through the backend
         # (:class:`PollsPending`) rather than op by op: nothing is recorded per op, so a
         # synchronous device op leaves no object behind for the watchdog to hold.
         self._backends: list[PollsPending] = []
+        self._last_watched: PollsPending | None = None
 
     def watch_backend(self, backend: PollsPending) -> None:
-        """Watch every op outstanding on device ``backend`` (a
-        :class:`PollsPending`): complete them in issue order, time out
-        the oldest. Call after each op is issued; cheap once the thread is brisk."""
-        backends = self._backends
-        if not (backends and backends[0] is backend) and not any(b is backend for b in backends):
-            with self._lock:
-                if not any(b is backend for b in self._backends):
-                    self._backends = [*self._backends, backend]
-        if self._thread is None:
-            self._ensure_started()
-        if not self._brisk:
-            # The thread clears the flag before it looks at the backends' queues, and
-            # the op was queued before this read: either it sees the op or we wake it.
-            self._brisk = True
-            self._queue.put(None)
+        """Watch every op outstanding on device ``backend`` (a :class:`PollsPending`):
+        complete them in issue order, time out the oldest. Call after each op is
+        issued: it does nothing more than a comparison once the backend is watched."""
+        if backend is self._last_watched and self._thread is not None:
+            return
+        with self._lock:
+            if not any(b is backend for b in self._backends):
+                self._backends = [*self._backends, backend]
+            self._last_watched = backend
+        self._ensure_started()
 
     def track(self, work: Work, backend: Backend, device: bool) -> None:
         """Watch ``work`` until it completes or times out. Device work of a backend that
         keeps its own queue of outstanding ops is watched through that queue
         (:meth:`watch_backend`), with nothing recorded per op."""
         if device:
-            backends = self._backends
-            if backends and backends[0] is backend:
-                self.watch_backend(backends[0])
+            if backend is self._last_watched and self._thread is not None:
                 return
-            if isinstance(backend, PollsPending):  # once per backend: then it is backends[0]
+            if isinstance(backend, PollsPending):  # once per backend: then it is _last_watched
                 self.watch_backend(backend)
                 return
         with self._lock:
             self._pending.append((work, backend, device))
-            wake = device and not self._brisk
-            if wake:
-                self._brisk = True
         if self._thread is None:
             self._ensure_started()
-        if wake:
-            # Wake the thread so it switches to brisk polling; once brisk it needs no
-            # wake-up per op (that would cost the issuing thread the GIL every op).
-            self._queue.put(None)
 
     def completed(self, work: Work) -> None:
         """A done-callback: queue ``work`` for the hooks (runs on whichever thread finished it)."""
@@ -131,14 +127,14 @@ class Watchdog:
     def _run(self) -> None:
         stopping = False
         while not stopping:
-            self._brisk = False
-            with self._lock:
-                brisk = any(device for _, _, device in self._pending)
-            brisk = brisk or any(b.has_pending() for b in self._backends)
-            if brisk:
-                self._brisk = True
+            wait = self.tick
+            if self.hooks:
+                with self._lock:
+                    outstanding = bool(self._pending)
+                if outstanding or any(b.has_pending() for b in self._backends):
+                    wait = _HOOK_POLL_S
             try:
-                item = self._queue.get(timeout=_DEVICE_POLL_S if brisk else _IDLE_POLL_S)
+                item = self._queue.get(timeout=wait)
             except queue.Empty:
                 item = None
             while True:
@@ -161,6 +157,7 @@ class Watchdog:
                 self._on_hook_error(hook, exc)
 
     def _poll(self) -> None:
+        self.ticks += 1
         now = time.perf_counter()
         for polled in self._backends:
             try:

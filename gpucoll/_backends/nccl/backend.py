@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, cast
 
 from ..._buffer import DTYPES, Buffer, Device
 from ...errors import BackendUnavailableError, DistBackendError
@@ -26,8 +26,9 @@ from .bootstrap import adopt, create_comm
 from .bootstrap import is_nccl_available, nccl_unavailable_reason, nccl_version, rendezvous  # noqa: F401
 from .lib import NCCL_DTYPES, OP_SUM
 from .plan import Plan, Planner, calls_only, merge
-from .runtime import CAPTURE_RELAXED, Comm, Event, Runtime, enter_device, leave_device
+from .runtime import CAPTURE_RELAXED, CAPTURE_THREAD_LOCAL, Comm, Event, Runtime, enter_device, leave_device
 from .connect import check_in
+from .events import EventPool
 from . import hot as _hot
 from . import phases as _phases
 from . import lifecycle as _lifecycle
@@ -36,6 +37,10 @@ from . import split as _split
 from .work import NCCLWork
 
 __all__ = ["NCCLBackend", "nccl_unavailable_reason", "is_nccl_available", "nccl_version", "rendezvous"]
+
+# Which backends each thread has been set up to poll for (poll_pending): by id, the
+# value whether its capture mode could be set.
+_watch_threads = threading.local()
 
 _PLANS_MAX = 256  # cached plans per backend (a plan names its buffers: bounded, cleared when full)
 
@@ -123,6 +128,10 @@ class NCCLBackend:
         self._captured = False              # an op was captured into a CUDA graph (lifecycle.shutdown)
         self._temps: list[Any] = []         # temporaries of the op being planned
         self._last_end: Event | None = None
+        # The end event of the last op issued on the communication stream, until a
+        # Work-less op on the caller's stream has waited for it (hot.issue_quiet).
+        self._comm_tail: Event | None = None
+        self._events: EventPool | None = None  # raw events of the Work-less ops (events.py)
         self._timing = False                # events with timing (a completion hook asked)
         self._connected = False             # every rank checked in before the first collective
         self._p2p_peers: set[int] = set()   # peers checked in before the first send/recv with them
@@ -141,6 +150,13 @@ class NCCLBackend:
                 adopt(self, _comm, device_id)
             else:
                 create_comm(self, device_id)
+
+    def _child(self, store: Store, rank: int, size: int, *, timeout: float, group_name: str, device_id: int | None,
+               comm: Comm | None, config: Mapping[str, Any] | None, high_priority: bool) -> NCCLBackend:
+        """A new backend beside this one, on its runtime (split.py, shrink.py): on ``comm``
+        when given, else one made through ``store``."""
+        return type(self)(store, rank, size, timeout=timeout, group_name=group_name, device_id=device_id,
+                          config=config, high_priority=high_priority, _runtime=self._rt, _comm=comm)
 
     def _checked_config(self, config: Mapping[str, Any] | None) -> dict[str, Any]:
         """``config``'s set fields, refused where the loaded NCCL or the runtime cannot apply them."""
@@ -182,11 +198,32 @@ class NCCLBackend:
         return bool(self._pending)
 
     def poll_pending(self) -> NCCLWork | None:
-        """For the group's watchdog: notice an asynchronous NCCL error (which aborts),
-        complete the ops that finished, in issue order, and return the oldest one still
-        running (None when none is; a Work standing for it when it has none). Never raises."""
-        self._failure()
-        oldest = self._complete_until(None)
+        """For the group's watchdog, on its timer: notice an asynchronous NCCL error
+        (which aborts), complete the ops that finished, in issue order, and return the
+        oldest one still running (None when none is; a Work standing for it when it has
+        none). Never raises.
+
+        The calling thread is set up once, the first time: the communicator's device made
+        current if the thread has no CUDA context (a query would make one on device 0),
+        and its capture mode set to thread-local, for good: its event queries then never
+        break another thread's global-mode capture (the mode is per thread; torch's
+        watchdog sets the same)."""
+        if self._failure() is None and self._pending:
+            ready: dict[int, bool] | None = getattr(_watch_threads, "ready", None)
+            if ready is None:
+                ready = _watch_threads.ready = {}
+            if id(self) not in ready:
+                rt = self._rt
+                if not rt.has_context():
+                    rt.set_device(self._device)
+                rt.exchange_capture_mode(CAPTURE_THREAD_LOCAL)
+                ready[id(self)] = rt.can_exchange_capture_mode
+            if ready[id(self)]:
+                oldest = _hot.complete_until(self, None, mode_set=True)
+            else:
+                oldest = self._complete_until(None)
+        else:
+            oldest = self._pending[0] if self._pending else None
         return oldest.as_work() if isinstance(oldest, _hot.Quiet) else oldest
 
     def _complete_earlier(self, work: NCCLWork) -> None:
@@ -373,6 +410,8 @@ class NCCLBackend:
         else:
             works[0]._keep_also(temps)
         prev, self._last_end = self._last_end, (end if timing else None)
+        if not captured:
+            self._comm_tail = end
         start = ready if timing else None  # untimed: active_duration comes from the host clock
         for w in works:
             # wait() makes the current stream wait, and the producer streams the Work
@@ -403,12 +442,12 @@ class NCCLBackend:
         if type(op) is not ReduceOp:
             return False
         hot = self._hot.get(("all_reduce", buf.ptr, buf.nbytes, buf.dtype.name, op._name_))
-        return hot is not None and _hot.issue(self, hot, buf, seq, entry, group_name) is not None
+        return hot is not None and _hot.issue_quiet(self, hot, buf, seq, entry, group_name)
 
     def broadcast_quiet(self, buf: Buffer, src: int, seq: int, entry: Any, group_name: str) -> bool:
         """:meth:`broadcast` as :meth:`all_reduce_quiet`."""
         hot = self._hot.get(("broadcast", buf.ptr, buf.nbytes, buf.dtype.name, src))
-        return hot is not None and _hot.issue(self, hot, buf, seq, entry, group_name) is not None
+        return hot is not None and _hot.issue_quiet(self, hot, buf, seq, entry, group_name)
 
     # ----- the Backend protocol: reductions -----
 
@@ -530,8 +569,8 @@ class NCCLBackend:
               timeout: float, config: Mapping[str, Any] | None = None,
               high_priority: bool = False) -> NCCLBackend | None:
         """The backend of a new group carved out of this one (:func:`.split.split`)."""
-        return _split.split(self, ranks, color=color, store=store, group_name=group_name, timeout=timeout,
-                            config=config, high_priority=high_priority)
+        return cast("NCCLBackend | None", _split.split(self, ranks, color=color, store=store, group_name=group_name,
+                                                      timeout=timeout, config=config, high_priority=high_priority))
 
     @property
     def can_shrink(self) -> bool:
@@ -541,5 +580,5 @@ class NCCLBackend:
     def shrink(self, exclude: Sequence[int], *, store: Store, group_name: str, timeout: float,
                config: Mapping[str, Any] | None = None, high_priority: bool = False) -> NCCLBackend:
         """This communicator without the ranks in ``exclude`` (:func:`.shrink.shrink`)."""
-        return _shrink.shrink(self, exclude, store=store, group_name=group_name, timeout=timeout,
-                              config=config, high_priority=high_priority)
+        return cast("NCCLBackend", _shrink.shrink(self, exclude, store=store, group_name=group_name, timeout=timeout,
+                                                  config=config, high_priority=high_priority))

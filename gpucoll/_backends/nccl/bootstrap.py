@@ -16,7 +16,7 @@ from .plan import Planner
 from .runtime import Comm, enter_device, leave_device
 
 if TYPE_CHECKING:
-    from .backend import NCCLBackend
+    from .state import BackendState
 
 __all__ = ["nccl_unavailable_reason", "is_nccl_available", "nccl_version", "rendezvous", "create_comm", "adopt"]
 
@@ -190,7 +190,7 @@ def _check_scalable_ids(uids: list[bytes], size: int) -> None:
         raise ValueError("the roots' ids are not distinct 128-byte ncclUniqueIds")
 
 
-def create_comm(b: NCCLBackend, device: int) -> None:
+def create_comm(b: BackendState, device: int) -> None:
     """Make ``b``'s communicator on ``device``: its unique id through the group's store
     (:func:`rendezvous`), then ncclCommInitRank(Config); from GPUCOLL_NCCL_SCALABLE_INIT
     ranks, where the loaded NCCL has it, several roots' ids (:func:`scalable_rendezvous`)
@@ -224,7 +224,7 @@ def create_comm(b: NCCLBackend, device: int) -> None:
         leave_device(rt, prev)
 
 
-def adopt(b: NCCLBackend, comm: Comm, device: int) -> None:
+def adopt(b: BackendState, comm: Comm, device: int) -> None:
     """Give ``b`` the communicator ``comm`` on ``device``, with its stream, scratch word
     and op planner."""
     rt = b._rt

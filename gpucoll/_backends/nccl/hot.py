@@ -32,22 +32,25 @@ from __future__ import annotations
 import functools
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence, Union, overload
+from typing import TYPE_CHECKING, Any, Callable, Sequence, Union, cast
 
 from ..._buffer import Buffer
 from ...errors import BackendUnavailableError, DistBackendError
 from .plan import Plan
-from .runtime import CAPTURE_THREAD_LOCAL, enter_device, leave_device
+from .events import EventPool
+from .runtime import CAPTURE_THREAD_LOCAL
 from .phases import on_comm
 from .work import NCCLWork
 
 if TYPE_CHECKING:
     from ..._debug.flight_recorder import _Entry
-    from .backend import NCCLBackend
+    from .state import BackendState
 
-__all__ = ["Hot", "Quiet", "Pending", "PRUNE_AT", "make", "issue", "issue_failed", "complete_until"]
+__all__ = ["Hot", "Quiet", "Pending", "PRUNE_AT", "make", "issue", "issue_quiet", "issue_failed", "complete_until"]
 
-PRUNE_AT = 64  # outstanding works kept before the issue path completes finished ones itself
+# Outstanding ops kept before the issue path completes finished ones itself (one event
+# query settles the batch when the GPU keeps up): the rest is the watchdog's timer's.
+PRUNE_AT = 256
 # A finished Work that only the sweep holds (its list of works, the pending queue, its loop
 # variable, and getrefcount's own argument) is not completed, only dropped: nothing can
 # see the difference, and its arrays go with it. Anyone holding it still sees it complete
@@ -68,18 +71,21 @@ class Hot:
 
 class Quiet:
     """The backend's record of a synchronous op issued with no Work (see the module
-    docstring): what completing it, failing it and timing it out need."""
+    docstring): what completing it, failing it and timing it out need. ``stream`` is
+    the caller's stream the op ran on, ``_end`` the raw event recorded after it there
+    (the backend's :class:`~.events.EventPool`'s, given back once the op completed)."""
 
-    __slots__ = ("op_type", "seq", "group_name", "_t0", "time_started", "_end", "_keepalive", "_fr_entry",
-                 "_owner", "done")
+    __slots__ = ("op_type", "seq", "group_name", "_t0", "time_started", "stream", "_end", "_keepalive",
+                 "_fr_entry", "_owner", "done")
 
-    def __init__(self, op_type: str, seq: int, group_name: str, owner: NCCLBackend, end: Any, keep: Buffer,
-                 entry: _Entry | None) -> None:
+    def __init__(self, op_type: str, seq: int, group_name: str, owner: BackendState, stream: int, end: int,
+                 keep: Buffer, entry: _Entry | None) -> None:
         self.op_type = op_type
         self.seq = seq
         self.group_name = group_name
         self._t0 = time.perf_counter()
         self.time_started = time.time()
+        self.stream = stream
         self._end = end
         self._keepalive: Buffer | None = keep
         self._fr_entry = entry
@@ -87,7 +93,7 @@ class Quiet:
         self.done = False
 
     def _fired(self, rt: Any, now: float) -> None:
-        """The op's end event fired (or a later one did): complete it as of ``now``."""
+        """The op's end event fired (or a later one on its stream did): complete it as of ``now``."""
         self._settle(None, now)
 
     def _fail(self, reason: str) -> None:
@@ -124,17 +130,26 @@ class Quiet:
         """A Work standing for this op (for the watchdog: its timeout fails that Work,
         which updates the op's flight-recorder entry, and aborts the backend)."""
         b = self._owner
-        w = NCCLWork._hot(self.op_type, b, None, b._timeout, b._device, self._end, None, None)
+        w = NCCLWork._hot(self.op_type, b, None, b._timeout, b._device, _Handle(self._end), None, None)
         w._keepalive = None
         w._t0, w.time_started = self._t0, self.time_started
         w.seq, w.group_name, w._fr_entry = self.seq, self.group_name, self._fr_entry
         return w
 
 
+class _Handle:
+    """A raw event handle as an :class:`~.runtime.Event` (for :meth:`Quiet.as_work`)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+
 Pending = Union[NCCLWork, Quiet]
 
 
-def make(b: NCCLBackend, op_type: str, plan: Plan) -> Hot | None:
+def make(b: BackendState, op_type: str, plan: Plan) -> Hot | None:
     """The Hot of a cached ``plan`` (calls only), or None when it is not a single call."""
     if len(plan) != 1 or b._comm is None:
         return None
@@ -145,62 +160,54 @@ def make(b: NCCLBackend, op_type: str, plan: Plan) -> Hot | None:
     return Hot(op_type, functools.partial(getattr(b._comm, step[0]), *step[1:]))
 
 
-@overload
-def issue(b: NCCLBackend, hot: Hot, buf: Buffer) -> NCCLWork | None: ...
+def issue_quiet(b: BackendState, hot: Hot, buf: Buffer, seq: int, entry: _Entry | None, group_name: str) -> bool:
+    """Issue ``hot`` on ``buf`` for a synchronous caller, with no Work, on the caller's
+    current stream of the communicator's device: True once issued; False, having done
+    nothing, where the general path must issue it. The backend keeps a :class:`Quiet`
+    (op number ``seq`` of group ``group_name``, flight-recorder ``entry``) until the op
+    completes.
 
-
-@overload
-def issue(b: NCCLBackend, hot: Hot, buf: Buffer, seq: int, entry: _Entry | None, group_name: str) -> Pending | None:
-    ...
-
-
-def issue(b: NCCLBackend, hot: Hot, buf: Buffer, seq: int = -1, entry: _Entry | None = None,
-          group_name: str = "") -> Pending | None:
-    """Issue ``hot`` on ``buf``: its Work; None, having done nothing, where the general
-    path must issue it. Given ``seq``, for a synchronous caller, with no Work: the
-    caller's stream waits for the op, and the backend keeps a :class:`Quiet` (op number
-    ``seq`` of group ``group_name``, flight-recorder ``entry``) until it completes."""
+    In steady state this is one NCCL call and two CUDA calls: ``cudaStreamIsCapturing``
+    on the stream (a capture may begin between any two ops) and the end event's
+    record. The device is not asked for: the stream is CuPy's current one *of the
+    communicator's device* (a thread on another device gets that device's stream, as
+    torch's ``getCurrentCUDAStream(device)``), NCCL makes its own device current for
+    the call, and an event records on a stream of its own device whatever is current."""
     device = b._device
     where = buf.device
-    if buf.stream_owner is not None or buf.foreign_stream or where.index != device or where.type != "cuda":
-        return None
+    if buf.foreign_stream or where.index != device or where.type != "cuda":
+        return False
     rt = b._rt
-    if rt.get_device() != device:
-        return None
-    stream = buf.stream
-    if stream is None:
-        stream = rt.current_stream()
+    stream = rt.current_stream_of(device)
+    if buf.stream is not None and buf.stream != stream:
+        return False  # a producer stream other than the caller's: the general path orders it
     if rt.is_capturing(stream):
-        return None
+        return False  # the general path captures it, joined back to the caller's stream
     with b._lock:
         if b._aborted is not None or b._closed is not None:
-            return None
-        timing = b._timing
-        comm_stream = b._stream_ptr
-        ready = rt.event(True, timing)
+            return False
+        pool = b._events
+        if pool is None:
+            pool = b._events = EventPool(rt, device)
+        end = pool.take()
         issuing = False
         try:
-            rt.record(ready.ptr, stream)
-            rt.wait_event(comm_stream, ready.ptr)
+            tail = b._comm_tail
+            if tail is not None:
+                # The last op went on the communication stream: this one, on the caller's
+                # stream, comes after it (every op of a group runs in issue order).
+                rt.wait_event(stream, tail.ptr)
+                b._comm_tail = None
             issuing = True
-            on_comm(b, hot.call, comm_stream)
-            end = rt.event(True, timing)
-            rt.record(end.ptr, comm_stream)
+            on_comm(b, hot.call, stream)
+            rt.record(end, stream)
         except Exception as exc:
             failed = issue_failed(b, hot.op_type, exc, issuing, (buf,), [])
             if failed is exc:
                 raise
             raise failed from exc
-        work: Pending
-        if seq >= 0:
-            b._last_end = end if timing else None
-            work = Quiet(hot.op_type, seq, group_name, b, end, buf, entry)
-        elif timing:
-            prev, b._last_end = b._last_end, end
-            work = NCCLWork._hot(hot.op_type, b, buf, b._timeout, device, end, ready, prev)
-        else:
-            b._last_end = None
-            work = NCCLWork._hot(hot.op_type, b, buf, b._timeout, device, end, None, None)
+        b._last_end = None
+        work = Quiet(hot.op_type, seq, group_name, b, stream, end, buf, entry)
         # Appending needs no lock (a deque's append is atomic; only the sweep, under
         # _state, pops from the other end); abort's snapshot under _state may miss a
         # work appended meanwhile, as it may miss one issued a moment later: either way
@@ -210,17 +217,59 @@ def issue(b: NCCLBackend, hot: Hot, buf: Buffer, seq: int = -1, entry: _Entry | 
         if len(pending) > b._prune_next:
             complete_until(b, work)
             b._prune_next = len(pending) + PRUNE_AT
-    if seq >= 0:
-        # What NCCLWork.wait does: the caller's current stream waits for the op (the
-        # producer's stream, named by the array but not held, is left alone as there).
+    return True
+
+
+def issue(b: BackendState, hot: Hot, buf: Buffer) -> NCCLWork | None:
+    """Issue ``hot`` on ``buf`` on the communication stream: its Work; None, having done
+    nothing, where the general path must issue it. The communication stream waits for
+    the caller's stream (a ``ready`` event), runs the op, records ``end``; the Work's
+    ``wait()`` makes the caller's stream wait for ``end``."""
+    device = b._device
+    where = buf.device
+    if buf.stream_owner is not None or buf.foreign_stream or where.index != device or where.type != "cuda":
+        return None
+    rt = b._rt
+    stream = buf.stream
+    if stream is None:
+        stream = rt.current_stream_of(device)
+    if rt.is_capturing(stream):
+        return None
+    with b._lock:
+        if b._aborted is not None or b._closed is not None:
+            return None
+        timing = b._timing
+        comm_stream = b._stream_ptr
+        ready = rt.event(True, timing, device)
+        issuing = False
         try:
-            rt.wait_event(stream if buf.stream is None else rt.current_stream(), end.ptr)
+            rt.record(ready.ptr, stream)
+            rt.wait_event(comm_stream, ready.ptr)
+            issuing = True
+            on_comm(b, hot.call, comm_stream)
+            end = rt.event(True, timing, device)
+            rt.record(end.ptr, comm_stream)
         except Exception as exc:
-            raise DistBackendError(f"{work._name()}: making the caller's stream wait failed: {exc}") from exc
+            failed = issue_failed(b, hot.op_type, exc, issuing, (buf,), [])
+            if failed is exc:
+                raise
+            raise failed from exc
+        b._comm_tail = end
+        if timing:
+            prev, b._last_end = b._last_end, end
+            work = NCCLWork._hot(hot.op_type, b, buf, b._timeout, device, end, ready, prev)
+        else:
+            b._last_end = None
+            work = NCCLWork._hot(hot.op_type, b, buf, b._timeout, device, end, None, None)
+        pending = b._pending
+        pending.append(work)
+        if len(pending) > b._prune_next:
+            complete_until(b, work)
+            b._prune_next = len(pending) + PRUNE_AT
     return work
 
 
-def issue_failed(b: NCCLBackend, op_type: str, exc: Exception, issuing: bool, bufs: Sequence[Buffer],
+def issue_failed(b: BackendState, op_type: str, exc: Exception, issuing: bool, bufs: Sequence[Buffer],
                  temps: list[Any]) -> Exception:
     """The error to raise for an op that failed while being issued, after what that
     failure requires: once any part of it may be queued on the stream (``issuing``),
@@ -237,9 +286,12 @@ def issue_failed(b: NCCLBackend, op_type: str, exc: Exception, issuing: bool, bu
     return DistBackendError(f"{op_type} on group {b._group_name!r} failed: {why}")
 
 
-def complete_until(b: NCCLBackend, stop: Pending | None) -> Pending | None:
+def complete_until(b: BackendState, stop: Pending | None, mode_set: bool = False) -> Pending | None:
     """Complete, in issue order, the pending works that finished, up to ``stop`` (not
-    included); the oldest one still running, or None."""
+    included); the oldest one still running, or None. ``mode_set``: the calling thread
+    (the watchdog's) is in thread-local capture mode already; otherwise the queries are
+    made in that mode, set for the sweep (see work.query_outside_capture). Event
+    queries need no particular device current."""
     pending = b._pending
     with b._state:
         works = list(pending)
@@ -251,30 +303,32 @@ def complete_until(b: NCCLBackend, stop: Pending | None) -> Pending | None:
     if not works:
         return None
     rt = b._rt
-    # Event queries in thread-local capture mode (see work.query_outside_capture), set
-    # once for the sweep; on the communicator's device, entered once for the sweep.
-    mode = rt.exchange_capture_mode(CAPTURE_THREAD_LOCAL)
+    mode = -1 if mode_set else rt.exchange_capture_mode(CAPTURE_THREAD_LOCAL)
     try:
-        prev_device = -1 if rt.get_device() == b._device else enter_device(rt, b._device)
-        try:
-            done = _finished_prefix(b, works)
-            if done > 0:
-                aborted = b._aborted
-                if aborted is not None:  # issued as the abort came: its end may fire, the op failed
-                    for w in works[:done]:
-                        w._fail(aborted)
-                else:
-                    now = time.perf_counter()
-                    for i in range(done):
-                        w = works[i]
-                        if (type(w) is NCCLWork and w._fr_entry is None and w._callbacks is None
-                                and w._future is None and _refs(w) <= _UNHELD):
-                            continue  # nobody holds it: dropped below, its arrays with it
-                        w._fired(rt, now)
-        finally:
-            leave_device(rt, prev_device)
+        done = _finished_prefix(b, works)
+        if done > 0:
+            aborted = b._aborted
+            if aborted is not None:  # issued as the abort came: its end may fire, the op failed
+                for w in works[:done]:
+                    w._fail(aborted)
+            else:
+                now = time.perf_counter()
+                pool = b._events
+                for i in range(done):
+                    w = works[i]
+                    if type(w) is Quiet:
+                        if not w.done:
+                            w._fired(rt, now)
+                            if pool is not None:
+                                pool.give(w._end)
+                        continue
+                    if (type(w) is NCCLWork and w._fr_entry is None and w._callbacks is None
+                            and w._future is None and _refs(w) <= _UNHELD):
+                        continue  # nobody holds it: dropped below, its arrays with it
+                    w._fired(rt, now)
     finally:
-        rt.exchange_capture_mode(mode)
+        if mode >= 0:
+            rt.exchange_capture_mode(mode)
     if done < 0:
         return None  # a query failed: the backend was aborted, and every pending work failed
     if done:
@@ -285,18 +339,44 @@ def complete_until(b: NCCLBackend, stop: Pending | None) -> Pending | None:
     return works[done] if done < len(works) else None
 
 
-def _finished_prefix(b: NCCLBackend, works: list[Pending]) -> int:
-    """How many of ``works`` (in issue order) have finished: a binary search over their
-    end events, which fire in order. -1 when a query failed (then the backend is
-    aborted, and the work that failed names why)."""
+def _finished_prefix(b: BackendState, works: list[Pending]) -> int:
+    """How many of ``works`` (in issue order) have finished. Ops on one stream finish
+    in issue order, so each run of consecutive ops on one stream (the caller's, for
+    Work-less ops; the communication stream for the rest) takes a binary search over
+    their end events; the next run is looked at only once this one has finished. -1
+    when a query failed (then the backend is aborted, and the work that failed names why)."""
+    comm = b._stream_ptr
+    n = len(works)
+    first = 0
+    while first < n:
+        w = works[first]
+        stream = w.stream if type(w) is Quiet else comm
+        last = first + 1
+        while last < n:
+            w = works[last]
+            if (w.stream if type(w) is Quiet else comm) != stream:
+                break
+            last += 1
+        done = _finished_run(b, works, first, last)
+        if done < last:
+            return done
+        first = last
+    return n
+
+
+def _finished_run(b: BackendState, works: list[Pending], lo: int, hi: int) -> int:
+    """The end of the finished prefix of ``works[lo:hi]`` (one stream's run), or -1."""
     rt = b._rt
-    lo, hi = 0, len(works)  # works[:lo] finished; works[hi:] have not
     probe = hi - 1          # the newest first: when the GPU keeps up, one query settles it
     while lo < hi:
         w = works[probe]
-        end = w._end
         try:
-            fired = (w.done if isinstance(w, Quiet) else w._done._flag) or (end is not None and rt.query(end.ptr))
+            if type(w) is Quiet:
+                fired = w.done or rt.query(w._end)
+            else:
+                work = cast(NCCLWork, w)
+                end = work._end
+                fired = work._done._flag or (end is not None and rt.query(end.ptr))
         except Exception as exc:
             # A failed query means a sticky CUDA error (a kernel faulted): the
             # communicator cannot be trusted after it.

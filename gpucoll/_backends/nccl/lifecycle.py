@@ -20,12 +20,12 @@ from .runtime import enter_device, leave_device
 from .work import query_outside_capture
 
 if TYPE_CHECKING:
-    from .backend import NCCLBackend
+    from .state import BackendState
 
 __all__ = ["failure", "abort", "abort_comm", "shutdown", "drain"]
 
 
-def failure(b: NCCLBackend) -> str | None:
+def failure(b: BackendState) -> str | None:
     """Why ``b`` failed (its abort reason), after asking NCCL for an asynchronous error,
     which aborts it; None while it is healthy. Never blocks on a call in flight."""
     reason = b._aborted
@@ -55,7 +55,7 @@ def failure(b: NCCLBackend) -> str | None:
     return b._aborted
 
 
-def abort(b: NCCLBackend, reason: str) -> None:
+def abort(b: BackendState, reason: str) -> None:
     """Abort the communicator: every pending and later op fails with
     DistBackendError naming itself and ``reason``. Returns once NCCL's abort
     returned; safe to call from any thread, more than once."""
@@ -70,7 +70,7 @@ def abort(b: NCCLBackend, reason: str) -> None:
         w._poll()
 
 
-def abort_comm(b: NCCLBackend, *, blocking: bool) -> None:
+def abort_comm(b: BackendState, *, blocking: bool) -> None:
     """ncclCommAbort, once. Not blocking: when another thread is inside an NCCL call
     on the communicator, leave the abort to that thread (it checks ``_aborted`` as
     soon as its calls return), rather than free the communicator under it."""
@@ -96,7 +96,7 @@ def abort_comm(b: NCCLBackend, *, blocking: bool) -> None:
         b._comm_lock.release()
 
 
-def shutdown(b: NCCLBackend) -> None:
+def shutdown(b: BackendState) -> None:
     """Wait (up to the timeout) for queued ops, then destroy the communicator; abort
     it instead if they do not finish. Idempotent; later ops fail."""
     with b._lock:
@@ -145,8 +145,9 @@ def _destroy_quietly(comm: Any) -> None:
         pass
 
 
-def drain(b: NCCLBackend, timeout: float) -> bool:
-    """True once everything queued on the communication stream has finished."""
+def drain(b: BackendState, timeout: float) -> bool:
+    """True once everything queued on the communication stream, and every op issued on
+    a caller's stream, has finished."""
     if b._comm is None:
         return True
     rt, device = b._rt, b._device
@@ -155,9 +156,9 @@ def drain(b: NCCLBackend, timeout: float) -> bool:
         marker = rt.event(pooled=False, timing=False)
         rt.record(marker.ptr, b._stream_ptr)
         wait = Backoff(timeout, first=1e-4, cap=0.01)
-        while not query_outside_capture(rt, marker.ptr):
+        while not (query_outside_capture(rt, marker.ptr) and b._complete_until(None) is None):
             if b._aborted is not None or not wait.sleep():
                 return False
-        return True
+        return b._aborted is None
     finally:
         leave_device(rt, prev)

@@ -11,14 +11,14 @@ from .plan import Phase, Premul, Step
 from .runtime import Comm
 
 if TYPE_CHECKING:
-    from .backend import NCCLBackend
+    from .state import BackendState
 
 __all__ = ["run_phase", "on_comm"]
 
 _REDUCING = frozenset({"all_reduce", "reduce", "reduce_scatter"})
 
 
-def run_phase(b: NCCLBackend, phase: Phase) -> None:
+def run_phase(b: BackendState, phase: Phase) -> None:
     """Run one phase of a plan: its local steps before, its NCCL calls (one group),
     its local steps after."""
     pre, calls, post = phase
@@ -32,7 +32,7 @@ def run_phase(b: NCCLBackend, phase: Phase) -> None:
         _local(b, step)
 
 
-def on_comm(b: NCCLBackend, fn: Callable[..., None], *args: Any) -> None:
+def on_comm(b: BackendState, fn: Callable[..., None], *args: Any) -> None:
     """``fn(*args)``, calls on the communicator. NCCL communicators take one thread at a
     time, and ncclCommAbort frees the one under a call in flight: the calls hold
     _comm_lock, and an abort from another thread meanwhile is carried out by this
@@ -46,7 +46,7 @@ def on_comm(b: NCCLBackend, fn: Callable[..., None], *args: Any) -> None:
         raise RuntimeError("the communicator was aborted while this op was being issued")
 
 
-def _issue_calls(b: NCCLBackend, comm: Comm, calls: Sequence[Step]) -> None:
+def _issue_calls(b: BackendState, comm: Comm, calls: Sequence[Step]) -> None:
     created: list[int] = []
     try:
         for s in calls:
@@ -78,7 +78,7 @@ def _bind_premul(comm: Comm, step: Step, created: list[int]) -> Step:
     return step[:5] + (op,) + step[6:]
 
 
-def _local(b: NCCLBackend, step: Step) -> None:
+def _local(b: BackendState, step: Step) -> None:
     if step[0] == "copy":
         _, dst, src, nbytes = step
         if nbytes:

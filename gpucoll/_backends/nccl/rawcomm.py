@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 from .lib import NcclCallError, NcclLib
 
 if TYPE_CHECKING:
-    from .runtime import Comm
+    from .protocols import Comm
 
 __all__ = ["RawComm"]
 

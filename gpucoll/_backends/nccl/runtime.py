@@ -1,7 +1,8 @@
 """The CUDA and NCCL calls the NCCL backend makes, behind two small Protocols.
 
 :class:`Runtime` (streams, events, copies, temporaries, kernels, communicator
-creation) and :class:`Comm` (one NCCL communicator) are all the backend touches;
+creation) and :class:`Comm` (one NCCL communicator), declared in the leaf module
+:mod:`.protocols` and re-exported here, are all the backend touches;
 :class:`CudaRuntime` and :class:`CupyComm` implement them over CuPy, binding CuPy's
 Cython functions directly so that the issue path adds no Python layer of its own.
 The CPU test suite drives the same backend through an in-process fake of these
@@ -11,137 +12,21 @@ Protocols. Importing this module imports no CuPy.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ...errors import BackendUnavailableError
 
-from .lib import Features, NcclCallError, NcclLib, comm_id_arg, normalise_unique_id
+from .lib import NcclCallError, NcclLib, comm_id_arg, normalise_unique_id
+from .protocols import CAPTURE_GLOBAL, CAPTURE_RELAXED, CAPTURE_THREAD_LOCAL, Comm, Event, Runtime
 
-__all__ = ["Event", "Comm", "Runtime", "CudaRuntime", "CupyComm", "NcclCallError", "enter_device", "leave_device"]
+__all__ = ["Event", "Comm", "Runtime", "CudaRuntime", "CupyComm", "NcclCallError", "enter_device", "leave_device",
+           "CAPTURE_GLOBAL", "CAPTURE_THREAD_LOCAL", "CAPTURE_RELAXED"]
 
 _CUDA_ERROR_NOT_READY = 600
 # cudaEventDisableTiming: CUDA documents these as the events with the best performance
 # for cudaStreamWaitEvent and cudaEventQuery; timing (cudaEventDefault, 0) only when asked.
 _EVENT_DISABLE_TIMING = 2
 _EVENT_DEFAULT = 0
-# cudaStreamCaptureMode (driver_types.h).
-CAPTURE_GLOBAL, CAPTURE_THREAD_LOCAL, CAPTURE_RELAXED = 0, 1, 2
-
-
-class Event(Protocol):
-    """A CUDA event owned by whoever holds this object."""
-
-    ptr: int
-
-
-class Comm(Protocol):
-    """One NCCL communicator. Pointers and streams are raw integers; counts are in
-    elements of ``dtype`` (an ncclDataType_t); the methods raise on NCCL errors."""
-
-    rank: int
-    size: int
-
-    # (send, recv, count, dtype, [op], [root | peer], stream), as properties so that
-    # CupyComm can bind CuPy's methods directly.
-    @property
-    def all_reduce(self) -> Callable[[int, int, int, int, int, int], None]: ...
-    @property
-    def reduce(self) -> Callable[[int, int, int, int, int, int, int], None]: ...
-    @property
-    def broadcast(self) -> Callable[[int, int, int, int, int, int], None]: ...
-    @property
-    def all_gather(self) -> Callable[[int, int, int, int, int], None]: ...
-    @property
-    def reduce_scatter(self) -> Callable[[int, int, int, int, int, int], None]: ...
-    @property
-    def send(self) -> Callable[[int, int, int, int, int], None]: ...
-    @property
-    def recv(self) -> Callable[[int, int, int, int, int], None]: ...
-
-    def all_to_all(self, send: int, recv: int, count: int, dtype: int, stream: int) -> None: ...
-    def gather(self, send: int, recv: int, count: int, dtype: int, root: int, stream: int) -> None: ...
-    def scatter(self, send: int, recv: int, count: int, dtype: int, root: int, stream: int) -> None: ...
-    def premul_sum(self, scalar: bytes, dtype: int) -> int: ...
-    def op_destroy(self, op: int) -> None: ...
-    def async_error(self) -> int: ...
-    def last_error(self) -> str: ...
-    def split(self, color: int, key: int, config: Mapping[str, Any] | None = None) -> Comm | None:
-        """``ncclCommSplit``; ``config``: the new communicator's ncclConfig_t fields by
-        gpucoll name (None: NCCL's defaults, inherited from this one)."""
-        ...
-    def shrink(self, exclude: Sequence[int], flags: int, config: Mapping[str, Any] | None = None) -> Comm:
-        """``ncclCommShrink``: this communicator without ``exclude`` (used only when
-        ``features.comm_shrink``)."""
-        ...
-    def abort(self) -> None: ...
-    def destroy(self) -> None: ...
-
-
-class Runtime(Protocol):
-    """The CUDA side: one per process (its methods act on the calling thread's device).
-
-    The hot-path calls are read-only properties so that an implementation may bind
-    them to C functions directly (as :class:`CudaRuntime` does) or define methods.
-    """
-
-    features: Features
-
-    @property
-    def get_device(self) -> Callable[[], int]: ...
-    @property
-    def set_device(self) -> Callable[[int], None]: ...
-
-    def has_context(self) -> bool:
-        """Whether this thread has a CUDA context current (``cuCtxGetCurrent``): a thread
-        that never chose a device nor made a runtime call has none."""
-        ...
-
-    def exchange_capture_mode(self, mode: int) -> int:
-        """``cudaThreadExchangeStreamCaptureMode`` for this thread; returns the previous mode."""
-        ...
-    @property
-    def record(self) -> Callable[[int, int], None]:
-        """(event, stream): record ``event`` on ``stream``."""
-        ...
-    @property
-    def wait_event(self) -> Callable[[int, int], None]:
-        """(stream, event): ``stream`` waits for ``event``."""
-        ...
-    @property
-    def elapsed_ms(self) -> Callable[[int, int], float]: ...
-    @property
-    def is_capturing(self) -> Callable[[int], bool]:
-        """True while the stream is being captured into a CUDA graph."""
-        ...
-    @property
-    def group_start(self) -> Callable[[], None]: ...
-    @property
-    def group_end(self) -> Callable[[], None]: ...
-
-    def device_count(self) -> int: ...
-    def compute_capability(self, device: int) -> tuple[int, int]: ...
-    def current_stream(self) -> int: ...
-    def new_stream(self, high_priority: bool = False) -> Any: ...
-    def event(self, pooled: bool = True, timing: bool = False) -> Event: ...
-    def query(self, event: int) -> bool: ...
-    def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None: ...
-    def alloc(self, nbytes: int, stream: Any) -> tuple[int, Any]: ...
-    def prepare(self, kernel: str, device: int) -> None: ...
-    def launch(self, kernel: str, n: int, args: tuple[Any, ...], stream: Any, device: int) -> None: ...
-    def unique_id(self) -> bytes: ...
-    def new_comm(self, size: int, uid: bytes, rank: int, config: Mapping[str, Any] | None = None) -> Comm:
-        """``ncclCommInitRank(Config)``; ``config``: ncclConfig_t fields by gpucoll name."""
-        ...
-    def new_comm_scalable(self, size: int, uids: Sequence[bytes], rank: int,
-                          config: Mapping[str, Any] | None = None) -> Comm:
-        """``ncclCommInitRankScalable``: one communicator from several roots' unique ids
-        (the same ids, in the same order, on every rank); only when
-        ``features.init_scalable``."""
-        ...
-    def check_config(self, config: Mapping[str, Any]) -> None:
-        """Raise BackendUnavailableError naming the fields of ``config`` this runtime
-        cannot apply (the loaded NCCL's version is checked apart)."""
-        ...
 
 
 class _PooledEvent:
@@ -229,9 +114,14 @@ class CudaRuntime:
         self._pools: dict[tuple[int, bool], _EventPool] = {}
         self._ctx_current = lib.cupy.cuda.driver.ctxGetCurrent
         self._exchange_mode = _capture_mode_exchanger()
+        self._destroy_event = rt.eventDestroy
 
     def has_context(self) -> bool:
         return bool(self._ctx_current())
+
+    @property
+    def can_exchange_capture_mode(self) -> bool:
+        return self._exchange_mode is not None
 
     def exchange_capture_mode(self, mode: int) -> int:
         fn = self._exchange_mode
@@ -255,6 +145,20 @@ class CudaRuntime:
     def current_stream(self) -> int:
         return int(self._get_current_stream().ptr)
 
+    def current_stream_of(self, device: int) -> int:
+        # CuPy keeps a current stream per device and thread; given the device, it makes
+        # no cudaGetDevice.
+        return int(self._get_current_stream(device).ptr)
+
+    def new_event(self, timing: bool = False) -> int:
+        return int(self._create_event(_EVENT_DEFAULT if timing else _EVENT_DISABLE_TIMING))
+
+    def destroy_event(self, event: int) -> None:
+        try:
+            self._destroy_event(event)
+        except Exception:
+            pass  # a dead context: nothing left to free
+
     def new_stream(self, high_priority: bool = False) -> Any:
         # Non-blocking: the communication stream must not serialise with the legacy
         # default stream, only with what the backend makes it wait for.
@@ -264,18 +168,28 @@ class CudaRuntime:
             return self._stream_cls(non_blocking=True, priority=_HIGHEST_PRIORITY)
         return self._stream_cls(non_blocking=True)
 
-    def event(self, pooled: bool = True, timing: bool = False) -> Event:
-        """An event of the current device, with timing only when ``timing`` (a
-        completion hook reads active_duration). Events recorded during CUDA graph
+    def event(self, pooled: bool = True, timing: bool = False, device: int = -1) -> Event:
+        """An event of ``device`` (-1: the current one), with timing only when ``timing``
+        (a completion hook reads active_duration). Events recorded during CUDA graph
         capture must not be reused outside it: ask for ``pooled=False`` then."""
         flags = _EVENT_DEFAULT if timing else _EVENT_DISABLE_TIMING
         if not pooled:
             return _PooledEvent(self._create_event(flags), None)
-        key = (self.get_device(), timing)
+        key = (self.get_device() if device < 0 else device, timing)
         pool = self._pools.get(key)
         if pool is None:
-            pool = self._pools.setdefault(key, _EventPool(self._create_event, flags=flags))
+            pool = self._pools.setdefault(key, _EventPool(self._make_event(key[0]), flags=flags))
         return pool.acquire()
+
+    def _make_event(self, device: int) -> Callable[[int], int]:
+        """cudaEventCreateWithFlags on ``device`` (made current for the call if it is not)."""
+        def create(flags: int) -> int:
+            prev = enter_device(self, device)
+            try:
+                return int(self._create_event(flags))
+            finally:
+                leave_device(self, prev)
+        return create
 
     def query(self, event: int) -> bool:
         status = self._event_query(event)
@@ -366,22 +280,29 @@ def leave_device(rt: Runtime, prev: int) -> None:
 
 
 def _capture_mode_exchanger() -> Any:
-    """``cudaThreadExchangeStreamCaptureMode`` from the CUDA runtime CuPy loaded (CuPy
-    binds no such call); None where it cannot be found, and then no exchange is made."""
+    """The call that exchanges this thread's stream-capture mode (CuPy binds none): the
+    driver's ``cuThreadExchangeStreamCaptureMode`` from ``libcuda.so.1``, which is loaded
+    wherever CUDA works (CuPy 14 for CUDA 13 loads no ``libcudart.so`` at all); the
+    runtime's ``cudaThreadExchangeStreamCaptureMode`` where the driver lacks it. Both
+    take the same modes (global 0, thread-local 1, relaxed 2) and act on the calling
+    thread. None where neither is found, and then no exchange is made."""
     import ctypes
 
     from .lib import loaded_library_path
 
-    path = loaded_library_path("libcudart.so")
-    if path is None:
-        return None
-    try:
-        fn = ctypes.CDLL(path).cudaThreadExchangeStreamCaptureMode
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.POINTER(ctypes.c_int)]
-    fn.restype = ctypes.c_int
-    return fn
+    candidates = [(loaded_library_path("libcuda.so") or "libcuda.so.1", "cuThreadExchangeStreamCaptureMode")]
+    cudart = loaded_library_path("libcudart.so")
+    if cudart is not None:
+        candidates.append((cudart, "cudaThreadExchangeStreamCaptureMode"))
+    for path, name in candidates:
+        try:
+            fn = getattr(ctypes.CDLL(path), name)
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        fn.restype = ctypes.c_int
+        return fn
+    return None
 CUPY_CONFIG_FIELDS = frozenset({"split_share"})
 """The ncclConfig_t fields CuPy's ``NcclConfig`` can carry (CuPy 14)."""
 

@@ -11,7 +11,7 @@ from .lifecycle import abort, abort_comm
 from .split import child_backend
 
 if TYPE_CHECKING:
-    from .backend import NCCLBackend
+    from .state import BackendState
 
 __all__ = ["shrink", "can_shrink", "NCCL_SHRINK_ABORT"]
 
@@ -19,15 +19,15 @@ NCCL_SHRINK_ABORT = 0x01
 """nccl.h: terminate the parent's ongoing operations first, then shrink."""
 
 
-def can_shrink(b: NCCLBackend) -> bool:
+def can_shrink(b: BackendState) -> bool:
     """True when :meth:`shrink` can run: the communicator was created eagerly, the
     loaded NCCL has ncclCommShrink (>= 2.27), and it is neither aborted nor shut down."""
     return (b._eager and b._comm is not None and b._features.comm_shrink
             and b._aborted is None and b._closed is None)
 
 
-def shrink(b: NCCLBackend, exclude: Sequence[int], *, store: Store, group_name: str, timeout: float,
-           config: Mapping[str, Any] | None = None, high_priority: bool = False) -> NCCLBackend:
+def shrink(b: BackendState, exclude: Sequence[int], *, store: Store, group_name: str, timeout: float,
+           config: Mapping[str, Any] | None = None, high_priority: bool = False) -> BackendState:
     """The backend of group ``group_name``: this communicator without the ranks in
     ``exclude``, made with ``ncclCommShrink(..., NCCL_SHRINK_ABORT)``; every rank not
     excluded calls it with the same list. This backend is aborted afterwards (its

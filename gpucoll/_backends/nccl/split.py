@@ -12,7 +12,7 @@ from .lifecycle import abort_comm, drain
 from .runtime import Comm, Runtime, enter_device, leave_device
 
 if TYPE_CHECKING:
-    from .backend import NCCLBackend
+    from .state import BackendState
 
 __all__ = ["split_comm", "split", "child_backend"]
 
@@ -57,8 +57,8 @@ def split_comm(comm: Comm, rt: Runtime, device: int, store: Store, key: str, siz
     return new
 
 
-def split(b: NCCLBackend, ranks: Sequence[int] | None, *, color: int = 0, store: Store, group_name: str,
-          timeout: float, config: Mapping[str, Any] | None = None, high_priority: bool = False) -> NCCLBackend | None:
+def split(b: BackendState, ranks: Sequence[int] | None, *, color: int = 0, store: Store, group_name: str,
+          timeout: float, config: Mapping[str, Any] | None = None, high_priority: bool = False) -> BackendState | None:
     """The backend of a new group carved out of ``b``'s. Every rank of this group
     must call it, at the same point of its op sequence, whether it joins a new group
     or not (that is how ``ncclCommSplit`` works).
@@ -126,10 +126,10 @@ def split(b: NCCLBackend, ranks: Sequence[int] | None, *, color: int = 0, store:
                          high_priority=high_priority)
 
 
-def child_backend(b: NCCLBackend, store: Store, rank: int, size: int, *, timeout: float, group_name: str,
+def child_backend(b: BackendState, store: Store, rank: int, size: int, *, timeout: float, group_name: str,
                   device_id: int | None, comm: Comm | None, config: Mapping[str, Any] | None = None,
-                  high_priority: bool = False) -> NCCLBackend:
+                  high_priority: bool = False) -> BackendState:
     """A new backend beside ``b`` (same runtime): on ``comm`` when given (a split's or a
     shrink's communicator), else one made through ``store``."""
-    return type(b)(store, rank, size, timeout=timeout, group_name=group_name, device_id=device_id, config=config,
-                   high_priority=high_priority, _runtime=b._rt, _comm=comm)
+    return b._child(store, rank, size, timeout=timeout, group_name=group_name, device_id=device_id, comm=comm,
+                    config=config, high_priority=high_priority)

@@ -280,9 +280,10 @@ class NCCLWork(Work):
         if end is None:
             return self._waited()  # not issued yet: the batch's own Work carries the wait
         rt = self._owner._rt
-        prev_device = -1 if rt.get_device() == self._device else enter_device(rt, self._device)
         try:
-            current = rt.current_stream()
+            # The caller's current stream of the op's device (no cudaGetDevice, no
+            # device switch: a stream waits on an event of any device).
+            current = rt.current_stream_of(self._device)
             streams = self._streams
             if streams:
                 for stream in streams:
@@ -291,9 +292,6 @@ class NCCLWork(Work):
                 rt.wait_event(current, end.ptr)
         except Exception as exc:
             raise DistBackendError(f"{self._name()}: making the caller's stream wait failed: {exc}") from exc
-        finally:
-            if prev_device >= 0:
-                leave_device(rt, prev_device)
         return self._result if self._wait_gives_result else True
 
     def synchronize(self, timeout: float | timedelta | None = None) -> None:
