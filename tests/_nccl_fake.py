@@ -396,17 +396,29 @@ class FakeNcclError(FakeError):
 NCCL_INVALID_ARGUMENT = 4  # ncclInvalidArgument
 
 
-def refuse_one_rank_fp8(kind: str, size: int, dtype: int, op: int) -> None:
-    """NCCL's one-rank path refuses float8 AVG and PREMUL_SUM (checked in NCCL 2.28.9 and
-    2.32.3 on an H200): ``ncclLaunchOneRank`` (src/device/onerank.cu) runs every
-    reduction of a one-rank communicator, and only PreMulSum needs a kernel there; float
-    AVG becomes a PreMulSum by 1/n (hostToDevRedOp), and its fp8 kernels sit under
-    ``__CUDA_ARCH__ >= 900``, false in the host pass, so fp8 falls to
-    ``return ncclInvalidArgument``."""
-    if size == 1 and dtype in (10, 11) and (op == 4 or op >= 5):
-        raise FakeNcclError(NCCL_INVALID_ARGUMENT, "NCCL_ERROR_INVALID_ARGUMENT",
-                            f"{kind} of float8 (ncclDataType_t {dtype}) with "
-                            f"{'ncclAvg' if op == 4 else 'a PreMulSum op'} on a one-rank communicator")
+_FLOAT_DTYPES = (6, 7, 8, 9, 10, 11)  # ncclFloat16, Float32, Float64, Bfloat16, Float8e4m3, Float8e5m2
+
+
+def refuse_one_rank_premul(kind: str, size: int, dtype: int, op: int) -> None:
+    """What NCCL's one-rank path does with a PreMulSum, which gpucoll must not rely on.
+
+    ``ncclLaunchOneRank`` (src/device/onerank.cu) runs every reduction of a one-rank
+    communicator: a copy, except for a PreMulSum (any PreMulSum op, and ncclAvg on
+    floating types, which hostToDevRedOp turns into a PreMulSum by 1/n), which runs its
+    ``oneRankReduce`` kernel. Seen on an H200:
+    * float8 (NCCL 2.28.9 and 2.32.3): the fp8 cases sit under ``__CUDA_ARCH__ >= 900``,
+      false in the host pass, so it returns ncclInvalidArgument;
+    * float64 and complex64 (as float32 pairs) of 4,099 elements (NCCL 2.28.9): the
+      kernel left the last element unscaled or unwritten, a wrong result and no error.
+    The first is modelled as NCCL does it; the second, which no fake can reproduce
+    faithfully, as a detected misuse."""
+    if size != 1 or not (op >= 5 or (op == 4 and dtype in _FLOAT_DTYPES)):
+        return
+    what = f"{kind} of ncclDataType_t {dtype} with {'ncclAvg' if op == 4 else 'a PreMulSum op'} on a one-rank communicator"
+    if dtype in (10, 11):
+        raise FakeNcclError(NCCL_INVALID_ARGUMENT, "NCCL_ERROR_INVALID_ARGUMENT", what)
+    raise FakeError(f"{what}: NCCL's one-rank PreMulSum kernel (oneRankReduce) gave wrong results on an H200; "
+                    "a one-rank reduction must copy and scale by itself")
 
 
 _ITEMSIZE = {0: 1, 1: 1, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 4, 8: 8, 9: 2, 10: 1, 11: 1}
@@ -490,7 +502,7 @@ class FakeComm:
             op = args[4]
             if op >= 5 and op not in self._ops:
                 raise FakeError(f"{kind} with PreMulSum op {op}, which does not exist (destroyed?)")
-            refuse_one_rank_fp8(kind, self.size, args[3], op)
+            refuse_one_rank_premul(kind, self.size, args[3], op)
             # NCCL reads a host-immediate factor when the op is made; capture it now.
             args = args + ((self._ops[op][0] if op >= 5 else None),)
         self.calls.append((kind,) + args)

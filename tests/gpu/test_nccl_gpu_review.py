@@ -167,18 +167,24 @@ def _global_capture_body() -> dict[str, Any]:
         gpucoll.all_reduce(x)  # connect outside the capture
     s.synchronize()
     x.fill(1)
+    # The test's own array is made before the capture: CuPy's cudaMalloc inside a
+    # global-mode capture is refused (cudaErrorStreamCaptureUnsupported) whatever gpucoll
+    # does. gpucoll's own steps for the BXOR (its kernel load, its temporary) are made
+    # inside the capture, in relaxed mode.
+    b = cupy.array([1, 2], cupy.int16)
+    with s:
+        b.fill(1)
     pending = gpucoll.all_reduce(big, async_op=True)  # the watchdog polls it during the capture
     with s:
         s.begin_capture(cupy.cuda.runtime.streamCaptureModeGlobal)
         gpucoll.all_reduce(x)
-        b = cupy.array([1, 2], cupy.int16)  # first BXOR: a kernel load and a temporary in capture
-        gpucoll.all_reduce(b, op=ReduceOp.BXOR)
+        gpucoll.all_reduce(b, op=ReduceOp.BXOR)  # first BXOR: a kernel load and a temporary in capture
         time.sleep(0.2)
         graph = s.end_capture()
     graph.launch(stream=s)
     s.synchronize()
     pending.wait()
-    out = {"x": float(cupy.asnumpy(x[0])), "size": size}
+    out = {"x": float(cupy.asnumpy(x[0])), "b": cupy.asnumpy(b).tolist(), "size": size}
     gpucoll.destroy_process_group()
     return out
 
@@ -187,6 +193,7 @@ def _global_capture_body() -> dict[str, Any]:
 def test_finding_4_watchdog_during_a_global_mode_capture(size: int) -> None:
     for out in _spmd(_global_capture_body, size):
         assert out["x"] == float(size), out
+        assert out["b"] == [size % 2] * 2, out  # 1 XOR-ed over the ranks
 
 
 # 5 -------------------------------------------------------------- abort while issuing

@@ -94,5 +94,7 @@ def test_a_captured_premul_sum_replays_after_its_operator_is_destroyed(
                 "premul_calls": sum(1 for c in comm.calls if c[0] == "all_reduce" and c[5] >= 5)}
 
     for out in run_groups(size, body, monkeypatch):
-        # warm-up, then three replays: each multiplies by 2 * size
-        assert out == {"got": [float((2 * size) ** 4)] * 4, "live_ops": 0, "premul_calls": 2}, out
+        # warm-up, then three replays: each multiplies by 2 * size. On one rank gpucoll
+        # scales by itself (NCCL's one-rank PreMulSum kernel is not used: nccl-backend.md)
+        premul_calls = 2 if size > 1 else 0
+        assert out == {"got": [float((2 * size) ** 4)] * 4, "live_ops": 0, "premul_calls": premul_calls}, out

@@ -114,35 +114,54 @@ def shutdown(b: BackendState) -> None:
         if not drained:
             abort(b, f"{b._closed} while ops were still running after {b._timeout:.3g} s")
             return
+        with b._comm_lock:
+            b._comm_gone = True
+        # ncclCommDestroy runs on a thread of its own, and this one waits for it a bounded
+        # time. NCCL's teardown (commDestroySync in its src/init.cc, reached from
+        # ncclCommDestroy and ncclCommAbort alike) has waits of its own that no timeout
+        # bounds: it polls "until all graphs referencing us die", and it stops the proxy,
+        # which talks to the peers' proxies (on an H200 a rank whose peer had aborted and
+        # exited was still tearing down after 40 s: docs/gpu-verification.md).
+        release = _Release(comm)
+        release.start(f"gpucoll-nccl-destroy-{b._group_name}")
         if b._captured and b.size > 1:
-            # NCCL's teardown (commDestroySync in its src/init.cc, reached from
-            # ncclCommDestroy and ncclCommAbort alike) polls "until all graphs referencing
-            # us die": with the caller still holding a graph that captured an op of this
-            # communicator, destroying it here would block until that graph is destroyed,
-            # which may be never. Hand the destroy to a thread of its own instead: NCCL
-            # frees the communicator once the last such graph is gone.
-            with b._comm_lock:
-                b._comm_gone = True
-            threading.Thread(target=_destroy_quietly, args=(comm,), daemon=True,
-                             name=f"gpucoll-nccl-destroy-{b._group_name}").start()
+            # The caller may hold a graph that captured an op of this communicator for
+            # as long as it likes: do not wait at all. NCCL frees the communicator once
+            # the last such graph is gone (a one-rank communicator makes no such graph).
             return
-        try:
-            with b._comm_lock:
-                b._comm_gone = True
-                comm.destroy()
-        except Exception as exc:
+        bound = min(b._timeout, DESTROY_WAIT_S)
+        if not release.done.wait(bound):
+            raise DistBackendError(
+                f"destroying the NCCL communicator of group {b._group_name!r}: ncclCommDestroy did not "
+                f"return within {bound:.3g} s (NCCL's teardown waits for its peers' proxies and for "
+                "every CUDA graph that captured the communicator); the group is shut down, and the "
+                "destroy goes on in the background")
+        if release.error is not None:
             raise DistBackendError(f"destroying the NCCL communicator of group {b._group_name!r} "
-                                   f"failed: {exc}") from exc
+                                   f"failed: {release.error}") from release.error
 
 
-def _destroy_quietly(comm: Any) -> None:
-    """ncclCommDestroy of a communicator that CUDA graphs may still hold, off the caller's
-    thread. The group is gone by then, so an error has nobody to reach: the graphs that
-    held the communicator are the only users left, and NCCL frees it when they die."""
-    try:
-        comm.destroy()
-    except Exception:  # the group was shut down: nobody is left to tell
-        pass
+DESTROY_WAIT_S = 10.0  # the longest shutdown() waits for ncclCommDestroy
+
+
+class _Release:
+    """ncclCommDestroy of a shut-down communicator, on a daemon thread of its own."""
+
+    def __init__(self, comm: Any) -> None:
+        self._comm = comm
+        self.done = threading.Event()
+        self.error: Exception | None = None
+
+    def start(self, name: str) -> None:
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self._comm.destroy()
+        except Exception as exc:  # read by shutdown() if it still waits; else nobody is left to tell
+            self.error = exc
+        finally:
+            self.done.set()
 
 
 def drain(b: BackendState, timeout: float) -> bool:

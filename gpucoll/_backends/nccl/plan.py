@@ -153,13 +153,6 @@ def resolve_reduction(dtype: DType, op: ReduceOpLike, size: int, features: Featu
             raise _refuse(dtype, op, "float8 reductions need NCCL >= 2.24 on a GPU of compute capability "
                           f">= 9.0 (this is NCCL {'.'.join(map(str, features.version))}); "
                           "data movement of float8 works everywhere")
-        if size == 1 and base in (ReduceOp.AVG, ReduceOp.PREMUL_SUM):
-            # NCCL's one-rank path (ncclLaunchOneRank) has no float8 PreMulSum kernel and
-            # returns ncclInvalidArgument (float AVG is a PreMulSum by 1/n there). On one
-            # rank AVG is the input itself and PREMUL_SUM a scale: NCCL's SUM (a copy) and
-            # gpucoll's scale kernel, which rounds the factor to the type as NCCL does.
-            return Reduction(NCCL_DTYPES[name], 1, 1, OP_SUM, "", KTYPES[name],
-                             None if base is ReduceOp.AVG else factor)
         if base is ReduceOp.PREMUL_SUM and not features.premul_sum:
             raise _refuse(dtype, op, "needs NCCL's PreMulSum (NCCL >= 2.11 and its library found)")
         return _float_reduction(dtype, name, 1, base, factor, size, features, op)
@@ -192,6 +185,15 @@ def _float_reduction(dtype: DType, comp: str, mult: int, base: ReduceOp, factor:
     isz = dtype.itemsize
     if base in _NATIVE_OPS:
         return Reduction(nccl_dtype, mult, isz, _NATIVE_OPS[base])
+    if size == 1 and comp in KTYPES:
+        # NCCL's one-rank path (ncclLaunchOneRank, src/device/onerank.cu) runs a PreMulSum
+        # (float AVG is one, by 1/n) through its own kernel, which gpucoll does not use: on
+        # an H200 it refused float8 (its fp8 cases are compiled out of the host pass) and,
+        # in NCCL 2.28.9, left the last element of 4,099 float64 (and complex64) unscaled.
+        # On one rank AVG is the input itself and PREMUL_SUM a scale: NCCL's SUM (a copy)
+        # and gpucoll's scale kernel, which rounds the factor to the type as NCCL does.
+        return Reduction(nccl_dtype, mult, isz, OP_SUM, "", KTYPES[comp],
+                         None if base is ReduceOp.AVG else factor)
     if base is ReduceOp.AVG:
         if features.avg:
             return Reduction(nccl_dtype, mult, isz, OP_AVG)
