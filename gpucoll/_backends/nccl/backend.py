@@ -27,6 +27,7 @@ from .bootstrap import is_nccl_available, nccl_unavailable_reason, nccl_version,
 from .lib import NCCL_DTYPES, OP_SUM
 from .plan import Plan, Planner, calls_only, merge
 from .runtime import CAPTURE_RELAXED, CAPTURE_THREAD_LOCAL, Comm, Event, Runtime, enter_device, leave_device
+from .comm import CommSlot
 from .connect import check_in
 from .events import EventPool
 from . import hot as _hot
@@ -112,14 +113,12 @@ class NCCLBackend:
         self._high_priority = bool(high_priority)
         self._lock = threading.RLock()      # the issue path: one op at a time, in order
         self._state = threading.Lock()      # abort state and the pending list
-        # Held around every call on the communicator (the issue path's NCCL calls, the
-        # async error query, abort, destroy): NCCL forbids concurrent calls on one
-        # communicator, and the watchdog must never abort or query one under a call.
-        self._comm_lock = threading.Lock()
-        self._comm_gone = False
+        # The communicator, with the lock every call on it holds (the issue path's NCCL
+        # calls, the async error query, abort, destroy): NCCL forbids concurrent calls on
+        # one communicator, and the watchdog must never abort or query one under a call.
+        self.comm_slot = CommSlot()
         self._eager = device_id is not None
         self._device = -1
-        self._comm: Comm | None = None
         self._stream: Any = None
         self._stream_ptr = 0
         self._planner: Planner | None = None
@@ -149,6 +148,15 @@ class NCCLBackend:
                 adopt(self, _comm, device_id)
             else:
                 create_comm(self, device_id)
+
+    @property
+    def _comm(self) -> Comm | None:
+        """The communicator (None until created): :attr:`comm_slot`'s."""
+        return self.comm_slot.comm
+
+    @property
+    def _comm_gone(self) -> bool:
+        return self.comm_slot.gone
 
     def _child(self, store: Store, rank: int, size: int, *, timeout: float, group_name: str, device_id: int | None,
                comm: Comm | None, config: Mapping[str, Any] | None, high_priority: bool) -> NCCLBackend:

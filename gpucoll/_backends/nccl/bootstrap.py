@@ -220,4 +220,4 @@ def adopt(b: BackendState, comm: Comm, device: int) -> None:
     b._planner = Planner(b.rank, b.size, b._features,
                             b._features.fp8 and cc >= (9, 0), b._alloc_temp)
     b._device = device
-    b._comm = comm
+    b.comm_slot.comm = comm

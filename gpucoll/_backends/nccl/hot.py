@@ -151,13 +151,14 @@ Pending = Union[NCCLWork, Quiet]
 
 def make(b: BackendState, op_type: str, plan: Plan) -> Hot | None:
     """The Hot of a cached ``plan`` (calls only), or None when it is not a single call."""
-    if len(plan) != 1 or b._comm is None:
+    comm = b.comm_slot.comm
+    if len(plan) != 1 or comm is None:
         return None
     pre, calls, post = plan[0]
     if pre or post or len(calls) != 1:
         return None
     step = calls[0]
-    return Hot(op_type, functools.partial(getattr(b._comm, step[0]), *step[1:]))
+    return Hot(op_type, functools.partial(getattr(comm, step[0]), *step[1:]))
 
 
 def issue_quiet(b: BackendState, hot: Hot, buf: Buffer, seq: int, entry: _Entry | None, group_name: str) -> bool:

@@ -25,7 +25,7 @@ def run_phase(b: BackendState, phase: Phase) -> None:
     for step in pre:
         _local(b, step)
     if calls:
-        comm = b._comm
+        comm = b.comm_slot.comm
         assert comm is not None
         on_comm(b, _issue_calls, b, comm, calls)
     for step in post:
@@ -35,12 +35,9 @@ def run_phase(b: BackendState, phase: Phase) -> None:
 def on_comm(b: BackendState, fn: Callable[..., None], *args: Any) -> None:
     """``fn(*args)``, calls on the communicator. NCCL communicators take one thread at a
     time, and ncclCommAbort frees the one under a call in flight: the calls hold
-    _comm_lock, and an abort from another thread meanwhile is carried out by this
+    the communicator's lock (comm.py), and an abort from another thread meanwhile is carried out by this
     thread once they return."""
-    with b._comm_lock:
-        if b._comm_gone:
-            raise RuntimeError("the communicator is gone")
-        fn(*args)
+    b.comm_slot.call(fn, *args)
     if b._aborted is not None:
         _lifecycle.abort_comm(b, blocking=True)
         raise RuntimeError("the communicator was aborted while this op was being issued")

@@ -22,7 +22,7 @@ NCCL_SHRINK_ABORT = 0x01
 def can_shrink(b: BackendState) -> bool:
     """True when :meth:`shrink` can run: the communicator was created eagerly, the
     loaded NCCL has ncclCommShrink (>= 2.27), and it is neither aborted nor shut down."""
-    return (b._eager and b._comm is not None and b._features.comm_shrink
+    return (b._eager and b.comm_slot.comm is not None and b._features.comm_shrink
             and b._aborted is None and b._closed is None)
 
 
@@ -40,14 +40,14 @@ def shrink(b: BackendState, exclude: Sequence[int], *, store: Store, group_name:
     gone = sorted(set(exclude))
     config = b._checked_config(config)
     with b._lock:
-        comm = b._comm
+        comm = b.comm_slot.comm
         if not can_shrink(b) or comm is None:
             raise DistBackendError(f"group {b._group_name!r}: its NCCL communicator cannot be shrunk "
                                    f"({b._aborted or b._closed or 'ncclCommShrink unavailable'})")
         rt, device = b._rt, b._device
         prev = enter_device(rt, device)
         try:
-            with b._comm_lock:  # no other call on the communicator meanwhile
+            with b.comm_slot.lock:  # no other call on the communicator meanwhile
                 new = (comm.shrink(gone, NCCL_SHRINK_ABORT, config) if config
                        else comm.shrink(gone, NCCL_SHRINK_ABORT))
         except Exception as exc:

@@ -100,7 +100,7 @@ def split(b: BackendState, ranks: Sequence[int] | None, *, color: int = 0, store
     new_rank = members.index(b.rank) if member else -1
     with b._lock:
         if b.can_split:
-            comm = b._comm
+            comm = b.comm_slot.comm
             assert comm is not None
             b._splits += 1
             device = b._device
@@ -108,7 +108,7 @@ def split(b: BackendState, ranks: Sequence[int] | None, *, color: int = 0, store
                              timeout=timeout, parent_timeout=b._timeout, drain=lambda t: drain(b, t),
                              parent_name=b._group_name, group_name=group_name,
                              color=color if member else -1, new_rank=max(new_rank, 0), config=config,
-                             comm_lock=b._comm_lock)
+                             comm_lock=b.comm_slot.lock)
             if b._aborted is not None:
                 abort_comm(b, blocking=True)  # an abort that arrived during the split
             if new is None:

@@ -9,6 +9,7 @@ from collections import deque
 from typing import Any, Mapping, Protocol
 
 from ...store.base import Store
+from .comm import CommSlot
 from .events import EventPool
 from .lib import Features
 from .plan import Planner
@@ -33,10 +34,8 @@ class BackendState(Protocol):
     _eager: bool
     _lock: Any          # threading.RLock: the issue path
     _state: Any         # threading.Lock: abort state and the pending queue
-    _comm_lock: Any     # threading.Lock: every call on the communicator
-    _comm_gone: bool
+    comm_slot: CommSlot  # the communicator, its lock, its end
     _device: int
-    _comm: Comm | None
     _stream: Any
     _stream_ptr: int
     _planner: Planner | None
