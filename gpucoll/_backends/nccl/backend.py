@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import deque
 from typing import Any, Callable, Mapping, Sequence, cast
 
 from ..._buffer import DTYPES, Buffer, Device
@@ -28,6 +27,7 @@ from .lib import NCCL_DTYPES, OP_SUM
 from .plan import Plan, Planner, calls_only, merge
 from .runtime import CAPTURE_RELAXED, CAPTURE_THREAD_LOCAL, Comm, Event, Runtime, enter_device, leave_device
 from .comm import CommSlot
+from .outstanding import Outstanding
 from .connect import check_in
 from .events import EventPool
 from . import hot as _hot
@@ -112,7 +112,6 @@ class NCCLBackend:
         self.config: dict[str, Any] = self._checked_config(config)
         self._high_priority = bool(high_priority)
         self._lock = threading.RLock()      # the issue path: one op at a time, in order
-        self._state = threading.Lock()      # abort state and the pending list
         # The communicator, with the lock every call on it holds (the issue path's NCCL
         # calls, the async error query, abort, destroy): NCCL forbids concurrent calls on
         # one communicator, and the watchdog must never abort or query one under a call.
@@ -133,13 +132,12 @@ class NCCLBackend:
         self._timing = False                # events with timing (a completion hook asked)
         self._connected = False             # every rank checked in before the first collective
         self._p2p_peers: set[int] = set()   # peers checked in before the first send/recv with them
-        self._pending: deque[_hot.Pending] = deque()  # issued, not yet seen complete (Works, Quiets)
+        self.outstanding = Outstanding()    # issued, not yet seen complete (Works, Quiets), with the abort's lock
         self._aborted: str | None = None
         self._closed: str | None = None
         self._splits = 0                    # ncclCommSplit calls so far (keys the check-in)
         self._plans: dict[tuple[Any, ...], Plan] = {}  # plans with no local steps, by op and buffers
         self._hot: dict[tuple[Any, ...], _hot.Hot] = {}  # those of them that are one NCCL call (hot.py)
-        self._prune_next = _hot.PRUNE_AT    # pending works at which the issue path next completes some
         if device_id is not None:
             count = self._rt.device_count()
             if not isinstance(device_id, int) or isinstance(device_id, bool) or not 0 <= device_id < count:
@@ -153,6 +151,11 @@ class NCCLBackend:
     def _comm(self) -> Comm | None:
         """The communicator (None until created): :attr:`comm_slot`'s."""
         return self.comm_slot.comm
+
+    @property
+    def _pending(self) -> Outstanding:
+        """The queue of outstanding ops: :attr:`outstanding`."""
+        return self.outstanding
 
     @property
     def _comm_gone(self) -> bool:
@@ -202,7 +205,7 @@ class NCCLBackend:
 
     def has_pending(self) -> bool:
         """For the group's watchdog: True while issued ops may still be running."""
-        return bool(self._pending)
+        return bool(self.outstanding)
 
     def poll_pending(self) -> NCCLWork | None:
         """For the group's watchdog, on its timer: notice an asynchronous NCCL error
@@ -215,7 +218,7 @@ class NCCLBackend:
         and its capture mode set to thread-local, for good: its event queries then never
         break another thread's global-mode capture (the mode is per thread; torch's
         watchdog sets the same)."""
-        if self._failure() is None and self._pending:
+        if self._failure() is None and self.outstanding:
             ready: dict[int, bool] | None = getattr(_watch_threads, "ready", None)
             if ready is None:
                 ready = _watch_threads.ready = {}
@@ -230,7 +233,7 @@ class NCCLBackend:
             else:
                 oldest = self._complete_until(None)
         else:
-            oldest = self._pending[0] if self._pending else None
+            oldest = self.outstanding.oldest()
         return oldest.as_work() if isinstance(oldest, _hot.Quiet) else oldest
 
     def _complete_earlier(self, work: NCCLWork) -> None:
@@ -425,14 +428,11 @@ class NCCLBackend:
             held = tuple(int(o.ptr) for o in w._stream_owners) if w._stream_owners else ()
             w._issued(device, start, end, prev, held, captured)
         if not captured:
-            pending = self._pending
-            pending.extend(works)  # no lock, as on the hot path (hot.issue says why)
-            if len(pending) > self._prune_next:
-                # Normally the group's watchdog completes works (off this thread);
-                # without one, completing them here releases their arrays. In batches:
-                # the next sweep comes PRUNE_AT ops later, whatever this one left.
+            if self.outstanding.add_all(works):  # no lock (outstanding.py says why)
+                # The watchdog completes works on its timer; in between, completing them
+                # here, in batches, releases their arrays.
                 self._complete_earlier(works[0])
-                self._prune_next = len(pending) + _hot.PRUNE_AT
+                self.outstanding.batch_done()
 
     def _hot_or_issue(self, key: tuple[Any, ...], buf: Buffer) -> NCCLWork | None:
         """The op under ``key``, issued by its hot path (hot.py) if it has one that can."""

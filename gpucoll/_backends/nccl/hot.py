@@ -38,6 +38,7 @@ from ..._buffer import Buffer
 from ...errors import BackendUnavailableError, DistBackendError
 from .plan import Plan
 from .events import EventPool
+from .outstanding import PRUNE_AT
 from .runtime import CAPTURE_THREAD_LOCAL
 from .phases import on_comm
 from .work import NCCLWork
@@ -48,9 +49,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Hot", "Quiet", "Pending", "PRUNE_AT", "make", "issue", "issue_quiet", "issue_failed", "complete_until"]
 
-# Outstanding ops kept before the issue path completes finished ones itself (one event
-# query settles the batch when the GPU keeps up): the rest is the watchdog's timer's.
-PRUNE_AT = 256
 # A finished Work that only the sweep holds (its list of works, the pending queue, its loop
 # variable, and getrefcount's own argument) is not completed, only dropped: nothing can
 # see the difference, and its arrays go with it. Anyone holding it still sees it complete
@@ -209,15 +207,11 @@ def issue_quiet(b: BackendState, hot: Hot, buf: Buffer, seq: int, entry: _Entry 
             raise failed from exc
         b._last_end = None
         work = Quiet(hot.op_type, seq, group_name, b, stream, end, buf, entry)
-        # Appending needs no lock (a deque's append is atomic; only the sweep, under
-        # _state, pops from the other end); abort's snapshot under _state may miss a
-        # work appended meanwhile, as it may miss one issued a moment later: either way
-        # the work fails when waited on or polled, since the backend is aborted.
-        pending = b._pending
-        pending.append(work)
-        if len(pending) > b._prune_next:
+        # No lock (outstanding.py): an abort's snapshot that misses this op leaves it
+        # to fail when polled, since the backend is aborted.
+        if b.outstanding.add(work):
             complete_until(b, work)
-            b._prune_next = len(pending) + PRUNE_AT
+            b.outstanding.batch_done()
     return True
 
 
@@ -262,11 +256,9 @@ def issue(b: BackendState, hot: Hot, buf: Buffer) -> NCCLWork | None:
         else:
             b._last_end = None
             work = NCCLWork._hot(hot.op_type, b, buf, b._timeout, device, end, None, None)
-        pending = b._pending
-        pending.append(work)
-        if len(pending) > b._prune_next:
+        if b.outstanding.add(work):
             complete_until(b, work)
-            b._prune_next = len(pending) + PRUNE_AT
+            b.outstanding.batch_done()
     return work
 
 
@@ -293,9 +285,7 @@ def complete_until(b: BackendState, stop: Pending | None, mode_set: bool = False
     (the watchdog's) is in thread-local capture mode already; otherwise the queries are
     made in that mode, set for the sweep (see work.query_outside_capture). Event
     queries need no particular device current."""
-    pending = b._pending
-    with b._state:
-        works = list(pending)
+    works = b.outstanding.snapshot()
     if stop is not None:
         try:
             works = works[:works.index(stop)]
@@ -333,10 +323,7 @@ def complete_until(b: BackendState, stop: Pending | None, mode_set: bool = False
     if done < 0:
         return None  # a query failed: the backend was aborted, and every pending work failed
     if done:
-        with b._state:
-            for w in works[:done]:
-                if pending and pending[0] is w:
-                    pending.popleft()
+        b.outstanding.drop_finished(works[:done])
     return works[done] if done < len(works) else None
 
 

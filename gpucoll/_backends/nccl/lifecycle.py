@@ -46,12 +46,11 @@ def abort(b: BackendState, reason: str) -> None:
     """Abort the communicator: every pending and later op fails with
     DistBackendError naming itself and ``reason``. Returns once NCCL's abort
     returned; safe to call from any thread, more than once."""
-    with b._state:
+    with b.outstanding.lock:  # the abort reason and the queue change together
         if b._aborted is not None:
             return
         b._aborted = reason
-        pending = list(b._pending)
-        b._pending.clear()
+        pending = b.outstanding.take_all_locked()
     abort_comm(b, blocking=False)
     for w in pending:
         w._poll()
@@ -74,9 +73,7 @@ def shutdown(b: BackendState) -> None:
             return
         comm = b.comm_slot.comm
         drained = b._aborted is None and drain(b, b._timeout)
-        with b._state:
-            pending = list(b._pending)
-        for w in pending:
+        for w in b.outstanding.snapshot():
             w._poll()  # complete what finished, before the flag below fails the rest
         b._closed = f"the NCCL backend of group {b._group_name!r} was shut down"
         if comm is None or b._aborted is not None:

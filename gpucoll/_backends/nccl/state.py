@@ -5,12 +5,12 @@ satisfies it; mypy checks that at every call that passes one."""
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any, Mapping, Protocol
 
 from ...store.base import Store
 from .comm import CommSlot
 from .events import EventPool
+from .outstanding import Outstanding
 from .lib import Features
 from .plan import Planner
 from .protocols import Comm, Event, Runtime
@@ -33,7 +33,6 @@ class BackendState(Protocol):
     _high_priority: bool
     _eager: bool
     _lock: Any          # threading.RLock: the issue path
-    _state: Any         # threading.Lock: abort state and the pending queue
     comm_slot: CommSlot  # the communicator, its lock, its end
     _device: int
     _stream: Any
@@ -45,8 +44,7 @@ class BackendState(Protocol):
     _comm_tail: Event | None
     _events: EventPool | None
     _timing: bool
-    _pending: deque[Any]
-    _prune_next: int
+    outstanding: Outstanding  # ops issued, not yet seen complete; its lock guards _aborted
     _aborted: str | None
     _closed: str | None
     _splits: int
