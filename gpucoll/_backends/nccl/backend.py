@@ -25,11 +25,11 @@ from .bootstrap import adopt, create_comm
 from .bootstrap import is_nccl_available, nccl_unavailable_reason, nccl_version, rendezvous  # noqa: F401
 from .lib import NCCL_DTYPES, OP_SUM
 from .plan import Plan, Planner, calls_only, merge
-from .runtime import CAPTURE_RELAXED, CAPTURE_THREAD_LOCAL, Comm, Event, Runtime, enter_device, leave_device
+from .runtime import CAPTURE_RELAXED, CAPTURE_THREAD_LOCAL, Comm, Runtime, enter_device, leave_device
 from .comm import CommSlot
 from .outstanding import Outstanding
 from .connect import check_in
-from .events import EventPool
+from .stream import CommStream
 from . import hot as _hot
 from . import phases as _phases
 from . import lifecycle as _lifecycle
@@ -118,18 +118,11 @@ class NCCLBackend:
         self.comm_slot = CommSlot()
         self._eager = device_id is not None
         self._device = -1
-        self._stream: Any = None
-        self._stream_ptr = 0
+        self.comm_stream = CommStream()     # the communication stream and its events (stream.py)
         self._planner: Planner | None = None
         self._scratch = 0
         self._keep: list[Any] = []          # backend-lifetime allocations (the barrier's scratch)
         self._temps: list[Any] = []         # temporaries of the op being planned
-        self._last_end: Event | None = None
-        # The end event of the last op issued on the communication stream, until a
-        # Work-less op on the caller's stream has waited for it (hot.issue_quiet).
-        self._comm_tail: Event | None = None
-        self._events: EventPool | None = None  # raw events of the Work-less ops (events.py)
-        self._timing = False                # events with timing (a completion hook asked)
         self._connected = False             # every rank checked in before the first collective
         self._p2p_peers: set[int] = set()   # peers checked in before the first send/recv with them
         self.outstanding = Outstanding()    # issued, not yet seen complete (Works, Quiets), with the abort's lock
@@ -151,6 +144,15 @@ class NCCLBackend:
     def _comm(self) -> Comm | None:
         """The communicator (None until created): :attr:`comm_slot`'s."""
         return self.comm_slot.comm
+
+    @property
+    def _stream(self) -> Any:
+        """The communication stream's object (:attr:`comm_stream`'s)."""
+        return self.comm_stream.stream
+
+    @property
+    def _stream_ptr(self) -> int:
+        return self.comm_stream.ptr
 
     @property
     def _pending(self) -> Outstanding:
@@ -192,7 +194,7 @@ class NCCLBackend:
     # ----- the communicator -----
 
     def _alloc_temp(self, nbytes: int) -> int:
-        ptr, owner = self._rt.alloc(nbytes, self._stream)
+        ptr, owner = self._rt.alloc(nbytes, self.comm_stream.stream)
         self._temps.append(owner)
         return ptr
 
@@ -201,7 +203,7 @@ class NCCLBackend:
     def time_ops(self) -> None:
         """Record later ops' events with timing, so that active_duration is GPU time
         (the group calls this when a completion hook is registered)."""
-        self._timing = True
+        self.comm_stream.timing = True
 
     def has_pending(self) -> bool:
         """For the group's watchdog: True while issued ops may still be running."""
@@ -372,7 +374,8 @@ class NCCLBackend:
 
     def _launch(self, op_type: str, plan: Plan, works: Sequence[NCCLWork], bufs: Sequence[Buffer],
                 temps: list[Any], callers: tuple[int, ...] | None = None, captured: bool = False) -> None:
-        rt, device, comm_stream = self._rt, self._device, self._stream_ptr
+        rt, device, cs = self._rt, self._device, self.comm_stream
+        comm_stream = cs.ptr
         # From _issue (callers given) the device is current already.
         prev_device = enter_device(rt, device) if callers is None else -1
         issuing = False
@@ -390,7 +393,7 @@ class NCCLBackend:
                 callers = self._caller_streams(bufs)
                 for s in callers:
                     captured = captured or rt.is_capturing(s)
-            timing = self._timing and not captured
+            timing = cs.timing and not captured
             ready = rt.event(pooled=not captured, timing=timing)
             for s in callers:
                 rt.record(ready.ptr, s)
@@ -418,9 +421,9 @@ class NCCLBackend:
             self._keep.extend(temps)
         else:
             works[0]._keep_also(temps)
-        prev, self._last_end = self._last_end, (end if timing else None)
+        prev, cs.last_end = cs.last_end, (end if timing else None)
         if not captured:
-            self._comm_tail = end
+            cs.tail = end
         start = ready if timing else None  # untimed: active_duration comes from the host clock
         for w in works:
             # wait() makes the current stream wait, and the producer streams the Work

@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, Union, cast
 from ..._buffer import Buffer
 from ...errors import BackendUnavailableError, DistBackendError
 from .plan import Plan
-from .events import EventPool
 from .outstanding import PRUNE_AT
 from .runtime import CAPTURE_THREAD_LOCAL
 from .phases import on_comm
@@ -185,18 +184,17 @@ def issue_quiet(b: BackendState, hot: Hot, buf: Buffer, seq: int, entry: _Entry 
     with b._lock:
         if b._aborted is not None or b._closed is not None:
             return False
-        pool = b._events
-        if pool is None:
-            pool = b._events = EventPool(rt, device)
+        cs = b.comm_stream
+        pool = cs.pool(rt, device)
         end = pool.take()
         issuing = False
         try:
-            tail = b._comm_tail
+            tail = cs.tail
             if tail is not None:
                 # The last op went on the communication stream: this one, on the caller's
                 # stream, comes after it (every op of a group runs in issue order).
                 rt.wait_event(stream, tail.ptr)
-                b._comm_tail = None
+                cs.tail = None
             issuing = True
             on_comm(b, hot.call, stream)
             rt.record(end, stream)
@@ -205,7 +203,7 @@ def issue_quiet(b: BackendState, hot: Hot, buf: Buffer, seq: int, entry: _Entry 
             if failed is exc:
                 raise
             raise failed from exc
-        b._last_end = None
+        cs.last_end = None
         work = Quiet(hot.op_type, seq, group_name, b, stream, end, buf, entry)
         # No lock (outstanding.py): an abort's snapshot that misses this op leaves it
         # to fail when polled, since the backend is aborted.
@@ -233,8 +231,9 @@ def issue(b: BackendState, hot: Hot, buf: Buffer) -> NCCLWork | None:
     with b._lock:
         if b._aborted is not None or b._closed is not None:
             return None
-        timing = b._timing
-        comm_stream = b._stream_ptr
+        cs = b.comm_stream
+        timing = cs.timing
+        comm_stream = cs.ptr
         ready = rt.event(True, timing, device)
         issuing = False
         try:
@@ -249,12 +248,12 @@ def issue(b: BackendState, hot: Hot, buf: Buffer) -> NCCLWork | None:
             if failed is exc:
                 raise
             raise failed from exc
-        b._comm_tail = end
+        cs.tail = end
         if timing:
-            prev, b._last_end = b._last_end, end
+            prev, cs.last_end = cs.last_end, end
             work = NCCLWork._hot(hot.op_type, b, buf, b._timeout, device, end, ready, prev)
         else:
-            b._last_end = None
+            cs.last_end = None
             work = NCCLWork._hot(hot.op_type, b, buf, b._timeout, device, end, None, None)
         if b.outstanding.add(work):
             complete_until(b, work)
@@ -304,7 +303,7 @@ def complete_until(b: BackendState, stop: Pending | None, mode_set: bool = False
                     w._fail(aborted)
             else:
                 now = time.perf_counter()
-                pool = b._events
+                pool = b.comm_stream.events
                 for i in range(done):
                     w = works[i]
                     if type(w) is Quiet:
@@ -333,7 +332,7 @@ def _finished_prefix(b: BackendState, works: list[Pending]) -> int:
     Work-less ops; the communication stream for the rest) takes a binary search over
     their end events; the next run is looked at only once this one has finished. -1
     when a query failed (then the backend is aborted, and the work that failed names why)."""
-    comm = b._stream_ptr
+    comm = b.comm_stream.ptr
     n = len(works)
     first = 0
     while first < n:

@@ -97,7 +97,7 @@ def drain(b: BackendState, timeout: float) -> bool:
     prev = enter_device(rt, device)
     try:
         marker = rt.event(pooled=False, timing=False)
-        rt.record(marker.ptr, b._stream_ptr)
+        rt.record(marker.ptr, b.comm_stream.ptr)
         wait = Backoff(timeout, first=1e-4, cap=0.01)
         while not (query_outside_capture(rt, marker.ptr) and b._complete_until(None) is None):
             if b._aborted is not None or not wait.sleep():

@@ -50,7 +50,7 @@ def _issue_calls(b: BackendState, comm: Comm, calls: Sequence[Step]) -> None:
             if s[0] in _REDUCING and type(s[5]) is Premul:
                 calls = [_bind_premul(comm, s, created) for s in calls]
                 break
-        stream = b._stream_ptr
+        stream = b.comm_stream.ptr
         if len(calls) == 1:
             step = calls[0]
             getattr(comm, step[0])(*step[1:], stream)
@@ -79,9 +79,9 @@ def _local(b: BackendState, step: Step) -> None:
     if step[0] == "copy":
         _, dst, src, nbytes = step
         if nbytes:
-            b._rt.memcpy(dst, src, nbytes, b._stream_ptr)
+            b._rt.memcpy(dst, src, nbytes, b.comm_stream.ptr)
     elif step[0] == "kernel":
         _, name, n, args = step
-        b._rt.launch(name, n, args, b._stream, b._device)
+        b._rt.launch(name, n, args, b.comm_stream.stream, b._device)
     else:
         raise AssertionError(f"unknown local step {step[0]!r}")

@@ -9,11 +9,11 @@ from typing import Any, Mapping, Protocol
 
 from ...store.base import Store
 from .comm import CommSlot
-from .events import EventPool
 from .outstanding import Outstanding
 from .lib import Features
 from .plan import Planner
-from .protocols import Comm, Event, Runtime
+from .stream import CommStream
+from .protocols import Comm, Runtime
 
 __all__ = ["BackendState"]
 
@@ -35,15 +35,10 @@ class BackendState(Protocol):
     _lock: Any          # threading.RLock: the issue path
     comm_slot: CommSlot  # the communicator, its lock, its end
     _device: int
-    _stream: Any
-    _stream_ptr: int
+    comm_stream: CommStream  # the communication stream, its event pool, timing, tail
     _planner: Planner | None
     _scratch: int
     _keep: list[Any]
-    _last_end: Event | None
-    _comm_tail: Event | None
-    _events: EventPool | None
-    _timing: bool
     outstanding: Outstanding  # ops issued, not yet seen complete; its lock guards _aborted
     _aborted: str | None
     _closed: str | None
