@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from gpucoll._backends.nccl import hot as _hot
+from gpucoll._backends.nccl.outstanding import PRUNE_WORKS_AT
 from gpucoll._backends.nccl import runtime as _runtime
 from gpucoll._backends.nccl.backend import NCCLBackend
 from gpucoll._group import ProcessGroup
@@ -118,7 +119,9 @@ def test_an_async_all_reduce_and_its_wait_make_one_nccl_call_and_five_cuda_calls
     # record, and wait(): the caller's stream waits on end. No cudaGetDevice.
     assert mine.get("get_device", 0) == 0, mine
     assert mine.get("record", 0) == 2 * _OPS and mine.get("wait_event", 0) == 2 * _OPS, mine
-    batches = _OPS // _hot.PRUNE_AT + 1
+    # Works are completed in batches of PRUNE_WORKS_AT: one query, and the mode
+    # exchange around it, per batch.
+    batches = _OPS // PRUNE_WORKS_AT + 1
     assert mine.get("cuda", 0) <= 5 * _OPS + 4 * batches, mine
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Callable, Mapping, Sequence, cast
+from typing import Any, Callable, Mapping, Sequence
 
 from ..._buffer import DTYPES, Buffer, Device
 from ...errors import BackendUnavailableError, DistBackendError
@@ -33,8 +33,8 @@ from .stream import CommStream
 from . import hot as _hot
 from . import phases as _phases
 from . import lifecycle as _lifecycle
-from . import shrink as _shrink
-from . import split as _split
+from .shrink import shrink_comm
+from .split import split_comm
 from .work import NCCLWork
 
 __all__ = ["NCCLBackend", "nccl_unavailable_reason", "is_nccl_available", "nccl_version", "rendezvous"]
@@ -577,17 +577,107 @@ class NCCLBackend:
     def split(self, ranks: Sequence[int] | None, *, color: int = 0, store: Store, group_name: str,
               timeout: float, config: Mapping[str, Any] | None = None,
               high_priority: bool = False) -> NCCLBackend | None:
-        """The backend of a new group carved out of this one (:func:`.split.split`)."""
-        return cast("NCCLBackend | None", _split.split(self, ranks, color=color, store=store, group_name=group_name,
-                                                      timeout=timeout, config=config, high_priority=high_priority))
+        """The backend of a new group carved out of this one. Every rank of this group
+        must call it, at the same point of its op sequence, whether it joins a new group
+        or not (that is how ``ncclCommSplit`` works).
+
+        Args:
+            ranks: the members of this rank's new group as ranks of this group, in the
+                new group's rank order; None (or a list without this rank) for a rank
+                that joins no new group.
+            color: tells new groups apart when one call makes several disjoint groups
+                (torch's ``split_group``): ranks passing the same ``ranks`` pass the same
+                color >= 0, different groups different colors.
+            store: the new group's private store (used when no split is possible).
+            group_name: the new group's name.
+            timeout: the new group's timeout, seconds.
+            config: the new group's ncclConfig_t fields (NCCLOptions.config), passed to
+                ncclCommSplit (or ncclCommInitRankConfig); None: NCCL's defaults.
+            high_priority: the new group's stream priority (NCCLOptions).
+
+        When :attr:`can_split` (an eagerly created communicator and NCCL >= 2.18) the
+        new communicator comes from ``ncclCommSplit`` (:func:`.split.split_comm`): no
+        unique id round trip, and NCCL may share resources with this one. Every rank
+        first counts itself in through this group's store, so a rank that never calls
+        fails the others after ``timeout`` seconds instead of hanging them. Otherwise
+        members build one from a fresh unique id exchanged through ``store``, and
+        non-members return at once.
+
+        Returns:
+            The new group's backend on members; None elsewhere.
+
+        Raises:
+            ValueError: ``color`` < 0.
+            BackendUnavailableError: a config field the loaded NCCL or runtime cannot apply.
+            DistBackendError: the split failed, or not every rank reached it in time.
+        """
+        if not isinstance(color, int) or color < 0:
+            raise ValueError(f"color must be an int >= 0; got {color!r}")
+        config = self._checked_config(config)
+        members = list(ranks) if ranks is not None else []
+        member = self.rank in members
+        new_rank = members.index(self.rank) if member else -1
+        with self._lock:
+            if self.can_split:
+                comm = self.comm_slot.comm
+                assert comm is not None
+                self._splits += 1
+                device = self._device
+                new = split_comm(comm, self._rt, device, self._store, f"nccl/split{self._splits}", self.size,
+                                 timeout=timeout, parent_timeout=self._timeout,
+                                 drain=lambda t: _lifecycle.drain(self, t), parent_name=self._group_name,
+                                 group_name=group_name, color=color if member else -1,
+                                 new_rank=max(new_rank, 0), config=config, comm_lock=self.comm_slot.lock)
+                if self._aborted is not None:
+                    _lifecycle.abort_comm(self, blocking=True)  # an abort that arrived during the split
+                if new is None:
+                    return None
+                if new.size != len(members) or new.rank != new_rank:
+                    raise DistBackendError(
+                        f"ncclCommSplit made group {group_name!r} with rank {new.rank} of {new.size}; expected "
+                        f"rank {new_rank} of {len(members)}: ranks passed different member lists for one color")
+                return self._child(store, new_rank, len(members), timeout=timeout, group_name=group_name,
+                                   device_id=device, comm=new, config=config, high_priority=high_priority)
+        if not member:
+            return None
+        return self._child(store, new_rank, len(members), timeout=timeout, group_name=group_name,
+                           device_id=self._device if self._eager else None, comm=None, config=config,
+                           high_priority=high_priority)
 
     @property
     def can_shrink(self) -> bool:
-        """True when :meth:`shrink` can run (:func:`.shrink.can_shrink`)."""
-        return _shrink.can_shrink(self)
+        """True when :meth:`shrink` can run: the communicator was created eagerly, the
+        loaded NCCL has ncclCommShrink (>= 2.27), and it is neither aborted nor shut down."""
+        return (self._eager and self.comm_slot.comm is not None and self._features.comm_shrink
+                and self._aborted is None and self._closed is None)
 
     def shrink(self, exclude: Sequence[int], *, store: Store, group_name: str, timeout: float,
                config: Mapping[str, Any] | None = None, high_priority: bool = False) -> NCCLBackend:
-        """This communicator without the ranks in ``exclude`` (:func:`.shrink.shrink`)."""
-        return cast("NCCLBackend", _shrink.shrink(self, exclude, store=store, group_name=group_name, timeout=timeout,
-                                                  config=config, high_priority=high_priority))
+        """The backend of group ``group_name``: this communicator without the ranks in
+        ``exclude``, made with ``ncclCommShrink(..., NCCL_SHRINK_ABORT)``
+        (:func:`.shrink.shrink_comm`); every rank not excluded calls it with the same
+        list. This backend is aborted afterwards (its pending ops fail); the caller shuts
+        it down. ``config`` (ncclConfig_t fields, None: inherited) reaches
+        ncclCommShrink; ``high_priority`` is the new stream's priority.
+
+        Raises:
+            DistBackendError: :attr:`can_shrink` is False, or NCCL's shrink failed.
+        """
+        gone = sorted(set(exclude))
+        config = self._checked_config(config)
+        with self._lock:
+            if not self.can_shrink:
+                raise DistBackendError(f"group {self._group_name!r}: its NCCL communicator cannot be shrunk "
+                                       f"({self._aborted or self._closed or 'ncclCommShrink unavailable'})")
+            device = self._device
+            new = shrink_comm(self.comm_slot, self._rt, device, gone, parent_name=self._group_name,
+                              group_name=group_name, config=config)
+        if self._aborted is not None:
+            _lifecycle.abort_comm(self, blocking=True)  # an abort that arrived during the shrink
+        _lifecycle.abort(self, f"group {self._group_name!r} was shrunk into {group_name!r}")
+        expected = [r for r in range(self.size) if r not in gone]
+        if new.size != len(expected) or new.rank != expected.index(self.rank):
+            raise DistBackendError(f"ncclCommShrink made {group_name!r} with rank {new.rank} of {new.size}; "
+                                   f"expected rank {expected.index(self.rank)} of {len(expected)}")
+        return self._child(store, new.rank, new.size, timeout=timeout, group_name=group_name,
+                           device_id=device, comm=new, config=config, high_priority=high_priority)

@@ -255,7 +255,7 @@ def issue(b: BackendState, hot: Hot, buf: Buffer) -> NCCLWork | None:
         else:
             cs.last_end = None
             work = NCCLWork._hot(hot.op_type, b, buf, b._timeout, device, end, None, None)
-        if b.outstanding.add(work):
+        if b.outstanding.add_work(work):
             complete_until(b, work)
             b.outstanding.batch_done()
     return work
