@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, Union, cast
 from ..._buffer import Buffer
 from ...errors import BackendUnavailableError, DistBackendError
 from .plan import Plan
-from .outstanding import PRUNE_AT
+from .outstanding import PRUNE_AT, PRUNE_WORKS_AT
 from .runtime import CAPTURE_THREAD_LOCAL
 from .phases import on_comm
 from .work import NCCLWork
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from ..._debug.flight_recorder import _Entry
     from .state import BackendState
 
-__all__ = ["Hot", "Quiet", "Pending", "PRUNE_AT", "make", "issue", "issue_quiet", "issue_failed", "complete_until"]
+__all__ = ["Hot", "Quiet", "Pending", "PRUNE_AT", "PRUNE_WORKS_AT", "make", "issue", "issue_quiet", "issue_failed", "complete_until"]
 
 # A finished Work that only the sweep holds (its list of works, the pending queue, its loop
 # variable, and getrefcount's own argument) is not completed, only dropped: nothing can
