@@ -13,7 +13,8 @@ made every op trade the GIL with it, tens of µs on a GPU). On each tick it:
   group's timeout; the group aborts the backend and dumps its flight recorder.
 
 The tick is a twentieth of the timeout, between 20 ms and 1 s: timeouts are seconds.
-With a completion hook registered and work outstanding it polls every 5 ms, and it
+With a completion hook registered and work outstanding it polls every 5 ms (an op
+tracked for a hook while the thread sleeps a whole tick wakes it, once), and it
 fires the group's hooks with each finished op's WorkInfo, on this thread (never the
 caller's), in completion order, as soon as an op is seen complete.
 """
@@ -67,6 +68,7 @@ class Watchdog:
         # synchronous device op leaves no object behind for the watchdog to hold.
         self._backends: list[PollsPending] = []
         self._last_watched: PollsPending | None = None
+        self._slow = False  # the thread sleeps for a whole tick (no hook was waiting when it looked)
 
     def watch_backend(self, backend: PollsPending) -> None:
         """Watch every op outstanding on device ``backend`` (a :class:`PollsPending`):
@@ -84,6 +86,11 @@ class Watchdog:
         """Watch ``work`` until it completes or times out. Device work of a backend that
         keeps its own queue of outstanding ops is watched through that queue
         (:meth:`watch_backend`), with nothing recorded per op."""
+        if self._slow and self.hooks:
+            # A hook waits for this op: switch the thread from its timer to hook polling
+            # now (once: it stays there while a hook waits and work is outstanding).
+            self._slow = False
+            self._queue.put(None)
         if device:
             if backend is self._last_watched and self._thread is not None:
                 return
@@ -128,11 +135,13 @@ class Watchdog:
         stopping = False
         while not stopping:
             wait = self.tick
+            self._slow = True
             if self.hooks:
                 with self._lock:
                     outstanding = bool(self._pending)
                 if outstanding or any(b.has_pending() for b in self._backends):
                     wait = _HOOK_POLL_S
+                    self._slow = False
             try:
                 item = self._queue.get(timeout=wait)
             except queue.Empty:

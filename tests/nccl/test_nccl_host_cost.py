@@ -25,6 +25,7 @@ from gpucoll._backends.nccl.backend import NCCLBackend
 from gpucoll._group import ProcessGroup
 from gpucoll._group import registry as _registry
 from gpucoll._group.watchdog import Watchdog
+from gpucoll._work import WorkInfo
 from gpucoll.errors import DistBackendError
 from gpucoll.store import HashStore, PrefixStore
 
@@ -118,7 +119,9 @@ def test_an_async_all_reduce_and_its_wait_make_one_nccl_call_and_five_cuda_calls
     # record, and wait(): the caller's stream waits on end. No cudaGetDevice.
     assert mine.get("get_device", 0) == 0, mine
     assert mine.get("record", 0) == 2 * _OPS and mine.get("wait_event", 0) == 2 * _OPS, mine
-    batches = _OPS // _hot.PRUNE_AT + 1
+    # Works are completed in batches of PRUNE_WORKS_AT: one query, and the mode
+    # exchange around it, per batch.
+    batches = _OPS // _hot.PRUNE_WORKS_AT + 1
     assert mine.get("cuda", 0) <= 5 * _OPS + 4 * batches, mine
 
 
@@ -281,3 +284,26 @@ def test_a_collective_one_rank_never_joins_fails_and_every_rank_finishes_in_boun
     assert first["later_s"] < 1.0 and "did not complete" in first["later"], first
     assert all(o["destroy_s"] < 2.0 for o in outs), outs
     assert total < 10.0, (total, outs)
+
+
+def test_a_hook_still_fires_soon_after_its_op_completes(timed_group: tuple[ProcessGroup, TimedRuntime]) -> None:
+    """The watchdog's tick is a second here (a 60 s timeout), but an op a hook waits for
+    switches it to 5 ms polling: the hook fires within a fraction of the tick."""
+    pg, rt = timed_group
+    x = _Array()
+    pg.all_reduce(x)
+    fired: list[float] = []
+
+    def hook(info: WorkInfo) -> None:
+        fired.append(time.perf_counter())
+    pg.register_on_completion_hook(hook)
+    time.sleep(1.2)  # the thread is asleep for a whole tick now
+    t0 = time.perf_counter()
+    work = pg.all_reduce(x, async_op=True)
+    assert work is not None
+    work.wait()
+    deadline = time.monotonic() + 5.0
+    while not fired and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert fired, "the hook never fired"
+    assert fired[0] - t0 < 0.5, fired[0] - t0

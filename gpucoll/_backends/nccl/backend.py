@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import deque
-from typing import Any, Callable, Mapping, Sequence, cast
+from typing import Any, Callable, Mapping, Sequence
 
 from ..._buffer import DTYPES, Buffer, Device
 from ...errors import BackendUnavailableError, DistBackendError
@@ -26,14 +25,16 @@ from .bootstrap import adopt, create_comm
 from .bootstrap import is_nccl_available, nccl_unavailable_reason, nccl_version, rendezvous  # noqa: F401
 from .lib import NCCL_DTYPES, OP_SUM
 from .plan import Plan, Planner, calls_only, merge
-from .runtime import CAPTURE_RELAXED, CAPTURE_THREAD_LOCAL, Comm, Event, Runtime, enter_device, leave_device
+from .runtime import CAPTURE_RELAXED, CAPTURE_THREAD_LOCAL, Comm, Runtime, enter_device, leave_device
+from .comm import CommSlot
+from .outstanding import Outstanding
 from .connect import check_in
-from .events import EventPool
+from .stream import CommStream
 from . import hot as _hot
 from . import phases as _phases
 from . import lifecycle as _lifecycle
-from . import shrink as _shrink
-from . import split as _split
+from .shrink import shrink_comm
+from .split import split_comm
 from .work import NCCLWork
 
 __all__ = ["NCCLBackend", "nccl_unavailable_reason", "is_nccl_available", "nccl_version", "rendezvous"]
@@ -111,37 +112,26 @@ class NCCLBackend:
         self.config: dict[str, Any] = self._checked_config(config)
         self._high_priority = bool(high_priority)
         self._lock = threading.RLock()      # the issue path: one op at a time, in order
-        self._state = threading.Lock()      # abort state and the pending list
-        # Held around every call on the communicator (the issue path's NCCL calls, the
-        # async error query, abort, destroy): NCCL forbids concurrent calls on one
-        # communicator, and the watchdog must never abort or query one under a call.
-        self._comm_lock = threading.Lock()
-        self._comm_gone = False
+        # The communicator, with the lock every call on it holds (the issue path's NCCL
+        # calls, the async error query, abort, destroy): NCCL forbids concurrent calls on
+        # one communicator, and the watchdog must never abort or query one under a call.
+        self.comm_slot = CommSlot()
         self._eager = device_id is not None
         self._device = -1
-        self._comm: Comm | None = None
-        self._stream: Any = None
-        self._stream_ptr = 0
+        self.comm_stream = CommStream()     # the communication stream and its events (stream.py)
         self._planner: Planner | None = None
         self._scratch = 0
         self._keep: list[Any] = []          # backend-lifetime allocations (the barrier's scratch)
         self._captured = False              # an op was captured into a CUDA graph (lifecycle.shutdown)
         self._temps: list[Any] = []         # temporaries of the op being planned
-        self._last_end: Event | None = None
-        # The end event of the last op issued on the communication stream, until a
-        # Work-less op on the caller's stream has waited for it (hot.issue_quiet).
-        self._comm_tail: Event | None = None
-        self._events: EventPool | None = None  # raw events of the Work-less ops (events.py)
-        self._timing = False                # events with timing (a completion hook asked)
         self._connected = False             # every rank checked in before the first collective
         self._p2p_peers: set[int] = set()   # peers checked in before the first send/recv with them
-        self._pending: deque[_hot.Pending] = deque()  # issued, not yet seen complete (Works, Quiets)
+        self.outstanding = Outstanding()    # issued, not yet seen complete (Works, Quiets), with the abort's lock
         self._aborted: str | None = None
         self._closed: str | None = None
         self._splits = 0                    # ncclCommSplit calls so far (keys the check-in)
         self._plans: dict[tuple[Any, ...], Plan] = {}  # plans with no local steps, by op and buffers
         self._hot: dict[tuple[Any, ...], _hot.Hot] = {}  # those of them that are one NCCL call (hot.py)
-        self._prune_next = _hot.PRUNE_AT    # pending works at which the issue path next completes some
         if device_id is not None:
             count = self._rt.device_count()
             if not isinstance(device_id, int) or isinstance(device_id, bool) or not 0 <= device_id < count:
@@ -150,6 +140,29 @@ class NCCLBackend:
                 adopt(self, _comm, device_id)
             else:
                 create_comm(self, device_id)
+
+    @property
+    def _comm(self) -> Comm | None:
+        """The communicator (None until created): :attr:`comm_slot`'s."""
+        return self.comm_slot.comm
+
+    @property
+    def _stream(self) -> Any:
+        """The communication stream's object (:attr:`comm_stream`'s)."""
+        return self.comm_stream.stream
+
+    @property
+    def _stream_ptr(self) -> int:
+        return self.comm_stream.ptr
+
+    @property
+    def _pending(self) -> Outstanding:
+        """The queue of outstanding ops: :attr:`outstanding`."""
+        return self.outstanding
+
+    @property
+    def _comm_gone(self) -> bool:
+        return self.comm_slot.gone
 
     def _child(self, store: Store, rank: int, size: int, *, timeout: float, group_name: str, device_id: int | None,
                comm: Comm | None, config: Mapping[str, Any] | None, high_priority: bool) -> NCCLBackend:
@@ -182,7 +195,7 @@ class NCCLBackend:
     # ----- the communicator -----
 
     def _alloc_temp(self, nbytes: int) -> int:
-        ptr, owner = self._rt.alloc(nbytes, self._stream)
+        ptr, owner = self._rt.alloc(nbytes, self.comm_stream.stream)
         self._temps.append(owner)
         return ptr
 
@@ -191,11 +204,11 @@ class NCCLBackend:
     def time_ops(self) -> None:
         """Record later ops' events with timing, so that active_duration is GPU time
         (the group calls this when a completion hook is registered)."""
-        self._timing = True
+        self.comm_stream.timing = True
 
     def has_pending(self) -> bool:
         """For the group's watchdog: True while issued ops may still be running."""
-        return bool(self._pending)
+        return bool(self.outstanding)
 
     def poll_pending(self) -> NCCLWork | None:
         """For the group's watchdog, on its timer: notice an asynchronous NCCL error
@@ -208,7 +221,7 @@ class NCCLBackend:
         and its capture mode set to thread-local, for good: its event queries then never
         break another thread's global-mode capture (the mode is per thread; torch's
         watchdog sets the same)."""
-        if self._failure() is None and self._pending:
+        if self._failure() is None and self.outstanding:
             ready: dict[int, bool] | None = getattr(_watch_threads, "ready", None)
             if ready is None:
                 ready = _watch_threads.ready = {}
@@ -223,7 +236,7 @@ class NCCLBackend:
             else:
                 oldest = self._complete_until(None)
         else:
-            oldest = self._pending[0] if self._pending else None
+            oldest = self.outstanding.oldest()
         return oldest.as_work() if isinstance(oldest, _hot.Quiet) else oldest
 
     def _complete_earlier(self, work: NCCLWork) -> None:
@@ -362,7 +375,8 @@ class NCCLBackend:
 
     def _launch(self, op_type: str, plan: Plan, works: Sequence[NCCLWork], bufs: Sequence[Buffer],
                 temps: list[Any], callers: tuple[int, ...] | None = None, captured: bool = False) -> None:
-        rt, device, comm_stream = self._rt, self._device, self._stream_ptr
+        rt, device, cs = self._rt, self._device, self.comm_stream
+        comm_stream = cs.ptr
         # From _issue (callers given) the device is current already.
         prev_device = enter_device(rt, device) if callers is None else -1
         issuing = False
@@ -380,7 +394,7 @@ class NCCLBackend:
                 callers = self._caller_streams(bufs)
                 for s in callers:
                     captured = captured or rt.is_capturing(s)
-            timing = self._timing and not captured
+            timing = cs.timing and not captured
             ready = rt.event(pooled=not captured, timing=timing)
             for s in callers:
                 rt.record(ready.ptr, s)
@@ -409,9 +423,9 @@ class NCCLBackend:
             self._captured = True
         else:
             works[0]._keep_also(temps)
-        prev, self._last_end = self._last_end, (end if timing else None)
+        prev, cs.last_end = cs.last_end, (end if timing else None)
         if not captured:
-            self._comm_tail = end
+            cs.tail = end
         start = ready if timing else None  # untimed: active_duration comes from the host clock
         for w in works:
             # wait() makes the current stream wait, and the producer streams the Work
@@ -419,14 +433,11 @@ class NCCLBackend:
             held = tuple(int(o.ptr) for o in w._stream_owners) if w._stream_owners else ()
             w._issued(device, start, end, prev, held, captured)
         if not captured:
-            pending = self._pending
-            pending.extend(works)  # no lock, as on the hot path (hot.issue says why)
-            if len(pending) > self._prune_next:
-                # Normally the group's watchdog completes works (off this thread);
-                # without one, completing them here releases their arrays. In batches:
-                # the next sweep comes PRUNE_AT ops later, whatever this one left.
+            if self.outstanding.add_all(works):  # no lock (outstanding.py says why)
+                # The watchdog completes works on its timer; in between, completing them
+                # here, in batches, releases their arrays.
                 self._complete_earlier(works[0])
-                self._prune_next = len(pending) + _hot.PRUNE_AT
+                self.outstanding.batch_done()
 
     def _hot_or_issue(self, key: tuple[Any, ...], buf: Buffer) -> NCCLWork | None:
         """The op under ``key``, issued by its hot path (hot.py) if it has one that can."""
@@ -568,17 +579,107 @@ class NCCLBackend:
     def split(self, ranks: Sequence[int] | None, *, color: int = 0, store: Store, group_name: str,
               timeout: float, config: Mapping[str, Any] | None = None,
               high_priority: bool = False) -> NCCLBackend | None:
-        """The backend of a new group carved out of this one (:func:`.split.split`)."""
-        return cast("NCCLBackend | None", _split.split(self, ranks, color=color, store=store, group_name=group_name,
-                                                      timeout=timeout, config=config, high_priority=high_priority))
+        """The backend of a new group carved out of this one. Every rank of this group
+        must call it, at the same point of its op sequence, whether it joins a new group
+        or not (that is how ``ncclCommSplit`` works).
+
+        Args:
+            ranks: the members of this rank's new group as ranks of this group, in the
+                new group's rank order; None (or a list without this rank) for a rank
+                that joins no new group.
+            color: tells new groups apart when one call makes several disjoint groups
+                (torch's ``split_group``): ranks passing the same ``ranks`` pass the same
+                color >= 0, different groups different colors.
+            store: the new group's private store (used when no split is possible).
+            group_name: the new group's name.
+            timeout: the new group's timeout, seconds.
+            config: the new group's ncclConfig_t fields (NCCLOptions.config), passed to
+                ncclCommSplit (or ncclCommInitRankConfig); None: NCCL's defaults.
+            high_priority: the new group's stream priority (NCCLOptions).
+
+        When :attr:`can_split` (an eagerly created communicator and NCCL >= 2.18) the
+        new communicator comes from ``ncclCommSplit`` (:func:`.split.split_comm`): no
+        unique id round trip, and NCCL may share resources with this one. Every rank
+        first counts itself in through this group's store, so a rank that never calls
+        fails the others after ``timeout`` seconds instead of hanging them. Otherwise
+        members build one from a fresh unique id exchanged through ``store``, and
+        non-members return at once.
+
+        Returns:
+            The new group's backend on members; None elsewhere.
+
+        Raises:
+            ValueError: ``color`` < 0.
+            BackendUnavailableError: a config field the loaded NCCL or runtime cannot apply.
+            DistBackendError: the split failed, or not every rank reached it in time.
+        """
+        if not isinstance(color, int) or color < 0:
+            raise ValueError(f"color must be an int >= 0; got {color!r}")
+        config = self._checked_config(config)
+        members = list(ranks) if ranks is not None else []
+        member = self.rank in members
+        new_rank = members.index(self.rank) if member else -1
+        with self._lock:
+            if self.can_split:
+                comm = self.comm_slot.comm
+                assert comm is not None
+                self._splits += 1
+                device = self._device
+                new = split_comm(comm, self._rt, device, self._store, f"nccl/split{self._splits}", self.size,
+                                 timeout=timeout, parent_timeout=self._timeout,
+                                 drain=lambda t: _lifecycle.drain(self, t), parent_name=self._group_name,
+                                 group_name=group_name, color=color if member else -1,
+                                 new_rank=max(new_rank, 0), config=config, comm_lock=self.comm_slot.lock)
+                if self._aborted is not None:
+                    _lifecycle.abort_comm(self, blocking=True)  # an abort that arrived during the split
+                if new is None:
+                    return None
+                if new.size != len(members) or new.rank != new_rank:
+                    raise DistBackendError(
+                        f"ncclCommSplit made group {group_name!r} with rank {new.rank} of {new.size}; expected "
+                        f"rank {new_rank} of {len(members)}: ranks passed different member lists for one color")
+                return self._child(store, new_rank, len(members), timeout=timeout, group_name=group_name,
+                                   device_id=device, comm=new, config=config, high_priority=high_priority)
+        if not member:
+            return None
+        return self._child(store, new_rank, len(members), timeout=timeout, group_name=group_name,
+                           device_id=self._device if self._eager else None, comm=None, config=config,
+                           high_priority=high_priority)
 
     @property
     def can_shrink(self) -> bool:
-        """True when :meth:`shrink` can run (:func:`.shrink.can_shrink`)."""
-        return _shrink.can_shrink(self)
+        """True when :meth:`shrink` can run: the communicator was created eagerly, the
+        loaded NCCL has ncclCommShrink (>= 2.27), and it is neither aborted nor shut down."""
+        return (self._eager and self.comm_slot.comm is not None and self._features.comm_shrink
+                and self._aborted is None and self._closed is None)
 
     def shrink(self, exclude: Sequence[int], *, store: Store, group_name: str, timeout: float,
                config: Mapping[str, Any] | None = None, high_priority: bool = False) -> NCCLBackend:
-        """This communicator without the ranks in ``exclude`` (:func:`.shrink.shrink`)."""
-        return cast("NCCLBackend", _shrink.shrink(self, exclude, store=store, group_name=group_name, timeout=timeout,
-                                                  config=config, high_priority=high_priority))
+        """The backend of group ``group_name``: this communicator without the ranks in
+        ``exclude``, made with ``ncclCommShrink(..., NCCL_SHRINK_ABORT)``
+        (:func:`.shrink.shrink_comm`); every rank not excluded calls it with the same
+        list. This backend is aborted afterwards (its pending ops fail); the caller shuts
+        it down. ``config`` (ncclConfig_t fields, None: inherited) reaches
+        ncclCommShrink; ``high_priority`` is the new stream's priority.
+
+        Raises:
+            DistBackendError: :attr:`can_shrink` is False, or NCCL's shrink failed.
+        """
+        gone = sorted(set(exclude))
+        config = self._checked_config(config)
+        with self._lock:
+            if not self.can_shrink:
+                raise DistBackendError(f"group {self._group_name!r}: its NCCL communicator cannot be shrunk "
+                                       f"({self._aborted or self._closed or 'ncclCommShrink unavailable'})")
+            device = self._device
+            new = shrink_comm(self.comm_slot, self._rt, device, gone, parent_name=self._group_name,
+                              group_name=group_name, config=config)
+        if self._aborted is not None:
+            _lifecycle.abort_comm(self, blocking=True)  # an abort that arrived during the shrink
+        _lifecycle.abort(self, f"group {self._group_name!r} was shrunk into {group_name!r}")
+        expected = [r for r in range(self.size) if r not in gone]
+        if new.size != len(expected) or new.rank != expected.index(self.rank):
+            raise DistBackendError(f"ncclCommShrink made {group_name!r} with rank {new.rank} of {new.size}; "
+                                   f"expected rank {expected.index(self.rank)} of {len(expected)}")
+        return self._child(store, new.rank, new.size, timeout=timeout, group_name=group_name,
+                           device_id=device, comm=new, config=config, high_priority=high_priority)

@@ -237,8 +237,8 @@ def adopt(b: BackendState, comm: Comm, device: int) -> None:
         leave_device(rt, prev)
     b._keep.append(owner)
     b._scratch = scratch
-    b._stream, b._stream_ptr = stream, int(stream.ptr)
+    b.comm_stream.open(stream, rt, device)
     b._planner = Planner(b.rank, b.size, b._features,
                             b._features.fp8 and cc >= (9, 0), b._alloc_temp)
     b._device = device
-    b._comm = comm
+    b.comm_slot.comm = comm

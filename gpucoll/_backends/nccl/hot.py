@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, Union, cast
 from ..._buffer import Buffer
 from ...errors import BackendUnavailableError, DistBackendError
 from .plan import Plan
-from .events import EventPool
+from .outstanding import PRUNE_AT, PRUNE_WORKS_AT
 from .runtime import CAPTURE_THREAD_LOCAL
 from .phases import on_comm
 from .work import NCCLWork
@@ -46,11 +46,8 @@ if TYPE_CHECKING:
     from ..._debug.flight_recorder import _Entry
     from .state import BackendState
 
-__all__ = ["Hot", "Quiet", "Pending", "PRUNE_AT", "make", "issue", "issue_quiet", "issue_failed", "complete_until"]
+__all__ = ["Hot", "Quiet", "Pending", "PRUNE_AT", "PRUNE_WORKS_AT", "make", "issue", "issue_quiet", "issue_failed", "complete_until"]
 
-# Outstanding ops kept before the issue path completes finished ones itself (one event
-# query settles the batch when the GPU keeps up): the rest is the watchdog's timer's.
-PRUNE_AT = 256
 # A finished Work that only the sweep holds (its list of works, the pending queue, its loop
 # variable, and getrefcount's own argument) is not completed, only dropped: nothing can
 # see the difference, and its arrays go with it. Anyone holding it still sees it complete
@@ -151,13 +148,14 @@ Pending = Union[NCCLWork, Quiet]
 
 def make(b: BackendState, op_type: str, plan: Plan) -> Hot | None:
     """The Hot of a cached ``plan`` (calls only), or None when it is not a single call."""
-    if len(plan) != 1 or b._comm is None:
+    comm = b.comm_slot.comm
+    if len(plan) != 1 or comm is None:
         return None
     pre, calls, post = plan[0]
     if pre or post or len(calls) != 1:
         return None
     step = calls[0]
-    return Hot(op_type, functools.partial(getattr(b._comm, step[0]), *step[1:]))
+    return Hot(op_type, functools.partial(getattr(comm, step[0]), *step[1:]))
 
 
 def issue_quiet(b: BackendState, hot: Hot, buf: Buffer, seq: int, entry: _Entry | None, group_name: str) -> bool:
@@ -186,18 +184,17 @@ def issue_quiet(b: BackendState, hot: Hot, buf: Buffer, seq: int, entry: _Entry 
     with b._lock:
         if b._aborted is not None or b._closed is not None:
             return False
-        pool = b._events
-        if pool is None:
-            pool = b._events = EventPool(rt, device)
+        cs = b.comm_stream
+        pool = cs.pool(rt, device)
         end = pool.take()
         issuing = False
         try:
-            tail = b._comm_tail
+            tail = cs.tail
             if tail is not None:
                 # The last op went on the communication stream: this one, on the caller's
                 # stream, comes after it (every op of a group runs in issue order).
                 rt.wait_event(stream, tail.ptr)
-                b._comm_tail = None
+                cs.tail = None
             issuing = True
             on_comm(b, hot.call, stream)
             rt.record(end, stream)
@@ -206,17 +203,13 @@ def issue_quiet(b: BackendState, hot: Hot, buf: Buffer, seq: int, entry: _Entry 
             if failed is exc:
                 raise
             raise failed from exc
-        b._last_end = None
+        cs.last_end = None
         work = Quiet(hot.op_type, seq, group_name, b, stream, end, buf, entry)
-        # Appending needs no lock (a deque's append is atomic; only the sweep, under
-        # _state, pops from the other end); abort's snapshot under _state may miss a
-        # work appended meanwhile, as it may miss one issued a moment later: either way
-        # the work fails when waited on or polled, since the backend is aborted.
-        pending = b._pending
-        pending.append(work)
-        if len(pending) > b._prune_next:
+        # No lock (outstanding.py): an abort's snapshot that misses this op leaves it
+        # to fail when polled, since the backend is aborted.
+        if b.outstanding.add(work):
             complete_until(b, work)
-            b._prune_next = len(pending) + PRUNE_AT
+            b.outstanding.batch_done()
     return True
 
 
@@ -238,8 +231,9 @@ def issue(b: BackendState, hot: Hot, buf: Buffer) -> NCCLWork | None:
     with b._lock:
         if b._aborted is not None or b._closed is not None:
             return None
-        timing = b._timing
-        comm_stream = b._stream_ptr
+        cs = b.comm_stream
+        timing = cs.timing
+        comm_stream = cs.ptr
         ready = rt.event(True, timing, device)
         issuing = False
         try:
@@ -254,18 +248,16 @@ def issue(b: BackendState, hot: Hot, buf: Buffer) -> NCCLWork | None:
             if failed is exc:
                 raise
             raise failed from exc
-        b._comm_tail = end
+        cs.tail = end
         if timing:
-            prev, b._last_end = b._last_end, end
+            prev, cs.last_end = cs.last_end, end
             work = NCCLWork._hot(hot.op_type, b, buf, b._timeout, device, end, ready, prev)
         else:
-            b._last_end = None
+            cs.last_end = None
             work = NCCLWork._hot(hot.op_type, b, buf, b._timeout, device, end, None, None)
-        pending = b._pending
-        pending.append(work)
-        if len(pending) > b._prune_next:
+        if b.outstanding.add_work(work):
             complete_until(b, work)
-            b._prune_next = len(pending) + PRUNE_AT
+            b.outstanding.batch_done()
     return work
 
 
@@ -292,9 +284,7 @@ def complete_until(b: BackendState, stop: Pending | None, mode_set: bool = False
     (the watchdog's) is in thread-local capture mode already; otherwise the queries are
     made in that mode, set for the sweep (see work.query_outside_capture). Event
     queries need no particular device current."""
-    pending = b._pending
-    with b._state:
-        works = list(pending)
+    works = b.outstanding.snapshot()
     if stop is not None:
         try:
             works = works[:works.index(stop)]
@@ -313,7 +303,7 @@ def complete_until(b: BackendState, stop: Pending | None, mode_set: bool = False
                     w._fail(aborted)
             else:
                 now = time.perf_counter()
-                pool = b._events
+                pool = b.comm_stream.events
                 for i in range(done):
                     w = works[i]
                     if type(w) is Quiet:
@@ -332,10 +322,7 @@ def complete_until(b: BackendState, stop: Pending | None, mode_set: bool = False
     if done < 0:
         return None  # a query failed: the backend was aborted, and every pending work failed
     if done:
-        with b._state:
-            for w in works[:done]:
-                if pending and pending[0] is w:
-                    pending.popleft()
+        b.outstanding.drop_finished(works[:done])
     return works[done] if done < len(works) else None
 
 
@@ -345,7 +332,7 @@ def _finished_prefix(b: BackendState, works: list[Pending]) -> int:
     Work-less ops; the communication stream for the rest) takes a binary search over
     their end events; the next run is looked at only once this one has finished. -1
     when a query failed (then the backend is aborted, and the work that failed names why)."""
-    comm = b._stream_ptr
+    comm = b.comm_stream.ptr
     n = len(works)
     first = 0
     while first < n:

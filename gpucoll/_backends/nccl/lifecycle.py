@@ -3,8 +3,8 @@ errors that abort it: functions over an :class:`NCCLBackend`'s state (declared o
 its ``__init__``), called by the backend's methods of the same names.
 
 One rule shapes them: NCCL forbids concurrent calls on one communicator, and
-ncclCommAbort frees it. Every call on the communicator holds ``_comm_lock``; an abort
-that finds the lock held (another thread is inside an NCCL call) is left to that thread,
+ncclCommAbort frees it. Every call on the communicator holds its lock (comm.py); an
+abort that finds the lock held (another thread is inside an NCCL call) is left to that thread,
 which carries it out as soon as its calls return.
 """
 
@@ -31,24 +31,12 @@ def failure(b: BackendState) -> str | None:
     reason = b._aborted
     if reason is not None:
         return reason
-    comm = b._comm
-    if comm is None or not b._features.async_error:
+    if not b._features.async_error:
         return None
-    if not b._comm_lock.acquire(blocking=False):
-        return None  # a call is in flight on another thread: ask next time
-    try:
-        if b._comm_gone:
-            return b._aborted
-        try:
-            code = comm.async_error()
-        except Exception as exc:
-            code, detail = -1, str(exc)
-        else:
-            if code in (0, 7):  # ncclSuccess, ncclInProgress
-                return None
-            detail = comm.last_error()
-    finally:
-        b._comm_lock.release()
+    error = b.comm_slot.async_error()
+    if error is None:
+        return b._aborted
+    code, detail = error
     reason = (f"NCCL reported an asynchronous error on group {b._group_name!r}: "
               f"{_nccl_lib.result_name(code)}" + (f" ({detail})" if detail else ""))
     abort(b, reason)
@@ -59,12 +47,11 @@ def abort(b: BackendState, reason: str) -> None:
     """Abort the communicator: every pending and later op fails with
     DistBackendError naming itself and ``reason``. Returns once NCCL's abort
     returned; safe to call from any thread, more than once."""
-    with b._state:
+    with b.outstanding.lock:  # the abort reason and the queue change together
         if b._aborted is not None:
             return
         b._aborted = reason
-        pending = list(b._pending)
-        b._pending.clear()
+        pending = b.outstanding.take_all_locked()
     abort_comm(b, blocking=False)
     for w in pending:
         w._poll()
@@ -74,26 +61,9 @@ def abort_comm(b: BackendState, *, blocking: bool) -> None:
     """ncclCommAbort, once. Not blocking: when another thread is inside an NCCL call
     on the communicator, leave the abort to that thread (it checks ``_aborted`` as
     soon as its calls return), rather than free the communicator under it."""
-    comm = b._comm
-    if comm is None or b._comm_gone:
-        return
-    if not b._comm_lock.acquire(blocking=blocking):
-        return
-    try:
-        if b._comm_gone:
-            return
-        b._comm_gone = True
-        rt = b._rt
-        try:
-            prev = enter_device(rt, b._device)
-            try:
-                comm.abort()
-            finally:
-                leave_device(rt, prev)
-        except Exception as exc:
-            b._aborted = f"{b._aborted} (and ncclCommAbort failed: {exc})"
-    finally:
-        b._comm_lock.release()
+    why = b.comm_slot.abort(b._rt, b._device, blocking=blocking)
+    if why is not None:
+        b._aborted = f"{b._aborted} (and {why})"
 
 
 def shutdown(b: BackendState) -> None:
@@ -102,11 +72,9 @@ def shutdown(b: BackendState) -> None:
     with b._lock:
         if b._closed is not None:
             return
-        comm = b._comm
+        comm = b.comm_slot.comm
         drained = b._aborted is None and drain(b, b._timeout)
-        with b._state:
-            pending = list(b._pending)
-        for w in pending:
+        for w in b.outstanding.snapshot():
             w._poll()  # complete what finished, before the flag below fails the rest
         b._closed = f"the NCCL backend of group {b._group_name!r} was shut down"
         if comm is None or b._aborted is not None:
@@ -114,8 +82,7 @@ def shutdown(b: BackendState) -> None:
         if not drained:
             abort(b, f"{b._closed} while ops were still running after {b._timeout:.3g} s")
             return
-        with b._comm_lock:
-            b._comm_gone = True
+        comm = b.comm_slot.take()
         # ncclCommDestroy runs on a thread of its own, and this one waits for it a bounded
         # time. NCCL's teardown (commDestroySync in its src/init.cc, reached from
         # ncclCommDestroy and ncclCommAbort alike) has waits of its own that no timeout
@@ -167,13 +134,13 @@ class _Release:
 def drain(b: BackendState, timeout: float) -> bool:
     """True once everything queued on the communication stream, and every op issued on
     a caller's stream, has finished."""
-    if b._comm is None:
+    if b.comm_slot.comm is None:
         return True
     rt, device = b._rt, b._device
     prev = enter_device(rt, device)
     try:
         marker = rt.event(pooled=False, timing=False)
-        rt.record(marker.ptr, b._stream_ptr)
+        rt.record(marker.ptr, b.comm_stream.ptr)
         wait = Backoff(timeout, first=1e-4, cap=0.01)
         while not (query_outside_capture(rt, marker.ptr) and b._complete_until(None) is None):
             if b._aborted is not None or not wait.sleep():

@@ -25,7 +25,7 @@ def run_phase(b: BackendState, phase: Phase) -> None:
     for step in pre:
         _local(b, step)
     if calls:
-        comm = b._comm
+        comm = b.comm_slot.comm
         assert comm is not None
         on_comm(b, _issue_calls, b, comm, calls)
     for step in post:
@@ -35,12 +35,9 @@ def run_phase(b: BackendState, phase: Phase) -> None:
 def on_comm(b: BackendState, fn: Callable[..., None], *args: Any) -> None:
     """``fn(*args)``, calls on the communicator. NCCL communicators take one thread at a
     time, and ncclCommAbort frees the one under a call in flight: the calls hold
-    _comm_lock, and an abort from another thread meanwhile is carried out by this
+    the communicator's lock (comm.py), and an abort from another thread meanwhile is carried out by this
     thread once they return."""
-    with b._comm_lock:
-        if b._comm_gone:
-            raise RuntimeError("the communicator is gone")
-        fn(*args)
+    b.comm_slot.call(fn, *args)
     if b._aborted is not None:
         _lifecycle.abort_comm(b, blocking=True)
         raise RuntimeError("the communicator was aborted while this op was being issued")
@@ -53,7 +50,7 @@ def _issue_calls(b: BackendState, comm: Comm, calls: Sequence[Step]) -> None:
             if s[0] in _REDUCING and type(s[5]) is Premul:
                 calls = [_bind_premul(comm, s, created) for s in calls]
                 break
-        stream = b._stream_ptr
+        stream = b.comm_stream.ptr
         if len(calls) == 1:
             step = calls[0]
             getattr(comm, step[0])(*step[1:], stream)
@@ -82,9 +79,9 @@ def _local(b: BackendState, step: Step) -> None:
     if step[0] == "copy":
         _, dst, src, nbytes = step
         if nbytes:
-            b._rt.memcpy(dst, src, nbytes, b._stream_ptr)
+            b._rt.memcpy(dst, src, nbytes, b.comm_stream.ptr)
     elif step[0] == "kernel":
         _, name, n, args = step
-        b._rt.launch(name, n, args, b._stream, b._device)
+        b._rt.launch(name, n, args, b.comm_stream.stream, b._device)
     else:
         raise AssertionError(f"unknown local step {step[0]!r}")

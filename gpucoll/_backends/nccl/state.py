@@ -1,18 +1,19 @@
-"""What the NCCL backend's function modules (hot, lifecycle, phases, bootstrap, split,
-shrink) read and write of a backend, as a Protocol: a leaf module, so that none of
+"""What the NCCL backend's function modules (hot, lifecycle, phases, bootstrap) read
+and write of a backend, as a Protocol: a leaf module, so that none of
 them imports :mod:`.backend` (which imports them), not even for a type. NCCLBackend
 satisfies it; mypy checks that at every call that passes one."""
 
 from __future__ import annotations
 
-from collections import deque
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
 from ...store.base import Store
-from .events import EventPool
+from .comm import CommSlot
+from .outstanding import Outstanding
 from .lib import Features
 from .plan import Planner
-from .protocols import Comm, Event, Runtime
+from .stream import CommStream
+from .protocols import Runtime
 
 __all__ = ["BackendState"]
 
@@ -30,31 +31,17 @@ class BackendState(Protocol):
     _timeout: float
     _group_name: str
     _high_priority: bool
-    _eager: bool
     _lock: Any          # threading.RLock: the issue path
-    _state: Any         # threading.Lock: abort state and the pending queue
-    _comm_lock: Any     # threading.Lock: every call on the communicator
-    _comm_gone: bool
+    comm_slot: CommSlot  # the communicator, its lock, its end
     _device: int
-    _comm: Comm | None
-    _stream: Any
-    _stream_ptr: int
+    comm_stream: CommStream  # the communication stream, its event pool, timing, tail
     _planner: Planner | None
     _scratch: int
     _keep: list[Any]
     _captured: bool
-    _last_end: Event | None
-    _comm_tail: Event | None
-    _events: EventPool | None
-    _timing: bool
-    _pending: deque[Any]
-    _prune_next: int
+    outstanding: Outstanding  # ops issued, not yet seen complete; its lock guards _aborted
     _aborted: str | None
     _closed: str | None
-    _splits: int
-
-    @property
-    def can_split(self) -> bool: ...
 
     def abort(self, reason: str) -> None: ...
 
@@ -65,10 +52,3 @@ class BackendState(Protocol):
     def _complete_earlier(self, work: Any) -> None: ...
 
     def _alloc_temp(self, nbytes: int) -> int: ...
-
-    def _checked_config(self, config: Mapping[str, Any] | None) -> dict[str, Any]: ...
-
-    def _child(self, store: Store, rank: int, size: int, *, timeout: float, group_name: str, device_id: int | None,
-               comm: Comm | None, config: Mapping[str, Any] | None, high_priority: bool) -> BackendState:
-        """A new backend of the same kind, on the same runtime (a split's or shrink's)."""
-        ...

@@ -1,0 +1,46 @@
+"""A backend's communication stream and the events its ops record.
+
+The stream (non-blocking: it never serialises with the legacy default stream) runs
+the ops that do not run on the caller's stream: async ops, ops under a completion
+hook, ops with local steps, captured ops. Alongside it: the pool of raw events the
+Work-less synchronous ops record (events.py), whether ops record timed events (a
+completion hook asked), the last timed op's end (the other start of an op's
+``active_duration``), and the end of the last op issued on this stream until an op on
+the caller's stream has waited for it (every op of a group runs in issue order).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .events import EventPool
+from .protocols import Event, Runtime
+
+__all__ = ["CommStream"]
+
+
+class CommStream:
+    """The communication stream (None until the communicator exists) and its events."""
+
+    __slots__ = ("stream", "ptr", "events", "timing", "last_end", "tail")
+
+    def __init__(self) -> None:
+        self.stream: Any = None
+        self.ptr = 0
+        self.events: EventPool | None = None
+        self.timing = False
+        self.last_end: Event | None = None
+        self.tail: Event | None = None
+
+    def open(self, stream: Any, rt: Runtime, device: int) -> None:
+        """Take ``stream`` (the runtime's, on ``device``) and an event pool of ``device``."""
+        self.stream = stream
+        self.ptr = int(stream.ptr)
+        self.events = EventPool(rt, device)
+
+    def pool(self, rt: Runtime, device: int) -> EventPool:
+        """The event pool (made on first use where :meth:`open` was not called)."""
+        pool = self.events
+        if pool is None:
+            pool = self.events = EventPool(rt, device)
+        return pool
