@@ -149,7 +149,8 @@ def _loop(graph: dict[str, set[str]], comp: frozenset[str]) -> list[str]:
 
 
 def describe(found: list[tuple[frozenset[str], list[str]]]) -> str:
-    return "\n".join(f"- {len(comp)} modules: {' -> '.join(loop)}" for comp, loop in found)
+    return "\n".join(f"- {len(comp)} modules ({', '.join(sorted(comp))}); one loop: {' -> '.join(loop)}"
+                     for comp, loop in found)
 
 
 def test_no_import_cycle_in_gpucoll_outside_the_allowed_nccl_ones() -> None:
