@@ -88,6 +88,32 @@ class Work:
         self._lock = threading.Lock()
         self._done = _Completion(self._lock)
 
+    @classmethod
+    def _completed(cls, op_type: str, seq: int, group_name: str, result: list[Any], time_started: float,
+                   t0: float, active_duration: float) -> Work:
+        """A Work for an op that already ran to its end on the issuing thread (a small
+        ``async_op=True`` host op started at ``time.perf_counter()`` ``t0``): complete from
+        birth, so ``wait()`` is a flag check. Built without ``__init__``, whose clocks and
+        completion state cost more than the rest of the op's issue path; every field
+        ``__init__`` sets is set (``_keepalive`` to None, as completion does)."""
+        work = cls.__new__(cls)
+        work.op_type = op_type
+        work.seq = seq
+        work.group_name = group_name
+        work.time_started = time_started
+        work.time_finished = time_started + active_duration
+        work.active_duration = active_duration
+        work._t0 = t0
+        work._default_timeout = None
+        work._keepalive = None
+        work._result = result
+        # Shared by every such Work (as NCCLWork's hot Works share one): it is only held
+        # for a few field reads or writes (get_future, _add_done_callback, _finish), never
+        # while anything else is called.
+        work._lock = _COMPLETED._lock
+        work._done = _COMPLETED  # complete, and nothing ever waits on or sets it
+        return work
+
     # ----- completion, called by backends (exactly once) -----
     def _set_result(self, *, active_duration: float | None = None, source_rank: int | None = None) -> None:
         self._finish(None, active_duration, source_rank)
@@ -174,7 +200,9 @@ class Work:
         Raises:
             DistBackendError: the op failed, was aborted, or did not complete in time.
         """
-        if self._done.is_set():
+        if self._done._flag:
+            if self._exc is None:  # the common case, first: a completed op
+                return self._result if self._wait_gives_result else True
             limit: float | None = 0.0
         elif timeout is not None or self._default_timeout is not None:
             limit = to_seconds(timeout, default=self._default_timeout)
@@ -286,3 +314,10 @@ class _Completion:
                 self._event = threading.Event()
             event = self._event
         return event.wait(timeout)
+
+
+_COMPLETED = _Completion(threading.Lock())
+"""The completion state every Work made by :meth:`Work._completed` shares: set once, here,
+and never waited on (``wait`` and ``is_set`` return at the flag), nor set again (a
+completed Work's ``_finish`` returns at the flag)."""
+_COMPLETED._flag = True

@@ -153,6 +153,11 @@ class RunsNow(Protocol):
     """A backend that can run a small synchronous op on the caller's thread without a
     Work (the group's lean path, used when no hook needs one)."""
 
+    inline_max: int
+    """An ``async_op=True`` op whose buffers total at most this many bytes may run through
+    the Work-less path too (it is then complete on return, as the backend's own Work
+    path runs it when nothing is queued); larger async ops go through the Work path."""
+
     def all_reduce_now(self, buf: Buffer, op: ReduceOpLike) -> bool:
         """All-reduce ``buf`` now and return True; False (nothing done) when other ops are
         queued ahead of it or it is too large to run inline.

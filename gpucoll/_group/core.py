@@ -30,7 +30,7 @@ from .._work import Work, WorkInfo
 from .checks import _op_name
 from .watchdog import Watchdog
 
-__all__ = ["Issuer", "Plan", "HostRun"]
+__all__ = ["Issuer", "Plan", "HostRun", "remember_host_run"]
 
 _FINGERPRINT_BYTES = 256
 _SHAPES_MAY_DIFFER = frozenset({"all_to_all", "all_to_all_single"})  # per-peer sizes differ by design
@@ -43,15 +43,17 @@ class Plan:
     a host backend, its Work-less form of the op (``RunsNow``, named by ``now``) if it has one; for a device
     backend, its Work-less synchronous form of the op (``IssuesQuietly``) if it has one."""
 
-    __slots__ = ("backend", "red", "device", "now", "quiet")
+    __slots__ = ("backend", "red", "device", "now", "quiet", "inline_max")
 
     def __init__(self, backend: Backend, red: Any, device: bool, quiet: str = "", now: str = "all_reduce_now") -> None:
         self.backend = backend
         self.red = red
         self.device = device
         # Host ops only: a device op's synchronous form orders the caller's stream, no host wait.
-        self.now: Callable[..., bool] | None = (
-            getattr(backend, now) if not device and isinstance(backend, RunsNow) else None)
+        runs_now = not device and isinstance(backend, RunsNow)
+        self.now: Callable[..., bool] | None = getattr(backend, now) if runs_now else None
+        # An async op up to this size runs through ``now`` too (RunsNow.inline_max); -1: none.
+        self.inline_max: int = cast(RunsNow, backend).inline_max if runs_now else -1
         self.quiet: Callable[..., bool] | None = (
             getattr(backend, quiet) if quiet and device and isinstance(backend, IssuesQuietly) else None)
 
@@ -63,15 +65,16 @@ class HostRun:
     recorder; ``start(flat, reducer)`` issues the op the usual way when the backend
     cannot run it now."""
 
-    __slots__ = ("backend", "run", "reducer", "desc", "start")
+    __slots__ = ("backend", "run", "reducer", "desc", "start", "inline")
 
     def __init__(self, backend: Backend, run: Callable[..., bool], reducer: Any, desc: Buffer,
-                 start: Callable[..., Work]) -> None:
+                 start: Callable[..., Work], inline: bool = False) -> None:
         self.backend = backend
         self.run = run
         self.reducer = reducer
         self.desc = desc
         self.start = start
+        self.inline = inline  # small enough that an async op of this kind runs here too (RunsNow.inline_max)
 
 
 class Issuer:
@@ -186,12 +189,18 @@ class Issuer:
         return work
 
     def run_now(self, backend: Backend, now: Callable[..., bool], start: Callable[..., Work], args: tuple[Any, ...],
-                buf: Buffer | None, op: str, outputs: list[Any], peer: int = -1) -> Work | None:
-        """A synchronous host op through the backend's Work-less path (``RunsNow``):
-        ``now(*args)``, numbered and recorded as :meth:`issue` does, with no Work unless it
-        fails; when the backend cannot run it now (ops queued ahead of it), ``start(*args)``
-        issues it as usual. (Arguments, not closures: nothing is built per call.)
-        Callers use it only when no hook is registered and the debug level is below DETAIL."""
+                buf: Buffer | None, op: str, outputs: list[Any], peer: int = -1,
+                async_op: bool = False) -> Work | None:
+        """A host op through the backend's Work-less path (``RunsNow``): ``now(*args)``,
+        numbered and recorded as :meth:`issue` does, with no Work unless it fails; when the
+        backend cannot run it now (ops queued ahead of it), ``start(*args)`` issues it as
+        usual. (Arguments, not closures: nothing is built per call.)
+
+        ``async_op``: the op ran to its end here, so the caller gets a Work complete from
+        birth (``Work._completed``: ``wait()`` is a flag check), or, when it failed, a Work
+        holding the error, which ``wait()`` raises (an async op's errors surface there).
+        Callers pass it only for ops small enough to run inline (``RunsNow.inline_max``).
+        Callers use this only when no hook is registered and the debug level is below DETAIL."""
         seq = self.seq = self.seq + 1
         recorder = self.recorder
         entry = None
@@ -210,13 +219,20 @@ class Issuer:
                 entry.op_type = op
                 work._fr_entry = entry
                 entry.finish(work)
+            if async_op:
+                work._result[:] = outputs
+                return work
             self.wait_host(work, backend)
             raise  # wait_host raises for a failed op; kept for the type checker
         if ran:
+            dt = time.perf_counter() - t0
             if entry is not None:
-                entry.complete(time.perf_counter() - t0)
+                entry.complete(dt)
+            if async_op:
+                started = entry.time_started if entry is not None else time.time() - dt
+                return Work._completed(op, seq, self.group_name, outputs, started, t0, dt)
             return None
-        return self.finish(backend, self._start(seq, entry, start, args, outputs, peer, op), False, False)
+        return self.finish(backend, self._start(seq, entry, start, args, outputs, peer, op), async_op, False)
 
     def finish(self, backend: Backend, work: Work, async_op: bool, device: bool) -> Work | None:
         """Return ``work`` (async) or wait for it as a synchronous op does."""
@@ -329,3 +345,19 @@ def time_ops(backend: Backend | None) -> Backend | None:
     if isinstance(backend, TimesOps):
         backend.time_ops()
     return backend
+
+
+def remember_host_run(runs: dict[tuple[Any, ...], HostRun], backend: Backend, tensor: np.ndarray, buf: Buffer,
+                       red: Any, op: Any) -> None:
+    """Bind the next all_reduce of this NumPy kind to the backend's runner, once the
+    backend planned the kind (its first op does)."""
+    runner = backend.all_reduce_runner(buf.dtype.name, buf.nbytes, red) if isinstance(backend, RunsNow) else None
+    if runner is None:
+        return
+    run, reducer = runner
+
+    def start(flat: np.ndarray, _reducer: Any) -> Work:  # the backend cannot run it now: a Work
+        return backend.all_reduce(_array.as_buffer(flat, name="tensor", writable=True), red)
+    desc = Buffer(0, buf.nbytes, buf.dtype, buf.shape, buf.device)  # what the flight recorder shows
+    runs[(tensor.dtype, tensor.shape, op._name_)] = HostRun(backend, run, reducer, desc, start,
+                                                            buf.nbytes <= cast(RunsNow, backend).inline_max)

@@ -1,27 +1,43 @@
 """Which backend runs a group's arrays: the CPU one for host memory, the device one
 (made on first use, or bound at creation) for CUDA memory. Functions over a
-:class:`ProcessGroup`'s state (its ``_cpu``, ``_nccl``, ``_device_id``), called on
-every op."""
+:class:`ProcessGroup`'s state (its ``_cpu``, ``_nccl``, ``_device_id``: :class:`GroupBackends`),
+called on every op."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 from .._backends.base import Backend, ReducesInto
 from .._buffer import Buffer
 from ..store import Store
-from .core import time_ops
+from .core import Issuer, time_ops
 from .options import PGOptions
 from .registry import make_device_backend, split_device_backend
 
-if TYPE_CHECKING:
-    from .group import ProcessGroup
-
-__all__ = ["backend_for", "backend_for_all", "make_device_backend_for", "set_device_backend",
+__all__ = ["GroupBackends", "backend_for", "backend_for_all", "make_device_backend_for", "set_device_backend",
            "split_device_backend_of"]
 
 
-def backend_for(pg: ProcessGroup, buf: Buffer, name: str) -> Backend:
+class GroupBackends(Protocol):
+    """The state of a group these functions read and write (``group.ProcessGroup``'s,
+    whose module imports this one)."""
+
+    backend_name: str
+    group_name: str
+    timeout: float
+    pg_options: PGOptions | None
+    _store: Store
+    _rank: int
+    _size: int
+    _cpu: Backend
+    _nccl: Backend | None
+    _nccl_into: ReducesInto | None
+    _device_id: int | None
+    _bound: bool  # bound to a device at creation
+    _issuer: Issuer
+
+
+def backend_for(pg: GroupBackends, buf: Buffer, name: str) -> Backend:
     """The backend that runs ``buf`` in ``pg``: the CPU one for host memory (and "fake"
     groups), else the device one, made on first use on ``buf``'s device."""
     if buf.device.type == "cpu" or pg.backend_name == "fake":
@@ -40,14 +56,14 @@ def backend_for(pg: ProcessGroup, buf: Buffer, name: str) -> Backend:
     return nccl
 
 
-def make_device_backend_for(pg: ProcessGroup, device_id: int) -> Backend:
+def make_device_backend_for(pg: GroupBackends, device_id: int) -> Backend:
     """A new device backend for ``pg`` on ``device_id`` (which the group remembers)."""
     pg._device_id = device_id
     return make_device_backend(pg._store, pg._rank, pg._size, timeout=pg.timeout,
                                group_name=pg.group_name, device_id=device_id, pg_options=pg.pg_options)
 
 
-def set_device_backend(pg: ProcessGroup, backend: Backend) -> Backend:
+def set_device_backend(pg: GroupBackends, backend: Backend) -> Backend:
     """Make ``backend`` ``pg``'s device backend (timed if a hook asks; its plans forgotten)."""
     pg._issuer.forget_plans()  # a plan names its backend
     pg._nccl = time_ops(backend) if pg._issuer.hooks else backend
@@ -55,7 +71,7 @@ def set_device_backend(pg: ProcessGroup, backend: Backend) -> Backend:
     return backend
 
 
-def split_device_backend_of(pg: ProcessGroup, members: Sequence[int] | None, color: int, *, store: Store,
+def split_device_backend_of(pg: GroupBackends, members: Sequence[int] | None, color: int, *, store: Store,
                               group_name: str, timeout: float,
                             pg_options: PGOptions | None = None) -> Backend | None:
     """The device backend of a new group carved out of this one with ``ncclCommSplit``
@@ -67,7 +83,7 @@ def split_device_backend_of(pg: ProcessGroup, members: Sequence[int] | None, col
                                 timeout=timeout, pg_options=pg_options)
 
 
-def backend_for_all(pg: ProcessGroup, bufs: Sequence[Buffer], names: Sequence[str]) -> Backend:
+def backend_for_all(pg: GroupBackends, bufs: Sequence[Buffer], names: Sequence[str]) -> Backend:
     """The one backend that runs every buffer of ``bufs`` (all in one kind of memory)."""
     first = bufs[0]
     for buf, name in zip(bufs[1:], names[1:]):

@@ -31,7 +31,7 @@ from .barrier import monitored_barrier
 from .checks import _check_op, _list_dtypes, _real_view
 from .coalescing import CoalescingManager, _not_coalescable
 from .dispatch import backend_for, backend_for_all, make_device_backend_for, set_device_backend
-from .core import HostRun, Issuer, time_ops
+from .core import Issuer, remember_host_run, time_ops
 from .options import PGOptions
 from .registry import _BACKEND_GRACE_S, BACKENDS, backend_kwargs
 
@@ -227,16 +227,16 @@ class ProcessGroup:
     # ----- reductions -----
     def all_reduce(self, tensor: ArrayOrBuffer, op: ReduceOpLike = ReduceOp.SUM, async_op: bool = False) -> Work | None:
         """Reduce ``tensor`` across the group, in place on every rank."""
-        # A NumPy array of a kind already run: the host runner, with the checks the plan
-        # does not settle (writable, contiguous, no coalescing block, hooks, DETAIL).
-        if type(tensor) is np.ndarray and type(op) is ReduceOp and not async_op:
+        # A NumPy array of a kind already run: the host runner, with the checks the plan does not
+        # settle (writable, contiguous, no coalescing block, hooks, DETAIL); async if small enough.
+        if type(tensor) is np.ndarray and type(op) is ReduceOp:
             fast = self._host_runs.get((tensor.dtype, tensor.shape, op._name_))
-            if fast is not None and self._coalescing is None and not self._destroyed:
+            if fast is not None and (fast.inline or not async_op) and self._coalescing is None and not self._destroyed:
                 flags, issuer = tensor.flags, self._issuer
                 if flags.c_contiguous and flags.writeable and not issuer.hooks and not issuer.debug_detail:
                     return issuer.run_now(fast.backend, fast.run, fast.start,
                                           (tensor if tensor.ndim == 1 else tensor.reshape(-1), fast.reducer),
-                                          fast.desc, "all_reduce", [tensor])
+                                          fast.desc, "all_reduce", [tensor], -1, async_op)
         if self._destroyed:
             self._check_usable()
         buf = _array.as_buffer(tensor, name="tensor", writable=True)
@@ -251,11 +251,11 @@ class ProcessGroup:
             backend = backend_for(self, buf, "tensor")
             plan = self._issuer.plan(key, backend, red, backend is not self._cpu, "all_reduce_quiet")
         backend, red, issuer, now = plan.backend, plan.red, self._issuer, plan.now
-        if now is not None and not async_op and not issuer.hooks and not issuer.debug_detail:  # no Work
+        if now is not None and (not async_op or buf.nbytes <= plan.inline_max) and not issuer.hooks \
+                and not issuer.debug_detail:  # no Work (async: one complete from birth)
             if type(tensor) is np.ndarray and type(op) is ReduceOp and len(self._host_runs) < 1024:
-                _remember_host_run(self._host_runs, backend, tensor, buf, red, op)
-            return issuer.run_now(backend, now, backend.all_reduce, (buf, red), buf, "all_reduce",
-                                  [tensor])
+                remember_host_run(self._host_runs, backend, tensor, buf, red, op)
+            return issuer.run_now(backend, now, backend.all_reduce, (buf, red), buf, "all_reduce", [tensor], -1, async_op)
         return issuer.call(backend, backend.all_reduce, (buf, red), buf, [tensor], async_op, plan.device,
                            "all_reduce", red, -1, plan.quiet)
 
@@ -265,6 +265,19 @@ class ProcessGroup:
         all_reduce, gpucoll-bench's out-of-place all_reduce; ``input`` is left alone).
         A device backend that reduces out of place (NCCL) does it in one op; otherwise
         ``input`` is copied into ``output``, which is then reduced in place."""
+        # Two NumPy arrays of a kind with a host runner (its backend does not reduce out of place):
+        # the copy, then all_reduce's lean path, on its conditions. Anything else: the checks below.
+        if type(output) is np.ndarray and type(input) is np.ndarray and type(op) is ReduceOp:
+            fast = self._host_runs.get((output.dtype, output.shape, op._name_))
+            if fast is not None and (fast.inline or not async_op) and output.shape == input.shape \
+                    and output.dtype == input.dtype and self._coalescing is None and not self._destroyed:
+                flags, issuer = output.flags, self._issuer
+                if flags.c_contiguous and flags.writeable and input.flags.c_contiguous and not issuer.hooks \
+                        and not issuer.debug_detail:
+                    output[...] = input  # same dtype and shape: a plain copy (np.copyto costs 3x)
+                    return issuer.run_now(fast.backend, fast.run, fast.start,
+                                          (output if output.ndim == 1 else output.reshape(-1), fast.reducer),
+                                          fast.desc, "all_reduce", [output], -1, async_op)
         self._check_usable()
         out = _array.as_buffer(output, name="output", writable=True)
         inp = _array.as_buffer(input, name="input")
@@ -278,7 +291,7 @@ class ProcessGroup:
             into = getattr(backend, "all_reduce_into", None)
         if into is None:
             _array.copy_buffer(out, inp)
-            return self.all_reduce(out, op, async_op)
+            return self.all_reduce(output if type(output) is np.ndarray else out, op, async_op)  # (a runner)
         work = self._issue(backend, lambda: into(out, inp, red), out, [output], op="all_reduce", red=red)
         return self._finish(backend, work, async_op)
 
@@ -358,8 +371,9 @@ class ProcessGroup:
             backend = backend_for(self, buf, "tensor")
             plan = self._issuer.plan(key, backend, None, backend is not self._cpu, "broadcast_quiet", "broadcast_now")
         backend, issuer = plan.backend, self._issuer
-        if plan.now is not None and not async_op and not issuer.hooks and not issuer.debug_detail:  # no Work
-            return issuer.run_now(backend, plan.now, backend.broadcast, (buf, src), buf, "broadcast", [tensor], src)
+        if plan.now is not None and (not async_op or buf.nbytes <= plan.inline_max) and not issuer.hooks \
+                and not issuer.debug_detail:  # no Work (async: one complete from birth)
+            return issuer.run_now(backend, plan.now, backend.broadcast, (buf, src), buf, "broadcast", [tensor], src, async_op)
         return issuer.call(backend, backend.broadcast, (buf, src), buf, [tensor], async_op, plan.device,
                            "broadcast", None, src, plan.quiet)
 
@@ -391,8 +405,9 @@ class ProcessGroup:
             backend = backend_for_all(self, [out, inp], ["output_tensor", "input_tensor"])
             plan = self._issuer.plan(key, backend, None, backend is not self._cpu, now="all_gather_single_now")
         backend, issuer = plan.backend, self._issuer
-        if plan.now is not None and not async_op and not issuer.hooks and not issuer.debug_detail:  # no Work
-            return issuer.run_now(backend, plan.now, backend.all_gather_single, (out, inp), inp, op, [output])
+        if plan.now is not None and (not async_op or out.nbytes + inp.nbytes <= plan.inline_max) \
+                and not issuer.hooks and not issuer.debug_detail:  # no Work (async: one complete from birth)
+            return issuer.run_now(backend, plan.now, backend.all_gather_single, (out, inp), inp, op, [output], -1, async_op)
         return issuer.call(backend, backend.all_gather_single, (out, inp), inp, [output], async_op, plan.device, op)
 
     def all_gather_coalesced(self, output_lists: Sequence[Sequence[Any]], input_list: Sequence[ArrayOrBuffer],
@@ -583,17 +598,3 @@ class ProcessGroup:
         if errors:
             raise DistBackendError(f"shutting down group {self.group_name!r} failed: {errors[0]}") from errors[0]
 
-
-def _remember_host_run(runs: dict[tuple[Any, ...], HostRun], backend: Backend, tensor: np.ndarray, buf: Buffer,
-                       red: Any, op: ReduceOp) -> None:
-    """Bind the next all_reduce of this NumPy kind to the backend's runner, once the
-    backend planned the kind (its first op does)."""
-    runner = backend.all_reduce_runner(buf.dtype.name, buf.nbytes, red) if isinstance(backend, RunsNow) else None
-    if runner is None:
-        return
-    run, reducer = runner
-
-    def start(flat: np.ndarray, _reducer: Any) -> Work:  # the backend cannot run it now: a Work
-        return backend.all_reduce(_array.as_buffer(flat, name="tensor", writable=True), red)
-    desc = Buffer(0, buf.nbytes, buf.dtype, buf.shape, buf.device)  # what the flight recorder shows
-    runs[(tensor.dtype, tensor.shape, op._name_)] = HostRun(backend, run, reducer, desc, start)

@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=None,
                    help="ranks of the local job to start (default: GPUs visible with nccl, 2 with cpu); "
                         "not needed under gpucoll-run, srun or mpirun")
+    p.add_argument("--bind-to", "--bind_to", dest="bind_to", choices=("auto", "core", "none"), default="auto",
+                   help="the local job's ranks (no launcher): 'core' binds each to a core of its own, as "
+                        "mpirun binds up to two ranks; 'auto' (default) does so on the cpu backend only")
     p.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds (default 300)")
     p.add_argument("--json", metavar="FILE", help="write every row and the environment as JSON")
     p.add_argument("--csv", metavar="FILE", help="write every row and the environment as CSV")
@@ -283,13 +286,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             check_config(config_from_args(args, backend), nproc)
 
+            bind_to = args.bind_to if args.bind_to != "auto" else ("core" if backend == "cpu" else "none")
             return run_local(nproc, [*argv, "--backend", backend], timeout=args.timeout,
-                             typed=argv)
+                             typed=argv, bind_to=bind_to, quiet_unbound=args.bind_to == "auto")
         if args.nproc is not None and args.nproc != world:
             raise ValueError(f"--nproc {args.nproc} given, but the launcher started {world} ranks; "
                              "drop --nproc under gpucoll-run, srun or mpirun")
         backend, _ = _resolve_backend(args.backend)
+        from .._launch.binding import apply_from_env
         from .session import run_session
+
+        apply_from_env()  # a rank of the local job: the CPUs run_local planned for it, if any
 
         return run_session(config_from_args(args, backend), argv, json_path=args.json,
                            csv_path=args.csv, plot_path=args.plot)

@@ -131,21 +131,29 @@ class _Case:
         self.redop, self.redop_obj = redop, (_redop_object(redop) if redop else None)
         self.root, self.rank, self.size = root, rank, size
 
+    def _call(self, v: _Variant, async_op: bool) -> Call:
+        return Call(v.inp, v.out, self.redop_obj, self.root, self.rank, self.size, async_op)
+
     def _issue(self, caller: Caller, v: _Variant, async_op: bool) -> list[Any]:
-        return caller(Call(v.inp, v.out, self.redop_obj, self.root, self.rank, self.size, async_op))
+        return caller(self._call(v, async_op))
 
     def _loop(self, caller: Caller, v: _Variant, iters: int) -> float:
-        """Run ``iters`` ops; return the host time when the last one was issued."""
+        """Run ``iters`` ops; return the host time when the last one was issued. The op's
+        arguments are made once (as nccl-tests fills its arguments once per size): the
+        loop times the library's calls, not the benchmark's own objects."""
         if self.cfg.blocking:
+            call = self._call(v, False)
             for _ in range(iters):
                 issued = time.perf_counter()
-                for w in self._issue(caller, v, False):
+                for w in caller(call):
                     w.wait()
                 self.kit.synchronize()
             return issued if iters else time.perf_counter()
+        call = self._call(v, True)
         pending: list[Any] = []
+        extend = pending.extend
         for _ in range(iters):
-            pending.extend(self._issue(caller, v, True))
+            extend(caller(call))
         issued = time.perf_counter()
         for w in pending:
             w.wait()

@@ -29,10 +29,11 @@ GRACE_SECONDS = 10.0
 
 
 from .._env import BENCH_COMMAND_ENV as COMMAND_ENV
+from .._env import CPU_BIND_ENV
 
 
 def run_local(nproc: int, argv: Sequence[str], *, timeout: float, poll: float = 0.05,
-              typed: Sequence[str] | None = None) -> int:
+              typed: Sequence[str] | None = None, bind_to: str = "none", quiet_unbound: bool = False) -> int:
     """Run ``python -m gpucoll.bench *argv`` on ``nproc`` local ranks; return the job's exit code.
 
     Args:
@@ -42,6 +43,9 @@ def run_local(nproc: int, argv: Sequence[str], *, timeout: float, poll: float = 
         poll: seconds between checks of the children.
         typed: the arguments the user typed (``argv`` may add resolved ones); recorded
             as the report's ``command``.
+        bind_to: ``"core"``: rank i binds itself to core i (``GPUCOLL_CPU_BIND``, as
+            ``gpucoll-run --bind-to core``); with more ranks than cores none is bound, said
+            on stderr unless ``quiet_unbound``. ``"none"``: no binding.
 
     Returns:
         0 when every rank exited 0; else the exit code of the first rank that failed
@@ -52,9 +56,15 @@ def run_local(nproc: int, argv: Sequence[str], *, timeout: float, poll: float = 
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1; got {nproc}")
+    from .._launch import binding
     from ..clusters.base import ClusterEnv
     from ..clusters.env import SOURCE, rank_environment
     from ..store import TCPStore
+
+    cpus = binding.plan(bind_to, nproc)
+    if cpus is None and bind_to != "none" and not quiet_unbound:
+        print(f"gpucoll-bench: --bind-to {bind_to}: {nproc} ranks but {len(binding.cores())} cores "
+              "to run on; no rank is bound", file=sys.stderr, flush=True)
 
     token = secrets.token_hex(16)
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout, token=token)
@@ -66,6 +76,8 @@ def run_local(nproc: int, argv: Sequence[str], *, timeout: float, poll: float = 
                 ClusterEnv(SOURCE, rank, nproc, rank, nproc, "127.0.0.1", server.port, store_hosted=True),
                 token=token))
             env[COMMAND_ENV] = shlex.join(["gpucoll-bench", *(argv if typed is None else typed)])
+            # Set either way: a rank never binds by a value this process's own launcher set.
+            env[CPU_BIND_ENV] = binding.env_value(cpus[rank]) if cpus is not None else ""
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "gpucoll.bench", *argv], env=env,
                 stdout=None if rank == 0 else subprocess.DEVNULL))

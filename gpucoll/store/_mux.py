@@ -27,16 +27,13 @@ from __future__ import annotations
 
 import socket
 import struct
-from typing import TYPE_CHECKING, Final, Iterable, Union, cast
+from typing import Final, Iterable, Protocol, Union, cast
 
 from . import _wire as w
-from ._requests import PIPELINE_SLACK, Conn
+from ._requests import PIPELINE_SLACK, Conn, Requests
 from ._sockets import read_big
 
-if TYPE_CHECKING:
-    from ._server import StoreServer
-
-__all__ = ["MuxHub", "MUX_DATA", "MUX_CLOSE", "data_frame", "close_frame", "CHANNEL"]
+__all__ = ["MuxHub", "MuxServer", "MUX_DATA", "MUX_CLOSE", "data_frame", "close_frame", "CHANNEL"]
 
 MUX_DATA: Final = 32
 MUX_CLOSE: Final = 33
@@ -115,11 +112,24 @@ class _ParentSocket:
         self.sock.close()
 
 
+class MuxServer(Protocol):
+    """What the hub needs of the store server that holds it (``_server.StoreServer``,
+    which imports this module): its request table, and serving or dropping a connection."""
+
+    requests: Requests
+
+    def _process(self, conn: Conn) -> None: ...
+
+    def _process_torch(self, conn: Conn) -> None: ...
+
+    def _drop(self, conn: Conn) -> None: ...
+
+
 class MuxHub:
     """The server's side of multiplexed connections: registers MUX_DATA and MUX_CLOSE
     with ``server``'s request table and keeps each relay connection's channels."""
 
-    def __init__(self, server: StoreServer) -> None:
+    def __init__(self, server: MuxServer) -> None:
         self.server = server
         self.channels: dict[Conn, dict[bytes, Conn]] = {}
         server.requests.register(MUX_DATA, 2, 2, self.on_data)

@@ -41,8 +41,7 @@ from .tcp_algos import Ctx, TcpCollectives, op_label
 __all__ = ["CPUBackend", "host_id"]
 
 INLINE_MAX = 1 << 20
-"""Ops whose buffers total at most this many bytes run on the caller's thread when
-nothing is queued."""
+"""Ops whose buffers total at most this many bytes run on the caller's thread when nothing is queued."""
 
 from ..._env import CPU_TRANSPORT_ENV as TRANSPORT_ENV
 
@@ -73,6 +72,7 @@ class CPUBackend:
     """
 
     name = "cpu"
+    inline_max = INLINE_MAX  # RunsNow: an async op this small runs on the caller's thread (_submit's rule)
 
     def __init__(self, store: Store, rank: int, size: int, *, timeout: float, group_name: str,
                  transport: str | None = None) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
 from ..._buffer import Buffer
 from ...errors import DistBackendError, DistError
@@ -12,13 +12,22 @@ from ..._work import Work
 from .reduce import as_bytes
 from .tcp import KIND_P2P, Recv, TcpMesh
 
-if TYPE_CHECKING:
-    from .backend import CPUBackend
-
-__all__ = ["run_batch"]
+__all__ = ["P2PIssuer", "run_batch"]
 
 
-def run_batch(be: CPUBackend, mesh: TcpMesh, ops: Sequence[tuple[str, Buffer, Any, int]], op_type: str) -> Work:
+class P2PIssuer(Protocol):
+    """What a batch needs of the backend that issues it (the CPU backend, which imports
+    this module): its rank and group, a numbered Work, and whether it may run ops."""
+
+    rank: int
+    group_name: str
+    _error: DistBackendError | None  # set once the backend is aborted
+    _closed: bool  # set once it is shut down
+
+    def _work(self, op_type: str, keep: Sequence[Any], *, p2p: bool = False) -> Work: ...
+
+
+def run_batch(be: P2PIssuer, mesh: TcpMesh, ops: Sequence[tuple[str, Buffer, Any, int]], op_type: str) -> Work:
     """``be.batch_p2p``: post every receive, then send everything; one Work completes when
     all are done (or fails with the first error)."""
     for kind, _, peer, _ in ops:
