@@ -20,8 +20,15 @@ _load_checks()
 
 PORTED = [name for name in SECTIONS if name.startswith("ported_")]
 
-GPUCOLL_XFAIL: dict[str, str] = {}
-"""Ported checks gpucoll fails today, by "section/check@ws", with the cause: none."""
+_ASYNC_INLINE = ("the CPU backend runs a small async_op=True op inline on the caller's thread when nothing is "
+                 "queued, so the rank that issues the lagging all_reduce alone blocks until the group's timeout "
+                 "instead of returning its Work at once (the async path of gpucoll/_backends/cpu/backend.py)")
+
+GPUCOLL_XFAIL: dict[str, str] = {
+    "ported_common_seq_sub/common_sequence_num_incremented_subgroup@4": _ASYNC_INLINE,
+    "ported_common_seq_default/common_sequence_num_incremented_default@3": _ASYNC_INLINE,
+}
+"""Ported checks gpucoll fails today, by "section/check@ws", with the cause."""
 
 
 def _params(impl: str) -> list:
