@@ -1180,6 +1180,25 @@ def check_dt_destroy_full_group(T: Impl) -> None:
     T.dist.destroy_process_group(group_id)
 
 
+def _init_global_test(T: Impl) -> tuple[list[int], Any, int]:
+    """DistributedTest._init_global_test: the whole world, as ``dist.group.WORLD``."""
+    return list(range(T.dist.get_world_size())), T.dist.group.WORLD, T.dist.get_rank()
+
+
+@D.check(f"{DT}::test_all_reduce_sum (_init_global_test: group=dist.group.WORLD)")
+def check_dt_all_reduce_sum_group_world(T: Impl) -> None:
+    group, group_id, rank = _init_global_test(T)
+    assert group_id is not None
+    master_value, worker_value = 2, 10
+    expected_value = 2 + (10 * (len(group) - 1))
+    for src in group:
+        n = src + 1
+        tensor = T.full((n, n, n), master_value if rank == src else worker_value)
+        T.dist.all_reduce(tensor, T.op("SUM"), group_id)
+        eq(tensor, np.full((n, n, n), expected_value, np.float32), T, f"src {src}")
+    _harness_sync(T, "dt_all_reduce_sum_group_world")  # self._barrier()
+
+
 @D.check(f"{DT}::test_get_rank_size_full_group")
 def check_dt_get_rank_size_full_group(T: Impl) -> None:
     group_id = T.dist.new_group()
