@@ -10,7 +10,7 @@ from .._reduce_op import PremulSum, ReduceOp, ReduceOpLike, as_reduce_op
 
 __all__ = ["_check_op", "_same_layout", "_real_view", "_row_elems", "_splits", "_op_name", "_InitTwiceError",
            "_RankError", "_SizeError", "_size_error", "_DTYPES_DIFFER",
-           "_coalesced_dtypes", "_list_dtypes"]
+           "_coalesced_dtypes", "_list_dtypes", "_one_dtype"]
 
 
 class _InitTwiceError(ValueError, RuntimeError):
@@ -117,6 +117,16 @@ def _same_layout(buf: Buffer, ref: Buffer, name: str, ref_name: str, views: bool
     if buf.nbytes != ref.nbytes:
         raise ValueError(f"{name} has shape {buf.shape} ({buf.numel} elements) but {ref_name} has shape "
                          f"{ref.shape} ({ref.numel} elements); they must match")
+
+
+def _one_dtype(bufs: Sequence[Buffer], names: Sequence[str], op: str) -> None:
+    """Every array of a list reduced as one op has the first one's dtype (a complex array
+    counts as its real view), as torch checks: ValueError with torch's words."""
+    want = _real_view(bufs[0]).dtype
+    for name, buf in zip(names[1:], bufs[1:]):
+        if _real_view(buf).dtype != want:
+            raise ValueError(f"{_DTYPES_DIFFER}: {name} has dtype {buf.dtype.name} but {names[0]} has "
+                             f"{bufs[0].dtype.name}; {op} needs one dtype")
 
 
 class _DtypeError(ValueError):
