@@ -292,7 +292,7 @@ class ProcessGroup:
         if not names:
             raise ValueError("tensors must contain at least one array")
         bufs = [_array.as_buffer(t, name=n, writable=True) for t, n in zip(tensors, names)]
-        _one_dtype(bufs, names, "all_reduce_coalesced")
+        bufs, names = _one_dtype(bufs, names, "all_reduce_coalesced")
         reds = [_check_op(op, b.dtype) for b in bufs]
         backend = backend_for_all(self, bufs, names)
         work = self._issue(backend, lambda: backend.all_reduce_coalesced(bufs, reds[0]), bufs[0], list(tensors),

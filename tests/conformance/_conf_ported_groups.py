@@ -1199,6 +1199,28 @@ def check_dt_all_reduce_sum_group_world(T: Impl) -> None:
     _harness_sync(T, "dt_all_reduce_sum_group_world")  # self._barrier()
 
 
+@D.check("test/distributed/test_c10d_gloo.py::ProcessGroupGlooTest::test_allreduce_coalesced_async")
+def check_gloo_allreduce_coalesced_async(T: Impl) -> None:
+    ws = T.ws
+
+    def _expected_output(i: int) -> list[np.ndarray]:
+        return 2 * [np.array([(i * ws) + (ws * (ws - 1) // 2)])]
+
+    # ``2 * [t]``: one array listed twice, as torch's test builds it
+    xs = [2 * [T.arr([i + T.rank], "int64")] for i in range(2)]
+    futs = [T.dist.all_reduce_coalesced(x, async_op=True) for x in xs]
+    if T.is_torch:
+        T.torch.futures.wait_all(futs)
+    else:
+        for f in futs:  # torch.futures.wait_all: no such helper here; wait on each
+            f.wait()
+    for i, fut in enumerate(futs):
+        got = fut.wait()
+        assert isinstance(got, list) and len(got) == 2, got
+        for k in range(2):
+            eq(got[k], _expected_output(i)[k], T, f"Mismatch in iteration {i}, tensor {k}")
+
+
 @D.check(f"{DT}::test_get_rank_size_full_group")
 def check_dt_get_rank_size_full_group(T: Impl) -> None:
     group_id = T.dist.new_group()
