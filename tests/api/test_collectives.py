@@ -390,3 +390,27 @@ def test_nccl_groups_send_device_arrays_to_the_device_backend() -> None:
     calls = run_spmd(nccl_dispatch_body, 3, init=False, timeout=90)
     # objects and the barrier never went to the device backend
     assert calls == [["all_reduce", "all_gather_single", "shutdown"]] * 3
+
+
+def coalesced_aliasing_body() -> list[Any]:
+    import gpucoll
+
+    r, n = gpucoll.get_rank(), gpucoll.get_world_size()
+    x = np.array([r + 1], np.int64)
+    w = gpucoll.all_reduce_coalesced([x, x], async_op=True)  # torch's test: 2 * [t]
+    assert w is not None
+    got = w.wait()
+    assert isinstance(got, list) and got[0] is x and got[1] is x
+    base = np.arange(4, dtype=np.float32) + r
+    with pytest.raises(ValueError, match="overlaps tensors\\[0\\]"):
+        gpucoll.all_reduce_coalesced([base[:3], base[1:]])
+    with pytest.raises(ValueError, match="tensors with different dtypes"):
+        gpucoll.all_reduce_coalesced([base, x])
+    return [int(x[0]), n]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_reduce_coalesced_same_array_twice_is_reduced_once(world_size: int) -> None:
+    # reduced once: the sum over ranks of r + 1 (twice would be world_size times that)
+    want = world_size * (world_size + 1) // 2
+    assert run_spmd(coalesced_aliasing_body, world_size, timeout=60) == [[want, world_size]] * world_size
