@@ -12,7 +12,9 @@ gpucoll through the adapter of _conf_core. Sources:
 - test/distributed/test_c10d_object_collectives.py (TestObjectCollectives)
 - test/distributed/test_device_mesh.py (DeviceMeshTest*, InitDeviceMeshTest,
   TestDeviceMeshGetItem)
-- test/distributed/test_c10d_common.py (group tests)
+- test/distributed/test_c10d_common.py (group tests, sequence numbers), as
+  test/distributed/test_c10d_gloo.py's CommTest runs them; and that file's
+  ProcessGroupGlooTest.test_allreduce_coalesced_async
 - torch/testing/_internal/distributed/distributed_test.py, gloo half
   (test_monitored_barrier_*, test_new_subgroups_*, complex ops, non-contiguous inputs)
 
