@@ -414,3 +414,39 @@ def test_all_reduce_coalesced_same_array_twice_is_reduced_once(world_size: int) 
     # reduced once: the sum over ranks of r + 1 (twice would be world_size times that)
     want = world_size * (world_size + 1) // 2
     assert run_spmd(coalesced_aliasing_body, world_size, timeout=60) == [[want, world_size]] * world_size
+
+
+def noncontiguous_inputs_body() -> bool:
+    import gpucoll
+    from gpucoll.array import NotContiguousError
+
+    r, n = gpucoll.get_rank(), gpucoll.get_world_size()
+
+    def data(q: int) -> np.ndarray:
+        return np.arange(24, dtype=np.float64).reshape(4, 6) + 100 * q
+
+    for view in (lambda a: a[:, ::2], lambda a: a.T, lambda a: a[::2, 1:5]):
+        src = data(r)
+        x = view(src)
+        assert not x.flags.c_contiguous
+        before = src.copy()
+        outs = [np.empty(x.shape) for _ in range(n)]
+        gpucoll.all_gather(outs, x)
+        for q in range(n):
+            np.testing.assert_array_equal(outs[q], view(data(q)))
+        gl = [np.empty(x.shape) for _ in range(n)] if r == 1 else None
+        gpucoll.gather(x, gl, dst=1)
+        if gl is not None:
+            for q in range(n):
+                np.testing.assert_array_equal(gl[q], view(data(q)))
+        np.testing.assert_array_equal(src, before)  # the input is only read
+    # written in place: still refused, naming the argument
+    with pytest.raises(NotContiguousError, match="tensor"):
+        gpucoll.all_reduce(data(r)[:, ::2])
+    with pytest.raises(NotContiguousError):
+        gpucoll.all_gather([np.empty((4, 6))[:, ::2] for _ in range(n)], np.zeros((4, 3)))
+    return True
+
+
+def test_all_gather_and_gather_copy_a_non_contiguous_input() -> None:
+    assert run_spmd(noncontiguous_inputs_body, 3, timeout=60) == [True] * 3
