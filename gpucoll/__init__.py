@@ -61,6 +61,7 @@ from ._collectives import reduce_scatter_tensor as reduce_scatter_tensor
 from ._collectives import scatter as scatter
 from ._collectives import send as send
 from ._group import GroupMember as GroupMember
+from ._group.member import group as group
 from ._group import ProcessGroup as ProcessGroup
 from ._objects import all_gather_bytes as all_gather_bytes
 from ._objects import all_gather_object as all_gather_object
@@ -120,7 +121,7 @@ __all__ = [
     "init_process_group", "destroy_process_group", "is_initialized", "is_available", "is_nccl_available",
     "get_rank", "get_world_size", "get_backend", "get_process_group_ranks", "get_group_rank",
     "get_global_rank", "new_group", "split_group", "new_subgroups", "new_subgroups_by_enumeration",
-    "ProcessGroup", "GroupMember", "Backend", "NCCLOptions", "CPUOptions", "FakeOptions",
+    "ProcessGroup", "GroupMember", "group", "Backend", "NCCLOptions", "CPUOptions", "FakeOptions",
     "all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather", "all_gather_single",
     "all_gather_into_tensor", "all_gather_coalesced", "gather", "scatter", "reduce_scatter",
     "reduce_scatter_single", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",

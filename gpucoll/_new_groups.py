@@ -123,6 +123,8 @@ def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | N
         # group's where NCCL can (ncclCommSplit is a collective of the parent).
         pg = _make_group(world, f"group{world.made}", mine, me, timeout, backend, parent=world.default,
                          parent_ranks=mine, group_desc=group_desc, pg_options=options)
+        if pg is None:
+            world.non_member_ranks = members  # torch: NON_GROUP_MEMBER now maps to these ranks
     return GroupMember.NON_GROUP_MEMBER if pg is None else pg
 
 

@@ -43,6 +43,9 @@ class _World:
     spelling: str = ""  # the backend as init_process_group was asked for it ("gloo" stays "gloo")
     control_plane: Any = None  # this rank's control-plane server (GPUCOLL_CONTROL_PLANE), if any
     job_store: Store | None = None  # the store itself (closed on destroy when owned)
+    # the members of the last group new_group made without this rank: what torch answers
+    # for GroupMember.NON_GROUP_MEMBER in get_group_rank, get_global_rank, get_process_group_ranks
+    non_member_ranks: list[int] | None = None
 
 
 _WORLD: _World | None = None
@@ -311,9 +314,38 @@ def _spelled(pg: ProcessGroup, asked: Any) -> ProcessGroup:
     return pg
 
 
+def _int_rank(value: Any, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int; got {type(value).__name__}")
+    return value
+
+
+def _ranks_of(group: ProcessGroup | None) -> tuple[list[int], str]:
+    """``group``'s global ranks in group-rank order, and its name for messages. For
+    ``GroupMember.NON_GROUP_MEMBER`` (what :func:`new_group` returned on a rank it left
+    out), the members of the last such group, as torch answers there."""
+    if group is GroupMember.NON_GROUP_MEMBER:
+        ranks = _world().non_member_ranks
+        if ranks is None:
+            raise ValueError("Group GroupMember.NON_GROUP_MEMBER is not registered, please create group with "
+                             "new_group: no group has left this rank out yet")
+        return list(ranks), repr(group)
+    pg = _resolve(group)
+    return list(pg.global_ranks), repr(pg.group_name)
+
+
 def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:
-    """The global ranks of ``group``'s members, in group-rank order."""
-    return list(_resolve(group).global_ranks)
+    """The global ranks of ``group``'s members, in group-rank order.
+
+    On a rank that :func:`new_group` left out, ``GroupMember.NON_GROUP_MEMBER`` stands for
+    the last group made without this rank (torch's answer there), here and in
+    :func:`get_group_rank` and :func:`get_global_rank`.
+
+    Raises:
+        ValueError: ``group`` is ``GroupMember.NON_GROUP_MEMBER`` and no group has left
+            this rank out (torch's "not registered").
+    """
+    return _ranks_of(group)[0]
 
 
 def get_group_rank(group: ProcessGroup | None, global_rank: int) -> int:
@@ -322,11 +354,13 @@ def get_group_rank(group: ProcessGroup | None, global_rank: int) -> int:
     Raises:
         ValueError: ``global_rank`` is not in ``group`` (torch's "... is not part of group").
     """
-    pg = _resolve(group)
-    if isinstance(global_rank, int) and not isinstance(global_rank, bool) and global_rank not in pg.global_ranks:
-        raise ValueError(f"Global rank {global_rank} is not part of group {pg.group_name!r}: "
-                         f"global_rank={global_rank} is not a member (its global ranks: {list(pg.global_ranks)})")
-    return pg.get_group_rank(global_rank)
+    ranks, name = _ranks_of(group)
+    if isinstance(global_rank, int) and not isinstance(global_rank, bool) and global_rank not in ranks:
+        raise ValueError(f"Global rank {global_rank} is not part of group {name}: "
+                         f"global_rank={global_rank} is not a member (its global ranks: {ranks})")
+    if group is GroupMember.NON_GROUP_MEMBER:
+        return ranks.index(_int_rank(global_rank, "global_rank"))
+    return _resolve(group).get_group_rank(global_rank)
 
 
 def get_global_rank(group: ProcessGroup | None, group_rank: int) -> int:
@@ -335,8 +369,10 @@ def get_global_rank(group: ProcessGroup | None, group_rank: int) -> int:
     Raises:
         ValueError: ``group_rank`` is out of range (torch's "... is not part of group").
     """
-    pg = _resolve(group)
-    if isinstance(group_rank, int) and not isinstance(group_rank, bool) and not 0 <= group_rank < pg.size():
-        raise ValueError(f"Group rank {group_rank} is not part of group {pg.group_name!r}: "
-                         f"group_rank={group_rank} is out of range for a group of size {pg.size()}")
-    return pg.get_global_rank(group_rank)
+    ranks, name = _ranks_of(group)
+    if isinstance(group_rank, int) and not isinstance(group_rank, bool) and not 0 <= group_rank < len(ranks):
+        raise ValueError(f"Group rank {group_rank} is not part of group {name}: "
+                         f"group_rank={group_rank} is out of range for a group of size {len(ranks)}")
+    if group is GroupMember.NON_GROUP_MEMBER:
+        return ranks[_int_rank(group_rank, "group_rank")]
+    return _resolve(group).get_global_rank(group_rank)

@@ -10,7 +10,7 @@ from .._reduce_op import PremulSum, ReduceOp, ReduceOpLike, as_reduce_op
 
 __all__ = ["_check_op", "_same_layout", "_real_view", "_row_elems", "_splits", "_op_name", "_InitTwiceError",
            "_RankError", "_SizeError", "_size_error", "_DTYPES_DIFFER",
-           "_coalesced_dtypes", "_list_dtypes"]
+           "_coalesced_dtypes", "_list_dtypes", "_one_dtype"]
 
 
 class _InitTwiceError(ValueError, RuntimeError):
@@ -117,6 +117,35 @@ def _same_layout(buf: Buffer, ref: Buffer, name: str, ref_name: str, views: bool
     if buf.nbytes != ref.nbytes:
         raise ValueError(f"{name} has shape {buf.shape} ({buf.numel} elements) but {ref_name} has shape "
                          f"{ref.shape} ({ref.numel} elements); they must match")
+
+
+def _one_dtype(bufs: Sequence[Buffer], names: Sequence[str], op: str) -> tuple[list[Buffer], list[str]]:
+    """The arrays of a list reduced as one op, each memory once, with their names.
+
+    Every array must have the first one's dtype (a complex array counts as its real
+    view), as torch checks: ValueError with torch's words. An array listed twice (the
+    same memory: ``2 * [x]``) is reduced once, as torch's flatten-reduce-unflatten gives
+    it; arrays that overlap otherwise are refused (ValueError), as no order of in-place
+    reductions gives a defined result."""
+    want = _real_view(bufs[0]).dtype
+    seen: dict[tuple[int, int, Any], str] = {}
+    out_bufs: list[Buffer] = []
+    out_names: list[str] = []
+    for name, buf in zip(names, bufs):
+        if _real_view(buf).dtype != want:
+            raise ValueError(f"{_DTYPES_DIFFER}: {name} has dtype {buf.dtype.name} but {names[0]} has "
+                             f"{bufs[0].dtype.name}; {op} needs one dtype")
+        key = (buf.ptr, buf.nbytes, buf.device)
+        if key in seen:
+            continue  # the same memory again: its one reduction serves both entries
+        for (ptr, nbytes, device), other in seen.items():
+            if device == buf.device and buf.nbytes and nbytes and ptr < buf.ptr + buf.nbytes and buf.ptr < ptr + nbytes:
+                raise ValueError(f"{op}: {name} overlaps {other} in memory (not the same array twice); "
+                                 "each array of the list must be its own memory, or the very same array")
+        seen[key] = name
+        out_bufs.append(buf)
+        out_names.append(name)
+    return out_bufs, out_names
 
 
 class _DtypeError(ValueError):

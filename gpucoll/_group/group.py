@@ -28,7 +28,7 @@ from ..store import PrefixStore, Store
 from .arglists import TAG_MAX, _a2a_lists, _check_chunked, _check_rank, _coalesced_lists
 from .arglists import _list_like, _p2p_check, _split_counts, _uneven_list
 from .barrier import monitored_barrier
-from .checks import _check_op, _list_dtypes, _real_view
+from .checks import _check_op, _list_dtypes, _one_dtype, _real_view
 from .coalescing import CoalescingManager, _not_coalescable
 from .dispatch import backend_for, backend_for_all, make_device_backend_for, set_device_backend
 from .core import Issuer, remember_host_run, time_ops
@@ -305,6 +305,7 @@ class ProcessGroup:
         if not names:
             raise ValueError("tensors must contain at least one array")
         bufs = [_array.as_buffer(t, name=n, writable=True) for t, n in zip(tensors, names)]
+        bufs, names = _one_dtype(bufs, names, "all_reduce_coalesced")
         reds = [_check_op(op, b.dtype) for b in bufs]
         backend = backend_for_all(self, bufs, names)
         work = self._issue(backend, lambda: backend.all_reduce_coalesced(bufs, reds[0]), bufs[0], list(tensors),

@@ -1,4 +1,5 @@
-"""torch's ``GroupMember``: ``WORLD`` (the default group) and ``NON_GROUP_MEMBER``.
+"""torch's ``GroupMember``: ``WORLD`` (the default group) and ``NON_GROUP_MEMBER``; and
+torch's ``group``, whose ``WORLD`` is the same default group.
 
 The default group is set here by ``init_process_group`` and cleared by
 ``destroy_process_group`` (gpucoll._world), so that this module imports nothing
@@ -11,7 +12,7 @@ from typing import Any
 
 from .group import ProcessGroup
 
-__all__ = ["GroupMember"]
+__all__ = ["GroupMember", "group"]
 
 
 class _NonGroupMember:
@@ -40,3 +41,18 @@ class _GroupMember:
 
 
 GroupMember = _GroupMember()
+
+
+class _Group:
+    """torch's ``dist.group``: ``group.WORLD`` is the default group (None before
+    ``init_process_group``), as ``GroupMember.WORLD``; scripts pass it as ``group=``."""
+
+    @property
+    def WORLD(self) -> ProcessGroup | None:  # noqa: N802  (torch's name)
+        return GroupMember._world
+
+    def __repr__(self) -> str:
+        return "group"
+
+
+group = _Group()

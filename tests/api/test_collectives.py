@@ -390,3 +390,63 @@ def test_nccl_groups_send_device_arrays_to_the_device_backend() -> None:
     calls = run_spmd(nccl_dispatch_body, 3, init=False, timeout=90)
     # objects and the barrier never went to the device backend
     assert calls == [["all_reduce", "all_gather_single", "shutdown"]] * 3
+
+
+def coalesced_aliasing_body() -> list[Any]:
+    import gpucoll
+
+    r, n = gpucoll.get_rank(), gpucoll.get_world_size()
+    x = np.array([r + 1], np.int64)
+    w = gpucoll.all_reduce_coalesced([x, x], async_op=True)  # torch's test: 2 * [t]
+    assert w is not None
+    got = w.wait()
+    assert isinstance(got, list) and got[0] is x and got[1] is x
+    base = np.arange(4, dtype=np.float32) + r
+    with pytest.raises(ValueError, match="overlaps tensors\\[0\\]"):
+        gpucoll.all_reduce_coalesced([base[:3], base[1:]])
+    with pytest.raises(ValueError, match="tensors with different dtypes"):
+        gpucoll.all_reduce_coalesced([base, x])
+    return [int(x[0]), n]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_reduce_coalesced_same_array_twice_is_reduced_once(world_size: int) -> None:
+    # reduced once: the sum over ranks of r + 1 (twice would be world_size times that)
+    want = world_size * (world_size + 1) // 2
+    assert run_spmd(coalesced_aliasing_body, world_size, timeout=60) == [[want, world_size]] * world_size
+
+
+def noncontiguous_inputs_body() -> bool:
+    import gpucoll
+    from gpucoll.array import NotContiguousError
+
+    r, n = gpucoll.get_rank(), gpucoll.get_world_size()
+
+    def data(q: int) -> np.ndarray:
+        return np.arange(24, dtype=np.float64).reshape(4, 6) + 100 * q
+
+    for view in (lambda a: a[:, ::2], lambda a: a.T, lambda a: a[::2, 1:5]):
+        src = data(r)
+        x = view(src)
+        assert not x.flags.c_contiguous
+        before = src.copy()
+        outs = [np.empty(x.shape) for _ in range(n)]
+        gpucoll.all_gather(outs, x)
+        for q in range(n):
+            np.testing.assert_array_equal(outs[q], view(data(q)))
+        gl = [np.empty(x.shape) for _ in range(n)] if r == 1 else None
+        gpucoll.gather(x, gl, dst=1)
+        if gl is not None:
+            for q in range(n):
+                np.testing.assert_array_equal(gl[q], view(data(q)))
+        np.testing.assert_array_equal(src, before)  # the input is only read
+    # written in place: still refused, naming the argument
+    with pytest.raises(NotContiguousError, match="tensor"):
+        gpucoll.all_reduce(data(r)[:, ::2])
+    with pytest.raises(NotContiguousError):
+        gpucoll.all_gather([np.empty((4, 6))[:, ::2] for _ in range(n)], np.zeros((4, 3)))
+    return True
+
+
+def test_all_gather_and_gather_copy_a_non_contiguous_input() -> None:
+    assert run_spmd(noncontiguous_inputs_body, 3, timeout=60) == [True] * 3

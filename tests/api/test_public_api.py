@@ -42,7 +42,7 @@ def test_torch_names_and_aliases() -> None:
     assert gpucoll.reduce_scatter_tensor is gpucoll.reduce_scatter_single
     for name in ("init_process_group", "destroy_process_group", "new_group", "get_rank", "get_world_size",
                  "all_reduce", "broadcast", "all_to_all_single", "batch_isend_irecv", "P2POp",
-                 "monitored_barrier", "all_gather_object", "broadcast_object_list"):
+                 "monitored_barrier", "all_gather_object", "broadcast_object_list", "GroupMember", "group"):
         assert name in gpucoll.__all__
 
 

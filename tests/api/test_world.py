@@ -34,7 +34,10 @@ def test_world_of_one_with_a_store(world_of_one: Any) -> None:
     assert (gpucoll.get_rank(), gpucoll.get_world_size(), gpucoll.get_backend()) == (0, 1, "cpu")
     assert gpucoll.get_process_group_ranks(None) == [0]
     assert gpucoll.GroupMember.WORLD is gpucoll._world.default_group()
+    assert gpucoll.group.WORLD is gpucoll._world.default_group()  # torch's dist.group.WORLD
     x = np.arange(3.0)
+    gpucoll.all_reduce(x, group=gpucoll.group.WORLD)
+    assert x.tolist() == [0.0, 1.0, 2.0]
     gpucoll.all_reduce(x)
     assert x.tolist() == [0.0, 1.0, 2.0]
     with pytest.raises(RuntimeError, match="already initialized"):
@@ -45,7 +48,7 @@ def test_calls_after_destroy_raise() -> None:
     gpucoll.init_process_group("cpu", store=HashStore(), rank=0, world_size=1, timeout=20)
     group = gpucoll._world.default_group()
     gpucoll.destroy_process_group()
-    assert not gpucoll.is_initialized() and gpucoll.GroupMember.WORLD is None
+    assert not gpucoll.is_initialized() and gpucoll.GroupMember.WORLD is None and gpucoll.group.WORLD is None
     with pytest.raises(RuntimeError, match="not initialized.*init_process_group"):
         gpucoll.all_reduce(np.zeros(1))
     with pytest.raises(RuntimeError, match="not initialized"):
@@ -200,6 +203,13 @@ def groups_body() -> dict[str, Any]:
     else:
         assert odd is gpucoll.GroupMember.NON_GROUP_MEMBER
         assert gpucoll.get_rank(odd) == -1 and gpucoll.get_world_size(odd) == -1
+        # torch's answers on a non-member: the members of the last group that left it out
+        assert gpucoll.get_process_group_ranks(odd) == [1, 3]
+        assert gpucoll.get_group_rank(odd, 3) == 1 and gpucoll.get_global_rank(odd, 0) == 1
+        with pytest.raises(ValueError, match="Global rank 0 is not part of group"):
+            gpucoll.get_group_rank(odd, 0)
+        with pytest.raises(ValueError, match="Group rank 2 is not part of group"):
+            gpucoll.get_global_rank(odd, 2)
         with pytest.raises(RuntimeError, match="not a member"):
             gpucoll.all_reduce(np.zeros(1), group=odd)
     # default group still works between the subgroup's ops

@@ -12,7 +12,9 @@ gpucoll through the adapter of _conf_core. Sources:
 - test/distributed/test_c10d_object_collectives.py (TestObjectCollectives)
 - test/distributed/test_device_mesh.py (DeviceMeshTest*, InitDeviceMeshTest,
   TestDeviceMeshGetItem)
-- test/distributed/test_c10d_common.py (group tests)
+- test/distributed/test_c10d_common.py (group tests, sequence numbers), as
+  test/distributed/test_c10d_gloo.py's CommTest runs them; and that file's
+  ProcessGroupGlooTest.test_allreduce_coalesced_async
 - torch/testing/_internal/distributed/distributed_test.py, gloo half
   (test_monitored_barrier_*, test_new_subgroups_*, complex ops, non-contiguous inputs)
 
@@ -906,10 +908,10 @@ CLT = f"{COMMON}::AbstractLargeCommTest"
 @C.check(f"{CAT}::_test_rank_membership (less DummyProcessGroup's 'not registered': no such class here)",
          world_sizes=(2,))
 def check_common_rank_membership(T: Impl) -> None:
+    # every rank runs the queries, as in torch's test: on rank 0, which the group leaves
+    # out, new_group returned GroupMember.NON_GROUP_MEMBER and the answers are the group's
     assert T.ws > 1
     group = T.dist.new_group(ranks=[1])
-    if T.rank != 1:
-        return  # torch's test runs the queries where the group exists (rank 1 of 2)
     assert T.dist.get_group_rank(group, 1) == 0
     torch_raises(ValueError, "not part of group", lambda: T.dist.get_group_rank(group, 0))
     assert T.dist.get_global_rank(group, 0) == 1
@@ -928,11 +930,7 @@ def check_common_tensor_dtype_mismatch(T: Impl) -> None:
     torch_raises(ValueError, msg, lambda: T.dist.all_gather(tensor_list_h, tensor))
     torch_raises(ValueError, msg, lambda: T.dist.all_gather(tensor_list, tensor_h))
     torch_raises(ValueError, msg, lambda: T.dist.all_gather_coalesced([tensor_list_h], tensor_list))
-    if T.is_torch:
-        torch_raises(ValueError, msg, lambda: T.dist.all_reduce_coalesced(tensor_list_h))
-    else:
-        # gpucoll reduces each array in its own dtype (docs/torch-differences.md)
-        T.dist.all_reduce_coalesced([T.zeros((2, 2)), T.zeros((2, 2), "float16")])
+    torch_raises(ValueError, msg, lambda: T.dist.all_reduce_coalesced(tensor_list_h))
     torch_raises(ValueError, msg, lambda: T.dist.reduce_scatter(tensor, tensor_list_h))
     torch_raises(ValueError, msg, lambda: T.dist.reduce_scatter(tensor_h, tensor_list))
     torch_raises(ValueError, msg, lambda: T.dist.all_to_all_single(tensor_h, tensor))
@@ -1038,6 +1036,105 @@ def check_common_new_group_local_sync_duplicate_pg(T: Impl) -> None:
         _pair_gather(T, pg, pg_idx, ranks_in)
 
 
+# ----------------------------------------------------------------------------- sequence numbers
+# AbstractCommTest._test_sequence_num_*: torch's private ProcessGroup._get_sequence_number_for_group
+# is gpucoll's ProcessGroup.get_sequence_number, and c10d._rank_not_in_group(g) is
+# ``g is GroupMember.NON_GROUP_MEMBER`` (the same test torch's helper makes).
+
+def _seq(T: Impl, pg: Any) -> int:
+    return int(pg._get_sequence_number_for_group() if T.is_torch else pg.get_sequence_number())
+
+
+def _not_in_group(T: Impl, group: Any) -> bool:
+    if T.is_torch:
+        return bool(T.dist.distributed_c10d._rank_not_in_group(group))
+    return group is T.dist.GroupMember.NON_GROUP_MEMBER
+
+
+def _all_reduce_on(T: Impl, t: Any, group: Any, async_op: bool = False) -> None:
+    """``dist.all_reduce(t, group=group)`` as torch's test calls it on every rank; on a
+    non-member gpucoll raises instead of returning None (docs/torch-differences.md, first row)."""
+    if not T.is_torch and _not_in_group(T, group):
+        torch_raises(RuntimeError, "not a member", lambda: T.dist.all_reduce(t, group=group, async_op=async_op))
+        return
+    T.dist.all_reduce(t, group=group, async_op=async_op)
+
+
+def _verify_sequence_number_across_pg(T: Impl, pg: Any, verify_pg: Any) -> int:
+    seq_num = _seq(T, pg)
+    obj_list: list[Any] = [None for _ in range(T.dist.get_world_size(verify_pg))]
+    # a separate group verifies, or its collectives would advance the numbers under test
+    T.dist.all_gather_object(obj_list, seq_num, group=verify_pg)
+    assert len(set(obj_list)) == 1, obj_list
+    return int(obj_list[0])
+
+
+def _test_sequence_num_incremented(T: Impl, process_group: Any, ranks: list[int]) -> None:
+    verify_pg = T.dist.new_group(ranks=ranks, backend="gloo")
+    assert T.dist.get_world_size(process_group) == T.dist.get_world_size(verify_pg)
+    initial_num = (_verify_sequence_number_across_pg(T, process_group, verify_pg)
+                   if not _not_in_group(T, process_group) else -1)
+    t = T.full(1, 1.0)
+    for i in range(10):
+        t = T.full(1, 1.0)
+        _all_reduce_on(T, t, process_group)
+        if not _not_in_group(T, process_group):
+            seq_num = _verify_sequence_number_across_pg(T, process_group, verify_pg)
+            assert initial_num + i + 1 == seq_num, (initial_num, i, seq_num)
+    if T.dist.get_world_size(process_group) > 2:
+        # ranks that issue no collective lag behind
+        if T.dist.get_rank(process_group) not in [0, 2]:
+            _all_reduce_on(T, t, process_group, async_op=True)
+        if not _not_in_group(T, process_group):
+            seq_num = _seq(T, process_group)
+            rank = T.dist.get_rank(process_group)
+            obj_list: list[Any] = [None for _ in range(T.dist.get_world_size(verify_pg))]
+            T.dist.all_gather_object(obj_list, (rank, seq_num), group=verify_pg)
+            rank_to_seq_num = dict(obj_list)
+            assert len(set(rank_to_seq_num.values())) == 2, rank_to_seq_num
+            assert rank_to_seq_num[0] == rank_to_seq_num[2], rank_to_seq_num
+            expected_same = {rank_to_seq_num[i] for i in rank_to_seq_num if i not in [0, 2]}
+            assert len(expected_same) == 1, rank_to_seq_num
+            assert rank_to_seq_num[0] + 1 == rank_to_seq_num[1], rank_to_seq_num
+
+
+# one world each: the lagging op left behind makes the group unusable afterwards
+SQ1 = section("ported_common_seq_sub", world_sizes=(4,), pg_timeout=5.0, timeout=90.0)
+SQ2 = section("ported_common_seq_default", world_sizes=(2, 3), pg_timeout=5.0, timeout=90.0)
+
+
+@SQ1.check(f"{COMMON}::CommTest (test_c10d_gloo.py)::test_sequence_num_incremented_gloo_subgroup")
+def check_common_sequence_num_incremented_subgroup(T: Impl) -> None:
+    subgroup_ranks = [0, 1, 2]
+    subgroup = T.dist.new_group(subgroup_ranks)
+    _test_sequence_num_incremented(T, subgroup, subgroup_ranks)
+    _harness_sync(T, "seq_sub/done")
+
+
+@SQ2.check(f"{COMMON}::CommTest (test_c10d_gloo.py)::test_sequence_num_incremented_gloo_default")
+def check_common_sequence_num_incremented_default(T: Impl) -> None:
+    _test_sequence_num_incremented(T, default_group(T), list(range(T.dist.get_world_size())))
+    _harness_sync(T, "seq_default/done")
+
+
+@C.check(f"{CAT}::_test_sequence_num_set_default_pg")
+def check_common_sequence_num_set_default_pg(T: Impl) -> None:
+    seq_num = _seq(T, default_group(T))
+    obj_list: list[Any] = [None for _ in range(T.dist.get_world_size())]
+    T.dist.all_gather_object(obj_list, seq_num)
+    assert len(set(obj_list)) == 1, obj_list
+
+
+@C.check(f"{CAT}::_test_sequence_num_set_new_group")
+def check_common_sequence_num_set_new_group(T: Impl) -> None:
+    subgroup = T.dist.new_group([0, 1])
+    if not _not_in_group(T, subgroup):
+        subgroup_seq = _seq(T, subgroup)
+        obj_list: list[Any] = [None for _ in range(T.dist.get_world_size(subgroup))]
+        T.dist.all_gather_object(obj_list, subgroup_seq, group=subgroup)
+        assert len(set(obj_list)) == 1, obj_list
+
+
 @C.check(f"{CLT}::_test_new_group_ordered (sort_ranks=False)", world_sizes=(4,))
 def check_common_new_group_ordered(T: Impl) -> None:
     rank = T.dist.get_rank()
@@ -1083,6 +1180,47 @@ def check_dt_destroy_full_group(T: Impl) -> None:
     group_id = T.dist.new_group()
     _harness_sync(T, "dt_destroy_full_group")
     T.dist.destroy_process_group(group_id)
+
+
+def _init_global_test(T: Impl) -> tuple[list[int], Any, int]:
+    """DistributedTest._init_global_test: the whole world, as ``dist.group.WORLD``."""
+    return list(range(T.dist.get_world_size())), T.dist.group.WORLD, T.dist.get_rank()
+
+
+@D.check(f"{DT}::test_all_reduce_sum (_init_global_test: group=dist.group.WORLD)")
+def check_dt_all_reduce_sum_group_world(T: Impl) -> None:
+    group, group_id, rank = _init_global_test(T)
+    assert group_id is not None
+    master_value, worker_value = 2, 10
+    expected_value = 2 + (10 * (len(group) - 1))
+    for src in group:
+        n = src + 1
+        tensor = T.full((n, n, n), master_value if rank == src else worker_value)
+        T.dist.all_reduce(tensor, T.op("SUM"), group_id)
+        eq(tensor, np.full((n, n, n), expected_value, np.float32), T, f"src {src}")
+    _harness_sync(T, "dt_all_reduce_sum_group_world")  # self._barrier()
+
+
+@D.check("test/distributed/test_c10d_gloo.py::ProcessGroupGlooTest::test_allreduce_coalesced_async")
+def check_gloo_allreduce_coalesced_async(T: Impl) -> None:
+    ws = T.ws
+
+    def _expected_output(i: int) -> list[np.ndarray]:
+        return 2 * [np.array([(i * ws) + (ws * (ws - 1) // 2)])]
+
+    # ``2 * [t]``: one array listed twice, as torch's test builds it
+    xs = [2 * [T.arr([i + T.rank], "int64")] for i in range(2)]
+    futs = [T.dist.all_reduce_coalesced(x, async_op=True) for x in xs]
+    if T.is_torch:
+        T.torch.futures.wait_all(futs)
+    else:
+        for f in futs:  # torch.futures.wait_all: no such helper here; wait on each
+            f.wait()
+    for i, fut in enumerate(futs):
+        got = fut.wait()
+        assert isinstance(got, list) and len(got) == 2, got
+        for k in range(2):
+            eq(got[k], _expected_output(i)[k], T, f"Mismatch in iteration {i}, tensor {k}")
 
 
 @D.check(f"{DT}::test_get_rank_size_full_group")

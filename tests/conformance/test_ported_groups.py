@@ -14,14 +14,16 @@ import importlib.util
 import pytest
 
 from _conf_core import SECTIONS, _load_checks, check_ids
+from _conf_xfail import GPUCOLL, reason
 from test_conformance import assert_result
 
 _load_checks()
 
 PORTED = [name for name in SECTIONS if name.startswith("ported_")]
 
-GPUCOLL_XFAIL: dict[str, str] = {}
-"""Ported checks gpucoll fails today, by "section/check@ws", with the cause: none."""
+GPUCOLL_XFAIL = GPUCOLL
+"""Ported checks gpucoll fails today, by check name (or "name@ws"), with the cause: the
+one table of _conf_xfail.py, which test_conformance.py reads too."""
 
 
 def _params(impl: str) -> list:
@@ -29,7 +31,7 @@ def _params(impl: str) -> list:
     for name in PORTED:
         for check, ws in check_ids(SECTIONS[name]):
             key = f"{name}/{check}@{ws}"
-            why = GPUCOLL_XFAIL.get(key) if impl == "gpucoll" else None
+            why = reason(GPUCOLL_XFAIL, check, ws) if impl == "gpucoll" else None
             marks = [pytest.mark.xfail(strict=True, reason=why)] if why else []
             params.append(pytest.param(name, check, ws, id=key, marks=marks))
     return params
