@@ -249,10 +249,10 @@ class Reducer:
                 self._agree(missing)
         finally:
             self._reset()
-        if self._rebuild and self.iteration == 0:
-            self._rebuild_buckets()
-        self.iteration += 1
         out = [kinds.to_caller(self._view(i), leaf) for i, leaf in enumerate(self._leaves)]
+        if self._rebuild and self.iteration == 0:
+            self._rebuild_buckets()  # new buffers: what ``out`` views stays as it is
+        self.iteration += 1
         if self._treedef is None:
             return out
         return self._treedef.unflatten(out)

@@ -17,14 +17,14 @@ Example:
 
 from __future__ import annotations
 
-from ._ddp.future import Future as Future
-from ._ddp.hooks import allreduce_hook as allreduce_hook
-from ._ddp.hooks import bf16_compress_hook as bf16_compress_hook
-from ._ddp.hooks import bf16_compress_wrapper as bf16_compress_wrapper
-from ._ddp.hooks import fp16_compress_hook as fp16_compress_hook
-from ._ddp.hooks import fp16_compress_wrapper as fp16_compress_wrapper
-from ._ddp.powersgd import PowerSGDState as PowerSGDState
-from ._ddp.powersgd import powerSGD_hook as powerSGD_hook
+from .._ddp.future import Future as Future
+from .._ddp.hooks import allreduce_hook as allreduce_hook
+from .._ddp.hooks import bf16_compress_hook as bf16_compress_hook
+from .._ddp.hooks import bf16_compress_wrapper as bf16_compress_wrapper
+from .._ddp.hooks import fp16_compress_hook as fp16_compress_hook
+from .._ddp.hooks import fp16_compress_wrapper as fp16_compress_wrapper
+from .._ddp.powersgd import PowerSGDState as PowerSGDState
+from .._ddp.powersgd import powerSGD_hook as powerSGD_hook
 
 __all__ = ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "fp16_compress_wrapper",
            "bf16_compress_wrapper", "PowerSGDState", "powerSGD_hook", "Future"]
