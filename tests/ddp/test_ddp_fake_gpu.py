@@ -1,0 +1,57 @@
+"""The Reducer and the compress hooks on device arrays: a CuPy stand-in on the fake GPU,
+through the NCCL backend (rank threads sharing one fake GPU), against NumPy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from _fake_cupy import FakeCupy
+from _fake_gpu_world import run_fake_gpu_worlds
+
+SHAPES = [(32, 24), (24,), (24, 16), (16,), (3, 5, 4)]
+
+
+def grads_of(rank: int, it: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(1000 * it + rank)
+    return [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+
+
+def mean_of(it: int, world: int) -> list[np.ndarray]:
+    per_rank = [grads_of(r, it) for r in range(world)]
+    return [np.mean([g[i].astype(np.float64) for g in per_rank], axis=0) for i in range(len(SHAPES))]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_reducer_and_hooks_on_device_arrays(world_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gpucoll
+    from gpucoll import ddp_comm_hooks as hooks
+
+    def body(world: Any, rt: Any, rank: int) -> str:
+        xp = FakeCupy(rt)
+        params = [xp.zeros(s, np.float32) for s in SHAPES]
+        runs: list[tuple[Any, float, float]] = [(None, 1e-6, 1e-7), (hooks.allreduce_hook, 1e-6, 1e-7),
+                                                (hooks.fp16_compress_hook, 2e-3, 1e-3),
+                                                (hooks.bf16_compress_hook, 2e-2, 1e-2)]
+        for hook, rtol, atol in runs:
+            red = gpucoll.Reducer(params, bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)
+            assert len(red.bucket_indices) >= 2
+            if hook is not None:
+                red.register_comm_hook(None, hook)
+            for it in range(3):  # the third runs on buckets rebuilt in arrival order
+                out = red.reduce([xp.wrap(g) for g in grads_of(rank, it)])
+                for i, (got, want) in enumerate(zip(out, mean_of(it, world_size))):
+                    assert got.shape == SHAPES[i] and got.dtype == np.float32
+                    assert type(got).__name__ == "FakeCupyArray"
+                    np.testing.assert_allclose(got.get(), want, rtol=rtol, atol=atol,
+                                               err_msg=f"hook {hook}, iteration {it}, parameter {i}")
+        # broadcast_coalesced on device arrays
+        arrays = [xp.wrap(np.full(s, rank + i, np.float32)) for i, s in enumerate(SHAPES)]
+        gpucoll.broadcast_coalesced(None, arrays, 2000, src=0)
+        for i, a in enumerate(arrays):
+            np.testing.assert_array_equal(a.get(), np.full(SHAPES[i], i, np.float32))
+        return "ok"
+
+    assert run_fake_gpu_worlds(world_size, body, monkeypatch) == ["ok"] * world_size
