@@ -115,6 +115,7 @@ from ._ddp.grad_bucket import GradBucket as GradBucket
 from ._ddp.reducer import Reducer as Reducer
 from ._ddp.helpers import broadcast_coalesced as broadcast_coalesced
 from ._ddp.helpers import verify_params_across_processes as verify_params_across_processes
+from ._ddp.jit import bucketed_all_reduce as bucketed_all_reduce
 from . import ddp_comm_hooks as ddp_comm_hooks
 
 __version__ = "0.1.0"
@@ -146,5 +147,5 @@ __all__ = [
     "shrink_group", "grow_group", "join_process_group",
     # data parallel
     "ParameterMismatchError", "compute_bucket_assignment_by_size", "GradBucket", "Reducer",
-    "broadcast_coalesced", "verify_params_across_processes", "ddp_comm_hooks",
+    "broadcast_coalesced", "verify_params_across_processes", "bucketed_all_reduce", "ddp_comm_hooks",
 ]

@@ -32,9 +32,12 @@ def array_key(a: Any) -> tuple[str, str]:
 def _device(a: Any) -> str:
     if isinstance(a, np.ndarray):
         return "cpu"
-    device = getattr(a, "device", None)
-    if callable(device):  # older JAX: .device() is a method
-        device = device()
+    try:
+        device = getattr(a, "device", None)
+        if callable(device):  # older JAX: .device() is a method
+            device = device()
+    except Exception:  # a JAX tracer or shape spec has no device yet: its program has one
+        return "traced"
     return "cpu" if device is None else str(device)
 
 
