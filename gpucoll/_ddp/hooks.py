@@ -31,6 +31,15 @@ def _allreduce_fut(group: ProcessGroup | None, array: Any) -> Future[Any]:
     return Future.from_work(work).then(lambda fut: array)
 
 
+def _sum_hook(process_group: ProcessGroup | None, bucket: GradBucket) -> Future[Any]:
+    """The Reducer's default: the bucket was divided by the group's size as the gradients
+    were copied in (one pass over the memory instead of two); here only the sum."""
+    array = bucket.buffer()
+    work = _collectives.all_reduce(array, group=process_group, async_op=True)
+    assert work is not None
+    return Future.from_work(work).then(lambda fut: array)
+
+
 def allreduce_hook(process_group: ProcessGroup | None, bucket: GradBucket) -> Future[Any]:
     """Average the bucket over the group with one all_reduce: what the Reducer does
     without a hook (torch's ``allreduce_hook``).

@@ -11,8 +11,8 @@ layers come first in a backward pass), the first bucket capped at
 ``first_bucket_cap_mb``; after the first iteration they are rebuilt once, in the order
 the gradients actually arrived on rank 0 (every rank takes rank 0's order, as torch).
 
-Agreement: with ``check_ready`` (default), ``wait()`` ends with one small all_gather of
-which gradients each rank handed over. A rank that missed some still issues its
+Agreement: with ``check_ready`` (default), the last bucket is followed by one small
+all_gather of which gradients each rank handed over (``wait()`` reads it). A rank that missed some still issues its
 remaining buckets (the missing gradients as zeros), so no rank is left waiting, and
 every rank raises :class:`ParameterMismatchError` naming the parameters and the ranks.
 """
@@ -27,13 +27,14 @@ import numpy as np
 from .. import _collectives
 from .._collectives import _pg
 from .._group import ProcessGroup
+from .._work import Work
 from ..errors import ParameterMismatchError
 from . import kinds
 from .buckets import compute_bucket_assignment_by_size
 from .future import Future
 from .grad_bucket import GradBucket
 from .helpers import describe, verify_params_across_processes
-from .hooks import Hook, allreduce_hook
+from .hooks import Hook, _sum_hook
 
 __all__ = ["Reducer"]
 
@@ -104,11 +105,14 @@ class Reducer:
         self._buckets: list[_Bucket] = []
         self._where: list[tuple[int, int]] = []
         self._layout(indices)
-        self._hook: Hook = allreduce_hook
+        self._size = self._group.size()
+        self._hook: Hook = _sum_hook
         self._state: Any = self._group
         self._hook_registered = False
         self._ready = [False] * n
         self._next = 0  # the next bucket to issue
+        self._check_work: Work | None = None
+        self._mask = self._everyone = np.zeros(0, np.uint8)
         self._started = False
         self._rebuild = rebuild_buckets
         self._arrival: list[int] = []
@@ -176,8 +180,13 @@ class Reducer:
         b, pos = self._where[index]
         bucket = self._buckets[b]
         view = bucket.views[pos]
-        if grad is not view:
-            view[...] = self._xp.asarray(grad)
+        if self._hook_registered:
+            if grad is not view:
+                view[...] = self._xp.asarray(grad)
+        elif grad is view:
+            view /= self._size
+        else:  # the default average: divide on the way in (one pass over the memory, not two)
+            self._xp.divide(self._xp.asarray(grad), self._size, out=view)
         self._ready[index] = True
         self._started = True
         if self._rebuild and self.iteration == 0:
@@ -196,6 +205,17 @@ class Reducer:
         while self._next < len(self._buckets) and self._buckets[self._next].pending == 0:
             self._issue(self._next)
             self._next += 1
+            if self._next == len(self._buckets) and self._check_ready:
+                self._issue_check()
+
+    def _issue_check(self) -> None:
+        """The all_gather of which gradients this rank handed over, queued right behind the
+        last bucket (so ``wait()`` adds no round trip of its own)."""
+        n, size = len(self._leaves), self._group.size()
+        self._mask = np.array(self._ready, np.uint8)
+        self._everyone = np.empty(n * size, np.uint8)
+        self._check_work = _collectives.all_gather_single(self._everyone, self._mask, group=self._group,
+                                                          async_op=True)
 
     def _issue(self, b: int) -> None:
         bucket = self._buckets[b]
@@ -246,7 +266,7 @@ class Reducer:
                 if value is not bucket.flat:
                     kinds.decompress_into(bucket.flat, value)
             if self._check_ready:
-                self._agree(missing)
+                self._agree(timeout)
         finally:
             self._reset()
         out = [kinds.to_caller(self._view(i), leaf) for i, leaf in enumerate(self._leaves)]
@@ -268,16 +288,16 @@ class Reducer:
         self._ready = [False] * len(self._leaves)
         self._next = 0
         self._started = False
+        self._check_work = None
         for bucket in self._buckets:
             bucket.pending = len(bucket.indices)
             bucket.future = None
 
-    def _agree(self, missing: list[int]) -> None:
+    def _agree(self, timeout: float | None) -> None:
         n, size = len(self._leaves), self._group.size()
-        mask = np.ones(n, np.uint8)
-        mask[missing] = 0
-        everyone = np.empty(n * size, np.uint8)
-        _collectives.all_gather_single(everyone, mask, group=self._group)
+        assert self._check_work is not None
+        self._check_work.wait(timeout)
+        everyone = self._everyone
         by_rank = everyone.reshape(size, n)
         if by_rank.all():
             return

@@ -19,7 +19,7 @@ from _nccl_fake import FakeRuntime
 
 
 class FakeCupy:
-    """The namespace: ``empty``, ``zeros``, ``asarray``, ``concatenate`` and dtypes."""
+    """The namespace: ``empty``, ``zeros``, ``asarray``, ``divide``, ``concatenate`` and dtypes."""
 
     float16, float32, float64, uint16, uint32 = np.float16, np.float32, np.float64, np.uint16, np.uint32
 
@@ -52,6 +52,11 @@ class FakeCupy:
         if isinstance(x, FakeCupyArray):
             return x
         return self.wrap(np.asarray(x))
+
+    def divide(self, a: FakeCupyArray, b: Any, out: FakeCupyArray) -> FakeCupyArray:
+        self.sync()
+        np.divide(a.nd, b, out=out.nd)
+        return out
 
     def concatenate(self, arrays: list[FakeCupyArray]) -> FakeCupyArray:
         self.sync()
