@@ -322,6 +322,61 @@ def check_powersgd(gpucoll: Any, r: int, w: int) -> None:
     assert 0 in state.q_memory_dict and state.q_memory_dict[0].size == 30 * 2
 
 
+def check_grad_bucket_and_future(gpucoll: Any, r: int, w: int) -> None:
+    """GradBucket's methods as a hook sees them; a hook's error reaches wait() on every
+    rank and the next iteration is whole."""
+    from gpucoll import ddp_comm_hooks as hooks
+
+    ps = params()
+    seen: list[Any] = []
+
+    def inspecting(state: Any, bucket: Any) -> Any:
+        buf = bucket.buffer()
+        assert buf.ndim == 1 and buf.dtype == np.float32
+        grads, members = bucket.gradients(), bucket.parameters()
+        assert all(np.shares_memory(g, buf) for g in grads)
+        assert [g.shape for g in grads] == [p.shape for p in members]
+        assert all(any(m is p for p in ps) for m in members)
+        sizes = [g.size for g in grads]
+        assert bucket.offsets() == [int(x) for x in np.cumsum([0, *sizes[:-1]])]
+        assert buf.size == sum(sizes)
+        copy = buf.copy()
+        bucket.set_buffer(copy)
+        assert bucket.buffer() is copy and np.shares_memory(bucket.gradients()[0], buf)
+        seen.append(bucket.index())
+        return hooks.allreduce_hook(state, bucket)  # reduces the copy: the Reducer copies it back
+
+    red = gpucoll.Reducer(ps, bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)
+    red.register_comm_hook(None, inspecting)
+    close(red.reduce(grads_of(r, 0)), mean_of(0, w), 1e-6, 1e-7, "a hook that replaces the buffer")
+    assert seen == list(range(len(red.bucket_indices)))
+
+    calls = [0]
+
+    def failing_then(state: Any, bucket: Any) -> Any:
+        calls[0] += 1
+        fut = hooks.allreduce_hook(state, bucket)
+        if calls[0] == 2:  # the second bucket of the first iteration, on every rank
+            def boom(f: Any) -> Any:
+                raise ValueError("decompression failed")
+            return fut.then(boom)
+        return fut
+    red = gpucoll.Reducer(params(), bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)
+    red.register_comm_hook(None, failing_then)
+    with pytest.raises(ValueError, match="decompression failed"):
+        red.reduce(grads_of(r, 0))
+    close(red.reduce(grads_of(r, 1)), mean_of(1, w), 1e-6, 1e-7, "after a hook's error")
+
+    empty = hooks.Future()
+    with pytest.raises(RuntimeError, match="empty Future"):
+        empty.wait()
+    done = hooks.Future()
+    done.set_exception(KeyError("x"))
+    with pytest.raises(KeyError):
+        done.then(lambda f: f.value()).wait()
+    assert done.done()
+
+
 def numpy_world(name: str) -> str:
     import gpucoll
 
@@ -340,6 +395,7 @@ CHECKS: dict[str, Callable[[Any, int, int], None]] = {
     "torch_hook_tests": check_torch_hook_tests,
     "every_hook": check_every_hook,
     "powersgd": check_powersgd,
+    "grad_bucket_and_future": check_grad_bucket_and_future,
 }
 
 
@@ -357,3 +413,25 @@ def all_checks() -> list[str]:
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_reducer_and_hooks_numpy(world_size: int) -> None:
     assert run_spmd(all_checks, world_size, timeout=240, pg_timeout=30) == [list(CHECKS)] * world_size
+
+
+def one_rank_skips_an_iteration() -> str:
+    """Rank 1 never reduces (and stays alive): rank 0's wait() ends with a DistBackendError
+    within its timeout, naming the op, instead of hanging."""
+    import gpucoll
+
+    red = gpucoll.Reducer(params(), bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)
+    if gpucoll.get_rank() == 0:
+        # small buckets run on the caller's thread (the CPU backend's inline path): the
+        # group's timeout bounds them; larger ones the timeout given to wait()
+        with pytest.raises(gpucoll.DistBackendError, match=r"all_reduce.*timed out waiting for rank 1"):
+            red.reduce(grads_of(0, 0), timeout=2)
+    else:
+        import time
+
+        time.sleep(8)  # alive, elsewhere: not a shut-down peer
+    return "ok"
+
+
+def test_a_rank_that_skips_an_iteration_is_a_timeout_not_a_hang() -> None:
+    assert run_spmd(one_rank_skips_an_iteration, 2, timeout=120, pg_timeout=3) == ["ok", "ok"]
