@@ -193,7 +193,11 @@ class Reducer:
             self._arrival.append(index)
         bucket.pending -= 1
         if bucket.pending == 0:
-            self._issue_ready()
+            try:
+                self._issue_ready()
+            except BaseException:
+                self._reset()  # a hook that raised: the next iteration starts clean
+                raise
 
     def gradient_view(self, index: int) -> Any:
         """The bucket's view for parameter ``index``'s gradient: write the gradient there

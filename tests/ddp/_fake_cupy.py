@@ -19,12 +19,14 @@ from _nccl_fake import FakeRuntime
 
 
 class FakeCupy:
-    """The namespace: ``empty``, ``zeros``, ``asarray``, ``divide``, ``concatenate`` and dtypes."""
+    """The namespace: what the Reducer and the hooks call (``empty``, ``zeros``, ``asarray``,
+    ``divide``, ``concatenate``, ``stack``, ``matmul``, ``sqrt``, ``sum``, ``linalg.qr``)."""
 
     float16, float32, float64, uint16, uint32 = np.float16, np.float32, np.float64, np.uint16, np.uint32
 
     def __init__(self, rt: FakeRuntime) -> None:
         self.rt = rt
+        self.linalg = _Linalg(self)
 
     def sync(self) -> None:
         done: queue.Queue[int] = queue.Queue()
@@ -61,6 +63,33 @@ class FakeCupy:
     def concatenate(self, arrays: list[FakeCupyArray]) -> FakeCupyArray:
         self.sync()
         return self.wrap(np.concatenate([a.nd for a in arrays]))
+
+    def stack(self, arrays: list[FakeCupyArray]) -> FakeCupyArray:
+        self.sync()
+        return self.wrap(np.stack([a.nd for a in arrays]))
+
+    def matmul(self, a: FakeCupyArray, b: FakeCupyArray, out: FakeCupyArray) -> FakeCupyArray:
+        self.sync()
+        out.nd[...] = np.matmul(a.nd, b.nd)
+        return out
+
+    def sqrt(self, a: FakeCupyArray) -> FakeCupyArray:
+        self.sync()
+        return self.wrap(np.sqrt(a.nd))
+
+    def sum(self, a: FakeCupyArray, axis: Any = None, keepdims: bool = False) -> FakeCupyArray:
+        self.sync()
+        return self.wrap(np.asarray(np.sum(a.nd, axis=axis, keepdims=keepdims)))
+
+
+class _Linalg:
+    def __init__(self, xp: FakeCupy) -> None:
+        self.xp = xp
+
+    def qr(self, a: FakeCupyArray) -> tuple[FakeCupyArray, FakeCupyArray]:
+        self.xp.sync()
+        q, r = np.linalg.qr(a.nd)
+        return self.xp.wrap(q), self.xp.wrap(r)
 
 
 class FakeCupyArray:
@@ -129,6 +158,9 @@ class FakeCupyArray:
     def copy(self) -> Any:
         return self._run("copy")
 
+    def transpose(self, *axes: Any) -> Any:
+        return self._run("transpose", *axes)
+
     def _inplace(self, name: str, other: Any) -> FakeCupyArray:
         self.xp.sync()
         getattr(self.nd, name)(other.nd if isinstance(other, FakeCupyArray) else other)
@@ -139,6 +171,9 @@ class FakeCupyArray:
 
     def __iadd__(self, other: Any) -> FakeCupyArray:
         return self._inplace("__iadd__", other)
+
+    def __isub__(self, other: Any) -> FakeCupyArray:
+        return self._inplace("__isub__", other)
 
 
 for _name in ("__add__", "__sub__", "__mul__", "__truediv__", "__rshift__", "__lshift__", "__and__",

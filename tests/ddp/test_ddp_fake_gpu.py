@@ -1,5 +1,5 @@
-"""The Reducer and the compress hooks on device arrays: a CuPy stand-in on the fake GPU,
-through the NCCL backend (rank threads sharing one fake GPU), against NumPy."""
+"""The Reducer and every hook on device arrays: a CuPy stand-in on the fake GPU, through
+the NCCL backend (rank threads sharing one fake GPU), against NumPy."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def mean_of(it: int, world: int) -> list[np.ndarray]:
     return [np.mean([g[i].astype(np.float64) for g in per_rank], axis=0) for i in range(len(SHAPES))]
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_reducer_and_hooks_on_device_arrays(world_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
     import gpucoll
     from gpucoll import ddp_comm_hooks as hooks
@@ -47,6 +47,27 @@ def test_reducer_and_hooks_on_device_arrays(world_size: int, monkeypatch: pytest
                     assert type(got).__name__ == "FakeCupyArray"
                     np.testing.assert_allclose(got.get(), want, rtol=rtol, atol=atol,
                                                err_msg=f"hook {hook}, iteration {it}, parameter {i}")
+        # the fp16 wrapper; bf16's refuses device buffers (CuPy has no bfloat16 for the inner hook)
+        red = gpucoll.Reducer(params, bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)
+        red.register_comm_hook(None, hooks.fp16_compress_wrapper(hooks.allreduce_hook))
+        for i, (got, want) in enumerate(zip(red.reduce([xp.wrap(g) for g in grads_of(rank, 0)]), mean_of(0, world_size))):
+            np.testing.assert_allclose(got.get(), want, rtol=2e-3, atol=1e-3, err_msg=f"fp16 wrapper, parameter {i}")
+        red = gpucoll.Reducer(params)
+        red.register_comm_hook(None, hooks.bf16_compress_wrapper(hooks.allreduce_hook))
+        with pytest.raises(TypeError, match="use bf16_compress_hook on device buffers"):
+            red.reduce([xp.wrap(g) for g in grads_of(rank, 0)])
+        # PowerSGD: rank-1 matrices exactly, vectors plainly, error feedback on device memory
+        u = np.linspace(1, 2, 40, dtype=np.float32)[:, None]
+        v = np.linspace(-1, 1, 30, dtype=np.float32)[None, :]
+        for approx_rank in (1, 3):
+            state = hooks.PowerSGDState(None, matrix_approximation_rank=approx_rank, start_powerSGD_iter=2)
+            red = gpucoll.Reducer([xp.zeros((40, 30), np.float32), xp.zeros(30, np.float32)])
+            red.register_comm_hook(state, hooks.powerSGD_hook)
+            for it in range(4):
+                out = red.reduce([xp.wrap(u @ v * (rank + 1)), xp.wrap(np.full(30, rank + 1.0, np.float32))])
+                np.testing.assert_allclose(out[0].get(), u @ v * (world_size + 1) / 2, rtol=1e-4, atol=1e-4)
+                np.testing.assert_allclose(out[1].get(), np.full(30, (world_size + 1) / 2), rtol=1e-6)
+            assert type(state.error_dict[0]).__name__ == "FakeCupyArray" and state.iter == 4
         # broadcast_coalesced on device arrays
         arrays = [xp.wrap(np.full(s, rank + i, np.float32)) for i, s in enumerate(SHAPES)]
         gpucoll.broadcast_coalesced(None, arrays, 2000, src=0)
