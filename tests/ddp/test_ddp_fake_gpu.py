@@ -76,3 +76,32 @@ def test_reducer_and_hooks_on_device_arrays(world_size: int, monkeypatch: pytest
         return "ok"
 
     assert run_fake_gpu_worlds(world_size, body, monkeypatch) == ["ok"] * world_size
+
+
+def test_device_bfloat16_rounding_is_ml_dtypes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device path of bf16 compression (bit arithmetic: CuPy has no bfloat16) rounds as
+    ml_dtypes does: to nearest, ties to even, overflow to inf, NaN kept."""
+    import ml_dtypes
+
+    from gpucoll._ddp import kinds
+
+    f32 = np.float32
+    ties = np.array([0x3F808000, 0x3F818000, 0xBF808000, 0x3F80C000, 0x3F807FFF], np.uint32).view(f32)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 3.4e38, -3.4e38, 1e-40, -1e-40, 1.0], f32)
+    values = np.concatenate([ties, special, np.random.default_rng(0).standard_normal(1000).astype(f32) * 1e3])
+
+    def body(world: Any, rt: Any, rank: int) -> str:
+        xp = FakeCupy(rt)
+        carried = kinds.compress(xp.wrap(values), "bfloat16", 1)
+        bits = carried.bits.get()
+        want = values.astype(ml_dtypes.bfloat16)
+        nan = np.isnan(values)
+        assert np.isnan(want[nan].astype(f32)).all()
+        assert np.isnan((bits[nan].astype(np.uint32) << 16).view(f32)).all()
+        np.testing.assert_array_equal(bits[~nan], want[~nan].view(np.uint16))
+        back = xp.zeros(values.size, f32)
+        kinds.decompress_into(back, carried)
+        np.testing.assert_array_equal(back.get()[~nan], want[~nan].astype(f32))
+        return "ok"
+
+    assert run_fake_gpu_worlds(1, body, monkeypatch) == ["ok"]
