@@ -93,9 +93,14 @@ class Reducer:
             raise ValueError(f"bucket_cap_mb and first_bucket_cap_mb must be positive; got "
                              f"{bucket_cap_mb!r} and {first_bucket_cap_mb!r}")
         self._group = _pg(group)
+        self._n = len(self._leaves)
+        self._shapes = [tuple(int(d) for d in leaf.shape) for leaf in self._leaves]
+        self._jax = any(kinds.is_jax(leaf) for leaf in self._leaves)
         self._limits = [int(first_bucket_cap_mb * _MB), int(bucket_cap_mb * _MB)]
         self._check_ready = check_ready
         self._xp = kinds.namespace(self._leaves[0])
+        self._divide = self._xp.divide
+        self._native = type(self._xp.empty(0, dtype=np.float32))  # gradients of this class need no asarray
         if verify:
             verify_params_across_processes(self._group, self._leaves, names=self._names)
         n = len(self._leaves)
@@ -116,6 +121,7 @@ class Reducer:
         self._started = False
         self._rebuild = rebuild_buckets
         self._arrival: list[int] = []
+        self._recording = rebuild_buckets  # the first iteration's arrival order
         self.iteration = 0
 
     # ----- set-up -----
@@ -133,6 +139,8 @@ class Reducer:
             buckets.append(_Bucket(list(members), offsets, flat, views))
         self._buckets = buckets
         self._where = where
+        self._slot = [(buckets[b], buckets[b].views[pos]) for b, pos in where]
+        self._out = [view for _, view in self._slot]
 
     def register_comm_hook(self, state: Any, hook: Hook) -> None:
         """Use ``hook(state, bucket)`` to reduce each bucket instead of the default average.
@@ -166,30 +174,28 @@ class Reducer:
             ValueError: ``index`` out of range, marked twice in this iteration, or a
                 gradient of the wrong shape.
         """
-        n = len(self._leaves)
-        if not isinstance(index, (int, np.integer)) or not 0 <= index < n:
-            raise ValueError(f"mark_ready: index={index!r} is out of range for {n} parameters")
-        index = int(index)
+        # The hot path (once per gradient per iteration): checks by look-up, no allocation.
+        if index.__class__ is not int:
+            index = self._index_of(index)
+        if not 0 <= index < self._n:
+            raise ValueError(f"mark_ready: index={index!r} is out of range for {self._n} parameters")
         if self._ready[index]:
             raise ValueError(f"mark_ready: {self._label(index)} was marked ready twice in this iteration "
                              "(torch: Expected to mark a variable ready only once)")
-        shape = tuple(self._leaves[index].shape)
-        if tuple(grad.shape) != shape:
+        if grad.shape != self._shapes[index] and tuple(grad.shape) != self._shapes[index]:
             raise ValueError(f"mark_ready: the gradient of {self._names[index]} has shape {tuple(grad.shape)}; "
-                             f"expected {shape}")
-        b, pos = self._where[index]
-        bucket = self._buckets[b]
-        view = bucket.views[pos]
+                             f"expected {self._shapes[index]}")
+        bucket, view = self._slot[index]
         if self._hook_registered:
             if grad is not view:
-                view[...] = self._xp.asarray(grad)
+                view[...] = grad if grad.__class__ is self._native else self._xp.asarray(grad)
         elif grad is view:
             view /= self._size
         else:  # the default average: divide on the way in (one pass over the memory, not two)
-            self._xp.divide(self._xp.asarray(grad), self._size, out=view)
+            self._divide(grad if grad.__class__ is self._native else self._xp.asarray(grad), self._size, out=view)
         self._ready[index] = True
         self._started = True
-        if self._rebuild and self.iteration == 0:
+        if self._recording:
             self._arrival.append(index)
         bucket.pending -= 1
         if bucket.pending == 0:
@@ -197,7 +203,13 @@ class Reducer:
                 self._issue_ready()
             except BaseException:
                 self._reset()  # a hook that raised: the next iteration starts clean
+                self._arrival = []
                 raise
+
+    def _index_of(self, index: Any) -> int:
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+            raise ValueError(f"mark_ready: index={index!r} is out of range for {self._n} parameters")
+        return int(index)
 
     def gradient_view(self, index: int) -> Any:
         """The bucket's view for parameter ``index``'s gradient: write the gradient there
@@ -271,11 +283,16 @@ class Reducer:
                     kinds.decompress_into(bucket.flat, value)
             if self._check_ready:
                 self._agree(timeout)
+        except BaseException:
+            self._arrival = []  # a failed iteration's order is not the one to rebuild in
+            raise
         finally:
             self._reset()
-        out = [kinds.to_caller(self._view(i), leaf) for i, leaf in enumerate(self._leaves)]
+        out = ([kinds.to_caller(self._view(i), leaf) for i, leaf in enumerate(self._leaves)] if self._jax
+               else list(self._out))
         if self._rebuild and self.iteration == 0:
             self._rebuild_buckets()  # new buffers: what ``out`` views stays as it is
+        self._recording = False
         self.iteration += 1
         if self._treedef is None:
             return out
