@@ -80,7 +80,7 @@ def _compress_wrapper(dtype: str, hook: Hook) -> Hook:
     def wrapped(state: Any, bucket: GradBucket) -> Future[Any]:
         original = bucket.buffer()
         compressed = kinds.compress(original, dtype, 1)  # the wrapped hook divides
-        if isinstance(compressed, kinds._Carried):
+        if isinstance(compressed, kinds.Carried):
             raise TypeError(f"{dtype}_compress_wrapper: the wrapped hook would get raw bfloat16 bits "
                             "(CuPy has no bfloat16); use bf16_compress_hook on device buffers")
         bucket.set_buffer(compressed)

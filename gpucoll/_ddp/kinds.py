@@ -21,7 +21,7 @@ import numpy as np
 from .. import array as _array
 from .._buffer import DTYPES
 
-__all__ = ["namespace", "is_jax", "to_caller", "compress", "collective_arg", "decompress_into", "np_dtype"]
+__all__ = ["namespace", "is_jax", "to_caller", "compress", "Carried", "collective_arg", "decompress_into", "np_dtype"]
 
 
 def is_jax(a: Any) -> bool:
@@ -82,10 +82,10 @@ def compress(buffer: Any, dtype: str, divisor: int) -> Any:
     nan = scaled != scaled
     rounded[nan] = 0x7FC0
     buf = _array.as_buffer(rounded, name="bucket", writable=True)
-    return _Carried(rounded, dataclasses.replace(buf, dtype=DTYPES["bfloat16"]))
+    return Carried(rounded, dataclasses.replace(buf, dtype=DTYPES["bfloat16"]))
 
 
-class _Carried:
+class Carried:
     """A device array of a dtype its framework lacks: the array (its bits) and the
     Buffer that describes it to a collective."""
 
@@ -96,12 +96,12 @@ class _Carried:
 
 def collective_arg(compressed: Any) -> Any:
     """What to pass to ``gpucoll.all_reduce`` for a result of :func:`compress`."""
-    return compressed.buffer if isinstance(compressed, _Carried) else compressed
+    return compressed.buffer if isinstance(compressed, Carried) else compressed
 
 
 def decompress_into(buffer: Any, compressed: Any) -> Any:
     """Write ``compressed`` (reduced) back into ``buffer``, cast to its dtype; return buffer."""
-    if isinstance(compressed, _Carried):
+    if isinstance(compressed, Carried):
         xp = namespace(buffer)
         wide = (compressed.bits.astype(xp.uint32) << 16).view(xp.float32)
         buffer[...] = wide

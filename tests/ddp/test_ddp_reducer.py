@@ -54,6 +54,24 @@ def check_default_average(gpucoll: Any, r: int, w: int) -> None:
         assert all(isinstance(g, np.ndarray) and g.shape == s for g, s in zip(out, SHAPES))
 
 
+def check_mixed_dtypes(gpucoll: Any, r: int, w: int) -> None:
+    """float64 and float32 parameters: a bucket each kind, each reduced in its own dtype."""
+    from gpucoll import compute_bucket_assignment_by_size
+
+    ps = [np.zeros((8, 8), np.float64), np.zeros(8, np.float32), np.zeros((4, 8), np.float64), np.zeros(4, np.float32)]
+    red = gpucoll.Reducer(ps, bucket_cap_mb=1, first_bucket_cap_mb=1)
+    assert sorted(map(sorted, red.bucket_indices)) == [[0, 2], [1, 3]], red.bucket_indices
+    want, _ = compute_bucket_assignment_by_size(ps[::-1], [2**20, 2**20], tensor_indices=[3, 2, 1, 0])
+    assert red.bucket_indices == want
+    rng = [np.random.default_rng(k) for k in range(w)]
+    per_rank = [[g.standard_normal(p.shape).astype(p.dtype) for p in ps] for g in rng]
+    out = red.reduce(per_rank[r])
+    for i, p in enumerate(ps):
+        assert out[i].dtype == p.dtype
+        np.testing.assert_allclose(out[i], np.mean([g[i].astype(np.float64) for g in per_rank], axis=0),
+                                   rtol=1e-12 if p.dtype == np.float64 else 1e-6, atol=1e-7)
+
+
 def check_arrival_order_and_rebuild(gpucoll: Any, r: int, w: int) -> None:
     from gpucoll import compute_bucket_assignment_by_size
 
@@ -388,6 +406,7 @@ def numpy_world(name: str) -> str:
 
 CHECKS: dict[str, Callable[[Any, int, int], None]] = {
     "default_average": check_default_average,
+    "mixed_dtypes": check_mixed_dtypes,
     "arrival_order_and_rebuild": check_arrival_order_and_rebuild,
     "overlap": check_overlap,
     "missing_gradient": check_missing_gradient,
