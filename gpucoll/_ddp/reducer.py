@@ -66,8 +66,8 @@ class Reducer:
         first_bucket_cap_mb: the first issued bucket's limit in MiB (DDP's 1): the
             first gradients go out early.
         group: the process group (None: the default group).
-        check_ready: end each ``wait()`` with a small all_gather that turns a gradient
-            missing on any rank into :class:`ParameterMismatchError` on every rank.
+        check_ready: follow the last bucket with a small all_gather that turns a
+            gradient missing on any rank into :class:`ParameterMismatchError` on every rank.
         rebuild_buckets: rebuild buckets after the first iteration in arrival order.
         verify: check at construction that every rank has the same parameter shapes and
             dtypes (one all_gather of their descriptions).
@@ -99,6 +99,10 @@ class Reducer:
         self._limits = [int(first_bucket_cap_mb * _MB), int(bucket_cap_mb * _MB)]
         self._check_ready = check_ready
         self._xp = kinds.namespace(self._leaves[0])
+        odd = [self._names[i] for i, leaf in enumerate(self._leaves) if kinds.namespace(leaf) is not self._xp]
+        if odd:
+            raise TypeError(f"Reducer: the parameters must all be of one array kind (their buckets are made "
+                            f"by {getattr(self._xp, '__name__', self._xp)}); these differ: {_listing(odd)}")
         self._divide = self._xp.divide
         self._native = type(self._xp.empty(0, dtype=np.float32))  # gradients of this class need no asarray
         if verify:

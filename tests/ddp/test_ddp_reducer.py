@@ -143,6 +143,17 @@ def check_missing_gradient(gpucoll: Any, r: int, w: int) -> None:
         red.mark_ready(0, np.zeros(2, np.float32))
     with pytest.raises(ValueError, match="out of range"):
         red.mark_ready(len(SHAPES), g[0])
+    with pytest.raises(ValueError, match="out of range"):
+        red.mark_ready(True, g[0])
+
+    class OtherKind:  # an array of another framework (its own namespace)
+        shape, dtype = (2,), np.dtype(np.float32)
+
+        def __array_namespace__(self) -> Any:
+            return pytest
+
+    with pytest.raises(TypeError, match=r"one array kind .* these differ: parameter 1"):
+        gpucoll.Reducer([np.zeros(2, np.float32), OtherKind()], verify=False)
 
 
 def check_verify(gpucoll: Any, r: int, w: int) -> None:
