@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Generic, Sequence, TypeVar
+
+from ..array import ArrayLike
 
 __all__ = ["GradBucket"]
 
+#: The array type of a bucket (NumPy, CuPy, ...): ``GradBucket[numpy.ndarray]`` in a typed hook.
+ArrayT = TypeVar("ArrayT", bound=ArrayLike)
 
-class GradBucket:
+
+class GradBucket(Generic[ArrayT]):
     """One bucket of gradients, flattened into one buffer, as a hook sees it.
 
     ``buffer()`` is a 1-D array of the parameters' kind (NumPy, CuPy; JAX parameters are
@@ -27,7 +32,7 @@ class GradBucket:
 
     __slots__ = ("_index", "_buffer", "_gradients", "_parameters", "_is_last", "_offsets")
 
-    def __init__(self, index: int, buffer: Any, gradients: Sequence[Any], parameters: Sequence[Any],
+    def __init__(self, index: int, buffer: ArrayT, gradients: Sequence[ArrayT], parameters: Sequence[ArrayLike],
                  is_last: bool, offsets: Sequence[int] = ()) -> None:
         self._index = index
         self._buffer = buffer
@@ -40,16 +45,16 @@ class GradBucket:
         """The bucket's index (0 is issued first)."""
         return self._index
 
-    def buffer(self) -> Any:
+    def buffer(self) -> ArrayT:
         """The flat 1-D buffer holding every gradient of the bucket."""
         return self._buffer
 
-    def gradients(self) -> list[Any]:
+    def gradients(self) -> list[ArrayT]:
         """The gradients, shaped as their parameters; views into :meth:`buffer` (as long as
         :meth:`set_buffer` has not replaced it)."""
         return list(self._gradients)
 
-    def parameters(self) -> list[Any]:
+    def parameters(self) -> list[ArrayLike]:
         """The parameters whose gradients the bucket holds, in the same order."""
         return list(self._parameters)
 
@@ -57,7 +62,7 @@ class GradBucket:
         """True for the iteration's last bucket (hooks count iterations on it)."""
         return self._is_last
 
-    def set_buffer(self, buffer: Any) -> None:
+    def set_buffer(self, buffer: ArrayT) -> None:
         """Replace the buffer that :meth:`buffer` returns (a wrapper hook hands a cast copy
         to the hook it wraps); the gradients stay views into the original."""
         self._buffer = buffer

@@ -19,7 +19,7 @@ __all__ = ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "fp16_c
            "bf16_compress_wrapper", "Hook"]
 
 #: A communication hook: ``hook(state, bucket) -> Future`` of the reduced buffer.
-Hook = Callable[[Any, GradBucket], Future[Any]]
+Hook = Callable[[Any, "GradBucket[Any]"], Future[Any]]
 
 
 def _allreduce_fut(group: ProcessGroup | None, array: Any) -> Future[Any]:
@@ -31,7 +31,7 @@ def _allreduce_fut(group: ProcessGroup | None, array: Any) -> Future[Any]:
     return Future.from_work(work).then(lambda fut: array)
 
 
-def _sum_hook(process_group: ProcessGroup | None, bucket: GradBucket) -> Future[Any]:
+def _sum_hook(process_group: ProcessGroup | None, bucket: GradBucket[Any]) -> Future[Any]:
     """The Reducer's default: the bucket was divided by the group's size as the gradients
     were copied in (one pass over the memory instead of two); here only the sum."""
     array = bucket.buffer()
@@ -40,7 +40,7 @@ def _sum_hook(process_group: ProcessGroup | None, bucket: GradBucket) -> Future[
     return Future.from_work(work).then(lambda fut: array)
 
 
-def allreduce_hook(process_group: ProcessGroup | None, bucket: GradBucket) -> Future[Any]:
+def allreduce_hook(process_group: ProcessGroup | None, bucket: GradBucket[Any]) -> Future[Any]:
     """Average the bucket over the group with one all_reduce: what the Reducer does
     without a hook (torch's ``allreduce_hook``).
 
@@ -50,7 +50,7 @@ def allreduce_hook(process_group: ProcessGroup | None, bucket: GradBucket) -> Fu
     return _allreduce_fut(process_group, bucket.buffer())
 
 
-def _compress_hook(dtype: str, process_group: ProcessGroup | None, bucket: GradBucket) -> Future[Any]:
+def _compress_hook(dtype: str, process_group: ProcessGroup | None, bucket: GradBucket[Any]) -> Future[Any]:
     pg = _pg(process_group)
     buffer = bucket.buffer()
     compressed = kinds.compress(buffer, dtype, pg.size())
@@ -59,7 +59,7 @@ def _compress_hook(dtype: str, process_group: ProcessGroup | None, bucket: GradB
     return Future.from_work(work).then(lambda fut: kinds.decompress_into(buffer, compressed))
 
 
-def fp16_compress_hook(process_group: ProcessGroup | None, bucket: GradBucket) -> Future[Any]:
+def fp16_compress_hook(process_group: ProcessGroup | None, bucket: GradBucket[Any]) -> Future[Any]:
     """Cast the bucket to float16, divide by the group's size, all-reduce, cast back:
     half the bytes on the wire (torch's ``fp16_compress_hook``).
 
@@ -69,7 +69,7 @@ def fp16_compress_hook(process_group: ProcessGroup | None, bucket: GradBucket) -
     return _compress_hook("float16", process_group, bucket)
 
 
-def bf16_compress_hook(process_group: ProcessGroup | None, bucket: GradBucket) -> Future[Any]:
+def bf16_compress_hook(process_group: ProcessGroup | None, bucket: GradBucket[Any]) -> Future[Any]:
     """As :func:`fp16_compress_hook` with bfloat16 (float32's range, 8 bits of mantissa).
     NumPy buffers use ``ml_dtypes.bfloat16``; CuPy buffers are rounded to bfloat16 bits.
     """
@@ -77,7 +77,7 @@ def bf16_compress_hook(process_group: ProcessGroup | None, bucket: GradBucket) -
 
 
 def _compress_wrapper(dtype: str, hook: Hook) -> Hook:
-    def wrapped(state: Any, bucket: GradBucket) -> Future[Any]:
+    def wrapped(state: Any, bucket: GradBucket[Any]) -> Future[Any]:
         original = bucket.buffer()
         compressed = kinds.compress(original, dtype, 1)  # the wrapped hook divides
         if isinstance(compressed, kinds.Carried):

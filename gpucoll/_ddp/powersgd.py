@@ -115,7 +115,7 @@ class PowerSGDState:
         self.next_stats_report = 0
         self.batch_tensors_with_same_shape = batch_tensors_with_same_shape
 
-    def maybe_increase_iter(self, bucket: GradBucket) -> None:
+    def maybe_increase_iter(self, bucket: GradBucket[Any]) -> None:
         """Count an iteration when the last bucket of one is processed."""
         if bucket.is_last():
             self.iter += 1
@@ -127,7 +127,7 @@ class PowerSGDState:
         return (rate, self.total_numel_before_compression, self.total_numel_after_compression)
 
 
-def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Future[Any]:
+def powerSGD_hook(state: PowerSGDState, bucket: GradBucket[Any]) -> Future[Any]:
     """Reduce a bucket with PowerSGD: matrices as rank-r factors, the rest as one plain
     all_reduce (torch's ``powerSGD_hook``; see the module's docstring).
 

@@ -20,7 +20,7 @@ every rank raises :class:`ParameterMismatchError` naming the parameters and the 
 from __future__ import annotations
 
 import sys
-from typing import Any, Sequence
+from typing import Any, Generic, Sequence, TypeVar, cast
 
 import numpy as np
 
@@ -28,6 +28,7 @@ from .. import _collectives
 from .._collectives import _pg
 from .._group import ProcessGroup
 from .._work import Work
+from ..array import ArrayLike
 from ..errors import ParameterMismatchError
 from . import kinds
 from .buckets import compute_bucket_assignment_by_size
@@ -55,7 +56,10 @@ class _Bucket:
         self.future: Future[Any] | None = None
 
 
-class Reducer:
+TreeT = TypeVar("TreeT")
+
+
+class Reducer(Generic[TreeT]):
     """Averages gradients over a group in buckets, overlapping communication with the
     rest of the backward pass (torch's ``dist.Reducer``, for NumPy, CuPy and JAX).
 
@@ -83,7 +87,7 @@ class Reducer:
         >>> grads = reducer.wait()                          # averaged over the ranks
     """
 
-    def __init__(self, params: Any, bucket_cap_mb: float = 25, first_bucket_cap_mb: float = 1,
+    def __init__(self, params: TreeT, bucket_cap_mb: float = 25, first_bucket_cap_mb: float = 1,
                  group: ProcessGroup | None = None, *, check_ready: bool = True,
                  rebuild_buckets: bool = True, verify: bool = True) -> None:
         self._leaves, self._treedef, self._names = _flatten(params)
@@ -146,7 +150,7 @@ class Reducer:
         self._slot = [(buckets[b], buckets[b].views[pos]) for b, pos in where]
         self._out = [view for _, view in self._slot]
 
-    def register_comm_hook(self, state: Any, hook: Hook) -> None:
+    def register_comm_hook(self, state: object, hook: Hook) -> None:
         """Use ``hook(state, bucket)`` to reduce each bucket instead of the default average.
 
         Call once, before the first gradient (torch's rule).
@@ -168,7 +172,7 @@ class Reducer:
         return [list(b.indices) for b in self._buckets]
 
     # ----- one iteration -----
-    def mark_ready(self, index: int, grad: Any) -> None:
+    def mark_ready(self, index: int, grad: ArrayLike) -> None:
         """Hand over parameter ``index``'s gradient; issue its bucket once it is full.
 
         ``grad`` is copied into the bucket (unless it is the bucket's own view, from
@@ -178,6 +182,7 @@ class Reducer:
             ValueError: ``index`` out of range, marked twice in this iteration, or a
                 gradient of the wrong shape.
         """
+        g: Any = grad  # read as the array it is (shape, class); typed ArrayLike for callers
         # The hot path (once per gradient per iteration): checks by look-up, no allocation.
         if index.__class__ is not int:
             index = self._index_of(index)
@@ -186,17 +191,17 @@ class Reducer:
         if self._ready[index]:
             raise ValueError(f"mark_ready: {self._label(index)} was marked ready twice in this iteration "
                              "(torch: Expected to mark a variable ready only once)")
-        if grad.shape != self._shapes[index] and tuple(grad.shape) != self._shapes[index]:
-            raise ValueError(f"mark_ready: the gradient of {self._names[index]} has shape {tuple(grad.shape)}; "
+        if g.shape != self._shapes[index] and tuple(g.shape) != self._shapes[index]:
+            raise ValueError(f"mark_ready: the gradient of {self._names[index]} has shape {tuple(g.shape)}; "
                              f"expected {self._shapes[index]}")
         bucket, view = self._slot[index]
         if self._hook_registered:
-            if grad is not view:
-                view[...] = grad if grad.__class__ is self._native else self._xp.asarray(grad)
-        elif grad is view:
+            if g is not view:
+                view[...] = g if g.__class__ is self._native else self._xp.asarray(g)
+        elif g is view:
             view /= self._size
         else:  # the default average: divide on the way in (one pass over the memory, not two)
-            self._divide(grad if grad.__class__ is self._native else self._xp.asarray(grad), self._size, out=view)
+            self._divide(g if g.__class__ is self._native else self._xp.asarray(g), self._size, out=view)
         self._ready[index] = True
         self._started = True
         if self._recording:
@@ -247,7 +252,7 @@ class Reducer:
                             "(e.g. Future.from_work(gpucoll.all_reduce(x, async_op=True)))")
         bucket.future = future
 
-    def reduce(self, grads: Any, timeout: float | None = None) -> Any:
+    def reduce(self, grads: TreeT, timeout: float | None = None) -> TreeT:
         """Reduce a whole set of gradients (same structure as the parameters) and return
         the averaged ones, as :meth:`mark_ready` for each, then :meth:`wait`."""
         leaves = _flatten_like(grads, self._treedef, len(self._leaves))
@@ -255,7 +260,7 @@ class Reducer:
             self.mark_ready(i, leaves[i])
         return self.wait(timeout)
 
-    def wait(self, timeout: float | None = None) -> Any:
+    def wait(self, timeout: float | None = None) -> TreeT:
         """Finish the iteration: issue what is left, wait for every bucket, and return the
         reduced gradients in the parameters' structure (NumPy/CuPy: views into the
         buckets, valid until the next iteration writes them; JAX: new arrays).
@@ -299,8 +304,8 @@ class Reducer:
         self._recording = False
         self.iteration += 1
         if self._treedef is None:
-            return out
-        return self._treedef.unflatten(out)
+            return cast(TreeT, out)
+        return cast(TreeT, self._treedef.unflatten(out))
 
     def _label(self, i: int) -> str:
         return f"{self._names[i]} {describe(self._leaves[i])}"
