@@ -126,3 +126,37 @@ def test_bad_arguments() -> None:
         compute_bucket_assignment_by_size([np.empty(2)], [0])
     with pytest.raises(ValueError, match="expect_sparse_gradient has 1 entries for 2 arrays"):
         compute_bucket_assignment_by_size([np.empty(2)] * 2, [8], [True])
+
+
+@pytest.mark.parametrize("model", ["resnet50", "bert-base", "gpt2"])
+def test_real_models_match_torch(model: str) -> None:
+    """The bench's three gradient sets (bench/ddp_bench.py) with DDP's limits (1 MiB, then
+    25 MiB), in parameter order and in reverse arrival order, against torch's function on
+    meta tensors (no memory)."""
+    torch = pytest.importorskip("torch", reason="torch (CPU) is the reference; a test-only dependency")
+    import importlib.util
+    import pathlib
+
+    import torch.distributed as dist
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "ddp_bench.py"
+    spec = importlib.util.spec_from_file_location("ddp_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    shapes = bench.SHAPES[model]()
+
+    class Spec:
+        def __init__(self, shape: tuple[int, ...]) -> None:
+            self.shape, self.dtype = shape, np.dtype(np.float32)
+
+    ours = [Spec(s) for s in shapes]
+    theirs = [torch.empty(s, device="meta") for s in shapes]
+    limits = [1 << 20, 25 << 20]
+    want = dist._compute_bucket_assignment_by_size(theirs, limits, [])
+    assert compute_bucket_assignment_by_size(ours, limits) == ([list(b) for b in want[0]], list(want[1]))
+    order = list(reversed(range(len(shapes))))
+    got = compute_bucket_assignment_by_size([ours[i] for i in order], limits, tensor_indices=order)
+    want = dist._compute_bucket_assignment_by_size([theirs[i] for i in order], limits, [], order)
+    assert got == ([list(b) for b in want[0]], list(want[1]))
+    assert len(got[0]) > 3
