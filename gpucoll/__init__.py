@@ -109,6 +109,16 @@ from ._fault.api import grow_group as grow_group
 from ._fault.api import join_process_group as join_process_group
 from ._fault.api import shrink_group as shrink_group
 
+# --- data parallel: gradient buckets and communication hooks (docs/data-parallel.md) ---
+from .errors import ParameterMismatchError as ParameterMismatchError
+from ._ddp.buckets import compute_bucket_assignment_by_size as compute_bucket_assignment_by_size
+from ._ddp.grad_bucket import GradBucket as GradBucket
+from ._ddp.reducer import Reducer as Reducer
+from ._ddp.helpers import broadcast_coalesced as broadcast_coalesced
+from ._ddp.helpers import verify_params_across_processes as verify_params_across_processes
+from ._ddp.jit import bucketed_all_reduce as bucketed_all_reduce
+from . import ddp_comm_hooks as ddp_comm_hooks
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -136,4 +146,7 @@ __all__ = [
     "DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env",
     # fault tolerance
     "shrink_group", "grow_group", "join_process_group",
+    # data parallel
+    "ParameterMismatchError", "compute_bucket_assignment_by_size", "GradBucket", "Reducer",
+    "broadcast_coalesced", "verify_params_across_processes", "bucketed_all_reduce", "ddp_comm_hooks",
 ]

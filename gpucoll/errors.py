@@ -28,6 +28,7 @@ __all__ = [
     "DistStoreTimeoutError",
     "QueueEmptyError",
     "BackendUnavailableError",
+    "ParameterMismatchError",
 ]
 
 
@@ -57,3 +58,9 @@ class QueueEmptyError(DistStoreError):
 
 class BackendUnavailableError(DistError):
     """The requested backend cannot run on this machine; the message says why."""
+
+
+class ParameterMismatchError(DistError):
+    """Ranks disagree about the parameters of a data-parallel reduction: different shapes
+    or dtypes (``verify_params_across_processes``), or a gradient some rank did not hand
+    over in an iteration (``Reducer.wait``). The message lists the parameters and ranks."""

@@ -1,0 +1,389 @@
+"""Data-parallel gradient reduction: gpucoll's Reducer against torch DDP over gloo, on the
+gradient sets of three real models, at world size 2 on the CPU backend.
+
+Shapes come from the models' public definitions (built here, no download):
+
+- ResNet-50 (torchvision ``resnet50``): 161 tensors, 25,557,032 parameters;
+- BERT-base (``bert-base-uncased``'s ``BertModel``): 199 tensors, 109,482,240 parameters;
+- GPT-2 small (``gpt2``'s ``GPT2Model``, tied head not counted twice): 148 tensors, 124,439,808.
+
+Ways, timed in the same run (float32 gradients, the time of one whole reduction, the
+slower rank's, median over iterations):
+
+- ``bucketed``: ``Reducer(params)`` (25 MiB buckets, the first 1 MiB), ``reduce(grads)``,
+  after the first iteration's rebuild: copy into the buckets, one all_reduce per bucket;
+- ``bucketed, views``: the same, the gradients computed into the buckets
+  (``Reducer.gradient_view``, torch's ``gradient_as_bucket_view``): no copy;
+- ``flat``: one all_reduce of one array holding everything (the floor: no copy, one op);
+- ``per tensor``: one all_reduce per gradient, what a script without buckets does;
+- ``fp16``: the Reducer with ``fp16_compress_hook`` (half the bytes); its largest error
+  against the exact mean is printed in float16 ulps of the largest value summed;
+- ``torch DDP``: ``DistributedDataParallel`` (gloo, 25 MiB buckets,
+  ``gradient_as_bucket_view=True``) over a module with the same parameters, whose backward
+  hands over precomputed gradients (a custom autograd Function: no compute), so the time
+  is DDP's reducer and gloo; ``torch no_sync`` is the same backward without reduction.
+
+Overlap: a simulated backward calls ``mark_ready`` for each gradient after sleeping in
+proportion to its size (the whole backward lasting twice the flat all_reduce); printed:
+the time from the last gradient to ``wait()`` returning, against one all_reduce of the
+last bucket's size, and against the whole reduction.
+
+gpucoll and torch take turns, ``--rounds`` times (default 3), and each figure is the
+median over the rounds. The machine is shared: compare the ratios of one run, not
+absolute times across runs.
+
+Usage::
+
+    python bench/ddp_bench.py                       # all three models, 2 ranks, 3 rounds
+    python bench/ddp_bench.py --models resnet50 --iters 5
+    python bench/ddp_bench.py --skip-torch --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+MODELS = ("resnet50", "bert-base", "gpt2")
+
+
+# ----- shapes from the public definitions -----
+
+def resnet50() -> list[tuple[int, ...]]:
+    shapes: list[tuple[int, ...]] = [(64, 3, 7, 7), (64,), (64,)]
+    inplanes = 64
+    for planes, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
+        for b in range(blocks):
+            shapes += [(planes, inplanes, 1, 1), (planes,), (planes,), (planes, planes, 3, 3), (planes,), (planes,),
+                       (planes * 4, planes, 1, 1), (planes * 4,), (planes * 4,)]
+            if b == 0:
+                shapes += [(planes * 4, inplanes, 1, 1), (planes * 4,), (planes * 4,)]
+            inplanes = planes * 4
+    return shapes + [(1000, 2048), (1000,)]
+
+
+def bert_base() -> list[tuple[int, ...]]:
+    h, ff = 768, 3072
+    shapes: list[tuple[int, ...]] = [(30522, h), (512, h), (2, h), (h,), (h,)]
+    for _ in range(12):
+        shapes += [(h, h), (h,)] * 4 + [(h,), (h,), (ff, h), (ff,), (h, ff), (h,), (h,), (h,)]
+    return shapes + [(h, h), (h,)]
+
+
+def gpt2_small() -> list[tuple[int, ...]]:
+    h = 768
+    shapes: list[tuple[int, ...]] = [(50257, h), (1024, h)]
+    for _ in range(12):
+        shapes += [(h,), (h,), (h, 3 * h), (3 * h,), (h, h), (h,), (h,), (h,), (h, 4 * h), (4 * h,), (4 * h, h), (h,)]
+    return shapes + [(h,), (h,)]
+
+
+SHAPES: dict[str, Callable[[], list[tuple[int, ...]]]] = {"resnet50": resnet50, "bert-base": bert_base, "gpt2": gpt2_small}
+EXPECTED = {"resnet50": (161, 25_557_032), "bert-base": (199, 109_482_240), "gpt2": (148, 124_439_808)}
+
+
+def grads_for(shapes: list[tuple[int, ...]], rank: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(rank)
+    return [rng.standard_normal(s, dtype=np.float32) for s in shapes]
+
+
+def _median_of_max(times: list[float], gather: Callable[[Any], list[Any]]) -> float:
+    everyone = gather(times)
+    return statistics.median(max(t[i] for t in everyone) for i in range(len(times)))
+
+
+# ----- gpucoll -----
+
+def gpucoll_rank(models: list[str], iters: int) -> dict[str, Any]:
+    import gpucoll
+    from gpucoll.ddp_comm_hooks import fp16_compress_hook
+
+    rank, world = gpucoll.get_rank(), gpucoll.get_world_size()
+
+    def gather(obj: Any) -> list[Any]:
+        out: list[Any] = [None] * world
+        gpucoll.all_gather_object(out, obj)
+        return out
+
+    def timed(fn: Callable[[], Any], n: int = iters) -> float:
+        times = []
+        for _ in range(n):
+            gpucoll.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return _median_of_max(times, gather)
+
+    results: dict[str, Any] = {}
+    for model in models:
+        shapes = SHAPES[model]()
+        grads = grads_for(shapes, rank)
+        params = [np.zeros(s, np.float32) for s in shapes]
+        row: dict[str, Any] = {"tensors": len(shapes), "params": int(sum(g.size for g in grads))}
+        flat = np.concatenate([g.reshape(-1) for g in grads])
+        row["flat"] = timed(lambda: gpucoll.all_reduce(flat))
+        del flat
+        reducer = gpucoll.Reducer(params)
+        reducer.reduce(grads)  # the first iteration rebuilds the buckets
+        row["buckets"] = len(reducer.bucket_indices)
+        row["bucketed"] = timed(lambda: reducer.reduce(grads))
+        views = [reducer.gradient_view(i) for i in range(len(grads))]
+        for v, g in zip(views, grads):
+            v[...] = g
+
+        def in_place() -> None:  # gradients computed into the buckets: no copy
+            for i in reversed(range(len(views))):
+                reducer.mark_ready(i, views[i])
+            reducer.wait()
+        row["bucketed_views"] = timed(in_place)
+
+        # overlap: a simulated backward, the last layers' gradients first
+        rate = 2 * row["flat"] / sum(g.nbytes for g in grads)  # seconds per byte: backward = 2x flat
+        last = reducer.bucket_indices[-1]
+        last_buf = np.zeros(sum(grads[i].size for i in last), np.float32)
+        row["last_bucket_mib"] = last_buf.nbytes / 2**20
+        row["last_bucket_all_reduce"] = timed(lambda: gpucoll.all_reduce(last_buf))
+        tails, totals = [], []
+        for _ in range(iters):
+            gpucoll.barrier()
+            t0 = time.perf_counter()
+            for i in reversed(range(len(grads))):
+                time.sleep(grads[i].nbytes * rate)
+                reducer.mark_ready(i, grads[i])
+            t1 = time.perf_counter()
+            reducer.wait()
+            t2 = time.perf_counter()
+            tails.append(t2 - t1)
+            totals.append(t2 - t0)
+        row["overlap_tail"] = _median_of_max(tails, gather)
+        row["overlap_total"] = _median_of_max(totals, gather)
+        row["simulated_backward"] = 2 * row["flat"]
+        del reducer
+
+        per_tensor_times = []
+        for _ in range(max(1, iters // 2)):
+            gpucoll.barrier()
+            t0 = time.perf_counter()
+            for g in grads:
+                gpucoll.all_reduce(g)
+            per_tensor_times.append(time.perf_counter() - t0)
+        row["per_tensor"] = _median_of_max(per_tensor_times, gather)
+
+        grads = grads_for(shapes, rank)
+        fp16 = gpucoll.Reducer(params)
+        fp16.register_comm_hook(None, fp16_compress_hook)
+        fp16.reduce(grads)
+        row["fp16"] = timed(lambda: fp16.reduce(grads), max(2, iters // 3))  # slow on CPUs: see docs
+        out = fp16.reduce(grads)
+        # error against the exact mean, in units of float16's spacing at the largest of
+        # the summed values (each rank's gradient / world, and the mean itself)
+        others = [grads_for(shapes, k) for k in range(world)]
+        worst = 0.0
+        for i in range(len(shapes)):
+            exact = np.mean([o[i].astype(np.float64) for o in others], axis=0)
+            largest = np.max([np.abs(o[i] / world) for o in others] + [np.abs(exact)], axis=0)
+            ulp = np.spacing(largest.astype(np.float16)).astype(np.float64)
+            worst = max(worst, float(np.max(np.abs(out[i] - exact) / ulp)))
+        row["fp16_err_ulps"] = worst
+        del fp16, out, others
+        results[model] = row
+    return results
+
+
+def run_gpucoll(models: list[str], iters: int) -> dict[str, Any]:
+    from gpucoll.testing import run_spmd
+
+    res: dict[str, Any] = run_spmd(gpucoll_rank, 2, args=(models, iters), timeout=3000, backend="cpu",
+                                   pg_timeout=300.0)[0]
+    return res
+
+
+# ----- torch DDP over gloo (subprocess workers over a torch TCPStore on port 0) -----
+
+def gloo_worker(rank: int, world: int, port: int, models: list[str], iters: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)  # type: ignore[attr-defined]
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+
+    def gather(obj: Any) -> list[Any]:
+        out: list[Any] = [None] * world
+        dist.all_gather_object(out, obj)
+        return out
+
+    class HandOver(torch.autograd.Function):
+        """Backward returns the precomputed gradients: no compute, only DDP's work."""
+
+        @staticmethod
+        def forward(ctx: Any, grads: list[Any], *params: Any) -> Any:  # type: ignore[override]
+            ctx.grads = grads
+            return params[0].new_zeros(())
+
+        @staticmethod
+        def backward(ctx: Any, _: Any) -> Any:  # type: ignore[override]
+            return (None, *ctx.grads)
+
+    results: dict[str, Any] = {}
+    try:
+        for model in models:
+            shapes = SHAPES[model]()
+            grads = [torch.from_numpy(g) for g in grads_for(shapes, rank)]
+
+            class Module(torch.nn.Module):
+                def __init__(self) -> None:
+                    super().__init__()
+                    self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(s)) for s in shapes])
+
+                def forward(self) -> Any:
+                    return HandOver.apply(grads, *self.ps)
+
+            ddp = DDP(Module(), process_group=None, bucket_cap_mb=25, gradient_as_bucket_view=True)
+
+            def step(sync: bool = True) -> None:
+                if sync:
+                    ddp().backward()
+                else:
+                    with ddp.no_sync():
+                        ddp().backward()
+
+            def timed(fn: Callable[[], Any]) -> float:
+                times = []
+                for _ in range(iters):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - t0)
+                return _median_of_max(times, gather)
+
+            step()
+            step()  # the first iteration rebuilds the buckets
+            results[model] = {"ddp": timed(step), "no_sync": timed(lambda: step(False))}
+            del ddp
+    finally:
+        dist.destroy_process_group()
+    return results
+
+
+def run_gloo(models: list[str], iters: int) -> dict[str, Any] | str:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return "torch is not installed"
+    master = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", "--rank", str(r), "--port", str(master.port),
+                               "--models", ",".join(models), "--iters", str(iters)],
+                              stdout=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=3000)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        return f"torch workers failed (exit codes {[p.returncode for p in procs]})"
+    res: dict[str, Any] = json.loads(outs[0].strip().splitlines()[-1])
+    return res
+
+
+# ----- report -----
+
+def median_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each model's figures, the median over the rounds (counts are the same in every round)."""
+    out: dict[str, Any] = {}
+    for model in rounds[0]:
+        out[model] = {k: (statistics.median(r[model][k] for r in rounds) if isinstance(v, float) else v)
+                      for k, v in rounds[0][model].items()}
+    return out
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:8.1f} ms"
+
+
+def report(ours: dict[str, Any], theirs: dict[str, Any] | str, rounds: int = 1) -> str:
+    lines = [f"world size 2, CPU backend, float32 gradients; times: slower rank, median over iterations, "
+             f"then over {rounds} round(s); ratios within this run", ""]
+    for model, row in ours.items():
+        mib = row["params"] * 4 / 2**20
+        lines.append(f"{model}: {row['tensors']} tensors, {row['params']:,} parameters ({mib:.1f} MiB), "
+                     f"{row['buckets']} buckets")
+        lines.append(f"  flat (the floor)   {_ms(row['flat'])}")
+        lines.append(f"  bucketed           {_ms(row['bucketed'])}   {row['bucketed'] / row['flat']:.2f}x flat")
+        lines.append(f"  bucketed, views    {_ms(row['bucketed_views'])}   {row['bucketed_views'] / row['flat']:.2f}x flat "
+                     "(gradients computed into the buckets: no copy)")
+        lines.append(f"  per tensor         {_ms(row['per_tensor'])}   {row['per_tensor'] / row['flat']:.2f}x flat")
+        lines.append(f"  fp16 compress      {_ms(row['fp16'])}   {row['fp16'] / row['flat']:.2f}x flat; "
+                     f"half the bytes; worst error {row['fp16_err_ulps']:.2f} float16 ulps of the largest value summed")
+        if isinstance(theirs, dict) and model in theirs:
+            t = theirs[model]
+            lines.append(f"  torch DDP (gloo)   {_ms(t['ddp'])}   bucketed / DDP = {row['bucketed'] / t['ddp']:.3f}")
+            lines.append(f"  torch no_sync      {_ms(t['no_sync'])}   (the same backward without reduction)")
+        lines.append(f"  overlap: simulated backward {_ms(row['simulated_backward'])}, whole step "
+                     f"{_ms(row['overlap_total'])}; after the last gradient {_ms(row['overlap_tail'])} vs one "
+                     f"all_reduce of the last bucket ({row['last_bucket_mib']:.1f} MiB) "
+                     f"{_ms(row['last_bucket_all_reduce'])}: "
+                     f"{row['overlap_tail'] / row['last_bucket_all_reduce']:.2f}x; without overlap: "
+                     f"the whole bucketed reduction, {_ms(row['bucketed'])}")
+        lines.append("")
+    if isinstance(theirs, str):
+        lines.append(f"torch DDP: skipped ({theirs})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    ap.add_argument("--iters", type=int, default=7, help="timed iterations per way (median)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds, the libraries taking turns (median)")
+    ap.add_argument("--skip-torch", action="store_true", help="do not run torch DDP")
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    for m in models:
+        if m not in SHAPES:
+            ap.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
+        shapes = SHAPES[m]()
+        got = (len(shapes), sum(int(np.prod(s)) for s in shapes))
+        assert got == EXPECTED[m], f"{m}: {got} tensors/parameters, expected {EXPECTED[m]}"
+    if args.worker:
+        print(json.dumps(gloo_worker(args.rank, 2, args.port, models, args.iters)))
+        return 0
+    # The libraries take turns, round after round, and each figure is the median over the
+    # rounds: on a shared machine the load drifts within minutes, and one library's whole
+    # run after the other's would compare different moments.
+    ours_rounds: list[dict[str, Any]] = []
+    theirs_rounds: list[dict[str, Any]] = []
+    theirs: dict[str, Any] | str = "--skip-torch"
+    for _ in range(args.rounds):
+        ours_rounds.append(run_gpucoll(models, args.iters))
+        if not args.skip_torch:
+            got = run_gloo(models, args.iters)
+            if isinstance(got, str):
+                theirs = got
+            else:
+                theirs_rounds.append(got)
+    ours = median_rounds(ours_rounds)
+    if theirs_rounds:
+        theirs = median_rounds(theirs_rounds)
+    print(report(ours, theirs, args.rounds))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpucoll": ours, "torch": theirs}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
