@@ -316,7 +316,7 @@ def complete_until(b: BackendState, stop: Pending | None, mode_set: bool = False
                             if pool is not None:
                                 pool.give(w.end)
                         continue
-                    if not w.observed() and _refs(w) <= _UNHELD:
+                    if _refs(w) <= _UNHELD and not w.observed():
                         continue  # nobody holds it: dropped below, its arrays with it
                     w.fired(rt, now)
     finally:
