@@ -61,3 +61,42 @@ def test_no_module_touches_another_objects_private_fields() -> None:
             bad.append(f"{path.name}:{line}: {access}")
     assert not bad, f"{len(bad)} accesses to another object's private fields:\n" + "\n".join(bad)
     assert used == set(ALLOWED), f"allow-list entries no longer needed: {set(ALLOWED) - used}"
+
+
+def test_the_state_the_function_modules_read_is_plain_attributes() -> None:
+    # hot.py reads these per op: a property would cost a call each time.
+    from gpucoll._backends.nccl.backend import NCCLBackend
+    from gpucoll._backends.nccl.state import BackendState
+
+    fields = [n for n in BackendState.__annotations__]
+    assert {"runtime", "device_index", "issue_lock", "ending", "timeout"} <= set(fields)
+    assert not [n for n in fields if n.startswith("_")]
+    assert not [n for n in fields if isinstance(getattr(NCCLBackend, n, None), property)]
+
+
+def test_ending_sets_the_abort_reason_with_the_queue_taken_once() -> None:
+    from gpucoll._backends.nccl.ending import Ending
+    from gpucoll._backends.nccl.outstanding import Outstanding
+
+    queue = Outstanding()
+    ops = [object(), object()]
+    queue.add(ops[0])
+    queue.add(ops[1])
+    end = Ending(queue)
+    assert (end.aborted, end.closed, end.over) == (None, None, None)
+    assert end.abort("first") == ops and not queue  # the reason and the queue, together
+    queue.add(object())
+    assert end.abort("second") is None and len(queue) == 1  # once: the first reason stays
+    end.add_reason("ncclCommAbort failed")
+    assert end.aborted == end.over == "first (and ncclCommAbort failed)"
+    assert end.close("shut down") and not end.close("again")
+    assert end.closed == "shut down" and end.over == "first (and ncclCommAbort failed)"  # the abort names it
+
+
+def test_ending_close_alone_ends_the_issue_path() -> None:
+    from gpucoll._backends.nccl.ending import Ending
+    from gpucoll._backends.nccl.outstanding import Outstanding
+
+    end = Ending(Outstanding())
+    assert end.close("shut down") and end.over == "shut down" and end.aborted is None
+    assert end.abort("later") == [] and end.over == "later"  # an abort after shutdown is named first
