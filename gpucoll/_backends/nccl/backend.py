@@ -25,24 +25,21 @@ from .bootstrap import create_comm
 from .bootstrap import is_nccl_available, nccl_unavailable_reason, nccl_version, rendezvous  # noqa: F401
 from .lib import NCCL_DTYPES, OP_SUM
 from .plan import Plan, Planner, calls_only, merge
-from .runtime import CAPTURE_RELAXED, CAPTURE_THREAD_LOCAL, Comm, Runtime, enter_device, leave_device
+from .runtime import CAPTURE_RELAXED, Comm, Runtime, enter_device, leave_device
 from .comm import CommSlot
 from .outstanding import Outstanding
 from .connect import CheckIn
+from .issuing import caller_streams, check_devices, first_device, new_work, prepare_kernels, refuse_in_capture
 from .ending import Ending
 from .stream import CommStream
 from . import hot as _hot
 from . import phases as _phases
 from . import lifecycle as _lifecycle
-from .shrink import shrink_comm
-from .split import split_comm
+from .shrink import check_shrunk, shrink_comm
+from .split import check_split, split_comm
 from .work import NCCLWork
 
 __all__ = ["NCCLBackend", "nccl_unavailable_reason", "is_nccl_available", "nccl_version", "rendezvous"]
-
-# Which backends each thread has been set up to poll for (poll_pending): by id, the
-# value whether its capture mode could be set.
-_watch_threads = threading.local()
 
 _PLANS_MAX = 256  # cached plans per backend (a plan names its buffers: bounded, cleared when full)
 
@@ -155,15 +152,13 @@ class NCCLBackend:
         self.comm_stream.keep((owner,))
         self.scratch = scratch
         self.comm_stream.open(stream, rt, device)
-        features = self.features
-        self.planner = Planner(self.rank, self.size, features, features.fp8 and cc >= (9, 0), self._alloc_temp)
+        self.planner = Planner(self.rank, self.size, self.features, self.features.fp8 and cc >= (9, 0), self._alloc_temp)
         self.device_index = device
         self.comm_slot.comm = comm
 
-    # For tests outside this package: the communicator, the runtime.
     @property
     def _comm(self) -> Comm | None:
-        """The communicator (None until created): :attr:`comm_slot`'s."""
+        """The communicator (None until created), for tests outside this package (as :attr:`_rt`)."""
         return self.comm_slot.comm
 
     @property
@@ -227,23 +222,7 @@ class NCCLBackend:
         and its capture mode set to thread-local, for good: its event queries then never
         break another thread's global-mode capture (the mode is per thread; torch's
         watchdog sets the same)."""
-        if self.failure() is None and self.outstanding:
-            ready: dict[int, bool] | None = getattr(_watch_threads, "ready", None)
-            if ready is None:
-                ready = _watch_threads.ready = {}
-            if id(self) not in ready:
-                rt = self.runtime
-                if not rt.has_context():
-                    rt.set_device(self.device_index)
-                rt.exchange_capture_mode(CAPTURE_THREAD_LOCAL)
-                ready[id(self)] = rt.can_exchange_capture_mode
-            if ready[id(self)]:
-                oldest = _hot.complete_until(self, None, mode_set=True)
-            else:
-                oldest = self.complete_until(None)
-        else:
-            oldest = self.outstanding.oldest()
-        return oldest.as_work() if isinstance(oldest, _hot.Quiet) else oldest
+        return _hot.poll(self)
 
     def complete_earlier(self, work: NCCLWork) -> None:
         """Complete, in issue order, the ops issued before ``work`` that finished (its
@@ -257,26 +236,12 @@ class NCCLBackend:
 
     # ----- issuing -----
 
-    def _work(self, op_type: str, keep: Sequence[Buffer]) -> NCCLWork:
-        work = NCCLWork(op_type, self, keepalive=list(keep), default_timeout=self.timeout)
-        for b in keep:
-            if b.stream is not None:
-                if b.foreign_stream:
-                    # The producer's later work runs on a stream gpucoll cannot make
-                    # wait: wait() orders it the only way left, by blocking the host.
-                    work.host_wait = True
-                if b.stream_owner is not None:
-                    work.hold_stream(b.stream_owner)
-            elif b.foreign_stream:
-                work.host_wait = True
-        return work
-
     def _issue(self, op_type: str, bufs: Sequence[Buffer], build: Callable[[Planner], Plan],
                *, host_wait: bool = False, key: tuple[Any, ...] | None = None) -> NCCLWork:
         """Plan and launch one op. ``key`` names what the plan depends on (op, buffers,
         dtype, reduction): a plan of NCCL calls only (no copy, kernel or temporary) is
         made once per key and reused."""
-        work = self._work(op_type, bufs)
+        work = new_work(self, op_type, bufs, self.timeout)
         work.host_wait = work.host_wait or host_wait
         with self.issue_lock:
             over = self.ending.over
@@ -284,9 +249,10 @@ class NCCLBackend:
                 work.doom(over)
                 return work
             if self.comm_slot.comm is None:
-                self._refuse_in_capture(op_type, bufs)
-                self._lazy_create(op_type, bufs)
-            self._check_devices(op_type, bufs)
+                refuse_in_capture(self.runtime, op_type, self.group_name, bufs)
+                device = first_device(op_type, bufs)
+                self._adopt(self._new_comm(device), device)
+            check_devices(self.device_index, self.group_name, op_type, bufs)
             planner = self.planner
             assert planner is not None
             temps: list[Any] = []
@@ -296,7 +262,7 @@ class NCCLBackend:
             rt, device = self.runtime, self.device_index
             prev = -1 if rt.get_device() == device else enter_device(rt, device)
             try:
-                callers = self._caller_streams(bufs)
+                callers = caller_streams(rt, bufs)
                 captured = False
                 for s in callers:
                     captured = captured or rt.is_capturing(s)
@@ -309,7 +275,7 @@ class NCCLBackend:
                     plan = self._plans.get(key) if key is not None else None
                     if plan is None:
                         plan = build(planner)
-                        self._prepare_kernels(plan)
+                        prepare_kernels(rt, device, plan)
                         if key is not None and not temps and calls_only(plan):
                             if len(self._plans) >= _PLANS_MAX:
                                 self._plans.clear()
@@ -331,59 +297,6 @@ class NCCLBackend:
                 leave_device(rt, prev)
         return work
 
-    def _prepare_kernels(self, plan: Plan) -> None:
-        """Compile (once) the kernels the plan launches, before any NCCL call is made."""
-        for pre, _, post in plan:
-            if pre or post:
-                for step in (*pre, *post):
-                    if step[0] == "kernel":
-                        self.runtime.prepare(step[1], self.device_index)
-
-    def _refuse_in_capture(self, op_type: str, bufs: Sequence[Buffer]) -> None:
-        """ncclCommInitRank inside a CUDA graph capture would allocate and synchronise
-        (invalidating the capture) and block on the other ranks: refuse it, clearly."""
-        rt = self.runtime
-        streams = {b.stream for b in bufs if b.stream is not None} | {rt.current_stream()}
-        if any(rt.is_capturing(s) for s in streams):
-            raise DistBackendError(
-                f"{op_type} on group {self.group_name!r}: its NCCL communicator does not exist yet, and "
-                "it cannot be created during CUDA graph capture. Create it before capturing: pass "
-                "device_id to init_process_group/new_group, or run one op (a warm-up) first")
-
-    def _lazy_create(self, op_type: str, bufs: Sequence[Buffer]) -> None:
-        cuda = [b for b in bufs if b.is_cuda]
-        if not cuda:
-            raise ValueError(f"{op_type}: the NCCL backend needs CUDA device arrays; got host memory")
-        device = cuda[0].device.index
-        self._adopt(self._new_comm(device), device)
-
-    def _check_devices(self, op_type: str, bufs: Sequence[Buffer]) -> None:
-        for b in bufs:
-            if b.device.type != "cuda" or b.device.index != self.device_index:
-                raise ValueError(
-                    f"{op_type}: every array must be on cuda:{self.device_index}, the device of group "
-                    f"{self.group_name!r}'s NCCL communicator; got one on {b.device}")
-
-    def _caller_streams(self, bufs: Sequence[Buffer]) -> tuple[int, ...]:
-        if len(bufs) == 1:
-            s = bufs[0].stream
-            return (self.runtime.current_stream() if s is None else s,)
-        streams: list[int] = []
-        current = -1
-        for b in bufs:
-            s = b.stream
-            if s is None:
-                # No producer stream published (or the legacy default): the caller's
-                # current stream is where the data was made and will be used.
-                if current < 0:
-                    current = self.runtime.current_stream()
-                s = current
-            if s not in streams:
-                streams.append(s)
-        if not streams:
-            streams.append(self.runtime.current_stream())
-        return tuple(streams)
-
     def _launch(self, op_type: str, plan: Plan, works: Sequence[NCCLWork], bufs: Sequence[Buffer],
                 temps: list[Any], callers: tuple[int, ...] | None = None, captured: bool = False) -> None:
         rt, device, cs = self.runtime, self.device_index, self.comm_stream
@@ -397,7 +310,7 @@ class NCCLBackend:
                 check_ins.check_in(op_type, plan, store=self.store, rank=self.rank, size=self.size,
                                    timeout=self.timeout, group_name=self.group_name, abort=self.abort)
             if callers is None:
-                callers = self._caller_streams(bufs)
+                callers = caller_streams(rt, bufs)
                 for s in callers:
                     captured = captured or rt.is_capturing(s)
             timing = cs.timing and not captured
@@ -548,7 +461,7 @@ class NCCLBackend:
 
     def barrier(self) -> Work:
         """An all_reduce of one int on every rank; its Work's wait() blocks the host."""
-        work = self._work("barrier", ())
+        work = new_work(self, "barrier", (), self.timeout)
         work.host_wait = True
         with self.issue_lock:
             over = self.ending.over
@@ -556,7 +469,7 @@ class NCCLBackend:
                 work.doom(over)
                 return work
             if self.comm_slot.comm is None:
-                self._refuse_in_capture("barrier", ())
+                refuse_in_capture(self.runtime, "barrier", self.group_name, ())
                 device = self.runtime.get_device()
                 self._adopt(self._new_comm(device), device)
             s = self.scratch
@@ -642,10 +555,7 @@ class NCCLBackend:
                     _lifecycle.abort_comm(self, blocking=True)  # an abort that arrived during the split
                 if new is None:
                     return None
-                if new.size != len(members) or new.rank != new_rank:
-                    raise DistBackendError(
-                        f"ncclCommSplit made group {group_name!r} with rank {new.rank} of {new.size}; expected "
-                        f"rank {new_rank} of {len(members)}: ranks passed different member lists for one color")
+                check_split(new, new_rank, len(members), group_name)
                 return self._child(store, new_rank, len(members), timeout=timeout, group_name=group_name,
                                    device_id=device, comm=new, config=config, high_priority=high_priority)
         if not member:
@@ -685,9 +595,6 @@ class NCCLBackend:
         if self.ending.aborted is not None:
             _lifecycle.abort_comm(self, blocking=True)  # an abort that arrived during the shrink
         _lifecycle.abort(self, f"group {self.group_name!r} was shrunk into {group_name!r}")
-        expected = [r for r in range(self.size) if r not in gone]
-        if new.size != len(expected) or new.rank != expected.index(self.rank):
-            raise DistBackendError(f"ncclCommShrink made {group_name!r} with rank {new.rank} of {new.size}; "
-                                   f"expected rank {expected.index(self.rank)} of {len(expected)}")
+        check_shrunk(new, self.rank, self.size, gone, group_name)
         return self._child(store, new.rank, new.size, timeout=timeout, group_name=group_name,
                            device_id=device, comm=new, config=config, high_priority=high_priority)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 
@@ -46,7 +47,8 @@ if TYPE_CHECKING:
     from ..._debug.flight_recorder import _Entry
     from .state import BackendState
 
-__all__ = ["Hot", "Quiet", "Pending", "PRUNE_AT", "PRUNE_WORKS_AT", "make", "issue", "issue_quiet", "issue_failed", "complete_until"]
+__all__ = ["Hot", "Quiet", "Pending", "PRUNE_AT", "PRUNE_WORKS_AT", "make", "issue", "issue_quiet", "issue_failed",
+           "complete_until", "poll"]
 
 # A finished Work that only the sweep holds (its list of works, the pending queue, its loop
 # variable, and getrefcount's own argument) is not completed, only dropped: nothing can
@@ -280,6 +282,33 @@ def issue_failed(b: BackendState, op_type: str, exc: Exception, issuing: bool, b
         if aborted is None:
             b.abort(f"{op_type} failed while being issued ({why})")
     return DistBackendError(f"{op_type} on group {b.group_name!r} failed: {why}")
+
+
+# Which backends each thread has been set up to poll for (poll): by id, the value
+# whether its capture mode could be set.
+_watch_threads = threading.local()
+
+
+def poll(b: BackendState) -> NCCLWork | None:
+    """``NCCLBackend.poll_pending`` (the watchdog's timer): notice an asynchronous NCCL
+    error, complete the ops that finished, and return the oldest one still running (a
+    Work standing for it when it has none), or None. The calling thread is set up once
+    per backend: its device made current if it has no CUDA context, its capture mode
+    thread-local for good."""
+    if b.failure() is None and b.outstanding:
+        ready: dict[int, bool] | None = getattr(_watch_threads, "ready", None)
+        if ready is None:
+            ready = _watch_threads.ready = {}
+        if id(b) not in ready:
+            rt = b.runtime
+            if not rt.has_context():
+                rt.set_device(b.device_index)
+            rt.exchange_capture_mode(CAPTURE_THREAD_LOCAL)
+            ready[id(b)] = rt.can_exchange_capture_mode
+        oldest = complete_until(b, None, mode_set=ready[id(b)])
+    else:
+        oldest = b.outstanding.oldest()
+    return oldest.as_work() if isinstance(oldest, Quiet) else oldest
 
 
 def complete_until(b: BackendState, stop: Pending | None, mode_set: bool = False) -> Pending | None:
