@@ -154,7 +154,7 @@ class NCCLBackend:
         self.comm_stream.open(stream, rt, device)
         self.planner = Planner(self.rank, self.size, self.features, self.features.fp8 and cc >= (9, 0), self._alloc_temp)
         self.device_index = device
-        self.comm_slot.comm = comm
+        self.comm_slot.put(comm)
 
     @property
     def _comm(self) -> Comm | None:
@@ -205,7 +205,7 @@ class NCCLBackend:
     def time_ops(self) -> None:
         """Record later ops' events with timing, so that active_duration is GPU time
         (the group calls this when a completion hook is registered)."""
-        self.comm_stream.timing = True
+        self.comm_stream.time_ops()
 
     def has_pending(self) -> bool:
         """For the group's watchdog: True while issued ops may still be running."""

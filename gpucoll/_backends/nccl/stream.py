@@ -25,7 +25,12 @@ __all__ = ["CommStream"]
 
 
 class CommStream:
-    """The communication stream (None until the communicator exists) and its events."""
+    """The communication stream (None until the communicator exists) and its events.
+
+    ``timing``, ``last_end`` and ``tail`` are the issue path's (hot.py, ``NCCLBackend._launch``),
+    which reads and writes them directly under the backend's issue lock: a method call
+    per op would cost the synchronous op more than the rest of its Python. The rest is
+    read-only outside this class."""
 
     __slots__ = ("stream", "ptr", "events", "timing", "last_end", "tail", "kept", "captured")
 
@@ -33,11 +38,15 @@ class CommStream:
         self.stream: Any = None
         self.ptr = 0
         self.events: EventPool | None = None
-        self.timing = False
+        self.timing = False             # record timed events (a completion hook asked: time_ops)
         self.last_end: Event | None = None
         self.tail: Event | None = None
         self.kept: list[Any] = []       # held for the backend's life (read-only outside)
         self.captured = False           # an op was captured into a CUDA graph (read-only outside)
+
+    def time_ops(self) -> None:
+        """Record later ops' events with timing (for active_duration)."""
+        self.timing = True
 
     def keep(self, objs: Iterable[Any]) -> None:
         """Hold ``objs`` as long as the backend lives."""
