@@ -186,7 +186,7 @@ def test_completed_works_are_released_without_a_watchdog() -> None:
             del buf
         be.all_reduce(dev(rt, np.ones(2, np.float32)), ReduceOp.SUM).synchronize()  # everything before is done
         be.all_reduce(dev(rt, np.ones(2, np.float32)), ReduceOp.SUM)  # issuing completes them
-        assert len(be._pending) <= 2
+        assert len(be.outstanding) <= 2
         assert all(o() is None for o in owners)  # and their arrays were let go
     run_world(2, body)
 
@@ -197,7 +197,7 @@ def test_graph_capture_joins_the_streams_and_completes_at_once() -> None:
         be.all_reduce(dev(rt, np.ones(1, np.float32)), ReduceOp.SUM).synchronize()  # connected before capture
         rt.begin_capture()
         work = be.all_reduce(buf, ReduceOp.SUM)
-        assert work.is_completed() and rt.unpooled_events == 2 and all(w is not work for w in be._pending)
+        assert work.is_completed() and rt.unpooled_events == 2 and all(w is not work for w in be.outstanding)
         graph = rt.end_capture()  # raises if the communication stream was not joined back
         assert read(rt, buf, np.float32).tolist() == [1.0] * 4  # captured work ran nowhere yet
         for expect in (2.0, 4.0):  # each launch runs the captured all_reduce once more

@@ -30,7 +30,7 @@ def test_a_captured_loop_of_1000_all_reduce_replays_with_no_gpucoll_calls(monkey
         y = dev(rt, np.array([1 << rank, 3], np.int16))
         pg.all_reduce(x, ReduceOp.SUM)  # connected, kernels loaded: warm before the capture
         pg.all_reduce(y, ReduceOp.BXOR)
-        for w in list(pg._nccl._pending):
+        for w in list(pg._nccl.outstanding):
             w.synchronize()
         pg._nccl.poll_pending()
         x_before = read(rt, x, np.float32).tolist()
@@ -39,7 +39,7 @@ def test_a_captured_loop_of_1000_all_reduce_replays_with_no_gpucoll_calls(monkey
             pg.all_reduce(x, ReduceOp.AVG)
         pg.all_reduce(y, ReduceOp.BXOR)  # a kernel-path op: temporaries, two phases
         graph = rt.end_capture()  # raises if anything invalidated the capture
-        outstanding = pg._watchdog.outstanding() + len(pg._nccl._pending)
+        outstanding = pg._watchdog.outstanding() + len(pg._nccl.outstanding)
         assert read(rt, x, np.float32).tolist() == x_before  # nothing ran at capture
         world = pg._nccl._comm.world
         ran_before = world.executed

@@ -61,10 +61,10 @@ def test_the_watchdog_completes_device_ops_through_the_backend_not_op_by_op(monk
         assert pg._watchdog.outstanding() == 0  # nothing recorded per device op
         del arrays, a
         deadline = time.monotonic() + 10
-        while (pg._nccl._pending or any(r() is not None for r in refs)) and time.monotonic() < deadline:
+        while (pg._nccl.outstanding or any(r() is not None for r in refs)) and time.monotonic() < deadline:
             time.sleep(0.01)
         # every op completed by the watchdog, in order, and every array released
-        assert not pg._nccl._pending and all(r() is None for r in refs)
+        assert not pg._nccl.outstanding and all(r() is None for r in refs)
     run_groups(2, body, monkeypatch)
 
 

@@ -104,7 +104,7 @@ def test_the_hot_path_gives_way_to_the_general_one() -> None:
         rt.begin_capture()
         work = be.all_reduce(buf, ReduceOp.SUM)
         rt.end_capture()
-        assert general == ["all_reduce"] * 2 and work.is_completed() and all(w is not work for w in be._pending)
+        assert general == ["all_reduce"] * 2 and work.is_completed() and all(w is not work for w in be.outstanding)
         be.all_reduce(buf, ReduceOp.SUM).synchronize()  # and the hot path again after it
         assert general == ["all_reduce"] * 2
         # Aborted: the op fails naming the abort, without an NCCL call.
@@ -127,7 +127,7 @@ def test_finished_ops_complete_in_bulk_in_issue_order() -> None:
         while be.poll_pending() is not None:
             pass
         assert order == list(range(len(works)))  # every one, once, in order
-        assert not be._pending and all(w.is_completed() and w.is_success() for w in works)
+        assert not be.outstanding and all(w.is_completed() and w.is_success() for w in works)
         assert read(rt, buf, np.float32).tolist() == [float(be.size)] * 2
     run_world(2, body)
 
@@ -143,7 +143,7 @@ def test_a_failed_event_query_aborts_and_fails_the_pending_ops() -> None:
             raise RuntimeError("planted: an illegal memory access")
         rt.query = broken  # type: ignore[method-assign]
         be.poll_pending()
-        assert be._aborted is not None and "planted" in be._aborted
+        assert be.ending.aborted is not None and "planted" in be.ending.aborted
         for w in works:
             with pytest.raises(DistBackendError):
                 w.wait()
@@ -200,10 +200,10 @@ def test_an_op_the_abort_did_not_see_fails_even_if_its_end_fires() -> None:
         buf = dev(rt, np.ones(2, np.float32))
         be.all_reduce(buf, ReduceOp.SUM).synchronize()
         work = be.all_reduce(buf, ReduceOp.SUM)  # the hot path
-        read_on_stream(rt, buf, np.float32, be._stream_ptr).get(timeout=10)  # its end has fired
+        read_on_stream(rt, buf, np.float32, be.comm_stream.ptr).get(timeout=10)  # its end has fired
         # An abort whose snapshot of the pending ops came before this one was queued:
         # only the flag is set when the sweep sees the op.
-        be._aborted = "planted abort"
+        be.ending.aborted = "planted abort"
         be.poll_pending()
         with pytest.raises(DistBackendError, match="planted abort"):
             work.wait()
@@ -233,7 +233,7 @@ def test_the_sweep_completes_every_work_someone_can_see() -> None:
         assert all(w._done._flag for w in held)  # completed by the sweep, not by looking
         assert all(f.done() and f.exception() is None for f in futures)
         assert called == list(range(2, 2 * _hot.PRUNE_AT, 5))
-        assert not be._pending
+        assert not be.outstanding
     run_world(2, body)
 
 
@@ -249,6 +249,6 @@ def test_a_call_that_fails_on_the_hot_path_aborts_and_names_the_op() -> None:
         with pytest.raises(DistBackendError, match=r"all_reduce on group 'g' failed: RuntimeError: planted") as err:
             be.all_reduce(buf, ReduceOp.SUM)
         assert err.value.__cause__ is not None and err.value.__cause__ is not err.value
-        assert be._aborted is not None and "failed while being issued" in be._aborted
-        assert buf in be._keep  # part of the op may be queued: its array outlives it
+        assert be.ending.aborted is not None and "failed while being issued" in be.ending.aborted
+        assert buf in be.comm_stream.kept  # part of the op may be queued: its array outlives it
     run_world(1, body, shutdown=False)

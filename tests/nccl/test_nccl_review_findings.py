@@ -128,7 +128,7 @@ def test_watchdog_polling_during_a_global_mode_capture_does_not_break_it() -> No
         t.join(10)
         graph = rt.end_capture()  # raises cudaErrorStreamCaptureInvalidated if a query broke it
         assert polled and polled[0] > 0
-        assert be._aborted is None
+        assert be.ending.aborted is None
         graph.launch(rt.current_stream())
         assert read_on_stream(rt, x, np.int16).get(timeout=10).tolist() == [7, 0]
         running.synchronize()
@@ -156,7 +156,7 @@ def test_abort_from_another_thread_never_frees_a_communicator_under_a_call() -> 
             # fails when issued (the abort landed during its NCCL call) or when waited on
             be.all_reduce(dev(rt, np.ones(2, np.float32)), ReduceOp.SUM).synchronize()
         t.join(10)
-        assert be._comm_gone  # the issuing thread aborted the communicator once its call returned
+        assert be.comm_slot.gone  # the issuing thread aborted the communicator once its call returned
         with pytest.raises(DistBackendError, match="watchdog timed out"):
             be.all_reduce(dev(rt, np.ones(2, np.float32)), ReduceOp.SUM).wait()
     run_world(2, body)
@@ -173,7 +173,7 @@ def test_abort_during_a_split_is_carried_out_after_it() -> None:
         t.start()
         sub = be.split([0, 1], store=PrefixStore("pg/sub", shared), group_name="sub", timeout=5.0)
         t.join(10)
-        assert sub is not None and be._comm_gone
+        assert sub is not None and be.comm_slot.gone
         sub.shutdown()
     run_world(2, body)
 

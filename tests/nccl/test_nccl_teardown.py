@@ -28,7 +28,7 @@ def test_destroy_returns_while_a_graph_that_captured_the_group_lives(size: int,
     def body(pg: Any, rt: FakeRuntime, rank: int) -> dict[str, Any]:
         x = dev(rt, np.ones(8, np.float32))
         pg.all_reduce(x, ReduceOp.SUM)  # warm: connected before the capture
-        for w in list(pg._nccl._pending):
+        for w in list(pg._nccl.outstanding):
             w.synchronize()
         rt.begin_capture(mode="relaxed")
         pg.all_reduce(x, ReduceOp.SUM)

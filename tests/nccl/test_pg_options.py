@@ -279,7 +279,7 @@ def _groups_body(w: Any, rt: Any, rank: int) -> dict[str, Any]:
     out["timeout"] = g.timeout
     out["pg_options"] = g.pg_options
     out["comm_config"] = g._nccl._comm.config
-    out["high_priority"] = g._nccl._stream.high_priority
+    out["high_priority"] = g._nccl.comm_stream.stream.high_priority
     x = FakeDeviceArray(rt, np.full(3, rank + 1.0, np.float32))
     gpucoll.all_reduce(x, group=g)
     out["sum"] = x.get().tolist()
@@ -287,7 +287,7 @@ def _groups_body(w: Any, rt: Any, rank: int) -> dict[str, Any]:
     s = gpucoll.split_group(split_ranks=[[0]] + ([list(range(1, size))] if size > 1 else []),
                             pg_options=gpucoll.NCCLOptions(split_share=True, cga_cluster_size=2))
     out["split_group"] = _configs(rt, n)
-    out["split_high_priority"] = s._nccl._stream.high_priority
+    out["split_high_priority"] = s._nccl.comm_stream.stream.high_priority
     n = len(rt.configs)
     gpucoll.split_group(g, split_ranks=[list(range(size))])  # None: the parent's options, as torch
     out["split_inherits"] = _configs(rt, n)

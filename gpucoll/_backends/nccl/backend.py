@@ -21,27 +21,25 @@ from ..._work import Work
 from ...store.base import Store
 from . import lib as _nccl_lib
 from .config import usable_config
-from .bootstrap import adopt, create_comm
+from .bootstrap import create_comm
 from .bootstrap import is_nccl_available, nccl_unavailable_reason, nccl_version, rendezvous  # noqa: F401
 from .lib import NCCL_DTYPES, OP_SUM
 from .plan import Plan, Planner, calls_only, merge
-from .runtime import CAPTURE_RELAXED, CAPTURE_THREAD_LOCAL, Comm, Runtime, enter_device, leave_device
+from .runtime import CAPTURE_RELAXED, Comm, Runtime, enter_device, leave_device
 from .comm import CommSlot
 from .outstanding import Outstanding
-from .connect import check_in
+from .connect import CheckIn
+from .issuing import caller_streams, check_devices, first_device, new_work, prepare_kernels, refuse_in_capture
+from .ending import Ending
 from .stream import CommStream
 from . import hot as _hot
 from . import phases as _phases
 from . import lifecycle as _lifecycle
-from .shrink import shrink_comm
-from .split import split_comm
+from .shrink import check_shrunk, shrink_comm
+from .split import check_split, split_comm
 from .work import NCCLWork
 
 __all__ = ["NCCLBackend", "nccl_unavailable_reason", "is_nccl_available", "nccl_version", "rendezvous"]
-
-# Which backends each thread has been set up to poll for (poll_pending): by id, the
-# value whether its capture mode could be set.
-_watch_threads = threading.local()
 
 _PLANS_MAX = 256  # cached plans per backend (a plan names its buffers: bounded, cleared when full)
 
@@ -86,11 +84,12 @@ class NCCLBackend:
             raise ValueError(f"need 0 <= rank < size; got rank={rank}, size={size}")
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be positive seconds; got {timeout!r}")
+        # Read-only outside this class (the parts and function modules read them).
         self.rank = rank
         self.size = size
-        self._store = store
-        self._timeout = float(timeout)
-        self._group_name = group_name
+        self.store = store                  # the group's private store
+        self.timeout = float(timeout)       # seconds: setup, synchronize, the watchdog
+        self.group_name = group_name
         if _runtime is None:
             reason = _nccl_lib.unavailable_reason()
             if reason is not None:
@@ -107,95 +106,97 @@ class NCCLBackend:
                 "drives its communicators in blocking mode through CuPy, whose error path cannot report "
                 "ncclInProgress. Unset NCCL_COMM_BLOCKING (or set it to 1); gpucoll bounds NCCL's blocking "
                 "calls with the group's timeout itself")
-        self._rt: Runtime = _runtime
-        self._features = _runtime.features
+        self.runtime: Runtime = _runtime
+        self.features = _runtime.features   # what the loaded NCCL and runtime can do
         self.config: dict[str, Any] = self._checked_config(config)
-        self._high_priority = bool(high_priority)
-        self._lock = threading.RLock()      # the issue path: one op at a time, in order
+        self.high_priority = bool(high_priority)
+        self.issue_lock = threading.RLock()  # the issue path: one op at a time, in order
         # The communicator, with the lock every call on it holds (the issue path's NCCL
         # calls, the async error query, abort, destroy): NCCL forbids concurrent calls on
         # one communicator, and the watchdog must never abort or query one under a call.
         self.comm_slot = CommSlot()
         self._eager = device_id is not None
-        self._device = -1
-        self.comm_stream = CommStream()     # the communication stream and its events (stream.py)
-        self._planner: Planner | None = None
-        self._scratch = 0
-        self._keep: list[Any] = []          # backend-lifetime allocations (the barrier's scratch)
-        self._captured = False              # an op was captured into a CUDA graph (lifecycle.shutdown)
+        self.device_index = -1              # the communicator's CUDA device (-1 until it exists)
+        # The communication stream, its events, what lives as long as the backend (stream.py).
+        self.comm_stream = CommStream()
+        self.planner: Planner | None = None  # turns ops into plans (plan.py); made with the communicator
+        self.scratch = 0                    # the barrier's int32 on the device (kept by comm_stream)
         self._temps: list[Any] = []         # temporaries of the op being planned
-        self._connected = False             # every rank checked in before the first collective
-        self._p2p_peers: set[int] = set()   # peers checked in before the first send/recv with them
-        self.outstanding = Outstanding()    # issued, not yet seen complete (Works, Quiets), with the abort's lock
-        self._aborted: str | None = None
-        self._closed: str | None = None
+        self.check_ins = CheckIn()          # peers checked in before NCCL first connects to them
+        self.outstanding = Outstanding()    # issued, not yet seen complete (Works, Quiets)
+        self.ending = Ending(self.outstanding)  # aborted / shut down, and why (ending.py)
         self._splits = 0                    # ncclCommSplit calls so far (keys the check-in)
         self._plans: dict[tuple[Any, ...], Plan] = {}  # plans with no local steps, by op and buffers
         self._hot: dict[tuple[Any, ...], _hot.Hot] = {}  # those of them that are one NCCL call (hot.py)
         if device_id is not None:
-            count = self._rt.device_count()
+            count = self.runtime.device_count()
             if not isinstance(device_id, int) or isinstance(device_id, bool) or not 0 <= device_id < count:
                 raise ValueError(f"device_id must be a CUDA device index in [0, {count}); got {device_id!r}")
-            if _comm is not None:
-                adopt(self, _comm, device_id)
-            else:
-                create_comm(self, device_id)
+            self._adopt(_comm if _comm is not None else self._new_comm(device_id), device_id)
+
+    def _new_comm(self, device: int) -> Comm:
+        """A communicator for this group on ``device``, made through the group's store (bootstrap.py)."""
+        return create_comm(self.runtime, self.features, self.store, self.rank, self.size, timeout=self.timeout,
+                           group_name=self.group_name, config=self.config or None, device=device)
+
+    def _adopt(self, comm: Comm, device: int) -> None:
+        """Take ``comm`` on ``device``, with its stream, scratch word and op planner."""
+        rt = self.runtime
+        prev = enter_device(rt, device)
+        try:
+            stream = rt.new_stream(self.high_priority) if self.high_priority else rt.new_stream()
+            cc = rt.compute_capability(device)
+            scratch, owner = rt.alloc(4, stream)
+        finally:
+            leave_device(rt, prev)
+        self.comm_stream.keep((owner,))
+        self.scratch = scratch
+        self.comm_stream.open(stream, rt, device)
+        self.planner = Planner(self.rank, self.size, self.features, self.features.fp8 and cc >= (9, 0), self._alloc_temp)
+        self.device_index = device
+        self.comm_slot.put(comm)
 
     @property
     def _comm(self) -> Comm | None:
-        """The communicator (None until created): :attr:`comm_slot`'s."""
+        """The communicator (None until created), for tests outside this package (as :attr:`_rt`)."""
         return self.comm_slot.comm
 
     @property
-    def _stream(self) -> Any:
-        """The communication stream's object (:attr:`comm_stream`'s)."""
-        return self.comm_stream.stream
-
-    @property
-    def _stream_ptr(self) -> int:
-        return self.comm_stream.ptr
-
-    @property
-    def _pending(self) -> Outstanding:
-        """The queue of outstanding ops: :attr:`outstanding`."""
-        return self.outstanding
-
-    @property
-    def _comm_gone(self) -> bool:
-        return self.comm_slot.gone
+    def _rt(self) -> Runtime:
+        return self.runtime
 
     def _child(self, store: Store, rank: int, size: int, *, timeout: float, group_name: str, device_id: int | None,
                comm: Comm | None, config: Mapping[str, Any] | None, high_priority: bool) -> NCCLBackend:
         """A new backend beside this one, on its runtime (split.py, shrink.py): on ``comm``
         when given, else one made through ``store``."""
         return type(self)(store, rank, size, timeout=timeout, group_name=group_name, device_id=device_id,
-                          config=config, high_priority=high_priority, _runtime=self._rt, _comm=comm)
+                          config=config, high_priority=high_priority, _runtime=self.runtime, _comm=comm)
 
     def _checked_config(self, config: Mapping[str, Any] | None) -> dict[str, Any]:
         """``config``'s set fields, refused where the loaded NCCL or the runtime cannot apply them."""
-        return usable_config(config, self._features.version, self._rt.check_config)
+        return usable_config(config, self.features.version, self.runtime.check_config)
 
     def __repr__(self) -> str:
-        where = f"cuda:{self._device}" if self._comm is not None else "not yet created"
-        return f"<NCCLBackend group={self._group_name!r} rank={self.rank}/{self.size} {where}>"
+        where = f"cuda:{self.device_index}" if self.comm_slot.comm is not None else "not yet created"
+        return f"<NCCLBackend group={self.group_name!r} rank={self.rank}/{self.size} {where}>"
 
     @property
     def device(self) -> int | None:
         """The CUDA device of the communicator; None until it is created."""
-        return self._device if self._comm is not None else None
+        return self.device_index if self.comm_slot.comm is not None else None
 
     @property
     def can_split(self) -> bool:
         """True when :meth:`split` makes new communicators with ``ncclCommSplit``: the
         communicator was created eagerly (``device_id`` given), the loaded NCCL has
         ncclCommSplit (>= 2.18), and it is neither aborted nor shut down."""
-        return (self._eager and self._comm is not None and self._features.comm_split
-                and self._aborted is None and self._closed is None)
+        return (self._eager and self.comm_slot.comm is not None and self.features.comm_split
+                and self.ending.over is None)
 
     # ----- the communicator -----
 
     def _alloc_temp(self, nbytes: int) -> int:
-        ptr, owner = self._rt.alloc(nbytes, self.comm_stream.stream)
+        ptr, owner = self.runtime.alloc(nbytes, self.comm_stream.stream)
         self._temps.append(owner)
         return ptr
 
@@ -204,7 +205,7 @@ class NCCLBackend:
     def time_ops(self) -> None:
         """Record later ops' events with timing, so that active_duration is GPU time
         (the group calls this when a completion hook is registered)."""
-        self.comm_stream.timing = True
+        self.comm_stream.time_ops()
 
     def has_pending(self) -> bool:
         """For the group's watchdog: True while issued ops may still be running."""
@@ -221,72 +222,47 @@ class NCCLBackend:
         and its capture mode set to thread-local, for good: its event queries then never
         break another thread's global-mode capture (the mode is per thread; torch's
         watchdog sets the same)."""
-        if self._failure() is None and self.outstanding:
-            ready: dict[int, bool] | None = getattr(_watch_threads, "ready", None)
-            if ready is None:
-                ready = _watch_threads.ready = {}
-            if id(self) not in ready:
-                rt = self._rt
-                if not rt.has_context():
-                    rt.set_device(self._device)
-                rt.exchange_capture_mode(CAPTURE_THREAD_LOCAL)
-                ready[id(self)] = rt.can_exchange_capture_mode
-            if ready[id(self)]:
-                oldest = _hot.complete_until(self, None, mode_set=True)
-            else:
-                oldest = self._complete_until(None)
-        else:
-            oldest = self.outstanding.oldest()
-        return oldest.as_work() if isinstance(oldest, _hot.Quiet) else oldest
+        return _hot.poll(self)
 
-    def _complete_earlier(self, work: NCCLWork) -> None:
-        self._complete_until(work)
+    def complete_earlier(self, work: NCCLWork) -> None:
+        """Complete, in issue order, the ops issued before ``work`` that finished (its
+        stream ran them first), so that completions and hooks follow issue order."""
+        self.complete_until(work)
 
-    def _complete_until(self, stop: _hot.Pending | None) -> _hot.Pending | None:
+    def complete_until(self, stop: _hot.Pending | None) -> _hot.Pending | None:
         """Complete and drop finished works from the head of the queue, up to ``stop``
         (not included); the first one still running, or None (:func:`.hot.complete_until`)."""
         return _hot.complete_until(self, stop)
 
     # ----- issuing -----
 
-    def _work(self, op_type: str, keep: Sequence[Buffer]) -> NCCLWork:
-        work = NCCLWork(op_type, self, keepalive=list(keep), default_timeout=self._timeout)
-        for b in keep:
-            if b.stream is not None:
-                if b.foreign_stream:
-                    # The producer's later work runs on a stream gpucoll cannot make
-                    # wait: wait() orders it the only way left, by blocking the host.
-                    work.host_wait = True
-                if b.stream_owner is not None:
-                    work._stream_owners = (*work._stream_owners, b.stream_owner)
-            elif b.foreign_stream:
-                work.host_wait = True
-        return work
-
     def _issue(self, op_type: str, bufs: Sequence[Buffer], build: Callable[[Planner], Plan],
                *, host_wait: bool = False, key: tuple[Any, ...] | None = None) -> NCCLWork:
         """Plan and launch one op. ``key`` names what the plan depends on (op, buffers,
         dtype, reduction): a plan of NCCL calls only (no copy, kernel or temporary) is
         made once per key and reused."""
-        work = self._work(op_type, bufs)
+        work = new_work(self, op_type, bufs, self.timeout)
         work.host_wait = work.host_wait or host_wait
-        with self._lock:
-            if self._aborted is not None or self._closed is not None:
-                work._doom(self._aborted or self._closed or "")
+        with self.issue_lock:
+            over = self.ending.over
+            if over is not None:
+                work.doom(over)
                 return work
-            if self._comm is None:
-                self._refuse_in_capture(op_type, bufs)
-                self._lazy_create(op_type, bufs)
-            self._check_devices(op_type, bufs)
-            assert self._planner is not None
+            if self.comm_slot.comm is None:
+                refuse_in_capture(self.runtime, op_type, self.group_name, bufs)
+                device = first_device(op_type, bufs)
+                self._adopt(self._new_comm(device), device)
+            check_devices(self.device_index, self.group_name, op_type, bufs)
+            planner = self.planner
+            assert planner is not None
             temps: list[Any] = []
             self._temps = temps
             # Planning allocates temporaries on the communication stream: the
             # communicator's device must be current from here on, not just at launch.
-            rt = self._rt
-            prev = -1 if rt.get_device() == self._device else enter_device(rt, self._device)
+            rt, device = self.runtime, self.device_index
+            prev = -1 if rt.get_device() == device else enter_device(rt, device)
             try:
-                callers = self._caller_streams(bufs)
+                callers = caller_streams(rt, bufs)
                 captured = False
                 for s in callers:
                     captured = captured or rt.is_capturing(s)
@@ -298,8 +274,8 @@ class NCCLBackend:
                 try:
                     plan = self._plans.get(key) if key is not None else None
                     if plan is None:
-                        plan = build(self._planner)
-                        self._prepare_kernels(plan)
+                        plan = build(planner)
+                        prepare_kernels(rt, device, plan)
                         if key is not None and not temps and calls_only(plan):
                             if len(self._plans) >= _PLANS_MAX:
                                 self._plans.clear()
@@ -321,77 +297,20 @@ class NCCLBackend:
                 leave_device(rt, prev)
         return work
 
-    def _prepare_kernels(self, plan: Plan) -> None:
-        """Compile (once) the kernels the plan launches, before any NCCL call is made."""
-        for pre, _, post in plan:
-            if pre or post:
-                for step in (*pre, *post):
-                    if step[0] == "kernel":
-                        self._rt.prepare(step[1], self._device)
-
-    def _refuse_in_capture(self, op_type: str, bufs: Sequence[Buffer]) -> None:
-        """ncclCommInitRank inside a CUDA graph capture would allocate and synchronise
-        (invalidating the capture) and block on the other ranks: refuse it, clearly."""
-        rt = self._rt
-        streams = {b.stream for b in bufs if b.stream is not None} | {rt.current_stream()}
-        if any(rt.is_capturing(s) for s in streams):
-            raise DistBackendError(
-                f"{op_type} on group {self._group_name!r}: its NCCL communicator does not exist yet, and "
-                "it cannot be created during CUDA graph capture. Create it before capturing: pass "
-                "device_id to init_process_group/new_group, or run one op (a warm-up) first")
-
-    def _lazy_create(self, op_type: str, bufs: Sequence[Buffer]) -> None:
-        cuda = [b for b in bufs if b.is_cuda]
-        if not cuda:
-            raise ValueError(f"{op_type}: the NCCL backend needs CUDA device arrays; got host memory")
-        create_comm(self, cuda[0].device.index)
-
-    def _check_devices(self, op_type: str, bufs: Sequence[Buffer]) -> None:
-        for b in bufs:
-            if b.device.type != "cuda" or b.device.index != self._device:
-                raise ValueError(
-                    f"{op_type}: every array must be on cuda:{self._device}, the device of group "
-                    f"{self._group_name!r}'s NCCL communicator; got one on {b.device}")
-
-    def _caller_streams(self, bufs: Sequence[Buffer]) -> tuple[int, ...]:
-        if len(bufs) == 1:
-            s = bufs[0].stream
-            return (self._rt.current_stream() if s is None else s,)
-        streams: list[int] = []
-        current = -1
-        for b in bufs:
-            s = b.stream
-            if s is None:
-                # No producer stream published (or the legacy default): the caller's
-                # current stream is where the data was made and will be used.
-                if current < 0:
-                    current = self._rt.current_stream()
-                s = current
-            if s not in streams:
-                streams.append(s)
-        if not streams:
-            streams.append(self._rt.current_stream())
-        return tuple(streams)
-
     def _launch(self, op_type: str, plan: Plan, works: Sequence[NCCLWork], bufs: Sequence[Buffer],
                 temps: list[Any], callers: tuple[int, ...] | None = None, captured: bool = False) -> None:
-        rt, device, cs = self._rt, self._device, self.comm_stream
+        rt, device, cs = self.runtime, self.device_index, self.comm_stream
         comm_stream = cs.ptr
         # From _issue (callers given) the device is current already.
         prev_device = enter_device(rt, device) if callers is None else -1
         issuing = False
         try:
-            connect = not self._connected
-            if not connect:  # a first send/recv with a peer? (no call for a plain collective)
-                peers = self._p2p_peers
-                for _, calls, _ in plan:
-                    for step in calls:
-                        if (step[0] == "send" or step[0] == "recv") and step[4] not in peers:
-                            connect = True
-            if connect:
-                check_in(self, op_type, plan)
+            check_ins = self.check_ins
+            if check_ins.needed(plan):
+                check_ins.check_in(op_type, plan, store=self.store, rank=self.rank, size=self.size,
+                                   timeout=self.timeout, group_name=self.group_name, abort=self.abort)
             if callers is None:
-                callers = self._caller_streams(bufs)
+                callers = caller_streams(rt, bufs)
                 for s in callers:
                     captured = captured or rt.is_capturing(s)
             timing = cs.timing and not captured
@@ -419,10 +338,9 @@ class NCCLBackend:
         if captured:
             # The graph uses the temporaries whenever it is replayed: keep them as long
             # as the backend lives.
-            self._keep.extend(temps)
-            self._captured = True
+            cs.keep_for_graphs(temps)
         else:
-            works[0]._keep_also(temps)
+            works[0].keep_also(temps)
         prev, cs.last_end = cs.last_end, (end if timing else None)
         if not captured:
             cs.tail = end
@@ -430,13 +348,12 @@ class NCCLBackend:
         for w in works:
             # wait() makes the current stream wait, and the producer streams the Work
             # holds alive; never a bare handle its owner may have destroyed since.
-            held = tuple(int(o.ptr) for o in w._stream_owners) if w._stream_owners else ()
-            w._issued(device, start, end, prev, held, captured)
+            w.issued(device, start, end, prev, captured)
         if not captured:
             if self.outstanding.add_all(works):  # no lock (outstanding.py says why)
                 # The watchdog completes works on its timer; in between, completing them
                 # here, in batches, releases their arrays.
-                self._complete_earlier(works[0])
+                self.complete_earlier(works[0])
                 self.outstanding.batch_done()
 
     def _hot_or_issue(self, key: tuple[Any, ...], buf: Buffer) -> NCCLWork | None:
@@ -544,20 +461,22 @@ class NCCLBackend:
 
     def barrier(self) -> Work:
         """An all_reduce of one int on every rank; its Work's wait() blocks the host."""
-        work = self._work("barrier", ())
+        work = new_work(self, "barrier", (), self.timeout)
         work.host_wait = True
-        with self._lock:
-            if self._aborted is not None or self._closed is not None:
-                work._doom(self._aborted or self._closed or "")
+        with self.issue_lock:
+            over = self.ending.over
+            if over is not None:
+                work.doom(over)
                 return work
-            if self._comm is None:
-                self._refuse_in_capture("barrier", ())
-                create_comm(self, self._rt.get_device())
-            s = self._scratch
+            if self.comm_slot.comm is None:
+                refuse_in_capture(self.runtime, "barrier", self.group_name, ())
+                device = self.runtime.get_device()
+                self._adopt(self._new_comm(device), device)
+            s = self.scratch
             plan: Plan = [([], [("all_reduce", s, s, 1, NCCL_DTYPES["int32"], OP_SUM)], [])]
             # stream=None: order after the caller's current stream, so that a completed
             # barrier also means this rank's earlier GPU work is done.
-            scratch = Buffer(s, 4, DTYPES["int32"], (1,), Device("cuda", self._device), stream=None)
+            scratch = Buffer(s, 4, DTYPES["int32"], (1,), Device("cuda", self.device_index), stream=None)
             self._launch("barrier", plan, [work], (scratch,), [])
         return work
 
@@ -573,7 +492,9 @@ class NCCLBackend:
         it instead if they do not finish. Idempotent; later ops fail."""
         _lifecycle.shutdown(self)
 
-    def _failure(self) -> str | None:
+    def failure(self) -> str | None:
+        """Why every pending op fails (abort, asynchronous NCCL error: asking NCCL for
+        one aborts), or None while healthy. Never blocks on a call in flight."""
         return _lifecycle.failure(self)
 
     def split(self, ranks: Sequence[int] | None, *, color: int = 0, store: Store, group_name: str,
@@ -619,39 +540,36 @@ class NCCLBackend:
         members = list(ranks) if ranks is not None else []
         member = self.rank in members
         new_rank = members.index(self.rank) if member else -1
-        with self._lock:
+        with self.issue_lock:
             if self.can_split:
                 comm = self.comm_slot.comm
                 assert comm is not None
                 self._splits += 1
-                device = self._device
-                new = split_comm(comm, self._rt, device, self._store, f"nccl/split{self._splits}", self.size,
-                                 timeout=timeout, parent_timeout=self._timeout,
-                                 drain=lambda t: _lifecycle.drain(self, t), parent_name=self._group_name,
+                device = self.device_index
+                new = split_comm(comm, self.runtime, device, self.store, f"nccl/split{self._splits}", self.size,
+                                 timeout=timeout, parent_timeout=self.timeout,
+                                 drain=lambda t: _lifecycle.drain(self, t), parent_name=self.group_name,
                                  group_name=group_name, color=color if member else -1,
                                  new_rank=max(new_rank, 0), config=config, comm_lock=self.comm_slot.lock)
-                if self._aborted is not None:
+                if self.ending.aborted is not None:
                     _lifecycle.abort_comm(self, blocking=True)  # an abort that arrived during the split
                 if new is None:
                     return None
-                if new.size != len(members) or new.rank != new_rank:
-                    raise DistBackendError(
-                        f"ncclCommSplit made group {group_name!r} with rank {new.rank} of {new.size}; expected "
-                        f"rank {new_rank} of {len(members)}: ranks passed different member lists for one color")
+                check_split(new, new_rank, len(members), group_name)
                 return self._child(store, new_rank, len(members), timeout=timeout, group_name=group_name,
                                    device_id=device, comm=new, config=config, high_priority=high_priority)
         if not member:
             return None
         return self._child(store, new_rank, len(members), timeout=timeout, group_name=group_name,
-                           device_id=self._device if self._eager else None, comm=None, config=config,
+                           device_id=self.device_index if self._eager else None, comm=None, config=config,
                            high_priority=high_priority)
 
     @property
     def can_shrink(self) -> bool:
         """True when :meth:`shrink` can run: the communicator was created eagerly, the
         loaded NCCL has ncclCommShrink (>= 2.27), and it is neither aborted nor shut down."""
-        return (self._eager and self.comm_slot.comm is not None and self._features.comm_shrink
-                and self._aborted is None and self._closed is None)
+        return (self._eager and self.comm_slot.comm is not None and self.features.comm_shrink
+                and self.ending.over is None)
 
     def shrink(self, exclude: Sequence[int], *, store: Store, group_name: str, timeout: float,
                config: Mapping[str, Any] | None = None, high_priority: bool = False) -> NCCLBackend:
@@ -667,19 +585,16 @@ class NCCLBackend:
         """
         gone = sorted(set(exclude))
         config = self._checked_config(config)
-        with self._lock:
+        with self.issue_lock:
             if not self.can_shrink:
-                raise DistBackendError(f"group {self._group_name!r}: its NCCL communicator cannot be shrunk "
-                                       f"({self._aborted or self._closed or 'ncclCommShrink unavailable'})")
-            device = self._device
-            new = shrink_comm(self.comm_slot, self._rt, device, gone, parent_name=self._group_name,
+                raise DistBackendError(f"group {self.group_name!r}: its NCCL communicator cannot be shrunk "
+                                       f"({self.ending.over or 'ncclCommShrink unavailable'})")
+            device = self.device_index
+            new = shrink_comm(self.comm_slot, self.runtime, device, gone, parent_name=self.group_name,
                               group_name=group_name, config=config)
-        if self._aborted is not None:
+        if self.ending.aborted is not None:
             _lifecycle.abort_comm(self, blocking=True)  # an abort that arrived during the shrink
-        _lifecycle.abort(self, f"group {self._group_name!r} was shrunk into {group_name!r}")
-        expected = [r for r in range(self.size) if r not in gone]
-        if new.size != len(expected) or new.rank != expected.index(self.rank):
-            raise DistBackendError(f"ncclCommShrink made {group_name!r} with rank {new.rank} of {new.size}; "
-                                   f"expected rank {expected.index(self.rank)} of {len(expected)}")
+        _lifecycle.abort(self, f"group {self.group_name!r} was shrunk into {group_name!r}")
+        check_shrunk(new, self.rank, self.size, gone, group_name)
         return self._child(store, new.rank, new.size, timeout=timeout, group_name=group_name,
                            device_id=device, comm=new, config=config, high_priority=high_priority)

@@ -1,24 +1,21 @@
 """Whether NCCL can run here, the rendezvous that makes a communicator's unique id
-known to every rank through the group's store, and a backend's communicator made from
-it (functions over an NCCLBackend's state)."""
+known to every rank through the group's store, and a communicator made from it
+(functions over explicit arguments; ``NCCLBackend`` takes the communicator)."""
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Mapping
 
 from ..._env import NCCL_RANKS_PER_ROOT_ENV, NCCL_SCALABLE_INIT_ENV
 from ...errors import DistBackendError, DistStoreError
 from ...store.base import Store
 from . import lib as _nccl_lib
-from .lib import normalise_unique_id
-from .plan import Planner
-from .runtime import Comm, enter_device, leave_device
+from .lib import Features, normalise_unique_id
+from .protocols import Comm, Runtime
+from .runtime import enter_device, leave_device
 
-if TYPE_CHECKING:
-    from .state import BackendState
-
-__all__ = ["nccl_unavailable_reason", "is_nccl_available", "nccl_version", "rendezvous", "create_comm", "adopt"]
+__all__ = ["nccl_unavailable_reason", "is_nccl_available", "nccl_version", "rendezvous", "create_comm"]
 
 _UID_KEY = "nccl/unique_id"
 _ARRIVED_KEY = "nccl/arrived"
@@ -190,55 +187,37 @@ def _check_scalable_ids(uids: list[bytes], size: int) -> None:
         raise ValueError("the roots' ids are not distinct 128-byte ncclUniqueIds")
 
 
-def create_comm(b: BackendState, device: int) -> None:
-    """Make ``b``'s communicator on ``device``: its unique id through the group's store
-    (:func:`rendezvous`), then ncclCommInitRank(Config); from GPUCOLL_NCCL_SCALABLE_INIT
-    ranks, where the loaded NCCL has it, several roots' ids (:func:`scalable_rendezvous`)
-    and ncclCommInitRankScalable instead. See :func:`adopt`."""
-    rt = b._rt
-    roots = scalable_roots(b.size) if b._features.init_scalable else None
+def create_comm(rt: Runtime, features: Features, store: Store, rank: int, size: int, *, timeout: float,
+                group_name: str, config: Mapping[str, Any] | None, device: int) -> Comm:
+    """A communicator for rank ``rank`` of ``size`` of group ``group_name`` on ``device``:
+    its unique id through the group's ``store`` (:func:`rendezvous`), then
+    ncclCommInitRank(Config) with ``config`` (None: NCCL's defaults); from
+    GPUCOLL_NCCL_SCALABLE_INIT ranks, where the loaded NCCL has it, several roots' ids
+    (:func:`scalable_rendezvous`) and ncclCommInitRankScalable instead.
+
+    Raises:
+        DistBackendError: the rendezvous timed out or NCCL failed.
+    """
+    roots = scalable_roots(size) if features.init_scalable else None
     prev = enter_device(rt, device)
     try:
         if roots is None:
-            uid = rendezvous(b._store, b.rank, b.size, timeout=b._timeout,
-                             group_name=b._group_name, make_uid=rt.unique_id)
+            uid = rendezvous(store, rank, size, timeout=timeout, group_name=group_name, make_uid=rt.unique_id)
         else:
-            uids = scalable_rendezvous(b._store, b.rank, b.size, roots, timeout=b._timeout,
-                                       group_name=b._group_name, make_uid=rt.unique_id)
+            uids = scalable_rendezvous(store, rank, size, roots, timeout=timeout, group_name=group_name,
+                                       make_uid=rt.unique_id)
         try:
             if roots is None:
-                comm = rt.new_comm(b.size, uid, b.rank, b.config or None)
-            else:
-                _check_scalable_ids(uids, b.size)
-                comm = rt.new_comm_scalable(b.size, uids, b.rank, b.config or None)
+                return rt.new_comm(size, uid, rank, config)
+            _check_scalable_ids(uids, size)
+            return rt.new_comm_scalable(size, uids, rank, config)
         except Exception as exc:
             how = "ncclCommInitRank" if roots is None else (
-                f"ncclCommInitRankScalable with nranks={b.size}, nId={len(uids)}, the ids made by ranks "
+                f"ncclCommInitRankScalable with nranks={size}, nId={len(uids)}, the ids made by ranks "
                 f"{_short(roots)} and taken in that order")
             raise DistBackendError(
-                f"creating the NCCL communicator of group {b._group_name!r} (rank {b.rank} of "
-                f"{b.size}, cuda:{device}, {how}) failed: {type(exc).__name__}: {exc}. With several ranks "
+                f"creating the NCCL communicator of group {group_name!r} (rank {rank} of "
+                f"{size}, cuda:{device}, {how}) failed: {type(exc).__name__}: {exc}. With several ranks "
                 "on one GPU, NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1 are needed") from exc
-        adopt(b, comm, device)
     finally:
         leave_device(rt, prev)
-
-
-def adopt(b: BackendState, comm: Comm, device: int) -> None:
-    """Give ``b`` the communicator ``comm`` on ``device``, with its stream, scratch word
-    and op planner."""
-    rt = b._rt
-    prev = enter_device(rt, device)
-    try:
-        stream = rt.new_stream(b._high_priority) if b._high_priority else rt.new_stream()
-        cc = rt.compute_capability(device)
-        scratch, owner = rt.alloc(4, stream)
-    finally:
-        leave_device(rt, prev)
-    b._keep.append(owner)
-    b._scratch = scratch
-    b.comm_stream.open(stream, rt, device)
-    b._planner = Planner(b.rank, b.size, b._features,
-                            b._features.fp8 and cc >= (9, 0), b._alloc_temp)
-    b._device = device
-    b.comm_slot.comm = comm

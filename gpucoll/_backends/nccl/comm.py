@@ -31,6 +31,11 @@ class CommSlot:
         self.lock = threading.Lock()
         self.gone = False
 
+    def put(self, comm: Comm) -> None:
+        """Hold ``comm``, the backend's new communicator (once: the slot is empty)."""
+        assert self.comm is None and not self.gone
+        self.comm = comm
+
     def call(self, fn: Callable[..., None], *args: Any) -> None:
         """``fn(*args)``, a call (or a group of calls) on the communicator, under the lock.
 

@@ -24,15 +24,16 @@ gets a Work made from it (:meth:`Quiet.as_work`) only when it asks.
 events fire in that order: when one has fired, every earlier one has too.
 :func:`complete_until` finds the newest finished op among the pending ones with a
 binary search (a few event queries, not one per op) and completes everything before
-it in order, each with a few field writes (:meth:`NCCLWork._fired`).
+it in order, each with a few field writes (:meth:`NCCLWork.fired`).
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence, Union, cast
+from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 
 from ..._buffer import Buffer
 from ...errors import BackendUnavailableError, DistBackendError
@@ -40,13 +41,14 @@ from .plan import Plan
 from .outstanding import PRUNE_AT, PRUNE_WORKS_AT
 from .runtime import CAPTURE_THREAD_LOCAL
 from .phases import on_comm
-from .work import NCCLWork
+from .work import HotWork, NCCLWork
 
 if TYPE_CHECKING:
     from ..._debug.flight_recorder import _Entry
     from .state import BackendState
 
-__all__ = ["Hot", "Quiet", "Pending", "PRUNE_AT", "PRUNE_WORKS_AT", "make", "issue", "issue_quiet", "issue_failed", "complete_until"]
+__all__ = ["Hot", "Quiet", "Pending", "PRUNE_AT", "PRUNE_WORKS_AT", "make", "issue", "issue_quiet", "issue_failed",
+           "complete_until", "poll"]
 
 # A finished Work that only the sweep holds (its list of works, the pending queue, its loop
 # variable, and getrefcount's own argument) is not completed, only dropped: nothing can
@@ -69,10 +71,11 @@ class Hot:
 class Quiet:
     """The backend's record of a synchronous op issued with no Work (see the module
     docstring): what completing it, failing it and timing it out need. ``stream`` is
-    the caller's stream the op ran on, ``_end`` the raw event recorded after it there
-    (the backend's :class:`~.events.EventPool`'s, given back once the op completed)."""
+    the caller's stream the op ran on, ``end`` the raw event recorded after it there
+    (the backend's :class:`~.events.EventPool`'s, given back once the op completed).
+    Its fields are read-only outside this class."""
 
-    __slots__ = ("op_type", "seq", "group_name", "_t0", "time_started", "stream", "_end", "_keepalive",
+    __slots__ = ("op_type", "seq", "group_name", "_t0", "time_started", "stream", "end", "_keepalive",
                  "_fr_entry", "_owner", "done")
 
     def __init__(self, op_type: str, seq: int, group_name: str, owner: BackendState, stream: int, end: int,
@@ -83,18 +86,23 @@ class Quiet:
         self._t0 = time.perf_counter()
         self.time_started = time.time()
         self.stream = stream
-        self._end = end
+        self.end = end
         self._keepalive: Buffer | None = keep
         self._fr_entry = entry
         self._owner = owner
         self.done = False
 
-    def _fired(self, rt: Any, now: float) -> None:
+    def fired(self, rt: Any, now: float) -> None:
         """The op's end event fired (or a later one on its stream did): complete it as of ``now``."""
         self._settle(None, now)
 
-    def _fail(self, reason: str) -> None:
-        self._settle(f"DistBackendError: {self._name()} failed: {reason}", time.perf_counter())
+    def fail(self, reason: str) -> None:
+        """Fail the op for ``reason`` (nothing once complete)."""
+        self._settle(f"DistBackendError: {self.name()} failed: {reason}", time.perf_counter())
+
+    def has_fired(self, rt: Any) -> bool:
+        """Whether the op is complete or its end event has fired (one query)."""
+        return self.done or rt.query(self.end)
 
     def _settle(self, error: str | None, now: float) -> None:
         """Complete (``error`` None) or fail the op once; its flight-recorder entry says so."""
@@ -109,17 +117,17 @@ class Quiet:
             else:
                 entry.fail(error, now - self._t0)
 
-    def _poll(self) -> bool:
+    def poll(self) -> bool:
         """Complete or fail the op if it finished or its backend failed; True once it has."""
         if not self.done:
-            reason = self._owner._failure()
+            reason = self._owner.failure()
             if reason is not None:
-                self._fail(reason)
+                self.fail(reason)
             else:
                 complete_until(self._owner, None)
         return self.done
 
-    def _name(self) -> str:
+    def name(self) -> str:
         group = f" on group {self.group_name!r}" if self.group_name else ""
         return f"{self.op_type} (seq {self.seq}){group}"
 
@@ -127,10 +135,8 @@ class Quiet:
         """A Work standing for this op (for the watchdog: its timeout fails that Work,
         which updates the op's flight-recorder entry, and aborts the backend)."""
         b = self._owner
-        w = NCCLWork._hot(self.op_type, b, None, b._timeout, b._device, _Handle(self._end), None, None)
-        w._keepalive = None
-        w._t0, w.time_started = self._t0, self.time_started
-        w.seq, w.group_name, w._fr_entry = self.seq, self.group_name, self._fr_entry
+        w = HotWork(self.op_type, b, None, b.timeout, b.device_index, _Handle(self.end), None, None)
+        w.stand_for(self._t0, self.time_started, self.seq, self.group_name, self._fr_entry)
         return w
 
 
@@ -171,18 +177,18 @@ def issue_quiet(b: BackendState, hot: Hot, buf: Buffer, seq: int, entry: _Entry 
     communicator's device* (a thread on another device gets that device's stream, as
     torch's ``getCurrentCUDAStream(device)``), NCCL makes its own device current for
     the call, and an event records on a stream of its own device whatever is current."""
-    device = b._device
+    device = b.device_index
     where = buf.device
     if buf.foreign_stream or where.index != device or where.type != "cuda":
         return False
-    rt = b._rt
+    rt = b.runtime
     stream = rt.current_stream_of(device)
     if buf.stream is not None and buf.stream != stream:
         return False  # a producer stream other than the caller's: the general path orders it
     if rt.is_capturing(stream):
         return False  # the general path captures it, joined back to the caller's stream
-    with b._lock:
-        if b._aborted is not None or b._closed is not None:
+    with b.issue_lock:
+        if b.ending.over is not None:
             return False
         cs = b.comm_stream
         pool = cs.pool(rt, device)
@@ -218,18 +224,18 @@ def issue(b: BackendState, hot: Hot, buf: Buffer) -> NCCLWork | None:
     nothing, where the general path must issue it. The communication stream waits for
     the caller's stream (a ``ready`` event), runs the op, records ``end``; the Work's
     ``wait()`` makes the caller's stream wait for ``end``."""
-    device = b._device
+    device = b.device_index
     where = buf.device
     if buf.stream_owner is not None or buf.foreign_stream or where.index != device or where.type != "cuda":
         return None
-    rt = b._rt
+    rt = b.runtime
     stream = buf.stream
     if stream is None:
         stream = rt.current_stream_of(device)
     if rt.is_capturing(stream):
         return None
-    with b._lock:
-        if b._aborted is not None or b._closed is not None:
+    with b.issue_lock:
+        if b.ending.over is not None:
             return None
         cs = b.comm_stream
         timing = cs.timing
@@ -251,10 +257,10 @@ def issue(b: BackendState, hot: Hot, buf: Buffer) -> NCCLWork | None:
         cs.tail = end
         if timing:
             prev, cs.last_end = cs.last_end, end
-            work = NCCLWork._hot(hot.op_type, b, buf, b._timeout, device, end, ready, prev)
+            work: NCCLWork = HotWork(hot.op_type, b, buf, b.timeout, device, end, ready, prev)
         else:
             cs.last_end = None
-            work = NCCLWork._hot(hot.op_type, b, buf, b._timeout, device, end, None, None)
+            work = HotWork(hot.op_type, b, buf, b.timeout, device, end, None, None)
         if b.outstanding.add_work(work):
             complete_until(b, work)
             b.outstanding.batch_done()
@@ -269,13 +275,40 @@ def issue_failed(b: BackendState, op_type: str, exc: Exception, issuing: bool, b
     out of step with its peers, is aborted."""
     if isinstance(exc, (DistBackendError, BackendUnavailableError)):
         return exc
-    aborted = b._aborted
+    aborted = b.ending.aborted
     why = f"the communicator was aborted: {aborted}" if aborted else f"{type(exc).__name__}: {exc}"
     if issuing:
-        b._keep.extend([*bufs, *temps])
+        b.comm_stream.keep([*bufs, *temps])
         if aborted is None:
             b.abort(f"{op_type} failed while being issued ({why})")
-    return DistBackendError(f"{op_type} on group {b._group_name!r} failed: {why}")
+    return DistBackendError(f"{op_type} on group {b.group_name!r} failed: {why}")
+
+
+# Which backends each thread has been set up to poll for (poll): by id, the value
+# whether its capture mode could be set.
+_watch_threads = threading.local()
+
+
+def poll(b: BackendState) -> NCCLWork | None:
+    """``NCCLBackend.poll_pending`` (the watchdog's timer): notice an asynchronous NCCL
+    error, complete the ops that finished, and return the oldest one still running (a
+    Work standing for it when it has none), or None. The calling thread is set up once
+    per backend: its device made current if it has no CUDA context, its capture mode
+    thread-local for good."""
+    if b.failure() is None and b.outstanding:
+        ready: dict[int, bool] | None = getattr(_watch_threads, "ready", None)
+        if ready is None:
+            ready = _watch_threads.ready = {}
+        if id(b) not in ready:
+            rt = b.runtime
+            if not rt.has_context():
+                rt.set_device(b.device_index)
+            rt.exchange_capture_mode(CAPTURE_THREAD_LOCAL)
+            ready[id(b)] = rt.can_exchange_capture_mode
+        oldest = complete_until(b, None, mode_set=ready[id(b)])
+    else:
+        oldest = b.outstanding.oldest()
+    return oldest.as_work() if isinstance(oldest, Quiet) else oldest
 
 
 def complete_until(b: BackendState, stop: Pending | None, mode_set: bool = False) -> Pending | None:
@@ -292,15 +325,15 @@ def complete_until(b: BackendState, stop: Pending | None, mode_set: bool = False
             pass  # completed (and popped) meanwhile: every earlier one was too
     if not works:
         return None
-    rt = b._rt
+    rt = b.runtime
     mode = -1 if mode_set else rt.exchange_capture_mode(CAPTURE_THREAD_LOCAL)
     try:
         done = _finished_prefix(b, works)
         if done > 0:
-            aborted = b._aborted
+            aborted = b.ending.aborted
             if aborted is not None:  # issued as the abort came: its end may fire, the op failed
                 for w in works[:done]:
-                    w._fail(aborted)
+                    w.fail(aborted)
             else:
                 now = time.perf_counter()
                 pool = b.comm_stream.events
@@ -308,14 +341,13 @@ def complete_until(b: BackendState, stop: Pending | None, mode_set: bool = False
                     w = works[i]
                     if type(w) is Quiet:
                         if not w.done:
-                            w._fired(rt, now)
+                            w.fired(rt, now)
                             if pool is not None:
-                                pool.give(w._end)
+                                pool.give(w.end)
                         continue
-                    if (type(w) is NCCLWork and w._fr_entry is None and w._callbacks is None
-                            and w._future is None and _refs(w) <= _UNHELD):
+                    if _refs(w) <= _UNHELD and not w.observed():
                         continue  # nobody holds it: dropped below, its arrays with it
-                    w._fired(rt, now)
+                    w.fired(rt, now)
     finally:
         if mode >= 0:
             rt.exchange_capture_mode(mode)
@@ -353,23 +385,18 @@ def _finished_prefix(b: BackendState, works: list[Pending]) -> int:
 
 def _finished_run(b: BackendState, works: list[Pending], lo: int, hi: int) -> int:
     """The end of the finished prefix of ``works[lo:hi]`` (one stream's run), or -1."""
-    rt = b._rt
+    rt = b.runtime
     probe = hi - 1          # the newest first: when the GPU keeps up, one query settles it
     while lo < hi:
         w = works[probe]
         try:
-            if type(w) is Quiet:
-                fired = w.done or rt.query(w._end)
-            else:
-                work = cast(NCCLWork, w)
-                end = work._end
-                fired = work._done._flag or (end is not None and rt.query(end.ptr))
+            fired = w.has_fired(rt)
         except Exception as exc:
             # A failed query means a sticky CUDA error (a kernel faulted): the
             # communicator cannot be trusted after it.
-            why = f"CUDA reported {type(exc).__name__}: {exc} while checking {w._name()}"
+            why = f"CUDA reported {type(exc).__name__}: {exc} while checking {w.name()}"
             b.abort(why)
-            w._fail(why)
+            w.fail(why)
             return -1
         if fired:
             lo = probe + 1

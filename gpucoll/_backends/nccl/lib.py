@@ -194,6 +194,21 @@ class NcclShim:
             "count": self._bind(lib, "ncclCommCount", [vp, ctypes.POINTER(c_int)]),
         }
 
+    @property
+    def has_premul_sum(self) -> bool:
+        """ncclRedOpCreatePreMulSum and ncclRedOpDestroy were found."""
+        return self._premul is not None and self._op_destroy is not None
+
+    @property
+    def has_async_error(self) -> bool:
+        """ncclCommGetAsyncError was found."""
+        return self._async_error is not None
+
+    @property
+    def has_group_calls(self) -> bool:
+        """ncclGroupStart and ncclGroupEnd were found."""
+        return self._group_start is not None and self._group_end is not None
+
     @staticmethod
     def _bind(lib: ctypes.CDLL, name: str, argtypes: list[Any], restype: Any = ctypes.c_int) -> Any:
         try:
@@ -382,14 +397,13 @@ def features_of(code: int, shim: NcclShim | None, nccl: Any) -> Features:
     return Features(
         version=v,
         avg=v >= (2, 10, 0),
-        premul_sum=v >= (2, 11, 0) and shim is not None and shim._premul is not None
-        and shim._op_destroy is not None,
+        premul_sum=v >= (2, 11, 0) and shim is not None and shim.has_premul_sum,
         fp8=v >= (2, 24, 0),
         all_to_all=v >= (2, 28, 0) and shim is not None and shim.all_to_all_fn is not None,
         gather=v >= (2, 28, 0) and shim is not None and shim.gather_fn is not None,
         scatter=v >= (2, 28, 0) and shim is not None and shim.scatter_fn is not None,
         comm_split=v >= (2, 18, 0) and hasattr(getattr(nccl, "NcclCommunicator", None), "commSplit"),
-        async_error=shim is not None and shim._async_error is not None,
+        async_error=shim is not None and shim.has_async_error,
         init_scalable=v >= (2, 23, 0) and shim is not None and shim.init_rank_scalable_fn is not None
         and all(fn is not None for fn in shim.raw.values()),
     )

@@ -28,59 +28,60 @@ __all__ = ["failure", "abort", "abort_comm", "shutdown", "drain"]
 def failure(b: BackendState) -> str | None:
     """Why ``b`` failed (its abort reason), after asking NCCL for an asynchronous error,
     which aborts it; None while it is healthy. Never blocks on a call in flight."""
-    reason = b._aborted
+    ending = b.ending
+    reason = ending.aborted
     if reason is not None:
         return reason
-    if not b._features.async_error:
+    if not b.features.async_error:
         return None
     error = b.comm_slot.async_error()
     if error is None:
-        return b._aborted
+        return ending.aborted
     code, detail = error
-    reason = (f"NCCL reported an asynchronous error on group {b._group_name!r}: "
+    reason = (f"NCCL reported an asynchronous error on group {b.group_name!r}: "
               f"{_nccl_lib.result_name(code)}" + (f" ({detail})" if detail else ""))
     abort(b, reason)
-    return b._aborted
+    return ending.aborted
 
 
 def abort(b: BackendState, reason: str) -> None:
     """Abort the communicator: every pending and later op fails with
     DistBackendError naming itself and ``reason``. Returns once NCCL's abort
     returned; safe to call from any thread, more than once."""
-    with b.outstanding.lock:  # the abort reason and the queue change together
-        if b._aborted is not None:
-            return
-        b._aborted = reason
-        pending = b.outstanding.take_all_locked()
+    pending = b.ending.abort(reason)
+    if pending is None:
+        return
     abort_comm(b, blocking=False)
     for w in pending:
-        w._poll()
+        w.poll()
 
 
 def abort_comm(b: BackendState, *, blocking: bool) -> None:
     """ncclCommAbort, once. Not blocking: when another thread is inside an NCCL call
-    on the communicator, leave the abort to that thread (it checks ``_aborted`` as
-    soon as its calls return), rather than free the communicator under it."""
-    why = b.comm_slot.abort(b._rt, b._device, blocking=blocking)
+    on the communicator, leave the abort to that thread (it checks ``ending.aborted``
+    as soon as its calls return), rather than free the communicator under it."""
+    why = b.comm_slot.abort(b.runtime, b.device_index, blocking=blocking)
     if why is not None:
-        b._aborted = f"{b._aborted} (and {why})"
+        b.ending.add_reason(why)
 
 
 def shutdown(b: BackendState) -> None:
     """Wait (up to the timeout) for queued ops, then destroy the communicator; abort
     it instead if they do not finish. Idempotent; later ops fail."""
-    with b._lock:
-        if b._closed is not None:
+    ending, timeout, name = b.ending, b.timeout, b.group_name
+    with b.issue_lock:
+        if ending.closed is not None:
             return
         comm = b.comm_slot.comm
-        drained = b._aborted is None and drain(b, b._timeout)
+        drained = ending.aborted is None and drain(b, timeout)
         for w in b.outstanding.snapshot():
-            w._poll()  # complete what finished, before the flag below fails the rest
-        b._closed = f"the NCCL backend of group {b._group_name!r} was shut down"
-        if comm is None or b._aborted is not None:
+            w.poll()  # complete what finished, before the flag below fails the rest
+        closed = f"the NCCL backend of group {name!r} was shut down"
+        ending.close(closed)
+        if comm is None or ending.aborted is not None:
             return
         if not drained:
-            abort(b, f"{b._closed} while ops were still running after {b._timeout:.3g} s")
+            abort(b, f"{closed} while ops were still running after {timeout:.3g} s")
             return
         comm = b.comm_slot.take()
         # ncclCommDestroy runs on a thread of its own, and this one waits for it a bounded
@@ -90,21 +91,21 @@ def shutdown(b: BackendState) -> None:
         # which talks to the peers' proxies (on an H200 a rank whose peer had aborted and
         # exited was still tearing down after 40 s: docs/gpu-verification.md).
         release = _Release(comm)
-        release.start(f"gpucoll-nccl-destroy-{b._group_name}")
-        if b._captured and b.size > 1:
+        release.start(f"gpucoll-nccl-destroy-{name}")
+        if b.comm_stream.captured and b.size > 1:
             # The caller may hold a graph that captured an op of this communicator for
             # as long as it likes: do not wait at all. NCCL frees the communicator once
             # the last such graph is gone (a one-rank communicator makes no such graph).
             return
-        bound = min(b._timeout, DESTROY_WAIT_S)
+        bound = min(timeout, DESTROY_WAIT_S)
         if not release.done.wait(bound):
             raise DistBackendError(
-                f"destroying the NCCL communicator of group {b._group_name!r}: ncclCommDestroy did not "
+                f"destroying the NCCL communicator of group {name!r}: ncclCommDestroy did not "
                 f"return within {bound:.3g} s (NCCL's teardown waits for its peers' proxies and for "
                 "every CUDA graph that captured the communicator); the group is shut down, and the "
                 "destroy goes on in the background")
         if release.error is not None:
-            raise DistBackendError(f"destroying the NCCL communicator of group {b._group_name!r} "
+            raise DistBackendError(f"destroying the NCCL communicator of group {name!r} "
                                    f"failed: {release.error}") from release.error
 
 
@@ -136,15 +137,16 @@ def drain(b: BackendState, timeout: float) -> bool:
     a caller's stream, has finished."""
     if b.comm_slot.comm is None:
         return True
-    rt, device = b._rt, b._device
+    rt, device = b.runtime, b.device_index
     prev = enter_device(rt, device)
     try:
         marker = rt.event(pooled=False, timing=False)
         rt.record(marker.ptr, b.comm_stream.ptr)
         wait = Backoff(timeout, first=1e-4, cap=0.01)
-        while not (query_outside_capture(rt, marker.ptr) and b._complete_until(None) is None):
-            if b._aborted is not None or not wait.sleep():
+        ending = b.ending
+        while not (query_outside_capture(rt, marker.ptr) and b.complete_until(None) is None):
+            if ending.aborted is not None or not wait.sleep():
                 return False
-        return b._aborted is None
+        return ending.aborted is None
     finally:
         leave_device(rt, prev)

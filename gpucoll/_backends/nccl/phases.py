@@ -38,7 +38,7 @@ def on_comm(b: BackendState, fn: Callable[..., None], *args: Any) -> None:
     the communicator's lock (comm.py), and an abort from another thread meanwhile is carried out by this
     thread once they return."""
     b.comm_slot.call(fn, *args)
-    if b._aborted is not None:
+    if b.ending.aborted is not None:
         _lifecycle.abort_comm(b, blocking=True)
         raise RuntimeError("the communicator was aborted while this op was being issued")
 
@@ -55,12 +55,12 @@ def _issue_calls(b: BackendState, comm: Comm, calls: Sequence[Step]) -> None:
             step = calls[0]
             getattr(comm, step[0])(*step[1:], stream)
         else:
-            b._rt.group_start()
+            b.runtime.group_start()
             try:
                 for step in calls:
                     getattr(comm, step[0])(*step[1:], stream)
             finally:
-                b._rt.group_end()
+                b.runtime.group_end()
     finally:
         # NCCL allows destroying an op once the calls that use it returned.
         for op in created:
@@ -79,9 +79,9 @@ def _local(b: BackendState, step: Step) -> None:
     if step[0] == "copy":
         _, dst, src, nbytes = step
         if nbytes:
-            b._rt.memcpy(dst, src, nbytes, b.comm_stream.ptr)
+            b.runtime.memcpy(dst, src, nbytes, b.comm_stream.ptr)
     elif step[0] == "kernel":
         _, name, n, args = step
-        b._rt.launch(name, n, args, b.comm_stream.stream, b._device)
+        b.runtime.launch(name, n, args, b.comm_stream.stream, b.device_index)
     else:
         raise AssertionError(f"unknown local step {step[0]!r}")

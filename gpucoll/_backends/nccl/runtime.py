@@ -97,7 +97,7 @@ class CudaRuntime:
         self.elapsed_ms = rt.eventElapsedTime
         self.is_capturing = rt.streamIsCapturing
         shim = lib.shim
-        if shim is not None and shim._group_start is not None and shim._group_end is not None:
+        if shim is not None and shim.has_group_calls:
             self.group_start, self.group_end = shim.group_start, shim.group_end
         else:
             self.group_start, self.group_end = lib.nccl.groupStart, lib.nccl.groupEnd

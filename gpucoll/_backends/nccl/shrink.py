@@ -10,7 +10,7 @@ from .comm import CommSlot
 from .protocols import Comm, Runtime
 from .runtime import enter_device, leave_device
 
-__all__ = ["shrink_comm", "NCCL_SHRINK_ABORT"]
+__all__ = ["shrink_comm", "check_shrunk", "NCCL_SHRINK_ABORT"]
 
 NCCL_SHRINK_ABORT = 0x01
 """nccl.h: terminate the parent's ongoing operations first, then shrink."""
@@ -40,3 +40,16 @@ def shrink_comm(slot: CommSlot, rt: Runtime, device: int, exclude: Sequence[int]
                                f"failed: {exc}") from exc
     finally:
         leave_device(rt, prev)
+
+
+def check_shrunk(new: Comm, rank: int, size: int, gone: Sequence[int], group_name: str) -> None:
+    """``new`` (made by :func:`shrink_comm` on rank ``rank`` of ``size`` without ``gone``)
+    has this rank where the survivors' order puts it.
+
+    Raises:
+        DistBackendError: it does not.
+    """
+    expected = [r for r in range(size) if r not in gone]
+    if new.size != len(expected) or new.rank != expected.index(rank):
+        raise DistBackendError(f"ncclCommShrink made {group_name!r} with rank {new.rank} of {new.size}; "
+                               f"expected rank {expected.index(rank)} of {len(expected)}")

@@ -12,7 +12,7 @@ from ...store.base import Store
 from .bootstrap import _all_arrive
 from .runtime import Comm, Runtime, enter_device, leave_device
 
-__all__ = ["split_comm"]
+__all__ = ["split_comm", "check_split"]
 
 
 def split_comm(comm: Comm, rt: Runtime, device: int, store: Store, key: str, size: int, *, timeout: float,
@@ -53,3 +53,16 @@ def split_comm(comm: Comm, rt: Runtime, device: int, store: Store, key: str, siz
     finally:
         leave_device(rt, prev)
     return new
+
+
+def check_split(new: Comm, rank: int, size: int, group_name: str) -> None:
+    """``new`` (made by :func:`split_comm`) is rank ``rank`` of ``size``, as this rank's
+    member list says.
+
+    Raises:
+        DistBackendError: it is not: ranks passed different member lists for one color.
+    """
+    if new.size != size or new.rank != rank:
+        raise DistBackendError(
+            f"ncclCommSplit made group {group_name!r} with rank {new.rank} of {new.size}; expected "
+            f"rank {rank} of {size}: ranks passed different member lists for one color")

@@ -1,5 +1,5 @@
-"""What the NCCL backend's function modules (hot, lifecycle, phases, bootstrap) read
-and write of a backend, as a Protocol: a leaf module, so that none of
+"""What the NCCL backend's function modules (hot, lifecycle, phases) read of a
+backend, as a Protocol: a leaf module, so that none of
 them imports :mod:`.backend` (which imports them), not even for a type. NCCLBackend
 satisfies it; mypy checks that at every call that passes one."""
 
@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 from ...store.base import Store
 from .comm import CommSlot
+from .ending import Ending
 from .outstanding import Outstanding
 from .lib import Features
 from .plan import Planner
@@ -19,36 +20,33 @@ __all__ = ["BackendState"]
 
 
 class BackendState(Protocol):
-    """One NCCL backend's state (declared in ``NCCLBackend.__init__``, which says what
-    each field is for)."""
+    """One NCCL backend's state, read-only (declared in ``NCCLBackend.__init__``, which
+    says what each field is for): plain attributes, no properties, since the hot path
+    reads them per op. What changes after construction changes through the parts'
+    methods (comm_slot, comm_stream, outstanding, ending) or the backend's."""
 
     rank: int
     size: int
     config: dict[str, Any]
-    _rt: Runtime
-    _features: Features
-    _store: Store
-    _timeout: float
-    _group_name: str
-    _high_priority: bool
-    _lock: Any          # threading.RLock: the issue path
+    runtime: Runtime
+    features: Features
+    store: Store
+    timeout: float
+    group_name: str
+    high_priority: bool
+    issue_lock: Any      # threading.RLock: the issue path
     comm_slot: CommSlot  # the communicator, its lock, its end
-    _device: int
-    comm_stream: CommStream  # the communication stream, its event pool, timing, tail
-    _planner: Planner | None
-    _scratch: int
-    _keep: list[Any]
-    _captured: bool
-    outstanding: Outstanding  # ops issued, not yet seen complete; its lock guards _aborted
-    _aborted: str | None
-    _closed: str | None
+    device_index: int    # the communicator's device, -1 until it exists
+    comm_stream: CommStream  # the communication stream, its events, what lives as long as the backend
+    planner: Planner | None
+    scratch: int
+    outstanding: Outstanding  # ops issued, not yet seen complete
+    ending: Ending       # aborted / shut down, and why
 
     def abort(self, reason: str) -> None: ...
 
-    def _failure(self) -> str | None: ...
+    def failure(self) -> str | None: ...
 
-    def _complete_until(self, stop: Any) -> Any: ...
+    def complete_until(self, stop: Any) -> Any: ...
 
-    def _complete_earlier(self, work: Any) -> None: ...
-
-    def _alloc_temp(self, nbytes: int) -> int: ...
+    def complete_earlier(self, work: Any) -> None: ...

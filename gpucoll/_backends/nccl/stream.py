@@ -7,11 +7,16 @@ Work-less synchronous ops record (events.py), whether ops record timed events (a
 completion hook asked), the last timed op's end (the other start of an op's
 ``active_duration``), and the end of the last op issued on this stream until an op on
 the caller's stream has waited for it (every op of a group runs in issue order).
+And what must live as long as the backend: allocations the stream's ops use (the
+barrier's scratch word), the arrays and temporaries of an op that failed part-way
+through being queued, and those of ops captured into a CUDA graph (a replay uses
+them), with whether any op was captured (shutdown then does not wait for
+``ncclCommDestroy``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 from .events import EventPool
 from .protocols import Event, Runtime
@@ -20,17 +25,37 @@ __all__ = ["CommStream"]
 
 
 class CommStream:
-    """The communication stream (None until the communicator exists) and its events."""
+    """The communication stream (None until the communicator exists) and its events.
 
-    __slots__ = ("stream", "ptr", "events", "timing", "last_end", "tail")
+    ``timing``, ``last_end`` and ``tail`` are the issue path's (hot.py, ``NCCLBackend._launch``),
+    which reads and writes them directly under the backend's issue lock: a method call
+    per op would cost the synchronous op more than the rest of its Python. The rest is
+    read-only outside this class."""
+
+    __slots__ = ("stream", "ptr", "events", "timing", "last_end", "tail", "kept", "captured")
 
     def __init__(self) -> None:
         self.stream: Any = None
         self.ptr = 0
         self.events: EventPool | None = None
-        self.timing = False
+        self.timing = False             # record timed events (a completion hook asked: time_ops)
         self.last_end: Event | None = None
         self.tail: Event | None = None
+        self.kept: list[Any] = []       # held for the backend's life (read-only outside)
+        self.captured = False           # an op was captured into a CUDA graph (read-only outside)
+
+    def time_ops(self) -> None:
+        """Record later ops' events with timing (for active_duration)."""
+        self.timing = True
+
+    def keep(self, objs: Iterable[Any]) -> None:
+        """Hold ``objs`` as long as the backend lives."""
+        self.kept.extend(objs)
+
+    def keep_for_graphs(self, objs: Iterable[Any]) -> None:
+        """An op was captured: hold its temporaries ``objs`` for the backend's life."""
+        self.kept.extend(objs)
+        self.captured = True
 
     def open(self, stream: Any, rt: Runtime, device: int) -> None:
         """Take ``stream`` (the runtime's, on ``device``) and an event pool of ``device``."""

@@ -29,11 +29,11 @@ from typing import Any, Protocol, Sequence
 from ..._timeouts import Backoff, to_seconds
 from ...errors import DistBackendError, DistError
 from ..._work import Work, _Completion
+from .ending import Ending
 from .runtime import CAPTURE_THREAD_LOCAL, Event, Runtime, enter_device, leave_device
 
-__all__ = ["NCCLWork", "WorkOwner", "query_outside_capture"]
+__all__ = ["NCCLWork", "HotWork", "WorkOwner", "query_outside_capture"]
 
-_new_completion = object.__new__
 # The hot path's Works share one lock (held for a few field writes, never while another
 # Work's lock is taken or user code runs): one fewer object made and freed per op.
 _HOT_LOCK = threading.Lock()
@@ -52,18 +52,18 @@ def query_outside_capture(rt: Runtime, event: int) -> bool:
 
 
 class WorkOwner(Protocol):
-    """What an NCCLWork needs from its backend."""
+    """What an NCCLWork needs from its backend (read-only)."""
 
-    _rt: Runtime
-    _aborted: str | None
+    runtime: Runtime
+    ending: Ending
 
-    def _failure(self) -> str | None:
+    def failure(self) -> str | None:
         """Why every pending op fails (abort, asynchronous NCCL error), or None."""
         ...
 
     def abort(self, reason: str) -> None: ...
 
-    def _complete_earlier(self, work: NCCLWork) -> None:
+    def complete_earlier(self, work: NCCLWork) -> None:
         """Complete, in issue order, the works issued before ``work`` (its stream ran
         them first), so that completions and hooks follow issue order."""
         ...
@@ -98,36 +98,21 @@ class NCCLWork(Work):
         super().__init__(op_type, keepalive=keepalive, result=result, default_timeout=default_timeout)
         self._owner = owner
 
-    @classmethod
-    def _hot(cls, op_type: str, owner: WorkOwner, buf: Any, default_timeout: float, device: int, end: Event,
-             ready: Event | None, prev: Event | None) -> NCCLWork:
-        """The Work of an op issued by the hot path (hot.py), made and marked issued in
-        one step: it keeps ``buf`` alive, holds no producer stream, and was not captured."""
-        w = cls.__new__(cls)
-        w.op_type = op_type
-        w._t0 = time.perf_counter()
-        w.time_started = time.time()
-        w._default_timeout = default_timeout
-        w._keepalive = (buf,)
-        w._result = []
-        lock = w._lock = _HOT_LOCK
-        done = w._done = _new_completion(_Completion)
-        done._flag = False
-        done._event = None
-        done._lock = lock
-        w._owner = owner
-        w._device = device
-        w._end = end
-        if ready is not None:
-            w._ready, w._prev = ready, prev
-        return w
-
     # ----- set by the backend -----
 
-    def _issued(self, device: int, ready: Event | None, end: Event, prev: Event | None,
-                streams: tuple[int, ...], captured: bool) -> None:
+    def hold_stream(self, owner: Any) -> None:
+        """Hold ``owner``, a producer stream's object, for the Work's life; :meth:`wait`
+        makes that stream wait too."""
+        self._stream_owners = (*self._stream_owners, owner)
+
+    def issued(self, device: int, ready: Event | None, end: Event, prev: Event | None, captured: bool) -> None:
+        """The op was queued on ``device``: ``end`` fires once it finished; ``ready`` and
+        ``prev`` (timed ops) start its active duration; ``captured``: into a CUDA graph."""
         self._device = device
-        self._streams = streams
+        owners = self._stream_owners
+        # wait() makes the producer streams held wait; never a bare handle its owner
+        # may have destroyed since.
+        self._streams = tuple(int(o.ptr) for o in owners) if owners else ()
         if captured:
             # Inside CUDA graph capture nothing runs until the graph is launched, and
             # captured events cannot be queried: the op is complete as far as the
@@ -137,18 +122,46 @@ class NCCLWork(Work):
         self._ready, self._prev = ready, prev
         self._end = end
 
-    def _doom(self, reason: str) -> None:
+    def doom(self, reason: str) -> None:
         """Fail this Work the first time anyone looks at it (the ProcessGroup assigns
         its sequence number after the backend returns it, and the error names it)."""
         self._doomed = reason
 
-    def _keep_also(self, objs: Sequence[Any]) -> None:
+    def keep_also(self, objs: Sequence[Any]) -> None:
         """Also hold ``objs`` (the op's temporaries) until the op completes."""
         if objs:
             self._keepalive = [*(self._keepalive or ()), *objs]
 
-    def _fail(self, reason: str) -> None:
+    def fail(self, reason: str) -> None:
+        """Fail the Work for ``reason`` (nothing once complete)."""
         self._set_exception(DistBackendError(f"{self._name()} failed: {reason}"))
+
+    def name(self) -> str:
+        """The op, its sequence number and group, for errors."""
+        return self._name()
+
+    def poll(self) -> bool:
+        """Complete or fail the Work if its op finished or its backend failed; True once it has."""
+        return self._poll()
+
+    def observed(self) -> bool:
+        """Whether anything but its holders looks at the Work's completion: the flight
+        recorder, a callback, a future (else a finished Work nobody holds may be dropped
+        without being completed: nothing could tell)."""
+        return self._fr_entry is not None or self._callbacks is not None or self._future is not None
+
+    def has_fired(self, rt: Runtime) -> bool:
+        """Whether the op is complete or its end event has fired (one query; raises
+        what the query raises)."""
+        end = self._end
+        return self._done.is_set() or (end is not None and rt.query(end.ptr))
+
+    def stand_for(self, t0: float, time_started: float, seq: int, group_name: str, entry: Any) -> None:
+        """Stand for an op issued without a Work (hot.Quiet.as_work): its start times,
+        sequence number, group and flight-recorder entry; it keeps nothing alive."""
+        self._keepalive = None
+        self._t0, self.time_started = t0, time_started
+        self.seq, self.group_name, self._fr_entry = seq, group_name, entry
 
     # ----- completion -----
 
@@ -156,11 +169,11 @@ class NCCLWork(Work):
         if self._done.is_set():
             return True
         if self._doomed is not None:
-            self._fail(self._doomed)
+            self.fail(self._doomed)
             return True
-        reason = self._owner._failure()
+        reason = self._owner.failure()
         if reason is not None:
-            self._fail(reason)
+            self.fail(reason)
             return True
         return self._check_event()
 
@@ -173,7 +186,7 @@ class NCCLWork(Work):
         end = self._end
         if end is None:
             return False  # a member of a coalescing batch that has not been issued yet
-        rt = self._owner._rt
+        rt = self._owner.runtime
         try:
             prev_device = -1 if rt.get_device() == self._device else enter_device(rt, self._device)
             try:
@@ -187,15 +200,15 @@ class NCCLWork(Work):
             # communicator cannot be trusted after it.
             why = f"CUDA reported {type(exc).__name__}: {exc} while checking {self._name()}"
             self._owner.abort(why)
-            self._fail(why)
+            self.fail(why)
             return True
         self._ready = self._prev = None
         if not mode_set:  # the sweep completes earlier works itself, in order
-            self._owner._complete_earlier(self)
+            self._owner.complete_earlier(self)
         self._set_result(active_duration=None if duration is None else duration / 1000.0)
         return True
 
-    def _fired(self, rt: Runtime, now: float) -> None:
+    def fired(self, rt: Runtime, now: float) -> None:
         """Complete the Work, whose end event has fired (the backend's sweep saw it or a
         later one fire), as of ``now`` (``time.perf_counter()``)."""
         if self._ready is not None or self._prev is not None:  # timed: the events say how long
@@ -205,26 +218,7 @@ class NCCLWork(Work):
             self._ready = self._prev = None
             self._finish(None, None if duration is None else duration / 1000.0, None, now)
             return
-        # Untimed, and most often nobody waits, listens or holds a future: Work._finish
-        # in a few field writes.
-        done = self._done
-        with self._lock:
-            if done._flag:
-                return
-            since = now - self._t0
-            self.time_finished = self.time_started + since
-            self.active_duration = since
-            self._keepalive = None
-            done._flag = True
-            event = done._event
-            callbacks = self._callbacks
-            future = self._future
-        if event is not None or callbacks is not None or future is not None:
-            self._finish_rest(event, callbacks, future)
-        else:
-            entry = self._fr_entry
-            if entry is not None:
-                entry.finish(self)
+        self._finish(None, None, None, now)
 
     def _active_ms(self, rt: Runtime, end: Event) -> float | None:
         try:
@@ -272,14 +266,14 @@ class NCCLWork(Work):
             return self._waited()
         # Only flags here: the hot path of every synchronous op queries no event and
         # no NCCL state (the watchdog does that).
-        if self._done.is_set() or self._doomed is not None or self._owner._aborted is not None:
+        if self._done.is_set() or self._doomed is not None or self._owner.ending.aborted is not None:
             self._poll()
             self._raise_if_failed()
             return self._waited()
         end = self._end
         if end is None:
             return self._waited()  # not issued yet: the batch's own Work carries the wait
-        rt = self._owner._rt
+        rt = self._owner.runtime
         try:
             # The caller's current stream of the op's device (no cudaGetDevice, no
             # device switch: a stream waits on an event of any device).
@@ -315,3 +309,28 @@ class NCCLWork(Work):
                 raise DistBackendError(f"{self._name()} did not complete within {limit:.3g} s "
                                        "(Work.synchronize)")
         self._raise_if_failed()
+
+
+class HotWork(NCCLWork):
+    """The Work of an op issued by the hot path (hot.py), made and marked issued in one
+    step: it keeps ``buf`` alive (nothing when None), holds no producer stream, was not
+    captured, and shares one lock with the other hot Works (held for a few field
+    writes, never while another Work's lock is taken or user code runs: one fewer
+    object made and freed per op)."""
+
+    def __init__(self, op_type: str, owner: WorkOwner, buf: Any, default_timeout: float, device: int,
+                 end: Event, ready: Event | None, prev: Event | None) -> None:
+        # Work.__init__'s fields, without its lock and list.
+        self.op_type = op_type
+        self._t0 = time.perf_counter()
+        self.time_started = time.time()
+        self._default_timeout = default_timeout
+        self._keepalive = (buf,) if buf is not None else None
+        self._result = []
+        self._lock = _HOT_LOCK
+        self._done = _Completion(_HOT_LOCK)
+        self._owner = owner
+        self._device = device
+        self._end = end
+        if ready is not None:
+            self._ready, self._prev = ready, prev
