@@ -158,6 +158,30 @@ class Issuer:
             return None
         return self.finish(backend, self._start(seq, entry, start, args, outputs, peer, op), async_op, device)
 
+    def call_quiet(self, backend: Backend, quiet: Callable[..., bool], buf: Buffer, arg: Any, tensor: Any, op: str,
+                   red: Any = None, peer: int = -1) -> None:
+        """A synchronous device op through the backend's Work-less form: :meth:`call`
+        with ``args = (buf, arg)``, ``start`` the backend's method named ``op`` and
+        ``outputs = [tensor]``, for a caller that checked there is no hook and the debug
+        level is below DETAIL. Its steady state builds nothing for the Work path (no
+        bound method, argument tuple or output list): that is made only when ``quiet``
+        declines (then the op is issued the usual way, under the same number and
+        flight-recorder entry)."""
+        seq = self.seq = self.seq + 1
+        recorder = self.recorder
+        entry = None
+        if recorder is not None:
+            entry = recorder.begin(seq, op, backend.name, buf, peer)
+            if self.debug_info:
+                entry.where = call_site()
+        if quiet(buf, arg, seq, entry, self.group_name):
+            # Issued, and the caller's stream waits for it; the watchdog watches the
+            # backend's queue of outstanding ops, which holds its record.
+            self.watchdog.watch_backend(cast(PollsPending, backend))
+            return None
+        self.finish(backend, self._start(seq, entry, getattr(backend, op), (buf, arg), [tensor], peer, op), False, True)
+        return None
+
     def _entry(self, seq: int, op: str, backend: Backend, buf: Buffer | None, peer: int) -> _Entry | None:
         """The op's flight-recorder entry, made before it starts: a host op may run to its
         end inside ``start()``, and a dump taken meanwhile must show it."""

@@ -15,6 +15,7 @@ tests/gpu/test_nccl_gpu_review.py compares the two paths on a GPU with CuPy's ow
 from __future__ import annotations
 
 import gc
+import time
 from typing import Any
 
 import numpy as np
@@ -225,6 +226,50 @@ def test_process_group_all_reduce_of_cupy_arrays_on_the_fake_gpu(current: list[_
                 if not np.array_equal(got, want):
                     bad.append(f"step {step} {dtype.__name__}: got {got.reshape(-1)[:3]}, want {want.reshape(-1)[:3]}")
                 blocks.append(block)
+        return bad
+
+    results = run_groups(size, body, monkeypatch)
+    assert results == [[] for _ in range(size)]
+
+
+@pytest.mark.parametrize("size", [1, 3])
+def test_a_declined_quiet_op_keeps_its_number_and_entry(size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ProcessGroup.all_reduce's Work-less lane (Issuer.call_quiet): where the backend
+    declines the quiet form (the array's producer stream is not the caller's), the op is
+    issued the usual way under the number and flight-recorder entry it was given; quiet
+    and declined ops alternate, every op takes exactly one sequence number, the recorder
+    shows them in order and completed, and every result is NumPy's."""
+    from _fake_gpu_world import FakeDeviceArray, run_groups
+    from _nccl_fake import FakeStreamArray, read_on_stream
+
+    def body(pg: Any, rt: Any, rank: int) -> list[str]:
+        bad: list[str] = []
+        keep: list[Any] = []
+        for step in range(8):
+            host = np.full(64, rank + step, np.float32)
+            x: Any = FakeStreamArray(rt, host) if step % 2 else FakeDeviceArray(rt, host)
+            keep.append(x)
+            before = pg.get_sequence_number()
+            assert pg.all_reduce(x) is None
+            if pg.get_sequence_number() != before + 1:
+                bad.append(f"step {step}: sequence {before} -> {pg.get_sequence_number()}")
+            got = read_on_stream(rt, x.buf, np.float32).get(timeout=10)
+            want = np.full(64, sum(r + step for r in range(size)), np.float32)
+            if not np.array_equal(got, want):
+                bad.append(f"step {step}: got {got[:3]}, want {want[:3]}")
+        deadline = time.monotonic() + 10
+        while True:  # the device finishes the last ops a little later; the backend completes them when polled
+            entries = [e for e in pg._issuer.recorder._in_order() if e.op_type == "all_reduce"]
+            if all(e.state == "completed" for e in entries) or time.monotonic() > deadline:
+                break
+            pg._nccl.poll_pending()
+            time.sleep(0.01)
+        seqs = [e.seq for e in entries]
+        if seqs != list(range(seqs[0], seqs[0] + 8)) or len(seqs) != 8:
+            bad.append(f"recorded seqs {seqs}")
+        states = {e.state for e in entries}
+        if states != {"completed"}:
+            bad.append(f"recorder states {states}")
         return bad
 
     results = run_groups(size, body, monkeypatch)
