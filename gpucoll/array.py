@@ -31,7 +31,8 @@ from typing import Any, Protocol, TypeAlias, Union, runtime_checkable
 
 import numpy as np
 
-from ._buffer import _TYPESTRS, DTYPES, Buffer, Device, DType, dtype_of_typestr, host_address
+from ._buffer import _CUDA, _NP_DTYPES, _TYPESTRS, DTYPES, Buffer, Device, DType, cuda_device, cupy_fast_path
+from ._buffer import dtype_of_numpy, dtype_of_typestr, from_cupy, host_address
 from ._buffer import (_DLPACK_FLAG_READ_ONLY, _DLManagedTensor, _DLManagedTensorVersioned, _capsule_get_name,
                       _capsule_get_pointer)
 
@@ -94,23 +95,6 @@ _DL_DTYPES: dict[tuple[int, int], str] = {
     (10, 8): "float8_e4m3fn", (12, 8): "float8_e5m2",
 }
 
-# np.dtype -> DType, filled on first sight of each dtype (a pure cache: same answer every time).
-_NP_DTYPES: dict[np.dtype[Any], DType] = {}
-
-
-def _dtype_of_numpy(dt: np.dtype[Any], name: str) -> DType:
-    found = _NP_DTYPES.get(dt)
-    if found is not None:
-        return found
-    if dt.byteorder == ">" or (dt.byteorder == "=" and sys.byteorder == "big"):
-        raise TypeError(f"{name} has non-native byte order ({dt.str}); use x.astype(x.dtype.newbyteorder('='))")
-    if dt.name not in DTYPES:
-        raise TypeError(f"{name} has unsupported dtype {dt} ; supported: {', '.join(DTYPES)}")
-    found = DTYPES[dt.name]
-    _NP_DTYPES[dt] = found
-    return found
-
-
 def as_buffer(array: Any, *, name: str = "tensor", writable: bool = False) -> Buffer:
     """Describe ``array``'s memory as a :class:`Buffer`, without copying.
 
@@ -135,8 +119,8 @@ def as_buffer(array: Any, *, name: str = "tensor", writable: bool = False) -> Bu
     if isinstance(array, np.ndarray):
         return _from_ndarray(array, name, writable, _CPU)
     cls = type(array)
-    if cls is _cupy_ndarray:
-        buf = _from_cupy(array)
+    if cls is _cupy_ndarray:  # read from its attributes, as its CAI would say (_buffer.from_cupy)
+        buf = from_cupy(array)
         if buf is not None:
             return buf
     if cls is Buffer:
@@ -148,8 +132,9 @@ def as_buffer(array: Any, *, name: str = "tensor", writable: bool = False) -> Bu
         has_dlpack = hasattr(cls, "__dlpack__") and hasattr(cls, "__dlpack_device__")
         if len(_CAI_TYPES) < 64:
             _CAI_TYPES[cls] = has_dlpack
-        if _cupy_ndarray is None and cls.__name__ == "ndarray" and cls.__module__ == "cupy" and _use_cupy_fast_path():
-            buf = _from_cupy(array) if cls is _cupy_ndarray else None
+        if cls.__name__ == "ndarray" and cls.__module__ == "cupy" and _cupy_ndarray is None:
+            _set_cupy_fast_path()
+            buf = from_cupy(array) if cls is _cupy_ndarray else None
             if buf is not None:
                 return buf
     if has_dlpack is not None:
@@ -184,6 +169,14 @@ def as_buffer(array: Any, *, name: str = "tensor", writable: bool = False) -> Bu
     return _from_ndarray(np.asarray(view), name, writable, _CPU)
 
 
+_cupy_ndarray: type | None = None  # cupy.ndarray once its fast path is set up (_buffer.cupy_fast_path)
+
+
+def _set_cupy_fast_path() -> None:
+    global _cupy_ndarray
+    _cupy_ndarray = cupy_fast_path()
+
+
 def _from_ndarray(a: np.ndarray, name: str, writable: bool, device: Device) -> Buffer:
     flags = a.flags
     if not flags.c_contiguous:
@@ -194,13 +187,12 @@ def _from_ndarray(a: np.ndarray, name: str, writable: bool, device: Device) -> B
         raise ValueError(
             f"{name} is read-only and this op writes into it; pass a writable copy, "
             "or use gpucoll.functional, which returns a new array")
-    dtype = _NP_DTYPES.get(a.dtype) or _dtype_of_numpy(a.dtype, name)
+    dtype = _NP_DTYPES.get(a.dtype) or dtype_of_numpy(a.dtype, name)
     return Buffer(host_address(a), a.nbytes, dtype, a.shape, device, not flags.writeable, None, a)
 
 
 # ----- __cuda_array_interface__ -----
 
-_CUDA: dict[int, Device] = {}       # index -> Device("cuda", index)
 # Types with a CAI (the value: whether the type also speaks DLPack, whose handshake is
 # preferred to a CAI before version 3), and the layouts seen:
 # (type, typestr, shape, strides) -> (dtype, shape as ints, nbytes), checked once.
@@ -236,76 +228,12 @@ def _from_cai(array: Any, cai: dict[str, Any], name: str, writable: bool) -> Buf
     stream = cai.get("stream") if int(cai.get("version", 2)) >= 3 else None
     ptr = int(ptr or 0)
     index = _cuda_device_index(array, ptr)
-    device = _CUDA.get(index) or _CUDA.setdefault(index, Device("cuda", index))
+    device = _CUDA.get(index) or cuda_device(index)
     stream = None if stream is None or stream == 1 or stream == 0 else _normalise_stream(stream)
     if stream is None:
         return Buffer(ptr, nbytes, dtype, shape, device, bool(readonly), None, array)
     held = _hold_stream(array, stream)
     return Buffer(ptr, nbytes, dtype, shape, device, bool(readonly), stream, array, held, held is None)
-
-
-# ----- CuPy's arrays, read from their attributes -----
-# CuPy's ``__cuda_array_interface__`` builds a dict per call (1.0 µs on an H200), and
-# reading it back costs as much again; the same facts are attributes of the array
-# (50 ns each). :func:`_from_cupy` reads them and makes the Buffer that ``_from_cai``
-# makes of CuPy's CAI (version 3, as cupy/_core/core.pyx writes it): the pointer (0 for
-# an empty array), shape and dtype, strides None for a C-contiguous array, never
-# read-only, the device of the memory, and as stream CuPy's current stream, with the
-# default stream spelled 1 (legacy) or 2 (per-thread). Nothing is cached per array: an
-# array's shape can change in place (``x.shape = ...``) and a freed array's id and
-# memory are reused, so every call reads the array anew.
-
-_cupy_ndarray: type | None = None          # cupy.ndarray once the fast path is set up
-_cupy_stream: Any = None                   # cupy.cuda.get_current_stream
-_cupy_default_stream = 1                   # what CuPy's CAI says for stream 0: 1, or 2 (per-thread default)
-
-
-def _use_cupy_fast_path() -> bool:
-    """Set the CuPy fast path up (on the first CuPy array seen): only where CuPy's CAI is
-    version 3 and CUDA's (under ROCm or with version 2, the general path decides)."""
-    global _cupy_ndarray, _cupy_stream, _cupy_default_stream
-    try:
-        cupy = sys.modules["cupy"]
-        from cupy_backends.cuda import stream as _cupy_streams
-
-        if cupy.cuda.runtime.is_hip or int(cupy._util.CUDA_ARRAY_INTERFACE_EXPORT_VERSION) != 3:
-            return False
-        _cupy_default_stream = int(_cupy_streams.get_default_stream_ptr())
-        _cupy_stream = cupy.cuda.get_current_stream
-        _cupy_ndarray = cupy.ndarray
-    except Exception:  # noqa: BLE001  (another CuPy than the one this was written against)
-        return False
-    return True
-
-
-def _from_cupy(a: Any) -> Buffer | None:
-    """The Buffer of a ``cupy.ndarray`` (see above); None, having checked nothing, where
-    the general path must decide (not C-contiguous, a dtype seen for the first time that
-    gpucoll lacks, CuPy's stream look-up failing): it words the error as before."""
-    if not a._c_contiguous:
-        return None
-    dt = a.dtype
-    dtype = _NP_DTYPES.get(dt)
-    if dtype is None:
-        try:
-            dtype = _dtype_of_numpy(dt, "tensor")
-        except TypeError:
-            return None
-    try:
-        current = _cupy_stream()
-    except Exception:  # noqa: BLE001  (the general path raises it, or falls back to DLPack)
-        return None
-    mem = a.data
-    index = mem.device_id
-    device = _CUDA.get(index) or _CUDA.setdefault(index, Device("cuda", index))
-    size = a.size
-    shape = a.shape
-    ptr = mem.ptr if size else 0
-    stream = current.ptr or _cupy_default_stream
-    if stream == 1:
-        return Buffer(ptr, size * dtype.itemsize, dtype, shape, device, False, None, a)
-    held = current if current.ptr == stream else None
-    return Buffer(ptr, size * dtype.itemsize, dtype, shape, device, False, stream, a, held, held is None)
 
 
 def _cai_layout(array: Any, typestr: Any, raw_shape: Any, strides: Any, name: str,

@@ -256,12 +256,9 @@ class ProcessGroup:
                 _remember_host_run(self._host_runs, backend, tensor, buf, red, op)
             return issuer.run_now(backend, now, backend.all_reduce, (buf, red), buf, "all_reduce",
                                   [tensor])
-        quiet = plan.quiet
-        if quiet is not None and not async_op and not issuer.hooks and not issuer.debug_detail:
-            issuer.call_quiet(backend, quiet, buf, red, tensor, "all_reduce", red)
-            return None
-        return issuer.call(backend, backend.all_reduce, (buf, red), buf, [tensor], async_op, plan.device,
-                           "all_reduce", red, -1, quiet)
+        if plan.quiet is not None and not async_op:  # a synchronous device op: no Work unless one is needed
+            return issuer.call_quiet(backend, plan.quiet, buf, red, tensor, "all_reduce", red)
+        return issuer.call(backend, backend.all_reduce, (buf, red), buf, [tensor], async_op, plan.device, "all_reduce", red)
 
     def _all_reduce_into(self, output: Any, input: Any, op: Any = ReduceOp.SUM,
                          async_op: bool = False) -> Work | None:

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from gpucoll import _buffer as buffer_mod
 from gpucoll import array as array_mod
 from gpucoll._buffer import Buffer
 from gpucoll.array import NotContiguousError, as_buffer
@@ -44,9 +45,11 @@ def current(monkeypatch: pytest.MonkeyPatch) -> list[_Stream]:
     streams = [_Stream(0)]
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda *a: streams[0])  # _hold_stream's look-up
     monkeypatch.setattr(array_mod, "_cupy_ndarray", None)
-    assert array_mod._use_cupy_fast_path()
+    monkeypatch.setattr(buffer_mod, "_cupy_stream", None)
+    monkeypatch.setattr(buffer_mod, "_cupy_default_stream", 1)
+    array_mod._set_cupy_fast_path()
     assert array_mod._cupy_ndarray is cupy.ndarray
-    monkeypatch.setattr(array_mod, "_cupy_stream", lambda: streams[0])
+    monkeypatch.setattr(buffer_mod, "_cupy_stream", lambda: streams[0])
     return streams
 
 
@@ -59,7 +62,7 @@ def _cupy_array(shape: tuple[int, ...], dtype: Any, ptr: int = 0x7F0000000000, d
 
 def _cupy_cai(a: Any) -> dict[str, Any]:
     """``a.__cuda_array_interface__`` as CuPy (v3, CUDA) writes it, with the stand-in stream."""
-    stream = array_mod._cupy_stream().ptr or array_mod._cupy_default_stream
+    stream = buffer_mod._cupy_stream().ptr or buffer_mod._cupy_default_stream
     return {"shape": a.shape, "typestr": a.dtype.str, "descr": a.dtype.descr, "stream": stream, "version": 3,
             "strides": None if a.flags.c_contiguous else a.strides,
             "data": (a.data.ptr if a.size > 0 else 0, False)}
@@ -116,7 +119,7 @@ def test_per_thread_default_stream_as_the_cai_says(current: list[_Stream],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     # Under CUPY_CUDA_PER_THREAD_DEFAULT_STREAM CuPy's CAI publishes 2 for the default
     # stream, whose handle gpucoll cannot hold: the general path marks it foreign.
-    monkeypatch.setattr(array_mod, "_cupy_default_stream", 2)
+    monkeypatch.setattr(buffer_mod, "_cupy_default_stream", 2)
     a = _cupy_array((64,), np.float32)
     got = as_buffer(a, writable=True)
     assert _fields(got) == _fields(_reference(a))
@@ -151,7 +154,7 @@ def test_the_array_is_read_anew_on_every_call(current: list[_Stream]) -> None:
 def test_non_contiguous_cupy_arrays_go_the_general_way(current: list[_Stream]) -> None:
     base = _cupy_array((16, 16), np.float32)
     for view in (base[:, :8], base[::2], base.T, base.reshape(16, 16)[:, :1]):
-        assert array_mod._from_cupy(view) is None
+        assert buffer_mod.from_cupy(view) is None
         # The CAI path words the error (as before); its strides come from the array.
         with pytest.raises(NotContiguousError, match="C-contiguous"):
             _reference(view)
@@ -161,8 +164,8 @@ def test_a_failing_stream_lookup_goes_the_general_way(current: list[_Stream],
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     def broken() -> Any:
         raise RuntimeError("no CUDA driver")
-    monkeypatch.setattr(array_mod, "_cupy_stream", broken)
-    assert array_mod._from_cupy(_cupy_array((4,), np.float32)) is None
+    monkeypatch.setattr(buffer_mod, "_cupy_stream", broken)
+    assert buffer_mod.from_cupy(_cupy_array((4,), np.float32)) is None
 
 
 def test_cupy_subclasses_and_other_kinds_take_their_own_paths(current: list[_Stream]) -> None:
@@ -181,12 +184,16 @@ def test_cupy_subclasses_and_other_kinds_take_their_own_paths(current: list[_Str
 
 def test_the_fast_path_is_off_unless_cupy_publishes_cai_v3(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(array_mod, "_cupy_ndarray", None)
+    monkeypatch.setattr(buffer_mod, "_cupy_stream", None)
+    monkeypatch.setattr(buffer_mod, "_cupy_default_stream", 1)
     monkeypatch.setattr(cupy._util, "CUDA_ARRAY_INTERFACE_EXPORT_VERSION", 2)
-    assert not array_mod._use_cupy_fast_path()
-    assert array_mod._cupy_ndarray is None
+    array_mod._set_cupy_fast_path()
+    assert array_mod._cupy_ndarray is None and buffer_mod.cupy_fast_path() is None
     monkeypatch.setattr(cupy._util, "CUDA_ARRAY_INTERFACE_EXPORT_VERSION", 3)
     monkeypatch.setattr(cupy.cuda.runtime, "is_hip", True)
-    assert not array_mod._use_cupy_fast_path()
+    assert buffer_mod.cupy_fast_path() is None
+    monkeypatch.setattr(cupy.cuda.runtime, "is_hip", False)
+    assert buffer_mod.cupy_fast_path() is cupy.ndarray
 
 
 @pytest.mark.parametrize("size", [2, 3])
@@ -202,7 +209,7 @@ def test_process_group_all_reduce_of_cupy_arrays_on_the_fake_gpu(current: list[_
     from _nccl_fake import FakeStream, read_on_stream
 
     streams: dict[str, int] = {}
-    monkeypatch.setattr(array_mod, "_cupy_stream",
+    monkeypatch.setattr(buffer_mod, "_cupy_stream",
                         lambda: _Stream(streams.get(threading.current_thread().name, 0)))
 
     def body(pg: Any, rt: Any, rank: int) -> list[str]:
