@@ -33,6 +33,7 @@ for _p in (_ROOT, os.path.join(_ROOT, "bench")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+from gpucoll import _buffer as buffer_mod  # noqa: E402
 from gpucoll import array as array_mod  # noqa: E402
 
 
@@ -81,9 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     as_buffer = array_mod.as_buffer
     host = np.zeros(256, np.float32)
     cai = DeviceArray()
-    assert array_mod._use_cupy_fast_path()
+    array_mod._set_cupy_fast_path()
+    assert array_mod._cupy_ndarray is cupy.ndarray, "CuPy's fast path is off here (CAI version 2, or ROCm)"
     if not gpu:
-        array_mod._cupy_stream = lambda: _DefaultStream
+        buffer_mod._cupy_stream = lambda: _DefaultStream
 
     def cupy_off() -> Any:
         saved = array_mod._cupy_ndarray

@@ -1,4 +1,4 @@
-"""The array layer's CuPy fast path (gpucoll/array.py, ``_from_cupy``): a ``cupy.ndarray``
+"""The array layer's CuPy fast path (gpucoll/_buffer.py, ``from_cupy``): a ``cupy.ndarray``
 is described from its attributes instead of its ``__cuda_array_interface__``, and the
 Buffer must be the one the CAI path makes of what CuPy publishes (cupy/_core/core.pyx:
 shape, ``dtype.str``, strides None when C-contiguous, data ``(ptr, False)`` with 0 for an
