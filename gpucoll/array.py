@@ -5,7 +5,8 @@ Accepted, in this order (the first protocol an object speaks wins):
 1. ``numpy.ndarray`` (and subclasses): the fast path, no protocol round trip.
 2. ``__cuda_array_interface__`` (v2/v3; CuPy, Numba, PyTorch CUDA, JAX GPU): device
    memory, with the producer's stream. If the attribute raises (PyTorch and JAX
-   refuse it for bfloat16), DLPack is tried next.
+   refuse it for bfloat16), DLPack is tried next. A ``cupy.ndarray`` gives the same
+   Buffer read from its attributes, without the dict (``_buffer.from_cupy``).
 3. ``__dlpack__`` + ``__dlpack_device__`` (JAX, PyTorch, CuPy, NumPy): CPU memory
    (kDLCPU, kDLCUDAHost) or CUDA memory (kDLCUDA, kDLCUDAManaged). The capsule is
    read with ctypes, so bfloat16 and float8 work where NumPy's own ``from_dlpack``
