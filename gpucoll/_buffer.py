@@ -26,7 +26,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ["DType", "Device", "Buffer", "DTYPES", "dtype_by_name", "dtype_of_typestr", "host_address"]
+__all__ = ["DType", "Device", "Buffer", "DTYPES", "dtype_by_name", "dtype_of_typestr", "dtype_of_numpy", "cuda_device",
+           "host_address", "cupy_fast_path", "from_cupy"]
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,94 @@ def dtype_of_typestr(typestr: Any, array: Any, name: str) -> DType:
     return found
 
 
+
+# ----- NumPy dtypes and CUDA devices, as the array layer names them -----
+
+# np.dtype -> DType, filled on first sight of each dtype (a pure cache: same answer every time).
+_NP_DTYPES: dict[np.dtype[Any], DType] = {}
+_CUDA: dict[int, Device] = {}  # index -> Device("cuda", index)
+
+
+def dtype_of_numpy(dt: np.dtype[Any], name: str) -> DType:
+    """The DType of NumPy dtype ``dt``; TypeError (naming argument ``name``) where gpucoll has none."""
+    found = _NP_DTYPES.get(dt)
+    if found is not None:
+        return found
+    if dt.byteorder == ">" or (dt.byteorder == "=" and sys.byteorder == "big"):
+        raise TypeError(f"{name} has non-native byte order ({dt.str}); use x.astype(x.dtype.newbyteorder('='))")
+    if dt.name not in DTYPES:
+        raise TypeError(f"{name} has unsupported dtype {dt} ; supported: {', '.join(DTYPES)}")
+    found = DTYPES[dt.name]
+    _NP_DTYPES[dt] = found
+    return found
+
+
+def cuda_device(index: int) -> Device:
+    """``Device("cuda", index)``, one object per index."""
+    return _CUDA.get(index) or _CUDA.setdefault(index, Device("cuda", index))
+
+
+# ----- CuPy's arrays, read from their attributes -----
+# CuPy's ``__cuda_array_interface__`` builds a dict per call (1.0 µs on an H200), and
+# reading it back costs as much again; the same facts are attributes of the array
+# (50 ns each). :func:`from_cupy` reads them and makes the Buffer that the array layer's
+# CAI path makes of CuPy's CAI (version 3, as cupy/_core/core.pyx writes it): the
+# pointer (0 for an empty array), shape and dtype, strides None for a C-contiguous
+# array, never read-only, the device of the memory, and as stream CuPy's current
+# stream, with the default stream spelled 1 (legacy) or 2 (per-thread). Nothing is
+# cached per array: an array's shape can change in place (``x.shape = ...``) and a freed
+# array's id and memory are reused, so every call reads the array anew.
+
+_cupy_stream: Any = None   # cupy.cuda.get_current_stream, once set up
+_cupy_default_stream = 1   # what CuPy's CAI says for stream 0: 1, or 2 (per-thread default)
+
+
+def cupy_fast_path() -> type | None:
+    """Set the CuPy fast path up (the array layer calls it on the first CuPy array it
+    sees): ``cupy.ndarray``, or None where CuPy's CAI is not version 3 on CUDA (under
+    ROCm or with version 2 the general path decides)."""
+    global _cupy_stream, _cupy_default_stream
+    try:
+        cupy = sys.modules["cupy"]
+        from cupy_backends.cuda import stream as cupy_streams
+
+        if cupy.cuda.runtime.is_hip or int(cupy._util.CUDA_ARRAY_INTERFACE_EXPORT_VERSION) != 3:
+            return None
+        _cupy_default_stream = int(cupy_streams.get_default_stream_ptr())
+        _cupy_stream = cupy.cuda.get_current_stream
+        ndarray: type = cupy.ndarray
+    except Exception:  # noqa: BLE001  (another CuPy than the one this was written against)
+        return None
+    return ndarray
+
+
+def from_cupy(a: Any) -> Buffer | None:
+    """The Buffer of a ``cupy.ndarray`` (see above); None, having checked nothing, where
+    the general path must decide (not C-contiguous, a dtype gpucoll lacks, CuPy's
+    stream look-up failing): it words the error, or falls back to DLPack, as before."""
+    if not a._c_contiguous:
+        return None
+    dt = a.dtype
+    dtype = _NP_DTYPES.get(dt)
+    if dtype is None:
+        try:
+            dtype = dtype_of_numpy(dt, "tensor")
+        except TypeError:
+            return None
+    try:
+        current = _cupy_stream()
+    except Exception:  # noqa: BLE001  (the general path raises it, or falls back to DLPack)
+        return None
+    mem = a.data
+    index = mem.device_id
+    device = _CUDA.get(index) or cuda_device(index)
+    size = a.size
+    ptr = mem.ptr if size else 0
+    stream = current.ptr or _cupy_default_stream
+    if stream == 1:
+        return Buffer(ptr, size * dtype.itemsize, dtype, a.shape, device, False, None, a)
+    held = current if current.ptr == stream else None
+    return Buffer(ptr, size * dtype.itemsize, dtype, a.shape, device, False, stream, a, held, held is None)
 
 # ----- DLPack's structures, read with ctypes (the array layer reads capsules with them) -----
 

@@ -5,7 +5,8 @@ Accepted, in this order (the first protocol an object speaks wins):
 1. ``numpy.ndarray`` (and subclasses): the fast path, no protocol round trip.
 2. ``__cuda_array_interface__`` (v2/v3; CuPy, Numba, PyTorch CUDA, JAX GPU): device
    memory, with the producer's stream. If the attribute raises (PyTorch and JAX
-   refuse it for bfloat16), DLPack is tried next.
+   refuse it for bfloat16), DLPack is tried next. A ``cupy.ndarray`` gives the same
+   Buffer read from its attributes, without the dict (``_buffer.from_cupy``).
 3. ``__dlpack__`` + ``__dlpack_device__`` (JAX, PyTorch, CuPy, NumPy): CPU memory
    (kDLCPU, kDLCUDAHost) or CUDA memory (kDLCUDA, kDLCUDAManaged). The capsule is
    read with ctypes, so bfloat16 and float8 work where NumPy's own ``from_dlpack``
@@ -31,7 +32,8 @@ from typing import Any, Protocol, TypeAlias, Union, runtime_checkable
 
 import numpy as np
 
-from ._buffer import _TYPESTRS, DTYPES, Buffer, Device, DType, dtype_of_typestr, host_address
+from ._buffer import _CUDA, _NP_DTYPES, _TYPESTRS, DTYPES, Buffer, Device, DType, cuda_device, cupy_fast_path
+from ._buffer import dtype_of_numpy, dtype_of_typestr, from_cupy, host_address
 from ._buffer import (_DLPACK_FLAG_READ_ONLY, _DLManagedTensor, _DLManagedTensorVersioned, _capsule_get_name,
                       _capsule_get_pointer)
 
@@ -94,23 +96,6 @@ _DL_DTYPES: dict[tuple[int, int], str] = {
     (10, 8): "float8_e4m3fn", (12, 8): "float8_e5m2",
 }
 
-# np.dtype -> DType, filled on first sight of each dtype (a pure cache: same answer every time).
-_NP_DTYPES: dict[np.dtype[Any], DType] = {}
-
-
-def _dtype_of_numpy(dt: np.dtype[Any], name: str) -> DType:
-    found = _NP_DTYPES.get(dt)
-    if found is not None:
-        return found
-    if dt.byteorder == ">" or (dt.byteorder == "=" and sys.byteorder == "big"):
-        raise TypeError(f"{name} has non-native byte order ({dt.str}); use x.astype(x.dtype.newbyteorder('='))")
-    if dt.name not in DTYPES:
-        raise TypeError(f"{name} has unsupported dtype {dt} ; supported: {', '.join(DTYPES)}")
-    found = DTYPES[dt.name]
-    _NP_DTYPES[dt] = found
-    return found
-
-
 def as_buffer(array: Any, *, name: str = "tensor", writable: bool = False) -> Buffer:
     """Describe ``array``'s memory as a :class:`Buffer`, without copying.
 
@@ -135,6 +120,10 @@ def as_buffer(array: Any, *, name: str = "tensor", writable: bool = False) -> Bu
     if isinstance(array, np.ndarray):
         return _from_ndarray(array, name, writable, _CPU)
     cls = type(array)
+    if cls is _cupy_ndarray:  # read from its attributes, as its CAI would say (_buffer.from_cupy)
+        buf = from_cupy(array)
+        if buf is not None:
+            return buf
     if cls is Buffer:
         if writable and array.readonly:
             raise ValueError(f"{name} is a read-only Buffer and this op writes into it")
@@ -144,6 +133,11 @@ def as_buffer(array: Any, *, name: str = "tensor", writable: bool = False) -> Bu
         has_dlpack = hasattr(cls, "__dlpack__") and hasattr(cls, "__dlpack_device__")
         if len(_CAI_TYPES) < 64:
             _CAI_TYPES[cls] = has_dlpack
+        if cls.__name__ == "ndarray" and cls.__module__ == "cupy" and _cupy_ndarray is None:
+            _set_cupy_fast_path()
+            buf = from_cupy(array) if cls is _cupy_ndarray else None
+            if buf is not None:
+                return buf
     if has_dlpack is not None:
         try:
             cai = array.__cuda_array_interface__
@@ -176,6 +170,14 @@ def as_buffer(array: Any, *, name: str = "tensor", writable: bool = False) -> Bu
     return _from_ndarray(np.asarray(view), name, writable, _CPU)
 
 
+_cupy_ndarray: type | None = None  # cupy.ndarray once its fast path is set up (_buffer.cupy_fast_path)
+
+
+def _set_cupy_fast_path() -> None:
+    global _cupy_ndarray
+    _cupy_ndarray = cupy_fast_path()
+
+
 def _from_ndarray(a: np.ndarray, name: str, writable: bool, device: Device) -> Buffer:
     flags = a.flags
     if not flags.c_contiguous:
@@ -186,13 +188,12 @@ def _from_ndarray(a: np.ndarray, name: str, writable: bool, device: Device) -> B
         raise ValueError(
             f"{name} is read-only and this op writes into it; pass a writable copy, "
             "or use gpucoll.functional, which returns a new array")
-    dtype = _NP_DTYPES.get(a.dtype) or _dtype_of_numpy(a.dtype, name)
+    dtype = _NP_DTYPES.get(a.dtype) or dtype_of_numpy(a.dtype, name)
     return Buffer(host_address(a), a.nbytes, dtype, a.shape, device, not flags.writeable, None, a)
 
 
 # ----- __cuda_array_interface__ -----
 
-_CUDA: dict[int, Device] = {}       # index -> Device("cuda", index)
 # Types with a CAI (the value: whether the type also speaks DLPack, whose handshake is
 # preferred to a CAI before version 3), and the layouts seen:
 # (type, typestr, shape, strides) -> (dtype, shape as ints, nbytes), checked once.
@@ -228,7 +229,7 @@ def _from_cai(array: Any, cai: dict[str, Any], name: str, writable: bool) -> Buf
     stream = cai.get("stream") if int(cai.get("version", 2)) >= 3 else None
     ptr = int(ptr or 0)
     index = _cuda_device_index(array, ptr)
-    device = _CUDA.get(index) or _CUDA.setdefault(index, Device("cuda", index))
+    device = _CUDA.get(index) or cuda_device(index)
     stream = None if stream is None or stream == 1 or stream == 0 else _normalise_stream(stream)
     if stream is None:
         return Buffer(ptr, nbytes, dtype, shape, device, bool(readonly), None, array)

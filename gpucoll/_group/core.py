@@ -161,6 +161,33 @@ class Issuer:
             return None
         return self.finish(backend, self._start(seq, entry, start, args, outputs, peer, op), async_op, device)
 
+    def call_quiet(self, backend: Backend, quiet: Callable[..., bool], buf: Buffer, arg: Any, tensor: Any, op: str,
+                   red: Any = None, peer: int = -1) -> Work | None:
+        """A synchronous device op that has a Work-less form (``quiet``, IssuesQuietly):
+        :meth:`call` with ``args = (buf, arg)``, ``start`` the backend's method named
+        ``op`` and ``outputs = [tensor]``, built only where needed: with a hook
+        registered (which needs the Work) or when ``quiet`` declines (then the op is
+        issued the usual way under the number and flight-recorder entry it was given).
+        The steady state builds no bound method, argument tuple or output list."""
+        if self.hooks:
+            return self.call(backend, getattr(backend, op), (buf, arg), buf, [tensor], False, True, op, red, peer)
+        seq = self.seq = self.seq + 1
+        if self.debug_detail:
+            self.check_across_ranks(op, seq, buf, peer, red)
+        recorder = self.recorder
+        entry = None
+        if recorder is not None:
+            entry = recorder.begin(seq, op, backend.name, buf, peer)
+            if self.debug_info:
+                entry.where = call_site()
+        if quiet(buf, arg, seq, entry, self.group_name):
+            # Issued, and the caller's stream waits for it; the watchdog watches the
+            # backend's queue of outstanding ops, which holds its record.
+            self.watchdog.watch_backend(cast(PollsPending, backend))
+            return None
+        return self.finish(backend, self._start(seq, entry, getattr(backend, op), (buf, arg), [tensor], peer, op),
+                           False, True)
+
     def _entry(self, seq: int, op: str, backend: Backend, buf: Buffer | None, peer: int) -> _Entry | None:
         """The op's flight-recorder entry, made before it starts: a host op may run to its
         end inside ``start()``, and a dump taken meanwhile must show it."""

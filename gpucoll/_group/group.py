@@ -241,8 +241,7 @@ class ProcessGroup:
             self._check_usable()
         buf = _array.as_buffer(tensor, name="tensor", writable=True)
         # A repeated op's plan (its checks below passed); strs and ints in the key hash in C.
-        key = ("all_reduce", buf.dtype.name, buf.shape, buf.device.type, buf.device.index, op._name_) \
-            if op.__class__ is ReduceOp else None
+        key = ("all_reduce", buf.dtype.name, buf.shape, buf.device.type, buf.device.index, op._name_) if op.__class__ is ReduceOp else None
         plan = self._plans.get(key) if key is not None and self._coalescing is None else None
         if plan is None:
             red = _check_op(op, buf.dtype)
@@ -256,11 +255,11 @@ class ProcessGroup:
             if type(tensor) is np.ndarray and type(op) is ReduceOp and len(self._host_runs) < 1024:
                 remember_host_run(self._host_runs, backend, tensor, buf, red, op)
             return issuer.run_now(backend, now, backend.all_reduce, (buf, red), buf, "all_reduce", [tensor], -1, async_op)
-        return issuer.call(backend, backend.all_reduce, (buf, red), buf, [tensor], async_op, plan.device,
-                           "all_reduce", red, -1, plan.quiet)
+        if plan.quiet is not None and not async_op:  # a synchronous device op: no Work unless one is needed
+            return issuer.call_quiet(backend, plan.quiet, buf, red, tensor, "all_reduce", red)
+        return issuer.call(backend, backend.all_reduce, (buf, red), buf, [tensor], async_op, plan.device, "all_reduce", red)
 
-    def _all_reduce_into(self, output: Any, input: Any, op: Any = ReduceOp.SUM,
-                         async_op: bool = False) -> Work | None:
+    def _all_reduce_into(self, output: Any, input: Any, op: Any = ReduceOp.SUM, async_op: bool = False) -> Work | None:
         """``output`` = the reduction of every rank's ``input`` (the functional API's
         all_reduce, gpucoll-bench's out-of-place all_reduce; ``input`` is left alone).
         A device backend that reduces out of place (NCCL) does it in one op; otherwise
