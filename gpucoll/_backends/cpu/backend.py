@@ -36,12 +36,16 @@ from .tcp import TcpMesh, local_address
 from ..mismatch import find_mismatch
 from .segments import supported as shm_supported
 from .signatures import Signatures
-from .tcp_algos import Ctx, TcpCollectives, op_label
+from .tcp_algos import Ctx, Deferred, TcpCollectives, op_label
 
 __all__ = ["CPUBackend", "host_id"]
 
 INLINE_MAX = 1 << 20
 """Ops whose buffers total at most this many bytes run on the caller's thread when nothing is queued."""
+
+ASYNC_PATIENCE = 10e-6
+"""Seconds an ``async_op=True`` op on the caller's thread spins for its peers once its own
+part is posted; a peer not there by then: the worker thread finishes the op (Deferred)."""
 
 from ..._env import CPU_TRANSPORT_ENV as TRANSPORT_ENV
 
@@ -90,7 +94,8 @@ class CPUBackend:
         self._p2p_seq = 0
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
-        self._queue: deque[tuple[Work, Callable[[Ctx], None], int, int]] = deque()
+        # (work, body, op number, signature, deadline or 0.0: timeout from when it starts)
+        self._queue: deque[tuple[Work, Callable[[Ctx], None], int, int, float]] = deque()
         self._busy = False
         self._worker_idle = False
         self._waiters = 0  # threads in shutdown() waiting for the queue to drain
@@ -156,7 +161,10 @@ class CPUBackend:
         w.group_name = self.group_name
         return w
 
-    def _submit(self, work: Work, fn: Callable[[Ctx], None], nbytes: int, sig: int) -> Work:
+    def _submit(self, work: Work, fn: Callable[[Ctx], None], nbytes: int, sig: int, patient: bool = False) -> Work:
+        """Run ``fn`` now on this thread if nothing is queued and it is small, else queue it
+        for the worker. ``patient``: an async op, which must not wait for peers here: run
+        with ``ctx.patience`` (the op defers what is left to the worker, see Deferred)."""
         # The op's number for errors, fixed now: the ProcessGroup renumbers work.seq later.
         seq = work.seq
         with self._lock:  # the Condition's own lock: entered without the Condition's Python layer
@@ -168,22 +176,30 @@ class CPUBackend:
             if inline:
                 self._busy = True
             else:
-                self._queue.append((work, fn, seq, sig))
-                if self._worker is None:
-                    self._worker = threading.Thread(target=self._work_loop, daemon=True,
-                                                    name=f"gpucoll-cpu-{self.group_name}-r{self.rank}")
-                    self._worker.start()
-                elif self._worker_idle:
-                    self._cv.notify_all()
+                self._enqueue(work, fn, seq, sig, 0.0)
         if inline:
             try:
-                self._run(work, fn, seq, sig)
+                self._run(work, fn, seq, sig, ASYNC_PATIENCE if patient else 0.0)
             finally:
                 with self._lock:
                     self._busy = False
                     if self._queue or self._waiters:
                         self._cv.notify_all()
         return work
+
+    def _enqueue(self, work: Work, fn: Callable[[Ctx], None], seq: int, sig: int, deadline: float) -> None:
+        """Queue an op for the worker thread (started on first use); under ``self._lock``."""
+        self._queue.append((work, fn, seq, sig, deadline))
+        self._start_worker()
+
+    def _start_worker(self) -> None:
+        """Start the worker thread, or wake it if idle; under ``self._lock``."""
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work_loop, daemon=True,
+                                            name=f"gpucoll-cpu-{self.group_name}-r{self.rank}")
+            self._worker.start()
+        elif self._worker_idle:
+            self._cv.notify_all()
 
     def _work_loop(self) -> None:
         while True:
@@ -194,23 +210,30 @@ class CPUBackend:
                 self._worker_idle = False
                 if not self._queue:
                     return
-                work, fn, seq, sig = self._queue.popleft()
+                work, fn, seq, sig, deadline = self._queue.popleft()
                 self._busy = True
             try:
-                self._run(work, fn, seq, sig)
+                self._run(work, fn, seq, sig, 0.0, deadline)
             finally:
                 with self._cv:
                     self._busy = False
                     if self._waiters:
                         self._cv.notify_all()
 
-    def _run(self, work: Work, fn: Callable[[Ctx], None], seq: int, sig: int) -> None:
+    def _run(self, work: Work, fn: Callable[[Ctx], None], seq: int, sig: int, patience: float = 0.0,
+             deadline: float = 0.0) -> None:
         t0 = time.perf_counter()
-        ctx = Ctx(seq, time.monotonic() + self.timeout, sig, self._check, work.op_type, self.group_name)
+        ctx = Ctx(seq, deadline or time.monotonic() + self.timeout, sig, self._check, work.op_type, self.group_name)
+        ctx.patience = patience
         try:
             if self._error is not None:
                 raise self._error
             fn(ctx)
+        except Deferred as d:  # (patience only) the worker finishes it, before any later op
+            with self._lock:
+                self._queue.appendleft((work, d.finish, seq, sig, ctx.deadline))
+                self._start_worker()
+            return
         except BaseException as exc:
             work._set_exception(self._failed(exc, ctx.name))
             if not isinstance(exc, Exception):
@@ -218,21 +241,44 @@ class CPUBackend:
             return
         work._set_result(active_duration=time.perf_counter() - t0)
 
-    def _now(self, op_type: str, fn: Callable[..., None], sig: int, *args: Any) -> bool:
-        """``fn(ctx, *args)`` on this thread now, with no Work, if nothing is queued ahead of it; else False."""
+    def _now(self, op_type: str, fn: Callable[..., None], sig: int, *args: Any, async_op: bool = False,
+             keep: Sequence[Any] = ()) -> bool | Work:
+        """``fn(ctx, *args)`` on this thread now, with no Work, if nothing is queued ahead of it; else False.
+
+        ``async_op``: the op must not wait for its peers on this thread. It runs here with
+        ``ctx.patience``: if every peer is there (within that spin) it completes here (True);
+        else the transport defers what is left of it (Deferred) and the worker thread finishes
+        it: the Work it completes is returned. With ops queued ahead, it is queued behind them
+        (its Work). Never False. ``keep``: what that Work keeps alive (the Buffers behind
+        ``args``' views, which do not own their memory)."""
         lock = self._lock
         with lock:
             if self._busy or self._queue or self._error is not None or self._closed:
-                return False
-            self._busy = True
+                if not async_op:
+                    return False
+                busy = True
+            else:
+                busy = False
+                self._busy = True
+        if busy:  # behind queued ops (or refused: a Work holding why)
+            return self._submit(self._work(op_type, (*keep, *args)), lambda c: fn(c, *args), 0, sig, patient=True)
         try:
             ctx = self._now_ctx  # one Ctx for every op of this path (one at a time: _busy), refilled
             ctx.seq = self._seq = self._seq + 1
             ctx.deadline = time.monotonic() + self.timeout
             ctx.sig = sig
             ctx.op_type = op_type
+            ctx.patience = ASYNC_PATIENCE if async_op else 0.0
             try:
                 fn(ctx, *args)
+            except Deferred as d:
+                # Its own part posted, a peer not there: the worker finishes it, first in line.
+                work = Work(op_type, keepalive=(*keep, *args), default_timeout=self.timeout)
+                work.seq, work.group_name = ctx.seq, self.group_name
+                with lock:
+                    self._queue.appendleft((work, d.finish, ctx.seq, sig, ctx.deadline))
+                    self._start_worker()
+                return work
             except BaseException as exc:
                 err = self._failed(exc, ctx.name)
                 if not isinstance(exc, Exception):
@@ -248,16 +294,19 @@ class CPUBackend:
                     self._cv.notify_all()
         return True
 
-    def all_reduce_now(self, buf: Buffer, op: ReduceOpLike) -> bool:
-        """:meth:`all_reduce` on this thread now, with no Work (see ``RunsNow``)."""
+    def all_reduce_now(self, buf: Buffer, op: ReduceOpLike, *, async_op: bool = False) -> bool | Work:
+        """:meth:`all_reduce` on this thread now, with no Work (see ``RunsNow``); ``async_op``:
+        as ``_now`` (True when it completed here, else its Work; never False)."""
         plan = self._plans.get((buf.dtype.name, buf.nbytes, op._name_)) if op.__class__ is ReduceOp else None
         if plan is None or plan[1] is not None:
-            return False  # first of its kind, or PREMUL_SUM: the Work path
+            # First of its kind, or PREMUL_SUM: the Work path.
+            return self._all_reduce(buf, op, True) if async_op else False
         # Any size: a synchronous op has nothing to return early for, and a hand-off to the
         # worker thread costs two thread wakes, which on a busy machine wait for a core.
-        return self._now("all_reduce", self._coll.all_reduce, plan[2], self._arr(buf), plan[0])
+        return self._now("all_reduce", self._coll.all_reduce, plan[2], self._arr(buf), plan[0], async_op=async_op,
+                         keep=(buf,))
 
-    def all_reduce_runner(self, dtype: str, nbytes: int, op: ReduceOpLike) -> tuple[Callable[..., bool], Any] | None:
+    def all_reduce_runner(self, dtype: str, nbytes: int, op: ReduceOpLike) -> tuple[Callable[..., bool | Work], Any] | None:
         """``all_reduce_now`` of one planned kind, bound: ``(run, reducer)``, where
         ``run(flat_array, reducer)`` is that op on a 1-D view of the caller's array; None
         before the kind's first op planned it (or for PREMUL_SUM)."""
@@ -266,17 +315,20 @@ class CPUBackend:
             return None
         return functools.partial(self._now, "all_reduce", self._coll.all_reduce, plan[2]), plan[0]
 
-    def broadcast_now(self, buf: Buffer, src: int) -> bool:
-        """:meth:`broadcast` on this thread now, with no Work (as ``all_reduce_now``)."""
+    def broadcast_now(self, buf: Buffer, src: int, *, async_op: bool = False) -> bool | Work:
+        """:meth:`broadcast` on this thread now, with no Work (as ``all_reduce_now``; False
+        past ``inline_max``)."""
         sig = self._sig("broadcast", {"dtype": buf.dtype.name, "count": buf.numel, "root": src})
-        return buf.nbytes <= INLINE_MAX and self._now("broadcast", self._coll.broadcast, sig, self._arr(buf), src)
+        return buf.nbytes <= INLINE_MAX and self._now("broadcast", self._coll.broadcast, sig, self._arr(buf), src,
+                                                      async_op=async_op, keep=(buf,))
 
-    def all_gather_single_now(self, out: Buffer, inp: Buffer) -> bool:
-        """:meth:`all_gather_single` on this thread now, with no Work (as ``all_reduce_now``)."""
+    def all_gather_single_now(self, out: Buffer, inp: Buffer, *, async_op: bool = False) -> bool | Work:
+        """:meth:`all_gather_single` on this thread now, with no Work (as :meth:`broadcast_now`)."""
         return out.nbytes <= INLINE_MAX and self._now(*self._gather_call(self._arr(out), self._arr(inp),
-                                                                         inp.dtype.name))
+                                                                         inp.dtype.name), async_op=async_op,
+                                                      keep=(out, inp))
 
-    def all_gather_runner(self, out: Array, inp: Array) -> Callable[[], bool]:
+    def all_gather_runner(self, out: Array, inp: Array) -> Callable[..., bool | Work]:
         """:meth:`all_gather_single_now` bound to two 1-D host arrays the caller reuses (their
         rows and the signature made once); ``run()`` is True when it ran. One thread at a time."""
         return functools.partial(self._now, *self._gather_call(out, inp, inp.dtype.name))
@@ -290,7 +342,7 @@ class CPUBackend:
 
     def barrier_now(self) -> bool:
         """:meth:`barrier` on this thread now, with no Work (see ``RunsNow``)."""
-        return self._barrier_sig != 0 and self._now("barrier", self._coll.barrier, self._barrier_sig)
+        return self._barrier_sig != 0 and self._now("barrier", self._coll.barrier, self._barrier_sig) is True
 
     def _failed(self, exc: BaseException, name: str) -> DistBackendError:
         """The error an op that raised ``exc`` fails with; the backend is aborted."""
@@ -379,6 +431,9 @@ class CPUBackend:
         return self._reducer(ReduceOp.SUM, buf), scaled
 
     def all_reduce(self, buf: Buffer, op: ReduceOpLike) -> Work:
+        return self._all_reduce(buf, op, False)
+
+    def _all_reduce(self, buf: Buffer, op: ReduceOpLike, patient: bool) -> Work:
         # A repeated all_reduce: its reducer and signature in one look-up (PREMUL_SUM,
         # whose factor may change per call, is planned every time).
         # (The op by name: an enum member's own hash is a Python-level call.)
@@ -402,7 +457,7 @@ class CPUBackend:
             def body(c: Ctx) -> None:
                 np.copyto(x, scale(x))
                 coll.all_reduce(c, x, red)
-        return self._submit(self._work("all_reduce", (buf,)), body, buf.nbytes, sig)
+        return self._submit(self._work("all_reduce", (buf,)), body, buf.nbytes, sig, patient)
 
     def all_reduce_coalesced(self, bufs: Sequence[Buffer], op: ReduceOpLike) -> Work:
         plans = [self._sum_of(op, b) for b in bufs]
@@ -557,7 +612,7 @@ class CPUBackend:
             abort = getattr(self._coll, "abort", None)
             if abort is not None:
                 abort(err)
-        for work, _, seq, _ in queued:
+        for work, _, seq, _, _ in queued:
             work._set_exception(DistBackendError(f"{op_label(work.op_type, seq, self.group_name)}: {err}"))
         if first:
             for fn in self.closers:
