@@ -47,6 +47,10 @@ ASYNC_PATIENCE = 10e-6
 """Seconds an ``async_op=True`` op on the caller's thread spins for its peers once its own
 part is posted; a peer not there by then: the worker thread finishes the op (Deferred)."""
 
+ASYNC_RECHECK = 1e-9
+"""The patience of a deferred op that the issuing thread resumes before its next op (the
+peer was late already: one look, no spin)."""
+
 from ..._env import CPU_TRANSPORT_ENV as TRANSPORT_ENV
 
 
@@ -97,6 +101,9 @@ class CPUBackend:
         # (work, body, op number, signature, deadline or 0.0: timeout from when it starts)
         self._queue: deque[tuple[Work, Callable[[Ctx], None], int, int, float]] = deque()
         self._busy = False
+        # Queued ops the issuing thread may run itself (with patience, in order) while the
+        # worker has not taken them: deferred rests and async ops queued behind them.
+        self._resumable: set[Work] = set()
         self._worker_idle = False
         self._waiters = 0  # threads in shutdown() waiting for the queue to drain
         self._worker: threading.Thread | None = None
@@ -177,6 +184,8 @@ class CPUBackend:
                 self._busy = True
             else:
                 self._enqueue(work, fn, seq, sig, 0.0)
+                if patient:  # the issuing thread may run it (with patience) before the worker does
+                    self._resumable.add(work)
         if inline:
             try:
                 self._run(work, fn, seq, sig, ASYNC_PATIENCE if patient else 0.0)
@@ -211,6 +220,7 @@ class CPUBackend:
                 if not self._queue:
                     return
                 work, fn, seq, sig, deadline = self._queue.popleft()
+                self._resumable.discard(work)
                 self._busy = True
             try:
                 self._run(work, fn, seq, sig, 0.0, deadline)
@@ -232,6 +242,8 @@ class CPUBackend:
         except Deferred as d:  # (patience only) the worker finishes it, before any later op
             with self._lock:
                 self._queue.appendleft((work, d.finish, seq, sig, ctx.deadline))
+                if d.resumable:
+                    self._resumable.add(work)
                 self._start_worker()
             return
         except BaseException as exc:
@@ -254,9 +266,13 @@ class CPUBackend:
         lock = self._lock
         with lock:
             if self._busy or self._queue or self._error is not None or self._closed:
-                if not async_op:
-                    return False
-                busy = True
+                if not self._resume(ASYNC_RECHECK if async_op else 0.0):
+                    if not async_op:
+                        return False
+                    busy = True
+                else:
+                    busy = False
+                    self._busy = True
             else:
                 busy = False
                 self._busy = True
@@ -277,6 +293,8 @@ class CPUBackend:
                 work.seq, work.group_name = ctx.seq, self.group_name
                 with lock:
                     self._queue.appendleft((work, d.finish, ctx.seq, sig, ctx.deadline))
+                    if d.resumable:
+                        self._resumable.add(work)
                     self._start_worker()
                 return work
             except BaseException as exc:
@@ -293,6 +311,29 @@ class CPUBackend:
                 with lock:
                     self._cv.notify_all()
         return True
+
+    def _resume(self, patience: float) -> bool:
+        """Under ``self._lock``: while the queue's head is a deferred op that the worker has
+        not taken yet (``_resumable``), run it on this thread (with ``patience``: an async
+        caller's; it defers again rather than wait). True when nothing is queued or running
+        afterwards (the caller's op may run now); the lock is held again on return."""
+        lock = self._lock
+        while (self._queue and not self._busy and self._queue[0][0] in self._resumable
+               and self._error is None and not self._closed):
+            work, fn, seq, sig, deadline = self._queue.popleft()
+            self._resumable.discard(work)
+            self._busy = True
+            lock.release()
+            try:
+                self._run(work, fn, seq, sig, patience, deadline)
+            finally:
+                lock.acquire()
+                self._busy = False
+                if self._queue or self._waiters:
+                    self._cv.notify_all()  # the worker (it saw _busy) or shutdown
+            if self._queue and self._queue[0][0] is work:
+                break  # deferred again: a peer is still not there
+        return not self._queue and not self._busy and self._error is None and not self._closed
 
     def all_reduce_now(self, buf: Buffer, op: ReduceOpLike, *, async_op: bool = False) -> bool | Work:
         """:meth:`all_reduce` on this thread now, with no Work (see ``RunsNow``); ``async_op``:
@@ -600,6 +641,7 @@ class CPUBackend:
             err = self._error
             queued = list(self._queue)
             self._queue.clear()
+            self._resumable.clear()
             self._cv.notify_all()
         assert err is not None
         mesh = getattr(self, "_mesh", None)  # None: a reader thread aborts while the mesh is being made

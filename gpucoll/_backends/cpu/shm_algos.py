@@ -206,7 +206,7 @@ class ShmCollectives:
                 if ctx.patience and not self._arrived(ctx.patience):
                     # Async, and a peer is not here yet: this rank's part is posted; the
                     # worker waits for the peers and folds (nothing else touched the state).
-                    raise Deferred(lambda c: self._fold_slots(c, x, red, slots))
+                    raise Deferred(lambda c: self._fold_slots(c, x, red, slots), True)
                 seg.wait(j, target, ctx.deadline, lambda: self._alive(ctx, j), ctx.what)
             h = hdr[p]
             if ctl[h] != u or ctl[h + 1] != sig:
@@ -224,6 +224,8 @@ class ShmCollectives:
     def _fold_slots(self, ctx: Ctx, x: Array, red: Reducer, slots: list[Array]) -> None:
         """The end of a deferred small all_reduce: wait for step 1 of every peer (checking
         its header), then fold every rank's slot into ``x`` in rank order."""
+        if ctx.patience and not self._arrived(ctx.patience):
+            raise Deferred(lambda c: self._fold_slots(c, x, red, slots), True)
         self._checked = set()  # (all_reduce marked every peer checked before it deferred)
         self._first_step(ctx)
         red.fold(x, slots)
@@ -332,12 +334,14 @@ class ShmCollectives:
             seg.post()
 
             def rest(c: Ctx) -> None:
+                if c.patience and not self._arrived(c.patience):
+                    raise Deferred(rest, True)
                 self._first_step(c)  # the root too: it compares every peer's header
                 if r != src:
                     np.copyto(xb, seg.small(src, p)[:nb])
 
             if ctx.patience and not self._arrived(ctx.patience):
-                raise Deferred(rest)  # async: a peer is not here yet (see all_reduce)
+                raise Deferred(rest, True)  # async: a peer is not here yet (see all_reduce)
             rest(ctx)
             return
         if ctx.patience:
@@ -373,12 +377,14 @@ class ShmCollectives:
             seg.post()
 
             def rest(c: Ctx) -> None:
+                if c.patience and not self._arrived(c.patience):
+                    raise Deferred(rest, True)
                 self._first_step(c)  # every peer's slot written and its header checked
                 for j in self._peers:
                     np.copyto(_u8(outs[j]), slots[j])
 
             if ctx.patience and not self._arrived(ctx.patience):
-                raise Deferred(rest)  # async: a peer is not here yet (see all_reduce)
+                raise Deferred(rest, True)  # async: a peer is not here yet (see all_reduce)
             rest(ctx)
             return
         if ctx.patience:

@@ -69,11 +69,14 @@ class Deferred(Exception):
     ``finish(ctx)`` completes it: the rest of the op, from where it stopped (its own part
     may be posted already; the transport's state is left as the op needs it), or the
     whole op when it stopped before doing anything. Whoever catches it runs ``finish``
-    next, before any later op of the group (the backend's worker thread does)."""
+    next, before any later op of the group (the backend's worker thread does).
+    ``resumable``: ``finish`` itself honours ``ctx.patience`` (it raises Deferred again
+    rather than wait), so the issuing thread may run it when the worker has not yet."""
 
-    def __init__(self, finish: Callable[[Ctx], None]) -> None:
+    def __init__(self, finish: Callable[[Ctx], None], resumable: bool = False) -> None:
         super().__init__("deferred")
         self.finish = finish
+        self.resumable = resumable
 
 
 def op_label(op_type: str, seq: int, group_name: str) -> str:
