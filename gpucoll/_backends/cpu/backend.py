@@ -8,8 +8,10 @@ Gloo-like. Peers connect once over TCP (addresses through the group's store, por
 
 Execution: ops run one at a time, in issue order. A small op issued while nothing
 is queued runs at once on the caller's thread (no thread hand-off, which is most of
-a small op's cost); anything else goes to the backend's worker thread, so
-``async_op=True`` returns at once for large ops. See docs/cpu-backend.md.
+a small op's cost); anything else goes to the backend's worker thread. An
+``async_op=True`` op of the Work-less path never waits for its peers on the caller's
+thread: when a peer is not there after a short spin, the transport defers the rest of
+it (:class:`~.tcp_algos.Deferred`) to the worker. See docs/cpu-backend.md.
 """
 
 from __future__ import annotations
