@@ -277,11 +277,14 @@ def alone_body(delay: float) -> dict[str, Any]:
     x = np.zeros(4, np.float32)
     y = np.zeros(6, np.int64)
     g = np.zeros(3 * n, np.int32)
+    mid = np.zeros(1 << 16, np.float64)  # 512 KiB: past a shared-memory slot, within inline_max
     for _ in range(2):  # every kind below planned (the lean path), but the "new" all_reduce
         gpucoll.all_reduce(x)
+        gpucoll.all_reduce(mid)
         gpucoll.broadcast(y, src=n - 1)
         gpucoll.all_gather_into_tensor(g, np.zeros(3, np.int32))
     x[:] = r + 1
+    mid[:] = r + 4
     y[:] = 10 * r + np.arange(6)
     new = np.full(5, float(r + 2), np.float64)  # a kind not run before: the Work path
     oop_in, oop_out = np.full(4, float(3 * r), np.float32), np.zeros(4, np.float32)
@@ -293,7 +296,8 @@ def alone_body(delay: float) -> dict[str, Any]:
     works = [gpucoll.all_reduce(x, async_op=r == 0), gpucoll.all_reduce(new, async_op=r == 0),
              *out_of_place(Call(oop_in, oop_out, ReduceOp.SUM, 0, r, n, r == 0)),
              gpucoll.broadcast(y, src=n - 1, async_op=r == 0),
-             gpucoll.all_gather_into_tensor(g, np.arange(3, dtype=np.int32) + 100 * r, async_op=r == 0)]
+             gpucoll.all_gather_into_tensor(g, np.arange(3, dtype=np.int32) + 100 * r, async_op=r == 0),
+             gpucoll.all_reduce(mid, async_op=r == 0)]
     returned = time.monotonic() - t0
     if r == 0:
         done_early = [w is not None and w.is_completed() for w in works]
@@ -302,7 +306,7 @@ def alone_body(delay: float) -> dict[str, Any]:
             w.wait()
         got = {"returned": returned, "waited": time.monotonic() - t0, "done_early": done_early,
                "count": len(works)}
-    got.update(x=x.tolist(), new=new.tolist(), oop=oop_out.tolist(), y=y.tolist(), g=g.tolist())
+    got.update(mid=bool(np.all(mid == sum(q + 4 for q in range(n)))), x=x.tolist(), new=new.tolist(), oop=oop_out.tolist(), y=y.tolist(), g=g.tolist())
     return got
 
 
@@ -312,12 +316,13 @@ def test_an_async_op_issued_alone_returns_at_once_and_completes_when_the_peers_j
     res = run_spmd(alone_body, world, args=(delay,), timeout=120)
     n = world
     first = res[0]
-    assert first["count"] == 5, first
-    # Five async calls on rank 0 while every peer sleeps: none waited for them.
+    assert first["count"] == 6, first
+    # Six async calls on rank 0 while every peer sleeps: none waited for them.
     assert first["returned"] < 0.3, first
-    assert first["done_early"] == [False] * 5, first
+    assert first["done_early"] == [False] * 6, first
     assert first["waited"] >= delay * 0.9, first
     for r, got in enumerate(res):
+        assert got["mid"], (r, got)
         assert got["x"] == [float(sum(q + 1 for q in range(n)))] * 4, (r, got)
         assert got["new"] == [float(sum(q + 2 for q in range(n)))] * 5, (r, got)
         assert got["oop"] == [float(sum(3 * q for q in range(n)))] * 4, (r, got)
