@@ -38,20 +38,11 @@ from .tcp import TcpMesh, local_address
 from ..mismatch import find_mismatch
 from .segments import supported as shm_supported
 from .signatures import Signatures
-from .tcp_algos import Ctx, Deferred, TcpCollectives, op_label
+from . import issue as _issue
+from .issue import INLINE_MAX
+from .tcp_algos import Ctx, TcpCollectives, op_label
 
 __all__ = ["CPUBackend", "host_id"]
-
-INLINE_MAX = 1 << 20
-"""Ops whose buffers total at most this many bytes run on the caller's thread when nothing is queued."""
-
-ASYNC_PATIENCE = 10e-6
-"""Seconds an ``async_op=True`` op on the caller's thread spins for its peers once its own
-part is posted; a peer not there by then: the worker thread finishes the op (Deferred)."""
-
-ASYNC_RECHECK = 1e-9
-"""The patience of a deferred op that the issuing thread resumes before its next op (the
-peer was late already: one look, no spin)."""
 
 from ..._env import CPU_TRANSPORT_ENV as TRANSPORT_ENV
 
@@ -158,7 +149,15 @@ class CPUBackend:
             elif mode == "shm":
                 raise ValueError(f"{source}=shm but the ranks of group {group_name!r} are on several hosts")
 
-    # ----- issuing and running ops -----
+    # ----- issuing and running ops (issue.py: the queue, the worker, the caller's-thread paths) -----
+    _submit = _issue.submit
+    _enqueue = _issue.enqueue
+    _start_worker = _issue.start_worker
+    _work_loop = _issue.work_loop
+    _run = _issue.run
+    _now = _issue.now
+    _resume = _issue.resume
+
     def _work(self, op_type: str, keep: Sequence[Any], *, p2p: bool = False) -> Work:
         w = Work(op_type, keepalive=keep, default_timeout=self.timeout)
         if p2p:
@@ -169,173 +168,6 @@ class CPUBackend:
             w.seq = self._seq
         w.group_name = self.group_name
         return w
-
-    def _submit(self, work: Work, fn: Callable[[Ctx], None], nbytes: int, sig: int, patient: bool = False) -> Work:
-        """Run ``fn`` now on this thread if nothing is queued and it is small, else queue it
-        for the worker. ``patient``: an async op, which must not wait for peers here: run
-        with ``ctx.patience`` (the op defers what is left to the worker, see Deferred)."""
-        # The op's number for errors, fixed now: the ProcessGroup renumbers work.seq later.
-        seq = work.seq
-        with self._lock:  # the Condition's own lock: entered without the Condition's Python layer
-            if self._error is not None or self._closed:
-                err = self._error or DistBackendError(f"group {self.group_name!r}: the CPU backend was shut down")
-                work._set_exception(DistBackendError(f"{op_label(work.op_type, seq, self.group_name)}: {err}"))
-                return work
-            inline = not self._busy and not self._queue and nbytes <= INLINE_MAX
-            if inline:
-                self._busy = True
-            else:
-                self._enqueue(work, fn, seq, sig, 0.0)
-                if patient:  # the issuing thread may run it (with patience) before the worker does
-                    self._resumable.add(work)
-        if inline:
-            try:
-                self._run(work, fn, seq, sig, ASYNC_PATIENCE if patient else 0.0)
-            finally:
-                with self._lock:
-                    self._busy = False
-                    if self._queue or self._waiters:
-                        self._cv.notify_all()
-        return work
-
-    def _enqueue(self, work: Work, fn: Callable[[Ctx], None], seq: int, sig: int, deadline: float) -> None:
-        """Queue an op for the worker thread (started on first use); under ``self._lock``."""
-        self._queue.append((work, fn, seq, sig, deadline))
-        self._start_worker()
-
-    def _start_worker(self) -> None:
-        """Start the worker thread, or wake it if idle; under ``self._lock``."""
-        if self._worker is None:
-            self._worker = threading.Thread(target=self._work_loop, daemon=True,
-                                            name=f"gpucoll-cpu-{self.group_name}-r{self.rank}")
-            self._worker.start()
-        elif self._worker_idle:
-            self._cv.notify_all()
-
-    def _work_loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._closed and (not self._queue or self._busy):
-                    self._worker_idle = True
-                    self._cv.wait()
-                self._worker_idle = False
-                if not self._queue:
-                    return
-                work, fn, seq, sig, deadline = self._queue.popleft()
-                self._resumable.discard(work)
-                self._busy = True
-            try:
-                self._run(work, fn, seq, sig, 0.0, deadline)
-            finally:
-                with self._cv:
-                    self._busy = False
-                    if self._waiters:
-                        self._cv.notify_all()
-
-    def _run(self, work: Work, fn: Callable[[Ctx], None], seq: int, sig: int, patience: float = 0.0,
-             deadline: float = 0.0) -> None:
-        t0 = time.perf_counter()
-        ctx = Ctx(seq, deadline or time.monotonic() + self.timeout, sig, self._check, work.op_type, self.group_name)
-        ctx.patience = patience
-        try:
-            if self._error is not None:
-                raise self._error
-            fn(ctx)
-        except Deferred as d:  # (patience only) the worker finishes it, before any later op
-            with self._lock:
-                self._queue.appendleft((work, d.finish, seq, sig, ctx.deadline))
-                if d.resumable:
-                    self._resumable.add(work)
-                self._start_worker()
-            return
-        except BaseException as exc:
-            work._set_exception(self._failed(exc, ctx.name))
-            if not isinstance(exc, Exception):
-                raise
-            return
-        work._set_result(active_duration=time.perf_counter() - t0)
-
-    def _now(self, op_type: str, fn: Callable[..., None], sig: int, *args: Any, async_op: bool = False,
-             keep: Sequence[Any] = ()) -> bool | Work:
-        """``fn(ctx, *args)`` on this thread now, with no Work, if nothing is queued ahead of it; else False.
-
-        ``async_op``: the op must not wait for its peers on this thread. It runs here with
-        ``ctx.patience``: if every peer is there (within that spin) it completes here (True);
-        else the transport defers what is left of it (Deferred) and the worker thread finishes
-        it: the Work it completes is returned. With ops queued ahead, it is queued behind them
-        (its Work). Never False. ``keep``: what that Work keeps alive (the Buffers behind
-        ``args``' views, which do not own their memory)."""
-        lock = self._lock
-        with lock:
-            if self._busy or self._queue or self._error is not None or self._closed:
-                if not self._resume(ASYNC_RECHECK if async_op else 0.0):
-                    if not async_op:
-                        return False
-                    busy = True
-                else:
-                    busy = False
-                    self._busy = True
-            else:
-                busy = False
-                self._busy = True
-        if busy:  # behind queued ops (or refused: a Work holding why)
-            return self._submit(self._work(op_type, (*keep, *args)), lambda c: fn(c, *args), 0, sig, patient=True)
-        try:
-            ctx = self._now_ctx  # one Ctx for every op of this path (one at a time: _busy), refilled
-            ctx.seq = self._seq = self._seq + 1
-            ctx.deadline = time.monotonic() + self.timeout
-            ctx.sig = sig
-            ctx.op_type = op_type
-            ctx.patience = ASYNC_PATIENCE if async_op else 0.0
-            try:
-                fn(ctx, *args)
-            except Deferred as d:
-                # Its own part posted, a peer not there: the worker finishes it, first in line.
-                work = Work(op_type, keepalive=(*keep, *args), default_timeout=self.timeout)
-                work.seq, work.group_name = ctx.seq, self.group_name
-                with lock:
-                    self._queue.appendleft((work, d.finish, ctx.seq, sig, ctx.deadline))
-                    if d.resumable:
-                        self._resumable.add(work)
-                    self._start_worker()
-                return work
-            except BaseException as exc:
-                err = self._failed(exc, ctx.name)
-                if not isinstance(exc, Exception):
-                    raise
-                raise err  # its cause, if any, was set by _failed
-        finally:
-            # Cleared before the queue is read, so no lock is needed unless someone waits:
-            # an op queued meanwhile saw _busy (under the lock) and notified, or it sees
-            # it clear; a thread waiting for _busy to clear is notified below.
-            self._busy = False
-            if self._queue or self._waiters:
-                with lock:
-                    self._cv.notify_all()
-        return True
-
-    def _resume(self, patience: float) -> bool:
-        """Under ``self._lock``: while the queue's head is a deferred op that the worker has
-        not taken yet (``_resumable``), run it on this thread (with ``patience``: an async
-        caller's; it defers again rather than wait). True when nothing is queued or running
-        afterwards (the caller's op may run now); the lock is held again on return."""
-        lock = self._lock
-        while (self._queue and not self._busy and self._queue[0][0] in self._resumable
-               and self._error is None and not self._closed):
-            work, fn, seq, sig, deadline = self._queue.popleft()
-            self._resumable.discard(work)
-            self._busy = True
-            lock.release()
-            try:
-                self._run(work, fn, seq, sig, patience, deadline)
-            finally:
-                lock.acquire()
-                self._busy = False
-                if self._queue or self._waiters:
-                    self._cv.notify_all()  # the worker (it saw _busy) or shutdown
-            if self._queue and self._queue[0][0] is work:
-                break  # deferred again: a peer is still not there
-        return not self._queue and not self._busy and self._error is None and not self._closed
 
     def all_reduce_now(self, buf: Buffer, op: ReduceOpLike, *, async_op: bool = False) -> bool | Work:
         """:meth:`all_reduce` on this thread now, with no Work (see ``RunsNow``); ``async_op``:
