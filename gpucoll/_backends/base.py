@@ -155,12 +155,15 @@ class RunsNow(Protocol):
 
     inline_max: int
     """An ``async_op=True`` op whose buffers total at most this many bytes may run through
-    the Work-less path too (it is then complete on return, as the backend's own Work
-    path runs it when nothing is queued); larger async ops go through the Work path."""
+    the Work-less path too, called with ``async_op=True``; larger async ops go through the
+    Work path."""
 
-    def all_reduce_now(self, buf: Buffer, op: ReduceOpLike) -> bool:
+    def all_reduce_now(self, buf: Buffer, op: ReduceOpLike, *, async_op: bool = False) -> bool | Work:
         """All-reduce ``buf`` now and return True; False (nothing done) when other ops are
-        queued ahead of it or it is too large to run inline.
+        queued ahead of it or it is too large to run inline. ``async_op=True``: the op must
+        not wait for peers on this thread: True when it completed here, else the Work the
+        backend completes (it finishes the op off this thread, or after the ops queued
+        ahead of it); never False.
 
         Raises:
             DistBackendError: the op failed (the backend is then aborted, as for a Work).
@@ -171,21 +174,22 @@ class RunsNow(Protocol):
         """A barrier now (True), or False as :meth:`all_reduce_now`."""
         ...
 
-    def all_reduce_runner(self, dtype: str, nbytes: int, op: ReduceOpLike) -> tuple[Callable[..., bool], Any] | None:
+    def all_reduce_runner(self, dtype: str, nbytes: int, op: ReduceOpLike) -> tuple[Callable[..., bool | Work], Any] | None:
         """:meth:`all_reduce_now` of one kind the backend planned already, bound:
         ``(run, reducer)``, ``run(flat_array, reducer)`` taking a 1-D NumPy view of the
-        caller's array; None when the kind is not planned (yet)."""
+        caller's array (and ``async_op=`` as :meth:`all_reduce_now`); None when the kind is
+        not planned (yet)."""
         ...
 
-    def broadcast_now(self, buf: Buffer, src: int) -> bool:
+    def broadcast_now(self, buf: Buffer, src: int, *, async_op: bool = False) -> bool | Work:
         """Broadcast ``buf`` from group rank ``src`` now (True), or False as :meth:`all_reduce_now`."""
         ...
 
-    def all_gather_single_now(self, out: Buffer, inp: Buffer) -> bool:
+    def all_gather_single_now(self, out: Buffer, inp: Buffer, *, async_op: bool = False) -> bool | Work:
         """All-gather ``inp`` into ``out`` now (True), or False as :meth:`all_reduce_now`."""
         ...
 
-    def all_gather_runner(self, out: Any, inp: Any) -> Callable[[], bool]:
+    def all_gather_runner(self, out: Any, inp: Any) -> Callable[..., bool | Work]:
         """:meth:`all_gather_single_now` bound to two 1-D host arrays the caller keeps and
         reuses: ``run()`` returns True when it ran, False as :meth:`all_reduce_now`."""
         ...

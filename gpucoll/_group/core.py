@@ -51,7 +51,7 @@ class Plan:
         self.device = device
         # Host ops only: a device op's synchronous form orders the caller's stream, no host wait.
         runs_now = not device and isinstance(backend, RunsNow)
-        self.now: Callable[..., bool] | None = getattr(backend, now) if runs_now else None
+        self.now: Callable[..., bool | Work] | None = getattr(backend, now) if runs_now else None
         # An async op up to this size runs through ``now`` too (RunsNow.inline_max); -1: none.
         self.inline_max: int = cast(RunsNow, backend).inline_max if runs_now else -1
         self.quiet: Callable[..., bool] | None = (
@@ -67,7 +67,7 @@ class HostRun:
 
     __slots__ = ("backend", "run", "reducer", "desc", "start", "inline")
 
-    def __init__(self, backend: Backend, run: Callable[..., bool], reducer: Any, desc: Buffer,
+    def __init__(self, backend: Backend, run: Callable[..., bool | Work], reducer: Any, desc: Buffer,
                  start: Callable[..., Work], inline: bool = False) -> None:
         self.backend = backend
         self.run = run
@@ -215,7 +215,7 @@ class Issuer:
             work._add_done_callback(self.watchdog.completed)
         return work
 
-    def run_now(self, backend: Backend, now: Callable[..., bool], start: Callable[..., Work], args: tuple[Any, ...],
+    def run_now(self, backend: Backend, now: Callable[..., bool | Work], start: Callable[..., Work], args: tuple[Any, ...],
                 buf: Buffer | None, op: str, outputs: list[Any], peer: int = -1,
                 async_op: bool = False) -> Work | None:
         """A host op through the backend's Work-less path (``RunsNow``): ``now(*args)``,
@@ -227,6 +227,9 @@ class Issuer:
         birth (``Work._completed``: ``wait()`` is a flag check), or, when it failed, a Work
         holding the error, which ``wait()`` raises (an async op's errors surface there).
         Callers pass it only for ops small enough to run inline (``RunsNow.inline_max``).
+        The backend is told (``now(*args, async_op=True)``), and never makes the caller wait
+        for peers: an op that would have to is finished by the backend, which returns its
+        Work (returned here, as an async op's Work).
         Callers use this only when no hook is registered and the debug level is below DETAIL."""
         seq = self.seq = self.seq + 1
         recorder = self.recorder
@@ -237,7 +240,7 @@ class Issuer:
                 entry.where = call_site()
         t0 = time.perf_counter()
         try:
-            ran = now(*args)
+            ran = now(*args, async_op=True) if async_op else now(*args)
         except DistError as exc:
             work = Work(op)  # the op failed: the usual Work, for the usual timeout and error
             work.seq, work.group_name, work._t0 = seq, self.group_name, t0
@@ -251,6 +254,8 @@ class Issuer:
                 return work
             self.wait_host(work, backend)
             raise  # wait_host raises for a failed op; kept for the type checker
+        if ran.__class__ is not bool:  # async, finishing in the backend: its Work
+            return self.finish(backend, self._start(seq, entry, _given, (ran,), outputs, peer, op), True, False)
         if ran:
             dt = time.perf_counter() - t0
             if entry is not None:
@@ -364,6 +369,10 @@ class Issuer:
         self.host_runs.clear()
         self.watchdog.stop()
         return self.hook_errors
+
+
+def _given(work: Work) -> Work:
+    return work
 
 
 def time_ops(backend: Backend | None) -> Backend | None:

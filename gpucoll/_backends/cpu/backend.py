@@ -8,8 +8,10 @@ Gloo-like. Peers connect once over TCP (addresses through the group's store, por
 
 Execution: ops run one at a time, in issue order. A small op issued while nothing
 is queued runs at once on the caller's thread (no thread hand-off, which is most of
-a small op's cost); anything else goes to the backend's worker thread, so
-``async_op=True`` returns at once for large ops. See docs/cpu-backend.md.
+a small op's cost); anything else goes to the backend's worker thread. An
+``async_op=True`` op of the Work-less path never waits for its peers on the caller's
+thread: when a peer is not there after a short spin, the transport defers the rest of
+it (:class:`~.tcp_algos.Deferred`) to the worker. See docs/cpu-backend.md.
 """
 
 from __future__ import annotations
@@ -36,12 +38,11 @@ from .tcp import TcpMesh, local_address
 from ..mismatch import find_mismatch
 from .segments import supported as shm_supported
 from .signatures import Signatures
+from . import issue as _issue
+from .issue import INLINE_MAX
 from .tcp_algos import Ctx, TcpCollectives, op_label
 
 __all__ = ["CPUBackend", "host_id"]
-
-INLINE_MAX = 1 << 20
-"""Ops whose buffers total at most this many bytes run on the caller's thread when nothing is queued."""
 
 from ..._env import CPU_TRANSPORT_ENV as TRANSPORT_ENV
 
@@ -90,8 +91,12 @@ class CPUBackend:
         self._p2p_seq = 0
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
-        self._queue: deque[tuple[Work, Callable[[Ctx], None], int, int]] = deque()
+        # (work, body, op number, signature, deadline or 0.0: timeout from when it starts)
+        self._queue: deque[tuple[Work, Callable[[Ctx], None], int, int, float]] = deque()
         self._busy = False
+        # Queued ops the issuing thread may run itself (with patience, in order) while the
+        # worker has not taken them: deferred rests and async ops queued behind them.
+        self._resumable: set[Work] = set()
         self._worker_idle = False
         self._waiters = 0  # threads in shutdown() waiting for the queue to drain
         self._worker: threading.Thread | None = None
@@ -144,7 +149,15 @@ class CPUBackend:
             elif mode == "shm":
                 raise ValueError(f"{source}=shm but the ranks of group {group_name!r} are on several hosts")
 
-    # ----- issuing and running ops -----
+    # ----- issuing and running ops (issue.py: the queue, the worker, the caller's-thread paths) -----
+    _submit = _issue.submit
+    _enqueue = _issue.enqueue
+    _start_worker = _issue.start_worker
+    _work_loop = _issue.work_loop
+    _run = _issue.run
+    _now = _issue.now
+    _resume = _issue.resume
+
     def _work(self, op_type: str, keep: Sequence[Any], *, p2p: bool = False) -> Work:
         w = Work(op_type, keepalive=keep, default_timeout=self.timeout)
         if p2p:
@@ -156,108 +169,19 @@ class CPUBackend:
         w.group_name = self.group_name
         return w
 
-    def _submit(self, work: Work, fn: Callable[[Ctx], None], nbytes: int, sig: int) -> Work:
-        # The op's number for errors, fixed now: the ProcessGroup renumbers work.seq later.
-        seq = work.seq
-        with self._lock:  # the Condition's own lock: entered without the Condition's Python layer
-            if self._error is not None or self._closed:
-                err = self._error or DistBackendError(f"group {self.group_name!r}: the CPU backend was shut down")
-                work._set_exception(DistBackendError(f"{op_label(work.op_type, seq, self.group_name)}: {err}"))
-                return work
-            inline = not self._busy and not self._queue and nbytes <= INLINE_MAX
-            if inline:
-                self._busy = True
-            else:
-                self._queue.append((work, fn, seq, sig))
-                if self._worker is None:
-                    self._worker = threading.Thread(target=self._work_loop, daemon=True,
-                                                    name=f"gpucoll-cpu-{self.group_name}-r{self.rank}")
-                    self._worker.start()
-                elif self._worker_idle:
-                    self._cv.notify_all()
-        if inline:
-            try:
-                self._run(work, fn, seq, sig)
-            finally:
-                with self._lock:
-                    self._busy = False
-                    if self._queue or self._waiters:
-                        self._cv.notify_all()
-        return work
-
-    def _work_loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._closed and (not self._queue or self._busy):
-                    self._worker_idle = True
-                    self._cv.wait()
-                self._worker_idle = False
-                if not self._queue:
-                    return
-                work, fn, seq, sig = self._queue.popleft()
-                self._busy = True
-            try:
-                self._run(work, fn, seq, sig)
-            finally:
-                with self._cv:
-                    self._busy = False
-                    if self._waiters:
-                        self._cv.notify_all()
-
-    def _run(self, work: Work, fn: Callable[[Ctx], None], seq: int, sig: int) -> None:
-        t0 = time.perf_counter()
-        ctx = Ctx(seq, time.monotonic() + self.timeout, sig, self._check, work.op_type, self.group_name)
-        try:
-            if self._error is not None:
-                raise self._error
-            fn(ctx)
-        except BaseException as exc:
-            work._set_exception(self._failed(exc, ctx.name))
-            if not isinstance(exc, Exception):
-                raise
-            return
-        work._set_result(active_duration=time.perf_counter() - t0)
-
-    def _now(self, op_type: str, fn: Callable[..., None], sig: int, *args: Any) -> bool:
-        """``fn(ctx, *args)`` on this thread now, with no Work, if nothing is queued ahead of it; else False."""
-        lock = self._lock
-        with lock:
-            if self._busy or self._queue or self._error is not None or self._closed:
-                return False
-            self._busy = True
-        try:
-            ctx = self._now_ctx  # one Ctx for every op of this path (one at a time: _busy), refilled
-            ctx.seq = self._seq = self._seq + 1
-            ctx.deadline = time.monotonic() + self.timeout
-            ctx.sig = sig
-            ctx.op_type = op_type
-            try:
-                fn(ctx, *args)
-            except BaseException as exc:
-                err = self._failed(exc, ctx.name)
-                if not isinstance(exc, Exception):
-                    raise
-                raise err  # its cause, if any, was set by _failed
-        finally:
-            # Cleared before the queue is read, so no lock is needed unless someone waits:
-            # an op queued meanwhile saw _busy (under the lock) and notified, or it sees
-            # it clear; a thread waiting for _busy to clear is notified below.
-            self._busy = False
-            if self._queue or self._waiters:
-                with lock:
-                    self._cv.notify_all()
-        return True
-
-    def all_reduce_now(self, buf: Buffer, op: ReduceOpLike) -> bool:
-        """:meth:`all_reduce` on this thread now, with no Work (see ``RunsNow``)."""
+    def all_reduce_now(self, buf: Buffer, op: ReduceOpLike, *, async_op: bool = False) -> bool | Work:
+        """:meth:`all_reduce` on this thread now, with no Work (see ``RunsNow``); ``async_op``:
+        as ``_now`` (True when it completed here, else its Work; never False)."""
         plan = self._plans.get((buf.dtype.name, buf.nbytes, op._name_)) if op.__class__ is ReduceOp else None
         if plan is None or plan[1] is not None:
-            return False  # first of its kind, or PREMUL_SUM: the Work path
+            # First of its kind, or PREMUL_SUM: the Work path.
+            return self._all_reduce(buf, op, True) if async_op else False
         # Any size: a synchronous op has nothing to return early for, and a hand-off to the
         # worker thread costs two thread wakes, which on a busy machine wait for a core.
-        return self._now("all_reduce", self._coll.all_reduce, plan[2], self._arr(buf), plan[0])
+        return self._now("all_reduce", self._coll.all_reduce, plan[2], self._arr(buf), plan[0], async_op=async_op,
+                         keep=(buf,))
 
-    def all_reduce_runner(self, dtype: str, nbytes: int, op: ReduceOpLike) -> tuple[Callable[..., bool], Any] | None:
+    def all_reduce_runner(self, dtype: str, nbytes: int, op: ReduceOpLike) -> tuple[Callable[..., bool | Work], Any] | None:
         """``all_reduce_now`` of one planned kind, bound: ``(run, reducer)``, where
         ``run(flat_array, reducer)`` is that op on a 1-D view of the caller's array; None
         before the kind's first op planned it (or for PREMUL_SUM)."""
@@ -266,17 +190,20 @@ class CPUBackend:
             return None
         return functools.partial(self._now, "all_reduce", self._coll.all_reduce, plan[2]), plan[0]
 
-    def broadcast_now(self, buf: Buffer, src: int) -> bool:
-        """:meth:`broadcast` on this thread now, with no Work (as ``all_reduce_now``)."""
+    def broadcast_now(self, buf: Buffer, src: int, *, async_op: bool = False) -> bool | Work:
+        """:meth:`broadcast` on this thread now, with no Work (as ``all_reduce_now``; False
+        past ``inline_max``)."""
         sig = self._sig("broadcast", {"dtype": buf.dtype.name, "count": buf.numel, "root": src})
-        return buf.nbytes <= INLINE_MAX and self._now("broadcast", self._coll.broadcast, sig, self._arr(buf), src)
+        return buf.nbytes <= INLINE_MAX and self._now("broadcast", self._coll.broadcast, sig, self._arr(buf), src,
+                                                      async_op=async_op, keep=(buf,))
 
-    def all_gather_single_now(self, out: Buffer, inp: Buffer) -> bool:
-        """:meth:`all_gather_single` on this thread now, with no Work (as ``all_reduce_now``)."""
+    def all_gather_single_now(self, out: Buffer, inp: Buffer, *, async_op: bool = False) -> bool | Work:
+        """:meth:`all_gather_single` on this thread now, with no Work (as :meth:`broadcast_now`)."""
         return out.nbytes <= INLINE_MAX and self._now(*self._gather_call(self._arr(out), self._arr(inp),
-                                                                         inp.dtype.name))
+                                                                         inp.dtype.name), async_op=async_op,
+                                                      keep=(out, inp))
 
-    def all_gather_runner(self, out: Array, inp: Array) -> Callable[[], bool]:
+    def all_gather_runner(self, out: Array, inp: Array) -> Callable[..., bool | Work]:
         """:meth:`all_gather_single_now` bound to two 1-D host arrays the caller reuses (their
         rows and the signature made once); ``run()`` is True when it ran. One thread at a time."""
         return functools.partial(self._now, *self._gather_call(out, inp, inp.dtype.name))
@@ -290,7 +217,7 @@ class CPUBackend:
 
     def barrier_now(self) -> bool:
         """:meth:`barrier` on this thread now, with no Work (see ``RunsNow``)."""
-        return self._barrier_sig != 0 and self._now("barrier", self._coll.barrier, self._barrier_sig)
+        return self._barrier_sig != 0 and self._now("barrier", self._coll.barrier, self._barrier_sig) is True
 
     def _failed(self, exc: BaseException, name: str) -> DistBackendError:
         """The error an op that raised ``exc`` fails with; the backend is aborted."""
@@ -379,6 +306,9 @@ class CPUBackend:
         return self._reducer(ReduceOp.SUM, buf), scaled
 
     def all_reduce(self, buf: Buffer, op: ReduceOpLike) -> Work:
+        return self._all_reduce(buf, op, False)
+
+    def _all_reduce(self, buf: Buffer, op: ReduceOpLike, patient: bool) -> Work:
         # A repeated all_reduce: its reducer and signature in one look-up (PREMUL_SUM,
         # whose factor may change per call, is planned every time).
         # (The op by name: an enum member's own hash is a Python-level call.)
@@ -402,7 +332,7 @@ class CPUBackend:
             def body(c: Ctx) -> None:
                 np.copyto(x, scale(x))
                 coll.all_reduce(c, x, red)
-        return self._submit(self._work("all_reduce", (buf,)), body, buf.nbytes, sig)
+        return self._submit(self._work("all_reduce", (buf,)), body, buf.nbytes, sig, patient)
 
     def all_reduce_coalesced(self, bufs: Sequence[Buffer], op: ReduceOpLike) -> Work:
         plans = [self._sum_of(op, b) for b in bufs]
@@ -545,6 +475,7 @@ class CPUBackend:
             err = self._error
             queued = list(self._queue)
             self._queue.clear()
+            self._resumable.clear()
             self._cv.notify_all()
         assert err is not None
         mesh = getattr(self, "_mesh", None)  # None: a reader thread aborts while the mesh is being made
@@ -557,7 +488,7 @@ class CPUBackend:
             abort = getattr(self._coll, "abort", None)
             if abort is not None:
                 abort(err)
-        for work, _, seq, _ in queued:
+        for work, _, seq, _, _ in queued:
             work._set_exception(DistBackendError(f"{op_label(work.op_type, seq, self.group_name)}: {err}"))
         if first:
             for fn in self.closers:

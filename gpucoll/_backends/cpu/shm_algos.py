@@ -28,6 +28,7 @@ Algorithms:
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -36,7 +37,7 @@ from ...errors import DistBackendError
 from ..mismatch import SignatureMismatch
 from .reduce import Array, Reducer
 from .shm import REC_WORDS, ShmSegment
-from .tcp_algos import Ctx, chunk_bounds
+from .tcp_algos import Ctx, Deferred, chunk_bounds
 
 __all__ = ["ShmCollectives", "SMALL_BYTES", "BULK_BYTES"]
 
@@ -152,6 +153,21 @@ class ShmCollectives:
                 self._wait(ctx, j, 1)  # raises the mismatch, worded once
         self._checked = self._every_peer
 
+    def _arrived(self, patience: float) -> bool:
+        """Whether every peer reaches step 1 of this op within ``patience`` seconds of
+        spinning (an async op on the caller's thread: it never sleeps on a peer)."""
+        ctl, target = self.seg.ctl, self._base + 1
+        now = time.perf_counter
+        end = now() + patience
+        while True:
+            for _, ci, _ in self._words:
+                if ctl[ci] < target:
+                    break
+            else:
+                return True
+            if now() > end:
+                return False
+
     def _entry(self, ctx: Ctx) -> None:
         """Begin a large op: post once, then wait until every peer is inside it too."""
         self._begin(ctx)
@@ -163,6 +179,8 @@ class ShmCollectives:
         seg = self.seg
         nb = x.nbytes
         if nb > seg.small_bytes:
+            if ctx.patience:  # async on the caller's thread: the worker runs a large op whole
+                raise Deferred(lambda c: self._reduce(c, x, red, None))
             self._reduce(ctx, x, red, None)
             return
         # The small case of _reduce with _begin and _first_step inline (the hot path of
@@ -185,12 +203,16 @@ class ShmCollectives:
         seg.post()
         for j, ci, hdr in self._words:
             if ctl[ci] < target:
+                if ctx.patience and not self._arrived(ctx.patience):
+                    # Async, and a peer is not here yet: this rank's part is posted; the
+                    # worker waits for the peers and folds (nothing else touched the state).
+                    raise Deferred(lambda c: self._fold_slots(c, x, red, slots), True)
                 seg.wait(j, target, ctx.deadline, lambda: self._alive(ctx, j), ctx.what)
             h = hdr[p]
             if ctl[h] != u or ctl[h + 1] != sig:
                 self._checked = set()
                 self._wait(ctx, j, 1)  # raises the mismatch, worded once
-        ufunc = red.plain
+        ufunc = red.plain  # (as _fold_slots, inline: the hot path)
         if ufunc is None:
             red.fold(x, slots)
             return
@@ -198,6 +220,15 @@ class ShmCollectives:
         if len(slots) > 2:
             for part in slots[2:]:
                 ufunc(x, part, out=x)
+
+    def _fold_slots(self, ctx: Ctx, x: Array, red: Reducer, slots: list[Array]) -> None:
+        """The end of a deferred small all_reduce: wait for step 1 of every peer (checking
+        its header), then fold every rank's slot into ``x`` in rank order."""
+        if ctx.patience and not self._arrived(ctx.patience):
+            raise Deferred(lambda c: self._fold_slots(c, x, red, slots), True)
+        self._checked = set()  # (all_reduce marked every peer checked before it deferred)
+        self._first_step(ctx)
+        red.fold(x, slots)
 
     def reduce(self, ctx: Ctx, x: Array, dst: int, red: Reducer) -> None:
         self._reduce(ctx, x, red, dst)
@@ -301,10 +332,20 @@ class ShmCollectives:
             if r == src:
                 np.copyto(seg.small(r, p)[:nb], xb)
             seg.post()
-            self._first_step(ctx)  # the root too: it compares every peer's header
-            if r != src:
-                np.copyto(xb, seg.small(src, p)[:nb])
+
+            def rest(c: Ctx) -> None:
+                if c.patience and not self._arrived(c.patience):
+                    raise Deferred(rest, True)
+                self._first_step(c)  # the root too: it compares every peer's header
+                if r != src:
+                    np.copyto(xb, seg.small(src, p)[:nb])
+
+            if ctx.patience and not self._arrived(ctx.patience):
+                raise Deferred(rest, True)  # async: a peer is not here yet (see all_reduce)
+            rest(ctx)
             return
+        if ctx.patience:
+            raise Deferred(lambda c: self.broadcast(c, x, src))  # async, large: whole, on the worker
         self._entry(ctx)
         bb = seg.bulk_bytes
         others = self._peers if r == src else []
@@ -334,10 +375,20 @@ class ShmCollectives:
             slots = self._slot_views.get((p, nb, U8)) or self._slots(p, nb, U8)  # a hit: no call
             np.copyto(slots[r], ib)
             seg.post()
-            self._first_step(ctx)  # every peer's slot written and its header checked
-            for j in self._peers:
-                np.copyto(_u8(outs[j]), slots[j])
+
+            def rest(c: Ctx) -> None:
+                if c.patience and not self._arrived(c.patience):
+                    raise Deferred(rest, True)
+                self._first_step(c)  # every peer's slot written and its header checked
+                for j in self._peers:
+                    np.copyto(_u8(outs[j]), slots[j])
+
+            if ctx.patience and not self._arrived(ctx.patience):
+                raise Deferred(rest, True)  # async: a peer is not here yet (see all_reduce)
+            rest(ctx)
             return
+        if ctx.patience:
+            raise Deferred(lambda c: self.all_gather(c, outs, inp))  # async, large: whole, on the worker
         self._entry(ctx)
         bb = seg.bulk_bytes
         for k, start in enumerate(range(0, nb, bb)):

@@ -28,7 +28,7 @@ import numpy as np
 from .reduce import Array, Reducer
 from .tcp import KIND_COLL, Recv, TcpMesh
 
-__all__ = ["Ctx", "TcpCollectives", "signature", "chunk_bounds"]
+__all__ = ["Ctx", "Deferred", "TcpCollectives", "signature", "chunk_bounds"]
 
 SMALL = 64 * 1024
 CHUNK = 1 << 20
@@ -42,7 +42,7 @@ class Ctx:
     check that raises once the backend was aborted or broken, and its name for errors
     (made only when an error needs it)."""
 
-    __slots__ = ("seq", "deadline", "sig", "check", "op_type", "group_name")
+    __slots__ = ("seq", "deadline", "sig", "check", "op_type", "group_name", "patience")
 
     def __init__(self, seq: int, deadline: float, sig: int, check: Callable[[], None],
                  op_type: str, group_name: str) -> None:
@@ -52,6 +52,9 @@ class Ctx:
         self.check = check
         self.op_type = op_type
         self.group_name = group_name
+        # > 0: an async op on the caller's thread, which must not wait for peers: the op
+        # may spin this many seconds for them, then raises Deferred (see there).
+        self.patience = 0.0
 
     @property
     def name(self) -> str:
@@ -59,6 +62,21 @@ class Ctx:
 
     def what(self) -> str:
         return self.name
+
+
+class Deferred(Exception):
+    """Raised by an op run with ``ctx.patience`` when it would have to wait for a peer.
+    ``finish(ctx)`` completes it: the rest of the op, from where it stopped (its own part
+    may be posted already; the transport's state is left as the op needs it), or the
+    whole op when it stopped before doing anything. Whoever catches it runs ``finish``
+    next, before any later op of the group (the backend's worker thread does).
+    ``resumable``: ``finish`` itself honours ``ctx.patience`` (it raises Deferred again
+    rather than wait), so the issuing thread may run it when the worker has not yet."""
+
+    def __init__(self, finish: Callable[[Ctx], None], resumable: bool = False) -> None:
+        super().__init__("deferred")
+        self.finish = finish
+        self.resumable = resumable
 
 
 def op_label(op_type: str, seq: int, group_name: str) -> str:
@@ -143,7 +161,11 @@ class TcpCollectives:
         return [(p, np.empty(0, np.uint8)) for p in self._peers()]
 
     # ----- reductions -----
+    # An async op on the caller's thread (ctx.patience) over TCP is deferred whole, before it
+    # starts: the worker thread runs it (a TCP op cannot be resumed half-way elsewhere).
     def all_reduce(self, ctx: Ctx, x: Array, red: Reducer) -> None:
+        if ctx.patience and self.size > 1:
+            raise Deferred(lambda c: self._reduce(c, x, red, None))
         self._reduce(ctx, x, red, None)
 
     def reduce(self, ctx: Ctx, x: Array, dst: int, red: Reducer) -> None:
@@ -222,6 +244,8 @@ class TcpCollectives:
 
     # ----- data movement -----
     def broadcast(self, ctx: Ctx, x: Array, src: int) -> None:
+        if ctx.patience and self.size > 1:
+            raise Deferred(lambda c: self.broadcast(c, x, src))  # (c.patience is 0)
         n, r = self.size, self.rank
         self._begin()
         if n == 1:
@@ -248,6 +272,8 @@ class TcpCollectives:
                 self._send(ctx, nxt, 1 + k, flat[a:b])
 
     def all_gather(self, ctx: Ctx, outs: Sequence[Array], inp: Array) -> None:
+        if ctx.patience and self.size > 1:
+            raise Deferred(lambda c: self.all_gather(c, outs, inp))
         r = self.rank
         self._begin()
         if not np.shares_memory(outs[r], inp):
