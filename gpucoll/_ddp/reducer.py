@@ -211,6 +211,7 @@ class Reducer(Generic[TreeT]):
             try:
                 self._issue_ready()
             except BaseException:
+                self._settle(None)
                 self._reset()  # a hook that raised: the next iteration starts clean
                 self._arrival = []
                 raise
@@ -294,6 +295,7 @@ class Reducer(Generic[TreeT]):
                 self._agree(timeout)
         except BaseException:
             self._arrival = []  # a failed iteration's order is not the one to rebuild in
+            self._settle(timeout)
             raise
         finally:
             self._reset()
@@ -313,6 +315,18 @@ class Reducer(Generic[TreeT]):
     def _view(self, i: int) -> Any:
         b, pos = self._where[i]
         return self._buckets[b].views[pos]
+
+    def _settle(self, timeout: float | None) -> None:
+        """Wait out the ops a failed iteration issued, ignoring their own errors (the first
+        error is the one raised): an async op may still be running (the CPU backend hands
+        one whose peers are late to its worker), and the next iteration reuses its buffers."""
+        pending = [bucket.future for bucket in self._buckets if bucket.future is not None]
+        for waitable in (*pending, self._check_work):
+            if waitable is not None:
+                try:
+                    waitable.wait(timeout)
+                except BaseException:  # the iteration already failed; this one's error adds nothing
+                    pass
 
     def _reset(self) -> None:
         self._ready = [False] * len(self._leaves)

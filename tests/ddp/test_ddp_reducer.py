@@ -453,9 +453,10 @@ def one_rank_skips_an_iteration() -> str:
 
     red = gpucoll.Reducer(params(), bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)
     if gpucoll.get_rank() == 0:
-        # small buckets run on the caller's thread (the CPU backend's inline path): the
-        # group's timeout bounds them; larger ones the timeout given to wait()
-        with pytest.raises(gpucoll.DistBackendError, match=r"all_reduce.*timed out waiting for rank 1"):
+        # a bucket whose peer is late goes to the CPU backend's worker, and the timeout
+        # given to wait() bounds it (one that runs on the caller's thread: the group's)
+        with pytest.raises(gpucoll.DistBackendError,
+                           match=r"all_reduce.*(timed out waiting for rank 1|did not complete within 2 s)"):
             red.reduce(grads_of(0, 0), timeout=2)
     else:
         import time
