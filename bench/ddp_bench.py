@@ -11,10 +11,14 @@ Ways, timed in the same run (float32 gradients, the time of one whole reduction,
 slower rank's, median over iterations):
 
 - ``bucketed``: ``Reducer(params)`` (25 MiB buckets, the first 1 MiB), ``reduce(grads)``,
-  after the first iteration's rebuild: copy into the buckets, one all_reduce per bucket;
-- ``bucketed, views``: the same, the gradients computed into the buckets
-  (``Reducer.gradient_view``, torch's ``gradient_as_bucket_view``): no copy;
+  after the first iteration's rebuild: one all_reduce per bucket, which reads the
+  gradients, divided by the world size, straight into the transport's staging buffers
+  and writes the result into the bucket;
+- ``bucketed, views``: ``mark_ready`` and ``wait()`` with the gradients computed into the
+  buckets (``Reducer.gradient_view``, torch's ``gradient_as_bucket_view``): no copy, each
+  bucket's all_reduce async as it fills;
 - ``flat``: one all_reduce of one array holding everything (the floor: no copy, one op);
+  ``flat, AVG``: the same with ``ReduceOp.AVG`` (the floor of an average);
 - ``per tensor``: one all_reduce per gradient, what a script without buckets does;
 - ``fp16``: the Reducer with ``fp16_compress_hook`` (half the bytes); its largest error
   against the exact mean is printed in float16 ulps of the largest value summed;
@@ -23,10 +27,13 @@ slower rank's, median over iterations):
   hands over precomputed gradients (a custom autograd Function: no compute), so the time
   is DDP's reducer and gloo; ``torch no_sync`` is the same backward without reduction.
 
-Overlap: a simulated backward calls ``mark_ready`` for each gradient after sleeping in
-proportion to its size (the whole backward lasting twice the flat all_reduce); printed:
-the time from the last gradient to ``wait()`` returning, against one all_reduce of the
-last bucket's size, and against the whole reduction.
+Overlap: a simulated backward calls ``mark_ready`` for each gradient once the layer's
+time, in proportion to its size, has passed (a sleep to a schedule); the whole backward
+lasts 2x the flat all_reduce (a stress test: the buckets' all_reduces take about as long
+as the compute, so the one before the last is still running when the last gradient
+comes), then 8x (still far shorter than a real backward of these models); printed: the
+time from the last gradient to ``wait()`` returning, against one all_reduce of the last
+bucket's size.
 
 gpucoll and torch take turns, ``--rounds`` times (default 3), and each figure is the
 median over the rounds. The machine is shared: compare the ratios of one run, not
@@ -57,6 +64,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 MODELS = ("resnet50", "bert-base", "gpt2")
+BACKWARD_FACTORS = (2, 8)  # the simulated backward's length, in flat all_reduces
 
 
 # ----- shapes from the public definitions -----
@@ -106,6 +114,22 @@ def _median_of_max(times: list[float], gather: Callable[[Any], list[Any]]) -> fl
 
 # ----- gpucoll -----
 
+def turns(ways: dict[str, Callable[[], Any]], iters: int, gather: Callable[[Any], list[Any]]) -> dict[str, float]:
+    """Each way once per iteration, in turn (after a barrier each); per way the median
+    over iterations of the slower rank's time. One untimed turn first."""
+    import gpucoll
+
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for it in range(iters + 1):
+        for name, fn in ways.items():
+            gpucoll.barrier()
+            t0 = time.perf_counter()
+            fn()
+            if it:
+                times[name].append(time.perf_counter() - t0)
+    return {name: _median_of_max(t, gather) for name, t in times.items()}
+
+
 def gpucoll_rank(models: list[str], iters: int) -> dict[str, Any]:
     import gpucoll
     from gpucoll.ddp_comm_hooks import fp16_compress_hook
@@ -133,53 +157,65 @@ def gpucoll_rank(models: list[str], iters: int) -> dict[str, Any]:
         params = [np.zeros(s, np.float32) for s in shapes]
         row: dict[str, Any] = {"tensors": len(shapes), "params": int(sum(g.size for g in grads))}
         flat = np.concatenate([g.reshape(-1) for g in grads])
-        row["flat"] = timed(lambda: gpucoll.all_reduce(flat))
-        del flat
         reducer = gpucoll.Reducer(params)
         reducer.reduce(grads)  # the first iteration rebuilds the buckets
         row["buckets"] = len(reducer.bucket_indices)
-        row["bucketed"] = timed(lambda: reducer.reduce(grads))
         views = [reducer.gradient_view(i) for i in range(len(grads))]
         for v, g in zip(views, grads):
             v[...] = g
+        per_tensor = [g.copy() for g in grads]  # (reduced in place: the values change)
+        last = reducer.bucket_indices[-1]
+        last_buf = np.zeros(sum(grads[i].size for i in last), np.float32)
+        row["last_bucket_mib"] = last_buf.nbytes / 2**20
 
         def in_place() -> None:  # gradients computed into the buckets: no copy
             for i in reversed(range(len(views))):
                 reducer.mark_ready(i, views[i])
             reducer.wait()
-        row["bucketed_views"] = timed(in_place)
 
-        # overlap: a simulated backward, the last layers' gradients first
-        rate = 2 * row["flat"] / sum(g.nbytes for g in grads)  # seconds per byte: backward = 2x flat
-        last = reducer.bucket_indices[-1]
-        last_buf = np.zeros(sum(grads[i].size for i in last), np.float32)
-        row["last_bucket_mib"] = last_buf.nbytes / 2**20
-        row["last_bucket_all_reduce"] = timed(lambda: gpucoll.all_reduce(last_buf))
-        tails, totals = [], []
-        for _ in range(iters):
-            gpucoll.barrier()
-            t0 = time.perf_counter()
-            for i in reversed(range(len(grads))):
-                time.sleep(grads[i].nbytes * rate)
-                reducer.mark_ready(i, grads[i])
-            t1 = time.perf_counter()
-            reducer.wait()
-            t2 = time.perf_counter()
-            tails.append(t2 - t1)
-            totals.append(t2 - t0)
-        row["overlap_tail"] = _median_of_max(tails, gather)
-        row["overlap_total"] = _median_of_max(totals, gather)
-        row["simulated_backward"] = 2 * row["flat"]
-        del reducer
-
-        per_tensor_times = []
-        for _ in range(max(1, iters // 2)):
-            gpucoll.barrier()
-            t0 = time.perf_counter()
-            for g in grads:
+        def one_per_tensor() -> None:
+            for g in per_tensor:
                 gpucoll.all_reduce(g)
-            per_tensor_times.append(time.perf_counter() - t0)
-        row["per_tensor"] = _median_of_max(per_tensor_times, gather)
+
+        # The ways take turns, iteration after iteration: the machine's speed drifts (a
+        # shared VM), and each way's median then sees the same moments as the others'.
+        row.update(turns({
+            "flat": lambda: gpucoll.all_reduce(flat),
+            "flat_avg": lambda: gpucoll.all_reduce(flat, op=gpucoll.ReduceOp.AVG),
+            "bucketed": lambda: reducer.reduce(grads),
+            "bucketed_views": in_place,
+            "per_tensor": one_per_tensor,
+            "last_bucket_all_reduce": lambda: gpucoll.all_reduce(last_buf),
+        }, iters, gather))
+        del flat, per_tensor
+
+        # overlap: a simulated backward, the last layers' gradients first, lasting SLOW x the
+        # flat all_reduce (a stress test: communication nearly as long as the compute) and
+        # FAST x (still far from a real backward, which is hundreds of times longer)
+        for factor in BACKWARD_FACTORS:
+            rate = factor * row["flat"] / sum(g.nbytes for g in grads)  # seconds per byte
+            tails, totals = [], []
+            for _ in range(iters):
+                gpucoll.barrier()
+                t0 = due = time.perf_counter()
+                for i in reversed(range(len(grads))):
+                    # The layer's compute, as a sleep until its planned end (a schedule: the
+                    # overshoot of one sleep does not add up over 161 layers, nor differ
+                    # between the ranks by the sum of theirs).
+                    due += grads[i].nbytes * rate
+                    ahead = due - time.perf_counter()
+                    if ahead > 0:
+                        time.sleep(ahead)
+                    reducer.mark_ready(i, grads[i])
+                t1 = time.perf_counter()
+                reducer.wait()
+                t2 = time.perf_counter()
+                tails.append(t2 - t1)
+                totals.append(t2 - t0)
+            row[f"overlap_tail_{factor}"] = _median_of_max(tails, gather)
+            row[f"overlap_total_{factor}"] = _median_of_max(totals, gather)
+            row[f"simulated_backward_{factor}"] = factor * row["flat"]
+        del reducer
 
         grads = grads_for(shapes, rank)
         fp16 = gpucoll.Reducer(params)
@@ -318,22 +354,30 @@ def report(ours: dict[str, Any], theirs: dict[str, Any] | str, rounds: int = 1) 
         lines.append(f"{model}: {row['tensors']} tensors, {row['params']:,} parameters ({mib:.1f} MiB), "
                      f"{row['buckets']} buckets")
         lines.append(f"  flat (the floor)   {_ms(row['flat'])}")
-        lines.append(f"  bucketed           {_ms(row['bucketed'])}   {row['bucketed'] / row['flat']:.2f}x flat")
-        lines.append(f"  bucketed, views    {_ms(row['bucketed_views'])}   {row['bucketed_views'] / row['flat']:.2f}x flat "
+        lines.append(f"  flat, AVG          {_ms(row['flat_avg'])}   {row['flat_avg'] / row['flat']:.2f}x flat "
+                     "(the floor of an average)")
+        lines.append(f"  bucketed           {_ms(row['bucketed'])}   {row['bucketed'] / row['flat']:.2f}x flat, "
+                     f"{row['bucketed'] / row['flat_avg']:.2f}x flat AVG (reduce(grads): the gradients copied)")
+        lines.append(f"  bucketed, views    {_ms(row['bucketed_views'])}   {row['bucketed_views'] / row['flat']:.2f}x flat, "
+                     f"{row['bucketed_views'] / row['flat_avg']:.2f}x flat AVG "
                      "(gradients computed into the buckets: no copy)")
         lines.append(f"  per tensor         {_ms(row['per_tensor'])}   {row['per_tensor'] / row['flat']:.2f}x flat")
         lines.append(f"  fp16 compress      {_ms(row['fp16'])}   {row['fp16'] / row['flat']:.2f}x flat; "
                      f"half the bytes; worst error {row['fp16_err_ulps']:.2f} float16 ulps of the largest value summed")
         if isinstance(theirs, dict) and model in theirs:
             t = theirs[model]
-            lines.append(f"  torch DDP (gloo)   {_ms(t['ddp'])}   bucketed / DDP = {row['bucketed'] / t['ddp']:.3f}")
+            lines.append(f"  torch DDP (gloo)   {_ms(t['ddp'])}   bucketed / DDP = {row['bucketed'] / t['ddp']:.3f}, "
+                         f"bucketed views / DDP = {row['bucketed_views'] / t['ddp']:.3f} "
+                         "(DDP: gradient_as_bucket_view=True)")
             lines.append(f"  torch no_sync      {_ms(t['no_sync'])}   (the same backward without reduction)")
-        lines.append(f"  overlap: simulated backward {_ms(row['simulated_backward'])}, whole step "
-                     f"{_ms(row['overlap_total'])}; after the last gradient {_ms(row['overlap_tail'])} vs one "
-                     f"all_reduce of the last bucket ({row['last_bucket_mib']:.1f} MiB) "
-                     f"{_ms(row['last_bucket_all_reduce'])}: "
-                     f"{row['overlap_tail'] / row['last_bucket_all_reduce']:.2f}x; without overlap: "
-                     f"the whole bucketed reduction, {_ms(row['bucketed'])}")
+        lines.append(f"  overlap (one all_reduce of the last bucket, {row['last_bucket_mib']:.1f} MiB: "
+                     f"{_ms(row['last_bucket_all_reduce'])}; without overlap the whole reduction, "
+                     f"{_ms(row['bucketed'])}, follows the backward):")
+        for factor in BACKWARD_FACTORS:
+            tail = row[f"overlap_tail_{factor}"]
+            lines.append(f"    backward {factor}x flat {_ms(row[f'simulated_backward_{factor}'])}: whole step "
+                         f"{_ms(row[f'overlap_total_{factor}'])}, after the last gradient {_ms(tail)}, "
+                         f"{tail / row['last_bucket_all_reduce']:.2f}x the last bucket's all_reduce")
         lines.append("")
     if isinstance(theirs, str):
         lines.append(f"torch DDP: skipped ({theirs})")

@@ -41,7 +41,7 @@ from .._reduce_op import ReduceOpLike
 from .._work import Work
 from ..store.base import Store
 
-__all__ = ["Backend", "SplitsCommunicator", "ReducesInto", "PollsPending", "IssuesQuietly", "ShrinksCommunicator",
+__all__ = ["Backend", "SplitsCommunicator", "ReducesInto", "ReducesGathered", "PollsPending", "IssuesQuietly", "ShrinksCommunicator",
            "TimesOps"]
 
 
@@ -134,6 +134,25 @@ class ReducesInto(Protocol):
 
     def all_reduce_into(self, out: Buffer, inp: Buffer, op: ReduceOpLike) -> Work:
         """``out`` = the reduction of every rank's ``inp``; ``inp`` is left alone."""
+        ...
+
+
+class ReducesGathered(Protocol):
+    """A backend that all-reduces an input assembled from several arrays, each divided
+    on the way in, without a pass of its own over the memory first (the CPU backend)."""
+
+    def all_reduce_gathered(self, out: Buffer, parts: Sequence[Any], divisor: int, op: ReduceOpLike) -> Work:
+        """``out`` = the reduction of every rank's concatenation of ``parts`` (1-D host
+        arrays, ``out.numel`` elements in all), each element divided by ``divisor`` first:
+        the collective ``all_reduce(out, op)`` of that divided concatenation, which a peer
+        may issue instead (same signature)."""
+        ...
+
+    def all_reduce_gathered_now(self, out: Buffer, parts: Sequence[Any], divisor: int, op: ReduceOpLike, *,
+                                async_op: bool = False) -> bool | Work:
+        """:meth:`all_reduce_gathered` on this thread now with no Work (as ``RunsNow``'s ops:
+        True when it ran, False when ops are queued ahead of a synchronous one, an async
+        one's Work when it went on in the backend)."""
         ...
 
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from .. import _collectives
 from .._collectives import _pg
+from .._group.gathered import all_reduce_gathered
 from .._group import ProcessGroup
 from .._work import Work
 from ..array import ArrayLike
@@ -108,6 +109,9 @@ class Reducer(Generic[TreeT]):
             raise TypeError(f"Reducer: the parameters must all be of one array kind (their buckets are made "
                             f"by {getattr(self._xp, '__name__', self._xp)}); these differ: {_listing(odd)}")
         self._divide = self._xp.divide
+        # NumPy buckets: the default average divides inside each bucket's all_reduce, on the
+        # way into the transport (all_reduce_gathered), not in a pass of its own.
+        self._gathered = self._xp is np
         self._native = type(self._xp.empty(0, dtype=np.float32))  # gradients of this class need no asarray
         if verify:
             verify_params_across_processes(self._group, self._leaves, names=self._names)
@@ -195,7 +199,7 @@ class Reducer(Generic[TreeT]):
             raise ValueError(f"mark_ready: the gradient of {self._names[index]} has shape {tuple(g.shape)}; "
                              f"expected {self._shapes[index]}")
         bucket, view = self._slot[index]
-        if self._hook_registered:
+        if self._hook_registered or self._gathered:  # the hook divides, or the bucket's op on the way in
             if g is not view:
                 view[...] = g if g.__class__ is self._native else self._xp.asarray(g)
         elif g is view:
@@ -245,6 +249,12 @@ class Reducer(Generic[TreeT]):
 
     def _issue(self, b: int) -> None:
         bucket = self._buckets[b]
+        if self._gathered and not self._hook_registered:
+            flat = bucket.flat
+            work = all_reduce_gathered(self._group, flat, [flat], self._size, async_op=True)
+            assert work is not None
+            bucket.future = Future.from_work(work).then(lambda fut: flat)
+            return
         grad_bucket = GradBucket(b, bucket.flat, bucket.views, [self._leaves[i] for i in bucket.indices],
                                  b == len(self._buckets) - 1, bucket.offsets)
         future = self._hook(self._state, grad_bucket)
@@ -257,9 +267,42 @@ class Reducer(Generic[TreeT]):
         """Reduce a whole set of gradients (same structure as the parameters) and return
         the averaged ones, as :meth:`mark_ready` for each, then :meth:`wait`."""
         leaves = _flatten_like(grads, self._treedef, len(self._leaves))
+        if timeout is None and not self._hook_registered and not self._started and self._gathered:
+            return self._reduce_gathered(leaves)
         for i in reversed(range(len(leaves))):  # a backward pass's order
             self.mark_ready(i, leaves[i])
         return self.wait(timeout)
+
+    def _reduce_gathered(self, leaves: list[Any]) -> TreeT:
+        """:meth:`reduce` of NumPy gradients with the default average: each bucket is one
+        synchronous all_reduce that divides the gradients straight into the transport's
+        staging buffers (``all_reduce_gathered``), with no pass of its own to copy them
+        into the bucket first. Every peer sees the collectives of :meth:`mark_ready` and
+        :meth:`wait` (the same buckets' all_reduces, then the agreement all_gather)."""
+        flat = []
+        for i, g in enumerate(leaves):
+            a = g if g.__class__ is np.ndarray else np.asarray(g)
+            if a.shape != self._shapes[i]:
+                raise ValueError(f"mark_ready: the gradient of {self._names[i]} has shape {tuple(a.shape)}; "
+                                 f"expected {self._shapes[i]}")
+            flat.append(a.reshape(-1))
+        self._started = True
+        try:
+            for bucket in self._buckets:
+                all_reduce_gathered(self._group, bucket.flat, [flat[i] for i in bucket.indices], self._size)
+            if self._check_ready:
+                self._ready = [True] * self._n
+                self._issue_check()
+                self._agree(None)
+        except BaseException:
+            self._settle(None)
+            self._reset()
+            self._arrival = []
+            raise
+        self._reset()
+        if self._recording:
+            self._arrival = list(range(self._n - 1, -1, -1))
+        return self._finish()
 
     def wait(self, timeout: float | None = None) -> TreeT:
         """Finish the iteration: issue what is left, wait for every bucket, and return the
@@ -299,6 +342,11 @@ class Reducer(Generic[TreeT]):
             raise
         finally:
             self._reset()
+        return self._finish()
+
+    def _finish(self) -> TreeT:
+        """The end of a completed iteration: the reduced gradients (rebuilding the buckets
+        after the first iteration)."""
         out = ([kinds.to_caller(self._view(i), leaf) for i, leaf in enumerate(self._leaves)] if self._jax
                else list(self._out))
         if self._rebuild and self.iteration == 0:

@@ -120,6 +120,56 @@ def check_overlap(gpucoll: Any, r: int, w: int) -> None:
     close(red.wait(), mean_of(1, w), 1e-6, 1e-7, "gradient views")
 
 
+BIG = [(300, 1000), (7,), (0,), (513, 1024), (3,), (200_000,), (1,)]  # buckets over 1 MiB staging blocks
+
+
+def check_every_path_is_one_collective(gpucoll: Any, r: int, w: int) -> None:
+    """reduce() (each bucket one all_reduce that divides the gradients on their way into
+    the transport), mark_ready with copies, with the buckets' own views, and the
+    allreduce_hook (divide, then a plain all_reduce) give the same bits, and a rank may
+    take any of them while its peers take another: each bucket is one all_reduce (SUM)
+    of the divided gradients, whichever way it is issued. Then a peer missing a gradient
+    under reduce() on the others is still a named error."""
+    from gpucoll.ddp_comm_hooks import allreduce_hook
+
+    ps = [np.zeros(s, np.float32) for s in BIG]
+    hooked = gpucoll.Reducer(ps, bucket_cap_mb=3, first_bucket_cap_mb=1)
+    hooked.register_comm_hook(None, allreduce_hook)
+    plain = gpucoll.Reducer(ps, bucket_cap_mb=3, first_bucket_cap_mb=1)
+    assert len(plain.bucket_indices) >= 2, plain.bucket_indices
+    for it in range(3):  # the first iteration rebuilds the buckets
+        g = grads_of(r, it, BIG)
+        want = [x.copy() for x in hooked.reduce(g)]
+        close(want, mean_of(it, w, BIG), 1e-6, 1e-6, f"allreduce_hook, iteration {it}")
+        way = (r + it) % 3  # every rank takes each way in turn, its peers others
+        if way == 0:
+            got = plain.reduce(g)
+        elif way == 1:
+            for i in reversed(range(len(BIG))):
+                plain.mark_ready(i, g[i])
+            got = plain.wait()
+        else:
+            for i in reversed(range(len(BIG))):
+                view = plain.gradient_view(i)
+                view[...] = g[i]
+                plain.mark_ready(i, view)
+            got = plain.wait()
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert a.tobytes() == b.tobytes(), f"iteration {it}, way {way}: parameter {i} differs"
+        assert all(x.tobytes() == y.tobytes() for x, y in zip(g, grads_of(r, it, BIG))), "reduce() wrote a gradient"
+    g = grads_of(r, 5, BIG)
+    if r == w - 1:  # the last rank forgets parameter 3; the others hand over everything at once
+        for i in reversed(range(len(BIG))):
+            if i != 3:
+                plain.mark_ready(i, g[i])
+        with pytest.raises(gpucoll.ParameterMismatchError, match=rf"parameter 3 \(513, 1024\) float32 \(missing on rank\(s\) {w - 1}\)"):
+            plain.wait()
+    else:
+        with pytest.raises(gpucoll.ParameterMismatchError, match=rf"parameter 3 .*missing on rank\(s\) {w - 1}"):
+            plain.reduce(g)
+    close(plain.reduce(grads_of(r, 6, BIG)), mean_of(6, w, BIG), 1e-6, 1e-6, "after the mismatch")
+
+
 def check_missing_gradient(gpucoll: Any, r: int, w: int) -> None:
     red = gpucoll.Reducer(params(), bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)
     close(red.reduce(grads_of(r, 0)), mean_of(0, w), 1e-6, 1e-7, "before the mismatch")
@@ -421,6 +471,7 @@ CHECKS: dict[str, Callable[[Any, int, int], None]] = {
     "arrival_order_and_rebuild": check_arrival_order_and_rebuild,
     "overlap": check_overlap,
     "missing_gradient": check_missing_gradient,
+    "every_path_is_one_collective": check_every_path_is_one_collective,
     "verify": check_verify,
     "broadcast_coalesced": check_broadcast_coalesced,
     "torch_hook_tests": check_torch_hook_tests,

@@ -37,7 +37,7 @@ from ...errors import DistBackendError
 from ..mismatch import SignatureMismatch
 from .reduce import Array, Reducer
 from .shm import REC_WORDS, ShmSegment
-from .tcp_algos import Ctx, Deferred, chunk_bounds
+from .tcp_algos import Ctx, Deferred, Fill, chunk_bounds
 
 __all__ = ["ShmCollectives", "SMALL_BYTES", "BULK_BYTES"]
 
@@ -83,6 +83,7 @@ class ShmCollectives:
         self._checked: set[int] = set()
         self._every_peer = set(self._peers)  # (never changed: _wait adds only ranks not in it)
         self._slot_views: dict[tuple[int, int, Any], list[Array]] = {}
+        self._scratch_block = np.empty(0, U8)
         # Per peer: (rank, its counter's word, its header's first word by parity): the hot
         # loops index the control block with these, not with arithmetic per call.
         self._words = [(j, j * REC_WORDS, (j * REC_WORDS + 2, j * REC_WORDS + 4)) for j in self._peers]
@@ -233,13 +234,33 @@ class ShmCollectives:
     def reduce(self, ctx: Ctx, x: Array, dst: int, red: Reducer) -> None:
         self._reduce(ctx, x, red, dst)
 
-    def _reduce(self, ctx: Ctx, x: Array, red: Reducer, dst: int | None) -> None:
+    def all_reduce_filled(self, ctx: Ctx, x: Array, red: Reducer, fill: Fill) -> None:
+        """:meth:`all_reduce` of ``x`` as ``fill`` would write it (``fill(lo, hi, out)``
+        writes elements ``lo:hi`` into ``out``): each rank's contribution goes from its
+        source straight into the shared staging buffers, without a pass through ``x``
+        first. The same protocol and signature as the all_reduce of the filled ``x``.
+        Async (``ctx.patience``): the worker thread runs it whole."""
+        if ctx.patience:
+            raise Deferred(lambda c: self._reduce(c, x, red, None, fill))
+        self._reduce(ctx, x, red, None, fill)
+
+    def _scratch(self, count: int, dtype: np.dtype[Any]) -> Array:
+        """A block of ``count`` elements of ``dtype``, reused (one op at a time)."""
+        nb = count * dtype.itemsize
+        if self._scratch_block.nbytes < nb:
+            self._scratch_block = np.empty(nb, U8)
+        return self._scratch_block[:nb].view(dtype)
+
+    def _reduce(self, ctx: Ctx, x: Array, red: Reducer, dst: int | None, fill: Fill | None = None) -> None:
         seg, r, n = self.seg, self.rank, self.size
         nb = x.nbytes
         if nb <= seg.small_bytes:
             self._begin(ctx)
             slots = self._slots(self._parity, nb, x.dtype)
-            slots[r][...] = x
+            if fill is None:
+                slots[r][...] = x
+            else:
+                fill(0, x.size, slots[r])
             seg.post()
             self._first_step(ctx)  # every rank, the non-destinations too: checks every header
             if dst is not None and r != dst:
@@ -269,15 +290,22 @@ class ShmCollectives:
             mine = seg.bulk(r, b)
             for j in self._peers:
                 lo, hi = bounds[j]
-                np.copyto(mine[j * cap * isz:(j * cap + hi - lo) * isz], _u8(blk[lo:hi]))
+                if fill is None:
+                    np.copyto(mine[j * cap * isz:(j * cap + hi - lo) * isz], _u8(blk[lo:hi]))
+                else:
+                    fill(start + lo, start + hi, mine[j * cap * isz:(j * cap + hi - lo) * isz].view(x.dtype))
             self._post()
             if pending is not None:
                 copy_out(*pending)
                 pending = None
-            self._wait_all(ctx, 2 + 2 * k)
             lo, hi = bounds[r]
+            own = blk[lo:hi]
+            if fill is not None:  # this rank's own slice, through a scratch block that stays in cache
+                own = self._scratch(cap, x.dtype)[:hi - lo]
+                fill(start + lo, start + hi, own)
+            self._wait_all(ctx, 2 + 2 * k)
             res = mine[r * cap * isz:(r * cap + hi - lo) * isz].view(x.dtype)
-            parts = [blk[lo:hi] if j == r else seg.bulk(j, b)[r * cap * isz:(r * cap + hi - lo) * isz].view(x.dtype)
+            parts = [own if j == r else seg.bulk(j, b)[r * cap * isz:(r * cap + hi - lo) * isz].view(x.dtype)
                      for j in range(n)]
             red.fold(res, parts)
             if gets:

@@ -28,7 +28,11 @@ import numpy as np
 from .reduce import Array, Reducer
 from .tcp import KIND_COLL, Recv, TcpMesh
 
-__all__ = ["Ctx", "Deferred", "TcpCollectives", "signature", "chunk_bounds"]
+__all__ = ["Ctx", "Deferred", "Fill", "TcpCollectives", "signature", "chunk_bounds"]
+
+#: ``fill(lo, hi, out)``: writes elements ``lo:hi`` of an op's input into ``out`` (a 1-D
+#: array of ``hi - lo`` elements): an input assembled from several arrays on the fly.
+Fill = Callable[[int, int, Array], None]
 
 SMALL = 64 * 1024
 CHUNK = 1 << 20
