@@ -186,6 +186,11 @@ class _Case:
         import gpucoll
 
         self._loop(caller, v, self.cfg.warmup_iters)  # uncaptured: connected, kernels loaded
+        # Two barriers: a rank that waited long in the first may have slept in it and
+        # leaves it a wake-up later than its peers; both enter the second at once and
+        # leave it within a spin of each other, so the timed loop starts together (a
+        # late start would be timed as the first op's wait, over only 20 ops).
+        gpucoll.barrier()
         gpucoll.barrier()
         ops = self.cfg.iters
         if self.cfg.cudagraph:
