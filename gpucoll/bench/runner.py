@@ -306,6 +306,12 @@ def _sweep(cfg: BenchConfig, spec: OpSpec, kit: ArrayKit, rank: int, n: int, roo
                     lay = spec.layout(size // itemsize, n)
                     if lay.param_count:
                         case.warm(first, _views(send, recv, lay, rank, first is spec.in_place))
+                # Then one whole measurement at the smallest size, not reported: on the CPU
+                # backend the first measurement of a process was the slow one whichever
+                # call it timed (1.5-5x the next; docs/cpu-backend.md, "Async ops").
+                if lay.param_count and not cfg.cudagraph:
+                    case.measure(first, _views(send, recv, lay, rank, first is spec.in_place), lay,
+                                 lay.size_count * itemsize)
                 for size in cfg.sizes:
                     lay = spec.layout(size // itemsize, n)
                     if lay.param_count == 0:
