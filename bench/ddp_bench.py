@@ -33,7 +33,9 @@ lasts 2x the flat all_reduce (a stress test: the buckets' all_reduces take about
 as the compute, so the one before the last is still running when the last gradient
 comes), then 8x (still far shorter than a real backward of these models); printed: the
 time from the last gradient to ``wait()`` returning, against one all_reduce of the last
-bucket's size.
+bucket's size, timed in the loop of the other ways and timed after the ranks were idle as
+long as the backward spends on the last bucket's layers (the tail's conditions: on a VM
+an op after an idle spell is slower than one in a busy loop).
 
 gpucoll and torch take turns, ``--rounds`` times (default 3), and each figure is the
 median over the rounds. The machine is shared: compare the ratios of one run, not
@@ -194,8 +196,19 @@ def gpucoll_rank(models: list[str], iters: int) -> dict[str, Any]:
         # FAST x (still far from a real backward, which is hundreds of times longer)
         for factor in BACKWARD_FACTORS:
             rate = factor * row["flat"] / sum(g.nbytes for g in grads)  # seconds per byte
-            tails, totals = [], []
+            idle = sum(grads[i].nbytes for i in last) * rate  # the backward's time on the last bucket
+            tails, totals, cold = [], [], []
             for _ in range(iters):
+                # the reference, in the tail's conditions: the last bucket's all_reduce after
+                # the ranks were idle as long as the backward spends on that bucket's layers
+                # (on this VM an op after an idle spell takes 2-3x one in a busy loop)
+                gpucoll.barrier()
+                due = time.perf_counter() + idle
+                gpucoll.barrier()
+                time.sleep(max(0.0, due - time.perf_counter()))
+                t0 = time.perf_counter()
+                gpucoll.all_reduce(last_buf)
+                cold.append(time.perf_counter() - t0)
                 gpucoll.barrier()
                 t0 = due = time.perf_counter()
                 for i in reversed(range(len(grads))):
@@ -213,6 +226,7 @@ def gpucoll_rank(models: list[str], iters: int) -> dict[str, Any]:
                 tails.append(t2 - t1)
                 totals.append(t2 - t0)
             row[f"overlap_tail_{factor}"] = _median_of_max(tails, gather)
+            row[f"last_bucket_after_idle_{factor}"] = _median_of_max(cold, gather)
             row[f"overlap_total_{factor}"] = _median_of_max(totals, gather)
             row[f"simulated_backward_{factor}"] = factor * row["flat"]
         del reducer
@@ -375,9 +389,11 @@ def report(ours: dict[str, Any], theirs: dict[str, Any] | str, rounds: int = 1) 
                      f"{_ms(row['bucketed'])}, follows the backward):")
         for factor in BACKWARD_FACTORS:
             tail = row[f"overlap_tail_{factor}"]
+            idle_ref = row[f"last_bucket_after_idle_{factor}"]
             lines.append(f"    backward {factor}x flat {_ms(row[f'simulated_backward_{factor}'])}: whole step "
                          f"{_ms(row[f'overlap_total_{factor}'])}, after the last gradient {_ms(tail)}, "
-                         f"{tail / row['last_bucket_all_reduce']:.2f}x the last bucket's all_reduce")
+                         f"{tail / row['last_bucket_all_reduce']:.2f}x the last bucket's all_reduce, "
+                         f"{tail / idle_ref:.2f}x the same after as long idle ({_ms(idle_ref)})")
         lines.append("")
     if isinstance(theirs, str):
         lines.append(f"torch DDP: skipped ({theirs})")

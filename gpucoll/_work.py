@@ -76,6 +76,10 @@ class Work:
     # all_reduce_coalesced(async_op=True): torch hands back a Future whose wait() gives the
     # reduced arrays; such a Work's wait() returns result() instead of True.
     _wait_gives_result: bool = False
+    # A backend that runs ops on a thread of its own may let a thread about to block in
+    # wait() run the ops queued up to this one instead (``helper(work, limit)``, limit:
+    # the seconds wait() would block, None for no limit): no thread wake-up to pay for.
+    _helper: Callable[[Work, float | None], None] | None = None
 
     def __init__(self, op_type: str, *, keepalive: Sequence[Any] = (), result: list[Any] | None = None,
                  default_timeout: float | None = None) -> None:
@@ -204,10 +208,14 @@ class Work:
             if self._exc is None:  # the common case, first: a completed op
                 return self._result if self._wait_gives_result else True
             limit: float | None = 0.0
-        elif timeout is not None or self._default_timeout is not None:
-            limit = to_seconds(timeout, default=self._default_timeout)
         else:
-            limit = None
+            if timeout is not None or self._default_timeout is not None:
+                limit = to_seconds(timeout, default=self._default_timeout)
+            else:
+                limit = None
+            helper = self._helper
+            if helper is not None:
+                helper(self, limit)
         if not self._done.wait(limit):
             raise DistBackendError(
                 f"{self._name()} did not complete within {limit:.3g} s (Work.wait timeout)")

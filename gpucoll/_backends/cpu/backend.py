@@ -112,6 +112,7 @@ class CPUBackend:
         self._sig = self._signatures.of
         self._plans: dict[Any, tuple[Any, Any, int]] = {}  # all_reduce: (dtype, nbytes, op) -> its plan
         self._now_ctx = Ctx(0, 0.0, 0, self._check, "", group_name)  # the Work-less path's (see _now)
+        self._help = functools.partial(_issue.help_until, self)  # every Work's helper (Work._helper)
         self._barrier_sig = 0
         source = "transport" if transport is not None else TRANSPORT_ENV
         mode = (transport if transport is not None else os.environ.get(TRANSPORT_ENV, "auto")).strip().lower()
@@ -161,6 +162,7 @@ class CPUBackend:
 
     def _work(self, op_type: str, keep: Sequence[Any], *, p2p: bool = False) -> Work:
         w = Work(op_type, keepalive=keep, default_timeout=self.timeout)
+        w._helper = self._help
         if p2p:
             self._p2p_seq += 1
             w.seq = self._p2p_seq

@@ -23,7 +23,7 @@ from ..._work import Work
 from .tcp_algos import Ctx, Deferred, op_label
 
 __all__ = ["INLINE_MAX", "ASYNC_PATIENCE", "ASYNC_RECHECK", "submit", "enqueue", "start_worker", "work_loop",
-           "run", "now", "resume"]
+           "run", "now", "resume", "help_until"]
 
 INLINE_MAX = 1 << 20
 """Ops whose buffers total at most this many bytes run on the caller's thread when nothing is queued."""
@@ -159,7 +159,7 @@ def now(b: Any, op_type: str, fn: Callable[..., None], sig: int, *args: Any, asy
         except Deferred as d:
             # Its own part posted, a peer not there: the worker finishes it, first in line.
             work = Work(op_type, keepalive=(*keep, *args), default_timeout=b.timeout)
-            work.seq, work.group_name = ctx.seq, b.group_name
+            work.seq, work.group_name, work._helper = ctx.seq, b.group_name, b._help
             with lock:
                 b._queue.appendleft((work, d.finish, ctx.seq, sig, ctx.deadline))
                 if d.resumable:
@@ -180,6 +180,32 @@ def now(b: Any, op_type: str, fn: Callable[..., None], sig: int, *args: Any, asy
             with lock:
                 b._cv.notify_all()
     return True
+
+def help_until(b: Any, work: Work, limit: float | None) -> None:
+    """``work.wait()``'s helper (``Work._helper``): a thread about to block until ``work``
+    completes runs the ops queued up to it itself, in order, rather than wake the worker
+    thread for them (a wake-up of an idle thread, on a busy or virtual machine, can cost
+    more than a small op). Only when the wait would last at least as long as the op may
+    (``limit`` None, or reaching the op's deadline): an op run here waits for its peers up
+    to that deadline, and a shorter wait must return at its own limit."""
+    lock = b._lock
+    with lock:
+        while (not work._done._flag and b._queue and not b._busy and b._error is None and not b._closed):
+            head, fn, seq, sig, deadline = b._queue[0]
+            if limit is not None and limit < (deadline - time.monotonic() if deadline else b.timeout):
+                return
+            b._queue.popleft()
+            b._resumable.discard(head)
+            b._busy = True
+            lock.release()
+            try:
+                b._run(head, fn, seq, sig, 0.0, deadline)
+            finally:
+                lock.acquire()
+                b._busy = False
+                if b._queue or b._waiters:
+                    b._cv.notify_all()
+
 
 def resume(b: Any, patience: float) -> bool:
     """Under ``b._lock``: while the queue's head is a deferred op that the worker has
