@@ -265,7 +265,10 @@ class Reducer(Generic[TreeT]):
 
     def reduce(self, grads: TreeT, timeout: float | None = None) -> TreeT:
         """Reduce a whole set of gradients (same structure as the parameters) and return
-        the averaged ones, as :meth:`mark_ready` for each, then :meth:`wait`."""
+        the averaged ones, as :meth:`mark_ready` for each, then :meth:`wait`. (NumPy
+        buckets with the default average and no ``timeout``: each bucket's all_reduce
+        reads the gradients where they are, so nothing is copied into the buckets first;
+        the gradients are left as they are.)"""
         leaves = _flatten_like(grads, self._treedef, len(self._leaves))
         if timeout is None and not self._hook_registered and not self._started and self._gathered:
             return self._reduce_gathered(leaves)
