@@ -122,7 +122,9 @@ def test_status_asks_every_live_rank_of_a_hung_job(tmp_path: Any) -> None:
                 with redirect_stdout(out):
                     seen["rc"] = main(["status", address, "--token", store["token"], "--timeout", "5"])
                 text = out.getvalue()
-                if "MISSING" in text:
+                # (each rank answers at its own moment: one that answered while the job was
+                # still starting can make an earlier op look MISSING; wait for the hang itself)
+                if f"(seq 3) float32 (4,) -- reached by ranks {list(range(n - 1))}, MISSING on ranks [{n - 1}]" in text:
                     break
                 time.sleep(0.2)
             seen["text"] = text
