@@ -12,6 +12,7 @@ import numpy as np
 
 from .. import array as _array
 from .._backends.base import Backend
+from .._backends.cpu.backend import gathered_fill
 from .._reduce_op import ReduceOp
 from .._work import Work
 from .checks import _check_op
@@ -58,10 +59,7 @@ def all_reduce_gathered(pg: _Group, out: np.ndarray, parts: Sequence[np.ndarray]
     backend = backend_for(pg, buf, "out")  # type: ignore[arg-type]  # (GroupBackends: a superset read)
     gathered = getattr(backend, "all_reduce_gathered", None)
     if pg._coalescing is not None or gathered is None:  # divide into out, then its all_reduce
-        at = 0
-        for p in parts:
-            np.divide(p, divisor, out=out[at:at + p.size])
-            at += p.size
+        gathered_fill(parts, divisor)(0, out.size, out)
         return pg.all_reduce(out, ReduceOp.SUM, async_op)
     red = _check_op(ReduceOp.SUM, buf.dtype)
     issuer = pg._issuer

@@ -49,19 +49,24 @@ class _Array:
                 "strides": None, "stream": 1}
 
 
+def _one_rank_group(monkeypatch: pytest.MonkeyPatch, rt: TimedRuntime, timeout: float) -> ProcessGroup:
+    """A one-rank group whose NCCL backend runs on ``rt``."""
+    def make(store: Any, rank: int, size: int, *, timeout: float, group_name: str,
+             device_id: int | None) -> NCCLBackend:
+        return NCCLBackend(store, rank, size, timeout=timeout, group_name=group_name, device_id=device_id,
+                           _runtime=rt)
+    monkeypatch.setitem(_registry.BACKENDS, "nccl", make)
+    return ProcessGroup(PrefixStore("pg", HashStore()), 0, 1, group_name="g", global_ranks=[0], timeout=timeout,
+                        backend="nccl", device_id=0)
+
+
 @pytest.fixture
 def timed_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[ProcessGroup, TimedRuntime]]:
     """A one-rank group whose NCCL backend runs on the realistic fake GPU (calls counted,
     at no cost: the counts are what is checked)."""
     rt = TimedRuntime(CallCosts(0.0, op_us=5.0))
 
-    def make(store: Any, rank: int, size: int, *, timeout: float, group_name: str,
-             device_id: int | None) -> NCCLBackend:
-        return NCCLBackend(store, rank, size, timeout=timeout, group_name=group_name, device_id=device_id,
-                           _runtime=rt)
-    monkeypatch.setitem(_registry.BACKENDS, "nccl", make)
-    pg = ProcessGroup(PrefixStore("pg", HashStore()), 0, 1, group_name="g", global_ranks=[0], timeout=60.0,
-                      backend="nccl", device_id=0)
+    pg = _one_rank_group(monkeypatch, rt, 60.0)
     try:
         yield pg, rt
     finally:
@@ -161,13 +166,7 @@ def test_the_watchdogs_queries_never_break_another_threads_global_mode_capture(
     watchdog's thread sets its mode once, at its first look, and queries freely after."""
     rt = TimedRuntime(CallCosts(0.0, op_us=200_000.0))  # each op keeps the "GPU" busy 0.2 s
 
-    def make(store: Any, rank: int, size: int, *, timeout: float, group_name: str,
-             device_id: int | None) -> NCCLBackend:
-        return NCCLBackend(store, rank, size, timeout=timeout, group_name=group_name, device_id=device_id,
-                           _runtime=rt)
-    monkeypatch.setitem(_registry.BACKENDS, "nccl", make)
-    pg = ProcessGroup(PrefixStore("pg", HashStore()), 0, 1, group_name="g", global_ranks=[0], timeout=1.0,
-                      backend="nccl", device_id=0)
+    pg = _one_rank_group(monkeypatch, rt, 1.0)
     looks: list[int] = []
     poll = Watchdog._poll
 
