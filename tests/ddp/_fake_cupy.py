@@ -6,6 +6,10 @@ Reducer makes its buckets with it).
 Arithmetic runs on the host after the rank's current stream has drained, as a CuPy kernel
 queued on that stream would see the memory: a result that a collective has not yet
 written (a missing ``Work.wait()``) is read stale, and the test comparing with NumPy fails.
+
+``FakeCupy.kernels`` counts what would be a kernel launch on a GPU (arithmetic, a copy
+into an array, a division), by name: on an H200 each costs 7-9 us of host time, so a
+per-gradient launch is what makes a Reducer slow there.
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ class FakeCupy:
     def __init__(self, rt: FakeRuntime) -> None:
         self.rt = rt
         self.linalg = _Linalg(self)
+        self.kernels: dict[str, int] = {}
+
+    def launch(self, name: str) -> None:
+        self.kernels[name] = self.kernels.get(name, 0) + 1
 
     def sync(self) -> None:
         done: queue.Queue[int] = queue.Queue()
@@ -56,12 +64,17 @@ class FakeCupy:
         return self.wrap(np.asarray(x))
 
     def divide(self, a: FakeCupyArray, b: Any, out: FakeCupyArray) -> FakeCupyArray:
+        self.launch("divide")
         self.sync()
         np.divide(a.nd, b, out=out.nd)
         return out
 
-    def concatenate(self, arrays: list[FakeCupyArray]) -> FakeCupyArray:
+    def concatenate(self, arrays: list[FakeCupyArray], out: FakeCupyArray | None = None) -> FakeCupyArray:
+        self.launch("concatenate")  # CuPy: one kernel for many arrays (len > 8) or a copy each
         self.sync()
+        if out is not None:
+            np.concatenate([a.nd for a in arrays], out=out.nd)
+            return out
         return self.wrap(np.concatenate([a.nd for a in arrays]))
 
     def stack(self, arrays: list[FakeCupyArray]) -> FakeCupyArray:
@@ -142,6 +155,7 @@ class FakeCupyArray:
         return self._run("__getitem__", key)
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        self.xp.launch("copy")
         self.xp.sync()
         key = key.nd if isinstance(key, FakeCupyArray) else key
         self.nd[key] = value.nd if isinstance(value, FakeCupyArray) else value
@@ -162,6 +176,7 @@ class FakeCupyArray:
         return self._run("transpose", *axes)
 
     def _inplace(self, name: str, other: Any) -> FakeCupyArray:
+        self.xp.launch(name)
         self.xp.sync()
         getattr(self.nd, name)(other.nd if isinstance(other, FakeCupyArray) else other)
         return self
@@ -178,4 +193,4 @@ class FakeCupyArray:
 
 for _name in ("__add__", "__sub__", "__mul__", "__truediv__", "__rshift__", "__lshift__", "__and__",
               "__ne__", "__eq__", "__radd__", "__rmul__"):
-    setattr(FakeCupyArray, _name, lambda self, other, _n=_name: self._run(_n, other))
+    setattr(FakeCupyArray, _name, lambda self, other, _n=_name: (self.xp.launch(_n), self._run(_n, other))[1])

@@ -105,3 +105,43 @@ def test_device_bfloat16_rounding_is_ml_dtypes(monkeypatch: pytest.MonkeyPatch) 
         return "ok"
 
     assert run_fake_gpu_worlds(1, body, monkeypatch) == ["ok"]
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_the_default_average_launches_nothing_per_gradient(world_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Device buckets of a floating type average in the bucket's all_reduce (AVG): handing
+    over a gradient computed into its bucket (``gradient_view``) launches no kernel, and
+    ``reduce`` copies each bucket's gradients in with one launch. On an H200 a CuPy launch costs 7-9 us of
+    host time: a division per gradient made the Reducer's ResNet-50 step 1.8 ms of host
+    time. One NCCL call per bucket either way, and the results are the mean."""
+    import gpucoll
+
+    def body(world: Any, rt: Any, rank: int) -> str:
+        xp = FakeCupy(rt)
+        params = [xp.zeros(s, np.float32) for s in SHAPES]
+        red = gpucoll.Reducer(params, bucket_cap_mb=0.002, first_bucket_cap_mb=0.0001)
+        red.reduce([xp.wrap(g) for g in grads_of(rank, 0)])  # the rebuild
+        views = [red.gradient_view(i) for i in range(len(SHAPES))]
+        for it in (1, 2):
+            for v, g in zip(views, grads_of(rank, it)):
+                v.nd[...] = g  # "computed into the bucket" (not a launch of the Reducer's)
+            xp.kernels.clear()
+            for i in reversed(range(len(SHAPES))):
+                red.mark_ready(i, views[i])
+            out = red.wait()
+            assert xp.kernels == {}, xp.kernels
+            for got, want in zip(out, mean_of(it, world_size)):
+                np.testing.assert_allclose(got.get(), want, rtol=1e-6, atol=1e-7)
+        grads = [xp.wrap(g) for g in grads_of(rank, 3)]
+        xp.kernels.clear()
+        out = red.reduce(grads)
+        # one launch per bucket: a bucket's gradients go in together (concatenate into it)
+        many = sum(len(b) > 1 for b in red.bucket_indices)
+        assert many and many < len(red.bucket_indices), red.bucket_indices  # both kinds of bucket
+        assert xp.kernels == {k: v for k, v in (("concatenate", many), ("copy", len(red.bucket_indices) - many)) if v}, \
+            (xp.kernels, red.bucket_indices)
+        for got, want in zip(out, mean_of(3, world_size)):
+            np.testing.assert_allclose(got.get(), want, rtol=1e-6, atol=1e-7)
+        return "ok"
+
+    assert run_fake_gpu_worlds(world_size, body, monkeypatch) == ["ok"] * world_size

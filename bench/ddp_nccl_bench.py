@@ -1,0 +1,374 @@
+"""Data-parallel gradient reduction on GPUs: gpucoll's Reducer over NCCL against torch DDP
+over NCCL, on the gradient sets of bench/ddp_bench.py's three models (ResNet-50,
+BERT-base, GPT-2 small), CuPy gradients on the GPU.
+
+Ways, timed in the same run (float32 gradients; per iteration the device is synchronised,
+the step issued, the host time to return taken, then the device synchronised again; the
+slower rank's time, median over iterations):
+
+- ``flat``: one all_reduce of one array holding everything (the floor); ``flat, AVG``;
+- ``bucketed``: ``Reducer(params)`` (25 MiB buckets, the first 1 MiB) and
+  ``reduce(grads)``: each bucket's gradients copied into it together (one
+  ``concatenate(..., out=bucket)``), one all_reduce (AVG) per bucket;
+- ``bucketed, mark_ready``: the same gradients handed over one by one (``mark_ready``, as a
+  backward pass does), then ``wait()``: a copy each into its bucket;
+- ``bucketed, views``: ``mark_ready`` and ``wait()`` with the gradients computed into the
+  buckets (``Reducer.gradient_view``): no copy;
+- ``per tensor``: one all_reduce per gradient;
+- ``fp16``: the Reducer with ``fp16_compress_hook``;
+- ``torch DDP``: ``DistributedDataParallel`` (NCCL, 25 MiB buckets,
+  ``gradient_as_bucket_view=True``) over a module with the same parameters whose backward
+  hands over precomputed CUDA gradients (no compute): DDP's reducer and NCCL;
+  ``torch no_sync`` is the same backward without reduction.
+
+Two figures per way: ``host``, the time until the step returned to Python (what a training
+loop's CPU pays, the Reducer's own overhead), and ``total``, until the device finished. At
+world size 1 NCCL's all_reduce is a device copy, so the figures are the libraries' own
+cost; several ranks on one GPU time-slice it (every op ~4.5 ms), which shows correctness,
+not speed.
+
+gpucoll and torch take turns, ``--rounds`` times, each in processes of its own (torch's
+NCCL and CuPy's never share one); each figure is the median over the rounds.
+
+Usage::
+
+    python bench/ddp_nccl_bench.py                        # world size 1, all three models
+    python bench/ddp_nccl_bench.py --nproc 2 --models resnet50 --iters 3
+
+Exits 2 (printing why) where no GPU or NCCL is usable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+for _p in (_ROOT, _HERE):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from ddp_bench import MODELS, SHAPES, grads_for  # noqa: E402
+
+ENV = {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_NVLS_ENABLE": "0"}
+WAYS = ("flat", "flat_avg", "bucketed", "bucketed_mark_ready", "bucketed_views", "per_tensor", "fp16")
+
+
+def why_no_gpu() -> str | None:
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "no CUDA device"
+        from cupy.cuda import nccl
+
+        nccl.get_version()
+    except Exception as exc:  # noqa: BLE001 - the reason is printed
+        return f"CuPy/NCCL not usable: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _worst(per_rank: list[list[tuple[float, float]]]) -> dict[str, float]:
+    """The slower rank's (host, total) per iteration, median over iterations."""
+    n = len(per_rank[0])
+    host = statistics.median(max(r[i][0] for r in per_rank) for i in range(n))
+    total = statistics.median(max(r[i][1] for r in per_rank) for i in range(n))
+    return {"host": host, "total": total}
+
+
+def timed_turns(ways: dict[str, Callable[[], Any]], iters: int, sync: Callable[[], None],
+                barrier: Callable[[], None], gather: Callable[[Any], list[Any]]) -> dict[str, dict[str, float]]:
+    """Each way once per iteration, in turn; one untimed turn first."""
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in ways}
+    for it in range(iters + 1):
+        for name, fn in ways.items():
+            sync()
+            barrier()
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            sync()
+            t2 = time.perf_counter()
+            if it:
+                times[name].append((t1 - t0, t2 - t0))
+    everyone = gather(times)
+    return {name: _worst([e[name] for e in everyone]) for name in ways}
+
+
+def gpucoll_rank(models: list[str], iters: int) -> dict[str, Any]:
+    import cupy
+
+    import gpucoll
+    from gpucoll.ddp_comm_hooks import fp16_compress_hook
+
+    rank = int(os.environ["RANK"])
+    gpucoll.init_process_group("nccl", device_id=rank % cupy.cuda.runtime.getDeviceCount(), timeout=300)
+    try:
+        world = gpucoll.get_world_size()
+
+        def gather(obj: Any) -> list[Any]:
+            out: list[Any] = [None] * world
+            gpucoll.all_gather_object(out, obj)
+            return out
+
+        def sync() -> None:
+            cupy.cuda.get_current_stream().synchronize()
+
+        barrier = gpucoll.barrier if world > 1 else (lambda: None)
+        results: dict[str, Any] = {}
+        for model in models:
+            shapes = SHAPES[model]()
+            grads = [cupy.asarray(g) for g in grads_for(shapes, rank)]
+            params = [cupy.zeros(s, cupy.float32) for s in shapes]
+            flat = cupy.concatenate([g.reshape(-1) for g in grads])
+            reducer = gpucoll.Reducer(params)
+            reducer.reduce(grads)  # the first iteration rebuilds the buckets
+            views = [reducer.gradient_view(i) for i in range(len(grads))]
+            for v, g in zip(views, grads):
+                v[...] = g
+            per_tensor = [g.copy() for g in grads]
+            fp16 = gpucoll.Reducer(params)
+            fp16.register_comm_hook(None, fp16_compress_hook)
+            fp16.reduce(grads)
+
+            def in_place() -> None:
+                for i in reversed(range(len(views))):
+                    reducer.mark_ready(i, views[i])
+                reducer.wait()
+
+            def one_by_one() -> None:  # a backward pass handing each gradient over as it comes
+                for i in reversed(range(len(grads))):
+                    reducer.mark_ready(i, grads[i])
+                reducer.wait()
+
+            def one_per_tensor() -> None:
+                for g in per_tensor:
+                    gpucoll.all_reduce(g)
+
+            row: dict[str, Any] = {"tensors": len(shapes), "params": int(sum(g.size for g in grads)),
+                                   "buckets": len(reducer.bucket_indices)}
+            row.update(timed_turns({
+                "flat": lambda: gpucoll.all_reduce(flat),
+                "flat_avg": lambda: gpucoll.all_reduce(flat, op=gpucoll.ReduceOp.AVG),
+                "bucketed": lambda: reducer.reduce(grads),
+                "bucketed_mark_ready": one_by_one,
+                "bucketed_views": in_place,
+                "per_tensor": one_per_tensor,
+                "fp16": lambda: fp16.reduce(grads),
+            }, iters, sync, barrier, gather))
+            # correctness: the mean of every rank's gradients (the ranks' seeds are their ranks)
+            out = reducer.reduce(grads)
+            others = [grads_for(shapes, k) for k in range(world)]
+            worst = 0.0
+            for i in range(len(shapes)):
+                exact = np.mean([o[i].astype(np.float64) for o in others], axis=0)
+                worst = max(worst, float(np.max(np.abs(cupy.asnumpy(out[i]) - exact))))
+            row["max_abs_err"] = worst
+            del reducer, fp16, flat, per_tensor, views, out
+            cupy.get_default_memory_pool().free_all_blocks()
+            results[model] = row
+        return results
+    finally:
+        gpucoll.destroy_process_group()
+
+
+def run_gpucoll(models: list[str], iters: int, nproc: int) -> dict[str, Any]:
+    from gpucoll.testing import run_spmd
+
+    res: dict[str, Any] = run_spmd(gpucoll_rank, nproc, args=(models, iters), timeout=1200, init=False,
+                                   backend="nccl", env=ENV, start_method="spawn")[0]
+    return res
+
+
+# ----- torch DDP over NCCL (subprocess workers over a torch TCPStore on port 0) -----
+
+def torch_worker(rank: int, world: int, port: int, models: list[str], iters: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False)  # type: ignore[attr-defined]
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=device)
+
+    def gather(obj: Any) -> list[Any]:
+        out: list[Any] = [None] * world
+        dist.all_gather_object(out, obj)
+        return out
+
+    class HandOver(torch.autograd.Function):
+        """Backward returns the precomputed gradients: no compute, only DDP's work."""
+
+        @staticmethod
+        def forward(ctx: Any, grads: list[Any], *params: Any) -> Any:  # type: ignore[override]
+            ctx.grads = grads
+            return params[0].new_zeros(())
+
+        @staticmethod
+        def backward(ctx: Any, _: Any) -> Any:  # type: ignore[override]
+            return (None, *ctx.grads)
+
+    results: dict[str, Any] = {}
+    try:
+        for model in models:
+            shapes = SHAPES[model]()
+            grads = [torch.from_numpy(g).to(device) for g in grads_for(shapes, rank)]
+
+            class Module(torch.nn.Module):
+                def __init__(self) -> None:
+                    super().__init__()
+                    self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(s, device=device))
+                                                      for s in shapes])
+
+                def forward(self, _: Any) -> Any:
+                    return HandOver.apply(grads, *self.ps)
+
+            ddp = DDP(Module(), device_ids=[device.index], bucket_cap_mb=25, gradient_as_bucket_view=True)
+
+            dummy = torch.zeros((), device=device)  # DDP with device_ids wants an input to move
+
+            def step() -> None:
+                ddp(dummy).backward()
+
+            def no_sync() -> None:
+                with ddp.no_sync():
+                    ddp(dummy).backward()
+
+            step()
+            step()  # the first iteration rebuilds the buckets
+            barrier = dist.barrier if world > 1 else (lambda: None)
+            results[model] = timed_turns({"ddp": step, "no_sync": no_sync}, iters, torch.cuda.synchronize,
+                                         barrier, gather)
+            del ddp, grads
+            torch.cuda.empty_cache()
+    finally:
+        dist.destroy_process_group()
+    return results
+
+
+def run_torch(models: list[str], iters: int, nproc: int) -> dict[str, Any] | str:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return "torch is not installed"
+    master = dist.TCPStore("127.0.0.1", 0, nproc + 1, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+    env = {**os.environ, **ENV}
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", "--rank", str(r), "--nproc", str(nproc),
+                               "--port", str(master.port), "--models", ",".join(models), "--iters", str(iters)],
+                              stdout=subprocess.PIPE, text=True, env=env) for r in range(nproc)]
+    try:
+        outs = [p.communicate(timeout=1200)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    if any(p.returncode for p in procs):
+        return f"torch workers failed (exit codes {[p.returncode for p in procs]})"
+    res: dict[str, Any] = json.loads(outs[0].strip().splitlines()[-1])
+    return res
+
+
+# ----- report -----
+
+def median_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for model, row in rounds[0].items():
+        out[model] = {}
+        for k, v in row.items():
+            if isinstance(v, dict):
+                out[model][k] = {f: statistics.median(r[model][k][f] for r in rounds) for f in v}
+            elif isinstance(v, float):
+                out[model][k] = statistics.median(r[model][k] for r in rounds)
+            else:
+                out[model][k] = v
+    return out
+
+
+def report(ours: dict[str, Any], theirs: dict[str, Any] | str, nproc: int, rounds: int) -> str:
+    def us(s: float) -> str:
+        return f"{s * 1e6:10.1f} µs"
+
+    lines = [f"world size {nproc}, NCCL, float32 CuPy gradients; host = until the step returned, total = until "
+             f"the device finished; slower rank, median over iterations, then over {rounds} round(s)", ""]
+    names = {"flat": "flat (the floor)", "flat_avg": "flat, AVG", "bucketed": "bucketed (reduce)",
+             "bucketed_mark_ready": "bucketed, mark_ready", "bucketed_views": "bucketed, views",
+             "per_tensor": "per tensor", "fp16": "fp16 compress"}
+    for model, row in ours.items():
+        mib = row["params"] * 4 / 2**20
+        lines.append(f"{model}: {row['tensors']} tensors, {row['params']:,} parameters ({mib:.1f} MiB), "
+                     f"{row['buckets']} buckets; reduce() max abs error vs the float64 mean {row['max_abs_err']:.2e}")
+        lines.append(f"  {'way':20s} {'host':>13s} {'total':>13s}")
+        for way in WAYS:
+            lines.append(f"  {names[way]:20s} {us(row[way]['host'])} {us(row[way]['total'])}")
+        if isinstance(theirs, dict) and model in theirs:
+            t = theirs[model]
+            lines.append(f"  {'torch DDP (NCCL)':20s} {us(t['ddp']['host'])} {us(t['ddp']['total'])}")
+            lines.append(f"  {'torch no_sync':20s} {us(t['no_sync']['host'])} {us(t['no_sync']['total'])}")
+            for way in ("bucketed", "bucketed_mark_ready", "bucketed_views"):
+                lines.append(f"  {names[way]} / torch DDP: host {row[way]['host'] / t['ddp']['host']:.2f}x, "
+                             f"total {row[way]['total'] / t['ddp']['total']:.2f}x")
+        lines.append("")
+    if isinstance(theirs, str):
+        lines.append(f"torch DDP: skipped ({theirs})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    ap.add_argument("--nproc", type=int, default=1, help="ranks (on the machine's GPUs, round robin)")
+    ap.add_argument("--iters", type=int, default=10, help="timed iterations per way (median)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds, the libraries taking turns (median)")
+    ap.add_argument("--skip-torch", action="store_true", help="do not run torch DDP")
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    for m in models:
+        if m not in SHAPES:
+            ap.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
+    if args.nproc < 1:
+        ap.error("--nproc must be at least 1")
+    if args.worker:
+        print(json.dumps(torch_worker(args.rank, args.nproc, args.port, models, args.iters)))
+        return 0
+    why = why_no_gpu()
+    if why is not None:
+        print(f"ddp_nccl_bench: cannot run: {why}", file=sys.stderr)
+        return 2
+    ours_rounds: list[dict[str, Any]] = []
+    theirs_rounds: list[dict[str, Any]] = []
+    theirs: dict[str, Any] | str = "--skip-torch"
+    for _ in range(args.rounds):
+        ours_rounds.append(run_gpucoll(models, args.iters, args.nproc))
+        if not args.skip_torch:
+            got = run_torch(models, args.iters, args.nproc)
+            if isinstance(got, str):
+                theirs = got
+            else:
+                theirs_rounds.append(got)
+        print(report(median_rounds(ours_rounds), median_rounds(theirs_rounds) if theirs_rounds else theirs,
+                     args.nproc, len(ours_rounds)), flush=True)  # each round's report: a killed run keeps some
+    ours = median_rounds(ours_rounds)
+    if theirs_rounds:
+        theirs = median_rounds(theirs_rounds)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpucoll": ours, "torch": theirs}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
