@@ -8,8 +8,8 @@ slower rank's time, median over iterations):
 
 - ``flat``: one all_reduce of one array holding everything (the floor); ``flat, AVG``;
 - ``bucketed``: ``Reducer(params)`` (25 MiB buckets, the first 1 MiB) and
-  ``reduce(grads)``: each bucket's gradients copied into it together (one
-  ``concatenate(..., out=bucket)``), one all_reduce (AVG) per bucket;
+  ``reduce(grads)``: each bucket's gradients copied into it together (one launch of
+  gpucoll's gather kernel), one all_reduce (AVG) per bucket;
 - ``bucketed, mark_ready``: the same gradients handed over one by one (``mark_ready``, as a
   backward pass does), then ``wait()``: a copy each into its bucket;
 - ``bucketed, views``: ``mark_ready`` and ``wait()`` with the gradients computed into the

@@ -35,6 +35,7 @@ from ..errors import ParameterMismatchError
 from . import kinds
 from .buckets import compute_bucket_assignment_by_size
 from .future import Future
+from .gather import BucketGather
 from .grad_bucket import GradBucket
 from .helpers import describe, verify_params_across_processes
 from .hooks import Hook, _sum_hook
@@ -47,7 +48,7 @@ _MB = 1024 * 1024
 class _Bucket:
     """One bucket's layout and its state in the current iteration."""
 
-    __slots__ = ("indices", "offsets", "flat", "views", "avg", "pending", "future")
+    __slots__ = ("indices", "offsets", "flat", "views", "avg", "pending", "future", "gather")
 
     def __init__(self, indices: list[int], offsets: list[int], flat: Any, views: list[Any], avg: bool) -> None:
         self.indices = indices
@@ -57,6 +58,7 @@ class _Bucket:
         self.avg = avg  # the default average is the bucket's all_reduce (AVG): nothing divided on the way in
         self.pending = len(indices)
         self.future: Future[Any] | None = None
+        self.gather: BucketGather | None = None  # CuPy: fills the bucket in one launch (made on first use)
 
 
 TreeT = TypeVar("TreeT")
@@ -117,6 +119,7 @@ class Reducer(Generic[TreeT]):
         # scales as it reduces), so no gradient costs a kernel launch of its own for the
         # division (on an H200 a CuPy kernel's launch takes 7-9 us of host time).
         self._gathered = self._xp is np
+        self._cupy = getattr(self._xp, "__name__", "") == "cupy"
         self._native = type(self._xp.empty(0, dtype=np.float32))  # gradients of this class need no asarray
         if verify:
             verify_params_across_processes(self._group, self._leaves, names=self._names)
@@ -298,8 +301,8 @@ class Reducer(Generic[TreeT]):
 
     def _fill(self, leaves: list[Any]) -> None:
         """:meth:`reduce` of device gradients: each bucket takes its gradients in one
-        ``concatenate(..., out=bucket)`` (CuPy copies many arrays in a single kernel,
-        where a copy per gradient costs a launch each: 6-7 us of host time on an H200)
+        launch (CuPy: gpucoll's gather kernel, else ``concatenate(..., out=bucket)``),
+        where a copy per gradient costs a launch each (6-7 us of host time on an H200),
         and is issued as soon as it is full, as :meth:`mark_ready` would."""
         for i, g in enumerate(leaves):
             if g.shape != self._shapes[i] and tuple(g.shape) != self._shapes[i]:
@@ -314,7 +317,7 @@ class Reducer(Generic[TreeT]):
                 if any(g is not v for g, v in zip(parts, bucket.views)):
                     if len(parts) == 1:
                         bucket.views[0][...] = parts[0]
-                    else:
+                    elif not self._cupy or not self._gather(bucket).fill(parts):
                         self._xp.concatenate([g.reshape(-1) for g in parts], out=bucket.flat)
                 for i in bucket.indices:
                     self._ready[i] = True
@@ -325,6 +328,12 @@ class Reducer(Generic[TreeT]):
             self._reset()
             self._arrival = []
             raise
+
+    @staticmethod
+    def _gather(bucket: _Bucket) -> BucketGather:
+        if bucket.gather is None:
+            bucket.gather = BucketGather(bucket.flat, bucket.offsets, [int(v.size) for v in bucket.views])
+        return bucket.gather
 
     def _reduce_gathered(self, leaves: list[Any]) -> TreeT:
         """:meth:`reduce` of NumPy gradients with the default average: each bucket is one

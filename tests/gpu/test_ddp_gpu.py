@@ -63,6 +63,18 @@ def body() -> str:
                     assert isinstance(got, cupy.ndarray) and got.shape == SHAPES[i], type(got)
                     np.testing.assert_allclose(cupy.asnumpy(got), want, rtol=rtol, atol=atol,
                                                err_msg=f"{hook}, iteration {it}, parameter {i}")
+            # buckets of several gradients were filled by the gather kernel, one launch each
+            # (the addresses changed between iterations: new arrays, so the table re-uploaded)
+            launched = [b.gather.launches for b in red._buckets if len(b.indices) > 1 and b.gather is not None]
+            assert launched and all(n >= 2 for n in launched), (hook, launched, red.bucket_indices)
+        # the same arrays again (the table not re-uploaded), and a part on another stream
+        red = gpucoll.Reducer(params, bucket_cap_mb=0.004, first_bucket_cap_mb=0.002)
+        same = [cupy.asarray(g) for g in grads_of(r, 0)]
+        for it in range(3):
+            with (cupy.cuda.Stream(non_blocking=True) if it == 2 else cupy.cuda.get_current_stream()):
+                out = [cupy.asnumpy(o) for o in red.reduce(same)]
+            for i, (got, want) in enumerate(zip(out, mean(0))):
+                np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=f"same arrays, {it}, {i}")
         # PowerSGD: rank-1 gradients go exactly; vectors plainly
         u = np.linspace(1, 2, 64, dtype=np.float32)[:, None]
         v = np.linspace(-1, 1, 48, dtype=np.float32)[None, :]

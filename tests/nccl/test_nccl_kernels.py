@@ -17,6 +17,7 @@ from gpucoll._buffer import DTYPES
 from gpucoll._backends.nccl.plan import KTYPES, kernel_name, resolve_reduction
 from gpucoll.errors import BackendUnavailableError
 
+from _host_kernels import host_library, run_grid
 from _reference import OPS
 from _fake_gpu_world import DEFAULT_FEATURES, OLD_FEATURES, has_gpu
 
@@ -48,37 +49,8 @@ def test_every_kernel_a_plan_can_name_is_in_the_kernel_source() -> None:
 
 # ============================================================ the CUDA kernels, as host C++
 
-_PRELUDE = """struct gc_dim3 { unsigned int x, y, z; };
-extern "C" { gc_dim3 threadIdx, blockIdx, blockDim, gridDim; }
-#define __global__
-#define __device__
-#define __forceinline__ inline
-"""
-
-
 def _host_kernels() -> ctypes.CDLL:
-    cache = getattr(_host_kernels, "lib", None)
-    if cache is not None:
-        return cache  # type: ignore[no-any-return]
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler to build the kernels as host code")
-    import tempfile
-
-    from gpucoll._backends.nccl import kernel_loader as _kernels
-
-    tmp = tempfile.mkdtemp(prefix="gpucoll-kernels-")
-    prelude = os.path.join(tmp, "prelude.h")
-    with open(prelude, "w") as f:
-        f.write(_PRELUDE)
-    out = os.path.join(tmp, "libreduce.so")
-    src = str(_kernels.KERNEL_DIR / "reduce.cu")
-    proc = subprocess.run([cxx, "-O1", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror", "-x", "c++",
-                           "-include", prelude, src, "-o", out], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    lib = ctypes.CDLL(out)
-    _host_kernels.lib = lib  # type: ignore[attr-defined]
-    return lib
+    return host_library("reduce")
 
 
 def _launch_host(lib: ctypes.CDLL, name: str, n: int, args: tuple[Any, ...], grid: int = 2, block: int = 3) -> None:
@@ -269,3 +241,59 @@ def test_kernel_launch_passes_the_declared_c_types(monkeypatch: pytest.MonkeyPat
     assert type(iscale[2]) is np.int64 and iscale[2] == -3
     with pytest.raises(ValueError, match="takes 3 arguments"):
         _kernels.launch("gpucoll_scale_f32", 5, (1, 2), Stream(), 0)
+
+
+# ============================================================ the gather kernel (kernels/gather.cu)
+
+@pytest.mark.parametrize("unit,name", [(1, "u8"), (2, "u16"), (4, "u32"), (8, "u64"), (16, "u128")])
+def test_the_gather_kernel_copies_every_part_into_place(unit: int, name: str) -> None:
+    """Parts of many lengths (an empty one too) land at their offsets, in units of
+    ``unit`` bytes, whatever the grid: fewer rows than parts (grid-stride in y) and fewer
+    threads than a part's units (grid-stride in x); bytes outside the parts untouched."""
+    from gpucoll._backends.nccl import kernel_loader as _kernels
+
+    lib = host_library("gather")
+    fn = getattr(lib, f"gpucoll_gather_{name}")
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    assert _kernels.signature(f"gpucoll_gather_{name}") == "ppi"
+    rng = np.random.default_rng(unit)
+    lengths = [3, 0, 17, 1, 40, 5, 9]  # in units
+    parts = [rng.integers(0, 256, n * unit, dtype=np.uint8) for n in lengths]
+    offsets = [int(x) for x in np.cumsum([0] + [p.size for p in parts])]
+    table = np.array([p.ctypes.data for p in parts] + offsets, np.uint64)
+    guard = 32  # bytes before and after the bucket, which no part may touch
+    buf = np.zeros(guard + offsets[-1] + guard + 16, np.uint8)
+    start = guard + (-(buf.ctypes.data + guard) % 16)  # the bucket 16-byte aligned, as CuPy's are
+    want = np.full(buf.size, 0xAB, np.uint8)
+    want[start:start + offsets[-1]] = np.concatenate(parts)
+    dst = buf
+    for grid_y, grid_x, block in ((1, 1, 1), (3, 2, 4), (len(parts), 5, 3)):
+        dst[:] = 0xAB
+        run_grid(lib, fn, (table.ctypes.data, dst.ctypes.data + start, len(parts)), (grid_x, grid_y), block)
+        np.testing.assert_array_equal(dst, want, err_msg=f"grid {grid_x}x{grid_y}, block {block}")
+
+
+def test_the_gather_kernels_compile_with_nvrtc() -> None:
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        version = nvrtc.getVersion()
+    except Exception as exc:
+        pytest.skip(f"no NVRTC here ({type(exc).__name__}: {exc}); the cuda12/cuda13 extras install it")
+    from gpucoll._backends.nccl import kernel_loader as _kernels
+
+    prog = nvrtc.createProgram(_kernels.source("gather"), "gather.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, ["-arch=compute_90"])
+        except Exception as exc:
+            pytest.fail(f"NVRTC {version} rejected kernels/gather.cu: {exc}\n{nvrtc.getProgramLog(prog)!r}")
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    text = ptx.decode() if isinstance(ptx, bytes) else ptx
+    entries = {line.split()[2].split("(")[0] for line in text.splitlines() if line.startswith(".visible .entry")}
+    assert entries == {f"gpucoll_gather_{u}" for u in ("u8", "u16", "u32", "u64", "u128")}
+    for name in entries:
+        assert _kernels.signature(name) == "ppi"

@@ -23,7 +23,7 @@ __all__ = ["KERNEL_DIR", "MODULES", "SIGNATURES", "signature", "source", "get_ke
 
 KERNEL_DIR: Traversable = importlib.resources.files(__package__) / "kernels"
 """The kernel sources: package data beside this module (``gpucoll/_backends/nccl/kernels/``)."""
-MODULES: dict[str, str] = {"reduce": "reduce.cu"}
+MODULES: dict[str, str] = {"reduce": "reduce.cu", "gather": "gather.cu"}
 """Module name -> source file in :data:`KERNEL_DIR`."""
 
 SIGNATURES: dict[str, str] = {
@@ -32,6 +32,7 @@ SIGNATURES: dict[str, str] = {
     "gpucoll_scale_f": "pqd",          # x, n, factor (float types: f16 f32 f64)
     "gpucoll_scale_bf16": "pqd",
     "gpucoll_scale_": "pqq",           # x, n, factor (integer types)
+    "gpucoll_gather_": "ppi",          # table, dst, nparts (kernels/gather.cu; a 2-D grid)
 }
 """Kernel-name prefix -> parameter types; the first (longest listed first) match wins."""
 
