@@ -10,7 +10,9 @@ same addresses every iteration), then one kernel copies every part.
 
 Ordering: the upload and the kernel go on the caller's current stream, as a copy would.
 Before the table is rewritten, the host waits for the event recorded after the last
-kernel that read it (so a fill on another stream never races an earlier one).
+kernel that read it (so a fill on another stream never races an earlier one), and so
+it does before the table and its pinned memory are given back (``close``: the buckets'
+rebuild, or the Reducer's end).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
+from ..errors import DistBackendError
 
 __all__ = ["BucketGather"]
 
@@ -82,6 +86,15 @@ class BucketGather:
         except Exception:  # noqa: BLE001 - no NVRTC here: the caller copies the parts itself
             self._broken = True
             return False
+        try:
+            self._launch(cupy, kernel, ptrs, unit)
+        except Exception as exc:
+            raise DistBackendError(f"Reducer: copying {self.n} gradients into their bucket on GPU {self.device} "
+                                   f"failed ({type(exc).__name__}: {exc})") from exc
+        self.launches += 1
+        return True
+
+    def _launch(self, cupy: Any, kernel: Any, ptrs: list[int], unit: int) -> None:
         stream = cupy.cuda.get_current_stream()
         if ptrs != self._last:
             if self._done is not None:
@@ -97,8 +110,20 @@ class BucketGather:
         if self._done is None:
             self._done = cupy.cuda.Event(block=False, disable_timing=True)
         self._done.record(stream)
-        self.launches += 1
-        return True
+
+    def close(self) -> None:
+        """Wait for the last kernel that read the table (and the upload before it): the
+        table and the pinned memory go back to CuPy's pools, which may hand them to the
+        next allocation at once."""
+        done, self._done = self._done, None
+        if done is not None:
+            done.synchronize()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone
+            pass
 
 
 def _kernel(name: str, device: int) -> Any:

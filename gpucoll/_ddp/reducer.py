@@ -146,6 +146,9 @@ class Reducer(Generic[TreeT]):
 
     # ----- set-up -----
     def _layout(self, bucket_indices: list[list[int]]) -> None:
+        for old in getattr(self, "_buckets", ()):
+            if old.gather is not None:
+                old.gather.close()  # its last fill done before its table goes back to the pool
         buckets: list[_Bucket] = []
         where = [(0, 0)] * len(self._leaves)
         for b, members in enumerate(bucket_indices):

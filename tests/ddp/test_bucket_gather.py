@@ -50,6 +50,7 @@ class FakeCupyForGather:
         self.copies: list[tuple[int, int, int, int]] = []
         self.launches: list[tuple[str, tuple[int, int], tuple[int, ...]]] = []
         self.keep: list[Any] = []
+        self.events: list[str] = []
         fake = self
 
         class _Runtime:
@@ -63,10 +64,10 @@ class FakeCupyForGather:
                 pass
 
             def record(self, stream: Any = None) -> None:
-                pass
+                fake.events.append("record")
 
             def synchronize(self) -> None:
-                pass
+                fake.events.append("synchronize")
 
         self.cuda = types.SimpleNamespace(
             runtime=_Runtime, Event=_Event,
@@ -179,3 +180,29 @@ def test_parts_the_kernel_cannot_take_are_declined(fake: FakeCupyForGather) -> N
     assert not g.fill([good, HostArray(np.ones(8, np.float32)[::2])])  # not contiguous
     assert fake.launches == [] and fake.copies == []
     assert (flat.nd == -1).all()
+
+
+def test_the_table_is_rewritten_and_given_back_only_after_its_last_reader(fake: FakeCupyForGather) -> None:
+    """New addresses wait for the kernel that read the old table; ``close`` (the buckets'
+    rebuild, the Reducer's end) waits for the last one; a failed launch is a
+    DistBackendError naming the fill."""
+    from gpucoll._ddp import gather
+    from gpucoll.errors import DistBackendError
+
+    flat, offsets = _bucket([4, 4])
+    g = gather.BucketGather(flat, offsets, [4, 4])
+    a = [HostArray(np.ones(4, np.float32)), HostArray(np.ones(4, np.float32))]
+    assert g.fill(a) and fake.events == ["record"]
+    b = [HostArray(np.zeros(4, np.float32)), HostArray(np.zeros(4, np.float32))]
+    assert g.fill(b) and fake.events == ["record", "synchronize", "record"]
+    g.close()
+    assert fake.events[-1] == "synchronize"
+
+    def broken(name: str, device: int) -> Any:
+        def launch(*args: Any) -> None:
+            raise RuntimeError("cudaErrorLaunchFailure")
+        return launch
+    gather._kernel = broken  # type: ignore[assignment]  # (the fixture's monkeypatch restores it)
+    with pytest.raises(DistBackendError, match=r"copying 2 gradients into their bucket on GPU 0 failed "
+                                               r"\(RuntimeError: cudaErrorLaunchFailure\)"):
+        g.fill(a)
