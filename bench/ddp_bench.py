@@ -57,7 +57,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -111,7 +111,7 @@ def grads_for(shapes: list[tuple[int, ...]], rank: int) -> list[np.ndarray]:
 
 def _median_of_max(times: list[float], gather: Callable[[Any], list[Any]]) -> float:
     everyone = gather(times)
-    return statistics.median(max(t[i] for t in everyone) for i in range(len(times)))
+    return float(statistics.median(max(t[i] for t in everyone) for i in range(len(times))))
 
 
 # ----- gpucoll -----
@@ -262,54 +262,100 @@ def run_gpucoll(models: list[str], iters: int) -> dict[str, Any]:
 
 # ----- torch DDP over gloo (subprocess workers over a torch TCPStore on port 0) -----
 
-def gloo_worker(rank: int, world: int, port: int, models: list[str], iters: int) -> dict[str, Any]:
+def ddp_steps(shapes: list[tuple[int, ...]], grads: list[Any], device: Any) -> tuple[Callable[[], None], Callable[[], None]]:
+    """torch DDP (25 MiB buckets, ``gradient_as_bucket_view=True``) over a module with
+    parameters of ``shapes`` on ``device`` (None: the CPU) whose backward hands over the
+    precomputed ``grads`` (a custom autograd Function: no compute, only DDP's work): the
+    training step with its reduction, and the same under ``no_sync()``."""
     import torch
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)  # type: ignore[attr-defined]
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    class HandOver(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, grads: list[Any], *params: Any) -> Any:
+            ctx.grads = grads
+            return params[0].new_zeros(())
+
+        @staticmethod
+        def backward(ctx: Any, _: Any) -> Any:
+            return (None, *ctx.grads)
+
+    class Module(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(s, device=device)) for s in shapes])
+
+        def forward(self, _: Any) -> Any:
+            return HandOver.apply(grads, *self.ps)  # type: ignore[no-untyped-call]
+
+    ids = None if device is None else [device.index]
+    ddp = DDP(Module(), device_ids=ids, bucket_cap_mb=25, gradient_as_bucket_view=True)
+    dummy = torch.zeros((), device=device)  # DDP with device_ids wants an input to move
+
+    def step() -> None:
+        ddp(dummy).backward()
+
+    def no_sync() -> None:
+        with ddp.no_sync():
+            ddp(dummy).backward()
+    return step, no_sync
+
+
+def torch_world(backend: str, rank: int, world: int, port: int, device: Any) -> Callable[[Any], list[Any]]:
+    """Join the torch job whose store ``run_torch_workers`` serves on ``port``; its
+    all_gather_object, as a function."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False)  # type: ignore[attr-defined]
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, device_id=device)
 
     def gather(obj: Any) -> list[Any]:
         out: list[Any] = [None] * world
         dist.all_gather_object(out, obj)
         return out
+    return gather
 
-    class HandOver(torch.autograd.Function):
-        """Backward returns the precomputed gradients: no compute, only DDP's work."""
 
-        @staticmethod
-        def forward(ctx: Any, grads: list[Any], *params: Any) -> Any:  # type: ignore[override]
-            ctx.grads = grads
-            return params[0].new_zeros(())
+def common_args(ap: argparse.ArgumentParser, iters: int, rounds: int) -> None:
+    """The options both data-parallel benches take."""
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    ap.add_argument("--iters", type=int, default=iters, help="timed iterations per way (median)")
+    ap.add_argument("--rounds", type=int, default=rounds, help="rounds, the libraries taking turns (median)")
+    ap.add_argument("--skip-torch", action="store_true", help="do not run torch DDP")
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
 
-        @staticmethod
-        def backward(ctx: Any, _: Any) -> Any:  # type: ignore[override]
-            return (None, *ctx.grads)
+
+def parse_models(ap: argparse.ArgumentParser, text: str) -> list[str]:
+    """The models named in ``text`` (comma-separated), each checked against its public count."""
+    models = [m for m in text.split(",") if m]
+    for m in models:
+        if m not in SHAPES:
+            ap.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
+        shapes = SHAPES[m]()
+        got = (len(shapes), sum(int(np.prod(s)) for s in shapes))
+        assert got == EXPECTED[m], f"{m}: {got} tensors/parameters, expected {EXPECTED[m]}"
+    return models
+
+
+def gloo_worker(rank: int, world: int, port: int, models: list[str], iters: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    gather = torch_world("gloo", rank, world, port, None)
 
     results: dict[str, Any] = {}
     try:
         for model in models:
             shapes = SHAPES[model]()
             grads = [torch.from_numpy(g) for g in grads_for(shapes, rank)]
-
-            class Module(torch.nn.Module):
-                def __init__(self) -> None:
-                    super().__init__()
-                    self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(s)) for s in shapes])
-
-                def forward(self) -> Any:
-                    return HandOver.apply(grads, *self.ps)
-
-            ddp = DDP(Module(), process_group=None, bucket_cap_mb=25, gradient_as_bucket_view=True)
+            step_sync, step_no_sync = ddp_steps(shapes, grads, None)
 
             def step(sync: bool = True) -> None:
-                if sync:
-                    ddp().backward()
-                else:
-                    with ddp.no_sync():
-                        ddp().backward()
+                (step_sync if sync else step_no_sync)()
 
             def timed(fn: Callable[[], Any]) -> float:
                 times = []
@@ -323,26 +369,38 @@ def gloo_worker(rank: int, world: int, port: int, models: list[str], iters: int)
             step()
             step()  # the first iteration rebuilds the buckets
             results[model] = {"ddp": timed(step), "no_sync": timed(lambda: step(False))}
-            del ddp
+            del step_sync, step_no_sync
     finally:
         dist.destroy_process_group()
     return results
 
 
-def run_gloo(models: list[str], iters: int) -> dict[str, Any] | str:
+def run_torch_workers(script: str, nproc: int, models: list[str], iters: int, extra: Sequence[str] = (),
+                      env: dict[str, str] | None = None, timeout: float = 3000.0) -> dict[str, Any] | str:
+    """Run ``script --worker`` as ``nproc`` torch ranks over a torch TCPStore on port 0 (here,
+    the master); rank 0's JSON line, or why there is none."""
     try:
         import torch.distributed as dist
     except ImportError:
         return "torch is not installed"
-    master = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", "--rank", str(r), "--port", str(master.port),
-                               "--models", ",".join(models), "--iters", str(iters)],
-                              stdout=subprocess.PIPE, text=True) for r in range(2)]
-    outs = [p.communicate(timeout=3000)[0] for p in procs]
+    master = dist.TCPStore("127.0.0.1", 0, nproc + 1, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+    procs = [subprocess.Popen([sys.executable, script, "--worker", "--rank", str(r), "--port", str(master.port),
+                               "--models", ",".join(models), "--iters", str(iters), *extra],
+                              stdout=subprocess.PIPE, text=True, env=env) for r in range(nproc)]
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
     if any(p.returncode for p in procs):
         return f"torch workers failed (exit codes {[p.returncode for p in procs]})"
     res: dict[str, Any] = json.loads(outs[0].strip().splitlines()[-1])
     return res
+
+
+def run_gloo(models: list[str], iters: int) -> dict[str, Any] | str:
+    return run_torch_workers(__file__, 2, models, iters)
 
 
 # ----- report -----
@@ -400,48 +458,49 @@ def report(ours: dict[str, Any], theirs: dict[str, Any] | str, rounds: int = 1) 
     return "\n".join(lines)
 
 
+def take_turns(rounds: int, ours: Callable[[], dict[str, Any]], theirs: Callable[[], dict[str, Any] | str] | None,
+               median: Callable[[list[dict[str, Any]]], dict[str, Any]],
+               each: Callable[[dict[str, Any], dict[str, Any] | str, int], None] | None = None
+               ) -> tuple[dict[str, Any], dict[str, Any] | str]:
+    """gpucoll and torch take turns, round after round, and each figure is the median over
+    the rounds: on a shared machine the load drifts within minutes, and one library's
+    whole run after the other's would compare different moments. torch's figures, or why
+    there are none; ``each`` sees the medians so far (and how many rounds) after every round."""
+    ours_rounds: list[dict[str, Any]] = []
+    theirs_rounds: list[dict[str, Any]] = []
+    why: dict[str, Any] | str = "--skip-torch"
+    for _ in range(rounds):
+        ours_rounds.append(ours())
+        if theirs is not None:
+            got = theirs()
+            if isinstance(got, str):
+                why = got
+            else:
+                theirs_rounds.append(got)
+        if each is not None:
+            each(median(ours_rounds), median(theirs_rounds) if theirs_rounds else why, len(ours_rounds))
+    return median(ours_rounds), median(theirs_rounds) if theirs_rounds else why
+
+
+def write_json(path: str | None, ours: dict[str, Any], theirs: dict[str, Any] | str) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump({"gpucoll": ours, "torch": theirs}, f, indent=1)
+
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
-    ap.add_argument("--iters", type=int, default=7, help="timed iterations per way (median)")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds, the libraries taking turns (median)")
-    ap.add_argument("--skip-torch", action="store_true", help="do not run torch DDP")
-    ap.add_argument("--json", help="also write the results here")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    common_args(ap, iters=7, rounds=3)
     args = ap.parse_args(argv)
-    models = [m for m in args.models.split(",") if m]
-    for m in models:
-        if m not in SHAPES:
-            ap.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
-        shapes = SHAPES[m]()
-        got = (len(shapes), sum(int(np.prod(s)) for s in shapes))
-        assert got == EXPECTED[m], f"{m}: {got} tensors/parameters, expected {EXPECTED[m]}"
+    models = parse_models(ap, args.models)
     if args.worker:
         print(json.dumps(gloo_worker(args.rank, 2, args.port, models, args.iters)))
         return 0
-    # The libraries take turns, round after round, and each figure is the median over the
-    # rounds: on a shared machine the load drifts within minutes, and one library's whole
-    # run after the other's would compare different moments.
-    ours_rounds: list[dict[str, Any]] = []
-    theirs_rounds: list[dict[str, Any]] = []
-    theirs: dict[str, Any] | str = "--skip-torch"
-    for _ in range(args.rounds):
-        ours_rounds.append(run_gpucoll(models, args.iters))
-        if not args.skip_torch:
-            got = run_gloo(models, args.iters)
-            if isinstance(got, str):
-                theirs = got
-            else:
-                theirs_rounds.append(got)
-    ours = median_rounds(ours_rounds)
-    if theirs_rounds:
-        theirs = median_rounds(theirs_rounds)
+    ours, theirs = take_turns(args.rounds, lambda: run_gpucoll(models, args.iters),
+                              None if args.skip_torch else lambda: run_gloo(models, args.iters), median_rounds)
     print(report(ours, theirs, args.rounds))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpucoll": ours, "torch": theirs}, f, indent=1)
+    write_json(args.json, ours, theirs)
     return 0
 
 

@@ -44,7 +44,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any, Callable
@@ -57,7 +56,8 @@ for _p in (_ROOT, _HERE):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from ddp_bench import MODELS, SHAPES, grads_for  # noqa: E402
+from ddp_bench import (SHAPES, common_args, ddp_steps, grads_for, parse_models, run_torch_workers,  # noqa: E402
+                       take_turns, torch_world, write_json)
 
 ENV = {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_NVLS_ENABLE": "0"}
 WAYS = ("flat", "flat_avg", "bucketed", "bucketed_mark_ready", "bucketed_views", "per_tensor", "fp16")
@@ -85,8 +85,8 @@ def _worst(per_rank: list[list[tuple[float, float]]]) -> dict[str, float]:
     return {"host": host, "total": total}
 
 
-def timed_turns(ways: dict[str, Callable[[], Any]], iters: int, sync: Callable[[], None],
-                barrier: Callable[[], None], gather: Callable[[Any], list[Any]]) -> dict[str, dict[str, float]]:
+def timed_turns(ways: dict[str, Callable[[], Any]], iters: int, sync: Callable[[], Any],
+                barrier: Callable[[], Any], gather: Callable[[Any], list[Any]]) -> dict[str, dict[str, float]]:
     """Each way once per iteration, in turn; one untimed turn first."""
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in ways}
     for it in range(iters + 1):
@@ -194,29 +194,10 @@ def run_gpucoll(models: list[str], iters: int, nproc: int) -> dict[str, Any]:
 def torch_worker(rank: int, world: int, port: int, models: list[str], iters: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
-    store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False)  # type: ignore[attr-defined]
-    dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=device)
-
-    def gather(obj: Any) -> list[Any]:
-        out: list[Any] = [None] * world
-        dist.all_gather_object(out, obj)
-        return out
-
-    class HandOver(torch.autograd.Function):
-        """Backward returns the precomputed gradients: no compute, only DDP's work."""
-
-        @staticmethod
-        def forward(ctx: Any, grads: list[Any], *params: Any) -> Any:  # type: ignore[override]
-            ctx.grads = grads
-            return params[0].new_zeros(())
-
-        @staticmethod
-        def backward(ctx: Any, _: Any) -> Any:  # type: ignore[override]
-            return (None, *ctx.grads)
+    gather = torch_world("nccl", rank, world, port, device)
 
     results: dict[str, Any] = {}
     try:
@@ -224,32 +205,13 @@ def torch_worker(rank: int, world: int, port: int, models: list[str], iters: int
             shapes = SHAPES[model]()
             grads = [torch.from_numpy(g).to(device) for g in grads_for(shapes, rank)]
 
-            class Module(torch.nn.Module):
-                def __init__(self) -> None:
-                    super().__init__()
-                    self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(s, device=device))
-                                                      for s in shapes])
-
-                def forward(self, _: Any) -> Any:
-                    return HandOver.apply(grads, *self.ps)
-
-            ddp = DDP(Module(), device_ids=[device.index], bucket_cap_mb=25, gradient_as_bucket_view=True)
-
-            dummy = torch.zeros((), device=device)  # DDP with device_ids wants an input to move
-
-            def step() -> None:
-                ddp(dummy).backward()
-
-            def no_sync() -> None:
-                with ddp.no_sync():
-                    ddp(dummy).backward()
-
+            step, no_sync = ddp_steps(shapes, grads, device)
             step()
             step()  # the first iteration rebuilds the buckets
             barrier = dist.barrier if world > 1 else (lambda: None)
             results[model] = timed_turns({"ddp": step, "no_sync": no_sync}, iters, torch.cuda.synchronize,
                                          barrier, gather)
-            del ddp, grads
+            del step, no_sync, grads
             torch.cuda.empty_cache()
     finally:
         dist.destroy_process_group()
@@ -257,25 +219,7 @@ def torch_worker(rank: int, world: int, port: int, models: list[str], iters: int
 
 
 def run_torch(models: list[str], iters: int, nproc: int) -> dict[str, Any] | str:
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return "torch is not installed"
-    master = dist.TCPStore("127.0.0.1", 0, nproc + 1, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
-    env = {**os.environ, **ENV}
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", "--rank", str(r), "--nproc", str(nproc),
-                               "--port", str(master.port), "--models", ",".join(models), "--iters", str(iters)],
-                              stdout=subprocess.PIPE, text=True, env=env) for r in range(nproc)]
-    try:
-        outs = [p.communicate(timeout=1200)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(p.returncode for p in procs):
-        return f"torch workers failed (exit codes {[p.returncode for p in procs]})"
-    res: dict[str, Any] = json.loads(outs[0].strip().splitlines()[-1])
-    return res
+    return run_torch_workers(__file__, nproc, models, iters, ("--nproc", str(nproc)), {**os.environ, **ENV}, 1200.0)
 
 
 # ----- report -----
@@ -325,20 +269,10 @@ def report(ours: dict[str, Any], theirs: dict[str, Any] | str, nproc: int, round
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    common_args(ap, iters=10, rounds=2)
     ap.add_argument("--nproc", type=int, default=1, help="ranks (on the machine's GPUs, round robin)")
-    ap.add_argument("--iters", type=int, default=10, help="timed iterations per way (median)")
-    ap.add_argument("--rounds", type=int, default=2, help="rounds, the libraries taking turns (median)")
-    ap.add_argument("--skip-torch", action="store_true", help="do not run torch DDP")
-    ap.add_argument("--json", help="also write the results here")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    models = [m for m in args.models.split(",") if m]
-    for m in models:
-        if m not in SHAPES:
-            ap.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
+    models = parse_models(ap, args.models)
     if args.nproc < 1:
         ap.error("--nproc must be at least 1")
     if args.worker:
@@ -348,25 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     if why is not None:
         print(f"ddp_nccl_bench: cannot run: {why}", file=sys.stderr)
         return 2
-    ours_rounds: list[dict[str, Any]] = []
-    theirs_rounds: list[dict[str, Any]] = []
-    theirs: dict[str, Any] | str = "--skip-torch"
-    for _ in range(args.rounds):
-        ours_rounds.append(run_gpucoll(models, args.iters, args.nproc))
-        if not args.skip_torch:
-            got = run_torch(models, args.iters, args.nproc)
-            if isinstance(got, str):
-                theirs = got
-            else:
-                theirs_rounds.append(got)
-        print(report(median_rounds(ours_rounds), median_rounds(theirs_rounds) if theirs_rounds else theirs,
-                     args.nproc, len(ours_rounds)), flush=True)  # each round's report: a killed run keeps some
-    ours = median_rounds(ours_rounds)
-    if theirs_rounds:
-        theirs = median_rounds(theirs_rounds)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpucoll": ours, "torch": theirs}, f, indent=1)
+    ours, theirs = take_turns(
+        args.rounds, lambda: run_gpucoll(models, args.iters, args.nproc),
+        None if args.skip_torch else lambda: run_torch(models, args.iters, args.nproc), median_rounds,
+        # each round's report: a run killed at its time limit keeps what it measured
+        lambda o, t, n: print(report(o, t, args.nproc, n), flush=True))
+    write_json(args.json, ours, theirs)
     return 0
 
 
