@@ -64,6 +64,11 @@ WAYS = ("flat", "flat_avg", "bucketed", "bucketed_mark_ready", "bucketed_views",
 
 
 def why_no_gpu() -> str | None:
+    from gpucoll._env.devices import no_gpu_reason
+
+    reason = no_gpu_reason()
+    if reason is not None:
+        return reason
     try:
         import cupy
 
