@@ -160,3 +160,24 @@ def test_real_models_match_torch(model: str) -> None:
     want = dist._compute_bucket_assignment_by_size([theirs[i] for i in order], limits, [], order)
     assert got == ([list(b) for b in want[0]], list(want[1]))
     assert len(got[0]) > 3
+
+
+def test_the_nccl_bench_says_why_it_cannot_run() -> None:
+    """bench/ddp_nccl_bench.py needs a GPU: without one it exits 2 naming why; an unknown
+    model is refused by name before anything starts."""
+    import pathlib
+    import subprocess
+    import sys
+
+    from gpucoll._env.devices import no_gpu_reason
+
+    script = pathlib.Path(__file__).resolve().parents[2] / "bench" / "ddp_nccl_bench.py"
+    bad = subprocess.run([sys.executable, str(script), "--models", "resnet51"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "unknown model 'resnet51'" in bad.stderr, bad.stderr
+    if no_gpu_reason() is None:
+        pytest.skip("this machine may have a GPU: the bench would run")
+    done = subprocess.run([sys.executable, str(script), "--models", "resnet50"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "ddp_nccl_bench: cannot run: this machine has no /dev/nvidia* device" in done.stderr
