@@ -32,8 +32,9 @@ def _allreduce_fut(group: ProcessGroup | None, array: Any) -> Future[Any]:
 
 
 def _sum_hook(process_group: ProcessGroup | None, bucket: GradBucket[Any]) -> Future[Any]:
-    """The Reducer's default: the bucket was divided by the group's size as the gradients
-    were copied in (one pass over the memory instead of two); here only the sum."""
+    """The Reducer's default for buckets it cannot average inside their all_reduce (device
+    buckets of an integer type): the bucket was divided by the group's size as the
+    gradients were copied in (one pass over the memory instead of two); here only the sum."""
     array = bucket.buffer()
     work = _collectives.all_reduce(array, group=process_group, async_op=True)
     assert work is not None
