@@ -34,12 +34,23 @@ Rules every backend follows (ProcessGroup relies on them):
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from .._buffer import Buffer
 from .._reduce_op import ReduceOpLike
 from .._work import Work
 from ..store.base import Store
+
+ISSUING_ASYNC = threading.local()
+"""Set (``on``) on the issuing thread while a backend method starts an op its caller asked
+``async_op=True`` for: a backend that runs small ops on the caller's thread must not let
+such an op wait there for its peers (torch's async ops return at once)."""
+
+
+def issuing_async() -> bool:
+    """Whether the op being started on this thread is an ``async_op=True`` one."""
+    return getattr(ISSUING_ASYNC, "on", False)
 
 __all__ = ["Backend", "SplitsCommunicator", "ReducesInto", "ReducesGathered", "PollsPending", "IssuesQuietly", "ShrinksCommunicator",
            "TimesOps"]

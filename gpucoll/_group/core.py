@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import array as _array
 from .._buffer import Buffer
-from .._backends.base import Backend, IssuesQuietly, PollsPending, RunsNow, TimesOps
+from .._backends.base import ISSUING_ASYNC, Backend, IssuesQuietly, PollsPending, RunsNow, TimesOps
 from .._backends.mismatch import decode, describe, encode
 from .._debug import DebugLevel, call_site, get_debug_level
 from ..errors import DistBackendError, DistError
@@ -134,14 +134,15 @@ class Issuer:
 
     # ----- issue and finish -----
     def issue(self, backend: Backend, start: Callable[[], Work], buf: Buffer | None, outputs: list[Any],
-              peer: int = -1, op: str = "", red: Any = None) -> Work:
-        """Number the op, record it, start it; its Work (which may already be complete)."""
+              peer: int = -1, op: str = "", red: Any = None, async_op: bool = False) -> Work:
+        """Number the op, record it, start it (``async_op``: as an async op, see
+        ``ISSUING_ASYNC``); its Work (which may already be complete)."""
         self.seq += 1
         seq = self.seq
         if self.debug_detail and op:
             self.check_across_ranks(op, seq, buf, peer, red)
         entry = self._entry(seq, op or start.__name__.strip("<>"), backend, buf, peer)
-        return self._start(seq, entry, start, (), outputs, peer, op)
+        return self._start(seq, entry, start, (), outputs, peer, op, async_op)
 
     def call(self, backend: Backend, start: Callable[..., Work], args: tuple[Any, ...], buf: Buffer | None,
              outputs: list[Any], async_op: bool, device: bool, op: str, red: Any = None, peer: int = -1,
@@ -159,7 +160,8 @@ class Issuer:
             # backend's queue of outstanding ops, which holds its record.
             self.watchdog.watch_backend(cast(PollsPending, backend))
             return None
-        return self.finish(backend, self._start(seq, entry, start, args, outputs, peer, op), async_op, device)
+        return self.finish(backend, self._start(seq, entry, start, args, outputs, peer, op, async_op), async_op,
+                           device)
 
     def call_quiet(self, backend: Backend, quiet: Callable[..., bool], buf: Buffer, arg: Any, tensor: Any, op: str,
                    red: Any = None, peer: int = -1) -> Work | None:
@@ -200,9 +202,16 @@ class Issuer:
         return entry
 
     def _start(self, seq: int, entry: _Entry | None, start: Callable[..., Work], args: tuple[Any, ...],
-               outputs: list[Any], peer: int, op: str) -> Work:
+               outputs: list[Any], peer: int, op: str, async_op: bool = False) -> Work:
         recorder = self.recorder
-        work = start(*args)
+        if async_op:
+            ISSUING_ASYNC.on = True
+            try:
+                work = start(*args)
+            finally:
+                ISSUING_ASYNC.on = False
+        else:
+            work = start(*args)
         work.seq = seq
         work.group_name = self.group_name
         if peer >= 0 and not op:

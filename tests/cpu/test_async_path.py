@@ -328,3 +328,89 @@ def test_an_async_op_issued_alone_returns_at_once_and_completes_when_the_peers_j
         assert got["oop"] == [float(sum(3 * q for q in range(n)))] * 4, (r, got)
         assert got["y"] == (10 * (n - 1) + np.arange(6)).tolist(), (r, got)
         assert got["g"] == np.concatenate([np.arange(3) + 100 * q for q in range(n)]).tolist(), (r, got)
+
+
+ASYNC_KINDS = ["reduce", "reduce_scatter", "reduce_scatter_single", "all_gather", "gather", "scatter", "all_to_all",
+               "all_to_all_single", "barrier"]
+
+
+def _issue_kind(kind: str, r: int, n: int, async_op: bool) -> tuple[Any, Any]:
+    """Issue one small collective of ``kind`` with rank-dependent inputs; (its Work or
+    None, a function giving what this rank must hold afterwards and what it holds)."""
+    import gpucoll
+
+    if kind == "reduce":
+        x = np.full(3, float(r + 1))
+        w = gpucoll.reduce(x, dst=0, async_op=async_op)
+        return w, lambda: (x.tolist(), [float(sum(range(1, n + 1)))] * 3 if r == 0 else x.tolist())
+    if kind == "reduce_scatter":
+        out = np.zeros(2)
+        w = gpucoll.reduce_scatter(out, [np.full(2, float(r + 10 * j)) for j in range(n)], async_op=async_op)
+        return w, lambda: (out.tolist(), [float(sum(range(n)) + 10 * r * n)] * 2)
+    if kind == "reduce_scatter_single":
+        out = np.zeros(2)
+        inp = np.repeat(np.arange(n, dtype=np.float64) * 10 + r, 2)
+        w = gpucoll.reduce_scatter_tensor(out, inp, async_op=async_op)
+        return w, lambda: (out.tolist(), [float(sum(range(n)) + 10 * r * n)] * 2)
+    if kind == "all_gather":
+        outs = [np.zeros(2, np.int64) for _ in range(n)]
+        w = gpucoll.all_gather(outs, np.full(2, r, np.int64), async_op=async_op)
+        return w, lambda: ([o.tolist() for o in outs], [[q, q] for q in range(n)])
+    if kind == "gather":
+        outs = [np.zeros(2, np.int64) for _ in range(n)] if r == 0 else None
+        w = gpucoll.gather(np.full(2, r, np.int64), outs, dst=0, async_op=async_op)
+        return w, lambda: ([o.tolist() for o in outs] if outs else None, [[q, q] for q in range(n)] if r == 0 else None)
+    if kind == "scatter":
+        out = np.zeros(2, np.int64)
+        ins = [np.full(2, 5 * q, np.int64) for q in range(n)] if r == 0 else None
+        w = gpucoll.scatter(out, ins, src=0, async_op=async_op)
+        return w, lambda: (out.tolist(), [5 * r] * 2)
+    if kind == "all_to_all":
+        outs = [np.zeros(1, np.int64) for _ in range(n)]
+        w = gpucoll.all_to_all(outs, [np.array([10 * r + q]) for q in range(n)], async_op=async_op)
+        return w, lambda: ([int(o[0]) for o in outs], [10 * q + r for q in range(n)])
+    if kind == "all_to_all_single":
+        out = np.zeros(n, np.int64)
+        w = gpucoll.all_to_all_single(out, np.arange(n, dtype=np.int64) + 10 * r, async_op=async_op)
+        return w, lambda: (out.tolist(), [10 * q + r for q in range(n)])
+    assert kind == "barrier"
+    w = gpucoll.barrier(async_op=async_op)
+    return w, lambda: (None, None)
+
+
+def async_then_send_body(kinds: list[str]) -> dict[str, Any]:
+    """Rank 0 issues a small async collective, then sends to rank 1, which receives that
+    message before it joins the collective (valid with torch, whose async ops return at
+    once). A call that waited for its peers would wait for rank 1 until the timeout."""
+    import gpucoll
+
+    r, n = gpucoll.get_rank(), gpucoll.get_world_size()
+    out: dict[str, Any] = {}
+    for kind in kinds:
+        for _ in range(2):  # the second time, a kind run before (planned)
+            gpucoll.barrier()
+            note = np.zeros(1, np.int64)
+            if r == 0:
+                t0 = time.monotonic()
+                w, check = _issue_kind(kind, r, n, True)
+                returned = time.monotonic() - t0
+                gpucoll.send(np.array([7], np.int64), dst=1)
+                assert w is not None
+                w.wait()
+                out[kind] = returned
+            else:
+                if r == 1:
+                    gpucoll.recv(note, src=0)
+                    assert note[0] == 7
+                _, check = _issue_kind(kind, r, n, False)
+            got, want = check()
+            assert got == want, (kind, r, got, want)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_small_async_collectives_return_before_their_peers_join(world: int) -> None:
+    res = run_spmd(async_then_send_body, world, args=(ASYNC_KINDS,), timeout=120, pg_timeout=8.0)
+    assert set(res[0]) == set(ASYNC_KINDS), res[0]
+    slow = {k: t for k, t in res[0].items() if t > 1.0}
+    assert not slow, slow

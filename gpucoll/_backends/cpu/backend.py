@@ -98,7 +98,10 @@ class CPUBackend:
         # Queued ops the issuing thread may run itself (with patience, in order) while the
         # worker has not taken them: deferred rests and async ops queued behind them.
         self._resumable: set[Work] = set()
+        self._lazy: dict[Work, float] = {}  # async ops the worker leaves to their caller until then (issue.py)
         self._worker_idle = False
+        self._worker_lazy = False  # the worker is waiting for a lazy op's time to come
+        self._lazy_touch = 0.0  # when the issuing side last queued or ran a lazy op
         self._waiters = 0  # threads in shutdown() waiting for the queue to drain
         self._worker: threading.Thread | None = None
         self._reducers: dict[tuple[str, str], Reducer] = {}
@@ -511,6 +514,7 @@ class CPUBackend:
             queued = list(self._queue)
             self._queue.clear()
             self._resumable.clear()
+            self._lazy.clear()
             self._cv.notify_all()
         assert err is not None
         mesh = getattr(self, "_mesh", None)  # None: a reader thread aborts while the mesh is being made

@@ -20,9 +20,10 @@ from typing import Any, Callable, Sequence
 
 from ...errors import DistBackendError
 from ..._work import Work
+from ..base import issuing_async
 from .tcp_algos import Ctx, Deferred, op_label
 
-__all__ = ["INLINE_MAX", "ASYNC_PATIENCE", "ASYNC_RECHECK", "submit", "enqueue", "start_worker", "work_loop",
+__all__ = ["INLINE_MAX", "ASYNC_PATIENCE", "LAZY_DELAY", "ASYNC_RECHECK", "submit", "enqueue", "start_worker", "work_loop",
            "run", "now", "resume", "help_until"]
 
 INLINE_MAX = 1 << 20
@@ -31,6 +32,14 @@ INLINE_MAX = 1 << 20
 ASYNC_PATIENCE = 10e-6
 """Seconds an ``async_op=True`` op on the caller's thread spins for its peers once its own
 part is posted; a peer not there by then: the worker thread finishes the op (Deferred)."""
+
+LAZY_DELAY = 2e-3
+"""An async op that could not run on its caller's thread (it cannot defer its wait for
+peers) is left to that caller while the caller keeps queueing or running such ops: the
+worker takes it only once the caller has done neither for this many seconds. A caller
+that waits (or issues a synchronous op) meanwhile runs the queued ops itself
+(``help_until``), with no thread hand-off; otherwise the op progresses on the worker while
+its caller does other things, as torch's async ops do."""
 
 ASYNC_RECHECK = 1e-9
 """The patience of a deferred op that the issuing thread resumes before its next op (the
@@ -48,11 +57,20 @@ def submit(b: Any, work: Work, fn: Callable[[Ctx], None], nbytes: int, sig: int,
             err = b._error or DistBackendError(f"group {b.group_name!r}: the CPU backend was shut down")
             work._set_exception(DistBackendError(f"{op_label(work.op_type, seq, b.group_name)}: {err}"))
             return work
-        inline = not b._busy and not b._queue and nbytes <= INLINE_MAX
+        # An async op that cannot defer its wait for peers (only ``patient`` ones can) goes
+        # to the worker: on this thread it would wait for them before the call returns.
+        lazy = not patient and issuing_async()
+        inline = not b._busy and not b._queue and nbytes <= INLINE_MAX and not lazy
         if inline:
             b._busy = True
         else:
-            b._enqueue(work, fn, seq, sig, 0.0)
+            if lazy:
+                b._lazy[work] = b._lazy_touch = time.monotonic()
+                b._queue.append((work, fn, seq, sig, 0.0))
+                if b._worker is None or (b._worker_idle and not b._worker_lazy):
+                    b._start_worker()  # (a worker waiting for the head's time wakes then anyway)
+            else:
+                b._enqueue(work, fn, seq, sig, 0.0)
             if patient:  # the issuing thread may run it (with patience) before the worker does
                 b._resumable.add(work)
     if inline:
@@ -82,14 +100,24 @@ def start_worker(b: Any) -> None:
 def work_loop(b: Any) -> None:
     while True:
         with b._cv:
-            while not b._closed and (not b._queue or b._busy):
-                b._worker_idle = True
-                b._cv.wait()
-            b._worker_idle = False
-            if not b._queue:
-                return
+            while True:
+                while not b._closed and (not b._queue or b._busy):
+                    b._worker_idle = True
+                    b._cv.wait()
+                b._worker_idle = False
+                if not b._queue:
+                    return
+                # a lazy head: its caller's while the caller keeps queueing or running ops
+                lazy = b._queue[0][0] in b._lazy
+                left = 0.0 if not lazy or b._closed else b._lazy_touch + LAZY_DELAY - time.monotonic()
+                if left <= 0:
+                    break
+                b._worker_idle = b._worker_lazy = True  # its caller's time: woken at ``due``, or by a new op
+                b._cv.wait(left)
+                b._worker_lazy = False
             work, fn, seq, sig, deadline = b._queue.popleft()
             b._resumable.discard(work)
+            b._lazy.pop(work, None)
             b._busy = True
         try:
             b._run(work, fn, seq, sig, 0.0, deadline)
@@ -196,6 +224,8 @@ def help_until(b: Any, work: Work, limit: float | None) -> None:
                 return
             b._queue.popleft()
             b._resumable.discard(head)
+            if b._lazy.pop(head, None) is not None:
+                b._lazy_touch = time.monotonic()
             b._busy = True
             lock.release()
             try:
@@ -203,7 +233,9 @@ def help_until(b: Any, work: Work, limit: float | None) -> None:
             finally:
                 lock.acquire()
                 b._busy = False
-                if b._queue or b._waiters:
+                # the worker (it saw _busy) or shutdown; not a worker that waits for the
+                # head's time (a lazy op, left to its caller: this thread, here)
+                if b._waiters or (b._queue and not (b._worker_lazy and b._queue[0][0] in b._lazy)):
                     b._cv.notify_all()
 
 
