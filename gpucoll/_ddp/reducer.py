@@ -208,8 +208,7 @@ class Reducer(Generic[TreeT]):
             raise ValueError(f"mark_ready: {self._label(index)} was marked ready twice in this iteration "
                              "(torch: Expected to mark a variable ready only once)")
         if g.shape != self._shapes[index] and tuple(g.shape) != self._shapes[index]:
-            raise ValueError(f"mark_ready: the gradient of {self._names[index]} has shape {tuple(g.shape)}; "
-                             f"expected {self._shapes[index]}")
+            raise self._shape_error(index, g)
         bucket, view = self._slot[index]
         if self._hook_registered or self._gathered or bucket.avg:  # the hook divides, or the bucket's op
             if g is not view:
@@ -227,10 +226,18 @@ class Reducer(Generic[TreeT]):
             try:
                 self._issue_ready()
             except BaseException:
-                self._settle(None)
-                self._reset()  # a hook that raised: the next iteration starts clean
-                self._arrival = []
+                self._abandon()  # a hook that raised: the next iteration starts clean
                 raise
+
+    def _shape_error(self, i: int, g: Any) -> ValueError:
+        return ValueError(f"mark_ready: the gradient of {self._names[i]} has shape {tuple(g.shape)}; "
+                          f"expected {self._shapes[i]}")
+
+    def _abandon(self) -> None:
+        """A failed iteration: wait out what it issued, and start the next one clean."""
+        self._settle(None)
+        self._reset()
+        self._arrival = []
 
     def _index_of(self, index: Any) -> int:
         if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
@@ -261,15 +268,10 @@ class Reducer(Generic[TreeT]):
 
     def _issue(self, b: int) -> None:
         bucket = self._buckets[b]
-        if self._gathered and not self._hook_registered:
+        if not self._hook_registered and (self._gathered or bucket.avg):  # the average inside the bucket's op
             flat = bucket.flat
-            work = all_reduce_gathered(self._group, flat, [flat], self._size, async_op=True)
-            assert work is not None
-            bucket.future = Future.from_work(work).then(lambda fut: flat)
-            return
-        if bucket.avg and not self._hook_registered:
-            flat = bucket.flat
-            work = _collectives.all_reduce(flat, op=ReduceOp.AVG, group=self._group, async_op=True)
+            work = (all_reduce_gathered(self._group, flat, [flat], self._size, async_op=True) if self._gathered
+                    else _collectives.all_reduce(flat, op=ReduceOp.AVG, group=self._group, async_op=True))
             assert work is not None
             bucket.future = Future.from_work(work).then(lambda fut: flat)
             return
@@ -309,8 +311,7 @@ class Reducer(Generic[TreeT]):
         and is issued as soon as it is full, as :meth:`mark_ready` would."""
         for i, g in enumerate(leaves):
             if g.shape != self._shapes[i] and tuple(g.shape) != self._shapes[i]:
-                raise ValueError(f"mark_ready: the gradient of {self._names[i]} has shape {tuple(g.shape)}; "
-                                 f"expected {self._shapes[i]}")
+                raise self._shape_error(i, g)
         self._started = True
         if self._recording:
             self._arrival = list(range(self._n - 1, -1, -1))  # the order reduce() hands them over
@@ -327,9 +328,7 @@ class Reducer(Generic[TreeT]):
                 bucket.pending = 0
                 self._issue_ready()
         except BaseException:
-            self._settle(None)
-            self._reset()
-            self._arrival = []
+            self._abandon()
             raise
 
     @staticmethod
@@ -348,8 +347,7 @@ class Reducer(Generic[TreeT]):
         for i, g in enumerate(leaves):
             a = g if g.__class__ is np.ndarray else np.asarray(g)
             if a.shape != self._shapes[i]:
-                raise ValueError(f"mark_ready: the gradient of {self._names[i]} has shape {tuple(a.shape)}; "
-                                 f"expected {self._shapes[i]}")
+                raise self._shape_error(i, a)
             flat.append(a.reshape(-1))
         self._started = True
         try:
@@ -360,9 +358,7 @@ class Reducer(Generic[TreeT]):
                 self._issue_check()
                 self._agree(None)
         except BaseException:
-            self._settle(None)
-            self._reset()
-            self._arrival = []
+            self._abandon()
             raise
         self._reset()
         if self._recording:

@@ -217,9 +217,15 @@ class ProcessGroup:
         """For coalescing blocks (a CoalescingGroup): :func:`~gpucoll._group.dispatch.backend_for_all`."""
         return backend_for_all(self, bufs, names)
 
-    def _issue(self, backend: Backend, start: Callable[[], Work], buf: Buffer | None, outputs: list[Any],
-               peer: int = -1, op: str = "", red: Any = None, async_op: bool = False) -> Work:
-        return self._issuer.issue(backend, start, buf, outputs, peer, op, red, async_op)
+    def _issue(self, backend: Backend, start: Callable[[], Work], buf: Buffer | None,
+               outputs: list[Any], peer: int = -1, op: str = "", red: Any = None) -> Work:
+        return self._issuer.issue(backend, start, buf, outputs, peer, op, red)
+
+    def _collective(self, backend: Backend, start: Callable[[], Work], buf: Buffer | None, outputs: list[Any],
+                    peer: int = -1, op: str = "", red: Any = None, *, async_op: bool) -> Work | None:
+        """Issue a collective (started as async where asked: ISSUING_ASYNC) and finish it."""
+        work = self._issuer.issue(backend, start, buf, outputs, peer, op, red, async_op)
+        return self._finish(backend, work, async_op)
 
     def _finish(self, backend: Backend, work: Work, async_op: bool) -> Work | None:
         return self._issuer.finish(backend, work, async_op, backend is not self._cpu)
@@ -291,8 +297,8 @@ class ProcessGroup:
         if into is None:
             _array.copy_buffer(out, inp)
             return self.all_reduce(output if type(output) is np.ndarray else out, op, async_op)  # (a runner)
-        work = self._issue(backend, lambda: into(out, inp, red), out, [output], op="all_reduce", red=red, async_op=async_op)
-        return self._finish(backend, work, async_op)
+        return self._collective(backend, lambda: into(out, inp, red), out, [output], op="all_reduce", red=red,
+                                async_op=async_op)
 
     def all_reduce_coalesced(self, tensors: Sequence[ArrayOrBuffer], op: ReduceOpLike = ReduceOp.SUM,
                              async_op: bool = False) -> Work | None:
@@ -321,8 +327,8 @@ class ProcessGroup:
         buf = _array.as_buffer(tensor, name="tensor", writable=True)
         red = _check_op(op, buf.dtype)
         backend = backend_for(self, buf, "tensor")
-        work = self._issue(backend, lambda: backend.reduce(buf, dst, red), buf, [tensor], dst, op="reduce", red=red, async_op=async_op)
-        return self._finish(backend, work, async_op)
+        return self._collective(backend, lambda: backend.reduce(buf, dst, red), buf, [tensor], dst, op="reduce",
+                                red=red, async_op=async_op)
 
     def reduce_scatter(self, output: ArrayOrBuffer, input_list: Sequence[ArrayOrBuffer], op: ReduceOpLike = ReduceOp.SUM,
                        async_op: bool = False) -> Work | None:
@@ -337,9 +343,8 @@ class ProcessGroup:
         ins = _uneven_list(self, input_list, "input_list", out, "output")
         red = _check_op(op, out.dtype)
         backend = backend_for_all(self, [out, *ins], ["output"] + [f"input_list[{i}]" for i in range(len(ins))])
-        work = self._issue(backend, lambda: backend.reduce_scatter(out, ins, red), out, [output], op="reduce_scatter",
-                           red=red, async_op=async_op)
-        return self._finish(backend, work, async_op)
+        return self._collective(backend, lambda: backend.reduce_scatter(out, ins, red), out, [output], op="reduce_scatter",
+                                red=red, async_op=async_op)
 
     def reduce_scatter_single(self, output: ArrayOrBuffer, input: ArrayOrBuffer, op: ReduceOpLike = ReduceOp.SUM,
                               async_op: bool = False) -> Work | None:
@@ -353,9 +358,8 @@ class ProcessGroup:
             return self._coalescing._defer(self, "reduce_scatter_single", red,
                                            ("output", out, output, inp), async_op)
         backend = backend_for_all(self, [out, inp], ["output", "input"])
-        work = self._issue(backend, lambda: backend.reduce_scatter_single(out, inp, red), out, [output],
-                           op="reduce_scatter_single", red=red, async_op=async_op)
-        return self._finish(backend, work, async_op)
+        return self._collective(backend, lambda: backend.reduce_scatter_single(out, inp, red), out, [output],
+                                op="reduce_scatter_single", red=red, async_op=async_op)
 
     # ----- data movement -----
     def broadcast(self, tensor: ArrayOrBuffer, src: int, async_op: bool = False) -> Work | None:
@@ -386,8 +390,8 @@ class ProcessGroup:
         outs = _list_like(self, tensor_list, "tensor_list", inp, "tensor", writable=True, views=True)
         inp = _real_view(inp)
         backend = backend_for_all(self, [inp, *outs], ["tensor"] + [f"tensor_list[{i}]" for i in range(len(outs))])
-        work = self._issue(backend, lambda: backend.all_gather(outs, inp), inp, list(tensor_list), op="all_gather", async_op=async_op)
-        return self._finish(backend, work, async_op)
+        return self._collective(backend, lambda: backend.all_gather(outs, inp), inp, list(tensor_list),
+                                op="all_gather", async_op=async_op)
 
     def all_gather_single(self, output: ArrayOrBuffer, input: ArrayOrBuffer, async_op: bool = False) -> Work | None:
         """Gather every rank's ``input`` into ``output`` (``size`` consecutive chunks, rank order)."""
@@ -423,9 +427,8 @@ class ProcessGroup:
         names = [f"input_tensor_list[{k}]" for k in range(len(ins))] + \
             [f"output_tensor_lists[{r}][{k}]" for k in range(len(outs)) for r in range(self._size)]
         backend = backend_for_all(self, flat, names)
-        work = self._issue(backend, lambda: backend.all_gather_coalesced(outs, ins), ins[0],
-                           [list(row) for row in output_lists], op="all_gather_coalesced", async_op=async_op)
-        return self._finish(backend, work, async_op)
+        return self._collective(backend, lambda: backend.all_gather_coalesced(outs, ins), ins[0],
+                                [list(row) for row in output_lists], op="all_gather_coalesced", async_op=async_op)
 
     def gather(self, tensor: ArrayOrBuffer, gather_list: Sequence[ArrayOrBuffer] | None, dst: int,
                async_op: bool = False) -> Work | None:
@@ -446,9 +449,8 @@ class ProcessGroup:
                              f"{self._rank}, dst is {dst})")
         inp = _real_view(inp)
         backend = backend_for_all(self, [inp, *(outs or ())], ["tensor"] + ["gather_list"] * len(outs or ()))
-        work = self._issue(backend, lambda: backend.gather(outs, inp, dst), inp,
-                           list(gather_list) if gather_list else [], dst, op="gather", async_op=async_op)
-        return self._finish(backend, work, async_op)
+        return self._collective(backend, lambda: backend.gather(outs, inp, dst), inp,
+                                list(gather_list) if gather_list else [], dst, op="gather", async_op=async_op)
 
     def scatter(self, tensor: ArrayOrBuffer, scatter_list: Sequence[ArrayOrBuffer] | None, src: int,
                 async_op: bool = False) -> Work | None:
@@ -470,8 +472,8 @@ class ProcessGroup:
                              f"{self._rank}, src is {src})")
         out = _real_view(out)
         backend = backend_for_all(self, [out, *(ins or ())], ["tensor"] + ["scatter_list"] * len(ins or ()))
-        work = self._issue(backend, lambda: backend.scatter(out, ins, src), out, [tensor], src, op="scatter", async_op=async_op)
-        return self._finish(backend, work, async_op)
+        return self._collective(backend, lambda: backend.scatter(out, ins, src), out, [tensor], src, op="scatter",
+                                async_op=async_op)
 
     def all_to_all(self, output_list: Sequence[Any], input_list: Sequence[ArrayOrBuffer],
                    async_op: bool = False) -> Work | None:
@@ -481,9 +483,8 @@ class ProcessGroup:
             _not_coalescable("all_to_all")
         outs, ins, names = _a2a_lists(self, output_list, input_list)
         backend = backend_for_all(self, outs + ins, names)
-        work = self._issue(backend, lambda: backend.all_to_all(outs, ins), ins[0], list(output_list),
-                           op="all_to_all", async_op=async_op)
-        return self._finish(backend, work, async_op)
+        return self._collective(backend, lambda: backend.all_to_all(outs, ins), ins[0], list(output_list),
+                                op="all_to_all", async_op=async_op)
 
     def all_to_all_single(self, output: ArrayOrBuffer, input: ArrayOrBuffer, output_split_sizes: Sequence[int] | None = None,
                           input_split_sizes: Sequence[int] | None = None,
@@ -495,9 +496,8 @@ class ProcessGroup:
             _not_coalescable("all_to_all_single")
         out, inp, out_counts, in_counts = _split_counts(self, output, input, output_split_sizes, input_split_sizes)
         backend = backend_for_all(self, [out, inp], ["output", "input"])
-        work = self._issue(backend, lambda: backend.all_to_all_single(out, inp, out_counts, in_counts), inp,
-                           [output], op="all_to_all_single", async_op=async_op)
-        return self._finish(backend, work, async_op)
+        return self._collective(backend, lambda: backend.all_to_all_single(out, inp, out_counts, in_counts), inp,
+                                [output], op="all_to_all_single", async_op=async_op)
 
     # ----- point to point -----
     def send(self, tensor: ArrayOrBuffer, dst: int, tag: int = 0, async_op: bool = True) -> Work:

@@ -174,8 +174,17 @@ def test_kernels_compile_to_ptx_with_nvcc() -> None:
     assert len(entries) == 8 * 9 + 4 + 2 and "gpucoll_scale_f8e5m2" in entries
 
 
-def test_kernels_compile_with_nvrtc_as_cupy_compiles_them() -> None:
-    # CuPy compiles kernels/reduce.cu with NVRTC on the GPU; NVRTC itself needs no
+def _reduce_entries(entries: set[str]) -> None:
+    assert len(entries) == 8 * 9 + 4 + 2 and "gpucoll_scale_f8e5m2" in entries
+
+
+def _gather_entries(entries: set[str]) -> None:
+    assert entries == {f"gpucoll_gather_{u}" for u in ("u8", "u16", "u32", "u64", "u128")}
+
+
+@pytest.mark.parametrize("module,check", [("reduce", _reduce_entries), ("gather", _gather_entries)])
+def test_kernels_compile_with_nvrtc_as_cupy_compiles_them(module: str, check: Any) -> None:
+    # CuPy compiles kernels/<module>.cu with NVRTC on the GPU; NVRTC itself needs no
     # GPU, so CI (which installs the extra's NVRTC wheel) compiles the same source.
     try:
         from cupy_backends.cuda.libs import nvrtc
@@ -185,21 +194,24 @@ def test_kernels_compile_with_nvrtc_as_cupy_compiles_them() -> None:
         pytest.skip(f"no NVRTC here ({type(exc).__name__}: {exc}); the cuda12/cuda13 extras install it")
     from gpucoll._backends.nccl import kernel_loader as _kernels
 
-    prog = nvrtc.createProgram(_kernels.source("reduce"), "reduce.cu", [], [])
+    name = _kernels.MODULES[module]
+    prog = nvrtc.createProgram(_kernels.source(module), name, [], [])
     try:
         try:
             nvrtc.compileProgram(prog, ["-arch=compute_90"])
         except Exception as exc:
             log = nvrtc.getProgramLog(prog)
-            pytest.fail(f"NVRTC {version} rejected kernels/reduce.cu: {exc}\n{log!r}")
+            pytest.fail(f"NVRTC {version} rejected kernels/{name}: {exc}\n{log!r}")
         ptx = nvrtc.getPTX(prog)
     finally:
         nvrtc.destroyProgram(prog)
     text = ptx.decode() if isinstance(ptx, bytes) else ptx
     entries = {line.split()[2].split("(")[0] for line in text.splitlines() if line.startswith(".visible .entry")}
-    assert len(entries) == 8 * 9 + 4 + 2 and "gpucoll_scale_f8e5m2" in entries
-    for name in entries:
-        _kernels.signature(name)  # every compiled kernel has a launch signature
+    check(entries)
+    for entry in entries:
+        assert _kernels.signature(entry)  # every compiled kernel has a launch signature
+    if module == "gather":
+        assert all(_kernels.signature(e) == "ppi" for e in entries)
 
 
 @pytest.mark.skipif(has_gpu(), reason="a usable GPU is present")
@@ -272,28 +284,3 @@ def test_the_gather_kernel_copies_every_part_into_place(unit: int, name: str) ->
         dst[:] = 0xAB
         run_grid(lib, fn, (table.ctypes.data, dst.ctypes.data + start, len(parts)), (grid_x, grid_y), block)
         np.testing.assert_array_equal(dst, want, err_msg=f"grid {grid_x}x{grid_y}, block {block}")
-
-
-def test_the_gather_kernels_compile_with_nvrtc() -> None:
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-
-        version = nvrtc.getVersion()
-    except Exception as exc:
-        pytest.skip(f"no NVRTC here ({type(exc).__name__}: {exc}); the cuda12/cuda13 extras install it")
-    from gpucoll._backends.nccl import kernel_loader as _kernels
-
-    prog = nvrtc.createProgram(_kernels.source("gather"), "gather.cu", [], [])
-    try:
-        try:
-            nvrtc.compileProgram(prog, ["-arch=compute_90"])
-        except Exception as exc:
-            pytest.fail(f"NVRTC {version} rejected kernels/gather.cu: {exc}\n{nvrtc.getProgramLog(prog)!r}")
-        ptx = nvrtc.getPTX(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
-    text = ptx.decode() if isinstance(ptx, bytes) else ptx
-    entries = {line.split()[2].split("(")[0] for line in text.splitlines() if line.startswith(".visible .entry")}
-    assert entries == {f"gpucoll_gather_{u}" for u in ("u8", "u16", "u32", "u64", "u128")}
-    for name in entries:
-        assert _kernels.signature(name) == "ppi"

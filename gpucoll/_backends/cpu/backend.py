@@ -98,7 +98,7 @@ class CPUBackend:
         # Queued ops the issuing thread may run itself (with patience, in order) while the
         # worker has not taken them: deferred rests and async ops queued behind them.
         self._resumable: set[Work] = set()
-        self._lazy: dict[Work, float] = {}  # async ops the worker leaves to their caller until then (issue.py)
+        self._lazy: set[Work] = set()  # async ops the worker leaves to their caller for now (issue.py)
         self._worker_idle = False
         self._worker_lazy = False  # the worker is waiting for a lazy op's time to come
         self._lazy_touch = 0.0  # when the issuing side last queued or ran a lazy op

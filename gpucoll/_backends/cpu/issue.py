@@ -65,7 +65,8 @@ def submit(b: Any, work: Work, fn: Callable[[Ctx], None], nbytes: int, sig: int,
             b._busy = True
         else:
             if lazy:
-                b._lazy[work] = b._lazy_touch = time.monotonic()
+                b._lazy.add(work)
+                b._lazy_touch = time.monotonic()
                 b._queue.append((work, fn, seq, sig, 0.0))
                 if b._worker is None or (b._worker_idle and not b._worker_lazy):
                     b._start_worker()  # (a worker waiting for the head's time wakes then anyway)
@@ -117,7 +118,7 @@ def work_loop(b: Any) -> None:
                 b._worker_lazy = False
             work, fn, seq, sig, deadline = b._queue.popleft()
             b._resumable.discard(work)
-            b._lazy.pop(work, None)
+            b._lazy.discard(work)
             b._busy = True
         try:
             b._run(work, fn, seq, sig, 0.0, deadline)
@@ -224,7 +225,8 @@ def help_until(b: Any, work: Work, limit: float | None) -> None:
                 return
             b._queue.popleft()
             b._resumable.discard(head)
-            if b._lazy.pop(head, None) is not None:
+            if head in b._lazy:
+                b._lazy.discard(head)
                 b._lazy_touch = time.monotonic()
             b._busy = True
             lock.release()
