@@ -113,11 +113,13 @@ class Reducer(Generic[TreeT]):
             raise TypeError(f"Reducer: the parameters must all be of one array kind (their buckets are made "
                             f"by {getattr(self._xp, '__name__', self._xp)}); these differ: {_listing(odd)}")
         self._divide = self._xp.divide
-        # NumPy buckets: the default average divides inside each bucket's all_reduce, on the
-        # way into the transport (all_reduce_gathered), not in a pass of its own. Device
-        # buckets of a floating type: the bucket's all_reduce is an AVG (NCCL's ncclAvg
-        # scales as it reduces), so no gradient costs a kernel launch of its own for the
-        # division (on an H200 a CuPy kernel's launch takes 7-9 us of host time).
+        # The default average of a bucket of a floating type is the bucket's all_reduce, an
+        # AVG: nothing is divided on the way in. The CPU backend divides each folded sum as
+        # it copies it out (no pass of its own); NCCL's ncclAvg scales as it reduces, so no
+        # gradient costs a kernel launch of its own for the division (on an H200 a CuPy
+        # kernel's launch takes 7-9 us of host time). NumPy buckets of other types divide
+        # inside the bucket's all_reduce, on the way into the transport
+        # (all_reduce_gathered); and NumPy's reduce() reads the gradients where they are.
         self._gathered = self._xp is np
         self._cupy = getattr(self._xp, "__name__", "") == "cupy"
         self._native = type(self._xp.empty(0, dtype=np.float32))  # gradients of this class need no asarray
@@ -159,7 +161,7 @@ class Reducer(Generic[TreeT]):
             views = [flat[o:o + s].reshape(self._leaves[i].shape) for i, o, s in zip(members, offsets, sizes)]
             for pos, i in enumerate(members):
                 where[i] = (b, pos)
-            avg = not self._gathered and np.dtype(flat.dtype).kind == "f"
+            avg = np.dtype(flat.dtype).kind == "f"
             buckets.append(_Bucket(list(members), offsets, flat, views, avg))
         self._buckets = buckets
         self._where = where
@@ -270,8 +272,8 @@ class Reducer(Generic[TreeT]):
         bucket = self._buckets[b]
         if not self._hook_registered and (self._gathered or bucket.avg):  # the average inside the bucket's op
             flat = bucket.flat
-            work = (all_reduce_gathered(self._group, flat, [flat], self._size, async_op=True) if self._gathered
-                    else _collectives.all_reduce(flat, op=ReduceOp.AVG, group=self._group, async_op=True))
+            work = (_collectives.all_reduce(flat, op=ReduceOp.AVG, group=self._group, async_op=True) if bucket.avg
+                    else all_reduce_gathered(self._group, flat, [flat], self._size, async_op=True))
             assert work is not None
             bucket.future = Future.from_work(work).then(lambda fut: flat)
             return
@@ -352,7 +354,11 @@ class Reducer(Generic[TreeT]):
         self._started = True
         try:
             for bucket in self._buckets:
-                all_reduce_gathered(self._group, bucket.flat, [flat[i] for i in bucket.indices], self._size)
+                parts = [flat[i] for i in bucket.indices]
+                if bucket.avg:  # the bucket's AVG, its input read from the gradients
+                    all_reduce_gathered(self._group, bucket.flat, parts, 1, op=ReduceOp.AVG)
+                else:
+                    all_reduce_gathered(self._group, bucket.flat, parts, self._size)
             if self._check_ready:
                 self._ready = [True] * self._n
                 self._issue_check()

@@ -1,8 +1,9 @@
 """One all_reduce of an input assembled from several host arrays, each divided on the
-way in: what the Reducer's ``reduce()`` runs per bucket (the gradients, divided by the
-world size, summed into the bucket). On the CPU backend the gradients go straight into
-the transport's staging buffers (``ReducesGathered``); the op is the bucket's all_reduce
-(SUM) by every measure a peer can see, so a peer may issue that instead."""
+way in: what the Reducer's ``reduce()`` runs per bucket (the gradients read where they
+are: a floating bucket's AVG, the others' SUM of the gradients divided by the world
+size). On the CPU backend the gradients go straight into the transport's staging
+buffers (``ReducesGathered``); the op is the bucket's all_reduce (AVG or SUM) by every
+measure a peer can see, so a peer may issue that instead."""
 
 from __future__ import annotations
 
@@ -39,19 +40,23 @@ class _Group(Protocol):
 
 
 def all_reduce_gathered(pg: _Group, out: np.ndarray, parts: Sequence[np.ndarray], divisor: int,
-                        async_op: bool = False) -> Work | None:
+                        async_op: bool = False, op: ReduceOp = ReduceOp.SUM) -> Work | None:
     """``out`` = the sum over ``pg``'s ranks of the concatenation of ``parts`` (1-D NumPy
     arrays, ``out.size`` elements in all; ``[out]`` itself is allowed), each element
-    divided by ``divisor`` first (``np.divide``, as the Reducer's ``mark_ready``).
+    divided by ``divisor`` first (``np.divide``, as the Reducer's ``mark_ready``); with
+    ``op=ReduceOp.AVG`` the average of that (the op is then the all_reduce AVG of the
+    concatenation, by every measure a peer can see).
 
     Returns:
         A Work if ``async_op`` (the parts must stay as they are until it completes), else None.
 
     Raises:
-        ValueError: the parts do not add up to ``out``.
+        ValueError: the parts do not add up to ``out``, or ``op`` is neither SUM nor AVG.
         DistBackendError: the op failed (as ``all_reduce``).
     """
     pg._check_usable()
+    if op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise ValueError(f"all_reduce_gathered: op must be SUM or AVG; got {op!r}")
     total = sum(int(p.size) for p in parts)
     if total != out.size:
         raise ValueError(f"all_reduce_gathered: the parts hold {total} elements; out holds {out.size}")
@@ -60,8 +65,8 @@ def all_reduce_gathered(pg: _Group, out: np.ndarray, parts: Sequence[np.ndarray]
     gathered = getattr(backend, "all_reduce_gathered", None)
     if pg._coalescing is not None or gathered is None:  # divide into out, then its all_reduce
         gathered_fill(parts, divisor)(0, out.size, out)
-        return pg.all_reduce(out, ReduceOp.SUM, async_op)
-    red = _check_op(ReduceOp.SUM, buf.dtype)
+        return pg.all_reduce(out, op, async_op)
+    red = _check_op(op, buf.dtype)
     issuer = pg._issuer
     args = (buf, parts, divisor, red)
     if issuer.hooks or issuer.debug_detail:  # a Work for the hook; DETAIL's cross-rank check

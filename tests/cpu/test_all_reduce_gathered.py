@@ -70,6 +70,14 @@ def reference(world: int, sizes: list[int], dtype: Any = np.float32) -> np.ndarr
     return out
 
 
+def avg_reference(world: int, sizes: list[int]) -> np.ndarray:
+    """The sum over ranks, in rank order, of each rank's concatenation, divided once."""
+    out = np.concatenate(data(0, sizes))
+    for r in range(1, world):
+        out += np.concatenate(data(r, sizes))
+    return np.divide(out, np.float32(world))
+
+
 # sizes: small (one slot), large with parts across the 1 MiB staging blocks, empty parts
 LAYOUTS = [[5, 0, 300, 1], [100_000, 0, 250_001, 3, 700_000], [1 << 20]]
 
@@ -107,6 +115,18 @@ def gathered_checks() -> str:
         assert work is not None
         work.wait()
         assert out2.tobytes() == want.tobytes(), sizes
+        # op=AVG: the average of the concatenations (summed in rank order, divided once);
+        # to a peer the all_reduce AVG of it
+        mean = avg_reference(w, sizes)
+        avg = np.full(sum(sizes), np.nan, np.float32)
+        if r % 2:
+            avg[...] = np.concatenate(parts)
+            gpucoll.all_reduce(avg, op=gpucoll.ReduceOp.AVG)
+        else:
+            assert all_reduce_gathered(pg, avg, parts, 1, op=gpucoll.ReduceOp.AVG) is None
+        assert avg.tobytes() == mean.tobytes(), sizes
+    with pytest.raises(ValueError, match="op must be SUM or AVG"):
+        all_reduce_gathered(pg, out, parts, w, op=gpucoll.ReduceOp.MAX)
 
     # an async one never waits for a late peer on the caller's thread
     sizes = LAYOUTS[1]

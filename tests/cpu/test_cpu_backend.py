@@ -126,20 +126,22 @@ def collectives_body(transport: str) -> dict[str, Any]:
             be.all_reduce(buf(x), reduce_op(op)).wait()
             check(x, ref_reduce([data(p, 7, dtype, case, op) for p in range(n)], op), f"all_reduce {op} {dtype}")
     for dtype, op, numel in (("float32", "SUM", 700_001), ("int64", "MAX", 300_003), ("bfloat16", "AVG", 600_001),
-                             ("float64", "PREMUL_SUM", 40_000), ("int32", "AVG", 1 << 18), ("uint8", "BXOR", 5_000_000)):
+                             ("float64", "PREMUL_SUM", 40_000), ("int32", "AVG", 1 << 18), ("uint8", "BXOR", 5_000_000),
+                             # AVG of floats past the small slot: the sum divided as it is copied out
+                             ("float32", "AVG", 700_001), ("float64", "AVG", 300_007), ("complex64", "AVG", 200_003)):
         case += 1
         x = data(r, numel, dtype, case, op)
         be.all_reduce(buf(x), reduce_op(op)).wait()
         check(x, ref_reduce([data(p, numel, dtype, case, op) for p in range(n)], op), f"all_reduce {op} {dtype} x{numel}")
 
     # reduce to the last rank; non-destination inputs stay unchanged.
-    for numel in (5, 400_003):
+    for numel, op in ((5, "SUM"), (400_003, "SUM"), (400_003, "AVG")):
         case += 1
         x = data(r, numel, "float32", case)
-        be.reduce(buf(x), n - 1, reduce_op("SUM")).wait()
-        want = ref_reduce([data(p, numel, "float32", case) for p in range(n)], "SUM") if r == n - 1 \
+        be.reduce(buf(x), n - 1, reduce_op(op)).wait()
+        want = ref_reduce([data(p, numel, "float32", case) for p in range(n)], op) if r == n - 1 \
             else data(r, numel, "float32", case)
-        check(x, want, f"reduce x{numel}")
+        check(x, want, f"reduce {op} x{numel}")
 
     # reduce_scatter (list and single): rank j's input j goes to rank j.
     for numel in (3, 150_001):

@@ -123,13 +123,39 @@ def check_overlap(gpucoll: Any, r: int, w: int) -> None:
 BIG = [(300, 1000), (7,), (0,), (513, 1024), (3,), (200_000,), (1,)]  # buckets over 1 MiB staging blocks
 
 
+def folded_mean(it: int, world: int, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
+    """The default average as documented, independently: every rank's float32 gradients
+    summed in rank order (in float32), then divided by the world size once."""
+    per_rank = [grads_of(k, it, shapes) for k in range(world)]
+    out = []
+    for i in range(len(shapes)):
+        acc = per_rank[0][i].copy()
+        for g in per_rank[1:]:
+            acc += g[i]
+        out.append(np.divide(acc, np.float32(world)))
+    return out
+
+
+def divided_sum(it: int, world: int, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
+    """allreduce_hook's result (torch's): each rank's gradient divided, then summed in rank order."""
+    per_rank = [grads_of(k, it, shapes) for k in range(world)]
+    out = []
+    for i in range(len(shapes)):
+        acc = np.divide(per_rank[0][i], np.float32(world))
+        for g in per_rank[1:]:
+            acc += np.divide(g[i], np.float32(world))
+        out.append(acc)
+    return out
+
+
 def check_every_path_is_one_collective(gpucoll: Any, r: int, w: int) -> None:
-    """reduce() (each bucket one all_reduce that divides the gradients on their way into
-    the transport), mark_ready with copies, with the buckets' own views, and the
-    allreduce_hook (divide, then a plain all_reduce) give the same bits, and a rank may
-    take any of them while its peers take another: each bucket is one all_reduce (SUM)
-    of the divided gradients, whichever way it is issued. Then a peer missing a gradient
-    under reduce() on the others is still a named error."""
+    """reduce() (each bucket one all_reduce AVG that reads the gradients where they are),
+    mark_ready with copies, and with the buckets' own views give the same bits, the sum
+    in rank order divided once, and a rank may take any of them while its peers take
+    another: each bucket is one all_reduce (AVG), whichever way it is issued. The
+    allreduce_hook (divide, then a plain all_reduce) gives torch's bits, the same as the
+    default where the world size is a power of two. Then a peer missing a gradient under
+    reduce() on the others is still a named error."""
     from gpucoll.ddp_comm_hooks import allreduce_hook
 
     ps = [np.zeros(s, np.float32) for s in BIG]
@@ -139,8 +165,12 @@ def check_every_path_is_one_collective(gpucoll: Any, r: int, w: int) -> None:
     assert len(plain.bucket_indices) >= 2, plain.bucket_indices
     for it in range(3):  # the first iteration rebuilds the buckets
         g = grads_of(r, it, BIG)
-        want = [x.copy() for x in hooked.reduce(g)]
-        close(want, mean_of(it, w, BIG), 1e-6, 1e-6, f"allreduce_hook, iteration {it}")
+        want = folded_mean(it, w, BIG)
+        close(want, mean_of(it, w, BIG), 1e-6, 1e-6, f"the reference, iteration {it}")
+        for i, (a, b) in enumerate(zip(hooked.reduce(g), divided_sum(it, w, BIG))):
+            assert a.tobytes() == b.tobytes(), f"allreduce_hook, iteration {it}: parameter {i} differs"
+        if w & (w - 1) == 0:  # dividing by a power of two is exact: the same bits either way
+            assert all(a.tobytes() == b.tobytes() for a, b in zip(hooked.reduce(g), want)), "allreduce_hook"
         way = (r + it) % 3  # every rank takes each way in turn, its peers others
         if way == 0:
             got = plain.reduce(g)
@@ -317,9 +347,15 @@ def check_every_hook(gpucoll: Any, r: int, w: int) -> None:
 
     want = mean_of(5, w)
     default = run(None, None, 5)
-    # allreduce_hook is the default, bit for bit
-    for a, b in zip(run(hooks.allreduce_hook, None, 5), default):
+    # allreduce_hook is torch's default, bit for bit (divide, then sum); the default divides
+    # the sum once: the same bits where the world size is a power of two
+    for a, b in zip(run(hooks.allreduce_hook, None, 5), divided_sum(5, w, SHAPES)):
         np.testing.assert_array_equal(a, b)
+    for a, b in zip(default, folded_mean(5, w, SHAPES)):
+        np.testing.assert_array_equal(a, b)
+    if w & (w - 1) == 0:
+        for a, b in zip(run(hooks.allreduce_hook, None, 5), default):
+            np.testing.assert_array_equal(a, b)
 
     def rounded(dtype: Any) -> list[np.ndarray]:
         """The reference for a compress hook: each rank's gradient / w rounded to dtype,
@@ -518,3 +554,22 @@ def one_rank_skips_an_iteration() -> str:
 
 def test_a_rank_that_skips_an_iteration_is_a_timeout_not_a_hang() -> None:
     assert run_spmd(one_rank_skips_an_iteration, 2, timeout=120, pg_timeout=3) == ["ok", "ok"]
+
+
+def a_hook_beside_the_default() -> str:
+    """Rank 1 registers allreduce_hook (a SUM of divided gradients), rank 0 keeps the
+    default (the bucket's AVG): the CPU backend names the mismatch on both, never a
+    wrong average."""
+    import gpucoll
+    from gpucoll.ddp_comm_hooks import allreduce_hook
+
+    red = gpucoll.Reducer(params(), bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)
+    if gpucoll.get_rank() == 1:
+        red.register_comm_hook(None, allreduce_hook)
+    with pytest.raises(gpucoll.DistBackendError, match=r"all_reduce.*reduce op \(rank 0: AVG, rank 1: SUM\)"):
+        red.reduce(grads_of(gpucoll.get_rank(), 0))
+    return "ok"
+
+
+def test_a_hook_on_one_rank_beside_the_default_is_a_named_mismatch() -> None:
+    assert run_spmd(a_hook_beside_the_default, 2, timeout=120, pg_timeout=10) == ["ok", "ok"]

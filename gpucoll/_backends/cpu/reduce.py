@@ -84,6 +84,18 @@ class Reducer:
         # call it directly, ``plain(parts[0], parts[1], out=out)`` then one call per part.
         plain = not self.low and self.factor is None and (self.op is not ReduceOp.AVG or size == 1)
         self.plain: Callable[..., Any] | None = self.ufunc if plain else None
+        # AVG of a float or complex dtype folded in its own dtype: the division can be the
+        # copy of the folded sum to where it goes (``scale(src, n, out=dst)``), bit for bit
+        # :meth:`finish` in place, with no pass of its own.
+        self.scale: Callable[..., Any] | None = None
+        self.scale_by: float = float(size)
+        if (self.op is ReduceOp.AVG and size > 1 and not self.low and self.factor is None
+                and self.dtype.kind in "fc"):
+            self.scale = np.divide
+            if size & (size - 1) == 0 and self.dtype.kind == "f":
+                # a power of two: the same exact quotient as a division, rounded once, at
+                # half a division's cost on a block in cache
+                self.scale, self.scale_by = np.multiply, 1.0 / size
 
     def _check(self, dtype: DType) -> None:
         name = self.op.name
@@ -123,14 +135,17 @@ class Reducer:
             np.multiply(x, np.asarray(scale).astype(self.acc_dtype), out=res, casting="unsafe")
         return res
 
-    def fold(self, out: Array, parts: Sequence[Array], *, prescaled: bool = False) -> None:
+    def fold(self, out: Array, parts: Sequence[Array], *, prescaled: bool = False, finish: bool = True) -> None:
         """``out = finish(parts[0] op parts[1] op ...)``, folding left to right.
 
         Args:
-            out: destination, in the arrays' dtype; may alias ``parts[0]`` but no other part.
+            out: destination, in the arrays' dtype; may alias ``parts[0]`` or ``parts[1]``
+                (the first step reads both before it writes), no other part.
             parts: one array per rank in rank order (2 or more), or already widened /
                 prescaled contributions when ``prescaled``.
             prescaled: the parts already went through :meth:`contribution`.
+            finish: False leaves AVG's division to the copies of ``out`` (only where
+                :attr:`scale` is set: the caller copies with it).
         """
         if self.low or (self.factor is not None and not prescaled):
             acc = self.contribution(parts[0]) if not prescaled else np.array(parts[0], dtype=self.acc_dtype)
@@ -143,7 +158,8 @@ class Reducer:
         self.ufunc(parts[0], parts[1], out=out)
         for p in parts[2:]:
             self.ufunc(out, p, out=out)
-        self.finish(out)
+        if finish or self.scale is None:
+            self.finish(out)
 
     def combine(self, acc: Array, part: Array) -> None:
         """``acc = acc op part`` in place (acc in the accumulation dtype; part as given)."""
@@ -160,6 +176,8 @@ class Reducer:
             neg_inexact = (acc < 0) & (np.remainder(acc, n) != 0)
             np.floor_divide(acc, n, out=acc)
             np.add(acc, neg_inexact, out=acc, casting="unsafe")
+        elif acc.dtype.kind == "f" and self.size & (self.size - 1) == 0:
+            np.multiply(acc, 1.0 / self.size, out=acc, casting="unsafe")  # as :attr:`scale`
         else:
             np.divide(acc, self.size, out=acc, casting="unsafe")
 

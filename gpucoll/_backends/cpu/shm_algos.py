@@ -272,13 +272,23 @@ class ShmCollectives:
         cap = seg.bulk_bytes // n // 64 * 64 // isz  # elements per rank slice per block
         per_block = cap * n
         gets = dst is None or r == dst
+        # A filled slice of rank 0 or 1 goes straight into the fold's output (its first step
+        # reads parts 0 and 1 before it writes); other ranks fill a scratch block.
+        in_place = r <= 1
         pending: tuple[int, Array, list[tuple[int, int]]] | None = None  # the block to copy out
+
+        scale = red.scale  # AVG of floats: each copy of a folded sum divides it on the way
+        by = red.scale_by
 
         def copy_out(k: int, blk: Array, bounds: list[tuple[int, int]]) -> None:
             self._wait_all(ctx, 3 + 2 * k)
             for j in self._peers:
                 lo, hi = bounds[j]
-                np.copyto(_u8(blk[lo:hi]), seg.bulk(j, k & 1)[j * cap * isz:(j * cap + hi - lo) * isz])
+                src = seg.bulk(j, k & 1)[j * cap * isz:(j * cap + hi - lo) * isz]
+                if scale is None:
+                    np.copyto(_u8(blk[lo:hi]), src)
+                else:
+                    scale(src.view(x.dtype), by, out=blk[lo:hi])
 
         # Block k: stage the peers' slices (step 2+2k), fold this rank's slice once every
         # peer staged (step 3+2k); the copy-out of block k-1 runs between posting and
@@ -300,16 +310,19 @@ class ShmCollectives:
                 pending = None
             lo, hi = bounds[r]
             own = blk[lo:hi]
-            if fill is not None:  # this rank's own slice, through a scratch block that stays in cache
-                own = self._scratch(cap, x.dtype)[:hi - lo]
+            res = mine[r * cap * isz:(r * cap + hi - lo) * isz].view(x.dtype)
+            if fill is not None:  # this rank's own slice, filled where the fold stays in cache
+                own = res if in_place else self._scratch(cap, x.dtype)[:hi - lo]
                 fill(start + lo, start + hi, own)
             self._wait_all(ctx, 2 + 2 * k)
-            res = mine[r * cap * isz:(r * cap + hi - lo) * isz].view(x.dtype)
             parts = [own if j == r else seg.bulk(j, b)[r * cap * isz:(r * cap + hi - lo) * isz].view(x.dtype)
                      for j in range(n)]
-            red.fold(res, parts)
+            red.fold(res, parts, finish=False)  # (the peers divide their copies of res)
             if gets:
-                np.copyto(blk[lo:hi], res)
+                if scale is None:
+                    np.copyto(blk[lo:hi], res)
+                else:
+                    scale(res, by, out=blk[lo:hi])
                 pending = (k, blk, bounds)
             self._post()
         if pending is not None:
