@@ -35,7 +35,8 @@ comes), then 8x (still far shorter than a real backward of these models); printe
 time from the last gradient to ``wait()`` returning, against one all_reduce of the last
 bucket's size, timed in the loop of the other ways and timed after the ranks were idle as
 long as the backward spends on the last bucket's layers (the tail's conditions: on a VM
-an op after an idle spell is slower than one in a busy loop).
+an op after an idle spell is slower than one in a busy loop), as medians and paired: the
+median over iterations of each tail over the reference timed just before it.
 
 gpucoll and torch take turns, ``--rounds`` times (default 3), and each figure is the
 median over the rounds. The machine is shared: compare the ratios of one run, not
@@ -227,6 +228,11 @@ def gpucoll_rank(models: list[str], iters: int) -> dict[str, Any]:
                 totals.append(t2 - t0)
             row[f"overlap_tail_{factor}"] = _median_of_max(tails, gather)
             row[f"last_bucket_after_idle_{factor}"] = _median_of_max(cold, gather)
+            # the tail against its own iteration's reference (both the slower rank's): the
+            # drift of this machine cancels within an iteration, not across medians
+            all_tails, all_cold = gather(tails), gather(cold)
+            row[f"overlap_tail_paired_{factor}"] = statistics.median(
+                max(t[i] for t in all_tails) / max(c[i] for c in all_cold) for i in range(iters))
             row[f"overlap_total_{factor}"] = _median_of_max(totals, gather)
             row[f"simulated_backward_{factor}"] = factor * row["flat"]
         del reducer
@@ -451,7 +457,8 @@ def report(ours: dict[str, Any], theirs: dict[str, Any] | str, rounds: int = 1) 
             lines.append(f"    backward {factor}x flat {_ms(row[f'simulated_backward_{factor}'])}: whole step "
                          f"{_ms(row[f'overlap_total_{factor}'])}, after the last gradient {_ms(tail)}, "
                          f"{tail / row['last_bucket_all_reduce']:.2f}x the last bucket's all_reduce, "
-                         f"{tail / idle_ref:.2f}x the same after as long idle ({_ms(idle_ref)})")
+                         f"{tail / idle_ref:.2f}x the same after as long idle ({_ms(idle_ref)}; paired "
+                         f"iteration by iteration {row[f'overlap_tail_paired_{factor}']:.2f}x)")
         lines.append("")
     if isinstance(theirs, str):
         lines.append(f"torch DDP: skipped ({theirs})")
