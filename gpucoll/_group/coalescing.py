@@ -31,7 +31,7 @@ class CoalescingGroup(Protocol):
     def _check_usable(self) -> None: ...
     def _backend_for_all(self, bufs: Sequence[Buffer], names: Sequence[str]) -> Backend: ...
     def _issue(self, backend: Backend, start: Callable[[], Work], buf: Buffer | None,
-               outputs: list[Any], peer: int = -1, op: str = "", red: Any = None) -> Work: ...
+               outputs: list[Any], peer: int = -1, op: str = "", red: Any = None, async_op: bool = False) -> Work: ...
     def _finish(self, backend: Backend, work: Work, async_op: bool) -> Work | None: ...
 
 
@@ -100,26 +100,26 @@ class CoalescingManager:
         return work
 
     def _flush(self) -> None:
-        g, kind, op, items = self.group, self._kind, self._op, self._items
+        g, kind, op, items, a = self.group, self._kind, self._op, self._items, self.async_ops
         if kind is None:
             return
         bufs = [it[1] for it in items]
         backend = self._backend = g._backend_for_all(bufs, [f"op {i} of the coalescing block" for i in range(len(bufs))])
         if kind == "all_reduce":
             works = [g._issue(backend, lambda: backend.all_reduce_coalesced(bufs, op), bufs[0],
-                              [it[2] for it in items])] * len(items)
+                              [it[2] for it in items], async_op=a)] * len(items)
         elif kind == "all_gather_single":
             outs = [_array.split_buffer(b, g.size()) for b in bufs]
             ins = [it[3] for it in items]
             works = [g._issue(backend, lambda: backend.all_gather_coalesced(outs, ins), ins[0],
-                              [it[2] for it in items])] * len(items)
+                              [it[2] for it in items], async_op=a)] * len(items)
         elif kind == "reduce_scatter_single":
             works = [g._issue(backend, lambda it=it: backend.reduce_scatter_single(it[1], it[3], op),  # type: ignore[misc]
-                              it[1], [it[2]]) for it in items]
+                              it[1], [it[2]], async_op=a) for it in items]
         else:
             batch = [(it[0], it[1], it[3], it[4]) for it in items]
             works = [g._issue(backend, lambda: backend.batch_p2p(batch), bufs[0],
-                              [it[2] for it in items if it[0] == "recv"])] * len(items)
+                              [it[2] for it in items if it[0] == "recv"], async_op=a)] * len(items)
         for placeholder, work in zip(self._placeholders, works):
             work._add_done_callback(lambda w, p=placeholder: _complete_from(p, w))  # type: ignore[misc]
         self.works = list({id(w): w for w in works}.values())

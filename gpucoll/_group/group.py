@@ -218,8 +218,8 @@ class ProcessGroup:
         return backend_for_all(self, bufs, names)
 
     def _issue(self, backend: Backend, start: Callable[[], Work], buf: Buffer | None,
-               outputs: list[Any], peer: int = -1, op: str = "", red: Any = None) -> Work:
-        return self._issuer.issue(backend, start, buf, outputs, peer, op, red)
+               outputs: list[Any], peer: int = -1, op: str = "", red: Any = None, async_op: bool = False) -> Work:
+        return self._issuer.issue(backend, start, buf, outputs, peer, op, red, async_op)
 
     def _collective(self, backend: Backend, start: Callable[[], Work], buf: Buffer | None, outputs: list[Any],
                     peer: int = -1, op: str = "", red: Any = None, *, async_op: bool) -> Work | None:
@@ -314,7 +314,7 @@ class ProcessGroup:
         reds = [_check_op(op, b.dtype) for b in bufs]
         backend = backend_for_all(self, bufs, names)
         work = self._issue(backend, lambda: backend.all_reduce_coalesced(bufs, reds[0]), bufs[0], list(tensors),
-                           op="all_reduce_coalesced", red=reds[0])
+                           op="all_reduce_coalesced", red=reds[0], async_op=async_op)
         work._wait_gives_result = True
         return self._finish(backend, work, async_op)
 

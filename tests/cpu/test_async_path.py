@@ -331,7 +331,7 @@ def test_an_async_op_issued_alone_returns_at_once_and_completes_when_the_peers_j
 
 
 ASYNC_KINDS = ["reduce", "reduce_scatter", "reduce_scatter_single", "all_gather", "gather", "scatter", "all_to_all",
-               "all_to_all_single", "barrier"]
+               "all_to_all_single", "barrier", "all_reduce_coalesced", "coalescing_block"]
 
 
 def _issue_kind(kind: str, r: int, n: int, async_op: bool) -> tuple[Any, Any]:
@@ -373,6 +373,18 @@ def _issue_kind(kind: str, r: int, n: int, async_op: bool) -> tuple[Any, Any]:
         out = np.zeros(n, np.int64)
         w = gpucoll.all_to_all_single(out, np.arange(n, dtype=np.int64) + 10 * r, async_op=async_op)
         return w, lambda: (out.tolist(), [10 * q + r for q in range(n)])
+    if kind == "all_reduce_coalesced":
+        xs = [np.full(2, float(r)), np.full(3, float(2 * r))]
+        w = gpucoll.all_reduce_coalesced(xs, async_op=async_op)
+        total = float(sum(range(n)))
+        return w, lambda: ([x.tolist() for x in xs], [[total] * 2, [2 * total] * 3])
+    if kind == "coalescing_block":
+        a, b = np.full(2, float(r)), np.full(3, float(r * r))
+        with gpucoll.coalescing(async_ops=async_op) as cm:
+            gpucoll.all_reduce(a, async_op=async_op)
+            gpucoll.all_reduce(b, async_op=async_op)
+        return (cm if async_op else None), lambda: ((a.tolist(), b.tolist()),
+                                                    ([float(sum(range(n)))] * 2, [float(sum(q * q for q in range(n)))] * 3))
     assert kind == "barrier"
     w = gpucoll.barrier(async_op=async_op)
     return w, lambda: (None, None)
