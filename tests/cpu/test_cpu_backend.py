@@ -134,6 +134,20 @@ def collectives_body(transport: str) -> dict[str, Any]:
         be.all_reduce(buf(x), reduce_op(op)).wait()
         check(x, ref_reduce([data(p, numel, dtype, case, op) for p in range(n)], op), f"all_reduce {op} {dtype} x{numel}")
 
+    # special values past the small slot (the folded sums are copied out by a multiplication
+    # by one, AVG's by 1/n): subnormals, signed zeros, infinities, NaN and the largest
+    # finite values keep their bits
+    for dtype in ("float32", "float64"):
+        for op in ("SUM", "AVG", "MAX"):
+            case += 1
+            info = np.finfo(np.dtype(dtype))
+            special = np.array([info.smallest_subnormal, -info.smallest_subnormal * 3, -0.0, 0.0, np.inf, -np.inf,
+                                np.nan, info.max, -info.max / 2, info.tiny, 1.0, -2.5], dtype)
+            x = np.resize(np.roll(special, r), 300_007)
+            be.all_reduce(buf(x), reduce_op(op)).wait()
+            want = ref_reduce([np.resize(np.roll(special, p), 300_007) for p in range(n)], op)
+            check(x, want, f"all_reduce {op} {dtype} special values")
+
     # reduce to the last rank; non-destination inputs stay unchanged.
     for numel, op in ((5, "SUM"), (400_003, "SUM"), (400_003, "AVG")):
         case += 1
