@@ -474,3 +474,34 @@ def test_object_over_the_limit_fails_everywhere_and_group_stays_usable() -> None
         assert len(errors) == 2 and all("exceeds the limit" in e for e in errors), errors
         assert "rank 0" in errors[0] and "rank 1" in errors[1], errors
         assert x == [3.0] * 3 and objs == [{"r": 0}]
+
+
+def test_a_key_set_just_before_its_peer_left_still_wins() -> None:
+    """The peer sets the key, finishes and leaves between a rank's look for the key and
+    its look at the peer: the key is read, not the peer's departure raised (a rank of a
+    group whose peer returned at once failed with "rank 0 shut down its CPU backend while
+    the shared-memory segment was set up"). A peer gone without the key still fails, named."""
+    from gpucoll._backends.cpu.shm import get_while_alive
+    from gpucoll.errors import DistBackendError
+
+    class Store:
+        def __init__(self, appears: bool) -> None:
+            self.looks, self.appears = 0, appears
+
+        def check(self, keys: list[str]) -> bool:
+            self.looks += 1
+            return self.appears and self.looks > 1  # set right after the first look
+
+        def get(self, key: str) -> bytes:
+            return b"1"
+
+        def wait(self, keys: list[str], timeout: float) -> None:
+            raise AssertionError("no wait: the peer is already gone")
+
+    def gone(peer: int) -> str:
+        return "shut down its CPU backend"
+
+    deadline = time.monotonic() + 5
+    assert get_while_alive(Store(True), "shm/ready", deadline, 0, gone) == "1"
+    with pytest.raises(DistBackendError, match="rank 0 shut down its CPU backend while the shared-memory"):
+        get_while_alive(Store(False), "shm/ready", deadline, 0, gone)

@@ -284,13 +284,21 @@ def get_while_alive(store: Any, key: str, deadline: float, peer: int, gone: Call
     """``store.get(key)``, failing within moments once ``peer`` is known dead.
 
     A key already there wins over the peer's death: a fast peer may finish setting up,
-    run an op, fail it and leave while a slow rank is still reading its last key."""
+    run an op, fail it and leave while a slow rank is still reading its last key (the key
+    is looked for again once the peer is seen gone: it may have set it, finished and left
+    between the first look and that news)."""
     while True:
         if store.check([key]):
             value: str = store.get(key).decode()
             return value
         why = gone(peer)
         if why is not None:
+            try:
+                if store.check([key]):
+                    late: str = store.get(key).decode()
+                    return late
+            except Exception:  # the store left with the peer: its death is the error to name
+                pass
             raise DistBackendError(f"rank {peer} {why} while the shared-memory segment was set up")
         left = deadline - time.monotonic()
         if left <= 0:
