@@ -354,11 +354,9 @@ class Reducer(Generic[TreeT]):
         self._started = True
         try:
             for bucket in self._buckets:
-                parts = [flat[i] for i in bucket.indices]
-                if bucket.avg:  # the bucket's AVG, its input read from the gradients
-                    all_reduce_gathered(self._group, bucket.flat, parts, 1, op=ReduceOp.AVG)
-                else:
-                    all_reduce_gathered(self._group, bucket.flat, parts, self._size)
+                # a floating bucket's AVG, its input read from the gradients; others' SUM of them divided
+                all_reduce_gathered(self._group, bucket.flat, [flat[i] for i in bucket.indices],
+                                    1 if bucket.avg else self._size, op=ReduceOp.AVG if bucket.avg else ReduceOp.SUM)
             if self._check_ready:
                 self._ready = [True] * self._n
                 self._issue_check()

@@ -224,8 +224,7 @@ class ProcessGroup:
     def _collective(self, backend: Backend, start: Callable[[], Work], buf: Buffer | None, outputs: list[Any],
                     peer: int = -1, op: str = "", red: Any = None, *, async_op: bool) -> Work | None:
         """Issue a collective (started as async where asked: ISSUING_ASYNC) and finish it."""
-        work = self._issuer.issue(backend, start, buf, outputs, peer, op, red, async_op)
-        return self._finish(backend, work, async_op)
+        return self._finish(backend, self._issue(backend, start, buf, outputs, peer, op, red, async_op), async_op)
 
     def _finish(self, backend: Backend, work: Work, async_op: bool) -> Work | None:
         return self._issuer.finish(backend, work, async_op, backend is not self._cpu)

@@ -25,7 +25,7 @@ EDGES = np.array([0.0, -0.0, 1.0, -3.0, 1e-45, -1e-45, 1.4e-45 * 3, 1.17549435e-
                   np.inf, -np.inf, np.nan, 7.0, 1 / 3, 2.5e-39], np.float64)
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.complex64])
 @pytest.mark.parametrize("divisor", [1, 2, 3, 4, 5, 7, 8, 64])
 def test_the_fill_is_numpys_division_bit_for_bit(dtype: Any, divisor: int) -> None:
     rng = np.random.default_rng(divisor)

@@ -32,7 +32,7 @@ from ...errors import DistBackendError, DistError
 from ..._reduce_op import PremulSum, ReduceOp, ReduceOpLike
 from ..._work import Work
 from ...store.base import Store
-from .reduce import Array, Reducer, as_array, make_reducer, op_key, sig_op, split_counts
+from .reduce import Array, Reducer, as_array, division, make_reducer, op_key, sig_op, split_counts
 from .auth import host_id
 from .p2p import run_batch
 from .tcp import TcpMesh, local_address
@@ -573,13 +573,8 @@ class CPUBackend:
 def gathered_fill(parts: Sequence[Array], divisor: int) -> Fill:
     """The ``Fill`` of the concatenation of the 1-D arrays ``parts``, each element divided
     by ``divisor``, bit for bit as ``np.divide(part, divisor, out=...)`` (a gradient
-    divided by the world size). A power of two divides as a multiplication by its
-    inverse: the same exact quotient, rounded once, at a tenth of a division's cost on
-    a block that is in cache."""
-    scale: Callable[..., Any] = np.divide
-    factor: float = divisor
-    if divisor > 0 and divisor & (divisor - 1) == 0:
-        scale, factor = np.multiply, 1.0 / divisor
+    divided by the world size; a power of two as a multiplication: ``reduce.division``)."""
+    ops = [division(divisor, p.dtype) for p in parts]
     starts = [0]
     for p in parts:
         starts.append(starts[-1] + int(p.size))
@@ -592,6 +587,7 @@ def gathered_fill(parts: Sequence[Array], divisor: int) -> Fill:
             p, s = parts[i], starts[i]
             a, b = lo - s, min(hi, ends[i]) - s
             if b > a:
+                scale, factor = ops[i]
                 scale(p[a:b], factor, out=out[at:at + b - a])
                 at += b - a
                 lo = s + b

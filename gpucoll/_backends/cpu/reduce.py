@@ -29,7 +29,7 @@ import numpy as np
 from ..._buffer import Buffer, DType
 from ..._reduce_op import PremulSum, ReduceOp, ReduceOpLike
 
-__all__ = ["as_array", "as_bytes", "Reducer", "make_reducer", "op_key", "sig_op", "split_counts"]
+__all__ = ["as_array", "as_bytes", "Reducer", "division", "make_reducer", "op_key", "sig_op", "split_counts"]
 
 Array = np.ndarray[Any, np.dtype[Any]]
 
@@ -84,18 +84,22 @@ class Reducer:
         # call it directly, ``plain(parts[0], parts[1], out=out)`` then one call per part.
         plain = not self.low and self.factor is None and (self.op is not ReduceOp.AVG or size == 1)
         self.plain: Callable[..., Any] | None = self.ufunc if plain else None
-        # AVG of a float or complex dtype folded in its own dtype: the division can be the
-        # copy of the folded sum to where it goes (``scale(src, n, out=dst)``), bit for bit
-        # :meth:`finish` in place, with no pass of its own.
-        self.scale: Callable[..., Any] | None = None
-        self.scale_by: float = float(size)
-        if (self.op is ReduceOp.AVG and size > 1 and not self.low and self.factor is None
-                and self.dtype.kind in "fc"):
-            self.scale = np.divide
-            if size & (size - 1) == 0 and self.dtype.kind == "f":
-                # a power of two: the same exact quotient as a division, rounded once, at
-                # half a division's cost on a block in cache
-                self.scale, self.scale_by = np.multiply, 1.0 / size
+        # AVG's division of a float or complex sum (:meth:`finish`).
+        self.divide, self.divide_by = division(size, self.acc_dtype)
+        # How a folded result is copied to where it goes, ``copy(src, copy_by, out=dst)``
+        # (None: memcpy). AVG of a float or complex dtype divides there, bit for bit
+        # :meth:`finish` in place, with no pass of its own. float32/64 sums and products
+        # are copied as a multiplication by one: the same bits (arithmetic leaves no
+        # signalling NaN to quiet; MIN/MAX could pass one through, so they keep memcpy),
+        # and on the 2-core VMs here faster than memcpy for blocks another core just wrote.
+        self.copy: Callable[..., Any] | None = None
+        self.copy_by = 1.0
+        if not self.low and self.dtype.kind in "fc":
+            if self.op is ReduceOp.AVG:
+                if size > 1:
+                    self.copy, self.copy_by = self.divide, self.divide_by
+            elif self.dtype.kind == "f" and self.dtype.itemsize >= 4 and self.ufunc in (np.add, np.multiply):
+                self.copy = np.multiply
 
     def _check(self, dtype: DType) -> None:
         name = self.op.name
@@ -145,7 +149,7 @@ class Reducer:
                 prescaled contributions when ``prescaled``.
             prescaled: the parts already went through :meth:`contribution`.
             finish: False leaves AVG's division to the copies of ``out`` (only where
-                :attr:`scale` is set: the caller copies with it).
+                :attr:`copy` is set: the caller copies with it).
         """
         if self.low or (self.factor is not None and not prescaled):
             acc = self.contribution(parts[0]) if not prescaled else np.array(parts[0], dtype=self.acc_dtype)
@@ -158,7 +162,7 @@ class Reducer:
         self.ufunc(parts[0], parts[1], out=out)
         for p in parts[2:]:
             self.ufunc(out, p, out=out)
-        if finish or self.scale is None:
+        if finish or self.copy is None:
             self.finish(out)
 
     def combine(self, acc: Array, part: Array) -> None:
@@ -176,10 +180,18 @@ class Reducer:
             neg_inexact = (acc < 0) & (np.remainder(acc, n) != 0)
             np.floor_divide(acc, n, out=acc)
             np.add(acc, neg_inexact, out=acc, casting="unsafe")
-        elif acc.dtype.kind == "f" and self.size & (self.size - 1) == 0:
-            np.multiply(acc, 1.0 / self.size, out=acc, casting="unsafe")  # as :attr:`scale`
         else:
-            np.divide(acc, self.size, out=acc, casting="unsafe")
+            self.divide(acc, self.divide_by, out=acc, casting="unsafe")
+
+
+def division(n: int, dtype: np.dtype[Any]) -> tuple[Callable[..., Any], float]:
+    """``x / n`` for ``x`` of ``dtype`` as ``(fn, by)``, ``fn(x, by, out=...)``, bit for bit
+    ``np.divide(x, n)``: for a real float dtype and a power of two, a multiplication by the
+    inverse (the same exact quotient, rounded once, at half a division's cost or less on
+    a block in cache); otherwise the division."""
+    if dtype.kind == "f" and n > 0 and n & (n - 1) == 0:
+        return np.multiply, 1.0 / n
+    return np.divide, float(n)
 
 
 def make_reducer(op: ReduceOpLike, dtype: DType, size: int) -> Reducer:

@@ -277,24 +277,17 @@ class ShmCollectives:
         in_place = r <= 1
         pending: tuple[int, Array, list[tuple[int, int]]] | None = None  # the block to copy out
 
-        scale = red.scale  # AVG of floats: each copy of a folded sum divides it on the way
-        by = red.scale_by
-        if scale is None and x.dtype.kind == "f" and x.itemsize >= 4 and red.ufunc in (np.add, np.multiply):
-            # float32/64 sums and products are copied out as a multiplication by one: the
-            # same bits (arithmetic leaves no signalling NaN to quiet; MIN/MAX could pass one
-            # through, so they keep memcpy), and on the 2-core VMs here faster than memcpy
-            # for these copies of blocks another core just wrote
-            scale, by = np.multiply, 1.0
+        copy, by = red.copy, red.copy_by  # (AVG: each copy of a folded sum divides it)
 
         def copy_out(k: int, blk: Array, bounds: list[tuple[int, int]]) -> None:
             self._wait_all(ctx, 3 + 2 * k)
             for j in self._peers:
                 lo, hi = bounds[j]
                 src = seg.bulk(j, k & 1)[j * cap * isz:(j * cap + hi - lo) * isz]
-                if scale is None:
+                if copy is None:
                     np.copyto(_u8(blk[lo:hi]), src)
                 else:
-                    scale(src.view(x.dtype), by, out=blk[lo:hi])
+                    copy(src.view(x.dtype), by, out=blk[lo:hi])
 
         # Block k: stage the peers' slices (step 2+2k), fold this rank's slice once every
         # peer staged (step 3+2k); the copy-out of block k-1 runs between posting and
@@ -325,10 +318,10 @@ class ShmCollectives:
                      for j in range(n)]
             red.fold(res, parts, finish=False)  # (the peers divide their copies of res)
             if gets:
-                if scale is None:
+                if copy is None:
                     np.copyto(blk[lo:hi], res)
                 else:
-                    scale(res, by, out=blk[lo:hi])
+                    copy(res, by, out=blk[lo:hi])
                 pending = (k, blk, bounds)
             self._post()
         if pending is not None:
