@@ -138,9 +138,14 @@ class DeviceKit:
             graph.launch(stream=self._graph_stream)
 
     def device_name(self) -> str:
+        return f"cuda:{self.device} ({self.device_identity()[2]})"
+
+    def device_identity(self) -> tuple[int, str, str]:
+        """(device index, PCI address ``dddd:bb:dd``, name): nccl-tests' rank line."""
         props = self._cp.cuda.runtime.getDeviceProperties(self.device)
         name = props["name"]
-        return f"cuda:{self.device} ({name.decode() if isinstance(name, bytes) else name})"
+        pci = "%04x:%02x:%02x" % (props.get("pciDomainID", 0), props.get("pciBusID", 0), props.get("pciDeviceID", 0))
+        return self.device, pci, name.decode() if isinstance(name, bytes) else str(name)
 
 
 class _ExoticDeviceArray:

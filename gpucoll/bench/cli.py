@@ -22,13 +22,16 @@ from typing import Sequence
 from .ops import op_names
 from .options import BenchConfig, parse_size, resolve_datatypes, resolve_redops, size_sweep
 
-__all__ = ["main", "build_parser", "config_from_args", "CORRUPT_ENV"]
+__all__ = ["main", "build_parser", "config_from_args", "local_job_size", "CORRUPT_ENV"]
 
+from .._env import BENCH_COMMAND_ENV
 from .._env import BENCH_CORRUPT_ENV as CORRUPT_ENV
 
 _EPILOG = """\
 examples:
   gpucoll-bench all_reduce -b 8 -e 64M -f 4           sweep 8 B .. 64 MiB, x4 per step
+  gpucoll-bench all_reduce -b 8 -e 8G -f 2 -g 8       8 ranks on this node, one process per GPU
+  gpucoll-bench all_reduce -g 8 -m 4 -R 2             4 ops per group call, symmetric windows
   gpucoll-bench all_gather -d bfloat16 --json run.json
   srun -N2 --ntasks-per-node 8 gpucoll-bench all_reduce -b 1M -e 1G -f 2
   gpucoll-bench plot a.json b.json --plot compare.png  compare saved runs
@@ -79,15 +82,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CUDA graph launches (nccl-tests' meaning: the timed ops are captured into a graph, "
                         "launched this many times; nccl backend only; default 0, no graph)")
     # nccl-tests' remaining flags, so that a pasted all_reduce_perf command line works.
-    p.add_argument("-t", "--nthreads", type=int, default=1,
-                   help="threads per process (nccl-tests); gpucoll-bench runs one: must be 1")
-    p.add_argument("-g", "--ngpus", type=int, default=1,
-                   help="GPUs per thread (nccl-tests); gpucoll-bench drives one per process: must be 1")
+    p.add_argument("-t", "--nthreads", type=int, default=None,
+                   help="nccl-tests' threads per process; with -g, the local job runs -t x -g ranks, each "
+                        "its own process (gpucoll runs one rank per process) with one GPU (default 1)")
+    p.add_argument("-g", "--ngpus", type=int, default=None,
+                   help="nccl-tests' GPUs per thread: -g 8 runs 8 ranks on one node, one process per GPU, "
+                        "and fails naming the GPU count when there are fewer (default 1; on the cpu "
+                        "backend -t x -g ranks run as well)")
     p.add_argument("-a", "--average", type=int, default=3, choices=(0, 1, 2, 3),
                    help="time reported over ranks: 0 rank 0, 1 average, 2 minimum, 3 maximum "
                         "(default 3; nccl-tests' default is 1)")
     p.add_argument("-m", "--agg_iters", type=int, default=1,
-                   help="ops aggregated per group call (nccl-tests); gpucoll-bench issues one: must be 1")
+                   help="ops aggregated per group call: each timed iteration issues M ops inside one "
+                        "gpucoll.coalescing() block (one ncclGroupStart/End); time per op is divided by M "
+                        "(all_reduce, all_gather, reduce_scatter; default 1)")
     p.add_argument("-p", "--parallel_init", type=int, default=0,
                    help="initialise threads in parallel (nccl-tests); one thread per process here: must be 0")
     p.add_argument("-N", "--run_cycles", type=int, default=1,
@@ -97,8 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "not their completion (default 0)")
     p.add_argument("-T", "--timeout_s", dest="timeout_short", type=float, default=None, metavar="S",
                    help="same as --timeout, in seconds (nccl-tests' -T; --timeout is gpucoll's own)")
-    p.add_argument("-R", "--local_register", type=int, default=0,
-                   help="NCCL buffer registration (nccl-tests); gpucoll does not register buffers: must be 0")
+    p.add_argument("-R", "--local_register", type=int, default=0, choices=(0, 1, 2),
+                   help="buffer registration: 1 buffers from the NCCL memory pool (ncclMemAlloc) registered "
+                        "with ncclCommRegister, 2 registered as symmetric windows (ncclCommWindowRegister, "
+                        "NCCL >= 2.27); a no-op on the cpu backend (default 0)")
     p.add_argument("--backend", choices=("auto", "nccl", "cpu"), default="auto",
                    help="nccl (GPU arrays), cpu (NumPy arrays), or auto: nccl when a GPU is usable")
     p.add_argument("--nproc", type=int, default=None,
@@ -124,16 +134,10 @@ def _version() -> str:
 
 _REFUSED_UNLESS = (
     # (attribute, flag, accepted value, why any other value cannot mean anything here)
-    ("nthreads", "-t/--nthreads", 1,
-     "gpucoll-bench runs one thread per process; start more ranks instead (--nproc, gpucoll-run, srun, mpirun)"),
-    ("ngpus", "-g/--ngpus", 1,
-     "each gpucoll rank drives one GPU; start one rank per GPU instead (--nproc, gpucoll-run, srun, mpirun)"),
-    ("agg_iters", "-m/--agg_iters", 1,
-     "gpucoll has no NCCL group call to aggregate ops into; each op is issued on its own"),
     ("parallel_init", "-p/--parallel_init", 0,
      "there is one thread per process, so there is nothing to initialise in parallel"),
     ("local_register", "-R/--local_register", 0,
-     "gpucoll does not register user buffers with NCCL (ncclCommRegister)"),
+     "buffer registration is not in this build of gpucoll-bench yet"),
 )
 
 
@@ -143,6 +147,10 @@ def _check_nccl_tests_flags(args: argparse.Namespace) -> None:
         value = getattr(args, attr)
         if value != ok:
             raise ValueError(f"{flag} {value}: {why}. Use {flag.split('/')[0]} {ok} or leave it out.")
+    for attr, flag in (("nthreads", "-t/--nthreads"), ("ngpus", "-g/--ngpus"), ("agg_iters", "-m/--agg_iters")):
+        value = getattr(args, attr)
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1; got {value}")
     if args.run_cycles < 1:
         raise ValueError(f"-N/--run_cycles {args.run_cycles}: gpucoll-bench runs a finite number of "
                          "sweeps; give -N 1 or more (0, nccl-tests' 'forever', is not supported)")
@@ -177,7 +185,41 @@ def config_from_args(args: argparse.Namespace, backend: str) -> BenchConfig:
         datatypes=resolve_datatypes(args.datatype), redops=resolve_redops(args.redop),
         root=args.root, blocking=bool(args.blocking), cudagraph=args.cudagraph, backend=backend,
         timeout=args.timeout, corrupt=os.environ.get(CORRUPT_ENV, "") == "1",
-        average=args.average, run_cycles=args.run_cycles, report_cputime=bool(args.report_cputime))
+        average=args.average, run_cycles=args.run_cycles, report_cputime=bool(args.report_cputime),
+        nthreads=args.nthreads or 1, ngpus=args.ngpus or 1, agg_iters=args.agg_iters,
+        local_register=args.local_register)
+
+
+def _per_node(args: argparse.Namespace) -> int | None:
+    """``-t x -g`` when either was given, else None."""
+    if args.nthreads is None and args.ngpus is None:
+        return None
+    return (args.nthreads or 1) * (args.ngpus or 1)
+
+
+def local_job_size(args: argparse.Namespace, backend: str, gpus: int) -> int:
+    """How many ranks the local job runs: ``--nproc``, or ``-t x -g``, or by default every
+    visible GPU with nccl and 2 on the CPU.
+
+    Raises:
+        ValueError: ``--nproc`` and ``-t x -g`` disagree, or ``-t x -g`` asks the nccl backend
+            for more GPUs than are visible (one rank per GPU).
+    """
+    per_node = _per_node(args)
+    t, g = args.nthreads or 1, args.ngpus or 1
+    if per_node is not None and args.nproc is not None and args.nproc != per_node:
+        raise ValueError(f"--nproc {args.nproc} and -t {t} -g {g} disagree: -t x -g is {per_node} ranks; "
+                         "give one of them, or values that agree")
+    if per_node is not None and backend == "nccl" and per_node > gpus:
+        raise ValueError(f"-t {t} -g {g} runs {per_node} ranks, one per GPU, but this machine has {gpus} GPU"
+                         f"{'' if gpus == 1 else 's'} visible (CUDA_VISIBLE_DEVICES="
+                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use -g {gpus} or fewer, or "
+                         "--nproc to place several ranks on one GPU")
+    if args.nproc is not None:
+        return int(args.nproc)
+    if per_node is not None:
+        return per_node
+    return gpus if backend == "nccl" else 2
 
 
 def _gpu_count() -> tuple[int, str]:
@@ -280,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         world = _launcher_world()
         if world is None:
             backend, gpus = _resolve_backend(args.backend)
-            nproc = args.nproc if args.nproc is not None else (gpus if backend == "nccl" else 2)
+            nproc = local_job_size(args, backend, gpus)
             from .runner import check_config
             from .spawn import run_local
 
@@ -289,6 +331,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             bind_to = args.bind_to if args.bind_to != "auto" else ("core" if backend == "cpu" else "none")
             return run_local(nproc, [*argv, "--backend", backend], timeout=args.timeout,
                              typed=argv, bind_to=bind_to, quiet_unbound=args.bind_to == "auto")
+        per_node = _per_node(args)
+        # A rank of gpucoll-bench's own local job (which ran -t x -g processes) has the job's command.
+        if per_node is not None and per_node != 1 and not os.environ.get(BENCH_COMMAND_ENV):
+            raise ValueError(f"-t {args.nthreads or 1} -g {args.ngpus or 1} under a launcher that started {world} "
+                             "ranks: gpucoll runs one rank (one GPU) per process, so start -t x -g processes per "
+                             "node with the launcher and leave -t/-g out")
         if args.nproc is not None and args.nproc != world:
             raise ValueError(f"--nproc {args.nproc} given, but the launcher started {world} ranks; "
                              "drop --nproc under gpucoll-run, srun or mpirun")

@@ -163,6 +163,13 @@ class BenchConfig:
             2 the minimum, 3 the maximum.
         run_cycles: how many times the whole sweep runs (``-N``).
         report_cputime: time only the issuing of the ops, not their completion (``-C 1``).
+        nthreads, ngpus: nccl-tests' ``-t`` and ``-g`` as given (the local job ran
+            ``nthreads * ngpus`` ranks, one process and one GPU each); the header shows them.
+        agg_iters: ops issued inside one group call per timed iteration (``-m``), through
+            ``gpucoll.coalescing()``; the time per op is divided by it.
+        local_register: ``-R``: 0 plain buffers; 1 buffers from the NCCL memory pool,
+            registered with the communicator (``ncclCommRegister``); 2 registered as
+            symmetric windows (``ncclCommWindowRegister``, NCCL >= 2.27).
     """
 
     op: str
@@ -185,6 +192,10 @@ class BenchConfig:
     average: int = 3
     run_cycles: int = 1
     report_cputime: bool = False
+    nthreads: int = 1
+    ngpus: int = 1
+    agg_iters: int = 1
+    local_register: int = 0
 
     def __post_init__(self) -> None:
         if self.iters < 1:
@@ -201,6 +212,12 @@ class BenchConfig:
             raise ValueError(f"average must be 0 (rank 0), 1 (mean), 2 (min) or 3 (max); got {self.average}")
         if self.run_cycles < 1:
             raise ValueError(f"run_cycles must be >= 1; got {self.run_cycles}")
+        if self.nthreads < 1 or self.ngpus < 1:
+            raise ValueError(f"nthreads and ngpus must be >= 1; got {self.nthreads} and {self.ngpus}")
+        if self.agg_iters < 1:
+            raise ValueError(f"agg_iters must be >= 1; got {self.agg_iters}")
+        if self.local_register not in (0, 1, 2):
+            raise ValueError(f"local_register must be 0 (off), 1 (local) or 2 (symmetric); got {self.local_register}")
         if self.backend not in ("cpu", "nccl"):
             raise ValueError(f"backend must be 'cpu' or 'nccl'; got {self.backend!r}")
         for d in self.datatypes:

@@ -30,7 +30,7 @@ from .options import BenchConfig
 from .runner import Measurement, RankInfo, Row
 
 __all__ = [
-    "SCHEMA", "environment", "header_lines", "table_header", "format_row", "footer_lines",
+    "SCHEMA", "environment", "header_lines", "float_str", "table_header", "format_row", "footer_lines",
     "avg_busbw", "wrong_entries", "row_dict", "document", "write_json", "read_json", "write_csv",
     "ROW_COLUMNS", "ENV_COLUMNS",
 ]
@@ -84,53 +84,71 @@ def environment(cfg: BenchConfig, world_size: int, device: str, argv: Sequence[s
     return env
 
 
+_REGISTRATION = {
+    1: "# Buffer registration: local (-R 1): buffers from ncclMemAlloc, registered with ncclCommRegister",
+    2: "# Buffer registration: symmetric (-R 2): buffers from ncclMemAlloc, registered as windows "
+       "with ncclCommWindowRegister (NCCL_WIN_COLL_SYMMETRIC)",
+}
+
+
+def _device_line(r: RankInfo) -> str:
+    """nccl-tests' rank line (``writeDeviceReport``); a CPU rank names its CPU instead of a GPU."""
+    head = "#  Rank %2d Group %2d Pid %6d on %10s device " % (r.rank, 0, r.pid, r.hostname)
+    if r.cuda_device >= 0:
+        return head + "%2d [%s] %s" % (r.cuda_device, r.pci, r.gpu_name)
+    return head + r.device
+
+
 def header_lines(cfg: BenchConfig, env: dict[str, Any], ranks: Sequence[RankInfo]) -> list[str]:
     """The lines above the table, in nccl-tests' layout: the parameters line
-    (``# nThread 1 nGpus 1 minBytes ...``) and the "Using devices" list."""
+    (``# nThread 1 nGpus 8 minBytes ...``, with ``-t``/``-g`` as given: the local job ran
+    that many ranks, one process each) and the "Using devices" list, one line per rank."""
     step = f"{cfg.stepfactor}(factor)" if cfg.stepfactor > 1 else f"{cfg.stepbytes}(bytes)"
     lines = [
         f"# Collective test starting: gpucoll-bench {cfg.op}  backend: {cfg.backend}  world size: "
         f"{env['world_size']}  gpucoll {env['gpucoll_version']}" + (f"  NCCL {env['nccl']}" if "nccl" in env else ""),
-        # One thread and one GPU per process: gpucoll-bench's only layout (-t 1 -g 1).
-        f"# nThread 1 nGpus 1 minBytes {cfg.minbytes} maxBytes {cfg.maxbytes} step: {step} "
-        f"warmup iters: {cfg.warmup_iters} iters: {cfg.iters} agg iters: 1 "
-        f"validation: {cfg.check} graph: {cfg.cudagraph}",
+        f"# nThread {cfg.nthreads} nGpus {cfg.ngpus} minBytes {cfg.minbytes} maxBytes {cfg.maxbytes} step: {step} "
+        f"warmup iters: {cfg.warmup_iters} iters: {cfg.iters} agg iters: {cfg.agg_iters} "
+        f"validation: {cfg.check} graph: {cfg.cudagraph} unalign: 0",
     ]
+    if cfg.local_register:
+        lines.append(_REGISTRATION[cfg.local_register])
     if cfg.blocking:
         lines.append("# Blocking Enabled: wait for completion after each collective")
     lines += ["#", "# Using devices"]
-    # Group is nccl-tests' thread group: always 0 with one thread per process.
-    lines += [f"#  Rank {r.rank:2d} Group  0 Pid {r.pid:6d} on {r.hostname:>10s} device {r.device}"
-              for r in ranks]
+    # Group is nccl-tests' MPI colour: 0, one communicator.
+    lines += [_device_line(r) for r in ranks]
     return lines + ["#"]
 
 
 def table_header() -> list[str]:
-    """nccl-tests' three header lines."""
+    """nccl-tests' three header lines (``writeResultHeader`` without timestamps)."""
     return [
         "# %10s  %12s  %8s  %6s  %6s           out-of-place                       in-place          "
         % ("", "", "", "", ""),
-        "# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s %6s  %7s  %6s  %6s %6s"
+        "# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s  %6s  %7s  %6s  %6s  %6s %*s"
         % ("size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong",
-           "time", "algbw", "busbw", "#wrong"),
-        "# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s  %5s  %7s  %6s  %6s  %5s"
-        % ("(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", ""),
+           "time", "algbw", "busbw", "#wrong", 0, ""),
+        "# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s  %6s  %7s  %6s  %6s  %6s %*s"
+        % ("(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "", 0, ""),
     ]
 
 
-def _time_str(us: float) -> str:
-    if us >= 10000.0:
-        return "%7.0f" % us
-    if us >= 100.0:
-        return "%7.1f" % us
-    return "%7.2f" % us
+def float_str(value: float, width: int) -> str:
+    """nccl-tests' ``getFloatStr``: two decimals if they fit ``width``, else one, else none,
+    else exponent notation."""
+    for fmt in ("%*.2f", "%*.1f", "%*.0f"):
+        text = fmt % (width, value)
+        if len(text) <= width:
+            return text
+    return ("%*.1e" if width >= 7 else "%*.0e") % (width, value)
 
 
 def _variant(m: Measurement | None) -> str:
     if m is None:
-        return "  %7s  %6s  %6s  %5s" % ("N/A", "N/A", "N/A", "N/A")
-    wrong = "N/A" if m.wrong is None else "%g" % m.wrong
-    return "  %7s  %6.2f  %6.2f  %5s" % (_time_str(m.time_us), m.algbw, m.busbw, wrong)
+        return "  %7s  %6s  %6s  %6s" % ("N/A", "N/A", "N/A", "N/A")
+    body = "  %7s  %6s  %6s" % (float_str(m.time_us, 7), float_str(m.algbw, 6), float_str(m.busbw, 6))
+    return body + ("    N/A" if m.wrong is None else "  %6g" % m.wrong)
 
 
 # The table's redop column is nccl-tests' six characters wide: its names there.
@@ -141,7 +159,7 @@ def format_row(row: Row) -> str:
     """One table line, in nccl-tests' columns (``premulsum`` is shown as nccl-tests' ``mulsum``,
     which fits the column; the JSON and CSV keep gpucoll's name)."""
     redop = _TABLE_REDOP.get(row.redop, row.redop)
-    return ("%12d  %12d  %8s  %6s  %6d" % (row.size, row.count, row.datatype, redop, row.root)
+    return ("%12d  %12d  %8s  %6s  %6s" % (row.size, row.count, row.datatype, redop, "%6i" % row.root)
             + _variant(row.out_of_place) + _variant(row.in_place))
 
 
@@ -163,8 +181,8 @@ def wrong_entries(rows: Sequence[Row]) -> int:
 def footer_lines(rows: Sequence[Row]) -> list[str]:
     """nccl-tests' footer: the count of failed checks and the average bus bandwidth."""
     bad = wrong_entries(rows)
-    return [f"# Out of bounds values : {bad} {'FAILED' if bad else 'OK'}",
-            f"# Avg bus bandwidth    : {avg_busbw(rows):g} ", "#"]
+    return ["# %-20s : %d %s" % ("Out of bounds values", bad, "FAILED" if bad else "OK"),
+            "# %-20s : %g " % ("Avg bus bandwidth", avg_busbw(rows)), "#"]
 
 
 def row_dict(row: Row) -> dict[str, Any]:

@@ -4,7 +4,8 @@ Each sweep first runs ``warmup_iters`` ops at its largest and smallest size (as
 nccl-tests' ``TimeTest``). Then, per size and variant (out-of-place, in-place), as
 nccl-tests' ``BenchTime``: ``warmup_iters`` untimed ops (nccl-tests runs one), a
 barrier, then ``iters`` ops issued back to back and one wait at the end (``-z 1``:
-a wait after each op instead; ``-G N``: the ``iters`` ops captured into a CUDA graph,
+a wait after each op instead; ``-m M``: each iteration is M ops inside one
+``gpucoll.coalescing()`` block, one group call, and the time is over ``iters * M`` ops; ``-G N``: the ``iters`` ops captured into a CUDA graph,
 launched N times after a barrier, timed over ``iters * N`` ops; the check runs
 uncaptured). Time per op is the elapsed time over ``iters``; the
 reported time is its maximum over ranks (``-a`` picks rank 0's, the mean or the
@@ -28,7 +29,10 @@ from .arrays import ArrayKit, make_kit
 from .ops import Call, Caller, Layout, OpSpec, get_op
 from .options import DATATYPES, PREMUL_FACTOR, REDOPS, BenchConfig, redop_defined
 
-__all__ = ["Measurement", "Row", "RankInfo", "check_config", "run_rank", "rank_info"]
+__all__ = ["Measurement", "Row", "RankInfo", "check_config", "run_rank", "rank_info", "AGGREGATED_OPS"]
+
+AGGREGATED_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+"""The ops ``-m`` aggregates: those ``gpucoll.coalescing()`` batches into one group call."""
 
 
 @dataclass(frozen=True)
@@ -64,19 +68,31 @@ class Row:
 
 @dataclass(frozen=True)
 class RankInfo:
-    """Where one rank ran (the header's "Using devices" lines)."""
+    """Where one rank ran (the header's "Using devices" lines).
+
+    Attributes:
+        rank, pid, hostname: the rank, its process and host.
+        device: the device in words (``cuda:3 (NVIDIA H200)``, ``cpu (...)``).
+        cuda_device: the CUDA device index; -1 on the CPU backend.
+        pci: the GPU's PCI address as nccl-tests prints it (``0000:19:00``); "" on the CPU.
+        gpu_name: the GPU's name (``NVIDIA H200``); "" on the CPU.
+    """
 
     rank: int
     pid: int
     hostname: str
     device: str
+    cuda_device: int = -1
+    pci: str = ""
+    gpu_name: str = ""
 
 
 def rank_info(kit: ArrayKit) -> RankInfo:
     """This rank's :class:`RankInfo`."""
     import gpucoll
 
-    return RankInfo(gpucoll.get_rank(), os.getpid(), socket.gethostname(), kit.device_name())
+    index, pci, name = getattr(kit, "device_identity", lambda: (-1, "", ""))()
+    return RankInfo(gpucoll.get_rank(), os.getpid(), socket.gethostname(), kit.device_name(), index, pci, name)
 
 
 def _redop_object(name: str) -> Any:
@@ -137,6 +153,18 @@ class _Case:
     def _issue(self, caller: Caller, v: _Variant, async_op: bool) -> list[Any]:
         return caller(self._call(v, async_op))
 
+    def _aggregated(self, caller: Caller, call: Call) -> list[Any]:
+        """One timed iteration: ``-m M`` ops in one coalescing block (one group call on
+        NCCL, one coalesced op on the CPU backend), or the one op."""
+        if self.cfg.agg_iters == 1:
+            return caller(call)
+        import gpucoll
+
+        with gpucoll.coalescing(async_ops=True) as cm:
+            for _ in range(self.cfg.agg_iters):
+                caller(call)
+        return list(cm.works)
+
     def _loop(self, caller: Caller, v: _Variant, iters: int) -> float:
         """Run ``iters`` ops; return the host time when the last one was issued. The op's
         arguments are made once (as nccl-tests fills its arguments once per size): the
@@ -145,15 +173,19 @@ class _Case:
             call = self._call(v, False)
             for _ in range(iters):
                 issued = time.perf_counter()
-                for w in caller(call):
+                for w in self._aggregated(caller, call):
                     w.wait()
                 self.kit.synchronize()
             return issued if iters else time.perf_counter()
         call = self._call(v, True)
         pending: list[Any] = []
         extend = pending.extend
-        for _ in range(iters):
-            extend(caller(call))
+        if self.cfg.agg_iters == 1:
+            for _ in range(iters):
+                extend(caller(call))
+        else:
+            for _ in range(iters):
+                extend(self._aggregated(caller, call))
         issued = time.perf_counter()
         for w in pending:
             w.wait()
@@ -192,7 +224,7 @@ class _Case:
         # late start would be timed as the first op's wait, over only 20 ops).
         gpucoll.barrier()
         gpucoll.barrier()
-        ops = self.cfg.iters
+        ops = self.cfg.iters * self.cfg.agg_iters  # nccl-tests divides by iters * agg_iters
         if self.cfg.cudagraph:
             t0, issued, end = self._graph_loop(caller, v, self.cfg.iters, gpucoll.barrier)
             ops *= self.cfg.cudagraph
@@ -251,6 +283,12 @@ def check_config(cfg: BenchConfig, world_size: int) -> None:
     if spec.reduces and not any(redop_defined(r, d) for r in cfg.redops for d in cfg.datatypes):
         raise ValueError(f"reduction {'/'.join(cfg.redops)} is not defined on {'/'.join(cfg.datatypes)} "
                          "(bitwise reductions need integer types, premulsum float types)")
+    if cfg.agg_iters > 1 and spec.name not in AGGREGATED_OPS:
+        raise ValueError(f"-m/--agg_iters {cfg.agg_iters}: {spec.name} cannot be aggregated; gpucoll.coalescing() "
+                         f"takes {', '.join(AGGREGATED_OPS)}. Use -m 1")
+    if cfg.agg_iters > 1 and cfg.cudagraph:
+        raise ValueError(f"-m/--agg_iters {cfg.agg_iters} with -G/--cudagraph {cfg.cudagraph}: aggregated ops "
+                         "are not captured into graphs; use one of them")
     if spec.rooted and cfg.root >= world_size:
         raise ValueError(f"root must be -1 or a rank below the world size {world_size}; got {cfg.root}")
 

@@ -23,11 +23,11 @@ def _env() -> dict[str, str]:
 
 
 @pytest.mark.parametrize("argv, flag, why", [
-    (["-g", "2"], "-g/--ngpus 2", "one GPU"),
-    (["-t", "4"], "-t/--nthreads 4", "one thread per process"),
-    (["-m", "8"], "-m/--agg_iters 8", "no NCCL group call"),
+    (["-g", "0"], "-g/--ngpus must be >= 1", "got 0"),
+    (["-t", "0"], "-t/--nthreads must be >= 1", "got 0"),
+    (["-m", "0"], "-m/--agg_iters must be >= 1", "got 0"),
     (["-p", "1"], "-p/--parallel_init 1", "nothing to initialise in parallel"),
-    (["-R", "1"], "-R/--local_register 1", "does not register"),
+    (["-R", "1"], "-R/--local_register 1", "not in this build"),
     (["-N", "0"], "-N/--run_cycles 0", "finite"),
     (["-T", "0"], "-T 0", "must be > 0"),
 ])
@@ -70,16 +70,16 @@ def test_run_checks_the_script_before_starting_ranks(tmp_path: Path) -> None:
 
 
 def test_pasted_nccl_tests_line_header_json_and_plot(tmp_path: Path) -> None:
-    """One local job: the nccl-tests header, rank lines with Group, -N 2 cycles, the typed
+    """One local job of -t 1 x -g 2 ranks: the nccl-tests header, rank lines with Group, -N 2 cycles, the typed
     command in the JSON, and a plot with both variants."""
-    argv = ["all_reduce", "-b", "8", "-e", "128", "-f", "4", "-n", "2", "-w", "1", "-g", "1", "-t", "1",
+    argv = ["all_reduce", "-b", "8", "-e", "128", "-f", "4", "-n", "2", "-w", "1", "-g", "2", "-t", "1",
             "-N", "2", "-a", "0", "--json", "r.json", "--plot", "r.png"]
     done = subprocess.run([sys.executable, "-m", "gpucoll.bench", *argv], capture_output=True, text=True,
                           timeout=120, env=_env(), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    assert re.search(r"^# nThread 1 nGpus 1 minBytes 8 maxBytes 128 step: 4\(factor\) warmup iters: 1 "
-                     r"iters: 2 agg iters: 1 validation: 1 graph: 0$", out, re.M), out
+    assert re.search(r"^# nThread 1 nGpus 2 minBytes 8 maxBytes 128 step: 4\(factor\) warmup iters: 1 "
+                     r"iters: 2 agg iters: 1 validation: 1 graph: 0 unalign: 0$", out, re.M), out
     ranks = re.findall(r"^#  Rank +(\d+) Group +0 Pid +\d+ on +\S+ device ", out, re.M)
     assert ranks == ["0", "1"]
     doc = json.loads((tmp_path / "r.json").read_text())

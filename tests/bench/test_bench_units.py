@@ -3,6 +3,8 @@ check against simulated collectives, the table, JSON/CSV and the plot."""
 
 from __future__ import annotations
 
+import re
+
 import csv
 import json
 from typing import Any
@@ -231,8 +233,9 @@ def test_table_layout_matches_nccl_tests() -> None:
     assert head[1].split() == ["#", "size", "count", "type", "redop", "root", "time", "algbw", "busbw",
                                "#wrong", "time", "algbw", "busbw", "#wrong"]
     line = report.format_row(_rows()[0])
-    assert line == "%12d  %12d  %8s  %6s  %6d" % (8, 2, "float", "sum", -1) + \
-        "  %7s  %6s  %6s  %5s" % (("N/A",) * 4) + "  %7s  %6.2f  %6.2f  %5s" % ("  12.35", 0.65, 0.65, "0")
+    # nccl-tests' writeBenchmarkLinePreamble and writeBenchmarkLineBody (src/util.cu)
+    assert line == "%12d  %12d  %8s  %6s  %6s" % (8, 2, "float", "sum", "%6i" % -1) + \
+        "  %7s  %6s  %6s  %6s" % (("N/A",) * 4) + "  %7s  %6s  %6s  %6g" % ("  12.35", "  0.65", "  0.65", 0)
     assert report.format_row(_rows()[1]).split()[-4:] == ["123456", "1.50", "2.25", "N/A"]
     assert report.avg_busbw(_rows()) == pytest.approx((0.65 + 2.25) / 2)
     foot = report.footer_lines(_rows())
@@ -259,7 +262,8 @@ def test_json_and_csv_schema(tmp_path: Any) -> None:
     assert back["rows"][0]["oop_time_us"] is None and back["rows"][0]["ip_wrong"] == 0
     assert back["rows"][1]["ip_busbw_gbs"] == 2.25 and back["rows"][1]["ip_wrong"] is None
     assert back["summary"] == {"avg_busbw": pytest.approx(1.45), "wrong_entries": 0, "ok": True}
-    assert back["ranks"][1] == {"rank": 1, "pid": 11, "hostname": "h", "device": "cpu"}
+    assert back["ranks"][1] == {"rank": 1, "pid": 11, "hostname": "h", "device": "cpu", "cuda_device": -1,
+                                "pci": "", "gpu_name": ""}
     cpath = str(tmp_path / "run.csv")
     report.write_csv(cpath, doc)
     with open(cpath, newline="") as f:
@@ -392,11 +396,11 @@ def test_every_redop_keeps_the_table_columns() -> None:
     from gpucoll.bench.options import REDOPS
 
     head = report.table_header()[1]
-    edges = [i + 1 for i in range(len(head) - 1) if head[i] != " " and head[i + 1] == " "] + [len(head.rstrip())]
+    edges = [f.end() for f in re.finditer(r"\S+", head)]  # nccl-tests' header ends with a space
     m = Measurement(12.345, 0.65, 0.65, 0)
     for redop in REDOPS:
         line = "#" + report.format_row(Row("all_reduce", 8, 2, "float", redop, -1, m, m))[1:]
-        ends = [i + 1 for i in range(len(line) - 1) if line[i] != " " and line[i + 1] == " "] + [len(line)]
+        ends = [f.end() for f in re.finditer(r"\S+", line)]
         assert ends == edges, (redop, line, head)
 
 
