@@ -119,6 +119,12 @@ from ._ddp.helpers import verify_params_across_processes as verify_params_across
 from ._ddp.jit import bucketed_all_reduce as bucketed_all_reduce
 from . import ddp_comm_hooks as ddp_comm_hooks
 
+# --- NCCL memory: the allocator's pool and buffer registration (docs/nccl-backend.md) ---
+from ._backends.nccl.mempool import NcclMemPool as NcclMemPool
+from ._backends.nccl.mempool import nccl_mem_pool as nccl_mem_pool
+from ._group.registration import BufferRegistration as BufferRegistration
+from .errors import RegistrationError as RegistrationError
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -149,4 +155,6 @@ __all__ = [
     # data parallel
     "ParameterMismatchError", "compute_bucket_assignment_by_size", "GradBucket", "Reducer",
     "broadcast_coalesced", "verify_params_across_processes", "bucketed_all_reduce", "ddp_comm_hooks",
+    # NCCL memory
+    "nccl_mem_pool", "NcclMemPool", "BufferRegistration", "RegistrationError",
 ]

@@ -29,6 +29,7 @@ __all__ = [
     "QueueEmptyError",
     "BackendUnavailableError",
     "ParameterMismatchError",
+    "RegistrationError",
 ]
 
 
@@ -38,6 +39,12 @@ class DistError(RuntimeError):
 
 class DistBackendError(DistError):
     """A collective, point-to-point op or communicator failed or was aborted."""
+
+
+class RegistrationError(DistBackendError, ValueError):
+    """Registering memory with a communicator (``ProcessGroup.register_buffer``,
+    ``register_mem_pool``) broke one of NCCL's conditions, or NCCL refused it: the
+    message names the condition, the buffer and, for a window, the ranks."""
 
 
 class DistNetworkError(DistError):

@@ -25,7 +25,8 @@ def has_gpu() -> bool:
     return nccl_unavailable_reason() is None
 
 
-DEFAULT_FEATURES = Features(version=(2, 32, 3), all_to_all=True, gather=True, scatter=True)
+DEFAULT_FEATURES = Features(version=(2, 32, 3), all_to_all=True, gather=True, scatter=True, register=True,
+                            window=True)
 OLD_FEATURES = Features(version=(2, 19, 3), avg=True, premul_sum=False, fp8=False, comm_split=True)
 
 

@@ -262,6 +262,7 @@ class FakeWorld:
         self.executed = 0                             # collectives run so far
         self.connected: set[int] = set()              # ranks that entered their first collective
         self.p2p_connected: set[tuple[int, int]] = set()  # (rank, peer) that entered a first p2p
+        self.host_calls: dict[Any, dict[int, Any]] = {}  # collective host calls (windows): key -> rank -> value
 
     def wait_until(self, rank: int, pred: Callable[[], bool], what: str) -> bool:
         """Wait for ``pred``; False if ``rank`` was aborted meanwhile (NCCL kernels exit)."""
@@ -300,6 +301,17 @@ class FakeWorld:
                 self.wait_until(rank, lambda: False, f"collective #{seq} {call[0]} with an aborted rank")
         else:
             self.wait_until(rank, slot.done.is_set, f"collective #{seq} {call[0]}")
+
+    def host_all_gather(self, rank: int, key: Any, value: Any) -> dict[int, Any]:
+        """Every rank's ``value`` for the collective host call ``key`` (NCCL's bootstrap
+        all-gather inside ncclCommWindowRegister and its deregistration)."""
+        with self.cond:
+            box = self.host_calls.setdefault(key, {})
+            box[rank] = value
+            self.cond.notify_all()
+        if not self.wait_until(rank, lambda: len(box) == self.size, f"every rank's {key[0]} #{key[1]}"):
+            raise FakeError(f"rank {rank}: the communicator was aborted during {key[0]}")
+        return dict(box)
 
     def _check_match(self, seq: int, calls: dict[int, tuple[Any, ...]]) -> None:
         first = calls[0]
@@ -450,6 +462,10 @@ class FakeComm:
         # ncclCommAbort alike) keeps polling "until all graphs referencing us die". Only a
         # communicator of several ranks makes persistent plans: a one-rank one copies.
         self.graphs: weakref.WeakSet[FakeGraph] = weakref.WeakSet()
+        self.registered: dict[int, tuple[int, int]] = {}  # ncclCommRegister handle -> (ptr, nbytes)
+        self.windows: dict[int, tuple[int, int]] = {}     # window -> (ptr, nbytes)
+        self.windows_made = self.windows_freed = 0        # keys of the collective calls
+        runtime.comms.add(self)
 
     def _wait_for_graphs(self, what: str) -> None:
         deadline = time.monotonic() + self._rt.fabric.hang_limit
@@ -624,6 +640,64 @@ class FakeComm:
         uid = world.uid + f"/shrink{seq}".encode()
         return FakeComm(self._rt, self._rt.fabric.world(uid, len(stay)), stay.index(rank), config)
 
+    # -- buffer registration (NCCL's rules: src/register/register.cc, src/dev_runtime.cc) --
+    def _registrable(self, what: str, ptr: int, nbytes: int) -> None:
+        if self.destroyed or self.rank in self.world.aborted:
+            raise FakeError(f"{what} on a destroyed or aborted communicator")
+        if not ptr or nbytes <= 0:
+            raise FakeNcclError(NCCL_INVALID_ARGUMENT, "ncclInvalidArgument", f"invalid pointer {ptr:#x} / size {nbytes}")
+        try:
+            self._rt.fabric.mem.view(ptr, nbytes)
+        except FakeError as exc:
+            raise FakeNcclError(1, "ncclUnhandledCudaError", f"{what}: {exc}") from None
+
+    def register(self, ptr: int, nbytes: int) -> int:
+        """ncclCommRegister: any device memory of the communicator's GPU; a handle."""
+        if self._rt.features.version < (2, 19, 0):
+            raise FakeError("ncclCommRegister called on NCCL < 2.19, which has none")
+        self._registrable("ncclCommRegister", ptr, nbytes)
+        handle = next(self._rt.fabric.handles)
+        self.registered[handle] = (ptr, nbytes)
+        return handle
+
+    def deregister(self, handle: int) -> None:
+        if self.registered.pop(handle, None) is None:
+            raise FakeNcclError(5, "ncclInvalidUsage", "Deregister: Could not find handle")
+
+    def window_register(self, ptr: int, nbytes: int, flags: int) -> int:
+        """ncclCommWindowRegister: collective; cuMem memory (ncclMemAlloc) only, at an offset
+        that is a multiple of 4096 into its allocation; symmetric windows the same size on
+        every rank (NCCL 2.27's symmetric kernels). A rank that fails a local check returns
+        before NCCL's bootstrap all-gather, where its peers then hang (here: for hang_limit)."""
+        if self._rt.features.version < (2, 27, 0):
+            raise FakeError("ncclCommWindowRegister called on NCCL < 2.27, which has none")
+        self._registrable("ncclCommWindowRegister", ptr, nbytes)
+        base = self._rt.fabric.nccl_base(ptr, nbytes)
+        if base is None:
+            raise FakeNcclError(1, "ncclUnhandledCudaError",
+                                f"cuMemRetainAllocationHandle({ptr:#x}) failed: not cuMem memory (not from ncclMemAlloc)")
+        if (ptr - base) % 4096:
+            raise FakeNcclError(NCCL_INVALID_ARGUMENT, "ncclInvalidArgument", "Window address must be suitably aligned.")
+        n = self.windows_made = self.windows_made + 1
+        sizes = self.world.host_all_gather(self.rank, ("ncclCommWindowRegister", n), nbytes)
+        if flags & 1 and len(set(sizes.values())) > 1:
+            raise FakeNcclError(NCCL_INVALID_ARGUMENT, "ncclInvalidArgument",
+                                f"symmetric window sizes differ between ranks: {sorted(sizes.items())}")
+        handle = next(self._rt.fabric.handles)
+        self.windows[handle] = (ptr, nbytes)
+        return handle
+
+    def window_deregister(self, handle: int) -> None:
+        if handle not in self.windows:
+            raise FakeNcclError(5, "ncclInvalidUsage", f"window {handle:#x} is not a window of this communicator")
+        n = self.windows_freed = self.windows_freed + 1
+        self.world.host_all_gather(self.rank, ("ncclCommWindowDeregister", n), handle)
+        del self.windows[handle]
+
+    def holds(self, ptr: int) -> bool:
+        """Whether a registration or window of this communicator covers ``ptr``."""
+        return any(p <= ptr < p + n for p, n in (*self.registered.values(), *self.windows.values()))
+
     def abort(self) -> None:
         with self._inside_lock:
             inside = set(self._inside)
@@ -675,6 +749,7 @@ class FakeFabric:
         self.contexts: set[int] = set()
         self.context_threads: list[tuple[int, str]] = []  # (device, thread) that made each context
         self.captures: dict[int, _Capture] = {}  # capturing stream -> its capture sequence
+        self.nccl_mem: dict[int, _Block] = {}     # ncclMemAlloc'ed blocks (cuMem memory), by pointer
         self._tls = threading.local()
 
     # -- the calling thread's CUDA state --
@@ -747,6 +822,14 @@ class FakeFabric:
             raise FakeCudaError(INVALID_RESOURCE_HANDLE, "cudaErrorInvalidResourceHandle",
                                 f"stream {ptr:#x} does not exist (destroyed with its owner?)") from None
 
+    def nccl_base(self, ptr: int, nbytes: int) -> int | None:
+        """The ncclMemAlloc block holding ``[ptr, ptr + nbytes)``, or None (not cuMem memory)."""
+        with self.lock:
+            for base, block in self.nccl_mem.items():
+                if base <= ptr and ptr + nbytes <= base + block.data.size:
+                    return base
+        return None
+
     def world(self, uid: bytes, size: int) -> FakeWorld:
         with self.lock:
             w = self.worlds.get(uid)
@@ -773,7 +856,9 @@ class FakeRuntime:
         self.configs: list[tuple[str, dict[str, Any] | None]] = []
         self.scalable_inits: list[int] = []  # ids passed to each ncclCommInitRankScalable
         self.refuse_config = refuse_config  # fields this runtime cannot apply (as CuPy's cannot most)
-        self.features = features or Features(version=(2, 32, 3), all_to_all=True, gather=True, scatter=True)
+        self.features = features or Features(version=(2, 32, 3), all_to_all=True, gather=True, scatter=True,
+                                             register=True, window=True)
+        self.comms: weakref.WeakSet[FakeComm] = weakref.WeakSet()  # communicators made here (registrations)
         self._devices = devices
         self._cc = cc
         self.op_delay = op_delay
@@ -979,6 +1064,34 @@ class FakeRuntime:
         self.allocations += 1
         block = self.fabric.mem.alloc(nbytes)
         return block.ptr, block
+
+    def mem_alloc(self, nbytes: int) -> int:
+        """ncclMemAlloc: cuMem memory on the current device, rounded up to the granularity (2 MiB)."""
+        if not self.features.register:
+            raise FakeError("ncclMemAlloc called on an NCCL without it (< 2.19)")
+        self.fabric.context()
+        block = self.fabric.mem.alloc((nbytes + (2 << 20) - 1) // (2 << 20) * (2 << 20))
+        with self.fabric.lock:
+            self.fabric.nccl_mem[block.ptr] = block
+        return block.ptr
+
+    def mem_free(self, ptr: int) -> None:
+        """ncclMemFree: only what ncclMemAlloc gave; memory still registered with a live
+        communicator is a detected misuse (NCCL does not notice: a later op reads freed memory)."""
+        held = [c for c in list(self.comms) if not c.destroyed and c.rank not in c.world.aborted and c.holds(ptr)]
+        if held:
+            msg = (f"ncclMemFree({ptr:#x}) while registered with communicator(s) of rank(s) "
+                   f"{sorted(c.rank for c in held)}: deregister first")
+            self.fabric.errors.append(msg)
+            raise FakeError(msg)
+        with self.fabric.lock:
+            block = self.fabric.nccl_mem.pop(ptr, None)
+        if block is None:
+            raise FakeNcclError(1, "ncclUnhandledCudaError", f"ncclMemFree({ptr:#x}): not from ncclMemAlloc")
+        self.fabric.mem._free(ptr)
+
+    def is_vmm(self, ptr: int, nbytes: int) -> bool | None:
+        return self.fabric.nccl_base(ptr, nbytes) is not None
 
     def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         mem = self.fabric.mem

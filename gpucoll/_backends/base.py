@@ -52,7 +52,7 @@ def issuing_async() -> bool:
     """Whether the op being started on this thread is an ``async_op=True`` one."""
     return getattr(ISSUING_ASYNC, "on", False)
 
-__all__ = ["Backend", "SplitsCommunicator", "ReducesInto", "ReducesGathered", "PollsPending", "IssuesQuietly", "ShrinksCommunicator",
+__all__ = ["Backend", "SplitsCommunicator", "RegistersBuffers", "ReducesInto", "ReducesGathered", "PollsPending", "IssuesQuietly", "ShrinksCommunicator",
            "TimesOps"]
 
 
@@ -136,6 +136,25 @@ class SplitsCommunicator(Protocol):
         the new group's backend on its members (``ranks``, as ranks of this group),
         None on a rank that joins no new group. ``config``/``high_priority``: the new
         group's NCCLOptions (ncclConfig_t fields by name; stream priority)."""
+        ...
+
+
+@runtime_checkable
+class RegistersBuffers(Protocol):
+    """A backend that registers device memory with its communicator (NCCL's
+    ncclCommRegister and, for symmetric windows, ncclCommWindowRegister)."""
+
+    def register_buffer(self, buf: Buffer, symmetric: bool) -> int:
+        """Register ``buf``; a handle for :meth:`deregister_buffer`. ``symmetric``: a
+        window, collective over the group (every rank calls, same size).
+
+        Raises:
+            RegistrationError: a condition of NCCL's is not met, or NCCL refused.
+        """
+        ...
+
+    def deregister_buffer(self, handle: int, symmetric: bool) -> None:
+        """Undo :meth:`register_buffer` (collective for a window)."""
         ...
 
 

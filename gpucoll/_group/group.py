@@ -25,9 +25,9 @@ from .._timeouts import to_seconds
 from .._work import Work, WorkInfo
 from ..errors import DistBackendError
 from ..store import PrefixStore, Store
-from .arglists import TAG_MAX, _a2a_lists, _check_chunked, _check_rank, _coalesced_lists
-from .arglists import _list_like, _p2p_check, _split_counts, _uneven_list
+from .arglists import TAG_MAX, _a2a_lists, _check_chunked, _check_rank, _coalesced_lists, _list_like, _p2p_check, _split_counts, _uneven_list
 from .barrier import monitored_barrier
+from .registration import METHODS as _MEMORY_METHODS
 from .checks import _check_op, _list_dtypes, _one_dtype, _real_view
 from .coalescing import CoalescingManager, _not_coalescable
 from .dispatch import backend_for, backend_for_all, make_device_backend_for, set_device_backend
@@ -576,6 +576,7 @@ class ProcessGroup:
                                                self.group_name, seconds, wait_all_ranks, self._last_release,
                                                getattr(self._cpu, "peer_gone", lambda peer: None))
 
+    register_buffer, deregister_buffer, register_mem_pool, deregister_mem_pool = _MEMORY_METHODS  # registration.py
     # ----- teardown -----
     def _destroy(self) -> None:
         """Shut down the group's backends and watchdog; later calls raise RuntimeError."""

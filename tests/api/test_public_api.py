@@ -46,6 +46,16 @@ def test_torch_names_and_aliases() -> None:
         assert name in gpucoll.__all__
 
 
+def test_nccl_memory_names() -> None:
+    """The NCCL allocator's pool and buffer registration (torch: torch.cuda.MemPool,
+    ProcessGroupNCCL.register_mem_pool / deregister_mem_pool)."""
+    for name in ("nccl_mem_pool", "NcclMemPool", "BufferRegistration", "RegistrationError"):
+        assert name in gpucoll.__all__
+    assert issubclass(gpucoll.RegistrationError, gpucoll.DistBackendError)
+    for method in ("register_buffer", "deregister_buffer", "register_mem_pool", "deregister_mem_pool"):
+        assert (getattr(gpucoll.ProcessGroup, method).__doc__ or "").strip(), method
+
+
 def test_testing_and_functional_modules() -> None:
     testing = importlib.import_module("gpucoll.testing")
     assert callable(testing.run_spmd) and testing.SPMDError.__doc__

@@ -21,8 +21,7 @@ from ..._work import Work
 from ...store.base import Store
 from . import lib as _nccl_lib
 from .config import usable_config
-from .bootstrap import create_comm
-from .bootstrap import is_nccl_available, nccl_unavailable_reason, nccl_version, rendezvous  # noqa: F401
+from .bootstrap import create_comm, is_nccl_available, nccl_unavailable_reason, nccl_version, rendezvous  # noqa: F401
 from .lib import NCCL_DTYPES, OP_SUM
 from .plan import Plan, Planner, calls_only, merge
 from .runtime import CAPTURE_RELAXED, Comm, Runtime, enter_device, leave_device
@@ -31,10 +30,9 @@ from .outstanding import Outstanding
 from .connect import CheckIn
 from .issuing import caller_streams, check_devices, first_device, new_work, prepare_kernels, refuse_in_capture
 from .ending import Ending
+from .registration import Registrations, deregister as _deregister_buffer, register as _register_buffer
 from .stream import CommStream
-from . import hot as _hot
-from . import phases as _phases
-from . import lifecycle as _lifecycle
+from . import hot as _hot, lifecycle as _lifecycle, phases as _phases
 from .shrink import check_shrunk, shrink_comm
 from .split import check_split, split_comm
 from .work import NCCLWork
@@ -126,6 +124,7 @@ class NCCLBackend:
         self.outstanding = Outstanding()    # issued, not yet seen complete (Works, Quiets)
         self.ending = Ending(self.outstanding)  # aborted / shut down, and why (ending.py)
         self._splits = 0                    # ncclCommSplit calls so far (keys the check-in)
+        self.registrations = Registrations()  # memory registered with the communicator (registration.py)
         self._plans: dict[tuple[Any, ...], Plan] = {}  # plans with no local steps, by op and buffers
         self._hot: dict[tuple[Any, ...], _hot.Hot] = {}  # those of them that are one NCCL call (hot.py)
         if device_id is not None:
@@ -496,6 +495,7 @@ class NCCLBackend:
         """Why every pending op fails (abort, asynchronous NCCL error: asking NCCL for
         one aborts), or None while healthy. Never blocks on a call in flight."""
         return _lifecycle.failure(self)
+    register_buffer, deregister_buffer = _register_buffer, _deregister_buffer  # registration.py (RegistersBuffers)
 
     def split(self, ranks: Sequence[int] | None, *, color: int = 0, store: Store, group_name: str,
               timeout: float, config: Mapping[str, Any] | None = None,

@@ -28,7 +28,7 @@ from ...errors import BackendUnavailableError
 __all__ = [
     "INSTALL_HINT", "NCCL_DTYPES", "MOVE_DTYPE", "OP_SUM", "OP_PROD", "OP_MAX", "OP_MIN", "OP_AVG",
     "Features", "NcclLib", "NcclShim", "version_tuple", "unavailable_reason", "load",
-    "normalise_unique_id", "comm_id_arg", "encode_scalar", "result_name", "UniqueId", "config_pointer",
+    "normalise_unique_id", "comm_id_arg", "shim_of", "encode_scalar", "result_name", "UniqueId", "config_pointer",
 ]
 
 INSTALL_HINT = ('install CuPy and NCCL for your CUDA major version: pip install "gpucoll[cuda12]" '
@@ -87,6 +87,10 @@ class Features:
         init_scalable: ``ncclCommInitRankScalable`` (NCCL >= 2.23) and the raw collective
             calls a communicator it makes needs, through the shim (several roots' unique
             ids for one communicator: large jobs, see bootstrap.create_comm).
+        register: ``ncclCommRegister``/``ncclCommDeregister`` and ``ncclMemAlloc``/
+            ``ncclMemFree`` through the shim (NCCL >= 2.19).
+        window: ``ncclCommWindowRegister``/``ncclCommWindowDeregister`` through the shim
+            (NCCL >= 2.27): symmetric memory windows.
     """
 
     version: tuple[int, int, int]
@@ -100,10 +104,13 @@ class Features:
     async_error: bool = True
     comm_shrink: bool = False
     init_scalable: bool = False
+    register: bool = False
+    window: bool = False
 
     def describe(self) -> str:
         on = [name for name in ("avg", "premul_sum", "fp8", "all_to_all", "gather", "scatter",
-                                "comm_split", "async_error", "comm_shrink", "init_scalable") if getattr(self, name)]
+                                "comm_split", "async_error", "comm_shrink", "init_scalable", "register", "window")
+              if getattr(self, name)]
         return f"NCCL {'.'.join(map(str, self.version))} ({', '.join(on) or 'no extras'})"
 
 
@@ -178,6 +185,17 @@ class NcclShim:
         #                                       ncclUniqueId* commIds, ncclConfig_t* config)  (nccl.h, 2.23+)
         self.init_rank_scalable_fn = self._bind(lib, "ncclCommInitRankScalable",
                                                 [ctypes.POINTER(vp), c_int, c_int, c_int, ctypes.POINTER(UniqueId), vp])
+        # Buffer registration and NCCL's allocator (nccl.h): ncclCommRegister(comm, buff, size,
+        # void** handle), ncclCommDeregister(comm, handle) (2.19+); ncclCommWindowRegister(comm,
+        # buff, size, ncclWindow_t* win, int winFlags), ncclCommWindowDeregister(comm, win) (2.27+);
+        # ncclMemAlloc(void** ptr, size_t size), ncclMemFree(void* ptr) (2.19+).
+        self.register_fn = self._bind(lib, "ncclCommRegister", [vp, vp, c_size_t, ctypes.POINTER(vp)])
+        self.deregister_fn = self._bind(lib, "ncclCommDeregister", [vp, vp])
+        self.window_register_fn = self._bind(lib, "ncclCommWindowRegister",
+                                             [vp, vp, c_size_t, ctypes.POINTER(vp), c_int])
+        self.window_deregister_fn = self._bind(lib, "ncclCommWindowDeregister", [vp, vp])
+        self.mem_alloc_fn = self._bind(lib, "ncclMemAlloc", [ctypes.POINTER(vp), c_size_t])
+        self.mem_free_fn = self._bind(lib, "ncclMemFree", [vp])
         # What a communicator CuPy did not make (RawComm) is driven with (nccl.h): buffers,
         # count, datatype, [op], [root|peer], comm, stream.
         self.raw = {
@@ -274,6 +292,76 @@ class NcclShim:
     def op_destroy(self, comm: int, op: int) -> None:
         if self._op_destroy is not None:
             self.check(self._op_destroy(op, comm), "ncclRedOpDestroy")
+
+    def _out_call(self, fn: Any, what: str, comm: int, *args: Any) -> int:
+        """Call ``fn(*args, &out)`` (``comm``, when not 0, first); return ``out``.
+
+        Raises:
+            NcclCallError: the call failed, or this NCCL lacks it (ncclInvalidUsage).
+        """
+        if fn is None:
+            raise NcclCallError(what, 5, "not in this NCCL")
+        out = ctypes.c_void_p()
+        lead = (comm,) if comm else ()
+        code = fn(*lead, *args, ctypes.byref(out))
+        if code != 0:
+            raise NcclCallError(what, code, (self.last_error(comm) if comm else "") or self.error_string(code))
+        return int(out.value or 0)
+
+    def _plain_call(self, fn: Any, what: str, comm: int, *args: Any) -> None:
+        if fn is None:
+            raise NcclCallError(what, 5, "not in this NCCL")
+        code = fn(*args)
+        if code != 0:
+            raise NcclCallError(what, code, (self.last_error(comm) if comm else "") or self.error_string(code))
+
+    def comm_register(self, comm: int, ptr: int, nbytes: int) -> int:
+        """``ncclCommRegister``: the registration handle (NULL, 0, when NCCL skips it)."""
+        return self._out_call(self.register_fn, "ncclCommRegister", comm, ptr, nbytes)
+
+    def comm_deregister(self, comm: int, handle: int) -> None:
+        """``ncclCommDeregister``."""
+        self._plain_call(self.deregister_fn, "ncclCommDeregister", comm, comm, handle)
+
+    def window_register(self, comm: int, ptr: int, nbytes: int, flags: int) -> int:
+        """``ncclCommWindowRegister`` (collective): the window (NULL, 0, when the communicator
+        has no symmetric support, as NCCL returns it)."""
+        if self.window_register_fn is None:
+            raise NcclCallError("ncclCommWindowRegister", 5, "not in this NCCL")
+        out = ctypes.c_void_p()
+        code = self.window_register_fn(comm, ptr, nbytes, ctypes.byref(out), flags)
+        if code != 0:
+            raise NcclCallError("ncclCommWindowRegister", code, self.last_error(comm) or self.error_string(code))
+        return int(out.value or 0)
+
+    def window_deregister(self, comm: int, window: int) -> None:
+        """``ncclCommWindowDeregister`` (collective)."""
+        self._plain_call(self.window_deregister_fn, "ncclCommWindowDeregister", comm, comm, window)
+
+    def mem_alloc(self, nbytes: int) -> int:
+        """``ncclMemAlloc`` on the current device: cuMem memory NCCL can register and map."""
+        if self.mem_alloc_fn is None:
+            raise NcclCallError("ncclMemAlloc", 5, "not in this NCCL")
+        out = ctypes.c_void_p()
+        code = self.mem_alloc_fn(ctypes.byref(out), nbytes)  # the pointer comes first here
+        if code != 0:
+            raise NcclCallError("ncclMemAlloc", code, self.error_string(code))
+        return int(out.value or 0)
+
+    def mem_free(self, ptr: int) -> None:
+        """``ncclMemFree``."""
+        self._plain_call(self.mem_free_fn, "ncclMemFree", 0, ptr)
+
+
+def shim_of(lib: NcclLib, what: str) -> NcclShim:
+    """``lib``'s shim, for ``what`` (an NCCL call CuPy does not bind).
+
+    Raises:
+        NcclCallError: there is no shim (ncclInvalidUsage, with why).
+    """
+    if lib.shim is None:
+        raise NcclCallError(what, 5, lib.shim_error or "the NCCL shim is not loaded")
+    return lib.shim
 
 
 def loaded_library_path(fragment: str = "libnccl.so") -> str | None:
@@ -406,6 +494,10 @@ def features_of(code: int, shim: NcclShim | None, nccl: Any) -> Features:
         async_error=shim is not None and shim.has_async_error,
         init_scalable=v >= (2, 23, 0) and shim is not None and shim.init_rank_scalable_fn is not None
         and all(fn is not None for fn in shim.raw.values()),
+        register=v >= (2, 19, 0) and shim is not None and None not in (
+            shim.register_fn, shim.deregister_fn, shim.mem_alloc_fn, shim.mem_free_fn),
+        window=v >= (2, 27, 0) and shim is not None and None not in (
+            shim.window_register_fn, shim.window_deregister_fn, shim.mem_alloc_fn),
     )
 
 

@@ -60,6 +60,19 @@ class Comm(Protocol):
         """``ncclCommShrink``: this communicator without ``exclude`` (used only when
         ``features.comm_shrink``)."""
         ...
+    def register(self, ptr: int, nbytes: int) -> int:
+        """``ncclCommRegister``: a handle for :meth:`deregister` (0 when NCCL skipped it)."""
+        ...
+    def deregister(self, handle: int) -> None:
+        """``ncclCommDeregister``."""
+        ...
+    def window_register(self, ptr: int, nbytes: int, flags: int) -> int:
+        """``ncclCommWindowRegister`` (collective): the window (0 when the communicator has
+        no symmetric support, as NCCL answers then)."""
+        ...
+    def window_deregister(self, window: int) -> None:
+        """``ncclCommWindowDeregister`` (collective)."""
+        ...
     def abort(self) -> None: ...
     def destroy(self) -> None: ...
 
@@ -144,6 +157,16 @@ class Runtime(Protocol):
         """``ncclCommInitRankScalable``: one communicator from several roots' unique ids
         (the same ids, in the same order, on every rank); only when
         ``features.init_scalable``."""
+        ...
+    def mem_alloc(self, nbytes: int) -> int:
+        """``ncclMemAlloc`` on the current device (cuMem memory NCCL can map for windows)."""
+        ...
+    def mem_free(self, ptr: int) -> None:
+        """``ncclMemFree``."""
+        ...
+    def is_vmm(self, ptr: int, nbytes: int) -> bool | None:
+        """Whether ``[ptr, ptr + nbytes)`` is cuMem (VMM) memory, as ncclMemAlloc gives and
+        NCCL's windows need; None when the runtime cannot tell."""
         ...
     def check_config(self, config: Mapping[str, Any]) -> None:
         """Raise BackendUnavailableError naming the fields of ``config`` this runtime

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from .lib import NcclCallError, NcclLib
+from .lib import NcclCallError, NcclLib, shim_of
 
 if TYPE_CHECKING:
     from .protocols import Comm
@@ -114,6 +114,19 @@ class RawComm:
         if made is None:
             raise NcclCallError("ncclCommShrink", 5, "it returned no communicator")
         return made
+
+    # Buffer registration (the shim's calls on this communicator; see registration.py)
+    def register(self, ptr: int, nbytes: int) -> int:
+        return shim_of(self._lib, "ncclCommRegister").comm_register(self.handle, ptr, nbytes)
+
+    def deregister(self, handle: int) -> None:
+        shim_of(self._lib, "ncclCommDeregister").comm_deregister(self.handle, handle)
+
+    def window_register(self, ptr: int, nbytes: int, flags: int) -> int:
+        return shim_of(self._lib, "ncclCommWindowRegister").window_register(self.handle, ptr, nbytes, flags)
+
+    def window_deregister(self, window: int) -> None:
+        shim_of(self._lib, "ncclCommWindowDeregister").window_deregister(self.handle, window)
 
     def abort(self) -> None:
         handle, self._handle = self._handle, 0

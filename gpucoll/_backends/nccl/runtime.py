@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ...errors import BackendUnavailableError
 
-from .lib import NcclCallError, NcclLib, comm_id_arg, normalise_unique_id
+from .lib import NcclCallError, NcclLib, comm_id_arg, normalise_unique_id, shim_of
 from .protocols import CAPTURE_GLOBAL, CAPTURE_RELAXED, CAPTURE_THREAD_LOCAL, Comm, Event, Runtime
 
 __all__ = ["Event", "Comm", "Runtime", "CudaRuntime", "CupyComm", "NcclCallError", "enter_device", "leave_device",
@@ -202,6 +202,26 @@ class CudaRuntime:
     def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         self._memcpy(dst, src, nbytes, self._memcpy_kind, stream)
 
+    def mem_alloc(self, nbytes: int) -> int:
+        return shim_of(self.lib, "ncclMemAlloc").mem_alloc(nbytes)
+
+    def mem_free(self, ptr: int) -> None:
+        shim_of(self.lib, "ncclMemFree").mem_free(ptr)
+
+    def is_vmm(self, ptr: int, nbytes: int) -> bool | None:
+        # The driver's answer, as NCCL's own window check asks it: cuMemRetainAllocationHandle
+        # succeeds on cuMem (VMM) memory only; cudaMalloc memory gives CUDA_ERROR_INVALID_VALUE.
+        cuda = _libcuda()
+        if cuda is None:
+            return None
+        import ctypes
+
+        handle = ctypes.c_ulonglong(0)
+        if cuda.cuMemRetainAllocationHandle(ctypes.byref(handle), ctypes.c_void_p(ptr)) != 0:
+            return False
+        cuda.cuMemRelease(handle)
+        return True
+
     def alloc(self, nbytes: int, stream: Any) -> tuple[int, Any]:
         # Allocated while the communication stream is current, CuPy's pool hands this
         # block out again only in that stream's order.
@@ -257,6 +277,19 @@ class CudaRuntime:
 
 
 _HIGHEST_PRIORITY = -1000
+
+
+def _libcuda() -> Any:
+    """The CUDA driver library through ctypes (the process has it loaded once CuPy runs), or None."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    lib.cuMemRetainAllocationHandle.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_void_p]
+    lib.cuMemRelease.argtypes = [ctypes.c_ulonglong]
+    return lib
 
 
 def enter_device(rt: Runtime, device: int) -> int:
@@ -411,6 +444,19 @@ class CupyComm:
 
     def shrink(self, exclude: Sequence[int], flags: int, config: Mapping[str, Any] | None = None) -> Comm:
         raise NcclCallError("ncclCommShrink", 5, "CuPy cannot adopt the raw communicator ncclCommShrink returns")
+
+    # Buffer registration (the shim's calls on this communicator; see registration.py)
+    def register(self, ptr: int, nbytes: int) -> int:
+        return shim_of(self._lib, "ncclCommRegister").comm_register(self.handle, ptr, nbytes)
+
+    def deregister(self, handle: int) -> None:
+        shim_of(self._lib, "ncclCommDeregister").comm_deregister(self.handle, handle)
+
+    def window_register(self, ptr: int, nbytes: int, flags: int) -> int:
+        return shim_of(self._lib, "ncclCommWindowRegister").window_register(self.handle, ptr, nbytes, flags)
+
+    def window_deregister(self, window: int) -> None:
+        shim_of(self._lib, "ncclCommWindowDeregister").window_deregister(self.handle, window)
 
     def abort(self) -> None:
         self._comm.abort()
