@@ -24,6 +24,9 @@ class ArrayKit(Protocol):
     """What the benchmark loop needs from the memory the collectives run on."""
 
     def zeros(self, count: int, dtype: str) -> Any: ...
+    def pooled_zeros(self, count: int, dtype: str) -> Any:
+        """Zeros in memory that can be registered with NCCL (``-R``): NCCL's allocator on a GPU."""
+        ...
     def write(self, view: Any, host: np.ndarray[Any, Any]) -> None: ...
     def zero(self, view: Any) -> None: ...
     def to_host(self, view: Any) -> np.ndarray[Any, Any]: ...
@@ -49,6 +52,9 @@ class HostKit:
 
     def zeros(self, count: int, dtype: str) -> np.ndarray[Any, Any]:
         return np.zeros(count, dtype=np_dtype(dtype))
+
+    def pooled_zeros(self, count: int, dtype: str) -> np.ndarray[Any, Any]:
+        return self.zeros(count, dtype)  # host memory: registration is the CPU backend's no-op
 
     def write(self, view: Any, host: np.ndarray[Any, Any]) -> None:
         view[...] = host
@@ -86,6 +92,17 @@ class DeviceKit:
         self.device = local_rank % ndev
         cupy.cuda.Device(self.device).use()
         self._graph_stream: Any = None
+        self._pool: Any = None  # gpucoll.nccl_mem_pool(), made for -R
+
+    def pooled_zeros(self, count: int, dtype: str) -> Any:
+        """Zeros from NCCL's allocator (``ncclMemAlloc``, through gpucoll.nccl_mem_pool), as
+        nccl-tests allocates its buffers for ``-R``."""
+        if self._pool is None:
+            from .. import nccl_mem_pool
+
+            self._pool = nccl_mem_pool()
+        with self._cp.cuda.using_allocator(self._pool.malloc):
+            return self.zeros(count, dtype)
 
     def zeros(self, count: int, dtype: str) -> Any:
         npd = np_dtype(dtype)

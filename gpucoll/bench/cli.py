@@ -136,8 +136,6 @@ _REFUSED_UNLESS = (
     # (attribute, flag, accepted value, why any other value cannot mean anything here)
     ("parallel_init", "-p/--parallel_init", 0,
      "there is one thread per process, so there is nothing to initialise in parallel"),
-    ("local_register", "-R/--local_register", 0,
-     "buffer registration is not in this build of gpucoll-bench yet"),
 )
 
 

@@ -112,7 +112,8 @@ def header_lines(cfg: BenchConfig, env: dict[str, Any], ranks: Sequence[RankInfo
         f"validation: {cfg.check} graph: {cfg.cudagraph} unalign: 0",
     ]
     if cfg.local_register:
-        lines.append(_REGISTRATION[cfg.local_register])
+        lines.append(_REGISTRATION[cfg.local_register] + ("" if cfg.backend == "nccl" else
+                                                          " (host memory on the cpu backend: a no-op)"))
     if cfg.blocking:
         lines.append("# Blocking Enabled: wait for completion after each collective")
     lines += ["#", "# Using devices"]

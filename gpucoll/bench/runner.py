@@ -27,6 +27,7 @@ import numpy as np
 from . import check as _check
 from .arrays import ArrayKit, make_kit
 from .ops import Call, Caller, Layout, OpSpec, get_op
+from .. import _world
 from .options import DATATYPES, PREMUL_FACTOR, REDOPS, BenchConfig, redop_defined
 
 __all__ = ["Measurement", "Row", "RankInfo", "check_config", "run_rank", "rank_info", "AGGREGATED_OPS"]
@@ -331,44 +332,75 @@ def _sweep(cfg: BenchConfig, spec: OpSpec, kit: ArrayKit, rank: int, n: int, roo
         dtype = DATATYPES[datatype]
         itemsize = np.dtype(_check.np_dtype(dtype)).itemsize
         top = spec.layout(max(cfg.sizes) // itemsize, n)
-        send, recv = kit.zeros(top.send_count, dtype), kit.zeros(top.size_count, dtype)
-        for redop in redops:
-            if _skip(spec, datatype, redop):
-                continue
-            for root in roots:
-                case = _Case(cfg, spec, kit, datatype, redop, max(root, 0), rank, n)
-                # nccl-tests warms each sweep up at its largest and smallest size first.
-                first = spec.out_of_place or spec.in_place
-                assert first is not None
-                for size in (max(cfg.sizes), min(cfg.sizes)):
-                    lay = spec.layout(size // itemsize, n)
-                    if lay.param_count:
-                        case.warm(first, _views(send, recv, lay, rank, first is spec.in_place))
-                # Then one whole measurement at the smallest size, not reported: on the CPU
-                # backend the first measurement of a process was the slow one whichever
-                # call it timed (1.5-5x the next; docs/cpu-backend.md, "Async ops").
-                if lay.param_count and not cfg.cudagraph:
-                    case.measure(first, _views(send, recv, lay, rank, first is spec.in_place), lay,
-                                 lay.size_count * itemsize)
-                for size in cfg.sizes:
-                    lay = spec.layout(size // itemsize, n)
-                    if lay.param_count == 0:
-                        continue  # less than one element per rank: nothing to move
-                    nbytes = lay.size_count * itemsize
-                    results: list[Measurement | None] = []
-                    for in_place, caller in ((False, spec.out_of_place), (True, spec.in_place)):
-                        if caller is None:
-                            results.append(None)
-                            continue
-                        if on_progress is not None:
-                            where = "in-place" if in_place else "out-of-place"
-                            on_progress(f"{spec.name} {datatype} {redop or ''} {nbytes} B {where}")
-                        v = _views(send, recv, lay, rank, in_place)
-                        results.append(case.measure(caller, v, lay, nbytes))
-                    row = Row(spec.name, nbytes, lay.param_count, datatype, redop or "none", root,
-                              results[0], results[1])
-                    rows.append(row)
-                    if on_row is not None:
-                        on_row(row)
+        make = kit.pooled_zeros if cfg.local_register else kit.zeros
+        send, recv = make(top.send_count, dtype), make(top.size_count, dtype)
+        regs = _register(cfg, (send, recv))
+        try:
+            rows += _sweep_type(cfg, spec, kit, rank, n, roots, redops, on_row, on_progress, datatype, itemsize,
+                                send, recv)
+        finally:
+            _deregister(regs)
         del send, recv
+    return rows
+
+
+def _register(cfg: BenchConfig, bufs: tuple[Any, ...]) -> list[Any]:
+    """``-R 1``/``-R 2``: register the run's buffers with the default group (locally, or as
+    symmetric windows: collective, every rank in the same order), as nccl-tests does."""
+    if not cfg.local_register:
+        return []
+    group = _world.default_group()
+    return [group.register_buffer(b, symmetric=cfg.local_register == 2) for b in bufs if len(b)]
+
+
+def _deregister(regs: list[Any]) -> None:
+    group = _world.default_group() if regs else None
+    for reg in regs:
+        assert group is not None
+        group.deregister_buffer(reg)
+
+
+def _sweep_type(cfg: BenchConfig, spec: OpSpec, kit: ArrayKit, rank: int, n: int, roots: list[int],
+                redops: list[str | None], on_row: Callable[[Row], None] | None,
+                on_progress: Callable[[str], None] | None, datatype: str, itemsize: int, send: Any,
+                recv: Any) -> list[Row]:
+    rows: list[Row] = []
+    for redop in redops:
+        if _skip(spec, datatype, redop):
+            continue
+        for root in roots:
+            case = _Case(cfg, spec, kit, datatype, redop, max(root, 0), rank, n)
+            # nccl-tests warms each sweep up at its largest and smallest size first.
+            first = spec.out_of_place or spec.in_place
+            assert first is not None
+            for size in (max(cfg.sizes), min(cfg.sizes)):
+                lay = spec.layout(size // itemsize, n)
+                if lay.param_count:
+                    case.warm(first, _views(send, recv, lay, rank, first is spec.in_place))
+            # Then one whole measurement at the smallest size, not reported: on the CPU
+            # backend the first measurement of a process was the slow one whichever
+            # call it timed (1.5-5x the next; docs/cpu-backend.md, "Async ops").
+            if lay.param_count and not cfg.cudagraph:
+                case.measure(first, _views(send, recv, lay, rank, first is spec.in_place), lay,
+                             lay.size_count * itemsize)
+            for size in cfg.sizes:
+                lay = spec.layout(size // itemsize, n)
+                if lay.param_count == 0:
+                    continue  # less than one element per rank: nothing to move
+                nbytes = lay.size_count * itemsize
+                results: list[Measurement | None] = []
+                for in_place, caller in ((False, spec.out_of_place), (True, spec.in_place)):
+                    if caller is None:
+                        results.append(None)
+                        continue
+                    if on_progress is not None:
+                        where = "in-place" if in_place else "out-of-place"
+                        on_progress(f"{spec.name} {datatype} {redop or ''} {nbytes} B {where}")
+                    v = _views(send, recv, lay, rank, in_place)
+                    results.append(case.measure(caller, v, lay, nbytes))
+                row = Row(spec.name, nbytes, lay.param_count, datatype, redop or "none", root,
+                          results[0], results[1])
+                rows.append(row)
+                if on_row is not None:
+                    on_row(row)
     return rows

@@ -79,6 +79,18 @@ class FakeKit:
         block = self.rt.fabric.mem.alloc(nbytes)
         return FakeKitArray(self, block, block.data[:nbytes].view(npd))
 
+    def pooled_zeros(self, count: int, dtype: str) -> FakeKitArray:
+        """Zeros from NCCL's allocator (the fake's ncclMemAlloc, through gpucoll's pool)."""
+        from gpucoll._backends.nccl.mempool import NcclMemPool
+
+        if self.pool is None:
+            self.pool = NcclMemPool(_runtime=self.rt)
+        npd = np_dtype(dtype)
+        nbytes = count * npd.itemsize
+        ptr = self.pool.allocate(max(nbytes, 1))
+        block = self.rt.fabric.nccl_mem[ptr]
+        return FakeKitArray(self, block, block.data[:nbytes].view(npd))
+
     def write(self, view: FakeKitArray, host: np.ndarray) -> None:
         self._sync()
         view.nd[...] = host

@@ -27,7 +27,6 @@ def _env() -> dict[str, str]:
     (["-t", "0"], "-t/--nthreads must be >= 1", "got 0"),
     (["-m", "0"], "-m/--agg_iters must be >= 1", "got 0"),
     (["-p", "1"], "-p/--parallel_init 1", "nothing to initialise in parallel"),
-    (["-R", "1"], "-R/--local_register 1", "not in this build"),
     (["-N", "0"], "-N/--run_cycles 0", "finite"),
     (["-T", "0"], "-T 0", "must be > 0"),
 ])

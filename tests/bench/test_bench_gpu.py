@@ -60,3 +60,23 @@ def test_cudagraph_launches_replay_the_captured_ops(op: str, tmp_path: Any) -> N
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.load(open(path))
     assert doc["config"]["cudagraph"] == 4 and doc["rows"] and doc["summary"]["ok"], doc
+
+
+@pytest.mark.parametrize("extra", [["-R", "1"], ["-m", "4"], ["-R", "2", "-m", "4"]])
+def test_registration_and_aggregation_on_one_gpu(extra: list[str], tmp_path: Any) -> None:
+    """-R 1 (ncclMemAlloc buffers, ncclCommRegister), -R 2 (windows, NCCL >= 2.27) and -m 4
+    (4 ops per group call) on one GPU: the check passes and the header says which."""
+    from gpucoll._backends.nccl.backend import nccl_version
+
+    if extra[:2] == ["-R", "2"] and nccl_version() < (2, 27, 0):
+        pytest.skip("symmetric windows need NCCL >= 2.27")
+    path = str(tmp_path / "r.json")
+    proc = _bench(["all_reduce", "--backend", "nccl", "-g", "1", "-b", "8", "-e", "64M", "-f", "8", "-n", "5",
+                   "-w", "2", *extra, "--json", path])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.load(open(path))
+    assert doc["summary"]["ok"] and doc["rows"]
+    if "-R" in extra:
+        assert "# Buffer registration: " in proc.stdout
+    if "-m" in extra:
+        assert " agg iters: 4 " in proc.stdout

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from _fake_gpu_bench import run_bench
-from _nccl_fake import FakeRuntime
+from _nccl_fake import FakeComm, FakeRuntime
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = Path(__file__).parent / "data" / "nccl_tests_all_reduce_perf_g8.txt"
@@ -81,6 +81,38 @@ def test_m4_is_one_group_call_of_four_ops(monkeypatch: pytest.MonkeyPatch) -> No
     assert [size for _, size in groups].count(4) == want, groups
 
 
+@pytest.mark.parametrize("mode, extra", [(1, []), (2, ["-m", "2"])])
+def test_R_registers_pool_buffers(monkeypatch: pytest.MonkeyPatch, mode: int, extra: list[str]) -> None:
+    """-R 1 / -R 2: each rank's two buffers come from ncclMemAlloc (the pool) and are registered
+    (ncclCommRegister / ncclCommWindowRegister) before the sweep and deregistered after it;
+    the fake refuses anything NCCL would (a window on other memory, unequal sizes); values check."""
+    seen: list[tuple[str, bool]] = []
+    lock = __import__("threading").Lock()
+
+    def spy(name: str) -> None:
+        real = getattr(FakeComm, name)
+
+        def call(self: FakeComm, *a: Any) -> Any:
+            if name.endswith("register") and not name.endswith("deregister"):
+                with lock:
+                    seen.append((name, self._rt.fabric.nccl_base(a[0], a[1]) is not None))
+            else:
+                with lock:
+                    seen.append((name, True))
+            return real(self, *a)
+        monkeypatch.setattr(FakeComm, name, call)
+    for name in ("register", "deregister", "window_register", "window_deregister"):
+        spy(name)
+    codes, out = run_bench(["all_reduce", "-b", "8", "-e", "64K", "-f", "8", "-g", "4", "-n", "2", "-w", "1",
+                            "-R", str(mode), *extra], monkeypatch, devices=4)
+    assert codes == [0] * 4
+    words = "local (-R 1)" if mode == 1 else "symmetric (-R 2)"
+    assert re.search(r"^# Buffer registration: " + re.escape(words) + r": buffers from ncclMemAlloc", out, re.M)
+    assert all(r.split()[8] == "0" and r.split()[12] == "0" for r in _rows(out)) and len(_rows(out)) == 5
+    reg = "register" if mode == 1 else "window_register"
+    assert sorted(seen) == sorted([(reg, True)] * 8 + [(reg.replace("register", "deregister"), True)] * 8)
+
+
 def test_g_beyond_the_fake_machine_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match=r"-t 1 -g 8 runs 8 ranks, one per GPU, but this machine has 4 GPUs"):
         run_bench(["all_reduce", "-g", "8"], monkeypatch, devices=4)
@@ -94,15 +126,17 @@ def _env() -> dict[str, str]:
     return {**clean, "PYTHONPATH": str(ROOT)}
 
 
-def test_cpu_backend_runs_t_x_g_ranks_with_m(tmp_path: Path) -> None:
-    """The same command line without GPUs: -t 1 -g 2 runs 2 ranks, -m 4 aggregates, values check."""
+def test_cpu_backend_runs_t_x_g_ranks_with_m_and_R(tmp_path: Path) -> None:
+    """The same command line without GPUs: -g 2 runs 2 ranks, -m 4 aggregates, -R 1 registers
+    (the CPU backend's no-op), values check."""
     done = subprocess.run([sys.executable, "-m", "gpucoll.bench", "all_reduce", "--backend", "cpu", "-b", "8",
-                           "-e", "1M", "-f", "4", "-g", "2", "-m", "4", "-n", "2", "-w", "1"],
+                           "-e", "1M", "-f", "4", "-g", "2", "-m", "4", "-R", "1", "-n", "2", "-w", "1"],
                           capture_output=True, text=True, timeout=120, env=_env(), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert re.findall(r"^#  Rank +(\d+) Group +0 Pid", out, re.M) == ["0", "1"]
     assert re.search(r"^# nThread 1 nGpus 2 .* agg iters: 4 ", out, re.M)
+    assert re.search(r"^# Buffer registration: local \(-R 1\).*a no-op\)$", out, re.M)
     rows = _rows(out)
     assert [int(r.split()[0]) for r in rows] == [8, 32, 128, 512, 2048, 8192, 32768, 131072, 524288]
     assert all(r.split()[8] == "0" and r.split()[12] == "0" for r in rows)
