@@ -33,6 +33,10 @@ class ArrayKit(Protocol):
     def corrupt(self, view: Any, itemsize: int) -> None: ...
     def synchronize(self) -> None: ...
     def device_name(self) -> str: ...
+    def device_identity(self) -> tuple[int, str, str]:
+        """(CUDA device index, PCI address ``dddd:bb:dd``, GPU name) for nccl-tests' rank
+        line; ``(-1, "", "")`` for host memory."""
+        ...
 
 
 def cpu_name() -> str:
@@ -75,6 +79,9 @@ class HostKit:
 
     def device_name(self) -> str:
         return f"cpu ({cpu_name()}, {os.cpu_count()} cores)"
+
+    def device_identity(self) -> tuple[int, str, str]:
+        return -1, "", ""
 
 
 class DeviceKit:

@@ -85,9 +85,9 @@ def environment(cfg: BenchConfig, world_size: int, device: str, argv: Sequence[s
 
 
 _REGISTRATION = {
-    1: "# Buffer registration: local (-R 1): buffers from ncclMemAlloc, registered with ncclCommRegister",
-    2: "# Buffer registration: symmetric (-R 2): buffers from ncclMemAlloc, registered as windows "
-       "with ncclCommWindowRegister (NCCL_WIN_COLL_SYMMETRIC)",
+    1: "local (-R 1): buffers from ncclMemAlloc, registered with ncclCommRegister",
+    2: "symmetric (-R 2): buffers from ncclMemAlloc, registered as windows with ncclCommWindowRegister "
+       "(NCCL_WIN_COLL_SYMMETRIC)",
 }
 
 
@@ -112,8 +112,10 @@ def header_lines(cfg: BenchConfig, env: dict[str, Any], ranks: Sequence[RankInfo
         f"validation: {cfg.check} graph: {cfg.cudagraph} unalign: 0",
     ]
     if cfg.local_register:
-        lines.append(_REGISTRATION[cfg.local_register] + ("" if cfg.backend == "nccl" else
-                                                          " (host memory on the cpu backend: a no-op)"))
+        mode = _REGISTRATION[cfg.local_register]
+        if cfg.backend != "nccl":
+            mode = mode.split(":")[0] + ": host memory on the cpu backend, nothing to register (a no-op)"
+        lines.append("# Buffer registration: " + mode)
     if cfg.blocking:
         lines.append("# Blocking Enabled: wait for completion after each collective")
     lines += ["#", "# Using devices"]

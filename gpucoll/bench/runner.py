@@ -92,7 +92,7 @@ def rank_info(kit: ArrayKit) -> RankInfo:
     """This rank's :class:`RankInfo`."""
     import gpucoll
 
-    index, pci, name = getattr(kit, "device_identity", lambda: (-1, "", ""))()
+    index, pci, name = kit.device_identity()
     return RankInfo(gpucoll.get_rank(), os.getpid(), socket.gethostname(), kit.device_name(), index, pci, name)
 
 

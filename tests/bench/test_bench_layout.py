@@ -79,7 +79,7 @@ def test_registration_is_named_in_the_header() -> None:
     env = {"world_size": 2, "gpucoll_version": "0"}
     ranks = [RankInfo(0, 1, "h", "cpu"), RankInfo(1, 2, "h", "cpu")]
     for mode, words in ((1, "local (-R 1)"), (2, "symmetric (-R 2)")):
-        cfg = BenchConfig("all_reduce", (8,), local_register=mode, agg_iters=4)
+        cfg = BenchConfig("all_reduce", (8,), local_register=mode, agg_iters=4, backend="nccl")
         head = report.header_lines(cfg, env, ranks)
         assert any(line.startswith("# Buffer registration: " + words) for line in head), head
         assert " agg iters: 4 " in head[1]

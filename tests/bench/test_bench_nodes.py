@@ -136,7 +136,8 @@ def test_cpu_backend_runs_t_x_g_ranks_with_m_and_R(tmp_path: Path) -> None:
     out = done.stdout
     assert re.findall(r"^#  Rank +(\d+) Group +0 Pid", out, re.M) == ["0", "1"]
     assert re.search(r"^# nThread 1 nGpus 2 .* agg iters: 4 ", out, re.M)
-    assert re.search(r"^# Buffer registration: local \(-R 1\).*a no-op\)$", out, re.M)
+    assert re.search(r"^# Buffer registration: local \(-R 1\): host memory on the cpu backend, nothing to "
+                     r"register \(a no-op\)$", out, re.M)
     rows = _rows(out)
     assert [int(r.split()[0]) for r in rows] == [8, 32, 128, 512, 2048, 8192, 32768, 131072, 524288]
     assert all(r.split()[8] == "0" and r.split()[12] == "0" for r in rows)
