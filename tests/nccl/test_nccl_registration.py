@@ -188,3 +188,52 @@ def test_the_public_pool_needs_nccl_here() -> None:
         pool.allocate(1024)
     with pytest.raises(ValueError, match="nbytes must be >= 1"):
         pool.allocate(0)
+
+
+def test_the_cupy_face_allocates_and_frees_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pool.malloc is a cupy.cuda.MemoryPool over a PythonFunctionAllocator whose malloc is
+    (nbytes, device) -> ncclMemAlloc and whose free is (ptr, device) -> ncclMemFree (CuPy's
+    signatures); a stand-in CuPy drives it as CuPy's pool would, on the fake GPU."""
+    import sys
+
+    from _nccl_fake import FakeFabric
+
+    class _Alloc:
+        def __init__(self, malloc: Any, free: Any) -> None:
+            self.malloc_func, self.free_func = malloc, free
+
+        def malloc(self, nbytes: int) -> int:
+            return int(self.malloc_func(nbytes, 0))
+
+    class _Pool:
+        def __init__(self, allocator: Any) -> None:
+            self.allocator, self.held = allocator, []
+
+        def malloc(self, nbytes: int) -> int:
+            self.held.append(self.allocator(nbytes))
+            return self.held[-1]
+
+        def used_bytes(self) -> int:
+            return 0
+
+        def free_all_blocks(self) -> None:
+            alloc = self.allocator.__self__
+            for ptr in self.held:
+                alloc.free_func(ptr, 0)
+            self.held.clear()
+
+    class _Cuda:
+        PythonFunctionAllocator = _Alloc
+        MemoryPool = _Pool
+
+    class _Cupy:
+        cuda = _Cuda
+
+    monkeypatch.setitem(sys.modules, "cupy", _Cupy())
+    fabric = FakeFabric()
+    rt = FakeRuntime(fabric)
+    pool = NcclMemPool(_runtime=rt)
+    ptr = pool.malloc(5000)
+    assert ptr in fabric.nccl_mem and pool.segments() == [(ptr, 5000, 0)]
+    pool.free_all_blocks()
+    assert ptr not in fabric.nccl_mem and pool.segments() == [] and not fabric.errors

@@ -11,6 +11,7 @@ Protocols. Importing this module imports no CuPy.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Callable, Mapping, Sequence
 
@@ -279,6 +280,7 @@ class CudaRuntime:
 _HIGHEST_PRIORITY = -1000
 
 
+@functools.lru_cache(maxsize=1)
 def _libcuda() -> Any:
     """The CUDA driver library through ctypes (the process has it loaded once CuPy runs), or None."""
     import ctypes
