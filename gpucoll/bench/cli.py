@@ -233,7 +233,7 @@ def _gpu_count() -> tuple[int, str]:
         return 0, f"{type(exc).__name__}: {exc}"
 
 
-def _resolve_backend(requested: str) -> tuple[str, int]:
+def _resolve_backend(requested: str, wanted: int | None = None) -> tuple[str, int]:
     """``(backend, visible GPUs)``; "auto" picks nccl when a GPU is usable.
 
     Raises:
@@ -247,7 +247,8 @@ def _resolve_backend(requested: str) -> tuple[str, int]:
     if requested == "nccl":
         from ..errors import BackendUnavailableError
 
-        raise BackendUnavailableError(f"--backend nccl needs a usable CUDA GPU; found none ({why})")
+        asked = "" if wanted is None else f" (-t x -g asks for {wanted}, one rank per GPU)"
+        raise BackendUnavailableError(f"--backend nccl needs a usable CUDA GPU{asked}; this machine has 0 ({why})")
     return "cpu", 0
 
 
@@ -319,7 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--nproc must be >= 1; got {args.nproc}")
         world = _launcher_world()
         if world is None:
-            backend, gpus = _resolve_backend(args.backend)
+            backend, gpus = _resolve_backend(args.backend, _per_node(args))
             nproc = local_job_size(args, backend, gpus)
             from .runner import check_config
             from .spawn import run_local

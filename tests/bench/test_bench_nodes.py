@@ -175,3 +175,14 @@ def test_cpu_m_goes_through_the_coalescing_context() -> None:
     w, n = 1, 2
     # warm-ups (largest and smallest size), the unreported measurement, both variants of one size
     assert run_spmd(_coalesced_body, 2, timeout=120) == [2 * w + (w + n) + 2 * (w + n)] * 2
+
+
+def test_g_without_any_gpu_names_the_count(tmp_path: Path) -> None:
+    from _fake_gpu_world import has_gpu
+
+    if has_gpu():
+        pytest.skip("a GPU is usable here")
+    done = subprocess.run([sys.executable, "-m", "gpucoll.bench", "all_reduce", "--backend", "nccl", "-g", "2"],
+                          capture_output=True, text=True, timeout=60, env=_env(), cwd=tmp_path)
+    assert done.returncode == 1
+    assert "(-t x -g asks for 2, one rank per GPU); this machine has 0" in done.stderr, done.stderr
