@@ -205,6 +205,8 @@ class _Job:
     def _died(self, rank: int, exc: BaseException) -> RankDied:
         p = self.places[rank]
         reason = " ".join(str(exc).split())
+        # Ray appends a list of common causes of a worker's death: what it saw comes first.
+        reason = reason.split(" Some common causes include", 1)[0]
         died = RankDied(rank, p.node, p.node_id, p.pid, reason)
         assert self.store is not None
         try:
