@@ -11,7 +11,15 @@ import time
 import traceback
 from typing import Any, Callable, Mapping
 
-__all__ = ["RankActor", "describe", "set_env", "join_group", "leave_group"]
+__all__ = ["RankActor", "describe", "node_address", "set_env", "join_group", "leave_group"]
+
+
+def node_address() -> str:
+    """This node's address as Ray knows it."""
+    import ray
+
+    address: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]  # untyped in Ray
+    return address
 
 
 def describe(_instance: object = None) -> dict[str, Any]:
@@ -20,7 +28,7 @@ def describe(_instance: object = None) -> dict[str, Any]:
 
     import ray
 
-    return {"node_id": ray.get_runtime_context().get_node_id(), "node": ray.util.get_node_ip_address(),
+    return {"node_id": ray.get_runtime_context().get_node_id(), "node": node_address(),
             "pid": os.getpid(), "host": socket.gethostname(),
             "gpus": [str(g) for g in ray.get_gpu_ids()], "nice": os.getpriority(os.PRIO_PROCESS, 0)}
 

@@ -15,7 +15,6 @@ import secrets
 import time
 from typing import Any
 
-import ray
 import ray.experimental.internal_kv as internal_kv
 from ray.util.collective.collective_group.base_collective_group import BaseGroup
 from ray.util.collective.types import (AllGatherOptions, AllReduceOptions, BarrierOptions, BroadcastOptions,
@@ -27,6 +26,7 @@ from ..errors import DistNetworkError
 from ..store import PrefixStore, TCPStore
 from .._reduce_op import ReduceOp as GReduceOp
 from .._world import destroy_process_group
+from ._actor import node_address
 
 __all__ = ["GpucollGroup", "TIMEOUT_S"]
 
@@ -41,7 +41,7 @@ def _kv_key(group_name: str) -> str:
     return f"gpucoll_ray_collective_store_{group_name}"
 
 
-class GpucollGroup(BaseGroup):  # type: ignore[misc]  # Ray's class is untyped
+class GpucollGroup(BaseGroup):
     """One ``ray.util.collective`` group on gpucoll (made by Ray's group manager)."""
 
     def __init__(self, world_size: int, rank: int, group_name: str) -> None:
@@ -63,7 +63,7 @@ class GpucollGroup(BaseGroup):  # type: ignore[misc]  # Ray's class is untyped
         if rank == 0:
             token = secrets.token_hex(16)
             single = world_size == 1
-            host = "127.0.0.1" if single else ray.util.get_node_ip_address()
+            host = "127.0.0.1" if single else node_address()
             self._server = TCPStore("127.0.0.1" if single else "", 0, is_master=True, wait_for_workers=False,
                                     timeout=TIMEOUT_S, token=token)
             internal_kv._internal_kv_put(key, json.dumps({"host": host, "port": int(self._server.port),

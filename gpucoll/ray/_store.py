@@ -22,7 +22,9 @@ class StoreHost:
 
         from ..store import TCPStore
 
-        self.node = ray.util.get_node_ip_address()
+        from ._actor import node_address
+
+        self.node = node_address()
         self.server = TCPStore("", 0, is_master=True, wait_for_workers=False, timeout=_STORE_TIMEOUT_S,
                                token=token)
 
@@ -60,7 +62,9 @@ class JobStore:
         else:
             from ..store import TCPStore
 
-            self.addr = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+            from ._actor import node_address
+
+            self.addr = "127.0.0.1" if loopback else node_address()
             # Several nodes: every interface, since the address other nodes use may not be
             # the one this host would pick (as gpucoll-run's agent does).
             self._server = TCPStore("127.0.0.1" if loopback else "", 0, is_master=True, wait_for_workers=False,
