@@ -399,3 +399,31 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def gpu_body() -> dict[str, Any]:
+    import cupy
+
+    import gpucoll
+
+    local = int(os.environ["LOCAL_RANK"])
+    cupy.cuda.Device(local).use()  # the rank's own GPU: its LOCAL_RANK-th visible one
+    gpucoll.init_process_group()  # GPUCOLL_BACKEND=nccl from run(backend="nccl")
+    x = cupy.full(4, float(gpucoll.get_rank() + 1), dtype=cupy.float32)
+    gpucoll.all_reduce(x)
+    out = {"visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "count": cupy.cuda.runtime.getDeviceCount(),
+           "local": local, "local_size": int(os.environ["LOCAL_WORLD_SIZE"]), "sum": x.get().tolist(),
+           "backend": str(gpucoll.get_backend())}
+    gpucoll.destroy_process_group()
+    return out
+
+
+@pytest.mark.gpu
+def test_gpu_ranks_see_their_nodes_gpus_and_use_their_own(cluster: str) -> None:
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    assert gpus >= 1, "Ray sees no GPU on a machine where CUDA does"
+    n = min(gpus, 2)  # one GPU: world size 1
+    res = gray.run(gpu_body, n, backend="nccl", timeout=JOB_S)
+    for r in res:
+        assert r["backend"] == "nccl" and r["sum"] == [float(n * (n + 1) // 2)] * 4
+        assert r["count"] == r["local_size"] == len(r["visible"].split(","))  # the node's ranks' GPUs, all
