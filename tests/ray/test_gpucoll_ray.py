@@ -263,6 +263,8 @@ def test_a_dead_actor_is_named_within_a_second_and_survivors_shrink(cluster: str
     died_at = float(open(stamp).read())
     dead = res[1]
     assert isinstance(dead, gray.RankDied) and dead.rank == 1 and dead.pid > 0 and dead.node and dead.reason
+    if how == "kill":
+        assert "ray.kill" in dead.reason, dead.reason  # Ray's own words for the death
     for r in (0, 2):
         out = res[r]
         assert isinstance(out, dict), out
