@@ -95,7 +95,8 @@ def init_group(actors: Sequence[Any], *, backend: str | None = None, timeout: fl
     here = None if client else ray.get_runtime_context().get_node_id()
     loopback = all(p.node_id == here for p in places)
     store = JobStore(ray, loopback=loopback)
-    envs = _ranks.environments(places, store.addr, store.port, store.token, backend=backend, loopback=loopback)
+    envs = _ranks.environments(places, store.addr, store.port, store.token, backend=backend, loopback=loopback,
+                               records_deaths=False)
     for env in envs:
         env.pop("CUDA_VISIBLE_DEVICES", None)  # a running actor's devices are Ray's to set
     refs = [a.__ray_call__.remote(_actor.join_group, env, backend, seconds) for a, env in zip(actors, envs)]

@@ -43,13 +43,15 @@ def order(infos: Sequence[dict[str, Any]], *, by_node: bool = True) -> list[Plac
 
 
 def environments(places: Sequence[Placement], master_addr: str, master_port: int, token: str, *,
-                 backend: str | None, loopback: bool) -> list[dict[str, str | None]]:
+                 backend: str | None, loopback: bool, records_deaths: bool = True) -> list[dict[str, str | None]]:
     """Each rank's environment (rank order): what gpucoll-run gives a rank, with the store
     hosted by the driver, plus the node's address for the CPU backend's connections, the
-    backend ``init_process_group()`` picks, death records on, and on GPU nodes
+    backend ``init_process_group()`` picks, whether deaths are recorded, and on GPU nodes
     ``CUDA_VISIBLE_DEVICES`` covering every GPU of the node's ranks (NCCL needs to see its
     peers' devices), each rank's own GPU being its ``LOCAL_RANK``-th there. With
-    ``loopback`` (every rank on the driver's node) the CPU backend listens on loopback."""
+    ``loopback`` (every rank on the driver's node) the CPU backend listens on loopback.
+    ``records_deaths``: the driver watches the ranks and records their deaths (``run``;
+    ``init_group`` cannot watch a user's actors, so its ranks do not wait for records)."""
     nodes: dict[str, list[Placement]] = {}
     for p in places:
         nodes.setdefault(p.node_id, []).append(p)
@@ -63,7 +65,7 @@ def environments(places: Sequence[Placement], master_addr: str, master_port: int
                        store_hosted=True, node_rank=node_rank[p.node_id]), token=token))
         env[CPU_IFADDR_ENV] = "" if loopback else p.node
         env[BACKEND_ENV] = backend or ""
-        env[DEATH_RECORDS_ENV] = "1"
+        env[DEATH_RECORDS_ENV] = "1" if records_deaths else ""
         gpus = [g for q in peers for g in q.gpus]
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(sorted(dict.fromkeys(gpus), key=lambda g: (len(g), g)))

@@ -47,14 +47,18 @@ class JobStore:
     Args:
         ray: the ``ray`` module.
         loopback: every rank runs on the driver's node: serve on loopback only.
+        in_actor: serve from an actor on the head node; None: where the driver is a Ray
+            Client (outside the cluster).
     """
 
-    def __init__(self, ray: Any, *, loopback: bool) -> None:
+    def __init__(self, ray: Any, *, loopback: bool, in_actor: bool | None = None) -> None:
         self.token = secrets.token_hex(16)
         self._ray = ray
         self._actor: Any = None
         self._server: Any = None
-        if ray.util.client.ray.is_connected():
+        if in_actor is None:
+            in_actor = bool(ray.util.client.ray.is_connected())
+        if in_actor:
             # A Ray Client driver is outside the cluster: the ranks could not reach it.
             host = ray.remote(num_cpus=0, max_restarts=0, resources={"node:__internal_head__": 0.001})(StoreHost)
             self._actor = host.remote(self.token)

@@ -429,3 +429,37 @@ def test_gpu_ranks_see_their_nodes_gpus_and_use_their_own(cluster: str) -> None:
     for r in res:
         assert r["backend"] == "nccl" and r["sum"] == [float(n * (n + 1) // 2)] * 4
         assert r["count"] == r["local_size"] == len(r["visible"].split(","))  # the node's ranks' GPUs, all
+
+
+def sleepy_body(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_timeout_and_an_impossible_placement_are_named_errors(cluster: str) -> None:
+    t0 = time.monotonic()
+    # 10 s: the bound covers starting the actors too, which takes seconds on a busy machine.
+    with pytest.raises(gray.RayJobError, match=r"timed out after 10 s; ranks \[0, 1\] had not finished"):
+        gray.run(sleepy_body, 2, args=(60.0,), timeout=10.0)
+    assert time.monotonic() - t0 < 40
+    with pytest.raises(gray.RayJobError, match=r"did not place 2 ranks of \{'CPU': 64.0\}"):
+        gray.run(sleepy_body, 2, args=(0.0,), resources_per_rank={"CPU": 64.0}, timeout=2.0)
+
+
+def test_the_store_served_by_a_head_node_actor(cluster: str) -> None:
+    """The path of a Ray Client driver, which the ranks cannot reach: an actor serves the
+    store and reports its port; records go through it."""
+    from gpucoll._backends import deaths
+    from gpucoll.ray._store import JobStore
+    from gpucoll.store import TCPStore
+
+    store = JobStore(ray, loopback=False, in_actor=True)
+    try:
+        client = TCPStore(store.addr, store.port, is_master=False, timeout=30, token=store.token)
+        client.set("k", b"v")
+        store.record({"rank": 5, "node": "n", "pid": 9, "reason": "test"})
+        assert client.get("k") == b"v" and [r["rank"] for r in deaths.read(client)] == [5]
+        with pytest.raises(Exception):
+            TCPStore(store.addr, store.port, is_master=False, timeout=5, token="wrong").get("k")
+        client.close()
+    finally:
+        store.close()

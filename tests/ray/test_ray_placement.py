@@ -82,3 +82,16 @@ def test_death_records_are_off_unless_the_launcher_says_so(monkeypatch: pytest.M
     assert not deaths.enabled()
     monkeypatch.setenv("GPUCOLL_DEATH_RECORDS", "1")
     assert deaths.enabled()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"world_size": 0}, "world_size must be an int >= 1; got 0"),
+    ({"world_size": 2, "on_failure": "retry"}, "on_failure must be 'raise' or 'shrink'; got 'retry'"),
+    ({"world_size": 2, "strategy": "pack"}, "strategy must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD"),
+    ({"world_size": 2, "timeout": 0}, "timeout must be a positive number of seconds or None; got 0"),
+])
+def test_run_refuses_bad_arguments_before_touching_ray(kwargs: dict[str, object], match: str) -> None:
+    import gpucoll.ray
+
+    with pytest.raises(ValueError, match=match):
+        gpucoll.ray.run(print, **kwargs)  # type: ignore[arg-type]
