@@ -31,6 +31,7 @@ from gpucoll.clusters.env import SOURCE, detect, rank_environment  # noqa: E402
 pytestmark = pytest.mark.ray
 
 JOB_S = 120.0  # every run's bound: a hang fails the test instead of the suite
+DEAD_PIDS: list[int] = []  # ranks killed by the tests: nothing of theirs may stay behind
 
 
 @pytest.fixture(scope="module")
@@ -262,6 +263,7 @@ def test_a_dead_actor_is_named_within_a_second_and_survivors_shrink(cluster: str
         os.environ.pop("GCR_STAMP", None)
     died_at = float(open(stamp).read())
     dead = res[1]
+    DEAD_PIDS.append(getattr(dead, "pid", 0))
     assert isinstance(dead, gray.RankDied) and dead.rank == 1 and dead.pid > 0 and dead.node and dead.reason
     if how == "kill":
         assert "ray.kill" in dead.reason, dead.reason  # Ray's own words for the death
@@ -376,33 +378,6 @@ def test_gpucoll_backend_through_ray_util_collective(cluster: str) -> None:
         ray.kill(a)
 
 
-def test_nothing_left_behind(cluster: str) -> None:
-    results = gray.run(env_body, 2, timeout=JOB_S)
-    pids = [r["pid"] for r in results]
-    with pytest.raises(gray.RayJobError):
-        gray.run(raising_body, 2, timeout=JOB_S)
-    for pid in pids:
-        assert not _alive(pid), f"rank process {pid} is still running"
-    left = [f for f in os.listdir("/dev/shm") if any(f"-{pid}-" in f for pid in pids)]
-    assert not left, f"shared-memory segments left behind: {left}"
-    from ray.util import placement_group_table
-
-    live = [p for p in placement_group_table().values() if p["state"] != "REMOVED"]
-    assert not live, f"placement groups left: {live}"
-    from ray._private.state import actors as actor_table  # no public listing without the dashboard
-
-    alive = [a for a in actor_table().values() if a["State"] != "DEAD" and a["ActorClassName"] == "RankActor"]
-    assert not alive, f"rank actors left: {alive}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def gpu_body() -> dict[str, Any]:
     import cupy
 
@@ -463,3 +438,30 @@ def test_the_store_served_by_a_head_node_actor(cluster: str) -> None:
         client.close()
     finally:
         store.close()
+
+
+def test_nothing_left_behind(cluster: str) -> None:
+    results = gray.run(env_body, 2, timeout=JOB_S)
+    pids = [r["pid"] for r in results] + [p for p in DEAD_PIDS if p]
+    with pytest.raises(gray.RayJobError):
+        gray.run(raising_body, 2, timeout=JOB_S)
+    for pid in pids:
+        assert not _alive(pid), f"rank process {pid} is still running"
+    left = [f for f in os.listdir("/dev/shm") if any(f"-{pid}-" in f for pid in pids)]
+    assert not left, f"shared-memory segments left behind: {left}"
+    from ray.util import placement_group_table
+
+    live = [p for p in placement_group_table().values() if p["state"] != "REMOVED"]
+    assert not live, f"placement groups left: {live}"
+    from ray._private.state import actors as actor_table  # no public listing without the dashboard
+
+    alive = [a for a in actor_table().values() if a["State"] != "DEAD" and a["ActorClassName"] == "RankActor"]
+    assert not alive, f"rank actors left: {alive}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
