@@ -138,7 +138,7 @@ class _Job:
                               f"{ray.available_resources()} available of {ray.cluster_resources()}")
         res = dict(self.resources)
         options = {"num_cpus": res.pop("CPU", 0), "num_gpus": res.pop("GPU", 0), "resources": res,
-                   "max_restarts": 0, "max_concurrency": 2}
+                   "max_restarts": 0}  # fn runs on the worker's main thread, as a script's code would
         cls = ray.remote(_actor.RankActor)
         made = [cls.options(**options, scheduling_strategy=PlacementGroupSchedulingStrategy(
             self.pg, placement_group_bundle_index=i)).remote() for i in range(self.n)]
