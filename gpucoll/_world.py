@@ -143,7 +143,13 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                               "initialized; call destroy_process_group() before init_process_group() again")
     if backend is None:  # a launcher may choose it for its ranks (gpucoll.ray.run(backend=...))
         backend = os.environ.get(BACKEND_ENV, "").strip() or None
-    name = normalize_backend(backend)
+        try:
+            name = normalize_backend(backend)
+        except ValueError as exc:
+            raise ValueError(f"{BACKEND_ENV}={backend!r} (the backend init_process_group() picks when given "
+                             f"none): {exc}") from None
+    else:
+        name = normalize_backend(backend)
     options = coerce_options(pg_options, name)
     seconds = to_seconds(timeout if timeout is not None else options_timeout(options), name="timeout")
     if name == "nccl":

@@ -95,3 +95,20 @@ def test_run_refuses_bad_arguments_before_touching_ray(kwargs: dict[str, object]
 
     with pytest.raises(ValueError, match=match):
         gpucoll.ray.run(print, **kwargs)  # type: ignore[arg-type]
+
+
+def test_init_process_group_without_a_backend_takes_the_launchers_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gpucoll
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("GPUCOLL_BACKEND", "fake")  # not anyone's default: only the variable picks it
+    gpucoll.init_process_group(rank=1, world_size=3)
+    try:
+        assert (str(gpucoll.get_backend()), gpucoll.get_rank(), gpucoll.get_world_size()) == ("fake", 1, 3)
+    finally:
+        gpucoll.destroy_process_group()
+    monkeypatch.setenv("GPUCOLL_BACKEND", "mpi")
+    with pytest.raises(ValueError, match=r"GPUCOLL_BACKEND='mpi' \(the backend init_process_group\(\) picks"):
+        gpucoll.init_process_group(rank=0, world_size=1)
+    assert not gpucoll.is_initialized()
