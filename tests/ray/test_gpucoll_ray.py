@@ -42,8 +42,10 @@ def cluster() -> Iterator[str]:
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HOME", tmp)  # Ray's auth token and caches go under $HOME/.ray
-        ray.init(num_cpus=4, _temp_dir=os.path.join(tmp, "ray"), include_dashboard=False,
-                 namespace="gpucoll-tests", log_to_driver=False)
+        # num_cpus 4 (logical): two 2-rank jobs fit at once. A small object store: the
+        # tests move little through it, and CI machines have little /dev/shm.
+        ray.init(num_cpus=4, object_store_memory=100 << 20, _temp_dir=os.path.join(tmp, "ray"),
+                 include_dashboard=False, namespace="gpucoll-tests", log_to_driver=False)
         try:
             yield tmp
         finally:
