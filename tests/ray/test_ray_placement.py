@@ -112,3 +112,15 @@ def test_init_process_group_without_a_backend_takes_the_launchers_choice(monkeyp
     with pytest.raises(ValueError, match=r"GPUCOLL_BACKEND='mpi' \(the backend init_process_group\(\) picks"):
         gpucoll.init_process_group(rank=0, world_size=1)
     assert not gpucoll.is_initialized()
+
+
+def test_without_ray_each_entry_point_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    import gpucoll.ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # importing ray now fails, as where it is not installed
+    for call in (lambda: gpucoll.ray.run(print, 2), lambda: gpucoll.ray.init_group([object()]),
+                 gpucoll.ray.register):
+        with pytest.raises(ImportError, match=r"gpucoll.ray needs Ray.*pip install 'gpucoll\[ray\]'"):
+            call()
