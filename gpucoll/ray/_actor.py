@@ -18,7 +18,7 @@ def node_address() -> str:
     """This node's address as Ray knows it."""
     import ray
 
-    address: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]  # untyped in Ray
+    address: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call, unused-ignore]  # untyped in Ray
     return address
 
 

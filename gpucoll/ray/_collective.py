@@ -41,7 +41,7 @@ def _kv_key(group_name: str) -> str:
     return f"gpucoll_ray_collective_store_{group_name}"
 
 
-class GpucollGroup(BaseGroup):
+class GpucollGroup(BaseGroup):  # type: ignore[misc, unused-ignore]  # BaseGroup is Any where Ray is not installed
     """One ``ray.util.collective`` group on gpucoll (made by Ray's group manager)."""
 
     def __init__(self, world_size: int, rank: int, group_name: str) -> None:

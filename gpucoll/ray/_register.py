@@ -37,7 +37,7 @@ def register() -> None:
     need_ray()
     from ray.util.collective.backend_registry import BackendRegistry, register_collective_backend
 
-    if BackendRegistry().is_registered(BACKEND_NAME):  # type: ignore[no-untyped-call]  # untyped in Ray
+    if BackendRegistry().is_registered(BACKEND_NAME):  # type: ignore[no-untyped-call, unused-ignore]  # untyped in Ray
         return
     from ._collective import GpucollGroup
 
