@@ -9,10 +9,12 @@ groups made since (so that ``destroy_process_group()`` can tear them all down).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from ._env import BACKEND_ENV
 from ._timeouts import to_seconds
 from ._group import Backend, GroupMember, ProcessGroup, nccl_usable, normalize_backend
 from ._group.checks import _InitTwiceError, _RankError
@@ -94,7 +96,8 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
 
     Args:
         backend: ``"nccl"`` (device arrays through NCCL, host arrays/objects through the
-            CPU backend), ``"cpu"`` (``"gloo"`` is an alias), or None: NCCL when a GPU and
+            CPU backend), ``"cpu"`` (``"gloo"`` is an alias), or None: the launcher's choice
+            (``GPUCOLL_BACKEND``) where it made one, else NCCL when a GPU and
             NCCL are usable, else CPU. ``"fake"``: no communication at all, every op
             completes at once after its argument checks (torch's FakeProcessGroup; one
             process plays any ``rank`` of any ``world_size``; ``store`` is optional).
@@ -138,7 +141,15 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     if _WORLD is not None:
         raise _InitTwiceError("trying to initialize the default process group twice! It is already "
                               "initialized; call destroy_process_group() before init_process_group() again")
-    name = normalize_backend(backend)
+    if backend is None:  # a launcher may choose it for its ranks (gpucoll.ray.run(backend=...))
+        backend = os.environ.get(BACKEND_ENV, "").strip() or None
+        try:
+            name = normalize_backend(backend)
+        except ValueError as exc:
+            raise ValueError(f"{BACKEND_ENV}={backend!r} (the backend init_process_group() picks when given "
+                             f"none): {exc}") from None
+    else:
+        name = normalize_backend(backend)
     options = coerce_options(pg_options, name)
     seconds = to_seconds(timeout if timeout is not None else options_timeout(options), name="timeout")
     if name == "nccl":

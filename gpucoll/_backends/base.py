@@ -52,7 +52,7 @@ def issuing_async() -> bool:
     """Whether the op being started on this thread is an ``async_op=True`` one."""
     return getattr(ISSUING_ASYNC, "on", False)
 
-__all__ = ["Backend", "SplitsCommunicator", "RegistersBuffers", "ReducesInto", "ReducesGathered", "PollsPending", "IssuesQuietly", "ShrinksCommunicator",
+__all__ = ["Backend", "SplitsCommunicator", "RegistersBuffers", "ReducesInto", "ReducesGathered", "PollsPending", "IssuesQuietly", "ShrinksCommunicator", "KnowsDeadPeers",
            "TimesOps"]
 
 
@@ -296,4 +296,15 @@ class ShrinksCommunicator(Protocol):
         Raises:
             DistBackendError: the shrink failed.
         """
+        ...
+
+
+@runtime_checkable
+class KnowsDeadPeers(Protocol):
+    """A backend that can tell a peer that died (its connection broke without a goodbye)
+    from one that left after an error; ``shrink_group`` uses it where the job's launcher
+    records deaths (:mod:`gpucoll._backends.deaths`)."""
+
+    def peer_gone(self, peer: int) -> str | None:
+        """Why group rank ``peer`` died, or None when it is not known to have died."""
         ...

@@ -31,6 +31,16 @@ STORE_RELAY_ENV: Final = "GPUCOLL_STORE_RELAY"
 (``--store-relay``): with GPUCOLL_STORE_HOSTED=1 a rank reaches the job's store through it
 instead of MASTER_ADDR:MASTER_PORT. Unset or empty: directly."""
 
+BACKEND_ENV: Final = "GPUCOLL_BACKEND"
+"""The backend ``init_process_group()`` picks when called without one ("cpu" or "nccl"), set
+per rank by a launcher asked for one (``gpucoll.ray.run(backend=...)``). Unset or empty: NCCL
+where a GPU and NCCL are usable, else cpu."""
+
+DEATH_RECORDS_ENV: Final = "GPUCOLL_DEATH_RECORDS"
+"""Set to "1" by a launcher that writes a record into the job's store when it sees a rank die
+(``gpucoll.ray``): a CPU backend that loses a peer then waits briefly for that record, so its
+error names the dead process (node, pid) and the launcher's reason (gpucoll/_backends/deaths.py)."""
+
 # -- the launcher (gpucoll-run) and its workers ---------------------------------------------
 
 ERROR_FILE_ENV: Final = "GPUCOLL_ERROR_FILE"
@@ -100,7 +110,7 @@ BENCH_COMMAND_ENV: Final = "GPUCOLL_BENCH_COMMAND"
 BENCH_CORRUPT_ENV: Final = "GPUCOLL_BENCH_CORRUPT"
 """Test hook: "1" perturbs every checked output, so ``#wrong`` must come out non-zero."""
 
-NAMES: Final = (STORE_HOSTED_ENV, STORE_TOKEN_ENV, STORE_RELAY_ENV, ERROR_FILE_ENV, CPU_BIND_ENV, LAUNCHER_PID_ENV,
+NAMES: Final = (STORE_HOSTED_ENV, STORE_TOKEN_ENV, STORE_RELAY_ENV, BACKEND_ENV, DEATH_RECORDS_ENV, ERROR_FILE_ENV, CPU_BIND_ENV, LAUNCHER_PID_ENV,
                 DEBUG_ENV, FLIGHT_RECORDER_SIZE_ENV, FLIGHT_RECORDER_DIR_ENV, CONTROL_PLANE_ENV, CPU_TRANSPORT_ENV,
                 CPU_IFADDR_ENV, MAX_OBJECT_BYTES_ENV, NCCL_SCALABLE_INIT_ENV, NCCL_RANKS_PER_ROOT_ENV,
                 JAX_NATIVE_ENV, CACHE_DIR_ENV, BENCH_COMMAND_ENV, BENCH_CORRUPT_ENV)

@@ -29,7 +29,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
-from .._backends.base import Backend, ShrinksCommunicator
+from .._backends import deaths
+from .._backends.base import Backend, KnowsDeadPeers, ShrinksCommunicator
 from ..errors import DistError, DistStoreError
 from ..store import PrefixStore, Store
 from .group import ProcessGroup
@@ -125,8 +126,10 @@ def _decode(value: bytes) -> list[int]:
 
 
 def _agree_members(store: Store, base: str, me: int, candidates: list[int], timeout: float,
-                   label: str) -> list[int]:
-    """Step 1 of a round: the members, decided once; raises if ``me`` is not among them."""
+                   label: str, dead: Sequence[int] = ()) -> list[int]:
+    """Step 1 of a round: the members, decided once; raises if ``me`` is not among them.
+    ``dead``: candidates known to have died (the job records deaths): once every other
+    candidate has checked in, the members are decided without waiting out ``timeout``."""
     store.set(f"{base}/in/{me}", b"1")
     key = f"{base}/members"
     if store.add(f"{base}/count", 1) >= len(candidates):
@@ -136,7 +139,12 @@ def _agree_members(store: Store, base: str, me: int, candidates: list[int], time
         keys = [f"{base}/in/{r}" for r in candidates]
         return _encode([r for r, k in zip(candidates, keys) if store.check([k])])
 
-    members = _decode(_await_decision(store, key, time.monotonic() + timeout, present))
+    def all_but_dead() -> bytes | None:
+        living = [r for r in candidates if r not in dead]
+        return _encode(living) if store.check([f"{base}/in/{r}" for r in living]) else None
+
+    members = _decode(_await_decision(store, key, time.monotonic() + timeout, present,
+                                      all_but_dead if dead else None))
     if me not in members:
         raise DistError(f"shrink_group of group {label}: this rank ({me}) was excluded: it checked in after the "
                         f"other ranks had agreed, {timeout:g} s after the first of them arrived, on the new group "
@@ -185,8 +193,13 @@ def shrink(pg: ProcessGroup, exclude: list[int] | None, timeout: float, make: Ma
     store: Store = pg.store
     nccl = pg._nccl
     shrinkable = isinstance(nccl, ShrinksCommunicator) and nccl.can_shrink
-    abort_group(pg, f"group {label} was aborted by shrink_group on rank {me}", keep_device=shrinkable)
     candidates = list(range(pg.size()))
+    # Where the job's launcher records deaths, a peer whose connection died is gone for
+    # good: no need to wait the agreement's timeout for it (read before the abort closes it).
+    cpu = pg._cpu
+    dead = [r for r in candidates if r != me and isinstance(cpu, KnowsDeadPeers) and cpu.peer_gone(r)] \
+        if deaths.enabled() else []
+    abort_group(pg, f"group {label} was aborted by shrink_group on rank {me}", keep_device=shrinkable)
     members = None if exclude is None else [r for r in candidates if r not in exclude]
     errors: list[str] = []
     try:
@@ -196,7 +209,8 @@ def shrink(pg: ProcessGroup, exclude: list[int] | None, timeout: float, make: Ma
                 # After a failed build, members may still be inside theirs (bounded by the
                 # group's timeout): wait for them that much longer before leaving them out.
                 wait = timeout if round_ == 1 else timeout + pg.timeout + 2 * _BACKEND_GRACE_S
-                members = _agree_members(store, base, me, candidates, wait, label)
+                members = _agree_members(store, base, me, candidates, wait, label,
+                                         dead if round_ == 1 else ())
             name = f"{pg.group_name}.shrink{round_}"
             new: ProcessGroup | None = None
             device: Backend | None = None

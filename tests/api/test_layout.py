@@ -17,7 +17,7 @@ import gpucoll
 
 PKG = pathlib.Path(gpucoll.__file__).resolve().parent
 PUBLIC = {"gpucoll", "gpucoll.functional", "gpucoll.testing", "gpucoll.store", "gpucoll.clusters",
-          "gpucoll.errors", "gpucoll.array", "gpucoll.run", "gpucoll.bench", "gpucoll.ddp_comm_hooks"}
+          "gpucoll.errors", "gpucoll.array", "gpucoll.run", "gpucoll.bench", "gpucoll.ddp_comm_hooks", "gpucoll.ray"}
 """The public modules (docs/design.md, "Layout"); their non-underscore submodules
 (``gpucoll.store.tcp``, ``gpucoll.clusters.slurm``, ``gpucoll.bench.cli``, ...) are
 public too and policed the same way."""

@@ -66,11 +66,11 @@ def test_testing_and_functional_modules() -> None:
 
 
 def test_import_does_not_import_cupy() -> None:
-    code = ("import sys, gpucoll, gpucoll.functional, gpucoll.testing\n"
+    code = ("import sys, gpucoll, gpucoll.functional, gpucoll.testing, gpucoll.ray\n"
             "import numpy as np\n"
             "from gpucoll.array import as_buffer\n"
             "as_buffer(np.zeros(2))\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('cupy', 'cupy_backends', 'torch', 'jax')))\n")
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('cupy', 'cupy_backends', 'torch', 'jax', 'ray')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

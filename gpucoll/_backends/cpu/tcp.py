@@ -37,6 +37,7 @@ from ..._timeouts import Backoff
 from ..._env import CPU_IFADDR_ENV
 from ...errors import DistBackendError, DistNetworkError
 from . import auth
+from .. import deaths
 from ..mismatch import SignatureMismatch
 
 __all__ = ["TcpMesh", "Recv", "KIND_COLL", "KIND_P2P", "local_address"]
@@ -130,6 +131,8 @@ class TcpMesh:
         self.size = size
         self.timeout = timeout
         self._on_broken = on_broken
+        self._store = store
+        self._made = time.time()  # death records older than this mesh are not about its peers
         self._lock = threading.Lock()
         self._arrived: dict[tuple[int, int, int], deque[Recv]] = {}
         self._posted: dict[tuple[int, int, int], deque[Recv]] = {}
@@ -257,7 +260,7 @@ class TcpMesh:
         try:
             while True:
                 if not self._read_into(s, memoryview(hdr), idle_ok=True):
-                    why = "closed its connection without shutting down (process died?)"
+                    why = "closed its connection without shutting down (process died?)" + self._obituary()
                     break
                 kind, tag, nbytes, meta = _HDR.unpack(hdr)
                 if kind == _KIND_BYE:
@@ -269,11 +272,21 @@ class TcpMesh:
                     return
                 self._deliver(peer, s, kind, tag, nbytes, meta)
         except (OSError, EOFError) as exc:
-            why, err = f"connection failed: {exc}", exc
+            why, err = f"connection failed: {exc}" + self._obituary(), exc
         except DistBackendError as exc:
             why, err = str(exc), exc
         if not self._closed:
             self._peer_gone(peer, why or "connection lost", fatal=True, cause=err)
+
+    def _obituary(self) -> str:
+        """What the job's launcher recorded about the death that broke a connection (if
+        it records deaths: ``deaths.enabled()``), waited for at most ``deaths.WAIT_S``."""
+        if self._closed or not deaths.enabled():
+            return ""
+        found = deaths.await_since(self._store, self._made)
+        if not found:
+            return f"; the job's launcher recorded no death within {deaths.WAIT_S:g} s"
+        return "; the job's launcher recorded: " + "; ".join(deaths.describe(r) for r in found)
 
     def _deliver(self, peer: int, s: socket.socket, kind: int, tag: int, nbytes: int, meta: int) -> None:
         key = (peer, kind, tag)
