@@ -76,13 +76,13 @@ def fake_store(T: Impl) -> Any:
     return T.dist.HashStore()
 
 
-def fake_options(T: Impl) -> Any:
-    """torch's ``FakeProcessGroup.Options()``; gpucoll's FakeOptions (same attribute)."""
+def fake_process_group(T: Impl) -> Any:
+    """``FakeProcessGroup``: torch imports it from ``torch._C._distributed_c10d``."""
     if T.is_torch:
         from torch._C._distributed_c10d import FakeProcessGroup
 
-        return FakeProcessGroup.Options()
-    return T.dist.FakeOptions()
+        return FakeProcessGroup
+    return T.dist.FakeProcessGroup
 
 
 def mesh_api(T: Impl) -> tuple[Any, Any]:
@@ -343,7 +343,8 @@ def check_fake_error_on_collective(T: Impl) -> None:
         t = ones(T, (3, 3))
         T.dist.all_reduce(t)
         assert tuple(t.shape) == (3, 3)
-    options = fake_options(T)
+    FakeProcessGroup = fake_process_group(T)  # noqa: N806  (torch's name)
+    options = FakeProcessGroup.Options()
     options.error_on_collective = True
     with fake_world(T, 0, pg_options=options):
         t = ones(T, (3, 3))

@@ -897,6 +897,9 @@ def check_test_op_isinstance_of_reduceop(T: Impl) -> None:
         assert isinstance(reduce_op, T.dist.ReduceOp), reduce_op
     for scale in (scalar_array(T, 1.0), 2.0):
         assert isinstance(T.dist._make_nccl_premul_sum(scale), T.dist.ReduceOp), scale
+        premul_sum = T.dist.ReduceOp.PREMUL_SUM(scale)
+        assert isinstance(premul_sum, T.dist.ReduceOp), premul_sum
+        assert premul_sum.factor == scale, (premul_sum.factor, scale)
 
 
 @R.check(f"{COMMON}::ReduceOpTest::test_reduceop_copyable")
