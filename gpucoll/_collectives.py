@@ -6,6 +6,15 @@ immutable arrays (JAX) use :mod:`gpucoll.functional`. ``src``/``dst``/``peer`` a
 rank inside ``group`` instead. ``async_op=True`` returns a :class:`~gpucoll._work.Work`;
 otherwise the call returns once the op is complete (host arrays) or ordered on the
 caller's stream (device arrays).
+
+As in torch, a rank that passes a group it is not a member of
+(``GroupMember.NON_GROUP_MEMBER``) gets a warning naming the op and the call returns
+None (``recv``: -1) without doing anything; ``GPUCOLL_NON_MEMBER=error`` (or
+``GPUCOLL_DEBUG=DETAIL``) makes it a RuntimeError instead. The arrays of an output
+list (``all_gather``, ``gather``, ``all_to_all``, ``all_gather_coalesced``) may be
+non-contiguous views, as torch allows: the op fills contiguous stand-ins and copies
+them into the views when it completes (for ``async_op=True``, before its Work is seen
+complete).
 """
 
 from __future__ import annotations
@@ -16,11 +25,11 @@ from datetime import timedelta
 from typing import Any, Callable, Iterator, Sequence
 
 from . import _world
-from ._group import CoalescingManager, ProcessGroup
+from ._group import CoalescingManager, GroupMember, ProcessGroup
 from ._group import coalescing as _coalescing
 from ._reduce_op import ReduceOp, ReduceOpLike
 from ._work import Work
-from .array import ArrayLike, NotContiguousError
+from .array import ArrayLike, NotContiguousError, is_device_array
 
 __all__ = [
     "all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather", "all_gather_single",
@@ -29,6 +38,10 @@ __all__ = [
     "isend", "irecv", "P2POp", "batch_isend_irecv", "barrier", "monitored_barrier", "coalescing",
     "CoalescingManager",
 ]
+
+
+_NON_MEMBER = GroupMember.NON_GROUP_MEMBER
+_not_in_group = _world.not_in_group
 
 
 def _pg(group: Any) -> ProcessGroup:
@@ -55,17 +68,90 @@ def _group_rank(pg: ProcessGroup, rank: int | None, group_rank: int | None, name
     return pg.get_group_rank(_int_rank(rank, name), name)
 
 
+def _non_contiguous(x: Any) -> bool:
+    """A NumPy/CuPy array or torch tensor that is not C-contiguous (other arrays: the
+    array layer decides)."""
+    flags = getattr(x, "flags", None)
+    if flags is not None:
+        return getattr(flags, "c_contiguous", True) is False
+    is_contiguous = getattr(x, "is_contiguous", None)
+    return callable(is_contiguous) and is_contiguous() is False
+
+
+def _contiguous_copy(x: Any) -> Any:
+    return x.contiguous() if callable(getattr(x, "contiguous", None)) else x.copy()  # NumPy's/CuPy's copy(): C order
+
+
 def _contiguous_input(x: Any) -> Any:
     """``x``, or a C-contiguous copy of it where it is a non-contiguous NumPy/CuPy array or
-    torch tensor: torch's all_gather and gather accept non-contiguous inputs (outputs,
-    written in place, must still be contiguous)."""
-    flags = getattr(x, "flags", None)
-    if flags is not None and getattr(flags, "c_contiguous", True) is False:
-        return x.copy()  # NumPy's and CuPy's copy() is C-ordered
-    is_contiguous = getattr(x, "is_contiguous", None)
-    if callable(is_contiguous) and is_contiguous() is False:
-        return x.contiguous()
-    return x
+    torch tensor: torch accepts non-contiguous inputs of all_gather and gather and the
+    arrays of input lists. (A single output written in place must be contiguous: torch's
+    gloo writes such an output as if it were contiguous, leaving garbage.)"""
+    return _contiguous_copy(x) if _non_contiguous(x) else x
+
+
+def _contiguous_list(arrays: Any) -> Any:
+    """An input list with its non-contiguous arrays replaced by contiguous copies."""
+    if isinstance(arrays, (list, tuple)) and any(_non_contiguous(a) for a in arrays):
+        return [_contiguous_input(a) for a in arrays]
+    return arrays
+
+
+_Staged = list[tuple[Any, Any]]
+"""(the caller's non-contiguous output array, its contiguous stand-in) pairs."""
+
+
+def _staged_outputs(arrays: Any, name: str, async_op: bool, staged: _Staged) -> Any:
+    """An output list with each non-contiguous array replaced by a contiguous copy (the
+    copy's data is the array's, so slots an op leaves alone stay as they were), the pairs
+    appended to ``staged`` for :func:`_done`."""
+    if not isinstance(arrays, (list, tuple)):
+        return arrays
+    out: list[Any] | None = None
+    for i, a in enumerate(arrays):
+        if _non_contiguous(a):
+            if async_op and is_device_array(a):
+                raise NotContiguousError(
+                    f"{name}[{i}] is a non-contiguous device array; with async_op=True device outputs must be "
+                    "contiguous (a synchronous call accepts it: the result is copied in on the caller's stream)")
+            if out is None:
+                out = list(arrays)
+            out[i] = _contiguous_copy(a)
+            staged.append((a, out[i]))
+    return arrays if out is None else out
+
+
+def _copy_back(staged: _Staged) -> None:
+    for view, filled in staged:
+        copy_ = getattr(view, "copy_", None)
+        if callable(copy_):
+            copy_(filled)  # torch
+        else:
+            view[...] = filled  # NumPy; CuPy (on the current stream, after the op)
+
+
+def _done(work: Work | None, staged: _Staged) -> Work | None:
+    """The op's result, once stand-ins of ``staged`` are (or will be) copied into the
+    caller's arrays: now for a synchronous op, before the Work is seen complete otherwise
+    (and the Work's results name the caller's arrays, not the stand-ins)."""
+    if staged:
+        if work is None:
+            _copy_back(staged)
+        else:
+            def finish(results: list[Any]) -> None:
+                _copy_back(staged)
+                _swap(results, {id(filled): view for view, filled in staged})
+
+            work._before_done(finish)
+    return work
+
+
+def _swap(results: list[Any], views: dict[int, Any]) -> None:
+    for i, x in enumerate(results):
+        if isinstance(x, list):
+            _swap(x, views)
+        elif id(x) in views:
+            results[i] = views[id(x)]
 
 
 def _int_rank(value: Any, name: str) -> int:
@@ -102,12 +188,18 @@ def all_reduce(tensor: ArrayLike, op: ReduceOpLike = ReduceOp.SUM, group: Proces
         >>> gpucoll.all_reduce(x, op=gpucoll.ReduceOp.MAX)   # x == world_size - 1
     """
     world = _world._WORLD  # the default group without a call: this is the hottest entry point
-    return (world.default if group is None and world is not None else _pg(group)).all_reduce(tensor, op, async_op)
+    if group is None and world is not None:
+        return world.default.all_reduce(tensor, op, async_op)
+    if group is _NON_MEMBER:
+        return _not_in_group("all_reduce")
+    return _pg(group).all_reduce(tensor, op, async_op)
 
 
 def all_reduce_coalesced(tensors: Sequence[ArrayLike], op: ReduceOpLike = ReduceOp.SUM, group: ProcessGroup | None = None,
                          async_op: bool = False) -> Work | None:
     """All-reduce every array of ``tensors`` in one op (one Work)."""
+    if group is _NON_MEMBER:
+        return _not_in_group("all_reduce_coalesced")
     return _pg(group).all_reduce_coalesced(tensors, op, async_op)
 
 
@@ -115,6 +207,8 @@ def reduce(tensor: ArrayLike, dst: int | None = None, op: ReduceOpLike = ReduceO
            async_op: bool = False, group_dst: int | None = None) -> Work | None:
     """Reduce ``tensor`` over the group into rank ``dst``'s array (other ranks' arrays are
     left as the backend leaves them: unspecified, as in torch)."""
+    if group is _NON_MEMBER:
+        return _not_in_group("reduce")
     pg = _pg(group)
     return pg.reduce(tensor, _group_rank(pg, dst, group_dst, "dst"), op, async_op)
 
@@ -122,7 +216,9 @@ def reduce(tensor: ArrayLike, dst: int | None = None, op: ReduceOpLike = ReduceO
 def reduce_scatter(output: ArrayLike, input_list: Sequence[ArrayLike], op: ReduceOpLike = ReduceOp.SUM,
                    group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Rank i receives the reduction over ranks of their ``input_list[i]`` in ``output``."""
-    return _pg(group).reduce_scatter(output, input_list, op, async_op)
+    if group is _NON_MEMBER:
+        return _not_in_group("reduce_scatter")
+    return _pg(group).reduce_scatter(output, _contiguous_list(input_list), op, async_op)
 
 
 def reduce_scatter_single(output: ArrayLike, input: ArrayLike, op: ReduceOpLike = ReduceOp.SUM, group: ProcessGroup | None = None,
@@ -131,6 +227,8 @@ def reduce_scatter_single(output: ArrayLike, input: ArrayLike, op: ReduceOpLike 
 
     ``output`` must have exactly ``input.size // group size`` elements (any shape).
     """
+    if group is _NON_MEMBER:
+        return _not_in_group("reduce_scatter_single")
     return _pg(group).reduce_scatter_single(output, input, op, async_op)
 
 
@@ -143,6 +241,8 @@ reduce_scatter_tensor = reduce_scatter_single
 def broadcast(tensor: ArrayLike, src: int | None = None, group: ProcessGroup | None = None, async_op: bool = False,
               group_src: int | None = None) -> Work | None:
     """Copy rank ``src``'s ``tensor`` into every other rank's ``tensor``."""
+    if group is _NON_MEMBER:
+        return _not_in_group("broadcast")
     pg = _pg(group)
     return pg.broadcast(tensor, _group_rank(pg, src, group_src, "src"), async_op)
 
@@ -150,8 +250,12 @@ def broadcast(tensor: ArrayLike, src: int | None = None, group: ProcessGroup | N
 def all_gather(tensor_list: Sequence[ArrayLike], tensor: ArrayLike, group: ProcessGroup | None = None,
                async_op: bool = False) -> Work | None:
     """``tensor_list[i]`` receives rank i's ``tensor`` on every rank (same shape and dtype).
-    A non-contiguous ``tensor`` is copied first, as torch accepts one."""
-    return _pg(group).all_gather(tensor_list, _contiguous_input(tensor), async_op)
+    ``tensor`` and the arrays of ``tensor_list`` may be non-contiguous, as in torch."""
+    if group is _NON_MEMBER:
+        return _not_in_group("all_gather")
+    staged: _Staged = []
+    outs = _staged_outputs(tensor_list, "tensor_list", async_op, staged)
+    return _done(_pg(group).all_gather(outs, _contiguous_input(tensor), async_op), staged)
 
 
 def all_gather_single(output_tensor: ArrayLike, input_tensor: ArrayLike, group: ProcessGroup | None = None,
@@ -165,6 +269,8 @@ def all_gather_single(output_tensor: ArrayLike, input_tensor: ArrayLike, group: 
         >>> out = np.empty(world * 4, np.float32)
         >>> gpucoll.all_gather_single(out, np.full(4, rank, np.float32))
     """
+    if group is _NON_MEMBER:
+        return _not_in_group("all_gather_single")
     return _pg(group).all_gather_single(output_tensor, input_tensor, async_op)
 
 
@@ -176,17 +282,28 @@ def all_gather_coalesced(output_tensor_lists: Sequence[Sequence[ArrayLike]], inp
                          group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Several all_gathers in one op: ``output_tensor_lists[r][k]`` gets rank r's ``input_tensor_list[k]``
     (torch's layout: one list per rank, each with one array per input; shapes may differ per input)."""
-    return _pg(group).all_gather_coalesced(output_tensor_lists, input_tensor_list, async_op)
+    if group is _NON_MEMBER:
+        return _not_in_group("all_gather_coalesced")
+    staged: _Staged = []
+    outs = output_tensor_lists
+    if isinstance(outs, (list, tuple)):
+        outs = [_staged_outputs(row, f"output_tensor_lists[{r}]", async_op, staged) for r, row in enumerate(outs)]
+    return _done(_pg(group).all_gather_coalesced(outs, _contiguous_list(input_tensor_list), async_op), staged)
 
 
 def gather(tensor: ArrayLike, gather_list: Sequence[ArrayLike] | None = None, dst: int | None = None,
            group: ProcessGroup | None = None, async_op: bool = False,
            group_dst: int | None = None) -> Work | None:
     """Rank ``dst`` (default: the group's rank 0, as torch) receives every rank's ``tensor`` in
-    ``gather_list`` (given on ``dst`` only). A non-contiguous ``tensor`` is copied first, as
-    torch accepts one."""
+    ``gather_list`` (given on ``dst`` only). ``tensor`` and the arrays of ``gather_list`` may
+    be non-contiguous, as in torch."""
+    if group is _NON_MEMBER:
+        return _not_in_group("gather")
     pg = _pg(group)
-    return pg.gather(_contiguous_input(tensor), gather_list, _group_rank(pg, dst, group_dst, "dst", default=0), async_op)
+    staged: _Staged = []
+    outs = _staged_outputs(gather_list, "gather_list", async_op, staged)
+    root = _group_rank(pg, dst, group_dst, "dst", default=0)
+    return _done(pg.gather(_contiguous_input(tensor), outs, root, async_op), staged)
 
 
 def scatter(tensor: ArrayLike, scatter_list: Sequence[ArrayLike] | None = None, src: int | None = None,
@@ -194,14 +311,21 @@ def scatter(tensor: ArrayLike, scatter_list: Sequence[ArrayLike] | None = None, 
             group_src: int | None = None) -> Work | None:
     """Rank i receives ``scatter_list[i]`` of rank ``src`` (default: the group's rank 0, as torch;
     ``scatter_list`` given on ``src`` only) in ``tensor``."""
+    if group is _NON_MEMBER:
+        return _not_in_group("scatter")
     pg = _pg(group)
-    return pg.scatter(tensor, scatter_list, _group_rank(pg, src, group_src, "src", default=0), async_op)
+    return pg.scatter(tensor, _contiguous_list(scatter_list), _group_rank(pg, src, group_src, "src", default=0), async_op)
 
 
 def all_to_all(output_tensor_list: Sequence[ArrayLike], input_tensor_list: Sequence[ArrayLike],
                group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
-    """Rank i's ``input_tensor_list[j]`` lands in rank j's ``output_tensor_list[i]``."""
-    return _pg(group).all_to_all(output_tensor_list, input_tensor_list, async_op)
+    """Rank i's ``input_tensor_list[j]`` lands in rank j's ``output_tensor_list[i]`` (the
+    arrays of both lists may be non-contiguous, as in torch)."""
+    if group is _NON_MEMBER:
+        return _not_in_group("all_to_all")
+    staged: _Staged = []
+    outs = _staged_outputs(output_tensor_list, "output_tensor_list", async_op, staged)
+    return _done(_pg(group).all_to_all(outs, _contiguous_list(input_tensor_list), async_op), staged)
 
 
 def all_to_all_single(output: ArrayLike, input: ArrayLike, output_split_sizes: Sequence[int] | None = None,
@@ -218,6 +342,8 @@ def all_to_all_single(output: ArrayLike, input: ArrayLike, output_split_sizes: S
         ValueError: split sizes of the wrong length, negative, or not summing to dim 0;
             a non-contiguous ``input`` or ``output`` ("Tensors must be contiguous", as gloo).
     """
+    if group is _NON_MEMBER:
+        return _not_in_group("all_to_all_single")
     try:
         return _pg(group).all_to_all_single(output, input, output_split_sizes, input_split_sizes, async_op)
     except NotContiguousError as exc:
@@ -229,6 +355,8 @@ def all_to_all_single(output: ArrayLike, input: ArrayLike, output_split_sizes: S
 def send(tensor: ArrayLike, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
          group_dst: int | None = None) -> None:
     """Send ``tensor`` to rank ``dst`` and wait until it is sent."""
+    if group is _NON_MEMBER:
+        return _not_in_group("send")
     pg = _pg(group)
     pg.send(tensor, _group_rank(pg, dst, group_dst, "dst"), tag, async_op=False)
 
@@ -238,8 +366,12 @@ def recv(tensor: ArrayLike, src: int | None = None, group: ProcessGroup | None =
     """Receive into ``tensor`` from rank ``src`` (None: from any rank).
 
     Returns:
-        The sender's global rank (as torch), or its group rank when ``group_src`` was used.
+        The sender's global rank (as torch), or its group rank when ``group_src`` was used;
+        -1 on a rank that is not a member of ``group`` (as torch).
     """
+    if group is _NON_MEMBER:
+        _not_in_group("recv")
+        return -1
     pg = _pg(group)
     peer = None if src is None and group_src is None else _group_rank(pg, src, group_src, "src")
     work = pg.recv(tensor, peer, tag, async_op=False)
@@ -248,16 +380,20 @@ def recv(tensor: ArrayLike, src: int | None = None, group: ProcessGroup | None =
 
 
 def isend(tensor: ArrayLike, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
-          group_dst: int | None = None) -> Work:
+          group_dst: int | None = None) -> Work | None:
     """Start sending ``tensor`` to rank ``dst``; do not touch ``tensor`` until the Work completes."""
+    if group is _NON_MEMBER:
+        return _not_in_group("isend")
     pg = _pg(group)
     return pg.send(tensor, _group_rank(pg, dst, group_dst, "dst"), tag)
 
 
 def irecv(tensor: ArrayLike, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
-          group_src: int | None = None) -> Work:
+          group_src: int | None = None) -> Work | None:
     """Start receiving into ``tensor`` from rank ``src`` (None: any rank; then
     ``work.source_rank()`` gives the sender's group rank)."""
+    if group is _NON_MEMBER:
+        return _not_in_group("irecv")
     pg = _pg(group)
     peer = None if src is None and group_src is None else _group_rank(pg, src, group_src, "src")
     return pg.recv(tensor, peer, tag)
@@ -324,6 +460,8 @@ def barrier(group: ProcessGroup | None = None, async_op: bool = False,
     ``work.synchronize()`` or synchronize the stream first). ``device_ids`` is
     accepted for torch compatibility and ignored.
     """
+    if group is _NON_MEMBER:
+        return _not_in_group("barrier")
     return _pg(group).barrier(async_op)
 
 
@@ -344,6 +482,8 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: float | timede
     """
     from ._timeouts import to_seconds
 
+    if group is _NON_MEMBER:
+        return _not_in_group("monitored_barrier")
     pg = _pg(group)
     pg.monitored_barrier(to_seconds(timeout, default=pg.timeout, allow_zero=True), wait_all_ranks)
 
