@@ -165,7 +165,7 @@ class FakeProcessGroup:
 
     Options = FakeOptions
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         raise TypeError("FakeProcessGroup is not made directly: init_process_group('fake', rank=..., world_size=...) "
                         "makes a fake group (FakeProcessGroup.Options() is its options)")
 
