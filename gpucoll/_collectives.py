@@ -24,6 +24,8 @@ import operator
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
+
 from . import _world
 from ._group import CoalescingManager, GroupMember, ProcessGroup
 from ._group import coalescing as _coalescing
@@ -87,6 +89,8 @@ def _contiguous_input(x: Any) -> Any:
     torch tensor: torch accepts non-contiguous inputs of all_gather and gather and the
     arrays of input lists. (A single output written in place must be contiguous: torch's
     gloo writes such an output as if it were contiguous, leaving garbage.)"""
+    if type(x) is np.ndarray and x.flags.c_contiguous:
+        return x  # the common case, first
     return _contiguous_copy(x) if _non_contiguous(x) else x
 
 
@@ -109,15 +113,16 @@ def _staged_outputs(arrays: Any, name: str, async_op: bool, staged: _Staged) -> 
         return arrays
     out: list[Any] | None = None
     for i, a in enumerate(arrays):
-        if _non_contiguous(a):
-            if async_op and is_device_array(a):
-                raise NotContiguousError(
-                    f"{name}[{i}] is a non-contiguous device array; with async_op=True device outputs must be "
-                    "contiguous (a synchronous call accepts it: the result is copied in on the caller's stream)")
-            if out is None:
-                out = list(arrays)
-            out[i] = _contiguous_copy(a)
-            staged.append((a, out[i]))
+        if not _non_contiguous(a):
+            continue
+        if async_op and is_device_array(a):
+            raise NotContiguousError(
+                f"{name}[{i}] is a non-contiguous device array; with async_op=True device outputs must be "
+                "contiguous (a synchronous call accepts it: the result is copied in on the caller's stream)")
+        if out is None:
+            out = list(arrays)
+        out[i] = _contiguous_copy(a)
+        staged.append((a, out[i]))
     return arrays if out is None else out
 
 
@@ -128,6 +133,28 @@ def _copy_back(staged: _Staged) -> None:
             copy_(filled)  # torch
         else:
             view[...] = filled  # NumPy; CuPy (on the current stream, after the op)
+
+
+def _with_views(run: Callable[[Any, Any], Work | None], outputs: Any, inputs: Any, name: str, async_op: bool,
+                rows: bool = False) -> Work | None:
+    """``run(outputs, inputs)``: an op with an output list (``rows``: a list of such lists)
+    and an input list (or None). Where the array layer refuses a non-contiguous array of
+    either (a check made before anything is issued), the op runs again on contiguous
+    stand-ins: copies of the inputs, and outputs that :func:`_done` copies back. Contiguous
+    arrays pay nothing for this."""
+    try:
+        return run(outputs, inputs)
+    except NotContiguousError as exc:
+        refused = exc
+    staged: _Staged = []
+    if rows and isinstance(outputs, (list, tuple)):
+        outs = [_staged_outputs(row, f"{name}[{r}]", async_op, staged) for r, row in enumerate(outputs)]
+    else:
+        outs = _staged_outputs(outputs, name, async_op, staged)
+    ins = _contiguous_list(inputs)
+    if not staged and ins is inputs:
+        raise refused  # not one of ours (a single array, another framework's): as refused
+    return _done(run(outs, ins), staged)
 
 
 def _done(work: Work | None, staged: _Staged) -> Work | None:
@@ -218,7 +245,8 @@ def reduce_scatter(output: ArrayLike, input_list: Sequence[ArrayLike], op: Reduc
     """Rank i receives the reduction over ranks of their ``input_list[i]`` in ``output``."""
     if group is _NON_MEMBER:
         return _not_in_group("reduce_scatter")
-    return _pg(group).reduce_scatter(output, _contiguous_list(input_list), op, async_op)
+    pg = _pg(group)
+    return _with_views(lambda _, ins: pg.reduce_scatter(output, ins, op, async_op), None, input_list, "", async_op)
 
 
 def reduce_scatter_single(output: ArrayLike, input: ArrayLike, op: ReduceOpLike = ReduceOp.SUM, group: ProcessGroup | None = None,
@@ -253,9 +281,8 @@ def all_gather(tensor_list: Sequence[ArrayLike], tensor: ArrayLike, group: Proce
     ``tensor`` and the arrays of ``tensor_list`` may be non-contiguous, as in torch."""
     if group is _NON_MEMBER:
         return _not_in_group("all_gather")
-    staged: _Staged = []
-    outs = _staged_outputs(tensor_list, "tensor_list", async_op, staged)
-    return _done(_pg(group).all_gather(outs, _contiguous_input(tensor), async_op), staged)
+    pg, inp = _pg(group), _contiguous_input(tensor)
+    return _with_views(lambda outs, _: pg.all_gather(outs, inp, async_op), tensor_list, None, "tensor_list", async_op)
 
 
 def all_gather_single(output_tensor: ArrayLike, input_tensor: ArrayLike, group: ProcessGroup | None = None,
@@ -284,11 +311,9 @@ def all_gather_coalesced(output_tensor_lists: Sequence[Sequence[ArrayLike]], inp
     (torch's layout: one list per rank, each with one array per input; shapes may differ per input)."""
     if group is _NON_MEMBER:
         return _not_in_group("all_gather_coalesced")
-    staged: _Staged = []
-    outs = output_tensor_lists
-    if isinstance(outs, (list, tuple)):
-        outs = [_staged_outputs(row, f"output_tensor_lists[{r}]", async_op, staged) for r, row in enumerate(outs)]
-    return _done(_pg(group).all_gather_coalesced(outs, _contiguous_list(input_tensor_list), async_op), staged)
+    pg = _pg(group)
+    return _with_views(lambda outs, ins: pg.all_gather_coalesced(outs, ins, async_op), output_tensor_lists,
+                       input_tensor_list, "output_tensor_lists", async_op, rows=True)
 
 
 def gather(tensor: ArrayLike, gather_list: Sequence[ArrayLike] | None = None, dst: int | None = None,
@@ -300,10 +325,9 @@ def gather(tensor: ArrayLike, gather_list: Sequence[ArrayLike] | None = None, ds
     if group is _NON_MEMBER:
         return _not_in_group("gather")
     pg = _pg(group)
-    staged: _Staged = []
-    outs = _staged_outputs(gather_list, "gather_list", async_op, staged)
     root = _group_rank(pg, dst, group_dst, "dst", default=0)
-    return _done(pg.gather(_contiguous_input(tensor), outs, root, async_op), staged)
+    inp = _contiguous_input(tensor)
+    return _with_views(lambda outs, _: pg.gather(inp, outs, root, async_op), gather_list, None, "gather_list", async_op)
 
 
 def scatter(tensor: ArrayLike, scatter_list: Sequence[ArrayLike] | None = None, src: int | None = None,
@@ -314,7 +338,8 @@ def scatter(tensor: ArrayLike, scatter_list: Sequence[ArrayLike] | None = None, 
     if group is _NON_MEMBER:
         return _not_in_group("scatter")
     pg = _pg(group)
-    return pg.scatter(tensor, _contiguous_list(scatter_list), _group_rank(pg, src, group_src, "src", default=0), async_op)
+    root = _group_rank(pg, src, group_src, "src", default=0)
+    return _with_views(lambda _, ins: pg.scatter(tensor, ins, root, async_op), None, scatter_list, "", async_op)
 
 
 def all_to_all(output_tensor_list: Sequence[ArrayLike], input_tensor_list: Sequence[ArrayLike],
@@ -323,9 +348,9 @@ def all_to_all(output_tensor_list: Sequence[ArrayLike], input_tensor_list: Seque
     arrays of both lists may be non-contiguous, as in torch)."""
     if group is _NON_MEMBER:
         return _not_in_group("all_to_all")
-    staged: _Staged = []
-    outs = _staged_outputs(output_tensor_list, "output_tensor_list", async_op, staged)
-    return _done(_pg(group).all_to_all(outs, _contiguous_list(input_tensor_list), async_op), staged)
+    pg = _pg(group)
+    return _with_views(lambda outs, ins: pg.all_to_all(outs, ins, async_op), output_tensor_list, input_tensor_list,
+                       "output_tensor_list", async_op)
 
 
 def all_to_all_single(output: ArrayLike, input: ArrayLike, output_split_sizes: Sequence[int] | None = None,
