@@ -24,14 +24,13 @@ import operator
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Sequence
 
-import numpy as np
-
 from . import _world
 from ._group import CoalescingManager, GroupMember, ProcessGroup
 from ._group import coalescing as _coalescing
 from ._reduce_op import ReduceOp, ReduceOpLike
 from ._work import Work
-from .array import ArrayLike, NotContiguousError, is_device_array
+from ._group.views import contiguous_input, with_views
+from .array import ArrayLike, NotContiguousError
 
 __all__ = [
     "all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather", "all_gather_single",
@@ -68,117 +67,6 @@ def _group_rank(pg: ProcessGroup, rank: int | None, group_rank: int | None, name
             return default
         raise ValueError(f"{name} is required (a global rank), or group_{name} (a rank in the group)")
     return pg.get_group_rank(_int_rank(rank, name), name)
-
-
-def _non_contiguous(x: Any) -> bool:
-    """A NumPy/CuPy array or torch tensor that is not C-contiguous (other arrays: the
-    array layer decides)."""
-    flags = getattr(x, "flags", None)
-    if flags is not None:
-        return getattr(flags, "c_contiguous", True) is False
-    is_contiguous = getattr(x, "is_contiguous", None)
-    return callable(is_contiguous) and is_contiguous() is False
-
-
-def _contiguous_copy(x: Any) -> Any:
-    return x.contiguous() if callable(getattr(x, "contiguous", None)) else x.copy()  # NumPy's/CuPy's copy(): C order
-
-
-def _contiguous_input(x: Any) -> Any:
-    """``x``, or a C-contiguous copy of it where it is a non-contiguous NumPy/CuPy array or
-    torch tensor: torch accepts non-contiguous inputs of all_gather and gather and the
-    arrays of input lists. (A single output written in place must be contiguous: torch's
-    gloo writes such an output as if it were contiguous, leaving garbage.)"""
-    if type(x) is np.ndarray and x.flags.c_contiguous:
-        return x  # the common case, first
-    return _contiguous_copy(x) if _non_contiguous(x) else x
-
-
-def _contiguous_list(arrays: Any) -> Any:
-    """An input list with its non-contiguous arrays replaced by contiguous copies."""
-    if isinstance(arrays, (list, tuple)) and any(_non_contiguous(a) for a in arrays):
-        return [_contiguous_input(a) for a in arrays]
-    return arrays
-
-
-_Staged = list[tuple[Any, Any]]
-"""(the caller's non-contiguous output array, its contiguous stand-in) pairs."""
-
-
-def _staged_outputs(arrays: Any, name: str, async_op: bool, staged: _Staged) -> Any:
-    """An output list with each non-contiguous array replaced by a contiguous copy (the
-    copy's data is the array's, so slots an op leaves alone stay as they were), the pairs
-    appended to ``staged`` for :func:`_done`."""
-    if not isinstance(arrays, (list, tuple)):
-        return arrays
-    out: list[Any] | None = None
-    for i, a in enumerate(arrays):
-        if not _non_contiguous(a):
-            continue
-        if async_op and is_device_array(a):
-            raise NotContiguousError(
-                f"{name}[{i}] is a non-contiguous device array; with async_op=True device outputs must be "
-                "contiguous (a synchronous call accepts it: the result is copied in on the caller's stream)")
-        if out is None:
-            out = list(arrays)
-        out[i] = _contiguous_copy(a)
-        staged.append((a, out[i]))
-    return arrays if out is None else out
-
-
-def _copy_back(staged: _Staged) -> None:
-    for view, filled in staged:
-        copy_ = getattr(view, "copy_", None)
-        if callable(copy_):
-            copy_(filled)  # torch
-        else:
-            view[...] = filled  # NumPy; CuPy (on the current stream, after the op)
-
-
-def _with_views(run: Callable[[Any, Any], Work | None], outputs: Any, inputs: Any, name: str, async_op: bool,
-                rows: bool = False) -> Work | None:
-    """``run(outputs, inputs)``: an op with an output list (``rows``: a list of such lists)
-    and an input list (or None). Where the array layer refuses a non-contiguous array of
-    either (a check made before anything is issued), the op runs again on contiguous
-    stand-ins: copies of the inputs, and outputs that :func:`_done` copies back. Contiguous
-    arrays pay nothing for this."""
-    try:
-        return run(outputs, inputs)
-    except NotContiguousError as exc:
-        refused = exc
-    staged: _Staged = []
-    if rows and isinstance(outputs, (list, tuple)):
-        outs = [_staged_outputs(row, f"{name}[{r}]", async_op, staged) for r, row in enumerate(outputs)]
-    else:
-        outs = _staged_outputs(outputs, name, async_op, staged)
-    ins = _contiguous_list(inputs)
-    if not staged and ins is inputs:
-        raise refused  # not one of ours (a single array, another framework's): as refused
-    return _done(run(outs, ins), staged)
-
-
-def _done(work: Work | None, staged: _Staged) -> Work | None:
-    """The op's result, once stand-ins of ``staged`` are (or will be) copied into the
-    caller's arrays: now for a synchronous op, before the Work is seen complete otherwise
-    (and the Work's results name the caller's arrays, not the stand-ins)."""
-    if staged:
-        if work is None:
-            _copy_back(staged)
-        else:
-            def finish(results: list[Any]) -> None:
-                _copy_back(staged)
-                _swap(results, {id(filled): view for view, filled in staged})
-
-            work._before_done(finish)
-    return work
-
-
-def _swap(results: list[Any], views: dict[int, Any]) -> None:
-    for i, x in enumerate(results):
-        if isinstance(x, list):
-            _swap(x, views)
-        elif id(x) in views:
-            results[i] = views[id(x)]
 
 
 def _int_rank(value: Any, name: str) -> int:
@@ -246,7 +134,7 @@ def reduce_scatter(output: ArrayLike, input_list: Sequence[ArrayLike], op: Reduc
     if group is _NON_MEMBER:
         return _not_in_group("reduce_scatter")
     pg = _pg(group)
-    return _with_views(lambda _, ins: pg.reduce_scatter(output, ins, op, async_op), None, input_list, "", async_op)
+    return with_views(lambda _, ins: pg.reduce_scatter(output, ins, op, async_op), None, input_list, "", async_op)
 
 
 def reduce_scatter_single(output: ArrayLike, input: ArrayLike, op: ReduceOpLike = ReduceOp.SUM, group: ProcessGroup | None = None,
@@ -281,8 +169,8 @@ def all_gather(tensor_list: Sequence[ArrayLike], tensor: ArrayLike, group: Proce
     ``tensor`` and the arrays of ``tensor_list`` may be non-contiguous, as in torch."""
     if group is _NON_MEMBER:
         return _not_in_group("all_gather")
-    pg, inp = _pg(group), _contiguous_input(tensor)
-    return _with_views(lambda outs, _: pg.all_gather(outs, inp, async_op), tensor_list, None, "tensor_list", async_op)
+    pg, inp = _pg(group), contiguous_input(tensor)
+    return with_views(lambda outs, _: pg.all_gather(outs, inp, async_op), tensor_list, None, "tensor_list", async_op)
 
 
 def all_gather_single(output_tensor: ArrayLike, input_tensor: ArrayLike, group: ProcessGroup | None = None,
@@ -312,7 +200,7 @@ def all_gather_coalesced(output_tensor_lists: Sequence[Sequence[ArrayLike]], inp
     if group is _NON_MEMBER:
         return _not_in_group("all_gather_coalesced")
     pg = _pg(group)
-    return _with_views(lambda outs, ins: pg.all_gather_coalesced(outs, ins, async_op), output_tensor_lists,
+    return with_views(lambda outs, ins: pg.all_gather_coalesced(outs, ins, async_op), output_tensor_lists,
                        input_tensor_list, "output_tensor_lists", async_op, rows=True)
 
 
@@ -326,8 +214,8 @@ def gather(tensor: ArrayLike, gather_list: Sequence[ArrayLike] | None = None, ds
         return _not_in_group("gather")
     pg = _pg(group)
     root = _group_rank(pg, dst, group_dst, "dst", default=0)
-    inp = _contiguous_input(tensor)
-    return _with_views(lambda outs, _: pg.gather(inp, outs, root, async_op), gather_list, None, "gather_list", async_op)
+    inp = contiguous_input(tensor)
+    return with_views(lambda outs, _: pg.gather(inp, outs, root, async_op), gather_list, None, "gather_list", async_op)
 
 
 def scatter(tensor: ArrayLike, scatter_list: Sequence[ArrayLike] | None = None, src: int | None = None,
@@ -339,7 +227,7 @@ def scatter(tensor: ArrayLike, scatter_list: Sequence[ArrayLike] | None = None, 
         return _not_in_group("scatter")
     pg = _pg(group)
     root = _group_rank(pg, src, group_src, "src", default=0)
-    return _with_views(lambda _, ins: pg.scatter(tensor, ins, root, async_op), None, scatter_list, "", async_op)
+    return with_views(lambda _, ins: pg.scatter(tensor, ins, root, async_op), None, scatter_list, "", async_op)
 
 
 def all_to_all(output_tensor_list: Sequence[ArrayLike], input_tensor_list: Sequence[ArrayLike],
@@ -349,7 +237,7 @@ def all_to_all(output_tensor_list: Sequence[ArrayLike], input_tensor_list: Seque
     if group is _NON_MEMBER:
         return _not_in_group("all_to_all")
     pg = _pg(group)
-    return _with_views(lambda outs, ins: pg.all_to_all(outs, ins, async_op), output_tensor_list, input_tensor_list,
+    return with_views(lambda outs, ins: pg.all_to_all(outs, ins, async_op), output_tensor_list, input_tensor_list,
                        "output_tensor_list", async_op)
 
 
