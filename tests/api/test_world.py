@@ -212,11 +212,22 @@ def groups_body() -> dict[str, Any]:
             gpucoll.get_global_rank(odd, 2)
         # torch's default: a warning naming the op, and the call does nothing
         z = np.zeros(1)
-        with pytest.warns(UserWarning, match=r"Running all_reduce on global rank \d which does not belong"):
+        with pytest.warns(UserWarning, match=r"Running all_reduce on global rank \d which does not belong") as rec:
             assert gpucoll.all_reduce(z, group=odd) is None
+        assert rec[0].filename == __file__  # points at the caller's line, as torch's
         assert z[0] == 0.0
         with pytest.warns(UserWarning, match="recv"):
             assert gpucoll.recv(z, src=1, group=odd) == -1
+        objs: list[Any] = [None, None]
+        with pytest.warns(UserWarning, match="Running all_gather_object on global rank") as rec:
+            assert gpucoll.all_gather_object(objs, r, group=odd) is None
+        assert rec[0].filename == __file__
+        with pytest.warns(UserWarning, match="recv_object_list"):
+            assert gpucoll.recv_object_list(objs, src=1, group=odd) == -1
+        assert objs == [None, None]
+        for name in ("barrier", "monitored_barrier"):
+            with pytest.warns(UserWarning, match=f"Running {name} on"):
+                assert getattr(gpucoll, name)(group=odd) is None
         # the error, where asked for
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("GPUCOLL_NON_MEMBER", "error")
