@@ -43,7 +43,7 @@ DIST = "torch/testing/_internal/distributed/distributed_test.py"
 S = section("ported_store", world_sizes=(1,), init=False, timeout=240.0)
 C = section("ported_control", world_sizes=(1,), init=False, timeout=60.0)
 R = section("ported_c10d", world_sizes=(1,), init=False, timeout=60.0)
-G = section("ported_groups", world_sizes=(2, 3), pg_timeout=10.0, timeout=60.0)
+G = section("ported_get_backend", world_sizes=(2, 3), pg_timeout=10.0, timeout=60.0)
 
 HOST = "127.0.0.1"
 
