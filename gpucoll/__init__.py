@@ -35,6 +35,7 @@ from . import functional as functional
 from ._collectives import CoalescingManager as CoalescingManager
 from ._group.options import CPUOptions as CPUOptions
 from ._group.options import FakeOptions as FakeOptions
+from ._group.options import FakeProcessGroup as FakeProcessGroup
 from ._group.options import NCCLOptions as NCCLOptions
 from ._collectives import P2POp as P2POp
 from ._collectives import all_gather as all_gather
@@ -137,7 +138,7 @@ __all__ = [
     "init_process_group", "destroy_process_group", "is_initialized", "is_available", "is_nccl_available",
     "get_rank", "get_world_size", "get_backend", "get_process_group_ranks", "get_group_rank",
     "get_global_rank", "new_group", "split_group", "new_subgroups", "new_subgroups_by_enumeration",
-    "ProcessGroup", "GroupMember", "group", "Backend", "NCCLOptions", "CPUOptions", "FakeOptions",
+    "ProcessGroup", "GroupMember", "group", "Backend", "NCCLOptions", "CPUOptions", "FakeOptions", "FakeProcessGroup",
     "all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather", "all_gather_single",
     "all_gather_into_tensor", "all_gather_coalesced", "gather", "scatter", "reduce_scatter",
     "reduce_scatter_single", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",

@@ -27,7 +27,7 @@ from typing import Any, Literal
 import numpy as np
 
 __all__ = ["DType", "Device", "Buffer", "DTYPES", "dtype_by_name", "dtype_of_typestr", "dtype_of_numpy", "cuda_device",
-           "host_address", "cupy_fast_path", "from_cupy"]
+           "host_address", "cupy_fast_path", "from_cupy", "host_ndarray", "split_buffer", "copy_buffer"]
 
 
 @dataclass(frozen=True)
@@ -286,6 +286,79 @@ def from_cupy(a: Any) -> Buffer | None:
         return Buffer(ptr, size * dtype.itemsize, dtype, a.shape, device, False, None, a)
     held = current if current.ptr == stream else None
     return Buffer(ptr, size * dtype.itemsize, dtype, a.shape, device, False, stream, a, held, held is None)
+
+# ----- host views, chunks and copies of Buffers (array layer and backends alike) -----
+
+def _view_of_memory(ptr: int, nbytes: int, dtype: DType, shape: tuple[int, ...], readonly: bool,
+                    keep: Any) -> np.ndarray:
+    np_dtype = dtype.numpy()
+    if nbytes == 0:
+        return np.empty(shape, np_dtype)
+    raw = (ctypes.c_char * nbytes).from_address(ptr)
+    raw._gpucoll_keep = keep  # type: ignore[attr-defined]  # the view's base holds the producer's memory
+    view: np.ndarray = np.frombuffer(raw, dtype=np_dtype).reshape(shape)  # type: ignore[call-overload]
+    if readonly:
+        view.flags.writeable = False
+    return view
+
+
+def host_ndarray(buf: Buffer) -> np.ndarray:
+    """A NumPy array viewing a host Buffer's memory (its ``owner`` for buffers made here).
+
+    Raises:
+        ValueError: ``buf`` is device memory.
+    """
+    if buf.is_cuda:
+        raise ValueError(f"host_ndarray needs host memory; the buffer is on {buf.device}")
+    owner = buf.owner
+    if isinstance(owner, np.ndarray) and owner.nbytes == buf.nbytes and (
+            buf.nbytes == 0 or host_address(owner) == buf.ptr):
+        return owner
+    return _view_of_memory(buf.ptr, buf.nbytes, buf.dtype, buf.shape, buf.readonly, keep=owner)
+
+
+def split_buffer(buf: Buffer, parts: int) -> list[Buffer]:
+    """``buf`` as ``parts`` consecutive, equal, flat chunks (views, no copy).
+
+    Raises:
+        ValueError: ``buf``'s element count is not divisible by ``parts``.
+    """
+    if buf.numel % parts:
+        raise ValueError(f"cannot split {buf.numel} elements into {parts} equal chunks")
+    count = buf.numel // parts
+    if not buf.is_cuda:
+        flat = host_ndarray(buf).reshape(-1)
+        chunks = [flat[i * count:(i + 1) * count] for i in range(parts)]
+        return [Buffer(host_address(c), c.nbytes, buf.dtype, c.shape, buf.device, not c.flags.writeable, None, c)
+                for c in chunks]
+    step = count * buf.dtype.itemsize
+    return [Buffer(buf.ptr + i * step, step, buf.dtype, (count,), buf.device, buf.readonly, buf.stream, buf.owner,
+                   buf.stream_owner, buf.foreign_stream) for i in range(parts)]
+
+
+def copy_buffer(dst: Buffer, src: Buffer) -> None:
+    """Copy ``src``'s bytes into ``dst`` (same nbytes, same kind of memory).
+
+    Device copies run on CuPy's current stream, after the source's producer stream.
+    """
+    if dst.nbytes != src.nbytes:
+        raise ValueError(f"copy_buffer: sizes differ ({dst.nbytes} vs {src.nbytes} bytes)")
+    if not dst.is_cuda and not src.is_cuda:
+        np.copyto(_bytes_of(dst), _bytes_of(src))
+        return
+    import cupy  # device memory only: host copies never import CuPy
+
+    stream = cupy.cuda.get_current_stream()
+    if src.stream is not None and src.stream != stream.ptr:
+        event = cupy.cuda.Event(disable_timing=True)
+        event.record(cupy.cuda.ExternalStream(src.stream))
+        stream.wait_event(event)
+    cupy.cuda.runtime.memcpyAsync(dst.ptr, src.ptr, src.nbytes, cupy.cuda.runtime.memcpyDefault, stream.ptr)
+
+
+def _bytes_of(buf: Buffer) -> np.ndarray:
+    return host_ndarray(buf).reshape(-1).view(np.uint8)
+
 
 # ----- DLPack's structures, read with ctypes (the array layer reads capsules with them) -----
 

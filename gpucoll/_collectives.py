@@ -6,6 +6,15 @@ immutable arrays (JAX) use :mod:`gpucoll.functional`. ``src``/``dst``/``peer`` a
 rank inside ``group`` instead. ``async_op=True`` returns a :class:`~gpucoll._work.Work`;
 otherwise the call returns once the op is complete (host arrays) or ordered on the
 caller's stream (device arrays).
+
+As in torch, a rank that passes a group it is not a member of
+(``GroupMember.NON_GROUP_MEMBER``) gets a warning naming the op and the call returns
+None (``recv``: -1) without doing anything; ``GPUCOLL_NON_MEMBER=error`` (or
+``GPUCOLL_DEBUG=DETAIL``) makes it a RuntimeError instead. The arrays of an output
+list (``all_gather``, ``gather``, ``all_to_all``, ``all_gather_coalesced``) may be
+non-contiguous views, as torch allows: the op fills contiguous stand-ins and copies
+them into the views when it completes (for ``async_op=True``, before its Work is seen
+complete).
 """
 
 from __future__ import annotations
@@ -16,10 +25,11 @@ from datetime import timedelta
 from typing import Any, Callable, Iterator, Sequence
 
 from . import _world
-from ._group import CoalescingManager, ProcessGroup
+from ._group import CoalescingManager, GroupMember, ProcessGroup
 from ._group import coalescing as _coalescing
 from ._reduce_op import ReduceOp, ReduceOpLike
 from ._work import Work
+from ._group.views import contiguous_input, with_views
 from .array import ArrayLike, NotContiguousError
 
 __all__ = [
@@ -29,6 +39,10 @@ __all__ = [
     "isend", "irecv", "P2POp", "batch_isend_irecv", "barrier", "monitored_barrier", "coalescing",
     "CoalescingManager",
 ]
+
+
+_NON_MEMBER = GroupMember.NON_GROUP_MEMBER
+_not_in_group = _world.not_in_group
 
 
 def _pg(group: Any) -> ProcessGroup:
@@ -53,19 +67,6 @@ def _group_rank(pg: ProcessGroup, rank: int | None, group_rank: int | None, name
             return default
         raise ValueError(f"{name} is required (a global rank), or group_{name} (a rank in the group)")
     return pg.get_group_rank(_int_rank(rank, name), name)
-
-
-def _contiguous_input(x: Any) -> Any:
-    """``x``, or a C-contiguous copy of it where it is a non-contiguous NumPy/CuPy array or
-    torch tensor: torch's all_gather and gather accept non-contiguous inputs (outputs,
-    written in place, must still be contiguous)."""
-    flags = getattr(x, "flags", None)
-    if flags is not None and getattr(flags, "c_contiguous", True) is False:
-        return x.copy()  # NumPy's and CuPy's copy() is C-ordered
-    is_contiguous = getattr(x, "is_contiguous", None)
-    if callable(is_contiguous) and is_contiguous() is False:
-        return x.contiguous()
-    return x
 
 
 def _int_rank(value: Any, name: str) -> int:
@@ -102,12 +103,18 @@ def all_reduce(tensor: ArrayLike, op: ReduceOpLike = ReduceOp.SUM, group: Proces
         >>> gpucoll.all_reduce(x, op=gpucoll.ReduceOp.MAX)   # x == world_size - 1
     """
     world = _world._WORLD  # the default group without a call: this is the hottest entry point
-    return (world.default if group is None and world is not None else _pg(group)).all_reduce(tensor, op, async_op)
+    if group is None and world is not None:
+        return world.default.all_reduce(tensor, op, async_op)
+    if group is _NON_MEMBER:
+        return _not_in_group("all_reduce")
+    return _pg(group).all_reduce(tensor, op, async_op)
 
 
 def all_reduce_coalesced(tensors: Sequence[ArrayLike], op: ReduceOpLike = ReduceOp.SUM, group: ProcessGroup | None = None,
                          async_op: bool = False) -> Work | None:
     """All-reduce every array of ``tensors`` in one op (one Work)."""
+    if group is _NON_MEMBER:
+        return _not_in_group("all_reduce_coalesced")
     return _pg(group).all_reduce_coalesced(tensors, op, async_op)
 
 
@@ -115,6 +122,8 @@ def reduce(tensor: ArrayLike, dst: int | None = None, op: ReduceOpLike = ReduceO
            async_op: bool = False, group_dst: int | None = None) -> Work | None:
     """Reduce ``tensor`` over the group into rank ``dst``'s array (other ranks' arrays are
     left as the backend leaves them: unspecified, as in torch)."""
+    if group is _NON_MEMBER:
+        return _not_in_group("reduce")
     pg = _pg(group)
     return pg.reduce(tensor, _group_rank(pg, dst, group_dst, "dst"), op, async_op)
 
@@ -122,7 +131,10 @@ def reduce(tensor: ArrayLike, dst: int | None = None, op: ReduceOpLike = ReduceO
 def reduce_scatter(output: ArrayLike, input_list: Sequence[ArrayLike], op: ReduceOpLike = ReduceOp.SUM,
                    group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Rank i receives the reduction over ranks of their ``input_list[i]`` in ``output``."""
-    return _pg(group).reduce_scatter(output, input_list, op, async_op)
+    if group is _NON_MEMBER:
+        return _not_in_group("reduce_scatter")
+    pg = _pg(group)
+    return with_views(lambda _, ins: pg.reduce_scatter(output, ins, op, async_op), None, input_list, "", async_op)
 
 
 def reduce_scatter_single(output: ArrayLike, input: ArrayLike, op: ReduceOpLike = ReduceOp.SUM, group: ProcessGroup | None = None,
@@ -131,6 +143,8 @@ def reduce_scatter_single(output: ArrayLike, input: ArrayLike, op: ReduceOpLike 
 
     ``output`` must have exactly ``input.size // group size`` elements (any shape).
     """
+    if group is _NON_MEMBER:
+        return _not_in_group("reduce_scatter_single")
     return _pg(group).reduce_scatter_single(output, input, op, async_op)
 
 
@@ -143,6 +157,8 @@ reduce_scatter_tensor = reduce_scatter_single
 def broadcast(tensor: ArrayLike, src: int | None = None, group: ProcessGroup | None = None, async_op: bool = False,
               group_src: int | None = None) -> Work | None:
     """Copy rank ``src``'s ``tensor`` into every other rank's ``tensor``."""
+    if group is _NON_MEMBER:
+        return _not_in_group("broadcast")
     pg = _pg(group)
     return pg.broadcast(tensor, _group_rank(pg, src, group_src, "src"), async_op)
 
@@ -150,8 +166,11 @@ def broadcast(tensor: ArrayLike, src: int | None = None, group: ProcessGroup | N
 def all_gather(tensor_list: Sequence[ArrayLike], tensor: ArrayLike, group: ProcessGroup | None = None,
                async_op: bool = False) -> Work | None:
     """``tensor_list[i]`` receives rank i's ``tensor`` on every rank (same shape and dtype).
-    A non-contiguous ``tensor`` is copied first, as torch accepts one."""
-    return _pg(group).all_gather(tensor_list, _contiguous_input(tensor), async_op)
+    ``tensor`` and the arrays of ``tensor_list`` may be non-contiguous, as in torch."""
+    if group is _NON_MEMBER:
+        return _not_in_group("all_gather")
+    pg, inp = _pg(group), contiguous_input(tensor)
+    return with_views(lambda outs, _: pg.all_gather(outs, inp, async_op), tensor_list, None, "tensor_list", async_op)
 
 
 def all_gather_single(output_tensor: ArrayLike, input_tensor: ArrayLike, group: ProcessGroup | None = None,
@@ -165,6 +184,8 @@ def all_gather_single(output_tensor: ArrayLike, input_tensor: ArrayLike, group: 
         >>> out = np.empty(world * 4, np.float32)
         >>> gpucoll.all_gather_single(out, np.full(4, rank, np.float32))
     """
+    if group is _NON_MEMBER:
+        return _not_in_group("all_gather_single")
     return _pg(group).all_gather_single(output_tensor, input_tensor, async_op)
 
 
@@ -176,17 +197,25 @@ def all_gather_coalesced(output_tensor_lists: Sequence[Sequence[ArrayLike]], inp
                          group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Several all_gathers in one op: ``output_tensor_lists[r][k]`` gets rank r's ``input_tensor_list[k]``
     (torch's layout: one list per rank, each with one array per input; shapes may differ per input)."""
-    return _pg(group).all_gather_coalesced(output_tensor_lists, input_tensor_list, async_op)
+    if group is _NON_MEMBER:
+        return _not_in_group("all_gather_coalesced")
+    pg = _pg(group)
+    return with_views(lambda outs, ins: pg.all_gather_coalesced(outs, ins, async_op), output_tensor_lists,
+                       input_tensor_list, "output_tensor_lists", async_op, rows=True)
 
 
 def gather(tensor: ArrayLike, gather_list: Sequence[ArrayLike] | None = None, dst: int | None = None,
            group: ProcessGroup | None = None, async_op: bool = False,
            group_dst: int | None = None) -> Work | None:
     """Rank ``dst`` (default: the group's rank 0, as torch) receives every rank's ``tensor`` in
-    ``gather_list`` (given on ``dst`` only). A non-contiguous ``tensor`` is copied first, as
-    torch accepts one."""
+    ``gather_list`` (given on ``dst`` only). ``tensor`` and the arrays of ``gather_list`` may
+    be non-contiguous, as in torch."""
+    if group is _NON_MEMBER:
+        return _not_in_group("gather")
     pg = _pg(group)
-    return pg.gather(_contiguous_input(tensor), gather_list, _group_rank(pg, dst, group_dst, "dst", default=0), async_op)
+    root = _group_rank(pg, dst, group_dst, "dst", default=0)
+    inp = contiguous_input(tensor)
+    return with_views(lambda outs, _: pg.gather(inp, outs, root, async_op), gather_list, None, "gather_list", async_op)
 
 
 def scatter(tensor: ArrayLike, scatter_list: Sequence[ArrayLike] | None = None, src: int | None = None,
@@ -194,14 +223,22 @@ def scatter(tensor: ArrayLike, scatter_list: Sequence[ArrayLike] | None = None, 
             group_src: int | None = None) -> Work | None:
     """Rank i receives ``scatter_list[i]`` of rank ``src`` (default: the group's rank 0, as torch;
     ``scatter_list`` given on ``src`` only) in ``tensor``."""
+    if group is _NON_MEMBER:
+        return _not_in_group("scatter")
     pg = _pg(group)
-    return pg.scatter(tensor, scatter_list, _group_rank(pg, src, group_src, "src", default=0), async_op)
+    root = _group_rank(pg, src, group_src, "src", default=0)
+    return with_views(lambda _, ins: pg.scatter(tensor, ins, root, async_op), None, scatter_list, "", async_op)
 
 
 def all_to_all(output_tensor_list: Sequence[ArrayLike], input_tensor_list: Sequence[ArrayLike],
                group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
-    """Rank i's ``input_tensor_list[j]`` lands in rank j's ``output_tensor_list[i]``."""
-    return _pg(group).all_to_all(output_tensor_list, input_tensor_list, async_op)
+    """Rank i's ``input_tensor_list[j]`` lands in rank j's ``output_tensor_list[i]`` (the
+    arrays of both lists may be non-contiguous, as in torch)."""
+    if group is _NON_MEMBER:
+        return _not_in_group("all_to_all")
+    pg = _pg(group)
+    return with_views(lambda outs, ins: pg.all_to_all(outs, ins, async_op), output_tensor_list, input_tensor_list,
+                       "output_tensor_list", async_op)
 
 
 def all_to_all_single(output: ArrayLike, input: ArrayLike, output_split_sizes: Sequence[int] | None = None,
@@ -218,6 +255,8 @@ def all_to_all_single(output: ArrayLike, input: ArrayLike, output_split_sizes: S
         ValueError: split sizes of the wrong length, negative, or not summing to dim 0;
             a non-contiguous ``input`` or ``output`` ("Tensors must be contiguous", as gloo).
     """
+    if group is _NON_MEMBER:
+        return _not_in_group("all_to_all_single")
     try:
         return _pg(group).all_to_all_single(output, input, output_split_sizes, input_split_sizes, async_op)
     except NotContiguousError as exc:
@@ -229,6 +268,8 @@ def all_to_all_single(output: ArrayLike, input: ArrayLike, output_split_sizes: S
 def send(tensor: ArrayLike, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
          group_dst: int | None = None) -> None:
     """Send ``tensor`` to rank ``dst`` and wait until it is sent."""
+    if group is _NON_MEMBER:
+        return _not_in_group("send")
     pg = _pg(group)
     pg.send(tensor, _group_rank(pg, dst, group_dst, "dst"), tag, async_op=False)
 
@@ -238,8 +279,12 @@ def recv(tensor: ArrayLike, src: int | None = None, group: ProcessGroup | None =
     """Receive into ``tensor`` from rank ``src`` (None: from any rank).
 
     Returns:
-        The sender's global rank (as torch), or its group rank when ``group_src`` was used.
+        The sender's global rank (as torch), or its group rank when ``group_src`` was used;
+        -1 on a rank that is not a member of ``group`` (as torch).
     """
+    if group is _NON_MEMBER:
+        _not_in_group("recv")
+        return -1
     pg = _pg(group)
     peer = None if src is None and group_src is None else _group_rank(pg, src, group_src, "src")
     work = pg.recv(tensor, peer, tag, async_op=False)
@@ -248,16 +293,20 @@ def recv(tensor: ArrayLike, src: int | None = None, group: ProcessGroup | None =
 
 
 def isend(tensor: ArrayLike, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
-          group_dst: int | None = None) -> Work:
+          group_dst: int | None = None) -> Work | None:
     """Start sending ``tensor`` to rank ``dst``; do not touch ``tensor`` until the Work completes."""
+    if group is _NON_MEMBER:
+        return _not_in_group("isend")
     pg = _pg(group)
     return pg.send(tensor, _group_rank(pg, dst, group_dst, "dst"), tag)
 
 
 def irecv(tensor: ArrayLike, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
-          group_src: int | None = None) -> Work:
+          group_src: int | None = None) -> Work | None:
     """Start receiving into ``tensor`` from rank ``src`` (None: any rank; then
     ``work.source_rank()`` gives the sender's group rank)."""
+    if group is _NON_MEMBER:
+        return _not_in_group("irecv")
     pg = _pg(group)
     peer = None if src is None and group_src is None else _group_rank(pg, src, group_src, "src")
     return pg.recv(tensor, peer, tag)
@@ -324,6 +373,8 @@ def barrier(group: ProcessGroup | None = None, async_op: bool = False,
     ``work.synchronize()`` or synchronize the stream first). ``device_ids`` is
     accepted for torch compatibility and ignored.
     """
+    if group is _NON_MEMBER:
+        return _not_in_group("barrier")
     return _pg(group).barrier(async_op)
 
 
@@ -344,6 +395,8 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: float | timede
     """
     from ._timeouts import to_seconds
 
+    if group is _NON_MEMBER:
+        return _not_in_group("monitored_barrier")
     pg = _pg(group)
     pg.monitored_barrier(to_seconds(timeout, default=pg.timeout, allow_zero=True), wait_all_ranks)
 

@@ -89,7 +89,8 @@ def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | N
             group rank ``i`` (torch's ``sort_ranks``).
 
     Returns:
-        The group on members; elsewhere ``GroupMember.NON_GROUP_MEMBER`` (None with local sync, as torch).
+        The group on members; elsewhere ``GroupMember.NON_GROUP_MEMBER`` (also with
+        ``use_local_synchronization=True``, where torch 2.13 returns None).
 
     Raises:
         ValueError: ranks out of range, duplicated or empty.
@@ -112,7 +113,9 @@ def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | N
     mine = members if me in members else None
     if use_local_synchronization:
         if mine is None:
-            return None  # torch 2.13 returns None here; non-members need not call: nothing to count
+            # Non-members need not call (nothing to count). torch 2.13 returns None here, which
+            # every later call reads as "the default group"; the sentinel keeps them off it.
+            return GroupMember.NON_GROUP_MEMBER
         key = tuple(members)
         world.made_local[key] = n = world.made_local.get(key, 0) + 1
         pg = _make_group(world, f"local.{_ranks_label(members)}.{n}", mine, me, timeout, backend,

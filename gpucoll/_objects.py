@@ -32,7 +32,7 @@ import numpy as np
 from . import _world, array as _array
 from ._env import MAX_OBJECT_BYTES_ENV
 from ._group.options import DeviceLike
-from ._group import ProcessGroup
+from ._group import GroupMember, ProcessGroup
 from ._group.coalescing import refuse_inside
 from ._backends.base import RunsNow
 from .errors import DistError
@@ -360,6 +360,9 @@ def all_gather_object(object_list: list[Any], obj: object, group: ProcessGroup |
         >>> out = [None] * gpucoll.get_world_size()
         >>> gpucoll.all_gather_object(out, {"rank": gpucoll.get_rank()})
     """
+    if group is GroupMember.NON_GROUP_MEMBER:
+        _world.not_in_group("all_gather_object", stacklevel=4)
+        return
     pg = _world._resolve(group)
     _check_list(object_list, "object_list", pg.size())
     for i, data in enumerate(all_gather_bytes(_dumps(obj), group=pg)):
@@ -371,6 +374,9 @@ def gather_object(obj: object, object_gather_list: list[Any] | None = None, dst:
                   group: ProcessGroup | None = None, group_dst: int | None = None) -> None:
     """Rank ``dst`` (default: global rank 0, as torch) fills ``object_gather_list``
     (length = group size) with every rank's ``obj``."""
+    if group is GroupMember.NON_GROUP_MEMBER:
+        _world.not_in_group("gather_object", stacklevel=4)
+        return
     pg = _world._resolve(group)
     root = _group_rank(pg, dst, group_dst, "dst", default_global=0)
     if pg.rank() == root:
@@ -389,6 +395,9 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None, group:
 
     ``device`` is accepted for torch compatibility and ignored: objects never use a GPU.
     """
+    if group is GroupMember.NON_GROUP_MEMBER:
+        _world.not_in_group("broadcast_object_list", stacklevel=4)
+        return
     pg = _world._resolve(group)
     _check_list(object_list, "object_list")
     root = _group_rank(pg, src, group_src, "src", default_global=0)
@@ -412,6 +421,9 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
         ValueError: ``scatter_object_output_list`` is not a list of at least one entry
             (torch's message), or the input list does not hold one object per rank.
     """
+    if group is GroupMember.NON_GROUP_MEMBER:
+        _world.not_in_group("scatter_object_list", stacklevel=4)
+        return
     pg = _world._resolve(group)
     if not isinstance(scatter_object_output_list, list) or not scatter_object_output_list:
         raise ValueError("Expected argument scatter_object_output_list to be a list of size at least 1; got "
@@ -429,6 +441,9 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
 def send_object_list(object_list: list[Any], dst: int | None = None, group: ProcessGroup | None = None,
                      device: DeviceLike = None, group_dst: int | None = None) -> None:
     """Send the objects of ``object_list`` to rank ``dst`` (which calls :func:`recv_object_list`)."""
+    if group is GroupMember.NON_GROUP_MEMBER:
+        _world.not_in_group("send_object_list", stacklevel=4)
+        return
     pg = _world._resolve(group)
     _check_list(object_list, "object_list")
     send_bytes(_dumps(list(object_list)), group=pg, group_dst=_group_rank(pg, dst, group_dst, "dst"))
@@ -440,11 +455,15 @@ def recv_object_list(object_list: list[Any], src: int | None = None, group: Proc
     """Fill ``object_list`` with the objects rank ``src`` (None: any rank) sent.
 
     Returns:
-        The sender's global rank (its group rank when ``group_src`` was used).
+        The sender's global rank (its group rank when ``group_src`` was used); -1 on a rank
+        that is not a member of ``group`` (as torch).
 
     Raises:
         ValueError: the sender sent a different number of objects than ``object_list`` holds.
     """
+    if group is GroupMember.NON_GROUP_MEMBER:
+        _world.not_in_group("recv_object_list", stacklevel=4)
+        return -1
     pg = _world._resolve(group)
     _check_list(object_list, "object_list")
     peer = None if src is None and group_src is None else _group_rank(pg, src, group_src, "src")

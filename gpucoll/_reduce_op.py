@@ -21,7 +21,8 @@ class ReduceOp(enum.Enum, metaclass=_ReduceOpMeta):
     """How a reducing collective combines values across ranks.
 
     ``PREMUL_SUM`` multiplies each rank's input by a factor before summing; build
-    one with :func:`make_premul_sum` (it is an instance of ReduceOp, as in torch). ``AVG`` on integer arrays divides with
+    one with ``ReduceOp.PREMUL_SUM(factor)`` or :func:`make_premul_sum` (it is an
+    instance of ReduceOp with the ``factor``, as in torch). ``AVG`` on integer arrays divides with
     truncation toward zero (NumPy's ``//`` would floor; we match C and NCCL).
     Bitwise ops (``BAND``, ``BOR``, ``BXOR``) need integer or bool arrays.
     """
@@ -35,6 +36,18 @@ class ReduceOp(enum.Enum, metaclass=_ReduceOpMeta):
     BOR = "bor"
     BXOR = "bxor"
     PREMUL_SUM = "premul_sum"
+
+    def __call__(self, factor: SupportsFloat) -> PremulSum:
+        """``ReduceOp.PREMUL_SUM(factor)``: the PREMUL_SUM reduction with ``factor``, as
+        torch's; the same as :func:`make_premul_sum`.
+
+        Raises:
+            TypeError: called on another op, or ``factor`` is not a real number or a 0-d
+                real array.
+        """
+        if self is not ReduceOp.PREMUL_SUM:
+            raise TypeError(f"only ReduceOp.PREMUL_SUM takes a factor; ReduceOp.{self.name} is not callable")
+        return make_premul_sum(factor)
 
 
 @dataclass(frozen=True)

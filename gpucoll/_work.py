@@ -80,6 +80,9 @@ class Work:
     # wait() run the ops queued up to this one instead (``helper(work, limit)``, limit:
     # the seconds wait() would block, None for no limit): no thread wake-up to pay for.
     _helper: Callable[[Work, float | None], None] | None = None
+    # What must happen when the op succeeds, before anyone can see it complete: the copy of
+    # results into the caller's non-contiguous output arrays (gpucoll._collectives).
+    _finalize: Callable[[list[Any]], None] | None = None
 
     def __init__(self, op_type: str, *, keepalive: Sequence[Any] = (), result: list[Any] | None = None,
                  default_timeout: float | None = None) -> None:
@@ -130,6 +133,16 @@ class Work:
         with self._lock:
             if self._done._flag:
                 return
+            finalize = self._finalize
+            if finalize is not None:
+                self._finalize = None
+                if exc is None:
+                    try:
+                        finalize(self._result)
+                    except Exception as err:  # noqa: BLE001  (the op fails with it, named)
+                        exc = DistBackendError(f"{self._name()}: writing its results into the output arrays "
+                                               f"failed: {type(err).__name__}: {err}")
+                        exc.__cause__ = err
             if now is None:
                 now = time.perf_counter()
             self.time_finished = self.time_started + (now - self._t0)
@@ -159,6 +172,25 @@ class Work:
         if callbacks:
             for cb in callbacks:
                 cb(self)
+
+    def _before_done(self, fn: Callable[[list[Any]], None]) -> None:
+        """Run ``fn(results)`` when the op succeeds, before it is seen complete (by ``wait()``,
+        ``is_completed()``, its future or its callbacks); at once, on this thread, if it
+        has already succeeded; never if it fails. ``results`` is the list :meth:`result`
+        returns; ``fn`` may replace its entries."""
+        with self._lock:
+            if not self._done._flag:
+                before = self._finalize
+                if before is None:
+                    self._finalize = fn
+                else:
+                    def both(results: list[Any]) -> None:
+                        before(results)
+                        fn(results)
+                    self._finalize = both
+                return
+        if self._exc is None:
+            fn(self._result)
 
     def _add_done_callback(self, cb: Callable[[Work], None]) -> None:
         """Run ``cb(self)`` once complete (immediately, on this thread, if already complete)."""

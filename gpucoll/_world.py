@@ -10,11 +10,12 @@ groups made since (so that ``destroy_process_group()`` can tear them all down).
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from ._env import BACKEND_ENV
+from ._env import BACKEND_ENV, DEBUG_ENV, NON_MEMBER_ENV
 from ._timeouts import to_seconds
 from ._group import Backend, GroupMember, ProcessGroup, nccl_usable, normalize_backend
 from ._group.checks import _InitTwiceError, _RankError
@@ -27,7 +28,7 @@ from .store import HashStore, PrefixStore, Store
 __all__ = [
     "init_process_group", "destroy_process_group", "is_initialized", "is_available", "is_nccl_available",
     "get_rank", "get_world_size", "get_backend", "get_process_group_ranks", "get_group_rank", "get_global_rank",
-    "GroupMember", "default_group",
+    "GroupMember", "default_group", "not_in_group",
 ]
 
 
@@ -73,6 +74,34 @@ def default_group() -> ProcessGroup:
         _world()
     assert world is not None
     return world.default
+
+
+def not_in_group(op: str, stacklevel: int = 3) -> None:
+    """What a call of ``op`` with ``group=GroupMember.NON_GROUP_MEMBER`` does before it
+    returns without doing anything: warn, as torch's ``_warn_not_in_group`` (every rank may
+    run the same line; the ranks a group leaves out skip it), or raise where the user
+    asked for an error (``GPUCOLL_NON_MEMBER=error``, or ``GPUCOLL_DEBUG=DETAIL``): a
+    skipped collective can hide a rank that took the wrong branch. ``stacklevel``: the
+    warning's, counted from here (3: the caller of the function that called this).
+
+    Raises:
+        RuntimeError: errors were asked for.
+        ValueError: ``GPUCOLL_NON_MEMBER`` holds neither ``warn`` nor ``error``.
+    """
+    from ._debug import DebugLevel, get_debug_level
+
+    world = _WORLD
+    me = -1 if world is None else world.default.rank()
+    where = (f"global rank {me} which does not belong to the given group (GroupMember.NON_GROUP_MEMBER: "
+             "new_group left this rank out)")
+    mode = os.environ.get(NON_MEMBER_ENV, "").strip().lower() or "warn"
+    if mode not in ("warn", "error"):
+        raise ValueError(f"{NON_MEMBER_ENV} must be 'warn' or 'error'; got {os.environ.get(NON_MEMBER_ENV)!r}")
+    if mode == "error" or get_debug_level() == DebugLevel.DETAIL:
+        raise RuntimeError(f"{op} on {where}: this rank is not a member of the group; only members may use it "
+                           f"(errors asked for by {NON_MEMBER_ENV}=error or {DEBUG_ENV}=DETAIL)")
+    warnings.warn(f"Running {op} on {where}; the call does nothing and returns. Set {NON_MEMBER_ENV}=error "
+                  "to make this an error", stacklevel=stacklevel)
 
 
 def _resolve(group: Any) -> ProcessGroup:

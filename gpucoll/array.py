@@ -34,6 +34,7 @@ import numpy as np
 
 from ._buffer import _CUDA, _NP_DTYPES, _TYPESTRS, DTYPES, Buffer, Device, DType, cuda_device, cupy_fast_path
 from ._buffer import dtype_of_numpy, dtype_of_typestr, from_cupy, host_address
+from ._buffer import _view_of_memory, copy_buffer as copy_buffer, host_ndarray as host_ndarray, split_buffer as split_buffer
 from ._buffer import (_DLPACK_FLAG_READ_ONLY, _DLManagedTensor, _DLManagedTensorVersioned, _capsule_get_name,
                       _capsule_get_pointer)
 
@@ -399,51 +400,6 @@ def _from_dlpack(array: Any, name: str, writable: bool) -> Buffer:
                   None, not readonly)
 
 
-def _view_of_memory(ptr: int, nbytes: int, dtype: DType, shape: tuple[int, ...], readonly: bool,
-                    keep: Any) -> np.ndarray:
-    np_dtype = dtype.numpy()
-    if nbytes == 0:
-        return np.empty(shape, np_dtype)
-    raw = (ctypes.c_char * nbytes).from_address(ptr)
-    raw._gpucoll_keep = keep  # type: ignore[attr-defined]  # the view's base holds the producer's memory
-    view: np.ndarray = np.frombuffer(raw, dtype=np_dtype).reshape(shape)  # type: ignore[call-overload]
-    if readonly:
-        view.flags.writeable = False
-    return view
-
-
-def host_ndarray(buf: Buffer) -> np.ndarray:
-    """A NumPy array viewing a host Buffer's memory (its ``owner`` for buffers made here).
-
-    Raises:
-        ValueError: ``buf`` is device memory.
-    """
-    if buf.is_cuda:
-        raise ValueError(f"host_ndarray needs host memory; the buffer is on {buf.device}")
-    owner = buf.owner
-    if isinstance(owner, np.ndarray) and owner.nbytes == buf.nbytes and (
-            buf.nbytes == 0 or host_address(owner) == buf.ptr):
-        return owner
-    return _view_of_memory(buf.ptr, buf.nbytes, buf.dtype, buf.shape, buf.readonly, keep=owner)
-
-
-def split_buffer(buf: Buffer, parts: int) -> list[Buffer]:
-    """``buf`` as ``parts`` consecutive, equal, flat chunks (views, no copy).
-
-    Raises:
-        ValueError: ``buf``'s element count is not divisible by ``parts``.
-    """
-    if buf.numel % parts:
-        raise ValueError(f"cannot split {buf.numel} elements into {parts} equal chunks")
-    count = buf.numel // parts
-    if not buf.is_cuda:
-        flat = host_ndarray(buf).reshape(-1)
-        return [_from_ndarray(flat[i * count:(i + 1) * count], "chunk", False, _CPU) for i in range(parts)]
-    step = count * buf.dtype.itemsize
-    return [Buffer(buf.ptr + i * step, step, buf.dtype, (count,), buf.device, buf.readonly, buf.stream, buf.owner,
-                   buf.stream_owner, buf.foreign_stream) for i in range(parts)]
-
-
 def is_device_array(array: Any) -> bool:
     """True if ``array`` lives in CUDA memory (by the protocols it speaks)."""
     if isinstance(array, np.ndarray):
@@ -517,26 +473,6 @@ def _device_empty(like: Any, shape: tuple[int, ...], carrier: str) -> Any:
         raise BackendUnavailableError(f"{what}, but CUDA cannot allocate it: {exc}") from exc
 
 
-def copy_buffer(dst: Buffer, src: Buffer) -> None:
-    """Copy ``src``'s bytes into ``dst`` (same nbytes, same kind of memory).
-
-    Device copies run on CuPy's current stream, after the source's producer stream.
-    """
-    if dst.nbytes != src.nbytes:
-        raise ValueError(f"copy_buffer: sizes differ ({dst.nbytes} vs {src.nbytes} bytes)")
-    if not dst.is_cuda and not src.is_cuda:
-        np.copyto(_bytes_of(dst), _bytes_of(src))
-        return
-    import cupy
-
-    stream = cupy.cuda.get_current_stream()
-    if src.stream is not None and src.stream != stream.ptr:
-        event = cupy.cuda.Event(disable_timing=True)
-        event.record(cupy.cuda.ExternalStream(src.stream))
-        stream.wait_event(event)
-    cupy.cuda.runtime.memcpyAsync(dst.ptr, src.ptr, src.nbytes, cupy.cuda.runtime.memcpyDefault, stream.ptr)
-
-
 def xp_view(buf: Buffer) -> Any:
     """A NumPy (host) or CuPy (device) array viewing ``buf``; dtypes CuPy lacks appear as
     unsigned integers of the same width."""
@@ -547,10 +483,6 @@ def xp_view(buf: Buffer) -> Any:
     carrier = f"uint{8 * buf.dtype.itemsize}" if buf.dtype.name in _NOT_IN_CUPY else buf.dtype.name
     memory = cupy.cuda.UnownedMemory(buf.ptr, buf.nbytes, buf.owner, buf.device.index)
     return cupy.ndarray(buf.shape, carrier, cupy.cuda.MemoryPointer(memory, 0))
-
-
-def _bytes_of(buf: Buffer) -> np.ndarray:
-    return host_ndarray(buf).reshape(-1).view(np.uint8)
 
 
 def to_caller_type(result: Any, like: Any, dtype: DType) -> Any:

@@ -23,8 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from .. import array as _array
-from .._buffer import Buffer
+from .._buffer import Buffer, copy_buffer, split_buffer
 from .._reduce_op import ReduceOpLike
 from ..store import Store
 from .._work import Work
@@ -71,7 +70,7 @@ class FakeBackend:
     def _fill(outs: Sequence[Buffer], inp: Buffer) -> None:
         for out in outs:
             if out.ptr != inp.ptr:
-                _array.copy_buffer(out, inp)
+                copy_buffer(out, inp)
 
     @staticmethod
     def _piece(buf: Buffer, start: int, count: int) -> Buffer:
@@ -99,7 +98,7 @@ class FakeBackend:
 
     def reduce_scatter_single(self, out: Buffer, inp: Buffer, op: ReduceOpLike) -> Work:
         self._refuse("reduce_scatter_single")
-        self._fill([out], _array.split_buffer(inp, self.size)[self.rank])
+        self._fill([out], split_buffer(inp, self.size)[self.rank])
         return self._done("reduce_scatter_single")
 
     # --- data movement: all-gathers replicate this rank's input, the rest untouched ---
@@ -113,7 +112,7 @@ class FakeBackend:
 
     def all_gather_single(self, out: Buffer, inp: Buffer) -> Work:
         self._refuse("all_gather_single")
-        self._fill(_array.split_buffer(out, self.size), inp)
+        self._fill(split_buffer(out, self.size), inp)
         return self._done("all_gather_single")
 
     def all_gather_coalesced(self, outs: Sequence[Sequence[Buffer]], inps: Sequence[Buffer]) -> Work:

@@ -60,6 +60,11 @@ LAUNCHER_PID_ENV: Final = "GPUCOLL_LAUNCHER_PID"
 DEBUG_ENV: Final = "GPUCOLL_DEBUG"
 """The debug level: OFF, INFO or DETAIL (torch's TORCH_DISTRIBUTED_DEBUG)."""
 
+NON_MEMBER_ENV: Final = "GPUCOLL_NON_MEMBER"
+"""What a collective called with a group this rank is not a member of does: ``warn``
+(default, torch's behaviour: a warning naming the op, and the call returns None) or
+``error`` (RuntimeError). GPUCOLL_DEBUG=DETAIL also makes it an error."""
+
 FLIGHT_RECORDER_SIZE_ENV: Final = "GPUCOLL_FLIGHT_RECORDER_SIZE"
 """How many recent ops each group's flight recorder keeps (0 turns it off)."""
 
@@ -111,7 +116,7 @@ BENCH_CORRUPT_ENV: Final = "GPUCOLL_BENCH_CORRUPT"
 """Test hook: "1" perturbs every checked output, so ``#wrong`` must come out non-zero."""
 
 NAMES: Final = (STORE_HOSTED_ENV, STORE_TOKEN_ENV, STORE_RELAY_ENV, BACKEND_ENV, DEATH_RECORDS_ENV, ERROR_FILE_ENV, CPU_BIND_ENV, LAUNCHER_PID_ENV,
-                DEBUG_ENV, FLIGHT_RECORDER_SIZE_ENV, FLIGHT_RECORDER_DIR_ENV, CONTROL_PLANE_ENV, CPU_TRANSPORT_ENV,
+                DEBUG_ENV, NON_MEMBER_ENV, FLIGHT_RECORDER_SIZE_ENV, FLIGHT_RECORDER_DIR_ENV, CONTROL_PLANE_ENV, CPU_TRANSPORT_ENV,
                 CPU_IFADDR_ENV, MAX_OBJECT_BYTES_ENV, NCCL_SCALABLE_INIT_ENV, NCCL_RANKS_PER_ROOT_ENV,
                 JAX_NATIVE_ENV, CACHE_DIR_ENV, BENCH_COMMAND_ENV, BENCH_CORRUPT_ENV)
 """Every name above."""

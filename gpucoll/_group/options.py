@@ -10,7 +10,7 @@ from typing import Any, Protocol, Union
 from .._backends.nccl.config import FIELD_NAMES, UNDEF_INT, check_value
 from .._timeouts import to_seconds
 
-__all__ = ["NCCLOptions", "CPUOptions", "FakeOptions", "PGOptions", "PGOptionsLike", "TorchOptionsLike", "DeviceLike",
+__all__ = ["NCCLOptions", "CPUOptions", "FakeOptions", "FakeProcessGroup", "PGOptions", "PGOptionsLike", "TorchOptionsLike", "DeviceLike",
            "coerce_options", "options_timeout"]
 
 _TRANSPORTS = ("auto", "shm", "tcp")
@@ -146,6 +146,28 @@ class FakeOptions:
             raise TypeError("FakeOptions.error_on_collective must be a bool; got "
                             f"{type(self.error_on_collective).__name__}")
         self.timeout = _check_timeout(self.timeout)
+
+
+class FakeProcessGroup:
+    """torch's ``FakeProcessGroup``, as scripts name it: ``FakeProcessGroup.Options`` is
+    :class:`FakeOptions`, so torch's ``opts = FakeProcessGroup.Options();
+    opts.error_on_collective = True`` ports by changing the import.
+
+    A fake group itself is a :class:`~gpucoll.ProcessGroup` made by
+    ``init_process_group("fake", ...)`` or ``new_group(..., backend="fake")``; this class
+    makes none.
+
+    Example:
+        >>> opts = gpucoll.FakeProcessGroup.Options()
+        >>> opts.error_on_collective = True
+        >>> gpucoll.init_process_group("fake", rank=0, world_size=8, pg_options=opts)
+    """
+
+    Options = FakeOptions
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("FakeProcessGroup is not made directly: init_process_group('fake', rank=..., world_size=...) "
+                        "makes a fake group (FakeProcessGroup.Options() is its options)")
 
 
 PGOptions = Union[NCCLOptions, CPUOptions, FakeOptions]

@@ -336,3 +336,40 @@ def test_flight_recorder_reuses_entries_and_a_late_finish_leaves_the_newer_op_al
                                                                         (3, "all_reduce", "scheduled")]
     works[2]._set_result()
     assert json.loads(fr.to_json())["entries"][1]["state"] == "completed"
+
+
+def test_before_done_runs_before_the_work_is_seen_complete_and_only_on_success() -> None:
+    seen: list[Any] = []
+    work = Work("all_gather", result=["stand-in"])
+    work._before_done(lambda res: seen.append(("first", work.is_completed(), list(res))))
+
+    def second(res: list[Any]) -> None:
+        seen.append(("second", work.is_completed()))
+        res[0] = "caller's array"
+
+    work._before_done(second)
+    future = work.get_future()
+    threading.Timer(0.05, work._set_result).start()
+    assert work.wait(5) is True
+    # both ran, in order, before completion was visible; the results name what they set
+    assert seen == [("first", False, ["stand-in"]), ("second", False)]
+    assert work.result() == ["caller's array"] and future.result(1) == ["caller's array"]
+    late: list[Any] = []
+    work._before_done(late.append)  # already complete: at once, on this thread
+    assert late == [["caller's array"]]
+
+    failed = Work("all_gather")
+    ran: list[Any] = []
+    failed._before_done(ran.append)
+    failed._set_exception(DistBackendError("peer died"))
+    with pytest.raises(DistBackendError, match="peer died"):
+        failed.wait(1)
+    failed._before_done(ran.append)
+    assert ran == []  # never for a failed op
+
+    broken = Work("gather")
+    broken._before_done(lambda res: 1 / 0)
+    broken._set_result()
+    with pytest.raises(DistBackendError, match=r"gather \(seq 0\): writing its results into the output arrays "
+                                               r"failed: ZeroDivisionError"):
+        broken.wait(1)

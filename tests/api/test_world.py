@@ -210,8 +210,40 @@ def groups_body() -> dict[str, Any]:
             gpucoll.get_group_rank(odd, 0)
         with pytest.raises(ValueError, match="Group rank 2 is not part of group"):
             gpucoll.get_global_rank(odd, 2)
-        with pytest.raises(RuntimeError, match="not a member"):
-            gpucoll.all_reduce(np.zeros(1), group=odd)
+        # torch's default: a warning naming the op, and the call does nothing
+        z = np.zeros(1)
+        with pytest.warns(UserWarning, match=r"Running all_reduce on global rank \d which does not belong") as rec:
+            assert gpucoll.all_reduce(z, group=odd) is None
+        assert rec[0].filename == __file__  # points at the caller's line, as torch's
+        assert z[0] == 0.0
+        with pytest.warns(UserWarning, match="recv"):
+            assert gpucoll.recv(z, src=1, group=odd) == -1
+        objs: list[Any] = [None, None]
+        with pytest.warns(UserWarning, match="Running all_gather_object on global rank") as rec:
+            assert gpucoll.all_gather_object(objs, r, group=odd) is None
+        assert rec[0].filename == __file__
+        with pytest.warns(UserWarning, match="recv_object_list"):
+            assert gpucoll.recv_object_list(objs, src=1, group=odd) == -1
+        assert objs == [None, None]
+        for name in ("barrier", "monitored_barrier"):
+            with pytest.warns(UserWarning, match=f"Running {name} on"):
+                assert getattr(gpucoll, name)(group=odd) is None
+        # the error, where asked for
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("GPUCOLL_NON_MEMBER", "error")
+            with pytest.raises(RuntimeError, match="all_reduce on global rank .* not a member"):
+                gpucoll.all_reduce(z, group=odd)
+            with pytest.raises(RuntimeError, match="barrier .* not a member"):
+                gpucoll.barrier(group=odd)
+            with pytest.raises(RuntimeError, match="broadcast_object_list .* not a member"):
+                gpucoll.broadcast_object_list([None], group=odd)
+            mp.setenv("GPUCOLL_NON_MEMBER", "loud")
+            with pytest.raises(ValueError, match="GPUCOLL_NON_MEMBER must be 'warn' or 'error'; got 'loud'"):
+                gpucoll.barrier(group=odd)
+            mp.delenv("GPUCOLL_NON_MEMBER")
+            mp.setenv("GPUCOLL_DEBUG", "DETAIL")
+            with pytest.raises(RuntimeError, match="monitored_barrier .* not a member"):
+                gpucoll.monitored_barrier(group=odd)
     # default group still works between the subgroup's ops
     w = np.ones(1)
     gpucoll.all_reduce(w)

@@ -126,3 +126,25 @@ def test_a_fake_group_takes_device_arrays_without_a_gpu() -> None:
         assert gpucoll.get_world_size() == 8
     finally:
         gpucoll.destroy_process_group()
+
+
+def test_fake_process_group_options_is_fake_options_and_makes_no_group() -> None:
+    opts = gpucoll.FakeProcessGroup.Options()
+    assert isinstance(opts, gpucoll.FakeOptions) and opts.error_on_collective is False
+    with pytest.raises(TypeError, match=r"init_process_group\('fake'"):
+        gpucoll.FakeProcessGroup(0, 2)
+
+
+def test_premul_sum_is_callable_with_its_factor_and_no_other_op_is() -> None:
+    op = gpucoll.ReduceOp.PREMUL_SUM(np.float64(0.5))
+    assert isinstance(op, gpucoll.ReduceOp) and op.factor == 0.5 and op == gpucoll.make_premul_sum(0.5)
+    gpucoll.init_process_group("fake", rank=0, world_size=4)
+    try:
+        x = np.ones(3, np.float32)
+        gpucoll.all_reduce(x, op=gpucoll.ReduceOp.PREMUL_SUM(2.0))  # accepted as an op (the fake moves nothing)
+    finally:
+        gpucoll.destroy_process_group()
+    with pytest.raises(TypeError, match=r"only ReduceOp.PREMUL_SUM takes a factor; ReduceOp.SUM is not callable"):
+        gpucoll.ReduceOp.SUM(2.0)
+    with pytest.raises(TypeError, match="factor must be a real number"):
+        gpucoll.ReduceOp.PREMUL_SUM("2")

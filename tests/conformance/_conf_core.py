@@ -67,6 +67,8 @@ SECTIONS: dict[str, Section] = {}
 
 
 def section(name: str, world_sizes: Sequence[int], **kw: Any) -> Section:
+    # a second section of one name would replace the first, whose checks then never run
+    assert name not in SECTIONS, f"duplicate section {name}"
     sec = Section(name, tuple(world_sizes), **kw)
     SECTIONS[name] = sec
     return sec

@@ -43,7 +43,7 @@ DIST = "torch/testing/_internal/distributed/distributed_test.py"
 S = section("ported_store", world_sizes=(1,), init=False, timeout=240.0)
 C = section("ported_control", world_sizes=(1,), init=False, timeout=60.0)
 R = section("ported_c10d", world_sizes=(1,), init=False, timeout=60.0)
-G = section("ported_groups", world_sizes=(2, 3), pg_timeout=10.0, timeout=60.0)
+G = section("ported_get_backend", world_sizes=(2, 3), pg_timeout=10.0, timeout=60.0)
 
 HOST = "127.0.0.1"
 
@@ -897,6 +897,9 @@ def check_test_op_isinstance_of_reduceop(T: Impl) -> None:
         assert isinstance(reduce_op, T.dist.ReduceOp), reduce_op
     for scale in (scalar_array(T, 1.0), 2.0):
         assert isinstance(T.dist._make_nccl_premul_sum(scale), T.dist.ReduceOp), scale
+        premul_sum = T.dist.ReduceOp.PREMUL_SUM(scale)
+        assert isinstance(premul_sum, T.dist.ReduceOp), premul_sum
+        assert premul_sum.factor == scale, (premul_sum.factor, scale)
 
 
 @R.check(f"{COMMON}::ReduceOpTest::test_reduceop_copyable")
