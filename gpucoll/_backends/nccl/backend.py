@@ -84,6 +84,10 @@ class NCCLBackend:
             raise ValueError(f"need 0 <= rank < size; got rank={rank}, size={size}")
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be positive seconds; got {timeout!r}")
+        # Ungrouped sends and receives not issued yet, each with its Work and the event
+        # recorded on its caller's stream (_post): issued together, as one NCCL group, by
+        # the next call that needs them (flush_p2p). Set first: abort() may read it early.
+        self._p2p: list[tuple[str, Buffer, int, NCCLWork, Any]] = []
         # Read-only outside this class (the parts and function modules read them).
         self.rank = rank
         self.size = size
@@ -221,7 +225,10 @@ class NCCLBackend:
         current if the thread has no CUDA context (a query would make one on device 0),
         and its capture mode set to thread-local, for good: its event queries then never
         break another thread's global-mode capture (the mode is per thread; torch's
-        watchdog sets the same)."""
+        watchdog sets the same). Sends and receives posted and not issued yet are
+        issued first (flush_p2p), so that one nobody waits for still runs within a tick."""
+        if self._p2p:
+            self._flush_quietly()
         return _hot.poll(self)
 
     def complete_earlier(self, work: NCCLWork) -> None:
@@ -237,16 +244,22 @@ class NCCLBackend:
     # ----- issuing -----
 
     def _issue(self, op_type: str, bufs: Sequence[Buffer], build: Callable[[Planner], Plan],
-               *, host_wait: bool = False, key: tuple[Any, ...] | None = None) -> NCCLWork:
+               *, host_wait: bool = False, key: tuple[Any, ...] | None = None,
+               works: Sequence[NCCLWork] = (), readies: Sequence[Any] = ()) -> NCCLWork:
         """Plan and launch one op. ``key`` names what the plan depends on (op, buffers,
         dtype, reduction): a plan of NCCL calls only (no copy, kernel or temporary) is
-        made once per key and reused."""
-        work = new_work(self, op_type, bufs, self.timeout)
+        made once per key and reused. ``works``: the op's Works, made already (posted
+        sends and receives); ``readies``: events recorded on the callers' streams already,
+        which the communication stream waits for instead of the issuing thread's streams."""
+        if self._p2p:
+            self.flush_p2p()
+        work = works[0] if works else new_work(self, op_type, bufs, self.timeout)
         work.host_wait = work.host_wait or host_wait
         with self.issue_lock:
             over = self.ending.over
             if over is not None:
-                work.doom(over)
+                for w in works or (work,):
+                    w.doom(over)
                 return work
             if self.comm_slot.comm is None:
                 refuse_in_capture(self.runtime, op_type, self.group_name, bufs)
@@ -262,7 +275,7 @@ class NCCLBackend:
             rt, device = self.runtime, self.device_index
             prev = -1 if rt.get_device() == device else enter_device(rt, device)
             try:
-                callers = caller_streams(rt, bufs)
+                callers = caller_streams(rt, bufs) if not readies else ()
                 captured = False
                 for s in callers:
                     captured = captured or rt.is_capturing(s)
@@ -287,7 +300,7 @@ class NCCLBackend:
                     self._temps = []
                     if mode >= 0:
                         rt.exchange_capture_mode(mode)
-                self._launch(op_type, plan, [work], bufs, temps, callers, captured)
+                self._launch(op_type, plan, works or [work], bufs, temps, callers, captured, readies)
                 if key is not None and key not in self._hot:
                     # Issued once with every check: its later calls may take the hot path.
                     hot = _hot.make(self, op_type, plan)
@@ -298,7 +311,8 @@ class NCCLBackend:
         return work
 
     def _launch(self, op_type: str, plan: Plan, works: Sequence[NCCLWork], bufs: Sequence[Buffer],
-                temps: list[Any], callers: tuple[int, ...] | None = None, captured: bool = False) -> None:
+                temps: list[Any], callers: tuple[int, ...] | None = None, captured: bool = False,
+                readies: Sequence[Any] = ()) -> None:
         rt, device, cs = self.runtime, self.device_index, self.comm_stream
         comm_stream = cs.ptr
         # From _issue (callers given) the device is current already.
@@ -318,6 +332,8 @@ class NCCLBackend:
             for s in callers:
                 rt.record(ready.ptr, s)
                 rt.wait_event(comm_stream, ready.ptr)
+            for posted in readies:
+                rt.wait_event(comm_stream, posted.ptr)
             issuing = True
             for phase in plan:
                 _phases.run_phase(self, phase)
@@ -358,6 +374,8 @@ class NCCLBackend:
 
     def _hot_or_issue(self, key: tuple[Any, ...], buf: Buffer) -> NCCLWork | None:
         """The op under ``key``, issued by its hot path (hot.py) if it has one that can."""
+        if self._p2p:
+            self.flush_p2p()
         hot = self._hot.get(key)
         return _hot.issue(self, hot, buf) if hot is not None else None
 
@@ -367,13 +385,15 @@ class NCCLBackend:
         """:meth:`all_reduce` for a synchronous caller, with no Work: True once issued
         (the caller's stream waits for it); False, having done nothing, when it must go
         the usual way."""
-        if type(op) is not ReduceOp:
-            return False
+        if type(op) is not ReduceOp or self._p2p:
+            return False  # the usual way (which issues posted sends and receives first)
         hot = self._hot.get(("all_reduce", buf.ptr, buf.nbytes, buf.dtype.name, op._name_))
         return hot is not None and _hot.issue_quiet(self, hot, buf, seq, entry, group_name)
 
     def broadcast_quiet(self, buf: Buffer, src: int, seq: int, entry: Any, group_name: str) -> bool:
         """:meth:`broadcast` as :meth:`all_reduce_quiet`."""
+        if self._p2p:
+            return False
         hot = self._hot.get(("broadcast", buf.ptr, buf.nbytes, buf.dtype.name, src))
         return hot is not None and _hot.issue_quiet(self, hot, buf, seq, entry, group_name)
 
@@ -438,17 +458,87 @@ class NCCLBackend:
     # ----- point to point -----
 
     def send(self, buf: Buffer, dst: int, tag: int) -> Work:
-        key = ("send", buf.ptr, buf.nbytes, buf.dtype.name, dst)
-        return self._hot_or_issue(key, buf) or self._issue("send", (buf,), lambda p: p.p2p([("send", buf, dst)]),
-                                                           key=key)
+        """Post a send to ``dst``: issued with the sends and receives posted after it, as
+        one NCCL group, by the next call that needs it (see :meth:`flush_p2p`)."""
+        return self._post("send", buf, dst)
 
     def recv(self, buf: Buffer, src: int | None, tag: int) -> Work:
+        """Post a receive from ``src`` (as :meth:`send`)."""
         if src is None:
             raise ValueError("recv from any source (src=None) is not possible with NCCL: name the "
                              "source rank, or use host arrays (the CPU backend)")
-        key = ("recv", buf.ptr, buf.nbytes, buf.dtype.name, src)
-        return self._hot_or_issue(key, buf) or self._issue("recv", (buf,), lambda p: p.p2p([("recv", buf, src)]),
-                                                           key=key)
+        return self._post("recv", buf, src)
+
+    def _post(self, kind: str, buf: Buffer, peer: int) -> NCCLWork:
+        """An ungrouped send or receive. ncclSend and ncclRecv are "blocking for the GPU"
+        (nccl.h): each may wait on the device for its match, and sends and receives that
+        must progress together have to be one group. Two ranks that each isend, then
+        irecv, and wait would put send-then-receive on both streams: a deadlock, or, as
+        an H200 showed with NCCL 2.32.3 (two ranks on one GPU), a receive that completes
+        with its array unwritten. So a send or receive is posted: its Work, and an event
+        recorded on its caller's stream (the op is ordered after what the caller queued
+        before posting it, whichever thread issues it), and the ops posted in a row are
+        issued as one NCCL group, as batch_isend_irecv's are, by the first of: the next
+        other op of this backend, ``wait()``/``is_completed()``/``synchronize()`` of any of
+        their Works, the watchdog's next tick, shutdown. A capture, or a backend without
+        a communicator yet, issues at once."""
+        rt = self.runtime
+        with self.issue_lock:
+            if self.ending.over is not None or self.comm_slot.comm is None:
+                return self._issue_now(kind, buf, peer)
+            check_devices(self.device_index, self.group_name, kind, (buf,))
+            device = self.device_index
+            prev = -1 if rt.get_device() == device else enter_device(rt, device)
+            try:
+                callers = caller_streams(rt, (buf,))
+                if any(rt.is_capturing(s) for s in callers):
+                    return self._issue_now(kind, buf, peer)
+                work = new_work(self, kind, (buf,), self.timeout)
+                ready = rt.event(pooled=True, timing=False)
+                for s in callers:
+                    rt.record(ready.ptr, s)
+            finally:
+                leave_device(rt, prev)
+            work.keep_also([ready])
+            work.post(self.flush_p2p)
+            self._p2p.append((kind, buf, peer, work, ready))
+        return work
+
+    def _issue_now(self, kind: str, buf: Buffer, peer: int) -> NCCLWork:
+        if self._p2p:
+            self.flush_p2p()
+        return self._issue(kind, (buf,), lambda p: p.p2p([(kind, buf, peer)]))
+
+    def flush_p2p(self) -> None:
+        """Issue the sends and receives posted and not issued yet, as one NCCL group (one
+        call, where only one was posted); their Works complete together."""
+        with self.issue_lock:
+            posted, self._p2p = self._p2p, []
+            if not posted:
+                return
+            for *_, work, _ in posted:
+                work.post(None)
+            ops = [(kind, buf, peer) for kind, buf, peer, _, _ in posted]
+            self._issue(posted[0][0] if len(posted) == 1 else "batch_isend_irecv", [b for _, b, _ in ops],
+                        lambda p: p.p2p(ops), works=[w for *_, w, _ in posted], readies=[r for *_, r in posted])
+
+    def _flush_quietly(self) -> None:
+        """:meth:`flush_p2p` where nobody can take an error (the watchdog, shutdown): a
+        failure fails the posted Works, and is raised where they are waited for."""
+        posted = list(self._p2p)
+        try:
+            self.flush_p2p()
+        except Exception as exc:  # noqa: BLE001  (the Works carry it)
+            for *_, work, _ in posted:
+                work.fail(f"issuing it failed: {type(exc).__name__}: {exc}")
+
+    def _p2p_fail(self, reason: str) -> None:
+        """Fail the posted sends and receives (the backend is aborted or shrunk: they
+        will never be issued)."""
+        posted, self._p2p = self._p2p, []  # no lock: abort() never waits for the issue path
+        for *_, work, _ in posted:
+            work.post(None)
+            work.fail(reason)
 
     def batch_p2p(self, ops: Sequence[tuple[str, Buffer, int, int]]) -> Work:
         for kind, _, peer, _ in ops:
@@ -461,6 +551,8 @@ class NCCLBackend:
 
     def barrier(self) -> Work:
         """An all_reduce of one int on every rank; its Work's wait() blocks the host."""
+        if self._p2p:
+            self.flush_p2p()
         work = new_work(self, "barrier", (), self.timeout)
         work.host_wait = True
         with self.issue_lock:
@@ -485,11 +577,15 @@ class NCCLBackend:
     def abort(self, reason: str) -> None:
         """Abort the communicator: every pending and later op fails with DistBackendError
         naming itself and ``reason``; safe from any thread, more than once."""
+        self._p2p_fail(reason)
         _lifecycle.abort(self, reason)
 
     def shutdown(self) -> None:
         """Wait (up to the timeout) for queued ops, then destroy the communicator; abort
-        it instead if they do not finish. Idempotent; later ops fail."""
+        it instead if they do not finish. Idempotent; later ops fail. Sends and receives
+        posted and not issued yet are issued first."""
+        if self._p2p:
+            self._flush_quietly()
         _lifecycle.shutdown(self)
 
     def failure(self) -> str | None:
@@ -540,6 +636,8 @@ class NCCLBackend:
         members = list(ranks) if ranks is not None else []
         member = self.rank in members
         new_rank = members.index(self.rank) if member else -1
+        if self._p2p:
+            self.flush_p2p()
         with self.issue_lock:
             if self.can_split:
                 comm = self.comm_slot.comm
@@ -585,6 +683,7 @@ class NCCLBackend:
         """
         gone = sorted(set(exclude))
         config = self._checked_config(config)
+        self._p2p_fail(f"group {self.group_name!r} was shrunk into {group_name!r}")
         with self.issue_lock:
             if not self.can_shrink:
                 raise DistBackendError(f"group {self.group_name!r}: its NCCL communicator cannot be shrunk "
