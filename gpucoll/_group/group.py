@@ -19,7 +19,7 @@ import numpy as np
 from .. import array as _array
 from ..array import ArrayLike
 from .._backends.base import Backend, ReducesInto, RunsNow
-from .._buffer import Buffer
+from .._buffer import Buffer, from_cupy
 from .._reduce_op import ReduceOp, ReduceOpLike
 from .._timeouts import to_seconds
 from .._work import Work, WorkInfo
@@ -244,7 +244,11 @@ class ProcessGroup:
                                           fast.desc, "all_reduce", [tensor], -1, async_op)
         if self._destroyed:
             self._check_usable()
-        buf = _array.as_buffer(tensor, name="tensor", writable=True)
+        # A CuPy array read straight from its attributes (the array layer's fast path,
+        # without the dispatch in front of it); anything else, or a CuPy array that path
+        # declines, through the array layer.
+        buf = (from_cupy(tensor) if type(tensor) is _array._cupy_ndarray else None) or \
+            _array.as_buffer(tensor, name="tensor", writable=True)
         # A repeated op's plan (its checks below passed); strs and ints in the key hash in C.
         key = ("all_reduce", buf.dtype.name, buf.shape, buf.device.type, buf.device.index, op._name_) if op.__class__ is ReduceOp else None
         plan = self._plans.get(key) if key is not None and self._coalescing is None else None
