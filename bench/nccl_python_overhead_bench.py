@@ -46,6 +46,7 @@ from gpucoll._buffer import DTYPES, Buffer, Device  # noqa: E402
 from gpucoll._backends.nccl.lib import Features  # noqa: E402
 from gpucoll._backends.nccl.backend import NCCLBackend  # noqa: E402
 from gpucoll._reduce_op import ReduceOp  # noqa: E402
+from gpucoll.array import as_buffer  # noqa: E402
 from gpucoll.store import HashStore, PrefixStore  # noqa: E402
 
 
@@ -275,11 +276,20 @@ def main(argv: list[str] | None = None) -> int:
         def quiet() -> None:
             if not backend.all_reduce_quiet(buf, SUM, 1, None, ""):
                 backend.all_reduce(buf, SUM).wait()
+        pg.all_reduce(x)
+        plan = next(iter(pg._plans.values()))  # the op's plan in the group (its Work-less form)
+        issuer, quiet_form = pg._issuer, plan.quiet
+        xbuf = as_buffer(x, writable=True)
+        # The layers, each row adding one on top of the one before (same array memory).
         rows: dict[str, Callable[[], Any]] = {
             QUIET: quiet,
+            "+ issuer (seq, flight recorder, watchdog): issuer.call_quiet(buf)":
+                lambda: issuer.call_quiet(backend, quiet_form, xbuf, SUM, x, "all_reduce", SUM),
+            "+ group (checks, plan look-up): ProcessGroup.all_reduce(buf)": lambda: pg.all_reduce(xbuf),
+            "+ array layer: ProcessGroup.all_reduce(array)": lambda: pg.all_reduce(x),
+            "+ module function: gpucoll.all_reduce(array)": lambda: gpucoll.all_reduce(x),
+            "array layer alone: as_buffer(array)": lambda: as_buffer(x, writable=True),
             "backend: all_reduce(buf).wait()": lambda: backend.all_reduce(buf, SUM).wait(),
-            "gpucoll.all_reduce(array)": lambda: gpucoll.all_reduce(x),
-            "ProcessGroup.all_reduce(array)": lambda: pg.all_reduce(x),
             "gpucoll.all_reduce(array, async_op=True).wait()": lambda: gpucoll.all_reduce(x, async_op=True).wait(),
         }
         result = _interleaved(rows, args.ops, args.repeat, costs)
@@ -308,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, (runs, counts) in result.items():
         ratio = sync([a / b for a, b in zip(runs, quiet_runs)])
         print(f"| {name} | {sync(runs):.2f} | {ratio:.2f} |" + (f" {counts} |" if costs is not None else ""))
-    sync_runs = result["gpucoll.all_reduce(array)"][0]
+    sync_runs = result["+ module function: gpucoll.all_reduce(array)"][0]
     async_runs = result["gpucoll.all_reduce(array, async_op=True).wait()"][0]
     print(f"# async + wait against the synchronous gpucoll.all_reduce: "
           f"{sync([a / b for a, b in zip(async_runs, sync_runs)]):.2f}x")
