@@ -182,8 +182,8 @@ class DeviceArray:
                 "strides": None, "stream": 1}
 
 
-def _interleaved(rows: dict[str, Callable[[], Any]], ops: int, repeat: int,
-                 costs: Any = None) -> dict[str, tuple[list[float], str]]:
+def _interleaved(rows: dict[str, Callable[[], Any]], ops: int, repeat: int, costs: Any = None,
+                 clock: Callable[[], float] = time.perf_counter) -> dict[str, tuple[list[float], str]]:
     """Each row's µs per call in each of ``repeat`` rounds, the rows interleaved within a
     round (so a ratio taken within a round sees one machine load); with ``costs``
     (realistic mode), also the CUDA and NCCL calls per op of the timed runs, by thread."""
@@ -196,10 +196,10 @@ def _interleaved(rows: dict[str, Callable[[], Any]], ops: int, repeat: int,
         for name, call in rows.items():
             if costs is not None:
                 costs.reset()
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(ops):
                 call()
-            times[name].append((time.perf_counter() - t0) / ops * 1e6)
+            times[name].append((clock() - t0) / ops * 1e6)
             if costs is not None:
                 for thread, c in costs.counts.items():
                     mine = counts[name].setdefault(thread, {})
@@ -233,7 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--array", choices=("cupy", "cai"), default=None,
                     help="the device array: a cupy.ndarray over fake memory (default where CuPy is installed), "
                          "or an object publishing __cuda_array_interface__ from Python")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="time rows (and, realistic, the fake's calls) by the wall clock, or by this thread's CPU "
+                         "time: on a loaded machine a preempted op then costs what it ran, not what it waited")
     args = ap.parse_args(argv)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
 
     import gpucoll
 
@@ -245,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         from _nccl_fake import CallCosts, TimedRuntime
 
         costs = CallCosts(args.call_us, op_us=args.op_us)
+        if args.clock == "cpu":
+            costs.use_cpu_clock()
         rt = TimedRuntime(costs)
         if args.ops == 50000:
             args.ops = 5000  # each op takes tens of µs here
@@ -292,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             "backend: all_reduce(buf).wait()": lambda: backend.all_reduce(buf, SUM).wait(),
             "gpucoll.all_reduce(array, async_op=True).wait()": lambda: gpucoll.all_reduce(x, async_op=True).wait(),
         }
-        result = _interleaved(rows, args.ops, args.repeat, costs)
+        result = _interleaved(rows, args.ops, args.repeat, costs, clock)
         rt.finish_all()  # the fake GPU catches up, so shutdown's drain returns at once
         gpucoll.destroy_process_group()
     finally:
@@ -307,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     if costs is not None:
         print(f"# gpucoll per op on the realistic fake GPU (CUDA/NCCL calls at their H200 host times, "
               f"device work {args.op_us} µs + bytes/bandwidth), {array}; median of {args.repeat} interleaved "
-              f"rounds x {args.ops} ops; ratio: median over rounds of the row against the backend's Work-less op")
+              f"rounds x {args.ops} ops ({args.clock} clock); ratio: median over rounds of the row against the backend's "
+              f"Work-less op")
         print("| path | µs per op | ratio | calls per op |")
         print("|---|---|---|---|")
     else:

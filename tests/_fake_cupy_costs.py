@@ -76,12 +76,13 @@ class CupyOnFake:
         self._saved: tuple[Any, Any, Any] | None = None
         costs = getattr(rt, "costs", None)
         self._spend = costs.spend if costs is not None else None
+        self._now = (lambda: costs.now()) if costs is not None else time.perf_counter
         self._seconds = costs.cost("current_stream") if costs is not None else 0.0
 
     def get_current_stream(self, device_id: int = -1) -> FakeCupyStream:
         """``cupy.cuda.get_current_stream``: the runtime's current stream, at CuPy's cost."""
         if self._spend is not None:
-            self._spend("cupy", "current_stream", self._seconds, time.perf_counter())
+            self._spend("cupy", "current_stream", self._seconds, self._now())
         ptr = self.rt._current
         stream = self._streams.get(ptr)
         if stream is None:

@@ -1583,6 +1583,29 @@ class CallCosts:
         self._release_s = release_us * 1e-6
         self._floor_s = 0.0 if free else _ctypes_floor()
         self._c_lens: dict[int, int] = {}
+        # The clock calls are timed by: the wall clock, or (``use_cpu_clock``) the calling
+        # thread's CPU time, so that on a loaded machine a call preempted halfway still
+        # costs its time in CPU, and a ratio of two rows is the ratio of CPU spent.
+        self.now: Callable[[], float] = time.perf_counter
+        # What counting a call costs here (a Python call and two dict updates): a call no
+        # longer than that (cudaGetDevice, CuPy's stream look-up, cudaStreamIsCapturing)
+        # costs just the counting, no clock read.
+        self._counted_s = 0.0
+        self._counted_s = 0.0 if free else self._counting_cost()
+
+    def _counting_cost(self) -> float:
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(2000):
+                self.spend("calibration", "calibration", 0.0)
+            best = min(best, (time.perf_counter() - t0) / 2000)
+        self.counts.clear()
+        return best
+
+    def use_cpu_clock(self) -> None:
+        """Time calls by the calling thread's CPU time (``time.thread_time``) from now on."""
+        self.now = time.thread_time
 
     def cost(self, name: str) -> float:
         """Seconds a call named ``name`` takes."""
@@ -1599,23 +1622,24 @@ class CallCosts:
 
     def spend(self, kind: str, name: str, seconds: float, start: float = 0.0) -> None:
         """One call of ``kind``/``name``: count it, then take ``seconds`` in all from
-        ``start`` (a ``time.perf_counter()`` reading; default now), the fake's own
+        ``start`` (a :attr:`now` reading; default now), the fake's own
         bookkeeping included (with the GIL let go for part of them, when the call is
         longer than a ctypes call here)."""
         if not self.enabled:
             return
-        deadline = (start or time.perf_counter()) + seconds
         me = threading.get_ident()
         mine = self.counts.get(me)
         if mine is None:
             mine = self.counts.setdefault(me, {})
         mine[kind] = mine.get(kind, 0) + 1
         mine[name] = mine.get(name, 0) + 1
-        if seconds > 0:
-            left = deadline - time.perf_counter()
+        if seconds > self._counted_s:
+            now = self.now
+            deadline = (start or now()) + seconds
+            left = deadline - now()
             if left >= self._floor_s:
                 _memset(_SCRATCH_PTR, 0, self._c_len(left - self._floor_s))
-            while time.perf_counter() < deadline:
+            while now() < deadline:
                 pass
 
     def of(self, thread: int | None = None) -> dict[str, int]:
@@ -1658,8 +1682,8 @@ class _TimedComm:
         self.async_code = 0
 
     def _op(self, name: str, nbytes: int, stream: int) -> None:
-        t0 = time.perf_counter()
         rt = self._rt
+        t0 = rt.costs.now()
         if not self.aborted:
             rt.busy(stream, rt.costs.op_s + nbytes / rt.costs.bytes_per_s)
         rt.costs.spend("nccl", name, rt.costs.call_s, t0)
@@ -1743,12 +1767,12 @@ class TimedRuntime:
             c.spend("cuda", "set_device", set_device_s)
 
         def record(event: int, stream: int) -> None:
-            t0 = time.perf_counter()
-            self._fires[event] = max(self._busy.get(stream, 0.0), t0)
+            t0 = c.now()
+            self._fires[event] = max(self._busy.get(stream, 0.0), time.perf_counter())
             c.spend("cuda", "record", record_s, t0)
 
         def wait_event(stream: int, event: int) -> None:
-            t0 = time.perf_counter()
+            t0 = c.now()
             fires = self._fires.get(event, 0.0)
             if fires > self._busy.get(stream, 0.0):
                 self._busy[stream] = fires
@@ -1759,7 +1783,7 @@ class TimedRuntime:
             return max(self._fires.get(b, 0.0) - self._fires.get(a, 0.0), 0.0) * 1e3
 
         def is_capturing(stream: int) -> bool:
-            c.spend("cuda", "is_capturing", is_capturing_s, time.perf_counter())
+            c.spend("cuda", "is_capturing", is_capturing_s, c.now())
             return stream in self.capturing
 
         self.get_device = get_device
@@ -1816,11 +1840,11 @@ class TimedRuntime:
         return prev
 
     def current_stream(self) -> int:
-        self.costs.spend("cupy", "current_stream", self.costs.cupy_s, time.perf_counter())
+        self.costs.spend("cupy", "current_stream", self.costs.cupy_s, self.costs.now())
         return self._current
 
     def current_stream_of(self, device: int) -> int:
-        self.costs.spend("cupy", "current_stream", self.costs.cupy_s, time.perf_counter())
+        self.costs.spend("cupy", "current_stream", self.costs.cupy_s, self.costs.now())
         return self._current
 
     def set_current_stream(self, ptr: int) -> None:
