@@ -516,11 +516,16 @@ class NCCLBackend:
             posted, self._p2p = self._p2p, []
             if not posted:
                 return
-            for *_, work, _ in posted:
-                work.post(None)
             ops = [(kind, buf, peer) for kind, buf, peer, _, _ in posted]
-            self._issue(posted[0][0] if len(posted) == 1 else "batch_isend_irecv", [b for _, b, _ in ops],
-                        lambda p: p.p2p(ops), works=[w for *_, w, _ in posted], readies=[r for *_, r in posted])
+            try:
+                self._issue(posted[0][0] if len(posted) == 1 else "batch_isend_irecv", [b for _, b, _ in ops],
+                            lambda p: p.p2p(ops), works=[w for *_, w, _ in posted],
+                            readies=[r for *_, r in posted])
+            finally:
+                # Only now: a thread that looks at one of these Works meanwhile finds it
+                # posted, calls this, and waits on the lock until it has been issued.
+                for *_, work, _ in posted:
+                    work.post(None)
 
     def _flush_quietly(self) -> None:
         """:meth:`flush_p2p` where nobody can take an error (the watchdog, shutdown): a
