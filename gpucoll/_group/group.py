@@ -244,11 +244,8 @@ class ProcessGroup:
                                           fast.desc, "all_reduce", [tensor], -1, async_op)
         if self._destroyed:
             self._check_usable()
-        # A CuPy array read straight from its attributes (the array layer's fast path,
-        # without the dispatch in front of it); anything else, or a CuPy array that path
-        # declines, through the array layer.
-        buf = (from_cupy(tensor) if type(tensor) is _array._cupy_ndarray else None) or \
-            _array.as_buffer(tensor, name="tensor", writable=True)
+        cupy = type(tensor) is _array._cupy_ndarray  # its fast path, without as_buffer's dispatch
+        buf = (cupy and from_cupy(tensor)) or _array.as_buffer(tensor, name="tensor", writable=True)
         # A repeated op's plan (its checks below passed); strs and ints in the key hash in C.
         key = ("all_reduce", buf.dtype.name, buf.shape, buf.device.type, buf.device.index, op._name_) if op.__class__ is ReduceOp else None
         plan = self._plans.get(key) if key is not None and self._coalescing is None else None
