@@ -188,7 +188,7 @@ def test_repeated_broadcasts_take_the_hot_path_and_sends_and_recvs_stay_right() 
                 if read(rt, inbox, np.int64).tolist() != [10 * prv + i] * 6:
                     bad.append(f"recv from {prv}, round {i}: {read(rt, inbox, np.int64).tolist()}")
         # One general issue per distinct broadcast (a root); the posted send and receive of
-        # each round are issued together, as one NCCL group (NCCLBackend._post).
+        # each round are issued together, as one NCCL group (posting.py).
         assert sorted(general) == sorted(["broadcast"] * size + (["batch_isend_irecv"] * 4 if size > 1 else [])), \
             general
         return bad

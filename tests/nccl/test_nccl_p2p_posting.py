@@ -8,7 +8,7 @@ scalable communicator, and the receive completed with its array unwritten. The c
 gpucoll issued each as its own NCCL call, so both streams held send-then-receive, which
 NCCL does not define (on the strict fake: both sends wait forever for their receives,
 ``test_fake_gpu.py``'s head-to-head rule). The backend now posts them and issues the ops
-posted in a row as one group (``NCCLBackend._post``).
+posted in a row as one group (``gpucoll._backends.nccl.posting``).
 """
 
 from __future__ import annotations
