@@ -10,16 +10,21 @@ clean return, or the named "ncclCommDestroy did not return" error), and a new
 two-rank group made afterwards on the same GPU (rank 0's same process, and a fresh
 process for rank 1) must give right results.
 
-The harness ranks (``run_spmd``, spawned) never touch CUDA: each case runs in a child
-process of its own per rank (spawned: CUDA does not survive a fork), which reports
-through a pipe; the children meet through the harness's store, under a prefix per case.
-A harness rank kills whatever child outlives its deadline, so a hang fails the test.
+The harness ranks (``run_spmd``) never touch CUDA: each case runs in a fresh Python
+process per rank (``subprocess``: CUDA does not survive a fork, and the harness's ranks
+are daemonic, so multiprocessing may not start children there), which writes its report
+to a file; the children meet through the harness's store, under a prefix per case. A
+harness rank kills whatever child outlives its deadline, so a hang fails the test.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
+import tempfile
 import time
 from typing import Any
 
@@ -64,9 +69,9 @@ def _ones_all_reduced(gpucoll: Any, cupy: Any, n_ranks: int) -> bool:
     return bool((cupy.asnumpy(x) == n_ranks).all())
 
 
-def _case_child(how: str, rank: int, conn: Any) -> None:
+def _case_child(how: str, rank: int, out: str) -> None:
     """One rank of one case: the group, the warm-up, the loop; the victim's signal; the
-    survivor's error, destroy and new group. Sends its report through ``conn``."""
+    survivor's error, destroy and new group. Writes its report to ``out``."""
     report: dict[str, Any] = {"rank": rank}
     try:
         import cupy
@@ -125,10 +130,16 @@ def _case_child(how: str, rank: int, conn: Any) -> None:
                 _store(f"gpu-fault-{how}").set("survivor/reported", b"failed")
             except Exception:  # noqa: BLE001
                 pass
-    conn.send(report)
+    _write(out, report)
 
 
-def _replacement_child(how: str, conn: Any) -> None:
+def _write(out: str, report: dict[str, Any]) -> None:
+    with open(out + ".tmp", "w") as f:
+        json.dump(report, f)
+    os.replace(out + ".tmp", out)
+
+
+def _replacement_child(how: str, out: str) -> None:
     """Rank 1 of the new group made after the case."""
     report: dict[str, Any] = {"rank": 1}
     try:
@@ -143,39 +154,48 @@ def _replacement_child(how: str, conn: Any) -> None:
         gpucoll.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001
         report["setup_error"] = f"{type(exc).__name__}: {exc}"
-    conn.send(report)
+    _write(out, report)
 
 
-def _reap(proc: Any, conn: Any, deadline: float) -> dict[str, Any]:
+def _start(name: str, *args: Any) -> tuple[subprocess.Popen[bytes], str]:
+    """``name(*args, out)`` of this module in a fresh Python process; its report's path."""
+    fd, out = tempfile.mkstemp(prefix="gpucoll-gpu-fault-", suffix=".json")
+    os.close(fd)
+    os.unlink(out)
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, {here!r}); import {__name__.rpartition('.')[2]} as m; "
+            f"m.{name}(*{args!r}, {out!r})")
+    return subprocess.Popen([sys.executable, "-c", code]), out
+
+
+def _reap(proc: subprocess.Popen[bytes], out: str, deadline: float) -> dict[str, Any]:
     """The child's report, or what became of it; killed once past ``deadline``."""
-    report: dict[str, Any] = {}
-    if conn.poll(max(deadline - time.monotonic(), 0.1)):
-        try:
-            report = conn.recv()
-        except EOFError:
-            pass
-    proc.join(max(min(deadline - time.monotonic(), 30.0), 0.1))
-    if proc.is_alive():
-        report["hung"] = True
+    try:
+        proc.wait(max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
         proc.kill()
-        proc.join(10)
-    report["status"] = proc.exitcode
+        proc.wait(30)
+        report: dict[str, Any] = {"hung": True}
+    else:
+        report = {}
+    try:
+        with open(out) as f:
+            report.update(json.load(f))
+        os.unlink(out)
+    except (OSError, ValueError) as exc:
+        report.setdefault("setup_error", f"no report ({type(exc).__name__}: {exc})")
+    report["status"] = proc.returncode
     return report
 
 
 def _harness_rank() -> dict[str, Any]:
-    import multiprocessing
-
     rank = int(os.environ["RANK"])
-    ctx = multiprocessing.get_context("spawn")
     out: dict[str, Any] = {}
     for how in ("kill", "stop"):
-        parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_case_child, args=(how, rank, child), daemon=True)
-        proc.start()
+        proc, path = _start("_case_child", how, rank)
         deadline = time.monotonic() + CASE_DEADLINE
         if rank == 0:
-            out[how] = _reap(proc, parent, deadline)
+            out[how] = _reap(proc, path, deadline)
             continue
         # The victim's parent: wait for the survivor's report (a stopped victim is killed
         # then), then start rank 1 of the new group.
@@ -184,14 +204,15 @@ def _harness_rank() -> dict[str, Any]:
             store.wait(["survivor/reported"], timeout=CASE_DEADLINE)
         except Exception as exc:  # noqa: BLE001
             out[f"{how}/wait"] = f"{type(exc).__name__}: {exc}"
-        if proc.is_alive():
+        if proc.poll() is None:
             proc.kill()
-        proc.join(30)
-        out[how] = {"victim_status": proc.exitcode}
-        parent2, child2 = ctx.Pipe(duplex=False)
-        proc2 = ctx.Process(target=_replacement_child, args=(how, child2), daemon=True)
-        proc2.start()
-        out[f"{how}/replacement"] = _reap(proc2, parent2, time.monotonic() + CASE_DEADLINE)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+        out[how] = {"victim_status": proc.returncode, "victim_report": _reap(proc, path, time.monotonic())}
+        proc2, path2 = _start("_replacement_child", how)
+        out[f"{how}/replacement"] = _reap(proc2, path2, time.monotonic() + CASE_DEADLINE)
     return out
 
 
