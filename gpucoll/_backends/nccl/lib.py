@@ -29,6 +29,7 @@ __all__ = [
     "INSTALL_HINT", "NCCL_DTYPES", "MOVE_DTYPE", "OP_SUM", "OP_PROD", "OP_MAX", "OP_MIN", "OP_AVG",
     "Features", "NcclLib", "NcclShim", "version_tuple", "unavailable_reason", "load",
     "normalise_unique_id", "comm_id_arg", "encode_scalar", "result_name", "UniqueId", "config_pointer",
+    "same_library",
 ]
 
 INSTALL_HINT = ('install CuPy and NCCL for your CUDA major version: pip install "gpucoll[cuda12]" '
