@@ -272,6 +272,10 @@ class NcclShim:
         through ctypes the GIL is released meanwhile, so the watchdog keeps running."""
         self.check(self._group_end(), "ncclGroupEnd")
 
+    def group_end_code(self) -> int:
+        """``ncclGroupEnd``'s result code, not raised (:func:`same_library` asks it)."""
+        return int(self._group_end())
+
     def op_destroy(self, comm: int, op: int) -> None:
         if self._op_destroy is not None:
             self.check(self._op_destroy(op, comm), "ncclRedOpDestroy")
@@ -320,7 +324,7 @@ def same_library(nccl: Any, shim: NcclShim) -> bool:
         return True  # nothing to compare; nothing of the shim's groups is used either
     nccl.groupStart()
     try:
-        code = shim._group_end()
+        code = shim.group_end_code()
     except Exception:  # noqa: BLE001  (treated as another library)
         code = -1
     if code != 0:
