@@ -45,8 +45,8 @@ from gpucoll._group import registry as _group  # noqa: E402
 from gpucoll._buffer import DTYPES, Buffer, Device  # noqa: E402
 from gpucoll._backends.nccl.lib import Features  # noqa: E402
 from gpucoll._backends.nccl.backend import NCCLBackend  # noqa: E402
-from gpucoll._group import ProcessGroup  # noqa: E402
 from gpucoll._reduce_op import ReduceOp  # noqa: E402
+from gpucoll.array import as_buffer  # noqa: E402
 from gpucoll.store import HashStore, PrefixStore  # noqa: E402
 
 
@@ -92,6 +92,7 @@ class NoopRuntime:
     features = Features(version=(2, 32, 3), all_to_all=True, gather=True, scatter=True)
 
     def __init__(self, lag: int) -> None:
+        self._current = self._default = 0x7000
         self._count = itertools.count(1)
         self._made = 0
         self._lag = lag
@@ -181,124 +182,153 @@ class DeviceArray:
                 "strides": None, "stream": 1}
 
 
-def _per_op_us(call: Callable[[], Any], ops: int, repeat: int, costs: Any = None) -> tuple[float, str]:
-    """Median µs per call of ``call``; with ``costs`` (realistic mode), also the CUDA and
-    NCCL calls per op of the timed runs, by thread."""
-    for _ in range(min(ops, 2000)):
-        call()
-    if costs is not None:
-        costs.reset()
-    runs = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        for _ in range(ops):
+def _interleaved(rows: dict[str, Callable[[], Any]], ops: int, repeat: int, costs: Any = None,
+                 clock: Callable[[], float] = time.perf_counter) -> dict[str, tuple[list[float], str]]:
+    """Each row's µs per call in each of ``repeat`` rounds, the rows interleaved within a
+    round (so a ratio taken within a round sees one machine load); with ``costs``
+    (realistic mode), also the CUDA and NCCL calls per op of the timed runs, by thread."""
+    for call in rows.values():
+        for _ in range(min(ops, 2000)):
             call()
-        runs.append((time.perf_counter() - t0) / ops * 1e6)
-    counts = ""
-    if costs is not None:
-        me = threading.get_ident()
+    times: dict[str, list[float]] = {name: [] for name in rows}
+    counts: dict[str, dict[int, dict[str, int]]] = {name: {} for name in rows}
+    for _ in range(repeat):
+        for name, call in rows.items():
+            if costs is not None:
+                costs.reset()
+            t0 = clock()
+            for _ in range(ops):
+                call()
+            times[name].append((clock() - t0) / ops * 1e6)
+            if costs is not None:
+                for thread, c in costs.counts.items():
+                    mine = counts[name].setdefault(thread, {})
+                    for k, v in c.items():
+                        mine[k] = mine.get(k, 0) + v
+    me = threading.get_ident()
+    out: dict[str, tuple[list[float], str]] = {}
+    for name in rows:
         parts = []
-        for thread, c in sorted(costs.counts.items(), key=lambda kv: kv[0] != me):
+        for thread, c in sorted(counts[name].items(), key=lambda kv: kv[0] != me):
             who = "caller" if thread == me else "other thread"
             parts.append(f"{who}: cuda {c.get('cuda', 0) / (ops * repeat):.3f}, "
-                         f"nccl {c.get('nccl', 0) / (ops * repeat):.3f}")
-        counts = "; ".join(parts)
-    return statistics.median(runs), counts
+                         f"nccl {c.get('nccl', 0) / (ops * repeat):.3f}, cupy {c.get('cupy', 0) / (ops * repeat):.3f}")
+        out[name] = (times[name], "; ".join(parts))
+    return out
+
+
+QUIET = "backend: all_reduce_quiet(buf) (synchronous, no Work)"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ops", type=int, default=50000, help="ops per timed run")
-    ap.add_argument("--repeat", type=int, default=5, help="timed runs; the median is reported")
+    ap.add_argument("--repeat", type=int, default=5, help="timed rounds (rows interleaved); medians are reported")
     ap.add_argument("--lag", type=int, default=20, help="ops the fake GPU runs behind the host")
     ap.add_argument("--realistic", action="store_true",
-                    help="the fake GPU with costs: each CUDA/NCCL call takes --call-us, device work --op-us")
-    ap.add_argument("--call-us", type=float, default=0.7, help="realistic: host µs per CUDA or NCCL call")
+                    help="the fake GPU with costs: each CUDA/NCCL call takes its H200 time, device work --op-us")
+    ap.add_argument("--call-us", type=float, default=0.7,
+                    help="realistic: host µs of a CUDA or NCCL call without an H200 figure of its own")
     ap.add_argument("--op-us", type=float, default=5.0, help="realistic: device µs per op (plus bytes/bandwidth)")
+    ap.add_argument("--array", choices=("cupy", "cai"), default=None,
+                    help="the device array: a cupy.ndarray over fake memory (default where CuPy is installed), "
+                         "or an object publishing __cuda_array_interface__ from Python")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="time rows (and, realistic, the fake's calls) by the wall clock, or by this thread's CPU "
+                         "time: on a loaded machine a preempted op then costs what it ran, not what it waited")
     args = ap.parse_args(argv)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+
+    import gpucoll
 
     costs: Any = None
     rt: Any
+    if _TESTS not in sys.path:
+        sys.path.insert(0, _TESTS)
     if args.realistic:
-        if _TESTS not in sys.path:
-            sys.path.insert(0, _TESTS)
         from _nccl_fake import CallCosts, TimedRuntime
 
         costs = CallCosts(args.call_us, op_us=args.op_us)
+        if args.clock == "cpu":
+            costs.use_cpu_clock()
         rt = TimedRuntime(costs)
         if args.ops == 50000:
             args.ops = 5000  # each op takes tens of µs here
     else:
         rt = NoopRuntime(args.lag)
-    backend = NCCLBackend(PrefixStore("b", HashStore()), 0, 1, timeout=60.0, group_name="b", device_id=0,
-                          _runtime=rt)
+    from _fake_cupy_costs import CupyOnFake, cupy_or_none
+
+    kind = args.array or ("cupy" if cupy_or_none() is not None else "cai")
+    cupy_fake = None
+    if kind == "cupy":
+        cupy_fake = CupyOnFake(rt)
+        cupy_fake.install()
+        x: Any = cupy_fake.array(256, "float32", ptr=0x200000)
+    else:
+        x = DeviceArray()
     buf = Buffer(0x200000, 1024, DTYPES["float32"], (256,), Device("cuda", 0), stream=None)
     saved = _group.BACKENDS["nccl"]
     _group.BACKENDS["nccl"] = lambda store, rank, size, *, timeout, group_name, device_id: NCCLBackend(
         store, rank, size, timeout=timeout, group_name=group_name, device_id=device_id, _runtime=rt)
     try:
-        pg = ProcessGroup(PrefixStore("pg", HashStore()), 0, 1, group_name="g", global_ranks=[0], timeout=60.0,
-                          backend="nccl", device_id=0)
-        x = DeviceArray()
+        gpucoll.init_process_group("nccl", store=HashStore(), rank=0, world_size=1, device_id=0, timeout=60.0)
+        from gpucoll._world import default_group
+
+        pg = default_group()
+        backend = pg._nccl
         SUM = ReduceOp.SUM
         backend.all_reduce(buf, SUM).wait()  # planned once: later calls take the hot path
 
         def quiet() -> None:
             if not backend.all_reduce_quiet(buf, SUM, 1, None, ""):
                 backend.all_reduce(buf, SUM).wait()
-        rows = [
-            ("backend: all_reduce_quiet(buf) (synchronous, no Work)", *_per_op_us(quiet, args.ops, args.repeat, costs)),
-            ("backend: all_reduce(buf).wait()", *_per_op_us(lambda: backend.all_reduce(buf, ReduceOp.SUM).wait(),
-                                                            args.ops, args.repeat, costs)),
-            ("ProcessGroup.all_reduce(array)", *_per_op_us(lambda: pg.all_reduce(x), args.ops, args.repeat, costs)),
-            ("ProcessGroup.all_reduce(array, async_op=True).wait()",
-             *_per_op_us(lambda: pg.all_reduce(x, async_op=True).wait(), args.ops, args.repeat, costs)),
-        ]
-        # What the no-op runtime's own Python costs per op: the calls one backend op makes
-        # on its hot path (two events; device, stream and capture queries; two records,
-        # two stream waits; the NCCL call), timed alone. The rows above include it; a real
-        # runtime makes each of these a C call instead.
-        comm = _Comm()
-
-        def runtime_calls() -> None:
-            rt.get_device()
-            s = rt.current_stream()
-            rt.is_capturing(s)
-            ready = rt.event(True, False)
-            rt.record(ready.ptr, s)
-            rt.wait_event(0x5000, ready.ptr)
-            comm.all_reduce(1, 2, 3, 4, 5, 0x5000)
-            end = rt.event(True, False)
-            rt.record(end.ptr, 0x5000)
-            rt.get_device()
-            rt.wait_event(rt.current_stream(), end.ptr)
-        if costs is not None:
-            costs.enabled = False  # the no-op runtime's own Python only
-        runtime_us = _per_op_us(runtime_calls, args.ops, args.repeat)[0]
-        if costs is not None:
-            costs.enabled = True
+        pg.all_reduce(x)
+        plan = next(iter(pg._plans.values()))  # the op's plan in the group (its Work-less form)
+        issuer, quiet_form = pg._issuer, plan.quiet
+        xbuf = as_buffer(x, writable=True)
+        # The layers, each row adding one on top of the one before (same array memory).
+        rows: dict[str, Callable[[], Any]] = {
+            QUIET: quiet,
+            "+ issuer (seq, flight recorder, watchdog): issuer.call_quiet(buf)":
+                lambda: issuer.call_quiet(backend, quiet_form, xbuf, SUM, x, "all_reduce", SUM),
+            "+ group (checks, plan look-up): ProcessGroup.all_reduce(buf)": lambda: pg.all_reduce(xbuf),
+            "+ array layer: ProcessGroup.all_reduce(array)": lambda: pg.all_reduce(x),
+            "+ module function: gpucoll.all_reduce(array)": lambda: gpucoll.all_reduce(x),
+            "array layer alone: as_buffer(array)": lambda: as_buffer(x, writable=True),
+            "backend: all_reduce(buf).wait()": lambda: backend.all_reduce(buf, SUM).wait(),
+            "gpucoll.all_reduce(array, async_op=True).wait()": lambda: gpucoll.all_reduce(x, async_op=True).wait(),
+        }
+        result = _interleaved(rows, args.ops, args.repeat, costs, clock)
         rt.finish_all()  # the fake GPU catches up, so shutdown's drain returns at once
-        pg._destroy()
+        gpucoll.destroy_process_group()
     finally:
         _group.BACKENDS["nccl"] = saved
+        if cupy_fake is not None:
+            cupy_fake.uninstall()
         rt.finish_all()
-        backend.shutdown()
+    array = ("a cupy.ndarray over fake memory (CuPy's own attribute reads; its current-stream look-up "
+             "stood in for)" if kind == "cupy" else "a __cuda_array_interface__ object (a Python property)")
+    sync = statistics.median
+    quiet_runs = result[QUIET][0]
     if costs is not None:
-        print(f"# gpucoll per op on the realistic fake GPU (each CUDA/NCCL call {args.call_us} µs with the GIL "
-              f"let go, device work {args.op_us} µs + bytes/bandwidth), median of {args.repeat} x {args.ops} ops")
-        print("| path | µs per op | calls per op |")
-        print("|---|---|---|")
-        for name, us, counts in rows:
-            print(f"| {name} | {us:.2f} | {counts} |")
+        print(f"# gpucoll per op on the realistic fake GPU (CUDA/NCCL calls at their H200 host times, "
+              f"device work {args.op_us} µs + bytes/bandwidth), {array}; median of {args.repeat} interleaved "
+              f"rounds x {args.ops} ops ({args.clock} clock); ratio: median over rounds of the row against the backend's "
+              f"Work-less op")
+        print("| path | µs per op | ratio | calls per op |")
+        print("|---|---|---|---|")
     else:
-        print(f"# gpucoll's Python per op, no-op CUDA runtime (GPU {args.lag} ops behind), "
-              f"median of {args.repeat} x {args.ops} ops")
-        print("| path | µs per op |")
-        print("|---|---|")
-        for name, us, _ in rows:
-            print(f"| {name} | {us:.2f} |")
-    print(f"# of each row, the runtime's own Python (the calls one op made at 68f6d9f, timed alone, "
-          f"their costs left out): {runtime_us:.2f} µs")
+        print(f"# gpucoll's Python per op, no-op CUDA runtime (GPU {args.lag} ops behind), {array}; median of "
+              f"{args.repeat} interleaved rounds x {args.ops} ops; ratio against the backend's Work-less op")
+        print("| path | µs per op | ratio |")
+        print("|---|---|---|")
+    for name, (runs, counts) in result.items():
+        ratio = sync([a / b for a, b in zip(runs, quiet_runs)])
+        print(f"| {name} | {sync(runs):.2f} | {ratio:.2f} |" + (f" {counts} |" if costs is not None else ""))
+    sync_runs = result["+ module function: gpucoll.all_reduce(array)"][0]
+    async_runs = result["gpucoll.all_reduce(array, async_op=True).wait()"][0]
+    print(f"# async + wait against the synchronous gpucoll.all_reduce: "
+          f"{sync([a / b for a, b in zip(async_runs, sync_runs)]):.2f}x")
     return 0
 
 

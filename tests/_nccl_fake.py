@@ -1623,44 +1623,121 @@ NCCL_CALLS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter
               "gather", "scatter", "async_error", "last_error", "premul_sum", "op_destroy")
 
 
+# Host µs per call measured on an H200 (docs/gpu-verification.md: the first run's
+# profile, the diagnosis run's per-call figures, the bare-NCCL rows). A call not named
+# here costs ``call_us``. "current_stream" is CuPy's get_current_stream (its cudaGetDevice
+# made in C, inside it); "event_create" cudaEventCreate through cupy.cuda.Event.
+H200_CALL_US: dict[str, float] = {
+    "record": 0.79, "wait_event": 0.79, "query": 0.24, "get_device": 0.07, "is_capturing": 0.17,
+    "exchange_capture_mode": 0.50, "event_create": 1.49, "current_stream": 0.13,
+}
+
+
+def _ctypes_floor() -> float:
+    """Seconds of a ctypes call of libc's memset over 64 bytes here: the least a call
+    that lets the GIL go can cost (0.5-0.6 µs on the 2-core development machine)."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(2000):
+            _memset(_SCRATCH_PTR, 0, 64)
+        best = min(best, (time.perf_counter() - t0) / 2000)
+    return best
+
+
 class CallCosts:
     """The realistic fake's cost model and call counter.
 
-    Every CUDA and NCCL call the backend makes takes ``call_us`` of host time and lets
-    other threads run meanwhile, as a C call that releases the GIL does: most of it in a
-    ctypes call to libc's memset (ctypes releases the GIL around it: a thread waiting
-    for the GIL takes it there, and the caller waits to get it back), the rest in a busy
-    wait to the deadline (``release_us`` below). Device work takes ``op_us`` plus its bytes over ``gbps``: an event
-    recorded after it fires only then (:class:`TimedRuntime`).
+    Every CUDA and NCCL call the backend makes takes its own host time, the H200's
+    (``H200_CALL_US``; any other call ``call_us``), and a call long enough to be one
+    (longer than a ctypes call here) lets other threads run meanwhile, as a C call
+    that releases the GIL does: part of it in a ctypes call to libc's memset (ctypes
+    releases the GIL around it: a thread waiting for the GIL takes it there, and the
+    caller waits to get it back), the rest in a busy wait to the deadline. A shorter
+    call (``cudaGetDevice``, CuPy's current-stream look-up, ``cudaStreamIsCapturing``)
+    is a busy wait of its time. So a call costs about its H200 figure here, not more:
+    the layers above the backend, Python and CuPy attribute reads, weigh against the
+    calls below as they do on the GPU. Device work takes ``op_us`` plus its bytes over
+    ``gbps``: an event recorded after it fires only then (:class:`TimedRuntime`).
 
     ``counts[thread ident][kind]`` counts each call by kind ("cuda", "nccl", "cupy",
     "event" for an event made by cudaEventCreate) and by name, per calling thread.
 
     Args:
-        call_us: host microseconds per CUDA or NCCL call (0.7: an H200's eventRecord,
-            streamWaitEvent and ncclAllReduce from Python measured 0.7-0.9 µs).
-        cupy_us: host microseconds of CuPy's current-stream lookup (0.14 measured).
-        create_us: host microseconds of cudaEventCreate (1.5 measured).
-        release_us: of each call, the microseconds spent in C with the GIL released
-            (ctypes' own cost comes on top: on the 2-core development machine a counted
-            call takes about 1.3 µs in all, whatever ``call_us`` below that).
+        call_us: host microseconds per CUDA or NCCL call not in ``H200_CALL_US`` (0.7:
+            an H200's bare ncclAllReduce from Python measured 0.61-0.74 µs). 0 makes
+            every call free (count only).
+        release_us: of a call, at most this many microseconds in C with the GIL released.
+        cupy_us: host microseconds of CuPy's current-stream look-up.
+        create_us: host microseconds of cudaEventCreate.
+        per_call_us: figures that replace ``H200_CALL_US``'s, by call name.
         op_us: device microseconds of any NCCL op, before its bytes.
         gbps: device bandwidth, GB/s, for an op's bytes.
     """
 
-    def __init__(self, call_us: float = 0.7, *, release_us: float = 0.5, cupy_us: float = 0.14,
-                 create_us: float = 1.5, op_us: float = 5.0, gbps: float = 100.0) -> None:
+    def __init__(self, call_us: float = 0.7, *, release_us: float = 0.5, cupy_us: float | None = None,
+                 create_us: float | None = None, per_call_us: dict[str, float] | None = None,
+                 op_us: float = 5.0, gbps: float = 100.0) -> None:
+        table = dict(H200_CALL_US)
+        if cupy_us is not None:
+            table["current_stream"] = cupy_us
+        if create_us is not None:
+            table["event_create"] = create_us
+        table.update(per_call_us or {})
+        free = call_us <= 0
         self.call_s = call_us * 1e-6
-        self.cupy_s = cupy_us * 1e-6
-        self.create_s = create_us * 1e-6
+        self.seconds: dict[str, float] = {k: 0.0 if free else v * 1e-6 for k, v in table.items()}
+        self.cupy_s = self.seconds["current_stream"]
+        self.create_s = self.seconds["event_create"]
         self.op_s = op_us * 1e-6
         self.bytes_per_s = gbps * 1e9
         self.counts: dict[int, dict[str, int]] = {}
         self.enabled = True
-        self._c_len = _memset_length(release_us * 1e-6) if call_us > 0 else 0
+        self._release_s = release_us * 1e-6
+        self._floor_s = 0.0 if free else _ctypes_floor()
+        self._c_lens: dict[int, int] = {}
+        # The clock calls are timed by: the wall clock, or (``use_cpu_clock``) the calling
+        # thread's CPU time, so that on a loaded machine a call preempted halfway still
+        # costs its time in CPU, and a ratio of two rows is the ratio of CPU spent.
+        self.now: Callable[[], float] = time.perf_counter
+        # What counting a call costs here (a Python call and two dict updates): a call no
+        # longer than that (cudaGetDevice, CuPy's stream look-up, cudaStreamIsCapturing)
+        # costs just the counting, no clock read.
+        self._counted_s = 0.0
+        self._counted_s = 0.0 if free else self._counting_cost()
 
-    def spend(self, kind: str, name: str, seconds: float) -> None:
-        """One call of ``kind``/``name``: count it, then take ``seconds`` with the GIL let go."""
+    def _counting_cost(self) -> float:
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(2000):
+                self.spend("calibration", "calibration", 0.0)
+            best = min(best, (time.perf_counter() - t0) / 2000)
+        self.counts.clear()
+        return best
+
+    def use_cpu_clock(self) -> None:
+        """Time calls by the calling thread's CPU time (``time.thread_time``) from now on."""
+        self.now = time.thread_time
+
+    def cost(self, name: str) -> float:
+        """Seconds a call named ``name`` takes."""
+        return self.seconds.get(name, self.call_s)
+
+    def _c_len(self, extra: float) -> int:
+        """The memset length that takes ``extra`` seconds (at most ``release_us``) more
+        than a 64-byte one, in steps of 0.05 µs (each calibrated once)."""
+        step = min(round(extra * 2e7), round(self._release_s * 2e7))
+        n = self._c_lens.get(step)
+        if n is None:
+            n = self._c_lens[step] = _memset_length(step / 2e7) if step > 0 else 64
+        return n
+
+    def spend(self, kind: str, name: str, seconds: float, start: float = 0.0) -> None:
+        """One call of ``kind``/``name``: count it, then take ``seconds`` in all from
+        ``start`` (a :attr:`now` reading; default now), the fake's own
+        bookkeeping included (with the GIL let go for part of them, when the call is
+        longer than a ctypes call here)."""
         if not self.enabled:
             return
         me = threading.get_ident()
@@ -1669,12 +1746,13 @@ class CallCosts:
             mine = self.counts.setdefault(me, {})
         mine[kind] = mine.get(kind, 0) + 1
         mine[name] = mine.get(name, 0) + 1
-        if seconds > 0:
-            deadline = time.perf_counter() + seconds
-            # Most of the time in C without the GIL, the rest (and whatever the GIL's
-            # return took less) spent here.
-            _memset(_SCRATCH_PTR, 0, self._c_len)
-            while time.perf_counter() < deadline:
+        if seconds > self._counted_s:
+            now = self.now
+            deadline = (start or now()) + seconds
+            left = deadline - now()
+            if left >= self._floor_s:
+                _memset(_SCRATCH_PTR, 0, self._c_len(left - self._floor_s))
+            while now() < deadline:
                 pass
 
     def of(self, thread: int | None = None) -> dict[str, int]:
@@ -1718,10 +1796,12 @@ class _TimedComm:
 
     def _op(self, name: str, nbytes: int, stream: int) -> None:
         rt = self._rt
-        rt.costs.spend("nccl", name, rt.costs.call_s)
+        t0 = rt.costs.now()
+        if not self.aborted:
+            rt.busy(stream, rt.costs.op_s + nbytes / rt.costs.bytes_per_s)
+        rt.costs.spend("nccl", name, rt.costs.call_s, t0)
         if self.aborted:
             raise FakeError(f"{name} on an aborted communicator")
-        rt.busy(stream, rt.costs.op_s + nbytes / rt.costs.bytes_per_s)
 
     def all_reduce(self, s: int, r: int, n: int, dt: int, op: int, stream: int) -> None:
         self._op("all_reduce", n * _ITEMSIZE.get(dt, 4), stream)
@@ -1788,31 +1868,35 @@ class TimedRuntime:
         self.comms: list[_TimedComm] = []
         c = self.costs
         call = c.call_s
+        get_device_s, set_device_s, record_s, wait_event_s, elapsed_ms_s, is_capturing_s = (
+            c.cost(n) for n in ("get_device", "set_device", "record", "wait_event", "elapsed_ms", "is_capturing"))
 
         # Bound per instance, as CudaRuntime binds CuPy's functions.
         def get_device() -> int:
-            c.spend("cuda", "get_device", call)
+            c.spend("cuda", "get_device", get_device_s)
             return 0
 
         def set_device(device: int) -> None:
-            c.spend("cuda", "set_device", call)
+            c.spend("cuda", "set_device", set_device_s)
 
         def record(event: int, stream: int) -> None:
-            c.spend("cuda", "record", call)
+            t0 = c.now()
             self._fires[event] = max(self._busy.get(stream, 0.0), time.perf_counter())
+            c.spend("cuda", "record", record_s, t0)
 
         def wait_event(stream: int, event: int) -> None:
-            c.spend("cuda", "wait_event", call)
+            t0 = c.now()
             fires = self._fires.get(event, 0.0)
             if fires > self._busy.get(stream, 0.0):
                 self._busy[stream] = fires
+            c.spend("cuda", "wait_event", wait_event_s, t0)
 
         def elapsed_ms(a: int, b: int) -> float:
-            c.spend("cuda", "elapsed_ms", call)
+            c.spend("cuda", "elapsed_ms", elapsed_ms_s)
             return max(self._fires.get(b, 0.0) - self._fires.get(a, 0.0), 0.0) * 1e3
 
         def is_capturing(stream: int) -> bool:
-            c.spend("cuda", "is_capturing", call)
+            c.spend("cuda", "is_capturing", is_capturing_s, c.now())
             return stream in self.capturing
 
         self.get_device = get_device
@@ -1857,11 +1941,11 @@ class TimedRuntime:
         return (9, 0)
 
     def has_context(self) -> bool:
-        self.costs.spend("cuda", "has_context", self.costs.call_s)
+        self.costs.spend("cuda", "has_context", self.costs.cost("has_context"))
         return True
 
     def exchange_capture_mode(self, mode: int) -> int:
-        self.costs.spend("cuda", "exchange_capture_mode", self.costs.call_s)
+        self.costs.spend("cuda", "exchange_capture_mode", self.costs.cost("exchange_capture_mode"))
         if not self.can_exchange_capture_mode:
             return mode  # as CudaRuntime where no exchange call was found
         prev = self._mode()
@@ -1869,11 +1953,11 @@ class TimedRuntime:
         return prev
 
     def current_stream(self) -> int:
-        self.costs.spend("cupy", "current_stream", self.costs.cupy_s)
+        self.costs.spend("cupy", "current_stream", self.costs.cupy_s, self.costs.now())
         return self._current
 
     def current_stream_of(self, device: int) -> int:
-        self.costs.spend("cupy", "current_stream", self.costs.cupy_s)
+        self.costs.spend("cupy", "current_stream", self.costs.cupy_s, self.costs.now())
         return self._current
 
     def set_current_stream(self, ptr: int) -> None:
@@ -1895,7 +1979,7 @@ class TimedRuntime:
         self._fires.pop(event, None)
 
     def query(self, event: int) -> bool:
-        self.costs.spend("cuda", "query", self.costs.call_s)
+        self.costs.spend("cuda", "query", self.costs.cost("query"))
         me = threading.get_ident()
         for thread, mode in self.capturing.values():
             if thread != me and mode == "global" and self._mode() == 0:
@@ -1905,18 +1989,18 @@ class TimedRuntime:
         return time.perf_counter() >= self._fires.get(event, 0.0)
 
     def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        self.costs.spend("cuda", "memcpy", self.costs.call_s)
+        self.costs.spend("cuda", "memcpy", self.costs.cost("memcpy"))
         self.busy(stream, nbytes / self.costs.bytes_per_s)
 
     def alloc(self, nbytes: int, stream: Any) -> tuple[int, Any]:
-        self.costs.spend("cuda", "alloc", self.costs.call_s)
+        self.costs.spend("cuda", "alloc", self.costs.cost("alloc"))
         return 0x100000, object()
 
     def prepare(self, kernel: str, device: int) -> None:
         pass
 
     def launch(self, kernel: str, n: int, args: tuple[Any, ...], stream: Any, device: int) -> None:
-        self.costs.spend("cuda", "launch", self.costs.call_s)
+        self.costs.spend("cuda", "launch", self.costs.cost("launch"))
         self.busy(stream.ptr, self.costs.op_s)
 
     def unique_id(self) -> bytes:

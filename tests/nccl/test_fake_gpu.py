@@ -170,7 +170,9 @@ def test_nccl_host_rules_rendezvous_threads_blocking_rounding(monkeypatch: pytes
         def p2p(be: NCCLBackend, rt: FakeRuntime, rank: int, n: int = n, stuck: bool = stuck) -> bool:
             peer = 1 - rank
             send = be.send(dev(rt, np.ones(n, np.float32)), peer, 0)
+            be.flush_p2p()  # each its own NCCL call (the backend posts them to issue as one group)
             recv = be.recv(dev(rt, np.zeros(n, np.float32)), peer, 0)
+            be.flush_p2p()
             try:
                 recv.synchronize(timeout=3.0)
                 send.synchronize(timeout=3.0)

@@ -10,6 +10,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -184,3 +185,25 @@ def test_cupy_adapter_binds_only_names_that_exist() -> None:
     assert comm.handle == 0 and comm.async_error() == 0
     for name in ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "send", "recv"):
         assert callable(getattr(comm, name))
+
+
+@needs_cupy
+def test_the_shim_is_refused_on_another_copy_of_the_same_nccl(tmp_path: Path) -> None:
+    """Two copies of one NCCL release can be mapped at once (a wheel's, one on
+    LD_LIBRARY_PATH): ncclGroupStart through one and ncclSend through the other leave the
+    send ungrouped, which for a send/receive pair NCCL leaves undefined. A group opened
+    through CuPy must be open in the shim's library (same_library); a copy of the file,
+    loaded as a second library, is told apart, and CuPy's group is closed again."""
+    import shutil
+
+    from cupy.cuda import nccl
+
+    lib = _nccl_lib.load()
+    assert lib.shim is not None and lib.library_path is not None, lib.shim_error
+    assert _nccl_lib.same_library(nccl, lib.shim)
+    copy = tmp_path / os.path.basename(lib.library_path)
+    shutil.copy(lib.library_path, copy)
+    other = _nccl_lib.NcclShim(str(copy))
+    assert other.version() == lib.shim.version()  # the same release: the version check cannot tell
+    assert not _nccl_lib.same_library(nccl, other)
+    assert _nccl_lib.same_library(nccl, lib.shim)  # CuPy's group was closed: no group is left open

@@ -10,7 +10,6 @@ Importing this module imports no CuPy; constructing a backend does.
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any, Callable, Mapping, Sequence
 
@@ -21,7 +20,8 @@ from ..._work import Work
 from ...store.base import Store
 from . import lib as _nccl_lib
 from .config import usable_config
-from .bootstrap import create_comm, is_nccl_available, nccl_unavailable_reason, nccl_version, rendezvous  # noqa: F401
+from .bootstrap import create_comm, refuse_nonblocking_env
+from .bootstrap import is_nccl_available, nccl_unavailable_reason, nccl_version, rendezvous  # noqa: F401
 from .lib import NCCL_DTYPES, OP_SUM
 from .plan import Plan, Planner, calls_only, merge
 from .runtime import CAPTURE_RELAXED, Comm, Runtime, enter_device, leave_device
@@ -29,6 +29,7 @@ from .comm import CommSlot
 from .outstanding import Outstanding
 from .connect import CheckIn
 from .issuing import caller_streams, check_devices, first_device, new_work, prepare_kernels, refuse_in_capture
+from .posting import Posted
 from .ending import Ending
 from .registration import Registrations, deregister as _deregister_buffer, register as _register_buffer
 from .stream import CommStream
@@ -82,6 +83,7 @@ class NCCLBackend:
             raise ValueError(f"need 0 <= rank < size; got rank={rank}, size={size}")
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be positive seconds; got {timeout!r}")
+        self.posted = Posted()  # sends and receives posted, not issued yet (posting.py); abort() may read it early
         # Read-only outside this class (the parts and function modules read them).
         self.rank = rank
         self.size = size
@@ -95,15 +97,7 @@ class NCCLBackend:
             from .runtime import CudaRuntime
 
             _runtime = CudaRuntime(_nccl_lib.load())
-        blocking = os.environ.get("NCCL_COMM_BLOCKING", "").strip()
-        if blocking == "0":
-            # NCCL applies it to every communicator: each call then returns
-            # ncclInProgress (7), which CuPy 14's NcclError cannot even name (KeyError: 7).
-            raise BackendUnavailableError(
-                "NCCL_COMM_BLOCKING=0 is set: it makes every NCCL communicator non-blocking, and gpucoll "
-                "drives its communicators in blocking mode through CuPy, whose error path cannot report "
-                "ncclInProgress. Unset NCCL_COMM_BLOCKING (or set it to 1); gpucoll bounds NCCL's blocking "
-                "calls with the group's timeout itself")
+        refuse_nonblocking_env()
         self.runtime: Runtime = _runtime
         self.features = _runtime.features   # what the loaded NCCL and runtime can do
         self.config: dict[str, Any] = self._checked_config(config)
@@ -220,7 +214,8 @@ class NCCLBackend:
         current if the thread has no CUDA context (a query would make one on device 0),
         and its capture mode set to thread-local, for good: its event queries then never
         break another thread's global-mode capture (the mode is per thread; torch's
-        watchdog sets the same)."""
+        watchdog sets the same). Posted sends and receives are issued first."""
+        self.posted.flush_quietly(self, self._issue)
         return _hot.poll(self)
 
     def complete_earlier(self, work: NCCLWork) -> None:
@@ -236,16 +231,20 @@ class NCCLBackend:
     # ----- issuing -----
 
     def _issue(self, op_type: str, bufs: Sequence[Buffer], build: Callable[[Planner], Plan],
-               *, host_wait: bool = False, key: tuple[Any, ...] | None = None) -> NCCLWork:
-        """Plan and launch one op. ``key`` names what the plan depends on (op, buffers,
-        dtype, reduction): a plan of NCCL calls only (no copy, kernel or temporary) is
-        made once per key and reused."""
-        work = new_work(self, op_type, bufs, self.timeout)
+               *, host_wait: bool = False, key: tuple[Any, ...] | None = None,
+               works: Sequence[NCCLWork] = (), readies: Sequence[Any] = ()) -> NCCLWork:
+        """Plan and launch one op. ``key`` names what the plan depends on (op, buffers, dtype,
+        reduction): a plan of NCCL calls only is made once per key and reused. ``works``,
+        ``readies``: posted ops' Works, and events recorded on their callers' streams."""
+        if self.posted.ops:
+            self.flush_p2p()
+        work = works[0] if works else new_work(self, op_type, bufs, self.timeout)
         work.host_wait = work.host_wait or host_wait
         with self.issue_lock:
             over = self.ending.over
             if over is not None:
-                work.doom(over)
+                for w in works or (work,):
+                    w.doom(over)
                 return work
             if self.comm_slot.comm is None:
                 refuse_in_capture(self.runtime, op_type, self.group_name, bufs)
@@ -261,7 +260,7 @@ class NCCLBackend:
             rt, device = self.runtime, self.device_index
             prev = -1 if rt.get_device() == device else enter_device(rt, device)
             try:
-                callers = caller_streams(rt, bufs)
+                callers = caller_streams(rt, bufs) if not readies else ()
                 captured = False
                 for s in callers:
                     captured = captured or rt.is_capturing(s)
@@ -286,7 +285,7 @@ class NCCLBackend:
                     self._temps = []
                     if mode >= 0:
                         rt.exchange_capture_mode(mode)
-                self._launch(op_type, plan, [work], bufs, temps, callers, captured)
+                self._launch(op_type, plan, works or [work], bufs, temps, callers, captured, readies)
                 if key is not None and key not in self._hot:
                     # Issued once with every check: its later calls may take the hot path.
                     hot = _hot.make(self, op_type, plan)
@@ -297,7 +296,8 @@ class NCCLBackend:
         return work
 
     def _launch(self, op_type: str, plan: Plan, works: Sequence[NCCLWork], bufs: Sequence[Buffer],
-                temps: list[Any], callers: tuple[int, ...] | None = None, captured: bool = False) -> None:
+                temps: list[Any], callers: tuple[int, ...] | None = None, captured: bool = False,
+                readies: Sequence[Any] = ()) -> None:
         rt, device, cs = self.runtime, self.device_index, self.comm_stream
         comm_stream = cs.ptr
         # From _issue (callers given) the device is current already.
@@ -317,6 +317,8 @@ class NCCLBackend:
             for s in callers:
                 rt.record(ready.ptr, s)
                 rt.wait_event(comm_stream, ready.ptr)
+            for posted in readies:
+                rt.wait_event(comm_stream, posted.ptr)
             issuing = True
             for phase in plan:
                 _phases.run_phase(self, phase)
@@ -357,7 +359,7 @@ class NCCLBackend:
 
     def _hot_or_issue(self, key: tuple[Any, ...], buf: Buffer) -> NCCLWork | None:
         """The op under ``key``, issued by its hot path (hot.py) if it has one that can."""
-        hot = self._hot.get(key)
+        hot = None if self.posted.ops else self._hot.get(key)  # (_issue issues posted ops first)
         return _hot.issue(self, hot, buf) if hot is not None else None
 
     # ----- synchronous ops with no Work (the IssuesQuietly protocol; hot.py) -----
@@ -366,14 +368,14 @@ class NCCLBackend:
         """:meth:`all_reduce` for a synchronous caller, with no Work: True once issued
         (the caller's stream waits for it); False, having done nothing, when it must go
         the usual way."""
-        if type(op) is not ReduceOp:
-            return False
+        if type(op) is not ReduceOp or self.posted.ops:
+            return False  # the usual way (which issues posted sends and receives first)
         hot = self._hot.get(("all_reduce", buf.ptr, buf.nbytes, buf.dtype.name, op._name_))
         return hot is not None and _hot.issue_quiet(self, hot, buf, seq, entry, group_name)
 
     def broadcast_quiet(self, buf: Buffer, src: int, seq: int, entry: Any, group_name: str) -> bool:
         """:meth:`broadcast` as :meth:`all_reduce_quiet`."""
-        hot = self._hot.get(("broadcast", buf.ptr, buf.nbytes, buf.dtype.name, src))
+        hot = None if self.posted.ops else self._hot.get(("broadcast", buf.ptr, buf.nbytes, buf.dtype.name, src))
         return hot is not None and _hot.issue_quiet(self, hot, buf, seq, entry, group_name)
 
     # ----- the Backend protocol: reductions -----
@@ -437,17 +439,22 @@ class NCCLBackend:
     # ----- point to point -----
 
     def send(self, buf: Buffer, dst: int, tag: int) -> Work:
-        key = ("send", buf.ptr, buf.nbytes, buf.dtype.name, dst)
-        return self._hot_or_issue(key, buf) or self._issue("send", (buf,), lambda p: p.p2p([("send", buf, dst)]),
-                                                           key=key)
+        """Post a send to ``dst`` (posting.py: issued in one group with those posted with it),
+        or issue it at once where it cannot be posted (a capture, no communicator yet)."""
+        return self.posted.post(self, "send", buf, dst, self.flush_p2p) or \
+            self._issue("send", (buf,), lambda p: p.p2p([("send", buf, dst)]))
 
     def recv(self, buf: Buffer, src: int | None, tag: int) -> Work:
+        """Post a receive from ``src`` (as :meth:`send`)."""
         if src is None:
             raise ValueError("recv from any source (src=None) is not possible with NCCL: name the "
                              "source rank, or use host arrays (the CPU backend)")
-        key = ("recv", buf.ptr, buf.nbytes, buf.dtype.name, src)
-        return self._hot_or_issue(key, buf) or self._issue("recv", (buf,), lambda p: p.p2p([("recv", buf, src)]),
-                                                           key=key)
+        return self.posted.post(self, "recv", buf, src, self.flush_p2p) or \
+            self._issue("recv", (buf,), lambda p: p.p2p([("recv", buf, src)]))
+
+    def flush_p2p(self) -> None:
+        """Issue the sends and receives posted and not issued yet, as one NCCL group."""
+        self.posted.flush(self, self._issue)
 
     def batch_p2p(self, ops: Sequence[tuple[str, Buffer, int, int]]) -> Work:
         for kind, _, peer, _ in ops:
@@ -460,35 +467,30 @@ class NCCLBackend:
 
     def barrier(self) -> Work:
         """An all_reduce of one int on every rank; its Work's wait() blocks the host."""
-        work = new_work(self, "barrier", (), self.timeout)
-        work.host_wait = True
         with self.issue_lock:
-            over = self.ending.over
-            if over is not None:
-                work.doom(over)
-                return work
-            if self.comm_slot.comm is None:
+            if self.comm_slot.comm is None and self.ending.over is None:
                 refuse_in_capture(self.runtime, "barrier", self.group_name, ())
                 device = self.runtime.get_device()
                 self._adopt(self._new_comm(device), device)
-            s = self.scratch
-            plan: Plan = [([], [("all_reduce", s, s, 1, NCCL_DTYPES["int32"], OP_SUM)], [])]
-            # stream=None: order after the caller's current stream, so that a completed
-            # barrier also means this rank's earlier GPU work is done.
-            scratch = Buffer(s, 4, DTYPES["int32"], (1,), Device("cuda", self.device_index), stream=None)
-            self._launch("barrier", plan, [work], (scratch,), [])
-        return work
+        s = self.scratch
+        plan: Plan = [([], [("all_reduce", s, s, 1, NCCL_DTYPES["int32"], OP_SUM)], [])]
+        # stream=None: order after the caller's current stream, so that a completed
+        # barrier also means this rank's earlier GPU work is done.
+        scratch = Buffer(s, 4, DTYPES["int32"], (1,), Device("cuda", self.device_index), stream=None)
+        return self._issue("barrier", (scratch,), lambda p: plan, host_wait=True)
 
     # ----- the end of the communicator (lifecycle.py), new groups (split.py, shrink.py) -----
 
     def abort(self, reason: str) -> None:
         """Abort the communicator: every pending and later op fails with DistBackendError
         naming itself and ``reason``; safe from any thread, more than once."""
+        self.posted.fail(reason)
         _lifecycle.abort(self, reason)
 
     def shutdown(self) -> None:
         """Wait (up to the timeout) for queued ops, then destroy the communicator; abort
-        it instead if they do not finish. Idempotent; later ops fail."""
+        it instead if they do not finish. Idempotent; later ops fail. Posted ops go first."""
+        self.posted.flush_quietly(self, self._issue)
         _lifecycle.shutdown(self)
 
     def failure(self) -> str | None:
@@ -518,13 +520,9 @@ class NCCLBackend:
                 ncclCommSplit (or ncclCommInitRankConfig); None: NCCL's defaults.
             high_priority: the new group's stream priority (NCCLOptions).
 
-        When :attr:`can_split` (an eagerly created communicator and NCCL >= 2.18) the
-        new communicator comes from ``ncclCommSplit`` (:func:`.split.split_comm`): no
-        unique id round trip, and NCCL may share resources with this one. Every rank
-        first counts itself in through this group's store, so a rank that never calls
-        fails the others after ``timeout`` seconds instead of hanging them. Otherwise
-        members build one from a fresh unique id exchanged through ``store``, and
-        non-members return at once.
+        When :attr:`can_split`, ``ncclCommSplit`` (:func:`.split.split_comm`), after every
+        rank counted itself in through this group's store (docs/nccl-backend.md, "New
+        groups"); otherwise members build one through ``store``, non-members return.
 
         Returns:
             The new group's backend on members; None elsewhere.
@@ -540,6 +538,7 @@ class NCCLBackend:
         members = list(ranks) if ranks is not None else []
         member = self.rank in members
         new_rank = members.index(self.rank) if member else -1
+        self.flush_p2p()
         with self.issue_lock:
             if self.can_split:
                 comm = self.comm_slot.comm
@@ -585,6 +584,7 @@ class NCCLBackend:
         """
         gone = sorted(set(exclude))
         config = self._checked_config(config)
+        self.posted.fail(f"group {self.group_name!r} was shrunk into {group_name!r}")
         with self.issue_lock:
             if not self.can_shrink:
                 raise DistBackendError(f"group {self.group_name!r}: its NCCL communicator cannot be shrunk "

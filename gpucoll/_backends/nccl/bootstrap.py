@@ -8,14 +8,15 @@ import os
 from typing import Any, Callable, Mapping
 
 from ..._env import NCCL_RANKS_PER_ROOT_ENV, NCCL_SCALABLE_INIT_ENV
-from ...errors import DistBackendError, DistStoreError
+from ...errors import BackendUnavailableError, DistBackendError, DistStoreError
 from ...store.base import Store
 from . import lib as _nccl_lib
 from .lib import Features, normalise_unique_id
 from .protocols import Comm, Runtime
 from .runtime import enter_device, leave_device
 
-__all__ = ["nccl_unavailable_reason", "is_nccl_available", "nccl_version", "rendezvous", "create_comm"]
+__all__ = ["nccl_unavailable_reason", "is_nccl_available", "nccl_version", "rendezvous", "create_comm",
+           "refuse_nonblocking_env"]
 
 _UID_KEY = "nccl/unique_id"
 _ARRIVED_KEY = "nccl/arrived"
@@ -47,6 +48,21 @@ def nccl_version() -> tuple[int, int, int]:
         BackendUnavailableError: CuPy or NCCL is not installed.
     """
     return _nccl_lib.load().version
+
+
+def refuse_nonblocking_env() -> None:
+    """Refuse ``NCCL_COMM_BLOCKING=0``: NCCL applies it to every communicator, each call
+    then returns ncclInProgress (7), which CuPy 14's NcclError cannot even name (KeyError: 7).
+
+    Raises:
+        BackendUnavailableError: the variable is set to 0.
+    """
+    if os.environ.get("NCCL_COMM_BLOCKING", "").strip() == "0":
+        raise BackendUnavailableError(
+            "NCCL_COMM_BLOCKING=0 is set: it makes every NCCL communicator non-blocking, and gpucoll "
+            "drives its communicators in blocking mode through CuPy, whose error path cannot report "
+            "ncclInProgress. Unset NCCL_COMM_BLOCKING (or set it to 1); gpucoll bounds NCCL's blocking "
+            "calls with the group's timeout itself")
 
 
 def rendezvous(store: Store, rank: int, size: int, *, timeout: float, group_name: str,

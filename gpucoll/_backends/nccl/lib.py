@@ -29,6 +29,7 @@ __all__ = [
     "INSTALL_HINT", "NCCL_DTYPES", "MOVE_DTYPE", "OP_SUM", "OP_PROD", "OP_MAX", "OP_MIN", "OP_AVG",
     "Features", "NcclLib", "NcclShim", "version_tuple", "unavailable_reason", "load",
     "normalise_unique_id", "comm_id_arg", "shim_of", "encode_scalar", "result_name", "UniqueId", "config_pointer",
+    "same_library",
 ]
 
 INSTALL_HINT = ('install CuPy and NCCL for your CUDA major version: pip install "gpucoll[cuda12]" '
@@ -289,6 +290,10 @@ class NcclShim:
         through ctypes the GIL is released meanwhile, so the watchdog keeps running."""
         self.check(self._group_end(), "ncclGroupEnd")
 
+    def group_end_code(self) -> int:
+        """``ncclGroupEnd``'s result code, not raised (:func:`same_library` asks it)."""
+        return int(self._group_end())
+
     def op_destroy(self, comm: int, op: int) -> None:
         if self._op_destroy is not None:
             self.check(self._op_destroy(op, comm), "ncclRedOpDestroy")
@@ -396,6 +401,26 @@ def _find_library_path() -> str | None:
         return None
 
 
+def same_library(nccl: Any, shim: NcclShim) -> bool:
+    """Whether ``shim`` calls the very library CuPy's binding ``nccl`` calls, not another
+    copy of the same release (two files can be mapped at once: a wheel's and one on
+    ``LD_LIBRARY_PATH``). NCCL's group depth is the library's own state: a group opened
+    through CuPy is closed by the shim's ``ncclGroupEnd`` only in the same library (in
+    another it is ncclInvalidUsage, and CuPy's group is closed by CuPy). An empty group:
+    nothing is issued. Needs no GPU."""
+    if not shim.has_group_calls:
+        return True  # nothing to compare; nothing of the shim's groups is used either
+    nccl.groupStart()
+    try:
+        code = shim.group_end_code()
+    except Exception:  # noqa: BLE001  (treated as another library)
+        code = -1
+    if code != 0:
+        nccl.groupEnd()
+        return False
+    return True
+
+
 # ----- loading -----
 
 @dataclass(frozen=True)
@@ -472,6 +497,11 @@ def load() -> NcclLib:
             shim = NcclShim(path)
             if shim.version() != code:
                 shim_error = (f"{path} reports NCCL {shim.version()}, CuPy's NCCL reports {code}; "
+                              "not mixing two NCCL libraries")
+                shim = None
+            elif not same_library(nccl, shim):
+                shim_error = (f"{path} is another copy of NCCL {'.'.join(map(str, version_tuple(code)))} than "
+                              "the one CuPy calls (a group opened through CuPy is not open there); "
                               "not mixing two NCCL libraries")
                 shim = None
         except (OSError, RuntimeError) as exc:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from ..._timeouts import Backoff, to_seconds
 from ...errors import DistBackendError, DistError
@@ -92,6 +92,8 @@ class NCCLWork(Work):
     _stream_owners: tuple[Any, ...] = ()
     # A barrier is a host-side promise: its wait() blocks the host.
     host_wait: bool = False
+    # A posted send or receive not issued yet: what issues it (NCCLBackend.flush_p2p).
+    _flush: Callable[[], None] | None = None
 
     def __init__(self, op_type: str, owner: WorkOwner, *, keepalive: Sequence[Any] = (),
                  result: list[Any] | None = None, default_timeout: float | None = None) -> None:
@@ -121,6 +123,11 @@ class NCCLWork(Work):
             return
         self._ready, self._prev = ready, prev
         self._end = end
+
+    def post(self, flush: Callable[[], None] | None) -> None:
+        """The op is posted, not issued: ``flush()`` issues it (and the ops posted with
+        it); every look at the Work calls it first. None: issued (or failed) since."""
+        self._flush = flush
 
     def doom(self, reason: str) -> None:
         """Fail this Work the first time anyone looks at it (the ProcessGroup assigns
@@ -168,6 +175,8 @@ class NCCLWork(Work):
     def _poll(self) -> bool:
         if self._done.is_set():
             return True
+        if self._flush is not None:
+            self._flush()
         if self._doomed is not None:
             self.fail(self._doomed)
             return True
@@ -261,6 +270,8 @@ class NCCLWork(Work):
             DistBackendError: the op failed or was aborted (or, with ``timeout``, did
                 not complete in time).
         """
+        if self._flush is not None:
+            self._flush()
         if timeout is not None or self.host_wait:
             self.synchronize(timeout)
             return self._waited()
