@@ -17,6 +17,7 @@ import pytest
 
 from gpucoll._buffer import DTYPES
 from gpucoll._backends.nccl import lib as _nccl_lib
+from gpucoll._backends.nccl import values as _nccl_values
 from gpucoll._backends.nccl.lib import features_of, version_tuple
 from gpucoll._backends.nccl.backend import NCCLBackend, nccl_unavailable_reason, rendezvous
 from gpucoll.errors import BackendUnavailableError, DistBackendError
@@ -112,16 +113,16 @@ def test_version_codes_and_features_by_version() -> None:
 def test_unique_ids_from_the_real_library() -> None:
     from cupy.cuda import nccl
 
-    a = _nccl_lib.normalise_unique_id(nccl.get_unique_id())
-    b = _nccl_lib.normalise_unique_id(nccl.get_unique_id())
+    a = _nccl_values.normalise_unique_id(nccl.get_unique_id())
+    b = _nccl_values.normalise_unique_id(nccl.get_unique_id())
     assert len(a) == 128 and a != b
     signed = tuple(x - 256 if x > 127 else x for x in a)  # CuPy < 14's form
-    assert _nccl_lib.normalise_unique_id(signed) == a
-    assert _nccl_lib.comm_id_arg(a, "14.2.0") == a
-    assert _nccl_lib.comm_id_arg(a, "13.6.0") == signed
+    assert _nccl_values.normalise_unique_id(signed) == a
+    assert _nccl_values.comm_id_arg(a, "14.2.0") == a
+    assert _nccl_values.comm_id_arg(a, "13.6.0") == signed
     assert all(-128 <= c <= 127 for c in signed)
     with pytest.raises(ValueError, match="128 bytes"):
-        _nccl_lib.normalise_unique_id(b"x" * 12)
+        _nccl_values.normalise_unique_id(b"x" * 12)
 
 
 def test_premul_factors_encode_like_numpy() -> None:
@@ -130,10 +131,10 @@ def test_premul_factors_encode_like_numpy() -> None:
     for value in (0.5, -3.25, 1 / 3, 1e-3, 250.0):
         for name, np_type in (("float64", np.float64), ("float32", np.float32), ("float16", np.float16),
                               ("bfloat16", ml_dtypes.bfloat16), ("float8_e4m3fn", ml_dtypes.float8_e4m3fn)):
-            got = _nccl_lib.encode_scalar(value, DTYPES[name])
+            got = _nccl_values.encode_scalar(value, DTYPES[name])
             assert got == np.asarray(value, np.float64).astype(np_type).tobytes(), (name, value)
     with pytest.raises(ValueError, match="out of range for float16"):
-        _nccl_lib.encode_scalar(1e6, DTYPES["float16"])
+        _nccl_values.encode_scalar(1e6, DTYPES["float16"])
 
 
 # ============================================================ unique-id rendezvous through a real store

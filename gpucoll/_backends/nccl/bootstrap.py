@@ -11,7 +11,8 @@ from ..._env import NCCL_RANKS_PER_ROOT_ENV, NCCL_SCALABLE_INIT_ENV
 from ...errors import BackendUnavailableError, DistBackendError, DistStoreError
 from ...store.base import Store
 from . import lib as _nccl_lib
-from .lib import Features, normalise_unique_id
+from .lib import Features
+from .values import normalise_unique_id
 from .protocols import Comm, Runtime
 from .runtime import enter_device, leave_device
 

@@ -40,8 +40,8 @@ from typing import Any, Callable, Sequence, Union
 
 from ..._buffer import Buffer, DType
 from ..._reduce_op import PremulSum, ReduceOp, ReduceOpLike
-from .lib import (MOVE_DTYPE, NCCL_DTYPES, OP_AVG, OP_MAX, OP_MIN, OP_PROD, OP_SUM, Features,
-                        encode_scalar)
+from .lib import MOVE_DTYPE, NCCL_DTYPES, OP_AVG, OP_MAX, OP_MIN, OP_PROD, OP_SUM, Features
+from .values import encode_scalar
 
 __all__ = ["Premul", "Reduction", "Planner", "Phase", "Plan", "merge", "calls_only", "KTYPES", "kernel_name"]
 

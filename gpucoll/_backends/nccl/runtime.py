@@ -17,7 +17,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ...errors import BackendUnavailableError
 
-from .lib import NcclCallError, NcclLib, comm_id_arg, normalise_unique_id, shim_of
+from .lib import NcclCallError, NcclLib, shim_of
+from .values import comm_id_arg, normalise_unique_id
 from .protocols import CAPTURE_GLOBAL, CAPTURE_RELAXED, CAPTURE_THREAD_LOCAL, Comm, Event, Runtime
 
 __all__ = ["Event", "Comm", "Runtime", "CudaRuntime", "CupyComm", "NcclCallError", "enter_device", "leave_device",
