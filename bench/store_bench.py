@@ -497,6 +497,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown", action="store_true", help="print a markdown table")
     p.add_argument("--rendezvous-only", action="store_true",
                    help="only the rendezvous rows, the implementations taking turns")
+    p.add_argument("--ops-only", action="store_true",
+                   help="only the latency and add-throughput rows, every server up at once and "
+                        "the implementations taking turns, --repeats rounds (median); floor "
+                        "joins the add-throughput rows, driven by gpucoll's client")
     p.add_argument("--load", choices=("loadgen", "threads"), default="loadgen",
                    help="rendezvous clients: the load generator (default) or real clients in threads")
     p.add_argument("--no-numeric-names", action="store_true",
@@ -509,9 +513,16 @@ def main(argv: list[str] | None = None) -> int:
     args.clients = [int(x) for x in (args.clients or ("1,8" if args.quick else "1,8,32")).split(",")]
     args.rendezvous = [int(x) for x in (args.rendezvous or ("64" if args.quick else "64,256,1024")).split(",")]
     impls = args.impl.split(",") if args.impl else (["gpucoll", "torch"] if _torch_available() else ["gpucoll"])
+    if args.ops_only and args.rendezvous_only:
+        p.error("--ops-only and --rendezvous-only exclude each other")
     for only in ("floor", "gpucoll-relays"):
+        if only == "floor" and args.ops_only:
+            continue
         if only in impls and not (args.rendezvous_only and args.load == "loadgen"):
-            p.error(f"--impl {only} has only the rendezvous rows, with the load generator: add --rendezvous-only")
+            p.error(f"--impl {only} has only the rendezvous rows, with the load generator: add "
+                    f"--rendezvous-only{' (or --ops-only)' if only == 'floor' else ''}")
+    if "gpucoll-relays" in impls and args.ops_only:
+        p.error("--impl gpucoll-relays has only the rendezvous rows: add --rendezvous-only")
     if "torch" in impls and not args.no_numeric_names and _NUMERIC_ENV not in os.environ:
         _rerun_numeric(argv)  # does not return when the shim builds
     _raise_nofile()
@@ -520,6 +531,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# torch's getnameinfo() look-ups: {names}", file=sys.stderr)
     if args.rendezvous_only:
         print(report(interleaved(impls, args), impls, args.markdown))
+        return 0
+    if args.ops_only:
+        print(report(interleaved_ops(impls, args), impls, args.markdown))
         return 0
     parts = []
     for impl in impls:
@@ -570,6 +584,48 @@ def interleaved(impls: list[str], args: argparse.Namespace) -> list[Row]:
     finally:
         for srv in servers.values():
             srv.stop()
+
+
+def interleaved_ops(impls: list[str], args: argparse.Namespace) -> list[Row]:
+    """The latency and add-throughput rows with every implementation's server up at once,
+    taking turns (the order rotating) in each of ``--repeats`` rounds; each row is the
+    median of its rounds. ``floor`` (bench/store_floor.c, driven by gpucoll's own client)
+    has only the add-throughput rows: it answers every request with "1"."""
+    import gpucoll.store  # noqa: F401
+
+    servers: dict[str, _Server | _FloorServer] = {
+        impl: _FloorServer() if impl == "floor" else _Server(impl) for impl in impls if impl != "torch"}
+    if "torch" in impls:
+        import torch.distributed  # noqa: F401
+
+        servers["torch"] = _Server("torch")
+    samples: dict[tuple[str, str], list[float]] = {}
+    try:
+        for r in range(args.repeats):
+            for k in range(len(impls)):
+                impl = impls[(r + k) % len(impls)]
+                if impl == "floor":
+                    continue
+                for op, (med, p99) in _latency(impl, servers[impl].port, args.iters).items():
+                    samples.setdefault((f"{op} latency, median", impl), []).append(med)
+                    samples.setdefault((f"{op} latency, p99", impl), []).append(p99)
+            for c in args.clients:
+                for k in range(len(impls)):
+                    impl = impls[(r + k) % len(impls)]
+                    samples.setdefault((f"add throughput, {c} clients", impl), []).append(
+                        _throughput(impl, servers[impl].port, c, args.seconds))
+            print(f"# round {r}: " + "; ".join(
+                f"{name} {impl} {vals[-1]:.1f}" for (name, impl), vals in samples.items()
+                if "throughput" in name), file=sys.stderr)
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    rows: dict[str, Row] = {}
+    for (name, impl), vals in samples.items():
+        row = rows.setdefault(name, Row(name, "ops/s" if "throughput" in name else "us", {},
+                                        "throughput" in name))
+        row.values[impl] = statistics.median(vals)
+    return list(rows.values())
 
 
 if __name__ == "__main__":

@@ -194,7 +194,8 @@ def _store_bench() -> ModuleType:
 def test_the_benchmarks_floor_server_serves_the_rendezvous_script_and_counts_its_cpu() -> None:
     """bench/store_floor.c (the floor the benchmark compares the servers with) builds,
     answers HELLO and every request of the generator's rendezvous script, for a burst
-    of clients and pipelined frames alike, and its CPU is readable for the report."""
+    of clients and pipelined frames alike, serves gpucoll's own client (the --ops-only
+    add-throughput rows), and its CPU is readable for the report."""
     sb = _store_bench()
     floor = sb._FloorServer()
     try:
@@ -214,10 +215,24 @@ def test_the_benchmarks_floor_server_serves_the_rendezvous_script_and_counts_its
                 assert more
                 got += more
             assert got == (struct.pack("<IBI", 6, 0, 1) + b"1") * 3
+        # gpucoll's own client (the add-throughput rows of --ops-only) says HELLO, is given
+        # limits, and reaches it by the abstract Unix socket it tries first, as it reaches
+        # gpucoll's server; every add is answered "1".
+        from gpucoll.store import TCPStore
+
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as ux:
+            ux.connect(f"\0gpucoll-store/127.0.0.1:{floor.port}")
+        client = TCPStore("127.0.0.1", floor.port, timeout=10)
+        try:
+            assert [client.add("n", 1) for _ in range(3)] == [1, 1, 1]
+        finally:
+            client.close()
     finally:
         floor.stop()
     with pytest.raises(SystemExit):
-        sb.main(["--impl", "floor"])  # the floor has only the rendezvous rows
+        sb.main(["--impl", "floor"])  # without --ops-only the floor has only the rendezvous rows
+    with pytest.raises(SystemExit):
+        sb.main(["--impl", "floor", "--ops-only", "--rendezvous-only"])
 
 
 # -- the open-file limit -------------------------------------------------------------------
