@@ -30,6 +30,8 @@ from typing import Any
 
 import pytest
 
+from _gpu_two_ranks import why_not_two_ranks_on_one_gpu
+
 from gpucoll.testing import run_spmd
 
 pytestmark = pytest.mark.gpu
@@ -41,17 +43,7 @@ N = 1 << 18                # float32 elements: 1 MiB
 CASE_DEADLINE = 120.0      # a case child still running after this is killed (a hang)
 
 
-def _two_ok() -> str | None:
-    try:
-        from gpucoll._backends.nccl.backend import nccl_version
-
-        version = nccl_version()
-    except Exception as exc:
-        return f"NCCL not loadable: {exc}"
-    return None if version >= (2, 30, 0) else "two ranks on one GPU need NCCL >= 2.30"
-
-
-_WHY_NOT_TWO = _two_ok()
+_WHY_NOT_TWO = why_not_two_ranks_on_one_gpu()
 
 
 def _store(prefix: str) -> Any:

@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from _gpu_two_ranks import why_not_two_ranks_on_one_gpu
+
 from _shared_bodies import check_scalable_ops, scalable_ops_body
 
 from gpucoll._env import NCCL_RANKS_PER_ROOT_ENV, NCCL_SCALABLE_INIT_ENV
@@ -20,17 +22,7 @@ ENV = {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_NVLS_ENABLE": "0", NCCL_SCALABLE
        NCCL_RANKS_PER_ROOT_ENV: "1"}
 
 
-def _two_ok() -> str | None:
-    try:
-        from gpucoll._backends.nccl.backend import nccl_version
-
-        version = nccl_version()
-    except Exception as exc:
-        return f"NCCL not loadable: {exc}"
-    return None if version >= (2, 30, 0) else "two ranks on one GPU need NCCL >= 2.30"
-
-
-_WHY_NOT_TWO = _two_ok()
+_WHY_NOT_TWO = why_not_two_ranks_on_one_gpu()
 
 
 def _body() -> dict[str, Any]:

@@ -8,26 +8,14 @@ from typing import Any
 
 import pytest
 
+from _gpu_two_ranks import TWO_RANKS_ENV, why_not_two_ranks_on_one_gpu
+
 from gpucoll.testing import run_spmd
 
 pytestmark = pytest.mark.gpu
 
-ENV = {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_NVLS_ENABLE": "0"}
-
-
-def _why_not_two() -> str | None:
-    try:
-        from gpucoll._backends.nccl.backend import nccl_version
-
-        version = nccl_version()
-    except Exception as exc:
-        return f"NCCL not loadable: {exc}"
-    if version < (2, 30, 0):
-        return f"two ranks on one GPU need NCCL >= 2.30; this is {'.'.join(map(str, version))}"
-    return None
-
-
-_WHY = _why_not_two()
+ENV = TWO_RANKS_ENV
+_WHY = why_not_two_ranks_on_one_gpu()
 SIZES = [1, pytest.param(2, marks=pytest.mark.skipif(_WHY is not None, reason=str(_WHY)))]
 
 
