@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import array as _array
+from ..array import ArrayLike
 from .._backends.base import RegistersBuffers
 from .._buffer import DTYPES, Buffer, Device
 from ..errors import RegistrationError
@@ -46,12 +47,12 @@ class BufferRegistration:
     device: str
     group_name: str
     active: bool = True
-    _backend: Any = field(default=None, repr=False)
+    _backend: RegistersBuffers | None = field(default=None, repr=False)
     _id: int = field(default=0, repr=False)
-    _owner: Any = field(default=None, repr=False)
+    _owner: object = field(default=None, repr=False)  # keeps the array alive while registered
 
 
-def _register(pg: GroupBackends, buf: Buffer, symmetric: bool, owner: Any) -> BufferRegistration:
+def _register(pg: GroupBackends, buf: Buffer, symmetric: bool, owner: object) -> BufferRegistration:
     if buf.device.type == "cpu":
         # Host memory: the CPU backend moves it through its own transport; nothing to register.
         return BufferRegistration(buf.ptr, buf.nbytes, symmetric, "cpu", pg.group_name, _owner=owner)
@@ -72,7 +73,7 @@ class _Group(GroupBackends, Protocol):
     def _check_usable(self) -> None: ...
 
 
-def register_buffer(self: _Group, array: Any, symmetric: bool = False) -> BufferRegistration:
+def register_buffer(self: _Group, array: ArrayLike, symmetric: bool = False) -> BufferRegistration:
     """Register ``array``'s memory with the group's communicator, so that NCCL uses it
     without staging through its own buffers (NVLink SHARP, zero-copy networking and, with
     ``symmetric=True``, NCCL's symmetric kernels).

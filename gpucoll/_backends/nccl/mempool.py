@@ -23,6 +23,8 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
+    import cupy
+
     from .protocols import Runtime
 
 __all__ = ["NcclMemPool", "nccl_mem_pool", "SegmentWatcher"]
@@ -136,7 +138,7 @@ class NcclMemPool:
             return sum(n for n, _ in self._segments.values())
 
     # ----- CuPy's face -----
-    def malloc(self, nbytes: int) -> Any:
+    def malloc(self, nbytes: int) -> "cupy.cuda.MemoryPointer":
         """CuPy's allocator signature: a ``cupy.cuda.MemoryPointer`` of ``nbytes`` from the
         pool; pass it to ``cupy.cuda.using_allocator`` or ``cupy.cuda.set_allocator``."""
         return self._pool().malloc(nbytes)
