@@ -1,0 +1,71 @@
+"""Graceful shutdown: every worker agrees, user RRefs are deleted, outstanding work drains.
+
+The agreement goes through the job's store. A worker that is gone is found while waiting
+(its connection broke, or dialing its port is refused), and shutdown raises naming it
+instead of waiting for it.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..errors import DistStoreError
+from ._agent import Agent
+from ._info import AgentShutDownError, PeerLostError
+from ._members import leave_dynamic
+
+__all__ = ["graceful_join", "barrier"]
+
+_SLICE = 0.1
+_DELETE_TIMEOUT = 60.0
+
+
+def graceful_join(agent: Agent, timeout: float) -> None:
+    deadline = None if timeout <= 0 else time.monotonic() + timeout
+    if not agent.is_static_group:
+        leave_dynamic(agent, deadline)
+        agent.drain(deadline)
+        return
+    barrier(agent, "shutdown/enter", deadline, timeout)
+    left = _DELETE_TIMEOUT if deadline is None else max(deadline - time.monotonic(), 0.0)
+    agent.rrefs.delete_all_users(left)  # type: ignore[attr-defined]
+    agent.drain(deadline)
+    barrier(agent, "shutdown/drained", deadline, timeout)
+    # The store's server may live in one of the workers: nobody leaves before all are past the barrier.
+    barrier(agent, "shutdown/exit", deadline, timeout)
+
+
+def barrier(agent: Agent, name: str, deadline: float | None, timeout: float) -> None:
+    store = agent.store
+    world = len(agent.by_id)
+    store.set(f"{name}/{agent.info.id}", b"1")
+    if store.add(f"{name}/count", 1) == world:
+        store.set(f"{name}/done", b"1")
+    last_probe = time.monotonic()
+    while True:
+        try:
+            store.wait([f"{name}/done"], timeout=_SLICE)
+            return
+        except (TimeoutError, DistStoreError):
+            pass
+        now = time.monotonic()
+        if now - last_probe > 0.5:
+            last_probe = now
+            _probe_missing(agent, name)
+        if agent.lost and not store.check([f"{name}/done"]):
+            raise PeerLostError(f"shutdown on {agent.info.name} cannot agree with every worker: "
+                                + "; ".join(sorted(agent.lost.values())))
+        if deadline is not None and now > deadline:
+            missing = [w.name for w in agent.worker_infos() if not store.check([f"{name}/{w.id}"])]
+            raise AgentShutDownError(f"shutdown on {agent.info.name} timed out after {timeout} s waiting for "
+                                     f"{missing} ({name})")
+
+
+def _probe_missing(agent: Agent, name: str) -> None:
+    """Dial each worker that has not arrived: a refused connection marks it lost."""
+    for w in agent.worker_infos():
+        if w.id != agent.info.id and not agent.store.check([f"{name}/{w.id}"]):
+            try:
+                agent._conn_to(w)
+            except Exception:  # noqa: BLE001 -- recorded in agent.lost when it is gone
+                pass
