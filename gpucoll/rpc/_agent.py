@@ -372,6 +372,7 @@ class Agent:
                     call.fut._try_complete(None, RpcTimeoutError(
                         f"RPC ran for more than set timeout ({call.timeout * 1000:.0f} ms) and will now be marked "
                         f"with an error: {call.what} to {self.by_id.get(call.peer, call.peer)}"))
+            call = None  # what the callbacks held (an RRef among them) is not kept alive by this loop
 
     # ----- serving ------------------------------------------------------------------------
 
@@ -441,6 +442,7 @@ class Agent:
                 job()
             except Exception:  # noqa: BLE001
                 _log.exception("gpucoll.rpc: a background job failed")
+            job = None  # drop the finished call's arguments now: an RRef among them is deleted at once
 
     # ----- shutdown -----------------------------------------------------------------------
 

@@ -155,12 +155,10 @@ def remote(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = No
 
 
 def _mark_timeout(rref: RRef[Any], f: Future[Any]) -> None:
-    try:
-        f.value()
-    except TimeoutError:
+    # Read the error without raising it: a raise would add this frame (which holds the
+    # RRef) to the error's traceback, and the RRef would live as long as its future.
+    if isinstance(f._error, TimeoutError):
         rref._timed_out = True
-    except Exception:  # noqa: BLE001 -- other errors surface at to_here()
-        pass
 
 
 # ----- the callee's side --------------------------------------------------------------------
