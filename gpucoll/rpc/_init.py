@@ -11,7 +11,7 @@ from typing import Any
 
 from ..store import PrefixStore, Store, TCPStore
 from .._env import STORE_HOSTED_ENV, STORE_TOKEN_ENV
-from .._rendezvous import rendezvous
+from .._rendezvous import _tcp_store, rendezvous
 from ._agent import Agent
 from ._members import join_dynamic
 from ._peers import build_agent, store_timeout
@@ -25,12 +25,23 @@ _generation = itertools.count()  # torch's _init_counter: each init_rpc of a pro
 def make_store(options: Any, rank: int, world_size: int | None) -> tuple[Store, int, int | None]:
     """The job's store from ``options.init_method``, under the prefix ``rpc/<n>``."""
     timeout = store_timeout(options)
-    if world_size is not None:
+    url = urllib.parse.urlparse(options.init_method)
+    if world_size is not None and url.scheme == "env":
+        # torch's env:// for RPC takes world_size as given: an RPC group may be larger than
+        # the launcher's job (a worker started by hand), so the launcher's count is no check.
+        if rank < 0:
+            rank = int(os.environ.get("RANK", "-1") or -1)
+        host, raw = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+        if rank < 0 or not host or not raw.isdigit():
+            raise ValueError(f"init_method='env://' needs MASTER_ADDR, MASTER_PORT and RANK (or rank=); got "
+                             f"MASTER_ADDR={host!r}, MASTER_PORT={raw!r}, rank={rank}")
+        store = _tcp_store(host, int(raw), rank, world_size, os.environ.get(STORE_HOSTED_ENV) == "1", timeout,
+                           os.environ.get(STORE_TOKEN_ENV) or None)
+    elif world_size is not None:
         store, rank, world_size = rendezvous(options.init_method, rank, world_size, timeout)
     else:
         if rank < 0:
             raise ValueError("init_rpc(world_size=None) (a dynamic group) needs rank=; got rank=-1")
-        url = urllib.parse.urlparse(options.init_method)
         token = os.environ.get(STORE_TOKEN_ENV) or None
         if url.scheme == "env":
             host, port = os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT", "0") or 0)
