@@ -22,17 +22,18 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from . import backend_registry, constants, functions
+from . import api, backend_registry, constants, functions
 from ._api import (_get_current_rpc_agent, _get_debug_info, _rref_context_get_debug_info, _set_rpc_timeout,
-                   get_rpc_timeout, get_worker_info, remote, rpc_async, rpc_sync, shutdown)
+                   get_rpc_timeout, get_worker_info, remote, rpc_async, rpc_sync)
 from ._info import WorkerInfo, check_name
 from ._rref import RRef
+from .api import shutdown
 from .constants import DEFAULT_RPC_TIMEOUT_SEC, DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
 from .options import RpcBackendOptions, TensorPipeRpcBackendOptions
 
 __all__ = ["init_rpc", "shutdown", "rpc_sync", "rpc_async", "remote", "get_worker_info", "get_rpc_timeout",
            "WorkerInfo", "RRef", "BackendType", "RpcBackendOptions", "TensorPipeRpcBackendOptions",
-           "backend_registry", "constants", "functions", "is_available", "DEFAULT_RPC_TIMEOUT_SEC",
+           "api", "backend_registry", "constants", "functions", "is_available", "DEFAULT_RPC_TIMEOUT_SEC",
            "DEFAULT_SHUTDOWN_TIMEOUT", "UNSET_RPC_TIMEOUT"]
 
 _ = (_get_current_rpc_agent, _get_debug_info, _rref_context_get_debug_info, _set_rpc_timeout)  # torch's private API
@@ -59,6 +60,22 @@ def _infer_backend(options: RpcBackendOptions) -> Any:
         if isinstance(options, cls):
             return m
     raise TypeError(f"Could not infer backend for options {options!r}")
+
+
+def _init_rpc_backend(backend: Any = None, store: Any = None, name: str | None = None, rank: int = -1,
+                      world_size: int | None = None, rpc_backend_options: RpcBackendOptions | None = None) -> None:
+    """torch's step after the store exists: start ``backend``'s agent on ``store`` and install it."""
+    from . import _api
+
+    if _api._agent[0] is not None:
+        raise RuntimeError("RPC is already initialized")
+    backend = backend_registry._current(backend if backend is not None else backend_registry.BackendType.TENSORPIPE)
+    if rpc_backend_options is None:
+        rpc_backend_options = backend_registry.construct_rpc_backend_options(backend)
+    agent = backend_registry.init_backend(backend, store=store, name=check_name(name), rank=rank,
+                                          world_size=world_size, rpc_backend_options=rpc_backend_options)
+    if _api._agent[0] is None:
+        _api.install(agent)
 
 
 def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | None = None,
@@ -103,7 +120,4 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
     if world_size is None and rank < 0 and os.environ.get("RANK", "").isdigit():
         rank = int(os.environ["RANK"])
     store, rank, world_size = _init.make_store(rpc_backend_options, rank, world_size)
-    agent = backend_registry.init_backend(backend, store=store, name=name, rank=rank, world_size=world_size,
-                                          rpc_backend_options=rpc_backend_options)
-    if _api._agent[0] is None:
-        _api.install(agent)
+    _init_rpc_backend(backend, store, name, rank, world_size, rpc_backend_options)

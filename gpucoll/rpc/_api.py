@@ -6,7 +6,7 @@ The module holds one slot, the current agent (torch's ``_get_current_rpc_agent``
 from __future__ import annotations
 
 import logging
-import time
+import threading
 from typing import Any, Callable
 
 from ..futures import Future, collect_all
@@ -16,12 +16,14 @@ from ._info import AgentShutDownError, MessageType as M, WorkerInfo
 from ._rref import RRef, RRefContext, set_current_context
 from .functions import _is_async, async_execution
 
-__all__ = ["rpc_sync", "rpc_async", "remote", "get_worker_info", "shutdown", "get_rpc_timeout", "_set_rpc_timeout",
-           "_get_current_rpc_agent", "_rref_context_get_debug_info", "_get_debug_info", "install", "current"]
+__all__ = ["rpc_sync", "rpc_async", "remote", "get_worker_info", "get_rpc_timeout", "_set_rpc_timeout",
+           "_get_current_rpc_agent", "_rref_context_get_debug_info", "_get_debug_info", "install", "current", "finalize",
+           "_thread_local_var"]
 
 _log = logging.getLogger("gpucoll.rpc")
 _agent: list[Agent | None] = [None]
 _ignore_rref_leak = True
+_thread_local_var = threading.local()  # torch's name: ``api._wait_all()`` collects rpc_async futures here
 
 
 def current() -> Agent:
@@ -104,7 +106,11 @@ def rpc_async(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any =
         fut = rpc.rpc_async("worker1", operator.add, args=(np.ones(3), 1))
         print(fut.wait())
     """
-    return _call(to, M.PYTHON_CALL, func, args, kwargs, timeout)[2]
+    fut = _call(to, M.PYTHON_CALL, func, args, kwargs, timeout)[2]
+    collected = getattr(_thread_local_var, "future_list", None)
+    if collected is not None:
+        collected.append(fut)
+    return fut
 
 
 def rpc_sync(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None,
@@ -293,33 +299,8 @@ def _get_debug_info() -> dict[str, str]:
 # ----- shutdown -----------------------------------------------------------------------------
 
 
-def shutdown(graceful: bool = True, timeout: float = constants.DEFAULT_SHUTDOWN_TIMEOUT) -> None:
-    """Shut RPC down on this worker.
-
-    With ``graceful=True``: wait until every worker has called ``shutdown``, delete this
-    worker's user RRefs (the owners learn of it), wait until all outstanding work has
-    drained everywhere, then stop. A worker that is gone makes it raise, naming that
-    worker, after stopping locally. ``graceful=False`` stops at once: pending calls fail.
-
-    Args:
-        graceful: agree with the other workers first (see above).
-        timeout: seconds to wait for the others (0: no limit, as torch).
-
-    Raises:
-        RuntimeError: RPC is not initialized, or (graceful) a worker is gone or the
-            agreement did not complete within ``timeout``.
-    """
-    agent = current()
-    try:
-        if graceful:
-            from ._join import graceful_join
-
-            graceful_join(agent, timeout)
-    finally:
-        _finalize(agent)
-
-
-def _finalize(agent: Agent) -> None:
+def finalize(agent: Agent) -> None:
+    """Stop locally: report leaked RRefs (torch's warning), close the agent, free the slot."""
     ctx: RRefContext = agent.rrefs  # type: ignore[attr-defined]
     try:
         leaks = ctx.leaks()

@@ -1,4 +1,4 @@
-"""Graceful shutdown: every worker agrees, user RRefs are deleted, outstanding work drains.
+"""The end of a graceful shutdown: every worker's outstanding work drains.
 
 The agreement goes through the job's store. A worker that is gone is found while waiting
 (its connection broke, or dialing its port is refused), and shutdown raises naming it
@@ -12,26 +12,17 @@ import time
 from ..errors import DistStoreError
 from ._agent import Agent
 from ._info import AgentShutDownError, PeerLostError
-from ._members import leave_dynamic
 
-__all__ = ["graceful_join", "barrier"]
+__all__ = ["join", "barrier"]
 
 _SLICE = 0.1
-_DELETE_TIMEOUT = 60.0
 
 
-def graceful_join(agent: Agent, timeout: float) -> None:
-    deadline = None if timeout <= 0 else time.monotonic() + timeout
-    if not agent.is_static_group:
-        leave_dynamic(agent, deadline)
-        agent.drain(deadline)
-        return
-    barrier(agent, "shutdown/enter", deadline, timeout)
-    left = _DELETE_TIMEOUT if deadline is None else max(deadline - time.monotonic(), 0.0)
-    agent.rrefs.delete_all_users(left)  # type: ignore[attr-defined]
+def join(agent: Agent, deadline: float | None, timeout: float) -> None:
+    """torch's ``agent.join(shutdown=True)``: drain this worker's calls, then wait until every
+    worker has drained; nobody leaves before all are past (the store's server may live in one)."""
     agent.drain(deadline)
     barrier(agent, "shutdown/drained", deadline, timeout)
-    # The store's server may live in one of the workers: nobody leaves before all are past the barrier.
     barrier(agent, "shutdown/exit", deadline, timeout)
 
 

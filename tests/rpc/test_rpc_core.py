@@ -155,6 +155,16 @@ def core_checks() -> dict[str, Any]:
     g.then(lambda _: threads.append(threading.current_thread().name)).wait()
     assert threads and threads[0] != threading.current_thread().name
 
+    # torch's api helpers: _all_gather (leader = smallest name), _barrier, _wait_all
+    assert rpc.api._all_gather(rank * 10) == {n: i * 10 for i, n in enumerate(names)}
+    rpc.api._barrier(names)
+    with rpc.api._wait_all():
+        w = rpc.rpc_async(nxt, operator.add, args=(1, 1))
+        assert rpc.api._thread_local_var.future_list == [w]
+    assert w.done() and w.value() == 2 and not hasattr(rpc.api._thread_local_var, "future_list")
+    with pytest.raises(Boom), rpc.api._wait_all():
+        rpc.rpc_async(nxt, raise_boom, args=(1,))
+
     out["debug"] = rpc._get_debug_info()
     rpc.shutdown()
     with pytest.raises(RuntimeError, match="not been initialized"):
