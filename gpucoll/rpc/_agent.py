@@ -140,6 +140,7 @@ class Agent:
         self.addresses = dict(addresses)
         self.key, self.secret = _wire.rpc_key(store)
         self.handlers: dict[int, Handler] = {}
+        self.inline_kinds: frozenset[int] = frozenset()  # handlers that never block run on the reader
         self.pickle_hook_factory: Callable[[int | None], Callable[[Any], Any] | None] = lambda _peer: None
         self.lost: dict[int, str] = {}
         self.closed = False
@@ -410,7 +411,10 @@ class Agent:
                     raise _wire.FrameError(f"an unexpected frame (kind {kind}, flags {flags})")
                 reply = Reply(self, conn, mid, MessageType(kind))
                 self.active_server += 1
-                jobs.put(functools.partial(self.dispatch, peer, kind, data, bufs, reply))
+                if kind in self.inline_kinds:
+                    self.dispatch(peer, kind, data, bufs, reply)
+                else:
+                    jobs.put(functools.partial(self.dispatch, peer, kind, data, bufs, reply))
         except Exception as e:  # noqa: BLE001
             if not isinstance(e, (EOFError, OSError)):
                 _log.warning("gpucoll.rpc: %s closed its connection from worker id %d: %s", self.info.name, peer, e)

@@ -9,7 +9,7 @@ import socket
 import urllib.parse
 from typing import Any
 
-from ..store import PrefixStore, Store, TCPStore
+from ..store import FileStore, PrefixStore, Store, TCPStore
 from .._env import STORE_HOSTED_ENV, STORE_TOKEN_ENV
 from .._rendezvous import _tcp_store, rendezvous
 from ._agent import Agent
@@ -56,7 +56,10 @@ def make_store(options: Any, rank: int, world_size: int | None) -> tuple[Store, 
         hosted = os.environ.get(STORE_HOSTED_ENV) == "1"
         store = TCPStore(host, port, None, is_master=(rank == 0 and not hosted), timeout=timeout,
                          wait_for_workers=False, token=token)
-    return PrefixStore(f"rpc/{next(_generation)}", store), rank, world_size
+    # Closing RPC closes its store connection (the server too, where this worker hosts it);
+    # a FileStore stays: closing it may remove the file while another worker still reads it.
+    owns = not isinstance(store, FileStore)
+    return PrefixStore(f"rpc/{next(_generation)}", store, owns_store=owns), rank, world_size
 
 
 def _addresses(options: Any) -> tuple[str, str]:

@@ -24,6 +24,23 @@ def join(agent: Agent, deadline: float | None, timeout: float) -> None:
     agent.drain(deadline)
     barrier(agent, "shutdown/drained", deadline, timeout)
     barrier(agent, "shutdown/exit", deadline, timeout)
+    left = agent.store.add("shutdown/left", 1)
+    if _hosts_server(agent.store):
+        # Leaving closes the server: wait (briefly) until every worker has seen the barrier open.
+        until = time.monotonic() + 10.0
+        while left < len(agent.by_id) and time.monotonic() < until:
+            time.sleep(0.005)
+            left = agent.store.add("shutdown/left", 0)
+
+
+def _hosts_server(store: object) -> bool:
+    for _ in range(16):
+        if getattr(store, "is_master", False) is True:
+            return True
+        store = getattr(store, "_store", None)
+        if store is None:
+            return False
+    return False
 
 
 def barrier(agent: Agent, name: str, deadline: float | None, timeout: float) -> None:

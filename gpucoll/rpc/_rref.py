@@ -210,6 +210,8 @@ class RRefContext:
         for kind, fn in ((M.PYTHON_RREF_FETCH_CALL, self._on_fetch), (M.RREF_USER_DELETE, self._on_user_delete),
                          (M.RREF_FORK_REQUEST, self._on_fork_request), (M.RREF_CHILD_ACCEPT, self._on_child_accept)):
             agent.handlers[kind] = fn
+        agent.inline_kinds = frozenset({M.PYTHON_RREF_FETCH_CALL, M.RREF_USER_DELETE, M.RREF_FORK_REQUEST,
+                                        M.RREF_CHILD_ACCEPT})
 
     def new_id(self) -> Id:
         return (self.me, next(self._ids))
