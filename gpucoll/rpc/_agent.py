@@ -112,7 +112,7 @@ class Reply:
         if self.done:
             return
         self.done = True
-        self.agent.active_server -= 1
+        self.agent.count_served(-1)
         if self.conn is None:  # a call to ourselves
             self.agent.on_reply(self.mid, flags, data, [bytearray(b) for b in bufs])
             return
@@ -144,7 +144,8 @@ class Agent:
         self.pickle_hook_factory: Callable[[int | None], Callable[[Any], Any] | None] = lambda _peer: None
         self.lost: dict[int, str] = {}
         self.closed = False
-        self.active_server = 0
+        self._active = 0  # calls received and not yet answered
+        self._active_lock = threading.Lock()
         self._listener = listener
         self._out: dict[int, _Conn] = {}
         self._incoming: set[_Conn] = set()
@@ -234,7 +235,12 @@ class Agent:
         if timeout > 0:
             deadline = time.monotonic() + timeout
             with self._timer_cv:
-                heapq.heappush(self._heap, (deadline, mid))
+                heap = self._heap
+                if len(heap) > 4096 and len(heap) > 4 * len(self._pending):
+                    # Calls that completed long before their deadline: drop their entries.
+                    heap[:] = [e for e in heap if e[1] in self._pending]
+                    heapq.heapify(heap)
+                heapq.heappush(heap, (deadline, mid))
                 if self._heap[0][1] == mid:
                     self._timer_cv.notify()
         delay = self.faults.delay(kind.name) if self.faults is not None else 0.0
@@ -249,7 +255,7 @@ class Agent:
     def _transmit(self, to: WorkerInfo, kind: MessageType, mid: int, data: Any, bufs: list[Any],
                   raising: bool = True) -> None:
         if to.id == self.info.id:
-            self.active_server += 1
+            self.count_served(1)
             reply = Reply(self, None, mid, kind)
             copied = [bytearray(_wire._flat(b)) for b in bufs]
             self._jobs.put(lambda: self.dispatch(self.info.id, kind, data, copied, reply))
@@ -343,6 +349,15 @@ class Agent:
             if which(call) and self._pending.pop(mid, None) is not None:
                 call.fut._try_complete(None, error(call))
 
+    @property
+    def active_server(self) -> int:
+        """Calls received and not yet answered."""
+        return self._active
+
+    def count_served(self, delta: int) -> None:
+        with self._active_lock:
+            self._active += delta
+
     def num_pending(self) -> int:
         return len(self._pending)
 
@@ -410,7 +425,7 @@ class Agent:
                 if flags & FLAG_REPLY or kind not in self.handlers:
                     raise _wire.FrameError(f"an unexpected frame (kind {kind}, flags {flags})")
                 reply = Reply(self, conn, mid, MessageType(kind))
-                self.active_server += 1
+                self.count_served(1)
                 if kind in self.inline_kinds:
                     self.dispatch(peer, kind, data, bufs, reply)
                 else:
