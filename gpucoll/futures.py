@@ -172,6 +172,10 @@ class Future(Generic[T]):
                 return
         self._run(callback)
 
+    def __reduce__(self) -> Any:
+        raise RuntimeError("Can not pickle gpucoll.futures.Future: send its value, or mark the function that "
+                           "returns it @rpc.functions.async_execution")
+
     def __repr__(self) -> str:
         state = "pending" if not self.done() else ("failed" if self._error is not None else "done")
         return f"<gpucoll.futures.Future {state}>"

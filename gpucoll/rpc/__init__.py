@@ -30,6 +30,7 @@ from ._rref import RRef
 from .api import shutdown
 from .constants import DEFAULT_RPC_TIMEOUT_SEC, DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
 from .options import RpcBackendOptions, TensorPipeRpcBackendOptions
+from ._agent import Agent as TensorPipeAgent  # torch's name for the agent class (isinstance checks)
 
 __all__ = ["init_rpc", "shutdown", "rpc_sync", "rpc_async", "remote", "get_worker_info", "get_rpc_timeout",
            "WorkerInfo", "RRef", "BackendType", "RpcBackendOptions", "TensorPipeRpcBackendOptions",

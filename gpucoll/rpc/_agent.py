@@ -184,8 +184,8 @@ class Agent:
         if found is None:
             if not isinstance(to, (str, int)):
                 raise ValueError(f"Cannot get WorkerInfo from name {to!r}: pass a worker name, id or WorkerInfo")
-            raise UnknownWorkerError(f"Unknown destination worker {to!r}; the workers are "
-                                     f"{sorted(self.by_name)}")
+            raise UnknownWorkerError(f"Unknown destination worker {to!r}: could not find destination among the "
+                                     f"workers {sorted(self.by_name)}")
         return found
 
     def worker_infos(self) -> list[WorkerInfo]:
@@ -498,6 +498,8 @@ class Agent:
 
 def _rebuild(exc_type: Any, text: str) -> BaseException:
     """The remote exception as its own type with the remote message (torch's rule)."""
+    if text.isascii():  # torch unescapes the repr's "\\n" so the message reads as written
+        text = text.encode("ascii").decode("unicode_escape")
     if not (isinstance(exc_type, type) and issubclass(exc_type, BaseException)):
         return RuntimeError(text)
     try:

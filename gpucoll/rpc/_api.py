@@ -12,7 +12,7 @@ from typing import Any, Callable
 from ..futures import Future, collect_all
 from . import _devices, _wire, constants
 from ._agent import Agent, Reply
-from ._info import AgentShutDownError, MessageType as M, WorkerInfo
+from ._info import AsyncReturnTypeError, MessageType as M, WorkerInfo
 from ._rref import RRef, RRefContext, set_current_context
 from .functions import _is_async, async_execution
 
@@ -22,7 +22,6 @@ __all__ = ["rpc_sync", "rpc_async", "remote", "get_worker_info", "get_rpc_timeou
 
 _log = logging.getLogger("gpucoll.rpc")
 _agent: list[Agent | None] = [None]
-_ignore_rref_leak = True
 _thread_local_var = threading.local()  # torch's name: ``api._wait_all()`` collects rpc_async futures here
 
 
@@ -177,6 +176,10 @@ def _decode_call(payload: Any, then: Callable[[Any], None], reply: Reply) -> Non
     pending = ctx.start_recording()
     try:
         call = _wire.loads(*payload)
+    except AttributeError as e:  # torch's wording: the function is not importable here
+        raise AttributeError(f"RPC pickler does not serialize the function code: it is found by name on the callee, "
+                             f"and {current().info.name} cannot: {e}. Make sure the function is defined at module "
+                             "level in a module the callee imports") from e
     finally:
         ctx.stop_recording()
     if not pending:
@@ -204,8 +207,9 @@ def _run(func: Callable[..., Any], args: Any, kwargs: Any, done: Callable[[Futur
         return
     if _is_async(func):
         if not isinstance(value, Future):
-            out.set_exception(TypeError(f"{getattr(func, '__qualname__', func)} is marked @async_execution but "
-                                        f"returned {type(value).__name__}, not a gpucoll.futures.Future"))
+            out.set_exception(AsyncReturnTypeError(
+                f"Functions decorated with @rpc.async_function must return a gpucoll.futures.Future object, but got "
+                f"{type(value)} from {getattr(func, '__qualname__', func)}"))
             done(out)
             return
         value.add_done_callback(done)
@@ -247,6 +251,7 @@ class _Proxy:
         fn = {"rpc_sync": rpc_sync, "rpc_async": rpc_async, "remote": remote}[self._api]
 
         def call(*args: Any, **kwargs: Any) -> Any:
+            getattr(self._rref._get_type(self._timeout), name)  # torch's AttributeError, raised here
             return fn(self._rref.owner(), _proxy_invoke, args=(self._rref, name, args, kwargs), timeout=self._timeout)
         return call
 
@@ -299,8 +304,9 @@ def _get_debug_info() -> dict[str, str]:
 # ----- shutdown -----------------------------------------------------------------------------
 
 
-def finalize(agent: Agent) -> None:
-    """Stop locally: report leaked RRefs (torch's warning), close the agent, free the slot."""
+def finalize(agent: Agent, ignore_rref_leak: bool = True) -> None:
+    """Stop locally: report leaked RRefs (torch's warning; raised unless ``ignore_rref_leak``),
+    close the agent, free the slot."""
     ctx: RRefContext = agent.rrefs  # type: ignore[attr-defined]
     try:
         leaks = ctx.leaks()
@@ -312,7 +318,7 @@ def finalize(agent: Agent) -> None:
                          "program will keep running after this, these leaks could result in memory leaks on RRef "
                          "owners. Please make sure all RRefs are out of scope and Python GC has deleted them before "
                          "calling shutdown(): \n%s", text)
-            if not _ignore_rref_leak:
+            if not ignore_rref_leak:
                 raise RuntimeError(text)
     finally:
         agent.close()

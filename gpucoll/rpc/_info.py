@@ -9,7 +9,7 @@ from typing import Any
 from ..errors import DistError, DistNetworkError
 
 __all__ = ["WorkerInfo", "MessageType", "RpcTimeoutError", "PeerLostError", "UnknownWorkerError",
-           "AgentShutDownError", "check_name"]
+           "AgentShutDownError", "DuplicateNameError", "InvalidWorkerNameError", "AsyncReturnTypeError", "check_name"]
 
 _NAME = re.compile(r"^[A-Za-z0-9\-_:]*$")
 
@@ -18,10 +18,13 @@ def check_name(name: Any) -> str:
     """A worker name as torch allows it: ``^[A-Za-z0-9-_:]*$``, under 128 characters."""
     if not isinstance(name, str):
         raise TypeError(f"a worker name must be a str; got {type(name).__name__}: {name!r}")
+    if not name:
+        raise InvalidWorkerNameError("Worker name must be non-empty")
     if not _NAME.match(name):
-        raise ValueError(f"Worker name must match ^[A-Za-z0-9-_:]*$; got {name!r}")
+        raise InvalidWorkerNameError(f"Worker name must match ^[A-Za-z0-9-_:]*$; got {name!r}")
     if len(name) >= 128:
-        raise ValueError(f"Worker name must be shorter than 128 chars; got {len(name)} characters: {name[:20]!r}...")
+        raise InvalidWorkerNameError(f"Worker name must be shorter than 128 chars; got {len(name)} characters: "
+                                     f"{name[:20]!r}...")
     return name
 
 
@@ -31,7 +34,7 @@ class WorkerInfo:
     __slots__ = ("name", "id")
 
     def __init__(self, name: str, id: int) -> None:  # noqa: A002 -- torch's field name
-        self.name = name
+        self.name = check_name(name)
         self.id = id
 
     def __eq__(self, other: object) -> bool:
@@ -79,6 +82,18 @@ class PeerLostError(DistNetworkError):
 
 class UnknownWorkerError(DistError, ValueError):
     """No worker of that name or id is in the group."""
+
+
+class DuplicateNameError(DistError, ValueError):
+    """Two workers of one group asked for the same name."""
+
+
+class InvalidWorkerNameError(ValueError, RuntimeError):
+    """A worker name torch would refuse (a ValueError; a RuntimeError too, as torch raises)."""
+
+
+class AsyncReturnTypeError(TypeError, RuntimeError):
+    """A function marked @async_execution returned something other than a Future."""
 
 
 class AgentShutDownError(DistError):

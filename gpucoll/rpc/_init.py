@@ -41,14 +41,18 @@ def make_store(options: Any, rank: int, world_size: int | None) -> tuple[Store, 
         store, rank, world_size = rendezvous(options.init_method, rank, world_size, timeout)
     else:
         if rank < 0:
-            raise ValueError("init_rpc(world_size=None) (a dynamic group) needs rank=; got rank=-1")
+            raise ValueError("rank parameter missing: init_rpc(world_size=None) (a dynamic group) needs rank=")
         token = os.environ.get(STORE_TOKEN_ENV) or None
+        if url.scheme == "file":
+            path = urllib.parse.unquote(url.path)
+            store = FileStore(path, None, timeout=timeout)
+            return PrefixStore(f"rpc/{next(_generation)}", store), rank, world_size
         if url.scheme == "env":
             host, port = os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT", "0") or 0)
         elif url.scheme == "tcp":
             host, port = url.hostname or "", url.port or 0
         else:
-            raise ValueError(f"a dynamic group (world_size=None) needs init_method env:// or tcp://; got "
+            raise ValueError(f"a dynamic group (world_size=None) needs init_method env://, tcp:// or file://; got "
                              f"{options.init_method!r}")
         if not host or not port:
             raise ValueError(f"a dynamic group needs the store's address: MASTER_ADDR and MASTER_PORT "

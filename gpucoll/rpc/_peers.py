@@ -9,7 +9,7 @@ from typing import Any
 from ..store import Store
 from ._agent import Agent
 from ._faults import FaultSpec
-from ._info import UnknownWorkerError, WorkerInfo
+from ._info import DuplicateNameError, UnknownWorkerError, WorkerInfo
 
 __all__ = ["build_agent", "add_peer", "remove_peer", "store_timeout"]
 
@@ -26,7 +26,8 @@ def build_agent(store: Store, rank: int, records: dict[int, dict[str, Any]], lis
     for r in sorted(records):
         n = records[r]["name"]
         if n in seen:
-            raise ValueError(f"RPC worker name {n!r} is not unique. Workers {seen[n]} and {r} share the same name.")
+            raise DuplicateNameError(f"RPC worker name {n!r} is not unique. Workers {seen[n]} and {r} share the same "
+                                     "name.")
         seen[n] = r
     peers = {r: WorkerInfo(rec["name"], r) for r, rec in records.items()}
     addresses = {r: (rec["host"], int(rec["port"])) for r, rec in records.items()}

@@ -75,6 +75,7 @@ class RRef(Generic[T]):
     _timed_out: bool
     _deleted_on_owner: bool
     _creation: Future[Any] | None
+    _type: Any = None
 
     def __init__(self, value: Any = None, type_hint: Any = None, *, _user: tuple[WorkerInfo, Id, Id] | None = None) -> None:
         ctx = current_context()
@@ -124,7 +125,9 @@ class RRef(Generic[T]):
             RuntimeError: called on a user (not the owner).
         """
         if not self.is_owner():
-            raise RuntimeError(f"Cannot call localValue() on a non-local reference. Call it on {self._owner.name}")
+            me = self._ctx.agent.info
+            raise RuntimeError(f"For UserRRef(rref_id={_gid(self._rref_id)}, fork_id={_gid(self._fork_id)}), can't "
+                               f"call localValue() on user {me}. Call it on owner {self._owner}")
         return self._value.wait()  # type: ignore[no-any-return]
 
     def to_here(self, timeout: float = -1.0) -> T:
@@ -137,10 +140,37 @@ class RRef(Generic[T]):
             return self.local_value()
         if self._timed_out:
             raise RuntimeError(TIMED_OUT)
+        if self._deleted_on_owner:
+            raise RuntimeError(f"User RRef with RRefId={_gid(self._rref_id)} and ForkId={_gid(self._fork_id)} has "
+                               "been deleted. Cannot call to_here() on it after deletion.")
         agent = self._ctx.agent
         fut = agent.send(self._owner, M.PYTHON_RREF_FETCH_CALL, (self._rref_id, agent.info.id), timeout,
                          f"to_here() of {self!r}")
         return fut.wait()  # type: ignore[no-any-return]
+
+    def _get_type(self, timeout: float = -1.0, blocking: bool = True) -> Any:
+        """The type of the value (asked of the owner once, then cached); a Future of it if not ``blocking``."""
+        fut: Future[Any]
+        if self._type is not None:
+            fut = Future()
+            fut.set_result(self._type)
+        elif self.is_owner():
+            fut = self._value.then(lambda f: type(f.value()))
+        else:
+            agent = self._ctx.agent
+            fut = agent.send(self._owner, M.PYTHON_CALL, (_type_on_owner, (self,), {}), timeout, f"_get_type of {self!r}")
+
+        def keep(f: Future[Any]) -> Any:
+            self._type = f.value()
+            return self._type
+        out = fut.then(keep)
+        return out.wait() if blocking else out
+
+    def _serialize(self) -> tuple[Any, ...]:
+        """torch's fork data, without forking (raises as forking would for a timed-out creation)."""
+        if self._timed_out:
+            raise RuntimeError(TIMED_OUT)
+        return (self._owner.id, self._rref_id, self._fork_id)
 
     def _get_future(self) -> Future[Any]:
         """The future of the ``remote()`` call that created this RRef."""
@@ -163,15 +193,13 @@ class RRef(Generic[T]):
         return self._ctx.proxy_factory(self, "remote", timeout)
 
     def __reduce__(self) -> Any:
-        raise RuntimeError("RRef can only be pickled as an argument or return value of an RPC call "
-                           "(rpc_sync, rpc_async, remote)")
+        raise RuntimeError("Can not pickle rref in python pickler, rref can only be pickled when using RPC "
+                           "(as an argument or return value of rpc_sync, rpc_async or remote)")
 
     def __repr__(self) -> str:
-        rid = f"GloballyUniqueId(created_on={self._rref_id[0]}, local_id={self._rref_id[1]})"
         if self.is_owner():
-            return f"OwnerRRef({rid})"
-        fid = f"GloballyUniqueId(created_on={self._fork_id[0]}, local_id={self._fork_id[1]})"  # type: ignore[index]
-        return f"UserRRef(RRefId = {rid}, ForkId = {fid})"
+            return f"OwnerRRef({_gid(self._rref_id)})"
+        return f"UserRRef(RRefId = {_gid(self._rref_id)}, ForkId = {_gid(self._fork_id)})"
 
     def __del__(self) -> None:
         if getattr(self, "_fork_id", None) is not None and not self._deleted_on_owner:
@@ -180,6 +208,14 @@ class RRef(Generic[T]):
                                        c.delete_user(o, r, f))
             except Exception:  # noqa: BLE001 -- interpreter teardown
                 pass
+
+
+def _gid(i: Id | None) -> str:
+    return "None" if i is None else f"GloballyUniqueId(created_on={i[0]}, local_id={i[1]})"
+
+
+def _type_on_owner(rref: RRef[Any]) -> Any:
+    return type(rref.local_value())
 
 
 def _no_proxy(rref: RRef[Any], api: str, timeout: float) -> Any:

@@ -28,6 +28,8 @@ from ._members import leave_dynamic
 __all__ = ["rpc_sync", "rpc_async", "remote", "get_worker_info", "shutdown"]
 
 _ = (_get_current_rpc_agent,)  # re-exported under torch's name
+_ignore_rref_leak = True
+"""torch's switch: with False, shutdown raises "Leaking RRef ..." when forks are left."""
 
 
 class _GatherState:
@@ -195,4 +197,4 @@ def shutdown(graceful: bool = True, timeout: float = constants.DEFAULT_SHUTDOWN_
                 leave_dynamic(agent, deadline)
                 agent.drain(deadline)
     finally:
-        finalize(agent)
+        finalize(agent, _ignore_rref_leak)

@@ -62,6 +62,9 @@ class RpcBackendOptions:
 
     def __init__(self, rpc_timeout: float = constants.DEFAULT_RPC_TIMEOUT_SEC,
                  init_method: str = constants.DEFAULT_INIT_METHOD) -> None:
+        if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, (int, float)):
+            raise TypeError(f"incompatible constructor arguments: rpc_timeout must be a number of seconds; got "
+                            f"{type(rpc_timeout).__name__}: {rpc_timeout!r}")
         self.rpc_timeout = float(rpc_timeout)
         self.init_method = init_method
 

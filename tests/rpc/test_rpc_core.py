@@ -58,6 +58,21 @@ def async_double(to: str, x: int) -> Any:
     return rpc.rpc_async(to, operator.add, args=(x, 1)).then(lambda f: f.value() * 2)
 
 
+@async_execution
+def not_a_future() -> int:
+    return 1
+
+
+def make_future() -> Any:
+    from gpucoll.futures import Future
+
+    return Future()
+
+
+def raise_lines() -> None:
+    raise ValueError("\nfirst line\nsecond line")
+
+
 def core_checks() -> dict[str, Any]:
     from gpucoll.futures import Future, collect_all, wait_all
 
@@ -114,6 +129,21 @@ def core_checks() -> dict[str, Any]:
     with pytest.raises(Boom, match="boom 8"):
         fut.wait()
     assert fut.done()
+
+    # torch's messages: a remote message's escapes undone, bad async results, unpicklable futures
+    with pytest.raises(ValueError) as info:
+        rpc.rpc_sync(nxt, raise_lines)
+    assert "\nfirst line\nsecond line" in str(info.value)
+    with pytest.raises(RuntimeError, match="Functions decorated with @rpc.async_function must return a "
+                                           r"gpucoll\.futures\.Future object, but got <class 'int'>"):
+        rpc.rpc_sync(nxt, not_a_future)
+    with pytest.raises(RuntimeError, match=r"Can not pickle gpucoll\.futures\.Future"):
+        rpc.rpc_sync(nxt, make_future)
+    with pytest.raises(RuntimeError, match="could not find destination"):
+        rpc.get_worker_info("WorkerUnknown")
+    for bad, why in (("", "must be non-empty"), ("abc*", "must match"), ("a" * 200, "shorter than 128")):
+        with pytest.raises(RuntimeError, match=why):
+            rpc.WorkerInfo(bad, 0)
 
     # async calls, futures
     futs = [rpc.rpc_async(names[i % world], operator.mul, args=(i, 3)) for i in range(30)]

@@ -127,7 +127,7 @@ def rref_checks() -> dict[str, Any]:
     c = counters()
     assert c["num_owner_rrefs"] == 2 and c["num_forks"] == 2 and c["num_pending_users"] == 0, c
     barrier()
-    with pytest.raises(RuntimeError, match="non-local"):
+    with pytest.raises(RuntimeError, match=r"can.t call localValue\(\) on user .*Call it on owner"):
         r2.local_value()
     del r2, r3
     gc.collect()
@@ -160,6 +160,10 @@ def rref_checks() -> dict[str, Any]:
     assert ctr.rpc_async().add(2).wait() == 13
     assert ctr.remote().add(3).to_here() == 16
     assert ctr.rpc_sync().add_later(100) == 116
+    assert ctr._get_type() is Counter and ctr._get_type(blocking=False).wait() is Counter
+    for proxy in (ctr.rpc_sync(), ctr.rpc_async(), ctr.remote()):
+        with pytest.raises(AttributeError, match="has no attribute 'non_exist'"):
+            proxy.non_exist()
     # errors: the remote exception at to_here; a timed-out creation
     bad = rpc.remote(nxt, raise_key, args=("missing",))
     with pytest.raises(KeyError, match="missing"):
@@ -169,11 +173,11 @@ def rref_checks() -> dict[str, Any]:
         slow._get_future().wait()
     with pytest.raises(RuntimeError, match=r"RRef creation via rpc.remote\(\) timed out"):
         slow.to_here()
-    with pytest.raises(RuntimeError, match="pickled"):
+    with pytest.raises(RuntimeError, match="Can not pickle rref"):
         import pickle
 
         pickle.dumps(ctr)
-    del back, mine, ctr, bad, slow
+    del back, mine, ctr, bad, slow, proxy
     gc.collect()
     time.sleep(1.0)  # the slow call completes on its owner
     barrier()
@@ -188,6 +192,8 @@ def rref_checks() -> dict[str, Any]:
     out = {"before": counters()}
     barrier()
     rpc.shutdown()
+    with pytest.raises(RuntimeError, match=r"Cannot call to_here\(\) on it after deletion"):
+        keep.to_here()
     out["owned_after"] = len(keep._ctx.owners)
     out["forks_after"] = sum(len(s) for s in keep._ctx.forks.values())
     gpucoll.destroy_process_group()
