@@ -143,15 +143,30 @@ class Future(Generic[T]):
     def then(self, callback: Callable[[Future[T]], S]) -> Future[S]:
         """A new future completed with ``callback(self)`` once this one completes.
 
-        An exception raised by ``callback`` completes the new future with it.
+        An exception raised by ``callback`` fails the new future, as a RuntimeError (torch's
+        rule: its message is the original's, which is chained as ``__cause__``); a
+        RuntimeError, and anything derived from it, is kept as it is.
+
+        Raises:
+            TypeError: ``callback`` is not callable.
         """
+        return self._chain(callback, wrap=True)
+
+    def _chain(self, callback: Callable[[Future[T]], S], wrap: bool) -> Future[S]:
+        if not callable(callback):
+            raise TypeError(f"incompatible function arguments. then() takes a callable; got {callback!r}")
         child: Future[S] = Future()
 
         def run(fut: Future[T]) -> None:
             try:
                 out = callback(fut)
             except BaseException as e:  # noqa: BLE001 -- handed to the child, as torch does
-                child._try_complete(_UNSET, e)
+                if wrap and not isinstance(e, RuntimeError) and isinstance(e, Exception):
+                    err = RuntimeError(f"{type(e).__name__}: {e}")
+                    err.__cause__ = e
+                    child._try_complete(_UNSET, err)
+                else:
+                    child._try_complete(_UNSET, e)
             else:
                 child._try_complete(out, None)
 
@@ -163,7 +178,12 @@ class Future(Generic[T]):
 
         Exceptions the callback raises are logged and ignored, as in torch; use
         :meth:`then` to catch them in a future.
+
+        Raises:
+            TypeError: ``callback`` is not callable.
         """
+        if not callable(callback):
+            raise TypeError(f"incompatible function arguments. add_done_callback() takes a callable; got {callback!r}")
         with self._lock:
             if not self.done():
                 if self._callbacks is None:
@@ -184,7 +204,8 @@ class Future(Generic[T]):
 def collect_all(futures: Sequence[Future[Any]]) -> Future[list[Future[Any]]]:
     """A future completed with the list of ``futures`` once every one of them has completed.
 
-    Failed futures count as completed; the combined future holds them, it does not fail.
+    As torch's: the first of them to fail fails the combined future at once, with its
+    exception (so :func:`wait_all` returns early).
     """
     futures = list(futures)
     out: Future[list[Future[Any]]] = Future()
@@ -194,7 +215,10 @@ def collect_all(futures: Sequence[Future[Any]]) -> Future[list[Future[Any]]]:
     left = [len(futures)]
     lock = threading.Lock()
 
-    def one(_: Future[Any]) -> None:
+    def one(f: Future[Any]) -> None:
+        if f._error is not None:
+            out._try_complete(None, f._error)
+            return
         with lock:
             left[0] -= 1
             last = left[0] == 0
@@ -209,6 +233,7 @@ def collect_all(futures: Sequence[Future[Any]]) -> Future[list[Future[Any]]]:
 
 
 def wait_all(futures: Sequence[Future[Any]]) -> list[Any]:
-    """Wait for every future; return their values in order, or raise the first failure's exception."""
+    """Wait for every future; return their values in order. The first failure is raised at
+    once, without waiting for the others (torch's rule)."""
     done = collect_all(futures).wait()
     return [f.wait() for f in done]

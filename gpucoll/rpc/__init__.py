@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from . import api, backend_registry, constants, functions
+from . import api, backend_registry, constants, functions, internal
 from ._api import (_get_current_rpc_agent, _get_debug_info, _rref_context_get_debug_info, _set_rpc_timeout,
                    get_rpc_timeout, get_worker_info, remote, rpc_async, rpc_sync)
 from ._info import WorkerInfo, check_name
@@ -34,7 +34,7 @@ from ._agent import Agent as TensorPipeAgent  # torch's name for the agent class
 
 __all__ = ["init_rpc", "shutdown", "rpc_sync", "rpc_async", "remote", "get_worker_info", "get_rpc_timeout",
            "WorkerInfo", "RRef", "BackendType", "RpcBackendOptions", "TensorPipeRpcBackendOptions",
-           "api", "backend_registry", "constants", "functions", "is_available", "DEFAULT_RPC_TIMEOUT_SEC",
+           "api", "backend_registry", "constants", "functions", "internal", "is_available", "DEFAULT_RPC_TIMEOUT_SEC",
            "DEFAULT_SHUTDOWN_TIMEOUT", "UNSET_RPC_TIMEOUT"]
 
 _ = (_get_current_rpc_agent, _get_debug_info, _rref_context_get_debug_info, _set_rpc_timeout)  # torch's private API

@@ -21,6 +21,7 @@ import itertools
 import logging
 import queue
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -94,6 +95,7 @@ class Reply:
 
     def fail(self, exc: BaseException, tb: str | None = None) -> None:
         text = f"On {self.agent.info}:\n{exc!r}\n{tb if tb is not None else ''.join(traceback.format_exception(exc))}"
+        print(text, file=sys.stderr)  # the callee logs what it sends back, as torch's does
         try:
             data, bufs = _wire.dumps((type(exc), text))
         except Exception:  # noqa: BLE001 -- a local exception class: the caller gets a RuntimeError
@@ -325,11 +327,20 @@ class Agent:
         try:
             if flags & FLAG_ERROR:
                 exc_type, text = _wire.loads(data, bufs)
-                call.fut._try_complete(None, _rebuild(exc_type, text))
+                self._finish(call.fut, None, _rebuild(exc_type, text))
             else:
-                call.fut._try_complete(_wire.loads(data, bufs), None)
+                self._finish(call.fut, _wire.loads(data, bufs), None)
         except Exception as e:  # noqa: BLE001 -- e.g. the reply names a class this worker cannot import
-            call.fut._try_complete(None, e)
+            self._finish(call.fut, None, e)
+
+    def _finish(self, fut: Future[Any], value: Any, error: BaseException | None) -> None:
+        """Complete a call's future. Its callbacks may block (torch allows a callback to wait on
+        another call), so a future with callbacks completes on a pool thread, never on a
+        connection's reader or the timer; a plain wait is woken from here directly."""
+        if fut._callbacks and not self.closed:
+            self._jobs.put(functools.partial(_complete, fut, value, error))
+        else:
+            fut._try_complete(value, error)
 
     def _peer_lost(self, conn: _Conn, exc: BaseException) -> None:
         peer = self.by_id.get(conn.peer)
@@ -347,7 +358,7 @@ class Agent:
     def fail_pending(self, which: Callable[[_Call], bool], error: Callable[[_Call], BaseException]) -> None:
         for mid, call in list(self._pending.items()):
             if which(call) and self._pending.pop(mid, None) is not None:
-                call.fut._try_complete(None, error(call))
+                self._finish(call.fut, None, error(call))
 
     @property
     def active_server(self) -> int:
@@ -385,7 +396,7 @@ class Agent:
             for mid in due:
                 call = self._pending.pop(mid, None)
                 if call is not None:
-                    call.fut._try_complete(None, RpcTimeoutError(
+                    self._finish(call.fut, None, RpcTimeoutError(
                         f"RPC ran for more than set timeout ({call.timeout * 1000:.0f} ms) and will now be marked "
                         f"with an error: {call.what} to {self.by_id.get(call.peer, call.peer)}"))
             call = None  # what the callbacks held (an RRef among them) is not kept alive by this loop
@@ -494,6 +505,10 @@ class Agent:
                 "agent.server_active_calls": str(self.active_server),
                 "agent.server_active_async_calls": "0",
                 "agent.gil_average_wait_time_us": "0"}
+
+
+def _complete(fut: Future[Any], value: Any, error: BaseException | None) -> None:
+    fut._try_complete(value, error)
 
 
 def _rebuild(exc_type: Any, text: str) -> BaseException:

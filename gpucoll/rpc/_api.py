@@ -12,7 +12,7 @@ from typing import Any, Callable
 from ..futures import Future, collect_all
 from . import _devices, _wire, constants
 from ._agent import Agent, Reply
-from ._info import AsyncReturnTypeError, MessageType as M, WorkerInfo
+from ._info import AsyncReturnTypeError, FunctionNotFoundError, MessageType as M, WorkerInfo
 from ._rref import RRef, RRefContext, set_current_context
 from .functions import _is_async, async_execution
 
@@ -177,7 +177,7 @@ def _decode_call(payload: Any, then: Callable[[Any], None], reply: Reply) -> Non
     try:
         call = _wire.loads(*payload)
     except AttributeError as e:  # torch's wording: the function is not importable here
-        raise AttributeError(f"RPC pickler does not serialize the function code: it is found by name on the callee, "
+        raise FunctionNotFoundError(f"RPC pickler does not serialize the function code: it is found by name on the callee, "
                              f"and {current().info.name} cannot: {e}. Make sure the function is defined at module "
                              "level in a module the callee imports") from e
     finally:

@@ -9,7 +9,8 @@ from typing import Any
 from ..errors import DistError, DistNetworkError
 
 __all__ = ["WorkerInfo", "MessageType", "RpcTimeoutError", "PeerLostError", "UnknownWorkerError",
-           "AgentShutDownError", "DuplicateNameError", "InvalidWorkerNameError", "AsyncReturnTypeError", "check_name"]
+           "AgentShutDownError", "DuplicateNameError", "InvalidWorkerNameError", "AsyncReturnTypeError", "FunctionNotFoundError",
+           "check_name"]
 
 _NAME = re.compile(r"^[A-Za-z0-9\-_:]*$")
 
@@ -90,6 +91,11 @@ class DuplicateNameError(DistError, ValueError):
 
 class InvalidWorkerNameError(ValueError, RuntimeError):
     """A worker name torch would refuse (a ValueError; a RuntimeError too, as torch raises)."""
+
+
+class FunctionNotFoundError(AttributeError, RuntimeError):
+    """The callee cannot import the function a call names (an AttributeError, and a
+    RuntimeError as torch raises)."""
 
 
 class AsyncReturnTypeError(TypeError, RuntimeError):

@@ -155,7 +155,7 @@ class RRef(Generic[T]):
             fut = Future()
             fut.set_result(self._type)
         elif self.is_owner():
-            fut = self._value.then(lambda f: type(f.value()))
+            fut = self._value._chain(lambda f: type(f.value()), wrap=False)
         else:
             agent = self._ctx.agent
             fut = agent.send(self._owner, M.PYTHON_CALL, (_type_on_owner, (self,), {}), timeout, f"_get_type of {self!r}")
@@ -163,14 +163,20 @@ class RRef(Generic[T]):
         def keep(f: Future[Any]) -> Any:
             self._type = f.value()
             return self._type
-        out = fut.then(keep)
+        out = fut._chain(keep, wrap=False)
         return out.wait() if blocking else out
 
     def _serialize(self) -> tuple[Any, ...]:
         """torch's fork data, without forking (raises as forking would for a timed-out creation)."""
+        self._check_forkable()
+        return (self._owner.id, self._rref_id, self._fork_id)
+
+    def _check_forkable(self) -> None:
         if self._timed_out:
             raise RuntimeError(TIMED_OUT)
-        return (self._owner.id, self._rref_id, self._fork_id)
+        if self._deleted_on_owner:
+            raise RuntimeError(f"User RRef with RRefId={_gid(self._rref_id)} and ForkId={_gid(self._fork_id)} has "
+                               "been deleted. Cannot call fork an UserRRef after deletion.")
 
     def _get_future(self) -> Future[Any]:
         """The future of the ``remote()`` call that created this RRef."""
@@ -335,8 +341,7 @@ class RRefContext:
 
     def reduce(self, rref: RRef[Any], dst: int | None) -> Any:
         """Pickle ``rref`` for worker ``dst``: register the child fork, as the sender's role requires."""
-        if rref._timed_out:
-            raise RuntimeError(TIMED_OUT)
+        rref._check_forkable()
         fork_id = self.new_id()
         with self.lock:
             if rref.is_owner():
