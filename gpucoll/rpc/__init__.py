@@ -19,7 +19,6 @@ unpickled (docs/security.md). See docs/rpc.md.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from . import api, backend_registry, constants, functions, internal
@@ -118,7 +117,5 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
 
     if _api._agent[0] is not None:
         raise RuntimeError("RPC is already initialized")
-    if world_size is None and rank < 0 and os.environ.get("RANK", "").isdigit():
-        rank = int(os.environ["RANK"])
     store, rank, world_size = _init.make_store(rpc_backend_options, rank, world_size)
     _init_rpc_backend(backend, store, name, rank, world_size, rpc_backend_options)

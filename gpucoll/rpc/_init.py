@@ -40,6 +40,11 @@ def make_store(options: Any, rank: int, world_size: int | None) -> tuple[Store, 
     elif world_size is not None:
         store, rank, world_size = rendezvous(options.init_method, rank, world_size, timeout)
     else:
+        if rank < 0 and url.scheme == "env":
+            if not os.environ.get("RANK", "").isdigit():
+                raise ValueError("environment variable RANK expected, but not set: a dynamic group "
+                                 "(world_size=None) over env:// takes its rank from RANK, or pass rank=")
+            rank = int(os.environ["RANK"])
         if rank < 0:
             raise ValueError("rank parameter missing: init_rpc(world_size=None) (a dynamic group) needs rank=")
         token = os.environ.get(STORE_TOKEN_ENV) or None

@@ -75,7 +75,7 @@ class RRef(Generic[T]):
     _timed_out: bool
     _deleted_on_owner: bool
     _creation: Future[Any] | None
-    _type: Any = None
+    _type_fut: Future[Any] | None = None
 
     def __init__(self, value: Any = None, type_hint: Any = None, *, _user: tuple[WorkerInfo, Id, Id] | None = None) -> None:
         ctx = current_context()
@@ -151,20 +151,22 @@ class RRef(Generic[T]):
     def _get_type(self, timeout: float = -1.0, blocking: bool = True) -> Any:
         """The type of the value (asked of the owner once, then cached); a Future of it if not ``blocking``."""
         fut: Future[Any]
-        if self._type is not None:
-            fut = Future()
-            fut.set_result(self._type)
-        elif self.is_owner():
+        if self._type_fut is not None:  # cached: the same future every time, as torch's
+            return self._type_fut.wait() if blocking else self._type_fut
+        if self.is_owner():
             fut = self._value._chain(lambda f: type(f.value()), wrap=False)
         else:
             agent = self._ctx.agent
             fut = agent.send(self._owner, M.PYTHON_CALL, (_type_on_owner, (self,), {}), timeout, f"_get_type of {self!r}")
 
-        def keep(f: Future[Any]) -> Any:
-            self._type = f.value()
-            return self._type
-        out = fut._chain(keep, wrap=False)
+        out = fut._chain(lambda f: f.value(), wrap=False)
+        self._type_fut = out
+        out.add_done_callback(self._forget_failed_type)
         return out.wait() if blocking else out
+
+    def _forget_failed_type(self, fut: Future[Any]) -> None:
+        if fut._error is not None and self._type_fut is fut:
+            self._type_fut = None  # a failed fetch (a timeout) is asked again next time
 
     def _serialize(self) -> tuple[Any, ...]:
         """torch's fork data, without forking (raises as forking would for a timed-out creation)."""
