@@ -164,6 +164,20 @@ def _cleanup(impl: str) -> None:
     _destroy_pg()
 
 
+def _shutdown_if_up() -> None:
+    from _rpc_impl import module
+
+    rpc = module("rpc")
+    try:
+        rpc._get_current_rpc_agent()
+    except Exception:
+        return  # no agent: the test shut RPC down itself
+    try:
+        rpc.shutdown(graceful=True, timeout=10)
+    except Exception:
+        rpc.shutdown(graceful=False)
+
+
 def _destroy_pg() -> None:
     from _rpc_impl import module
 
@@ -187,6 +201,8 @@ def _run_one(cls: type, name: str, impl: str, kind: str, rank: int, init_file: s
         print(f"[rank {rank}] {name} failed:\n{traceback.format_exc()}", file=sys.stderr)
         _cleanup(impl)
     else:
+        # a few of torch's tests end with RPC still up (torch's harness ends the process)
+        _shutdown_if_up()
         _destroy_pg()
     # the test's objects (RRefs held by a traceback, say) must not outlive its agent
     del case
