@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable
 from ..futures import Future
 from . import _wire
 from ._faults import FaultSpec
-from ._info import AgentShutDownError, MessageType, PeerLostError, RpcTimeoutError, UnknownWorkerError, WorkerInfo
+from ._info import AgentShutDownError, IntentionalFailureError, MessageType, PeerLostError, RpcTimeoutError, UnknownWorkerError, WorkerInfo
 
 __all__ = ["Agent", "Reply", "FLAG_REPLY", "FLAG_ERROR"]
 
@@ -227,7 +227,7 @@ class Agent:
                                      f"{to.name}")
         what = what or kind.name
         if self.faults is not None and self.faults.should_fail(kind.name):
-            fut.set_exception(RuntimeError(f"Send attempt failed intentionally for {kind.name}"))
+            fut.set_exception(IntentionalFailureError(f"Send attempt failed intentionally for {kind.name}"))
             return fut
         data, bufs = _wire.dumps(obj, self.pickle_hook(to.id))
         timeout = self.resolve_timeout(timeout)

@@ -12,8 +12,8 @@ from typing import Any, Callable
 from ..futures import Future, collect_all
 from . import _devices, _wire, constants
 from ._agent import Agent, Reply
-from ._info import AsyncReturnTypeError, FunctionNotFoundError, MessageType as M, WorkerInfo
-from ._rref import RRef, RRefContext, set_current_context
+from ._info import AsyncReturnTypeError, FunctionNotFoundError, IntentionalFailureError, MessageType as M, WorkerInfo
+from ._rref import TIMED_OUT, RRef, RRefContext, set_current_context
 from .functions import _is_async, async_execution
 
 __all__ = ["rpc_sync", "rpc_async", "remote", "get_worker_info", "get_rpc_timeout", "_set_rpc_timeout",
@@ -162,8 +162,11 @@ def remote(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = No
 def _mark_timeout(rref: RRef[Any], f: Future[Any]) -> None:
     # Read the error without raising it: a raise would add this frame (which holds the
     # RRef) to the error's traceback, and the RRef would live as long as its future.
-    if isinstance(f._error, TimeoutError):
+    # torch's RRef::handleError: a timeout or an injected send failure marks the RRef timed out
+    if isinstance(f._error, (TimeoutError, IntentionalFailureError)):
         rref._timed_out = True
+        if rref.is_owner():
+            rref._value._try_complete(None, RuntimeError(TIMED_OUT))
 
 
 # ----- the callee's side --------------------------------------------------------------------

@@ -9,7 +9,7 @@ from typing import Any
 from ..errors import DistError, DistNetworkError
 
 __all__ = ["WorkerInfo", "MessageType", "RpcTimeoutError", "PeerLostError", "UnknownWorkerError",
-           "AgentShutDownError", "DuplicateNameError", "InvalidWorkerNameError", "AsyncReturnTypeError", "FunctionNotFoundError",
+           "AgentShutDownError", "DuplicateNameError", "InvalidWorkerNameError", "AsyncReturnTypeError", "FunctionNotFoundError", "IntentionalFailureError",
            "check_name"]
 
 _NAME = re.compile(r"^[A-Za-z0-9\-_:]*$")
@@ -75,6 +75,10 @@ class MessageType(enum.IntEnum):
 
 class RpcTimeoutError(DistError, TimeoutError):
     """A call did not complete within its timeout (torch: "RPC ran for more than set timeout")."""
+
+
+class IntentionalFailureError(DistError):
+    """A send the faulty test backend was told to fail ("Send attempt failed intentionally")."""
 
 
 class PeerLostError(DistNetworkError):

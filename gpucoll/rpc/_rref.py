@@ -136,10 +136,10 @@ class RRef(Generic[T]):
         Args:
             timeout: seconds (-1: the default RPC timeout; 0: none).
         """
-        if self.is_owner():
-            return self.local_value()
         if self._timed_out:
             raise RuntimeError(TIMED_OUT)
+        if self.is_owner():
+            return self.local_value()
         if self._deleted_on_owner:
             raise RuntimeError(f"User RRef with RRefId={_gid(self._rref_id)} and ForkId={_gid(self._fork_id)} has "
                                "been deleted. Cannot call to_here() on it after deletion.")
