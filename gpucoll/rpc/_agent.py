@@ -336,8 +336,10 @@ class Agent:
     def _finish(self, fut: Future[Any], value: Any, error: BaseException | None) -> None:
         """Complete a call's future. Its callbacks may block (torch allows a callback to wait on
         another call), so a future with callbacks completes on a pool thread, never on a
-        connection's reader or the timer; a plain wait is woken from here directly."""
-        if fut._callbacks and not self.closed:
+        connection's reader or the timer; a plain wait is woken from here directly, and so are
+        the library's own callbacks that never block (marked ``inline``)."""
+        callbacks = fut._callbacks
+        if callbacks and not self.closed and not all(getattr(cb, "inline", False) for cb in callbacks):
             self._jobs.put(functools.partial(_complete, fut, value, error))
         else:
             fut._try_complete(value, error)

@@ -141,6 +141,7 @@ def remote(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = No
         def owner_done(f: Future[Any]) -> None:
             _mark_timeout(rref, f)
             ctx.del_fork(rref._rref_id, rref._rref_id)
+        owner_done.inline = True  # type: ignore[attr-defined]  # never blocks: run on the reader
         fut.add_done_callback(owner_done)
     else:
         rref = ctx.new_user(info, ctx.new_id(), ctx.new_id())
@@ -154,6 +155,7 @@ def remote(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = No
         def user_done(f: Future[Any]) -> None:
             _mark_timeout(rref, f)
             ctx.confirm_user(rref._fork_id)  # type: ignore[arg-type]
+        user_done.inline = True  # type: ignore[attr-defined]  # never blocks: run on the reader
         fut.add_done_callback(user_done)
     rref._creation = fut
     return rref
