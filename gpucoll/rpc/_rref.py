@@ -410,6 +410,7 @@ class RRefContext:
                     t = threading.Timer(BACKOFF * 1.5 ** n, attempt, (n + 1,))
                     t.daemon = True
                     t.start()
+            done.inline = True  # type: ignore[attr-defined]  # never blocks: completes on the reader
             fut.add_done_callback(done)
 
         attempt(0)
