@@ -128,12 +128,12 @@ def failure_checks(tmp: str) -> dict[str, Any]:
         assert rpc.rpc_sync("victim", str.upper, args=("alive",)) == "ALIVE"
         pending = [rpc.rpc_async("victim", time.sleep, args=(30,)) for _ in range(3)]
         gpucoll.barrier()
+        t0 = time.monotonic()  # before the kill on every rank: the measured delay is an upper bound
+        gpucoll.barrier()
         if rank == 0:
             assert victim is not None
             victim.send_signal(signal.SIGKILL)
             victim.wait(timeout=10)
-        gpucoll.barrier()
-        t0 = time.monotonic()
         errors = []
         for f in pending:
             with pytest.raises(gpucoll.errors.DistError) as info:
