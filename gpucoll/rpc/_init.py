@@ -9,6 +9,7 @@ import socket
 import urllib.parse
 from typing import Any
 
+from ..errors import DistError
 from ..store import FileStore, PrefixStore, Store, TCPStore
 from .._env import STORE_HOSTED_ENV, STORE_TOKEN_ENV
 from .._rendezvous import _tcp_store, rendezvous
@@ -26,6 +27,15 @@ def make_store(options: Any, rank: int, world_size: int | None) -> tuple[Store, 
     """The job's store from ``options.init_method``, under the prefix ``rpc/<n>``."""
     timeout = store_timeout(options)
     url = urllib.parse.urlparse(options.init_method)
+    if url.scheme == "file":
+        # A FileStore opened without a world size: RPC's workers may share the file with a
+        # process group of another size (torch's tests do), and RPC does not own its lifetime.
+        if rank < 0:
+            raise ValueError(f"init_method={options.init_method!r} needs rank=; got rank={rank}")
+        path = urllib.parse.unquote(url.path)
+        if not path:
+            raise ValueError(f"init_method must look like file:///path/to/file; got {options.init_method!r}")
+        return PrefixStore(f"rpc/{next(_generation)}", FileStore(path, None, timeout=timeout)), rank, world_size
     if world_size is not None and url.scheme == "env":
         # torch's env:// for RPC takes world_size as given: an RPC group may be larger than
         # the launcher's job (a worker started by hand), so the launcher's count is no check.
@@ -48,10 +58,6 @@ def make_store(options: Any, rank: int, world_size: int | None) -> tuple[Store, 
         if rank < 0:
             raise ValueError("rank parameter missing: init_rpc(world_size=None) (a dynamic group) needs rank=")
         token = os.environ.get(STORE_TOKEN_ENV) or None
-        if url.scheme == "file":
-            path = urllib.parse.unquote(url.path)
-            store = FileStore(path, None, timeout=timeout)
-            return PrefixStore(f"rpc/{next(_generation)}", store), rank, world_size
         if url.scheme == "env":
             host, port = os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT", "0") or 0)
         elif url.scheme == "tcp":
@@ -106,6 +112,11 @@ def start_agent(store: Store, name: str, rank: int, world_size: int | None, opti
     Raises:
         ValueError: a name or rank that another worker already has.
     """
+    mine, theirs = ("group/dynamic", "group/static") if world_size is None else ("group/static", "group/dynamic")
+    if store.check([theirs]):
+        raise DistError("RPC group mixes statically and dynamically initialized members which is not supported. "
+                        f"This worker ({name!r}) asked for a {mine[6:]} group; the group's workers are {theirs[6:]}")
+    store.set(mine, b"1")
     listener, public = listen(options)
     try:
         record = json.dumps({"name": name, "host": public, "port": listener.getsockname()[1],
