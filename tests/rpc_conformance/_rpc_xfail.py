@@ -9,7 +9,6 @@ HANG = "hangs: no result within the 30 s a test may take"
 _HANG = HANG
 
 GPUCOLL: dict[str, str] = {
-    # error types and messages that differ from torch's
     # names torch has and gpucoll does not
     "test_duplicate_name": "uses torch.distributed.rendezvous(), which gpucoll does not have",
     # dynamic groups
@@ -19,14 +18,6 @@ GPUCOLL: dict[str, str] = {
     "test_world_size_one": HANG + " (not this test: rank 0's next init_rpc, after this test's world_size=1 "
                            "agent shut down, waits for ever for its peers in the store)",
     "test_worker_info_pickle": _HANG + " (a WorkerInfo sent and returned by rpc_sync)",
-    "test_callback_with_ret": _HANG + " (a then() callback's result as the chained future's value)",
-    # the faulty agent
-    "test_builtin_remote_message_dropped_timeout": _HANG + " (a dropped PYTHON_REMOTE_CALL: to_here() waits)",
-    "test_builtin_remote_message_dropped_timeout_to_self": _HANG + " (a dropped PYTHON_REMOTE_CALL to self)",
-    "test_udf_remote_message_dropped_timeout": _HANG + " (a dropped PYTHON_REMOTE_CALL: to_here() waits)",
-    "test_udf_remote_message_dropped_timeout_to_self": _HANG + " (a dropped PYTHON_REMOTE_CALL to self)",
-    "test_udf_remote_message_delay_timeout_to_self": _HANG + " (a delayed remote to self past its timeout)",
-    "test_remote_message_builtin_delay_timeout_to_self": _HANG + " (a delayed remote to self past its timeout)",
 }
 
 # torch.distributed.rpc 2.13 (TensorPipe) failing a ported test with NumPy arguments
