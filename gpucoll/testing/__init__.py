@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Mapping, Sequence
 
-from ._env import CPU_BIND_ENV
+from .._env import CPU_BIND_ENV
 
 __all__ = ["run_spmd", "SPMDError", "RankFailure"]
 
@@ -109,13 +109,13 @@ def run_spmd(
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1; got {world_size!r}")
-    from ._launch import binding
+    from .._launch import binding
 
     cpus = binding.plan(bind_to, world_size)
     _check_not_importing_main()
-    from .clusters.base import ClusterEnv
-    from .clusters.env import SOURCE, rank_environment
-    from .store import TCPStore
+    from ..clusters.base import ClusterEnv
+    from ..clusters.env import SOURCE, rank_environment
+    from ..store import TCPStore
 
     token = secrets.token_hex(16)
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
@@ -262,7 +262,7 @@ def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     faulthandler.register(_STACK_SIGNAL, file=sys.stderr, all_threads=True)
     os.environ.update(env)
     try:
-        from ._launch.binding import apply_from_env
+        from .._launch.binding import apply_from_env
 
         apply_from_env()
         import gpucoll

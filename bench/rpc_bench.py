@@ -1,0 +1,152 @@
+"""gpucoll.rpc against torch.distributed.rpc (TensorPipe) in the same run, same machine.
+
+Three worker processes per library (worker0 is the callee; worker1 measures; worker2 is
+the second caller of the fan-in row), started fresh for each library, alternating
+libraries ``--repeat`` times; each row's median over repeats is compared:
+
+- ``rpc_sync`` of a no-op: median round trip;
+- ``remote()`` + ``to_here()`` of a no-op: median;
+- echo of a 1 MiB and a 64 MiB float32 NumPy array: throughput (bytes both ways / time);
+- ``--fanin`` (10,000) ``rpc_async`` no-ops from worker1 and worker2 together to worker0:
+  time until all complete.
+
+Targets (issue 45): ratios gpucoll/torch <= 0.5, <= 0.5, >= 1.0 (throughput), <= 1.0.
+
+Usage::
+
+    python bench/rpc_bench.py [--calls 2000] [--fanin 10000] [--repeat 3] [--only gpucoll|torch]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+
+def noop() -> None:
+    return None
+
+
+def echo(x: Any) -> Any:
+    return x
+
+
+def _rpc(lib: str) -> Any:
+    if lib == "torch":
+        import torch.distributed.rpc as rpc
+    else:
+        import gpucoll.rpc as rpc
+    return rpc
+
+
+def fire(lib: str, to: str, n: int) -> float:
+    """Send ``n`` async no-ops to ``to``; seconds until all have completed."""
+    rpc = _rpc(lib)
+    t = time.perf_counter()
+    futs = [rpc.rpc_async(to, noop) for _ in range(n)]
+    for f in futs:
+        f.wait()
+    return time.perf_counter() - t
+
+
+def _median_time(fn: Any, n: int) -> float:
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure(lib: str, calls: int, fanin: int) -> dict[str, float]:
+    rpc = _rpc(lib)
+    out: dict[str, float] = {}
+    for _ in range(max(calls // 10, 20)):
+        rpc.rpc_sync("worker0", noop)
+    out["rpc_sync no-op (us)"] = _median_time(lambda: rpc.rpc_sync("worker0", noop), calls) * 1e6
+    out["remote+to_here (us)"] = _median_time(lambda: rpc.remote("worker0", noop).to_here(),
+                                              max(calls // 4, 20)) * 1e6
+    for label, mib, n in (("1 MiB", 1, max(calls // 20, 10)), ("64 MiB", 64, 5)):
+        a = np.ones(mib << 18, dtype=np.float32)
+        rpc.rpc_sync("worker0", echo, args=(a,))
+        t = _median_time(lambda: rpc.rpc_sync("worker0", echo, args=(a,)), n)
+        out[f"echo {label} (GB/s)"] = 2 * a.nbytes / t / 1e9
+    if fanin:
+        rpc.rpc_sync("worker0", noop)
+        rpc.rpc_sync("worker2", noop)
+        t = time.perf_counter()
+        other = rpc.rpc_async("worker2", fire, args=(lib, "worker0", fanin // 2))
+        fire(lib, "worker0", fanin - fanin // 2)
+        other.wait()
+        out[f"{fanin} rpc_async, 2 callers (ms)"] = (time.perf_counter() - t) * 1e3
+    return out
+
+
+def _worker(lib: str, rank: int, port: int, calls: int, fanin: int, q: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    rpc = _rpc(lib)
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=300)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3, rpc_backend_options=opts)
+    result = measure(lib, calls, fanin) if rank == 1 else None
+    rpc.shutdown()
+    if rank == 1:
+        q.put(result)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run(lib: str, calls: int, fanin: int) -> dict[str, float]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(lib, r, port, calls, fanin, q)) for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        result: dict[str, float] = q.get(timeout=600)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--fanin", type=int, default=10000)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--only", choices=("gpucoll", "torch"), default=None)
+    args = ap.parse_args(argv)
+    libs = [args.only] if args.only else ["gpucoll", "torch"]
+    runs: dict[str, list[dict[str, float]]] = {lib: [] for lib in libs}
+    for _ in range(args.repeat):
+        for lib in libs:
+            runs[lib].append(run(lib, args.calls, args.fanin))
+    rows = list(runs[libs[0]][0])
+    med = {lib: {k: statistics.median(r[k] for r in runs[lib]) for k in rows} for lib in libs}
+    print(f"{'row':34s}" + "".join(f"{lib:>12s}" for lib in libs) + ("   ratio" if len(libs) == 2 else ""))
+    for k in rows:
+        line = f"{k:34s}" + "".join(f"{med[lib][k]:12.1f}" for lib in libs)
+        if len(libs) == 2:
+            line += f"   {med['gpucoll'][k] / med['torch'][k]:.2f}x"
+        print(line)
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,526 @@
+"""The RPC agent: one listening port per worker, authenticated connections, pending calls.
+
+Each worker listens on its own port (bound as 0, published in the store). A caller dials
+a callee once, on first use, and sends its requests on that connection; replies come
+back on it, read by that connection's reader thread, which completes the calls'
+futures. Incoming requests are read by one thread per accepted connection and run by
+a pool of ``num_worker_threads`` threads.
+
+The caller's thread pickles and writes a request itself (one ``sendmsg``); the callee's
+reader hands it to a pool thread, which unpickles, runs, and writes the reply itself.
+
+A connection that breaks (the peer exited or was killed) fails every call pending on it
+at once, naming the peer, and marks the peer lost: later calls to it fail at once too.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+import logging
+import queue
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable, Iterable
+
+from ..futures import Future
+from . import _wire
+from ._faults import FaultSpec
+from ._info import AgentShutDownError, IntentionalFailureError, MessageType, PeerLostError, RpcTimeoutError, UnknownWorkerError, WorkerInfo
+
+__all__ = ["Agent", "Reply", "FLAG_REPLY", "FLAG_ERROR"]
+
+_log = logging.getLogger("gpucoll.rpc")
+
+FLAG_REPLY = 1
+FLAG_ERROR = 2
+MAX_FRAME_BYTES = 1 << 36
+HANDSHAKE_TIMEOUT = 10.0
+Handler = Callable[[int, Any, "Reply"], None]
+
+
+class _Conn:
+    __slots__ = ("sock", "lock", "peer", "closed")
+
+    def __init__(self, sock: socket.socket, peer: int) -> None:
+        self.sock = sock
+        self.lock = threading.Lock()
+        self.peer = peer
+        self.closed = False
+
+    def send(self, kind: int, flags: int, mid: int, data: Any, bufs: list[Any]) -> None:
+        with self.lock:
+            if self.closed:
+                raise OSError("the connection is closed")
+            _wire.send_frame(self.sock, kind, flags, mid, data, bufs)
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+class _Call:
+    __slots__ = ("fut", "peer", "what", "timeout")
+
+    def __init__(self, fut: Future[Any], peer: int, what: str, timeout: float) -> None:
+        self.fut = fut
+        self.peer = peer
+        self.what = what
+        self.timeout = timeout
+
+
+class Reply:
+    """How a handler answers one request (once): a value, an exception, or a future's outcome."""
+
+    __slots__ = ("agent", "conn", "mid", "kind", "done")
+
+    def __init__(self, agent: Agent, conn: _Conn | None, mid: int, kind: MessageType) -> None:
+        self.agent, self.conn, self.mid, self.kind, self.done = agent, conn, mid, kind, False
+
+    def ok(self, value: Any) -> None:
+        try:
+            data, bufs = _wire.dumps(value, self.agent.pickle_hook(self.conn.peer if self.conn else None))
+        except Exception as e:  # noqa: BLE001 -- an unpicklable result is the caller's error
+            self.fail(e)
+            return
+        self._send(0, data, bufs)
+
+    def fail(self, exc: BaseException, tb: str | None = None) -> None:
+        text = f"On {self.agent.info}:\n{exc!r}\n{tb if tb is not None else ''.join(traceback.format_exception(exc))}"
+        print(text, file=sys.stderr)  # the callee logs what it sends back, as torch's does
+        try:
+            data, bufs = _wire.dumps((type(exc), text))
+        except Exception:  # noqa: BLE001 -- a local exception class: the caller gets a RuntimeError
+            data, bufs = _wire.dumps((RuntimeError, text))
+        self._send(FLAG_ERROR, data, bufs)
+
+    def from_future(self, fut: Future[Any]) -> None:
+        try:
+            value = fut.wait()
+        except BaseException as e:  # noqa: BLE001
+            self.fail(e)
+        else:
+            self.ok(value)
+
+    def _send(self, flags: int, data: Any, bufs: list[Any]) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.agent.count_served(-1)
+        if self.conn is None:  # a call to ourselves
+            self.agent.on_reply(self.mid, flags, data, [bytearray(b) for b in bufs])
+            return
+        try:
+            self.conn.send(self.kind, flags | FLAG_REPLY, self.mid, data, bufs)
+        except OSError as e:
+            _log.debug("could not reply to worker id %d: %s", self.conn.peer, e)
+
+
+class Agent:
+    """One worker's RPC endpoint. Built by ``init_rpc``; the API module holds the only one."""
+
+    def __init__(self, store: Any, info: WorkerInfo, peers: dict[int, WorkerInfo], listener: socket.socket,
+                 addresses: dict[int, tuple[str, int]], options: Any, faults: FaultSpec | None) -> None:
+        self.store = store
+        self.info = info
+        self.options = options
+        self.timeout = float(options.rpc_timeout)
+        self.num_worker_threads = int(getattr(options, "num_worker_threads", 16))
+        self.device_maps: dict[str, dict[str, str]] = dict(getattr(options, "device_maps", {}) or {})
+        self.faults = faults
+        self.is_static_group = True
+        self.by_id: dict[int, WorkerInfo] = dict(peers)
+        self.by_name = {w.name: w for w in peers.values()}
+        self.addresses = dict(addresses)
+        self.key, self.secret = _wire.rpc_key(store)
+        self.handlers: dict[int, Handler] = {}
+        self.inline_kinds: frozenset[int] = frozenset()  # handlers that never block run on the reader
+        self.pickle_hook_factory: Callable[[int | None], Callable[[Any], Any] | None] = lambda _peer: None
+        self.lost: dict[int, str] = {}
+        self.closed = False
+        self._active = 0  # calls received and not yet answered
+        self._active_lock = threading.Lock()
+        self._listener = listener
+        self._out: dict[int, _Conn] = {}
+        self._incoming: set[_Conn] = set()
+        self._dial_locks: dict[int, threading.Lock] = {}
+        self._lock = threading.Lock()
+        self._pending: dict[int, _Call] = {}
+        self._ids = itertools.count(1)
+        self._heap: list[tuple[float, int]] = []
+        self._timer_cv = threading.Condition(threading.Lock())
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.idle_threads = 0
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        """Start serving (once the handlers are installed) and running timeouts."""
+        if self._threads:
+            return
+        self._threads = [self._spawn(self._accept_loop, "rpc-accept"), self._spawn(self._timer_loop, "rpc-timer")]
+        self._threads += [self._spawn(self._work_loop, f"rpc-worker-{i}") for i in range(self.num_worker_threads)]
+
+    # ----- workers ------------------------------------------------------------------------
+
+    def _spawn(self, fn: Callable[..., None], name: str, *args: Any) -> threading.Thread:
+        t = threading.Thread(target=fn, args=args, name=f"{name}:{self.info.name}", daemon=True)
+        t.start()
+        return t
+
+    def worker_info(self, to: Any = None) -> WorkerInfo:
+        """The WorkerInfo of a name, an id or a WorkerInfo (None: this worker)."""
+        if to is None:
+            return self.info
+        if isinstance(to, WorkerInfo):
+            return to
+        found = self.by_name.get(to) if isinstance(to, str) else (
+            self.by_id.get(to) if isinstance(to, int) and not isinstance(to, bool) else None)
+        if found is None:
+            if not isinstance(to, (str, int)):
+                raise ValueError(f"Cannot get WorkerInfo from name {to!r}: pass a worker name, id or WorkerInfo")
+            raise UnknownWorkerError(f"Unknown destination worker {to!r}: could not find destination among the "
+                                     f"workers {sorted(self.by_name)}")
+        return found
+
+    def worker_infos(self) -> list[WorkerInfo]:
+        return sorted(self.by_id.values(), key=lambda w: w.id)
+
+    # torch's RpcAgent names, for code (and torch's tests) that reach the agent directly
+    def get_worker_info(self, worker_name: Any = None) -> WorkerInfo:
+        return self.worker_info(worker_name)
+
+    def get_worker_infos(self) -> list[WorkerInfo]:
+        return self.worker_infos()
+
+    def get_debug_info(self) -> dict[str, str]:
+        return self.debug_info()
+
+    def _get_device_map(self, to: WorkerInfo) -> dict[str, str]:
+        return dict(self.device_maps.get(to.name, {}))
+
+    def pickle_hook(self, peer: int | None) -> Callable[[Any], Any] | None:
+        return self.pickle_hook_factory(peer)
+
+    # ----- sending ------------------------------------------------------------------------
+
+    def resolve_timeout(self, timeout: float) -> float:
+        """-1: the agent's default; 0: none (returned as 0)."""
+        t = self.timeout if timeout is None or timeout < 0 else float(timeout)
+        return t
+
+    def send(self, to: WorkerInfo, kind: MessageType, obj: Any, timeout: float = -1.0, what: str = "") -> Future[Any]:
+        """Send a request; the future completes with the reply's value or fails with its error.
+
+        Raises (synchronously, as torch): an unpicklable argument, an unknown worker.
+        """
+        fut: Future[Any] = Future()
+        if self.closed:
+            raise AgentShutDownError(f"RPC has been shut down on {self.info.name}: cannot send {kind.name} to "
+                                     f"{to.name}")
+        what = what or kind.name
+        if self.faults is not None and self.faults.should_fail(kind.name):
+            fut.set_exception(IntentionalFailureError(f"Send attempt failed intentionally for {kind.name}"))
+            return fut
+        data, bufs = _wire.dumps(obj, self.pickle_hook(to.id))
+        timeout = self.resolve_timeout(timeout)
+        mid = next(self._ids)
+        call = _Call(fut, to.id, what, timeout)
+        self._pending[mid] = call
+        if timeout > 0:
+            deadline = time.monotonic() + timeout
+            with self._timer_cv:
+                heap = self._heap
+                if len(heap) > 4096 and len(heap) > 4 * len(self._pending):
+                    # Calls that completed long before their deadline: drop their entries.
+                    heap[:] = [e for e in heap if e[1] in self._pending]
+                    heapq.heapify(heap)
+                heapq.heappush(heap, (deadline, mid))
+                if self._heap[0][1] == mid:
+                    self._timer_cv.notify()
+        delay = self.faults.delay(kind.name) if self.faults is not None else 0.0
+        if delay > 0:
+            timer = threading.Timer(delay, self._transmit, (to, kind, mid, data, bufs, False))
+            timer.daemon = True
+            timer.start()
+        else:
+            self._transmit(to, kind, mid, data, bufs)
+        return fut
+
+    def _transmit(self, to: WorkerInfo, kind: MessageType, mid: int, data: Any, bufs: list[Any],
+                  raising: bool = True) -> None:
+        if to.id == self.info.id:
+            self.count_served(1)
+            reply = Reply(self, None, mid, kind)
+            copied = [bytearray(_wire._flat(b)) for b in bufs]
+            self._jobs.put(lambda: self.dispatch(self.info.id, kind, data, copied, reply))
+            return
+        try:
+            reason = self.lost.get(to.id)
+            if reason is not None:
+                raise PeerLostError(reason)
+            self._conn_to(to).send(kind, 0, mid, data, bufs)
+        except (OSError, EOFError, PeerLostError, AgentShutDownError) as e:
+            call = self._pending.pop(mid, None)
+            if call is not None:
+                err = e if isinstance(e, (PeerLostError, AgentShutDownError)) else PeerLostError(
+                    f"RPC {call.what} to {to} failed: could not send to it ({e})")
+                call.fut._try_complete(None, err)
+        except Exception as e:  # noqa: BLE001 -- a local error (a buffer that cannot be sent)
+            call = self._pending.pop(mid, None)
+            if raising:
+                raise
+            if call is not None:
+                call.fut._try_complete(None, e)
+
+    def _conn_to(self, to: WorkerInfo) -> _Conn:
+        conn = self._out.get(to.id)
+        if conn is not None:
+            return conn
+        with self._lock:
+            lock = self._dial_locks.setdefault(to.id, threading.Lock())
+        with lock:
+            conn = self._out.get(to.id)
+            if conn is not None:
+                return conn
+            host, port = self.addresses[to.id]
+            try:
+                sock = socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                _wire.dial_handshake(sock, self.key, self.info.id, to.id)
+                sock.settimeout(None)
+            except Exception as e:  # noqa: BLE001
+                reason = f"cannot connect to worker {to.name} (id {to.id}) at {host}:{port}: {e}"
+                if isinstance(e, (ConnectionRefusedError, ConnectionResetError, EOFError)):
+                    self.lost[to.id] = f"worker {to.name} (id {to.id}) is gone: {reason}"
+                raise PeerLostError(reason) from e
+            conn = _Conn(sock, to.id)
+            if self.closed:
+                conn.close()
+                raise AgentShutDownError(f"RPC has been shut down on {self.info.name}")
+            self._out[to.id] = conn
+            self._spawn(self._reply_loop, f"rpc-out-{to.id}", conn)
+            return conn
+
+    def _reply_loop(self, conn: _Conn) -> None:
+        reader = _wire.FrameReader(conn.sock, MAX_FRAME_BYTES)
+        try:
+            while True:
+                kind, flags, mid, data, bufs = reader.read()
+                if not flags & FLAG_REPLY:
+                    raise _wire.FrameError(f"a request (kind {kind}) on a reply connection")
+                self.on_reply(mid, flags, data, bufs)
+        except Exception as e:  # noqa: BLE001 -- the connection is over; say why to its calls
+            self._peer_lost(conn, e)
+
+    def on_reply(self, mid: int, flags: int, data: Any, bufs: list[bytearray]) -> None:
+        call = self._pending.pop(mid, None)
+        if call is None:
+            return  # timed out already
+        try:
+            if flags & FLAG_ERROR:
+                exc_type, text = _wire.loads(data, bufs)
+                self._finish(call.fut, None, _rebuild(exc_type, text))
+            else:
+                self._finish(call.fut, _wire.loads(data, bufs), None)
+        except Exception as e:  # noqa: BLE001 -- e.g. the reply names a class this worker cannot import
+            self._finish(call.fut, None, e)
+
+    def _finish(self, fut: Future[Any], value: Any, error: BaseException | None) -> None:
+        """Complete a call's future. Its callbacks may block (torch allows a callback to wait on
+        another call), so a future with callbacks completes on a pool thread, never on a
+        connection's reader or the timer; a plain wait is woken from here directly, and so are
+        the library's own callbacks that never block (marked ``inline``)."""
+        callbacks = fut._callbacks
+        if callbacks and not self.closed and not all(getattr(cb, "inline", False) for cb in callbacks):
+            self._jobs.put(functools.partial(_complete, fut, value, error))
+        else:
+            fut._try_complete(value, error)
+
+    def _peer_lost(self, conn: _Conn, exc: BaseException) -> None:
+        peer = self.by_id.get(conn.peer)
+        name = f"worker {peer.name} (id {conn.peer})" if peer else f"worker id {conn.peer}"
+        why = "closed the connection" if isinstance(exc, EOFError) else f"broke the connection: {exc}"
+        reason = f"{name} {why} (it exited, was killed, or shut down)"
+        with self._lock:
+            if self._out.get(conn.peer) is conn:
+                del self._out[conn.peer]
+            if not self.closed:
+                self.lost.setdefault(conn.peer, reason)
+        conn.close()
+        self.fail_pending(lambda c: c.peer == conn.peer, lambda c: PeerLostError(f"RPC {c.what} to {name} failed: {reason}"))
+
+    def fail_pending(self, which: Callable[[_Call], bool], error: Callable[[_Call], BaseException]) -> None:
+        for mid, call in list(self._pending.items()):
+            if which(call) and self._pending.pop(mid, None) is not None:
+                self._finish(call.fut, None, error(call))
+
+    @property
+    def active_server(self) -> int:
+        """Calls received and not yet answered."""
+        return self._active
+
+    def count_served(self, delta: int) -> None:
+        with self._active_lock:
+            self._active += delta
+
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def drain(self, deadline: float | None) -> None:
+        """Wait until this worker has no call pending and serves none (or the deadline passes)."""
+        while self._pending or self.active_server > 0:
+            if deadline is not None and time.monotonic() > deadline:
+                raise AgentShutDownError(f"shutdown on {self.info.name}: {len(self._pending)} calls still pending "
+                                         f"and {self.active_server} being served after the timeout")
+            time.sleep(0.002)
+
+    # ----- timeouts -----------------------------------------------------------------------
+
+    def _timer_loop(self) -> None:
+        cv = self._timer_cv
+        while not self.closed:
+            with cv:
+                now = time.monotonic()
+                due = []
+                while self._heap and self._heap[0][0] <= now:
+                    due.append(heapq.heappop(self._heap)[1])
+                if not due:
+                    cv.wait(None if not self._heap else self._heap[0][0] - now)
+                    continue
+            for mid in due:
+                call = self._pending.pop(mid, None)
+                if call is not None:
+                    self._finish(call.fut, None, RpcTimeoutError(
+                        f"RPC ran for more than set timeout ({call.timeout * 1000:.0f} ms) and will now be marked "
+                        f"with an error: {call.what} to {self.by_id.get(call.peer, call.peer)}"))
+            call = None  # what the callbacks held (an RRef among them) is not kept alive by this loop
+
+    # ----- serving ------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self.closed:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            self._spawn(self._serve_conn, "rpc-in", sock)
+
+    def _serve_conn(self, sock: socket.socket) -> None:
+        try:
+            sock.settimeout(HANDSHAKE_TIMEOUT)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            peer = _wire.listen_handshake(sock, self.key, self.info.id, self.secret,
+                                          lambda p: p != self.info.id and p >= 0)
+            sock.settimeout(None)
+        except Exception as e:  # noqa: BLE001 -- an unauthenticated connection is dropped, unread
+            _log.warning("gpucoll.rpc: %s refused a connection: %s", self.info.name, e)
+            sock.close()
+            return
+        conn = _Conn(sock, peer)
+        with self._lock:
+            if self.closed:
+                conn.close()
+                return
+            self._incoming.add(conn)
+        reader = _wire.FrameReader(sock, MAX_FRAME_BYTES)
+        jobs = self._jobs
+        try:
+            while True:
+                kind, flags, mid, data, bufs = reader.read()
+                if flags & FLAG_REPLY or kind not in self.handlers:
+                    raise _wire.FrameError(f"an unexpected frame (kind {kind}, flags {flags})")
+                reply = Reply(self, conn, mid, MessageType(kind))
+                self.count_served(1)
+                if kind in self.inline_kinds:
+                    self.dispatch(peer, kind, data, bufs, reply)
+                else:
+                    jobs.put(functools.partial(self.dispatch, peer, kind, data, bufs, reply))
+        except Exception as e:  # noqa: BLE001
+            if not isinstance(e, (EOFError, OSError)):
+                _log.warning("gpucoll.rpc: %s closed its connection from worker id %d: %s", self.info.name, peer, e)
+        finally:
+            with self._lock:
+                self._incoming.discard(conn)
+            conn.close()
+
+    def dispatch(self, src: int, kind: int, data: Any, bufs: list[bytearray], reply: Reply) -> None:
+        """Run the handler of a request of ``kind`` (on a pool thread)."""
+        try:
+            self.handlers[kind](src, (data, bufs), reply)
+        except BaseException as e:  # noqa: BLE001 -- the caller gets it
+            reply.fail(e)
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job`` on a pool thread (safe to call from ``__del__``: SimpleQueue.put is reentrant)."""
+        self._jobs.put(job)
+
+    def _work_loop(self) -> None:
+        jobs = self._jobs
+        while True:
+            self.idle_threads += 1
+            job = jobs.get()
+            self.idle_threads -= 1
+            if job is None:
+                return
+            try:
+                job()
+            except Exception:  # noqa: BLE001
+                _log.exception("gpucoll.rpc: a background job failed")
+            job = None  # drop the finished call's arguments now: an RRef among them is deleted at once
+
+    # ----- shutdown -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop serving, close every connection, fail what is still pending."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            conns: Iterable[_Conn] = [*self._out.values(), *self._incoming]
+            self._out.clear()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        for c in conns:
+            c.close()
+        with self._timer_cv:
+            self._timer_cv.notify()
+        for _ in range(self.num_worker_threads):
+            self._jobs.put(None)
+        self.fail_pending(lambda c: True, lambda c: AgentShutDownError(
+            f"RPC {c.what} to {self.by_id.get(c.peer, c.peer)} failed: RPC was shut down on {self.info.name}"))
+
+    def debug_info(self) -> dict[str, str]:
+        return {"agent.thread_pool_size": str(self.num_worker_threads),
+                "agent.num_idle_threads": str(self.idle_threads),
+                "agent.client_active_calls": str(len(self._pending)),
+                "agent.server_active_calls": str(self.active_server),
+                "agent.server_active_async_calls": "0",
+                "agent.gil_average_wait_time_us": "0"}
+
+
+def _complete(fut: Future[Any], value: Any, error: BaseException | None) -> None:
+    fut._try_complete(value, error)
+
+
+def _rebuild(exc_type: Any, text: str) -> BaseException:
+    """The remote exception as its own type with the remote message (torch's rule)."""
+    if text.isascii():  # torch unescapes the repr's "\\n" so the message reads as written
+        text = text.encode("ascii").decode("unicode_escape")
+    if not (isinstance(exc_type, type) and issubclass(exc_type, BaseException)):
+        return RuntimeError(text)
+    try:
+        return exc_type(text)
+    except Exception as e:  # noqa: BLE001
+        return RuntimeError(f"Failed to create original exception type. Error msg was {e} Original exception on "
+                            f"remote side was {text}")

@@ -1,0 +1,24 @@
+"""Ported tests that fail today, by test name, with the reason: the pytest file marks
+them ``xfail(strict=True)``, so a fix that makes one pass turns the suite red until its
+entry is removed here. docs/torch-differences.md (RPC) lists the GPUCOLL entries.
+"""
+
+from __future__ import annotations
+
+HANG = "hangs: no result within the 30 s a test may take"
+_HANG = HANG
+
+GPUCOLL: dict[str, str] = {
+    # names torch has and gpucoll does not
+    "test_duplicate_name": "uses torch.distributed.rendezvous(), which gpucoll does not have",
+    # dynamic groups
+    "test_dynamic_rpc_init_rpc_without_rank": "init_rpc without a rank says \"init_method=... needs rank=\"; "
+                                              "torch's test matches \"rank parameter missing\"",
+    # hangs
+    "test_world_size_one": HANG + " (not this test: rank 0's next init_rpc, after this test's world_size=1 "
+                           "agent shut down, waits for ever for its peers in the store)",
+    "test_worker_info_pickle": _HANG + " (a WorkerInfo sent and returned by rpc_sync)",
+}
+
+# torch.distributed.rpc 2.13 (TensorPipe) failing a ported test with NumPy arguments
+TORCH: dict[str, str] = {}
