@@ -19,6 +19,7 @@ import functools
 import heapq
 import itertools
 import logging
+import pickle
 import queue
 import socket
 import sys
@@ -41,6 +42,8 @@ FLAG_ERROR = 2
 MAX_FRAME_BYTES = 1 << 36
 HANDSHAKE_TIMEOUT = 10.0
 Handler = Callable[[int, Any, "Reply"], None]
+_NO_HOOK: Any = object()
+_NONE_PICKLE = pickle.dumps(None, protocol=5)
 
 
 class _Conn:
@@ -56,7 +59,11 @@ class _Conn:
         with self.lock:
             if self.closed:
                 raise OSError("the connection is closed")
-            _wire.send_frame(self.sock, kind, flags, mid, data, bufs)
+            _sending.active = True  # a finalizer run by the GC in here must not send on this thread
+            try:
+                _wire.send_frame(self.sock, kind, flags, mid, data, bufs)
+            finally:
+                _sending.active = False
 
     def close(self) -> None:
         self.closed = True
@@ -65,6 +72,9 @@ class _Conn:
         except OSError:
             pass
         self.sock.close()
+
+
+_sending = threading.local()  # .active: this thread holds a connection's send lock; .reader: a reader
 
 
 class _Call:
@@ -86,6 +96,9 @@ class Reply:
         self.agent, self.conn, self.mid, self.kind, self.done = agent, conn, mid, kind, False
 
     def ok(self, value: Any) -> None:
+        if value is None:  # most control replies and no-op calls: no pickling at all
+            self._send(0, _NONE_PICKLE, [])
+            return
         try:
             data, bufs = _wire.dumps(value, self.agent.pickle_hook(self.conn.peer if self.conn else None))
         except Exception as e:  # noqa: BLE001 -- an unpicklable result is the caller's error
@@ -145,6 +158,7 @@ class Agent:
         self.inline_kinds: frozenset[int] = frozenset()  # handlers that never block run on the reader
         self.pickle_hook_factory: Callable[[int | None], Callable[[Any], Any] | None] = lambda _peer: None
         self.lost: dict[int, str] = {}
+        self._hooks: dict[int | None, Callable[[Any], Any] | None] = {}
         self.closed = False
         self._active = 0  # calls received and not yet answered
         self._active_lock = threading.Lock()
@@ -207,7 +221,22 @@ class Agent:
         return dict(self.device_maps.get(to.name, {}))
 
     def pickle_hook(self, peer: int | None) -> Callable[[Any], Any] | None:
-        return self.pickle_hook_factory(peer)
+        hook = self._hooks.get(peer, _NO_HOOK)
+        if hook is _NO_HOOK:
+            hook = self._hooks[peer] = self.pickle_hook_factory(peer)
+        return hook  # type: ignore[no-any-return]
+
+    def peers_changed(self) -> None:
+        """A worker joined or left: the pickling hooks (device maps per peer) are made anew."""
+        self._hooks = {}
+
+    def can_send_here(self, to: int) -> bool:
+        """Whether a finalizer running on this thread may send to worker ``to`` itself (no
+        hand-off to the pool): the connection is up and this thread holds none of the
+        agent's locks a send takes."""
+        here = _sending.__dict__
+        return (not self.closed and to in self._out and not here.get("active") and not here.get("reader")
+                and not self._lock.locked())
 
     # ----- sending ------------------------------------------------------------------------
 
@@ -310,6 +339,7 @@ class Agent:
             return conn
 
     def _reply_loop(self, conn: _Conn) -> None:
+        _sending.reader = True  # a reader never sends for a finalizer: it must keep reading
         reader = _wire.FrameReader(conn.sock, MAX_FRAME_BYTES)
         try:
             while True:
@@ -430,6 +460,7 @@ class Agent:
                 conn.close()
                 return
             self._incoming.add(conn)
+        _sending.reader = True
         reader = _wire.FrameReader(sock, MAX_FRAME_BYTES)
         jobs = self._jobs
         try:

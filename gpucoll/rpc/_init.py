@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import socket
 import urllib.parse
 from typing import Any
 
-from ..errors import DistError
+from ..errors import DistError, DistStoreTimeoutError
 from ..store import FileStore, PrefixStore, Store, TCPStore
 from .._env import STORE_HOSTED_ENV, STORE_TOKEN_ENV
 from .._rendezvous import _tcp_store, rendezvous
@@ -20,22 +19,35 @@ from ._faults import FaultSpec
 
 __all__ = ["make_store", "start_agent", "listen"]
 
-_generation = itertools.count()  # torch's _init_counter: each init_rpc of a process gets its own keys
+def _generation(store: Store, rank: int) -> str:
+    """The prefix ``rpc/<n>`` of this init_rpc's keys, ``n`` this rank's count of its init_rpc calls on
+    this store.
+
+    Each init_rpc of a group gets keys of its own (torch's ``_init_counter``), and every rank
+    of the group must agree on them. A count per process would not: a rank that also ran a
+    group of its own on another store (``world_size=1``) would be one ahead of the others and
+    wait for ever under a prefix nobody else writes. Counted in the store itself, per rank,
+    the ``n``-th group a rank joins on a store is the ``n``-th of every other rank on it.
+    """
+    return f"rpc/{store.add(f'rpc-inits/{rank}', 1)}"
 
 
 def make_store(options: Any, rank: int, world_size: int | None) -> tuple[Store, int, int | None]:
-    """The job's store from ``options.init_method``, under the prefix ``rpc/<n>``."""
+    """The job's store from ``options.init_method``, under the prefix ``rpc/<n>`` (see
+    :func:`_generation`)."""
     timeout = store_timeout(options)
     url = urllib.parse.urlparse(options.init_method)
     if url.scheme == "file":
         # A FileStore opened without a world size: RPC's workers may share the file with a
         # process group of another size (torch's tests do), and RPC does not own its lifetime.
         if rank < 0:
-            raise ValueError(f"init_method={options.init_method!r} needs rank=; got rank={rank}")
+            raise ValueError(f"rank parameter missing: init_method={options.init_method!r} (a file store) needs "
+                             f"rank=; got rank={rank}")
         path = urllib.parse.unquote(url.path)
         if not path:
             raise ValueError(f"init_method must look like file:///path/to/file; got {options.init_method!r}")
-        return PrefixStore(f"rpc/{next(_generation)}", FileStore(path, None, timeout=timeout)), rank, world_size
+        files = FileStore(path, None, timeout=timeout)
+        return PrefixStore(_generation(files, rank), files), rank, world_size
     if world_size is not None and url.scheme == "env":
         # torch's env:// for RPC takes world_size as given: an RPC group may be larger than
         # the launcher's job (a worker started by hand), so the launcher's count is no check.
@@ -74,7 +86,7 @@ def make_store(options: Any, rank: int, world_size: int | None) -> tuple[Store, 
     # Closing RPC closes its store connection (the server too, where this worker hosts it);
     # a FileStore stays: closing it may remove the file while another worker still reads it.
     owns = not isinstance(store, FileStore)
-    return PrefixStore(f"rpc/{next(_generation)}", store, owns_store=owns), rank, world_size
+    return PrefixStore(_generation(store, rank), store, owns_store=owns), rank, world_size
 
 
 def _addresses(options: Any) -> tuple[str, str]:
@@ -105,6 +117,20 @@ def listen(options: Any) -> tuple[socket.socket, str]:
     return sock, public
 
 
+def _published(store: Store, name: str, rank: int, world_size: int, timeout: float) -> list[bytes]:
+    """Every worker's record; after ``timeout`` an error naming the ranks that never published."""
+    keys = [f"worker/{r}" for r in range(world_size)]
+    try:
+        return store.multi_get(keys, timeout=timeout)
+    except DistStoreTimeoutError as e:
+        missing = [r for r in range(world_size) if not store.check([keys[r]])]
+        where = getattr(store, "prefix", "")
+        raise DistStoreTimeoutError(
+            f"init_rpc({name!r}, rank={rank}, world_size={world_size}) waited {timeout:g} s for the workers of "
+            f"ranks {missing} to publish their addresses in the store (keys {where}/worker/<rank>); they never "
+            f"joined this group") from e
+
+
 def start_agent(store: Store, name: str, rank: int, world_size: int | None, options: Any,
                 faults: FaultSpec | None = None) -> Agent:
     """Publish this worker, learn the others (all of them: a static group), start the agent.
@@ -127,7 +153,7 @@ def start_agent(store: Store, name: str, rank: int, world_size: int | None, opti
         if world_size is None:
             return join_dynamic(store, name, rank, record, listener, options, faults)
         timeout = store_timeout(options)
-        raw = store.multi_get([f"worker/{r}" for r in range(world_size)], timeout=timeout)
+        raw = _published(store, name, rank, world_size, timeout)
         records = {r: json.loads(v) for r, v in enumerate(raw)}
         return build_agent(store, rank, records, listener, options, faults)
     except BaseException:

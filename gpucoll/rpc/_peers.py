@@ -45,9 +45,11 @@ def add_peer(agent: Agent, rank: int, rec: dict[str, Any]) -> None:
     agent.addresses[rank] = (rec["host"], int(rec["port"]))
     agent.peer_maps[info.name] = rec.get("maps", {})  # type: ignore[attr-defined]
     agent.lost.pop(rank, None)
+    agent.peers_changed()
 
 
 def remove_peer(agent: Agent, rank: int) -> None:
     info = agent.by_id.pop(rank, None)
     if info is not None:
         agent.by_name.pop(info.name, None)
+    agent.peers_changed()

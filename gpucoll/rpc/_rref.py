@@ -210,10 +210,15 @@ class RRef(Generic[T]):
         return f"UserRRef(RRefId = {_gid(self._rref_id)}, ForkId = {_gid(self._fork_id)})"
 
     def __del__(self) -> None:
-        if getattr(self, "_fork_id", None) is not None and not self._deleted_on_owner:
+        fork_id = getattr(self, "_fork_id", None)
+        if fork_id is not None and not self._deleted_on_owner:
+            ctx, owner, rref_id = self._ctx, self._owner, self._rref_id
             try:
-                self._ctx.agent.submit(lambda c=self._ctx, r=self._rref_id, f=self._fork_id, o=self._owner:
-                                       c.delete_user(o, r, f))
+                if ctx.agent.can_send_here(owner.id):
+                    # Sent from this thread: no hand-off to a pool thread for every deleted RRef.
+                    ctx.delete_user(owner, rref_id, fork_id)
+                else:  # the GC ran this inside a send, or the connection is not up: a pool thread sends it
+                    ctx.agent.submit(lambda: ctx.delete_user(owner, rref_id, fork_id))
             except Exception:  # noqa: BLE001 -- interpreter teardown
                 pass
 

@@ -59,6 +59,22 @@ def dynamic_checks(tmp: str) -> dict[str, Any]:
     with pytest.raises(ValueError, match="'dup' is not unique"):
         rpc.init_rpc("x" if rank == 2 else "dup", rank=rank, world_size=3, rpc_backend_options=opts)
     gpucoll.barrier()
+
+    # a rank that ran a group of its own (world_size=1, another store) joins the next group of
+    # all ranks: each init's keys are counted per rank in the store, not per process
+    if rank == 0:
+        rpc.init_rpc("solo", rank=0, world_size=1,
+                     rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method=f"file://{tmp}/solo"))
+        assert rpc.rpc_sync("solo", operator.add, args=(2, 3)) == 5
+        rpc.shutdown()
+    gpucoll.barrier()
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{tmp}/after", rpc_timeout=20)
+    t0 = time.monotonic()
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=3, rpc_backend_options=opts)
+    assert time.monotonic() - t0 < 15
+    assert rpc.rpc_sync(f"w{(rank + 1) % 3}", echo, args=(rpc.get_worker_info(),)) == rpc.get_worker_info()
+    rpc.shutdown()
+    gpucoll.barrier()
     for bad in ("has space", "a" * 128):
         with pytest.raises(ValueError):
             rpc.init_rpc(bad, rank=rank, world_size=3)
@@ -131,3 +147,20 @@ def test_dynamic_group_and_duplicate_names(tmp_path: Any) -> None:
 
 def test_faulty_backend_and_device_arrays() -> None:
     assert all(r["ok"] for r in run_spmd(faulty_checks, 3, init=False, timeout=120))
+
+
+def test_joining_waits_name_the_missing_ranks(tmp_path: Any) -> None:
+    from gpucoll.errors import DistStoreTimeoutError
+    from gpucoll.rpc import _init
+    from gpucoll.store import FileStore, PrefixStore
+
+    files = FileStore(str(tmp_path / "store"), None, timeout=5)
+    # each rank counts its own inits on a store: the n-th group of one rank is the n-th of all
+    assert [_init._generation(files, 0), _init._generation(files, 0), _init._generation(files, 1)] == \
+        ["rpc/1", "rpc/2", "rpc/1"]
+    store = PrefixStore("rpc/1", files)
+    store.set("worker/0", "{}")
+    t0 = time.monotonic()
+    with pytest.raises(DistStoreTimeoutError, match=r"waited 0.3 s for the workers of ranks \[1, 2\].*rpc/1/worker"):
+        _init._published(store, "me", 0, 3, 0.3)
+    assert time.monotonic() - t0 < 5

@@ -86,6 +86,13 @@ def wait_for(pred: Callable[[], bool], what: str, timeout: float = 10.0) -> None
         time.sleep(0.01)
 
 
+def owner_has(*rref_ids: Any) -> list[bool]:
+    """On the owner: whether it still holds each RRef (a fork of it is alive)."""
+    ctx = rpc._get_current_rpc_agent().rrefs
+    with ctx.lock:
+        return [rid in ctx.owners for rid in rref_ids]
+
+
 def flushed() -> None:
     wait_for(lambda: counters()["num_pending_users"] == 0 and counters()["num_pending_futures"] == 0, "flush")
 
@@ -182,6 +189,40 @@ def rref_checks() -> dict[str, Any]:
     time.sleep(1.0)  # the slow call completes on its owner
     barrier()
     wait_for(lambda: counters()["num_forks"] == 0 and counters()["num_owner_rrefs"] == 0, "everything deleted")
+    barrier()
+
+    # a user RRef deleted on a caller's thread tells its owner from that thread, with every
+    # pool thread of the caller busy; deleted inside a send (the GC runs finalizers anywhere)
+    # it is left to a pool thread, sent once one is free
+    if rank == 0:
+        import threading
+
+        from gpucoll.rpc import _agent
+
+        agent = rpc._get_current_rpc_agent()
+        gate = threading.Event()
+        try:
+            for _ in range(agent.num_worker_threads):
+                agent.submit(lambda: gate.wait(30))
+            wait_for(lambda: agent.idle_threads == 0, "a busy pool")
+            direct, deferred = rpc.remote(nxt, np.ones, args=(2,)), rpc.remote(nxt, np.ones, args=(3,))
+            direct.to_here(), deferred.to_here()
+            ids = direct._rref_id, deferred._rref_id
+            assert rpc.rpc_sync(nxt, owner_has, args=ids) == [True, True]
+            del direct
+            gc.collect()
+            wait_for(lambda: rpc.rpc_sync(nxt, owner_has, args=ids) == [False, True], "the direct delete", 5.0)
+            _agent._sending.active = True
+            try:
+                del deferred
+                gc.collect()
+            finally:
+                _agent._sending.active = False
+            time.sleep(0.3)
+            assert rpc.rpc_sync(nxt, owner_has, args=ids) == [False, True]
+        finally:
+            gate.set()
+        wait_for(lambda: rpc.rpc_sync(nxt, owner_has, args=ids) == [False, False], "the deferred delete", 5.0)
     barrier()
 
     # shutdown deletes the user RRefs still held: the owners end with nothing

@@ -11,13 +11,6 @@ _HANG = HANG
 GPUCOLL: dict[str, str] = {
     # names torch has and gpucoll does not
     "test_duplicate_name": "uses torch.distributed.rendezvous(), which gpucoll does not have",
-    # dynamic groups
-    "test_dynamic_rpc_init_rpc_without_rank": "init_rpc without a rank says \"init_method=... needs rank=\"; "
-                                              "torch's test matches \"rank parameter missing\"",
-    # hangs
-    "test_world_size_one": HANG + " (not this test: rank 0's next init_rpc, after this test's world_size=1 "
-                           "agent shut down, waits for ever for its peers in the store)",
-    "test_worker_info_pickle": _HANG + " (a WorkerInfo sent and returned by rpc_sync)",
 }
 
 # torch.distributed.rpc 2.13 (TensorPipe) failing a ported test with NumPy arguments
