@@ -15,7 +15,7 @@ from .store import FileStore, PrefixStore, Store, TCPStore
 from .store._client import is_local_host
 from .store._relay import relay_address, relay_client
 
-__all__ = ["rendezvous"]
+__all__ = ["rendezvous", "tcp_store"]
 
 
 def rendezvous(init_method: str, rank: int, world_size: int, timeout: float) -> tuple[Store, int, int]:
@@ -35,7 +35,7 @@ def rendezvous(init_method: str, rank: int, world_size: int, timeout: float) -> 
         host, port = url.hostname, url.port
         if not host or port is None:
             raise ValueError(f"init_method must look like tcp://host:port; got {init_method!r}")
-        return _tcp_store(host, port, rank, world_size, False, timeout, token), rank, world_size
+        return tcp_store(host, port, rank, world_size, False, timeout, token), rank, world_size
     if url.scheme == "file":
         if world_size < 1 or rank < 0:
             raise ValueError(f"init_method={init_method!r} needs rank and world_size; got rank={rank}, "
@@ -79,7 +79,7 @@ def _env_rendezvous(rank: int, world_size: int, timeout: float, token: str | Non
             port = int(raw_port)
         except ValueError:
             raise ValueError(f"MASTER_PORT must be an integer; got {raw_port!r}") from None
-    store = _tcp_store(addr, port, rank, world_size, hosted, timeout, token)
+    store = tcp_store(addr, port, rank, world_size, hosted, timeout, token)
     # -- torchrun (begin) ----------------------------------------------------------------
     # torchrun's agent store outlives a restart of its workers: each attempt gets its own
     # namespace so that restarted workers never read the previous attempt's keys.
@@ -128,8 +128,11 @@ def _warn_if_open(host: str, port: int, world_size: int, token: str | None) -> N
         RuntimeWarning, stacklevel=4)
 
 
-def _tcp_store(host: str, port: int, rank: int, world_size: int, hosted: bool, timeout: float,
-               token: str | None) -> Store:
+def tcp_store(host: str, port: int, rank: int, world_size: int, hosted: bool, timeout: float,
+              token: str | None) -> Store:
+    """The job's TCPStore at ``host:port``: served here by rank 0 unless ``hosted`` (a
+    launcher serves it; through this node's relay where there is one), joined otherwise.
+    RPC's env:// uses it too, with the RPC group's own world size."""
     _warn_if_open(host, port, world_size, token)
     if hosted:
         relay = relay_address()

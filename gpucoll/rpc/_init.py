@@ -11,7 +11,7 @@ from typing import Any
 from ..errors import DistError, DistStoreTimeoutError
 from ..store import FileStore, PrefixStore, Store, TCPStore
 from .._env import STORE_HOSTED_ENV, STORE_TOKEN_ENV
-from .._rendezvous import _tcp_store, rendezvous
+from .._rendezvous import rendezvous, tcp_store
 from ._agent import Agent
 from ._members import join_dynamic
 from ._peers import build_agent, store_timeout
@@ -57,7 +57,7 @@ def make_store(options: Any, rank: int, world_size: int | None) -> tuple[Store, 
         if rank < 0 or not host or not raw.isdigit():
             raise ValueError(f"init_method='env://' needs MASTER_ADDR, MASTER_PORT and RANK (or rank=); got "
                              f"MASTER_ADDR={host!r}, MASTER_PORT={raw!r}, rank={rank}")
-        store = _tcp_store(host, int(raw), rank, world_size, os.environ.get(STORE_HOSTED_ENV) == "1", timeout,
+        store = tcp_store(host, int(raw), rank, world_size, os.environ.get(STORE_HOSTED_ENV) == "1", timeout,
                            os.environ.get(STORE_TOKEN_ENV) or None)
     elif world_size is not None:
         store, rank, world_size = rendezvous(options.init_method, rank, world_size, timeout)
