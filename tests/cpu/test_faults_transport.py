@@ -226,6 +226,31 @@ def test_monitored_barrier_stops_at_a_known_dead_peer() -> None:
         assert "[2]" in msg, msg
 
 
+
+def test_a_rank_that_leaves_after_its_peers_goodbye_is_not_taken_for_dead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks leaving after the same error: the one that hears the other's goodbye first
+    still says its own, so the other (which may be slower to close) does not record a death.
+    monitored_barrier counts a peer recorded dead as missing at once."""
+    from gpucoll.store import HashStore
+
+    monkeypatch.setenv("GPUCOLL_STORE_TOKEN", "t0ken")
+    meshes = _mesh_pair(HashStore())
+    assert all(not isinstance(m, BaseException) for m in meshes), meshes
+    m0, m1 = meshes
+    try:
+        # Rank 1 has rank 0's goodbye (rank 0 is between its goodbyes and its own close).
+        m1._peer_gone(0, "shut down its CPU backend", fatal=False)
+        m1.close("after an error")
+        deadline = time.monotonic() + 5.0
+        while 1 not in m0._gone and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert 1 in m0._gone, "rank 0 never saw rank 1 leave"
+        assert m0.dead(1) is None, m0._gone[1]
+        assert "after an error" in m0._gone[1], m0._gone[1]
+    finally:
+        m0.close()
+        m1.close()
+
 # ----- 3. transport security: loopback listener, idle strangers, impostors, 0600 segments -----
 
 def _mesh_pair(store: Any, timeout: float = 8.0, started: Any = None) -> list[Any]:

@@ -526,7 +526,10 @@ class TcpMesh:
         note = reason.encode()[:4000]
         bye = _HDR.pack(_KIND_BYE, 0, len(note), 0) + note
         for peer, s in self._socks.items():
-            if peer in self._gone:
+            # A peer that said goodbye first is alive and still reading until it closes:
+            # it gets ours too, or it takes our closing for a death (monitored_barrier
+            # asks which peers died). Only a dead peer is skipped.
+            if peer in self._dead:
                 continue
             try:
                 with self._send_locks[peer]:
