@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future
+import concurrent.futures
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 from ._timeouts import to_seconds
 from .errors import DistBackendError, DistError
+from .futures import Future
 
 __all__ = ["Work", "WorkInfo"]
 
@@ -67,7 +68,7 @@ class Work:
     _source_rank: int = -1
     # Made on first use: a small op's Work is created, completed and dropped in
     # microseconds, and an Event plus a Future would cost more than the op itself.
-    _future: Future[list[Any]] | None = None
+    _future: WorkFuture | None = None
     _exc: BaseException | None = None
     _callbacks: list[Callable[[Work], None]] | None = None
     # The group's flight-recorder entry for this op (see gpucoll._debug.flight_recorder);
@@ -157,7 +158,7 @@ class Work:
         self._finish_rest(event, callbacks, future)
 
     def _finish_rest(self, event: threading.Event | None, callbacks: list[Callable[[Work], None]] | None,
-                     future: Future[list[Any]] | None) -> None:
+                     future: WorkFuture | None) -> None:
         """What completion does after the state is set (outside the lock): wake waiters,
         update the flight recorder, resolve the future, run the callbacks."""
         if callbacks is not None:
@@ -168,7 +169,7 @@ class Work:
         if entry is not None:
             entry.finish(self)
         if future is not None:
-            _resolve(future, self._result, self._exc)
+            _resolve(future, self._result, self._exc, self._name())
         if callbacks:
             for cb in callbacks:
                 cb(self)
@@ -271,17 +272,20 @@ class Work:
         self.wait()
         return self._result
 
-    def get_future(self) -> Future[list[Any]]:
-        """A ``concurrent.futures.Future`` resolved with :meth:`result` or the op's error."""
+    def get_future(self) -> WorkFuture:
+        """A future of :meth:`result` (torch's ``Work.get_future()``): a
+        :class:`gpucoll.futures.Future` (``wait``, ``value``, ``then``, ``add_done_callback``,
+        ``done``) that also keeps ``concurrent.futures``' ``result(timeout)`` and
+        ``exception(timeout)``. Its error is the one :meth:`wait` raises."""
         with self._lock:
             future = self._future
             if future is None:
-                future = self._future = Future()
+                future = self._future = WorkFuture(self)
                 done = self._done.is_set()
             else:
                 done = False
         if done:
-            _resolve(future, self._result, self._exc)
+            _resolve(future, self._result, self._exc, self._name())
         return future
 
     def source_rank(self) -> int:
@@ -312,11 +316,84 @@ class Work:
         return f"<Work {self._name()} {state}>"
 
 
-def _resolve(future: Future[list[Any]], result: list[Any], exc: BaseException | None) -> None:
+def _resolve(future: WorkFuture, result: list[Any], exc: BaseException | None, name: str) -> None:
+    future._work = None  # complete: nothing left to wait for (and no Work <-> future cycle)
     if exc is None:
         future.set_result(result)
     else:
-        future.set_exception(exc)
+        future.set_exception(_raised(exc, name))
+
+
+def _raised(exc: BaseException, name: str) -> BaseException:
+    """The error ``wait()`` raises for an op named ``name`` that failed with ``exc``."""
+    if isinstance(exc, DistError):
+        return exc
+    err = DistBackendError(f"{name} failed: {exc}")
+    err.__cause__ = exc
+    return err
+
+
+class FutureTimeoutError(DistError, concurrent.futures.TimeoutError):
+    """A Work's future did not complete within ``result(timeout)`` / ``exception(timeout)``."""
+
+
+class WorkFuture(Future[list[Any]]):
+    """The future of a :class:`Work`: torch's Future, plus ``concurrent.futures``' two getters.
+
+    ``wait()`` waits as :meth:`Work.wait` does (with the group's timeout, running what the
+    op needs to make progress, and, for device arrays, ordering the caller's current
+    stream after the op), then gives the value; callbacks run when the op completes, on
+    the thread that completes it.
+    """
+
+    __slots__ = ("_work",)
+
+    def __init__(self, work: Work) -> None:
+        super().__init__()
+        self._work: Work | None = work
+
+    def wait(self) -> list[Any]:
+        """Wait as the Work's ``wait()`` does; the op's outputs, or raise its error."""
+        work = self._work
+        if work is not None:
+            try:
+                work.wait()
+            except DistError:
+                if not self.done():
+                    raise  # timed out: the op itself is still running
+            self._work = None
+        return super().wait()
+
+    def result(self, timeout: float | None = None) -> list[Any]:
+        """``concurrent.futures.Future.result``: the value within ``timeout`` seconds.
+
+        Raises:
+            FutureTimeoutError: not complete within ``timeout``.
+        """
+        if timeout is None:
+            return self.wait()
+        self._within(timeout)
+        return self.value()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """``concurrent.futures.Future.exception``: the error (None on success) within ``timeout``.
+
+        Raises:
+            FutureTimeoutError: not complete within ``timeout``.
+        """
+        if timeout is None:
+            try:
+                self.wait()
+            except BaseException as exc:  # noqa: BLE001  (returned, as concurrent.futures does)
+                return exc
+            return None
+        self._within(timeout)
+        return self._error
+
+    def _within(self, timeout: float) -> None:
+        if not self.done() and not self._block(timeout):
+            raise FutureTimeoutError(f"the future of {self._work._name() if self._work else 'a Work'} "
+                                     f"did not complete within {timeout:g} s")
 
 
 class _Completion:

@@ -57,8 +57,13 @@ def test_work_failure_surface() -> None:
     assert w.is_completed() and not w.is_success() and isinstance(w.exception(), ValueError)
     with pytest.raises(DistBackendError, match=r"broadcast \(seq 0\) failed: boom"):
         w.wait()
-    late = w.get_future()  # made after completion: already resolved
-    assert isinstance(late.exception(timeout=1), ValueError)
+    late = w.get_future()  # made after completion: already resolved, with the error wait() raises
+    err = late.exception(timeout=1)
+    assert isinstance(err, DistBackendError) and isinstance(err.__cause__, ValueError), err
+    assert str(err) == "broadcast (seq 0) failed: boom"
+    with pytest.raises(DistBackendError, match=r"broadcast \(seq 0\) failed: boom"):
+        late.wait()  # torch's Future surface
+    assert late.done()
     w2 = Work("send")
     err = DistBackendError("peer died")
     w2._set_exception(err)

@@ -812,13 +812,10 @@ def _column(T: Impl, value: int) -> Any:
 
 
 def _future_value(T: Impl, work: Any) -> Any:
-    """torch's ``fut = work.get_future(); fut.wait(); fut.value()`` (gpucoll's future is a
-    ``concurrent.futures.Future``: ``result()``)."""
+    """torch's ``fut = work.get_future(); fut.wait(); fut.value()``, on both libraries."""
     fut = work.get_future()
-    if T.is_torch:
-        fut.wait()
-        return fut.value()
-    return fut.result(timeout=30)
+    fut.wait()
+    return fut.value()
 
 
 def _eq_list(T: Impl, got: Any, want: list[np.ndarray], what: str) -> None:

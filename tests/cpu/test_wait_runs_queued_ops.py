@@ -57,3 +57,50 @@ def a_waiter_runs_the_queued_op() -> str:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_waiter_runs_the_ops_queued_up_to_its_work(world_size: int) -> None:
     assert run_spmd(a_waiter_runs_the_queued_op, world_size, timeout=90, pg_timeout=8) == ["ok"] * world_size
+
+
+def a_futures_wait_runs_the_queued_op() -> str:
+    """torch's ``work.get_future().then(cb)``: ``fut.wait()`` waits as ``Work.wait()`` does
+    (here: it runs the queued op), the callback runs when the op completes, and the
+    chained future holds its value."""
+    import threading
+
+    import gpucoll
+    from gpucoll._collectives import _pg
+    from gpucoll.futures import Future
+
+    backend = _pg(None)._cpu
+    r, w = gpucoll.get_rank(), gpucoll.get_world_size()
+    x = np.full(1 << 20, r + 1, np.float32)
+    gpucoll.barrier()
+    if r == 0:
+        backend._start_worker = lambda: None
+        try:
+            work = gpucoll.all_reduce(x, async_op=True)
+            assert work is not None
+            fut = work.get_future()
+            assert isinstance(fut, Future) and fut is work.get_future()
+            ran_on: list[str] = []
+
+            def first_sum(f: Future) -> float:
+                ran_on.append(threading.current_thread().name)
+                return float(f.value()[0][0])
+
+            chained = fut.then(first_sum)
+            assert not fut.done() and not chained.done() and ran_on == []
+            out = fut.wait()
+            assert out[0] is x and fut.value()[0] is x
+            assert chained.done() and chained.value() == w * (w + 1) / 2
+            assert ran_on == [threading.current_thread().name]
+        finally:
+            del backend._start_worker
+    else:
+        time.sleep(0.5)
+        gpucoll.all_reduce(x)
+    np.testing.assert_array_equal(x, np.full(1 << 20, w * (w + 1) / 2, np.float32))
+    gpucoll.barrier()
+    return "ok"
+
+
+def test_a_futures_wait_runs_the_queued_op_and_its_callbacks() -> None:
+    assert run_spmd(a_futures_wait_runs_the_queued_op, 3, timeout=90, pg_timeout=8) == ["ok"] * 3
