@@ -23,6 +23,9 @@ Algorithms:
   staged copies) followed by an all-gather of the folded slices; both cores work on
   their own slices at once. Rooted ops pipeline: the root writes block k+1 while
   the others copy block k.
+- an all_reduce of at least ``cma.MIN_BYTES``, when every rank may read every peer's
+  memory (decided once per group): each rank reads its slice of the peers' arrays where
+  they lie (process_vm_readv), folds it, and reads the peers' folded slices (cma.py).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import numpy as np
 
 from ...errors import DistBackendError
 from ..mismatch import SignatureMismatch
+from . import cma
 from .reduce import Array, Reducer
 from .shm import REC_WORDS, ShmSegment
 from .tcp_algos import Ctx, Deferred, Fill, chunk_bounds
@@ -75,6 +79,16 @@ class ShmCollectives:
         self.seg = ShmSegment(store, rank, size, small_bytes=SMALL_BYTES, bulk_bytes=BULK_BYTES,
                               timeout=timeout, spin_seconds=spin, gone=mesh.gone)
         self._peers = [p for p in range(size) if p != rank]
+        # Single-copy large all_reduce (cma.py) when every rank may read every peer's memory.
+        self._cma: cma.CmaReader | None = None
+        self.cma_unavailable = "a group of one rank"
+        if size > 1:
+            try:
+                self._cma, self.cma_unavailable = cma.agree(store, rank, size, timeout, mesh.gone)
+            except BaseException:
+                self.seg.close()
+                raise
+        self.cma_scratch = [np.empty(0, U8) for _ in range(size)]  # cma.all_reduce's, per peer
         self._u = 0
         self._base = 0
         self._floor = 0
@@ -254,6 +268,9 @@ class ShmCollectives:
     def _reduce(self, ctx: Ctx, x: Array, red: Reducer, dst: int | None, fill: Fill | None = None) -> None:
         seg, r, n = self.seg, self.rank, self.size
         nb = x.nbytes
+        if self._cma is not None and dst is None and fill is None and nb >= cma.MIN_BYTES:
+            cma.all_reduce(self, ctx, x, red, self._cma)
+            return
         if nb <= seg.small_bytes:
             self._begin(ctx)
             slots = self._slots(self._parity, nb, x.dtype)
