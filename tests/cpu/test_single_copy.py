@@ -5,8 +5,11 @@ of fold the path takes (plain ufuncs, AVG of floats and integers, low-precision 
 PREMUL_SUM; ranks >= 2 fold through a scratch block), that ops past ``CMA_MIN_BYTES``
 do read the peers' memory and smaller ones do not, and the fallback to the segment's
 copies when one rank refuses (``GPUCOLL_CPU_CMA=0``) or the kernel says EPERM: every rank
-then takes the other algorithm alike, with the same results. A peer that dies inside a
-single-copy op is named, and a read of a dead process raises an error naming the rank.
+then takes the other algorithm alike, with the same results. Ranks that disagree on the
+algorithm fail on every rank instead of reading an address not published for the op. A
+peer that dies inside a single-copy op is named, and a read of a dead process raises an
+error naming the rank. (A filled all_reduce mixed with a plain one across ranks, past
+4 MiB: tests/cpu/test_all_reduce_gathered.py.)
 """
 
 from __future__ import annotations
@@ -77,6 +80,18 @@ def single_copy_body() -> dict[str, Any]:
         be.all_reduce(buf(y), reduce_op("SUM")).wait()
         assert (y == sum(p + k for p in range(n))).all(), (k, y[:4])
         y[:] = -1.0
+    be.shutdown()
+
+    # Ranks that disagree on the algorithm (a bug, simulated): an error on every rank, never
+    # a read of an address the peer did not publish for this op.
+    from gpucoll.errors import DistBackendError
+
+    be = make_backend("split", transport="shm", timeout=20.0)
+    if r == n - 1:
+        be._coll._cma = None
+    x = np.ones(CMA_MIN_BYTES // 4, np.float32)
+    with pytest.raises(DistBackendError, match="did not publish its array" if r < n - 1 else "rank"):
+        be.all_reduce(buf(x), reduce_op("SUM")).wait()
     be.shutdown()
 
     # One rank refuses: every rank keeps the segment's copies, with the same results.

@@ -149,6 +149,7 @@ class _Coll(Protocol):
     mesh: Any
     cma_scratch: list[Array]
     _peers: list[int]
+    _u: int
 
     def _begin(self, ctx: Ctx) -> None: ...
     def _wait(self, ctx: Ctx, j: int, step: int) -> None: ...
@@ -174,9 +175,15 @@ def all_reduce(coll: _Coll, ctx: Ctx, x: Array, red: Reducer, reader: CmaReader)
     seg, r, n = coll.seg, coll.rank, coll.size
     coll._begin(ctx)
     ctl = seg.ctl
+    u = coll._u
     ctl[r * REC_WORDS + ADDR] = x.ctypes.data
+    ctl[r * REC_WORDS + ADDR + 1] = u  # whose address it is: a peer on another path has not written it
     seg.post()
     coll._wait_all(ctx, 1)
+    for j in coll._peers:
+        if ctl[j * REC_WORDS + ADDR + 1] != u:
+            raise DistBackendError(f"{ctx.name}: rank {j} did not publish its array for op #{u}: "
+                                   "it runs this all_reduce another way (ranks disagree on the algorithm)")
     addrs = [int(ctl[j * REC_WORDS + ADDR]) for j in range(n)]
     isz = x.itemsize
     bounds = chunk_bounds(x.size, n)

@@ -268,7 +268,11 @@ class ShmCollectives:
     def _reduce(self, ctx: Ctx, x: Array, red: Reducer, dst: int | None, fill: Fill | None = None) -> None:
         seg, r, n = self.seg, self.rank, self.size
         nb = x.nbytes
-        if self._cma is not None and dst is None and fill is None and nb >= cma.MIN_BYTES:
+        if self._cma is not None and dst is None and nb >= cma.MIN_BYTES:
+            # Every all_reduce of this size takes it, filled or not: ranks may mix the two
+            # (the same op, signature and protocol). The peers read this rank's part in x.
+            if fill is not None:
+                fill(0, x.size, x)
             cma.all_reduce(self, ctx, x, red, self._cma)
             return
         if nb <= seg.small_bytes:
