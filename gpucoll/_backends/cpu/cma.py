@@ -107,6 +107,8 @@ def agree(store: Any, rank: int, size: int, timeout: float,
     Raises:
         DistBackendError: a peer died or did not take part within ``timeout``.
     """
+    if size == 1:
+        return None, "a group of one rank"
     deadline = time.monotonic() + timeout
     word = ctypes.c_uint64(secrets.randbits(64))
     store.set(f"cma/{rank}", f"{os.getpid()}:{ctypes.addressof(word)}:{word.value}".encode())

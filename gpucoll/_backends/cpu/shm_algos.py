@@ -79,15 +79,11 @@ class ShmCollectives:
         self.seg = ShmSegment(store, rank, size, small_bytes=SMALL_BYTES, bulk_bytes=BULK_BYTES,
                               timeout=timeout, spin_seconds=spin, gone=mesh.gone)
         self._peers = [p for p in range(size) if p != rank]
-        # Single-copy large all_reduce (cma.py) when every rank may read every peer's memory.
-        self._cma: cma.CmaReader | None = None
-        self.cma_unavailable = "a group of one rank"
-        if size > 1:
-            try:
-                self._cma, self.cma_unavailable = cma.agree(store, rank, size, timeout, mesh.gone)
-            except BaseException:
-                self.seg.close()
-                raise
+        try:  # single-copy large all_reduces (cma.py) if every rank may read every peer's memory
+            self._cma, self.cma_unavailable = cma.agree(store, rank, size, timeout, mesh.gone)
+        except BaseException:
+            self.seg.close()
+            raise
         self.cma_scratch = [np.empty(0, U8) for _ in range(size)]  # cma.all_reduce's, per peer
         self._u = 0
         self._base = 0
