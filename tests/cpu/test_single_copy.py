@@ -5,7 +5,8 @@ of fold the path takes (plain ufuncs, AVG of floats and integers, low-precision 
 PREMUL_SUM; ranks >= 2 fold through a scratch block), that ops past ``CMA_MIN_BYTES``
 do read the peers' memory and smaller ones do not, and the fallback to the segment's
 copies when one rank refuses (``GPUCOLL_CPU_CMA=0``) or the kernel says EPERM: every rank
-then takes the other algorithm alike, with the same results. Ranks that disagree on the
+then takes the other algorithm alike, with the same results; and per op, when one rank's
+array cannot be read (memory mapped from a device). Ranks that disagree on the
 algorithm fail on every rank instead of reading an address not published for the op. A
 peer that dies inside a single-copy op is named, and a read of a dead process raises an
 error naming the rank. (A filled all_reduce mixed with a plain one across ranks, past
@@ -31,15 +32,16 @@ CASES = (("float32", "SUM", 1_100_003), ("float32", "AVG", 1_048_577), ("int32",
 
 
 def _counting(be: Any) -> list[int]:
-    """Count the peer reads of ``be``'s single-copy reader (none when it has none)."""
+    """Count the peer reads of ``be``'s single-copy reader (none when it has none), not the
+    probes of this rank's own array."""
     calls = [0]
     reader = be._coll._cma
     if reader is not None:
         real = reader.read
 
-        def read(*args: Any) -> None:
-            calls[0] += 1
-            real(*args)
+        def read(peer: int, *args: Any) -> None:
+            calls[0] += peer != be.rank
+            real(peer, *args)
 
         reader.read = read
     return calls
@@ -80,6 +82,25 @@ def single_copy_body() -> dict[str, Any]:
         be.all_reduce(buf(y), reduce_op("SUM")).wait()
         assert (y == sum(p + k for p in range(n))).all(), (k, y[:4])
         y[:] = -1.0
+
+    # One rank's array cannot be read (device-mapped memory, simulated on the last rank):
+    # every rank runs that op through the bulk buffers, without an error, and reads nothing.
+    real_readable = cma.readable
+    if r == n - 1:
+        cma.readable = lambda *_: False
+    try:
+        for case, (dtype, op, numel) in enumerate(CASES[:3]):
+            calls[0] = 0
+            x = data(r, numel, dtype, 300 + case, op)
+            be.all_reduce(buf(x), reduce_op(op)).wait()
+            same(x, ref_reduce([data(p, numel, dtype, 300 + case, op) for p in range(n)], op), f"unreadable {op}")
+            assert calls[0] == 0, calls
+    finally:
+        cma.readable = real_readable
+    x = data(r, 1_100_003, "float32", 9)  # and the next one reads again
+    be.all_reduce(buf(x), reduce_op("SUM")).wait()
+    same(x, ref_reduce([data(p, 1_100_003, "float32", 9) for p in range(n)], "SUM"), "readable again")
+    out["reads_after_unreadable"] = calls[0]
     be.shutdown()
 
     # Ranks that disagree on the algorithm (a bug, simulated): an error on every rank, never
@@ -135,6 +156,7 @@ def test_single_copy_all_reduce_and_its_fallbacks(world: int) -> None:
         assert res["checks"] == 2 * len(CASES)
         assert res["reads"] >= len(CASES) * (world - 1) * 2, res  # reduce-scatter and all-gather reads
         assert res["reads_below_min"] == 0, res
+        assert res["reads_after_unreadable"] > 0, res
 
 
 def dies_inside_body() -> float:

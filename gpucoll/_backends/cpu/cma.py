@@ -27,7 +27,7 @@ from .reduce import Array, Reducer
 from .shm import ADDR, REC_WORDS, ShmSegment, get_while_alive
 from .tcp_algos import Ctx, chunk_bounds
 
-__all__ = ["CmaReader", "agree", "all_reduce", "read_error", "ENV", "MIN_BYTES", "CHUNK"]
+__all__ = ["CmaReader", "agree", "all_reduce", "readable", "read_error", "ENV", "MIN_BYTES", "CHUNK"]
 
 # The smallest all_reduce that reads the peers' arrays directly. Below it the pipeline
 # through the segment's bulk buffers is faster (2 and 4 ranks, 2026-11-28, A/B in the same
@@ -159,7 +159,20 @@ class _Coll(Protocol):
     def _scratch(self, count: int, dtype: np.dtype[Any]) -> Array: ...
 
 
-def all_reduce(coll: _Coll, ctx: Ctx, x: Array, red: Reducer, reader: CmaReader) -> None:
+def readable(reader: CmaReader, rank: int, addr: int, nbytes: int) -> bool:
+    """Whether the kernel lets a peer read this process's array at ``addr`` (its first and
+    last byte, read by this process itself): memory mapped from a device (``VM_IO`` or
+    ``VM_PFNMAP`` mappings) cannot be read with process_vm_readv."""
+    probe = ctypes.c_uint8(0)
+    try:
+        reader.read(rank, ctypes.addressof(probe), addr, 1)
+        reader.read(rank, ctypes.addressof(probe), addr + nbytes - 1, 1)
+    except OSError:
+        return False
+    return True
+
+
+def all_reduce(coll: _Coll, ctx: Ctx, x: Array, red: Reducer, reader: CmaReader) -> bool:
     """A large all_reduce of ``coll``'s group that reads the peers' arrays where they lie.
 
     Step 1: every rank publishes its array's address (its record's ``ADDR`` word) and is
@@ -173,12 +186,17 @@ def all_reduce(coll: _Coll, ctx: Ctx, x: Array, red: Reducer, reader: CmaReader)
     done reading; nobody returns, and lets its caller write the array again, before
     every peer's step 3. Every rank raises its counter three times, as the protocol
     requires; each element is folded by one rank, so every rank gets the same bits.
+
+    Returns:
+        True when done; False (on every rank alike, after step 1 only) when some rank's
+        array cannot be read (:func:`readable`): step 1 was the entry step of the
+        pipeline through the bulk buffers, which the caller then runs.
     """
     seg, r, n = coll.seg, coll.rank, coll.size
     coll._begin(ctx)
     ctl = seg.ctl
     u = coll._u
-    ctl[r * REC_WORDS + ADDR] = x.ctypes.data
+    ctl[r * REC_WORDS + ADDR] = x.ctypes.data if readable(reader, r, x.ctypes.data, x.nbytes) else 0
     ctl[r * REC_WORDS + ADDR + 1] = u  # whose address it is: a peer on another path has not written it
     seg.post()
     coll._wait_all(ctx, 1)
@@ -187,6 +205,8 @@ def all_reduce(coll: _Coll, ctx: Ctx, x: Array, red: Reducer, reader: CmaReader)
             raise DistBackendError(f"{ctx.name}: rank {j} did not publish its array for op #{u}: "
                                    "it runs this all_reduce another way (ranks disagree on the algorithm)")
     addrs = [int(ctl[j * REC_WORDS + ADDR]) for j in range(n)]
+    if not all(addrs):
+        return False
     isz = x.itemsize
     bounds = chunk_bounds(x.size, n)
     lo, hi = bounds[r]
@@ -229,6 +249,7 @@ def all_reduce(coll: _Coll, ctx: Ctx, x: Array, red: Reducer, reader: CmaReader)
         read(j, base + plo * isz, addrs[j] + plo * isz, (phi - plo) * isz)
     seg.post()
     coll._wait_all(ctx, 3)
+    return True
 
 
 def read_error(name: str, peer: int, exc: OSError, gone: Callable[[int], str | None]) -> DistBackendError:

@@ -23,9 +23,8 @@ Algorithms:
   staged copies) followed by an all-gather of the folded slices; both cores work on
   their own slices at once. Rooted ops pipeline: the root writes block k+1 while
   the others copy block k.
-- an all_reduce of at least ``cma.MIN_BYTES``, when every rank may read every peer's
-  memory (decided once per group): each rank reads its slice of the peers' arrays where
-  they lie (process_vm_readv), folds it, and reads the peers' folded slices (cma.py).
+- an all_reduce of at least ``cma.MIN_BYTES`` where every rank may read every peer's memory:
+  each rank reads its slice of the peers' arrays where they lie and folds it (cma.py).
 """
 
 from __future__ import annotations
@@ -264,13 +263,13 @@ class ShmCollectives:
     def _reduce(self, ctx: Ctx, x: Array, red: Reducer, dst: int | None, fill: Fill | None = None) -> None:
         seg, r, n = self.seg, self.rank, self.size
         nb = x.nbytes
-        if self._cma is not None and dst is None and nb >= cma.MIN_BYTES:
-            # Every all_reduce of this size takes it, filled or not: ranks may mix the two
-            # (the same op, signature and protocol). The peers read this rank's part in x.
+        reader = self._cma if dst is None and nb >= cma.MIN_BYTES else None
+        if reader is not None:  # filled or not (ranks may mix the two): the peers read this rank's part in x
             if fill is not None:
                 fill(0, x.size, x)
-            cma.all_reduce(self, ctx, x, red, self._cma)
-            return
+                fill = None
+            if cma.all_reduce(self, ctx, x, red, reader):
+                return  # (else some rank's array cannot be read: the pipeline, its entry step done)
         if nb <= seg.small_bytes:
             self._begin(ctx)
             slots = self._slots(self._parity, nb, x.dtype)
@@ -284,7 +283,8 @@ class ShmCollectives:
                 return
             red.fold(x, slots)
             return
-        self._entry(ctx)
+        if reader is None:
+            self._entry(ctx)
         isz = x.itemsize
         cap = seg.bulk_bytes // n // 64 * 64 // isz  # elements per rank slice per block
         per_block = cap * n
