@@ -79,6 +79,11 @@ CONTROL_PLANE_ENV: Final = "GPUCOLL_CONTROL_PLANE"
 CPU_TRANSPORT_ENV: Final = "GPUCOLL_CPU_TRANSPORT"
 """``auto`` (default: shared memory when every rank is on one host), ``shm`` or ``tcp``."""
 
+CPU_CMA_ENV: Final = "GPUCOLL_CPU_CMA"
+"""``0``/``off``: this rank refuses single-copy reads of its peers' memory (process_vm_readv),
+so its whole group moves large all_reduces through the shared segment's copies; default: used
+when every rank of the group can read every peer."""
+
 CPU_IFADDR_ENV: Final = "GPUCOLL_CPU_IFADDR"
 """The address the CPU backend's TCP transport listens on and publishes."""
 
@@ -117,6 +122,6 @@ BENCH_CORRUPT_ENV: Final = "GPUCOLL_BENCH_CORRUPT"
 
 NAMES: Final = (STORE_HOSTED_ENV, STORE_TOKEN_ENV, STORE_RELAY_ENV, BACKEND_ENV, DEATH_RECORDS_ENV, ERROR_FILE_ENV, CPU_BIND_ENV, LAUNCHER_PID_ENV,
                 DEBUG_ENV, NON_MEMBER_ENV, FLIGHT_RECORDER_SIZE_ENV, FLIGHT_RECORDER_DIR_ENV, CONTROL_PLANE_ENV, CPU_TRANSPORT_ENV,
-                CPU_IFADDR_ENV, MAX_OBJECT_BYTES_ENV, NCCL_SCALABLE_INIT_ENV, NCCL_RANKS_PER_ROOT_ENV,
+                CPU_CMA_ENV, CPU_IFADDR_ENV, MAX_OBJECT_BYTES_ENV, NCCL_SCALABLE_INIT_ENV, NCCL_RANKS_PER_ROOT_ENV,
                 JAX_NATIVE_ENV, CACHE_DIR_ENV, BENCH_COMMAND_ENV, BENCH_CORRUPT_ENV)
 """Every name above."""

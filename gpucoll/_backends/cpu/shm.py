@@ -3,7 +3,8 @@
 Layout (all offsets 4096-aligned after the control block)::
 
     control   one 256-byte record per rank: progress counter, the peer it sleeps on,
-              two op headers (sequence, signature) by parity, the CPU it last waited on
+              two op headers (sequence, signature) by parity, the CPU it last waited on,
+              the address of its array in a single-copy op
     small     2 slots per rank (by op parity), ``small_bytes`` each
     bulk      2 buffers per rank (pipelined blocks), ``bulk_bytes`` each
 
@@ -36,10 +37,11 @@ import numpy as np
 from ...errors import DistBackendError, DistStoreTimeoutError
 from .segments import PREFIX as _PREFIX, new_name, sweep_orphans, unlink_ours as _unlink
 
-__all__ = ["ShmSegment", "ShmUnavailable", "REC_WORDS", "futex_wait", "futex_wake", "map_segment", "get_while_alive"]
+__all__ = ["ShmSegment", "ShmUnavailable", "REC_WORDS", "ADDR", "futex_wait", "futex_wake", "map_segment", "get_while_alive"]
 
 REC_WORDS = 32  # u64 words per rank record (256 bytes: no false sharing between ranks)
 _CTR, _SLEEP, _HDR, _CPU = 0, 1, 2, 6  # word offsets in a record; headers at 2..5
+ADDR = 7  # word offsets 7, 8: the address of the rank's array in a single-copy op (cma.py) and the op's number
 _SYS_FUTEX = 202  # x86-64
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # not FUTEX_PRIVATE: the word is shared between processes
 _EAGAIN, _EINTR, _ETIMEDOUT = 11, 4, 110

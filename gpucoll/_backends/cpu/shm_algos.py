@@ -23,6 +23,8 @@ Algorithms:
   staged copies) followed by an all-gather of the folded slices; both cores work on
   their own slices at once. Rooted ops pipeline: the root writes block k+1 while
   the others copy block k.
+- an all_reduce of at least ``cma.MIN_BYTES`` where every rank may read every peer's memory:
+  each rank reads its slice of the peers' arrays where they lie and folds it (cma.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import numpy as np
 
 from ...errors import DistBackendError
 from ..mismatch import SignatureMismatch
+from . import cma
 from .reduce import Array, Reducer
 from .shm import REC_WORDS, ShmSegment
 from .tcp_algos import Ctx, Deferred, Fill, chunk_bounds
@@ -75,6 +78,12 @@ class ShmCollectives:
         self.seg = ShmSegment(store, rank, size, small_bytes=SMALL_BYTES, bulk_bytes=BULK_BYTES,
                               timeout=timeout, spin_seconds=spin, gone=mesh.gone)
         self._peers = [p for p in range(size) if p != rank]
+        try:  # single-copy large all_reduces (cma.py) if every rank may read every peer's memory
+            self._cma, self.cma_unavailable = cma.agree(store, rank, size, timeout, mesh.gone)
+        except BaseException:
+            self.seg.close()
+            raise
+        self.cma_scratch = [np.empty(0, U8) for _ in range(size)]  # cma.all_reduce's, per peer
         self._u = 0
         self._base = 0
         self._floor = 0
@@ -254,6 +263,13 @@ class ShmCollectives:
     def _reduce(self, ctx: Ctx, x: Array, red: Reducer, dst: int | None, fill: Fill | None = None) -> None:
         seg, r, n = self.seg, self.rank, self.size
         nb = x.nbytes
+        reader = self._cma if dst is None and nb >= cma.MIN_BYTES else None
+        if reader is not None:  # filled or not (ranks may mix the two): the peers read this rank's part in x
+            if fill is not None:
+                fill(0, x.size, x)
+                fill = None
+            if cma.all_reduce(self, ctx, x, red, reader):
+                return  # (else some rank's array cannot be read: the pipeline, its entry step done)
         if nb <= seg.small_bytes:
             self._begin(ctx)
             slots = self._slots(self._parity, nb, x.dtype)
@@ -267,7 +283,8 @@ class ShmCollectives:
                 return
             red.fold(x, slots)
             return
-        self._entry(ctx)
+        if reader is None:
+            self._entry(ctx)
         isz = x.itemsize
         cap = seg.bulk_bytes // n // 64 * 64 // isz  # elements per rank slice per block
         per_block = cap * n
