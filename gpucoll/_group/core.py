@@ -19,6 +19,7 @@ from typing import Any, Callable, cast
 
 import numpy as np
 
+from .. import _buffer
 from .. import array as _array
 from .._buffer import Buffer
 from .._backends.base import ISSUING_ASYNC, Backend, IssuesQuietly, RunsNow, TimesOps
@@ -77,6 +78,28 @@ class HostRun:
         self.inline = inline  # small enough that an async op of this kind runs here too (RunsNow.inline_max)
 
 
+class DeviceRun:
+    """A planned synchronous all_reduce on a CuPy array of one (address, device, dtype,
+    shape, op), bound to the device backend's Work-less runner
+    (``all_reduce_quiet_runner``): a repeated call builds no Buffer and no key, and is
+    looked up once. ``desc`` describes the array for the flight recorder (it holds no
+    memory). What it caches and why each fact stays true: the array's device (an address
+    names one device), dtype, size and shape (the key), the op as checked for the dtype
+    (the key), the backend (the group drops its runs with its plans when its backends
+    change or it is destroyed: ``Issuer.forget_plans``) and the backend's planned NCCL
+    call (valid as long as the backend's communicator, which the runner checks has not
+    ended, per call). Checked again per call: contiguity, the caller's current stream
+    (and a capture on it), hooks, the debug level, a coalescing block, posted sends."""
+
+    __slots__ = ("backend", "run", "red", "desc")
+
+    def __init__(self, backend: Backend, run: Callable[..., bool], red: Any, desc: Buffer) -> None:
+        self.backend = backend
+        self.run = run
+        self.red = red
+        self.desc = desc
+
+
 class Issuer:
     """Issues the ops of one group.
 
@@ -99,6 +122,7 @@ class Issuer:
         self.seq = 0
         self.plans: dict[tuple[Any, ...], Plan] = {}
         self.host_runs: dict[tuple[Any, ...], HostRun] = {}  # by (NumPy dtype, shape, op name)
+        self.device_runs: dict[tuple[Any, ...], DeviceRun] = {}  # by (address, device, dtype, shape, op name)
         self.abort_reason: str | None = None
         self.abort_lock = threading.Lock()
         self.hook_errors: list[tuple[Callable[[WorkInfo], None], BaseException]] = []
@@ -124,6 +148,7 @@ class Issuer:
             if len(self.plans) >= _PLANS_MAX:
                 self.plans.clear()
                 self.host_runs.clear()
+                self.device_runs.clear()
             self.plans[key] = plan
         return plan
 
@@ -131,6 +156,7 @@ class Issuer:
         """Drop every plan (the group's backends changed, or the group is destroyed)."""
         self.plans.clear()
         self.host_runs.clear()
+        self.device_runs.clear()
 
     # ----- issue and finish -----
     def issue(self, backend: Backend, start: Callable[[], Work], buf: Buffer | None, outputs: list[Any],
@@ -191,6 +217,41 @@ class Issuer:
             return None
         return self.finish(backend, self._start(seq, entry, getattr(backend, op), (buf, arg), [tensor], peer, op),
                            False, True)
+
+    def run_device(self, run: DeviceRun, tensor: Any) -> Work | None:
+        """A synchronous all_reduce on a CuPy array through its :class:`DeviceRun`
+        (numbered and recorded as :meth:`call_quiet` does); where the runner declines
+        (a stream other than the caller's, a capture, posted sends, an ended backend),
+        the op is issued the usual way under the number and entry it was given.
+        Callers use this only with no hook registered and the debug level below
+        DETAIL, outside a coalescing block, on a C-contiguous array of the run's key."""
+        seq = self.seq = self.seq + 1
+        recorder = self.recorder
+        backend = run.backend
+        entry = None
+        if recorder is not None:
+            entry = recorder.begin(seq, "all_reduce", backend.name, run.desc, -1)
+            if self.debug_info:
+                entry.where = call_site()
+        # The stream the array's producer names, as _buffer.from_cupy reads it (CuPy's
+        # current stream; its legacy default stream: the caller's, None).
+        given: int | None
+        try:
+            ptr: int = _buffer._cupy_stream().ptr
+        except Exception:  # noqa: BLE001  (the usual way words the error)
+            given = -1
+        else:
+            given = ptr or _buffer._cupy_default_stream
+            if given == 1:
+                given = None
+            elif given != ptr:
+                given = -1  # CuPy's per-thread default stream: the usual way orders it
+        if given != -1 and run.run(given, tensor, seq, entry, self.group_name):
+            self.watchdog.watch_backend(backend)  # type: ignore[arg-type]  # (a quiet backend polls)
+            return None
+        buf = _array.as_buffer(tensor, name="tensor", writable=True)
+        return self.finish(backend, self._start(seq, entry, backend.all_reduce, (buf, run.red), [tensor], -1,
+                                                "all_reduce"), False, True)
 
     def _entry(self, seq: int, op: str, backend: Backend, buf: Buffer | None, peer: int) -> _Entry | None:
         """The op's flight-recorder entry, made before it starts: a host op may run to its
@@ -408,3 +469,17 @@ def remember_host_run(runs: dict[tuple[Any, ...], HostRun], backend: Backend, te
     desc = Buffer(0, buf.nbytes, buf.dtype, buf.shape, buf.device)  # what the flight recorder shows
     runs[(tensor.dtype, tensor.shape, op._name_)] = HostRun(backend, run, reducer, desc, start,
                                                             buf.nbytes <= cast(RunsNow, backend).inline_max)
+
+
+def remember_device_run(runs: dict[tuple[Any, ...], DeviceRun], backend: Backend, tensor: Any, buf: Buffer,
+                        red: Any, op: Any) -> None:
+    """Bind the next synchronous all_reduce on this CuPy array (its address, device,
+    dtype, shape and op) to the device backend's Work-less runner, once the backend
+    has a hot path for it (its first op makes one)."""
+    maker = getattr(backend, "all_reduce_quiet_runner", None)
+    run = maker(buf, op) if maker is not None and buf.nbytes else None
+    if run is None:
+        return
+    mem = tensor.data
+    desc = Buffer(0, buf.nbytes, buf.dtype, buf.shape, buf.device)  # what the flight recorder shows
+    runs[(mem.ptr, mem.device_id, tensor.dtype, tensor.shape, op._name_)] = DeviceRun(backend, run, red, desc)

@@ -31,7 +31,7 @@ from .registration import METHODS as _MEMORY_METHODS
 from .checks import _check_op, _list_dtypes, _one_dtype, _real_view
 from .coalescing import CoalescingManager, _not_coalescable
 from .dispatch import backend_for, backend_for_all, make_device_backend_for, set_device_backend
-from .core import Issuer, remember_host_run, time_ops
+from .core import Issuer, remember_device_run, remember_host_run, time_ops
 from .options import PGOptions
 from .registry import _BACKEND_GRACE_S, BACKENDS, backend_kwargs
 
@@ -101,6 +101,7 @@ class ProcessGroup:
                               self._cpu, group_desc)
         self._plans = self._issuer.plans  # the issuer's plan cache, looked up by the hot ops
         self._host_runs = self._issuer.host_runs
+        self._device_runs = self._issuer.device_runs
         self._barrier_now = self._cpu.barrier_now if isinstance(self._cpu, RunsNow) else None
         self._watchdog, self._recorder = self._issuer.watchdog, self._issuer.recorder  # (debug tools read them)
         # Bound at creation on every rank: only then may new groups split its communicator (one
@@ -242,6 +243,16 @@ class ProcessGroup:
                     return issuer.run_now(fast.backend, fast.run, fast.start,
                                           (tensor if tensor.ndim == 1 else tensor.reshape(-1), fast.reducer),
                                           fast.desc, "all_reduce", [tensor], -1, async_op)
+        elif type(tensor) is _array._cupy_ndarray and not async_op and type(op) is ReduceOp:
+            # A CuPy array this synchronous op already ran on: its backend's runner, with the
+            # checks the run does not settle (DeviceRun).
+            cp: Any = tensor
+            mem = cp.data
+            run = self._device_runs.get((mem.ptr, mem.device_id, cp.dtype, cp.shape, op._name_))
+            if run is not None and cp._c_contiguous and self._coalescing is None and not self._destroyed:
+                issuer = self._issuer
+                if not issuer.hooks and not issuer.debug_detail:
+                    return issuer.run_device(run, cp)
         if self._destroyed:
             self._check_usable()
         buf = _array.as_buffer(tensor, name="tensor", writable=True)
@@ -261,6 +272,10 @@ class ProcessGroup:
                 remember_host_run(self._host_runs, backend, tensor, buf, red, op)
             return issuer.run_now(backend, now, backend.all_reduce, (buf, red), buf, "all_reduce", [tensor], -1, async_op)
         if plan.quiet is not None and not async_op:  # a synchronous device op: no Work unless one is needed
+            if type(tensor) is _array._cupy_ndarray and type(op) is ReduceOp and len(self._device_runs) < 1024:
+                done = issuer.call_quiet(backend, plan.quiet, buf, red, tensor, "all_reduce", red)
+                remember_device_run(self._device_runs, backend, tensor, buf, red, op)
+                return done
             return issuer.call_quiet(backend, plan.quiet, buf, red, tensor, "all_reduce", red)
         return issuer.call(backend, backend.all_reduce, (buf, red), buf, [tensor], async_op, plan.device, "all_reduce", red)
 

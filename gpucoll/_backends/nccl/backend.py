@@ -10,6 +10,7 @@ Importing this module imports no CuPy; constructing a backend does.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Callable, Mapping, Sequence
 
@@ -372,6 +373,24 @@ class NCCLBackend:
             return False  # the usual way (which issues posted sends and receives first)
         hot = self._hot.get(("all_reduce", buf.ptr, buf.nbytes, buf.dtype.name, op._name_))
         return hot is not None and _hot.issue_quiet(self, hot, buf, seq, entry, group_name)
+
+    def all_reduce_quiet_runner(self, buf: Buffer, op: ReduceOpLike) -> Callable[..., bool] | None:
+        """:meth:`all_reduce_quiet` of an op already issued on ``buf`` (same address,
+        size, dtype and op), bound to its hot call: ``run(stream, keep, seq, entry,
+        group_name)``, where ``stream`` is the stream the array's producer named (None:
+        the caller's) and ``keep`` holds the memory until the op completes. The caller
+        vouches for what the runner does not check again: an array with this address,
+        size and dtype, C-contiguous (the device and a foreign stream are checked here,
+        once: an address names one device). None when the op has no hot path yet."""
+        where = buf.device
+        if type(op) is not ReduceOp or buf.foreign_stream or where.index != self.device_index or where.type != "cuda":
+            return None
+        hot = self._hot.get(("all_reduce", buf.ptr, buf.nbytes, buf.dtype.name, op._name_))
+        return None if hot is None else functools.partial(self._run_quiet, hot)
+
+    def _run_quiet(self, hot: _hot.Hot, given: int | None, keep: Any, seq: int, entry: Any, group_name: str) -> bool:
+        # Posted sends and receives go first: the usual way issues them.
+        return not self.posted.ops and _hot.issue_quiet_on(self, hot, given, keep, seq, entry, group_name)
 
     def broadcast_quiet(self, buf: Buffer, src: int, seq: int, entry: Any, group_name: str) -> bool:
         """:meth:`broadcast` as :meth:`all_reduce_quiet`."""

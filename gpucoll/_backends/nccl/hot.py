@@ -79,7 +79,7 @@ class Quiet:
                  "_fr_entry", "_owner", "done")
 
     def __init__(self, op_type: str, seq: int, group_name: str, owner: BackendState, stream: int, end: int,
-                 keep: Buffer, entry: _Entry | None) -> None:
+                 keep: Any, entry: _Entry | None) -> None:
         self.op_type = op_type
         self.seq = seq
         self.group_name = group_name
@@ -87,7 +87,7 @@ class Quiet:
         self.time_started = time.time()
         self.stream = stream
         self.end = end
-        self._keepalive: Buffer | None = keep
+        self._keepalive: Any = keep
         self._fr_entry = entry
         self._owner = owner
         self.done = False
@@ -177,13 +177,22 @@ def issue_quiet(b: BackendState, hot: Hot, buf: Buffer, seq: int, entry: _Entry 
     communicator's device* (a thread on another device gets that device's stream, as
     torch's ``getCurrentCUDAStream(device)``), NCCL makes its own device current for
     the call, and an event records on a stream of its own device whatever is current."""
-    device = b.device_index
     where = buf.device
-    if buf.foreign_stream or where.index != device or where.type != "cuda":
+    if buf.foreign_stream or where.index != b.device_index or where.type != "cuda":
         return False
+    return issue_quiet_on(b, hot, buf.stream, buf, seq, entry, group_name)
+
+
+def issue_quiet_on(b: BackendState, hot: Hot, given: int | None, keep: Any, seq: int, entry: _Entry | None,
+                   group_name: str) -> bool:
+    """:func:`issue_quiet` once the array is known to be on the communicator's device
+    with no foreign stream: ``given`` is the stream its producer named (None: the
+    caller's), ``keep`` what holds its memory until the op completes (its Buffer, or
+    the array itself)."""
+    device = b.device_index
     rt = b.runtime
     stream = rt.current_stream_of(device)
-    if buf.stream is not None and buf.stream != stream:
+    if given is not None and given != stream:
         return False  # a producer stream other than the caller's: the general path orders it
     if rt.is_capturing(stream):
         return False  # the general path captures it, joined back to the caller's stream
@@ -205,12 +214,12 @@ def issue_quiet(b: BackendState, hot: Hot, buf: Buffer, seq: int, entry: _Entry 
             on_comm(b, hot.call, stream)
             rt.record(end, stream)
         except Exception as exc:
-            failed = issue_failed(b, hot.op_type, exc, issuing, (buf,), [])
+            failed = issue_failed(b, hot.op_type, exc, issuing, (keep,), [])
             if failed is exc:
                 raise
             raise failed from exc
         cs.last_end = None
-        work = Quiet(hot.op_type, seq, group_name, b, stream, end, buf, entry)
+        work = Quiet(hot.op_type, seq, group_name, b, stream, end, keep, entry)
         # No lock (outstanding.py): an abort's snapshot that misses this op leaves it
         # to fail when polled, since the backend is aborted.
         if b.outstanding.add(work):
@@ -267,7 +276,7 @@ def issue(b: BackendState, hot: Hot, buf: Buffer) -> NCCLWork | None:
     return work
 
 
-def issue_failed(b: BackendState, op_type: str, exc: Exception, issuing: bool, bufs: Sequence[Buffer],
+def issue_failed(b: BackendState, op_type: str, exc: Exception, issuing: bool, bufs: Sequence[Any],
                  temps: list[Any]) -> Exception:
     """The error to raise for an op that failed while being issued, after what that
     failure requires: once any part of it may be queued on the stream (``issuing``),
