@@ -21,7 +21,7 @@ from ..._work import Work
 from ...store.base import Store
 from . import lib as _nccl_lib
 from .config import usable_config
-from .bootstrap import create_comm, refuse_nonblocking_env
+from .bootstrap import caller_stream_max, create_comm, refuse_nonblocking_env
 from .bootstrap import is_nccl_available, nccl_unavailable_reason, nccl_version, rendezvous  # noqa: F401
 from .lib import NCCL_DTYPES, OP_SUM
 from .plan import Plan, Planner, calls_only, merge
@@ -114,6 +114,9 @@ class NCCLBackend:
         self.comm_stream = CommStream()
         self.planner: Planner | None = None  # turns ops into plans (plan.py); made with the communicator
         self.scratch = 0                    # the barrier's int32 on the device (kept by comm_stream)
+        # Async ops (hot path, untimed) up to this many bytes run on the caller's stream
+        # (hot._issue_on_caller); larger ones on the communication stream.
+        self.caller_stream_max = caller_stream_max()
         self._temps: list[Any] = []         # temporaries of the op being planned
         self.check_ins = CheckIn()          # peers checked in before NCCL first connects to them
         self.outstanding = Outstanding()    # issued, not yet seen complete (Works, Quiets)

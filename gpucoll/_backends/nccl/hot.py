@@ -238,11 +238,14 @@ def issue(b: BackendState, hot: Hot, buf: Buffer) -> NCCLWork | None:
     if buf.stream_owner is not None or buf.foreign_stream or where.index != device or where.type != "cuda":
         return None
     rt = b.runtime
-    stream = buf.stream
+    stream = given = buf.stream
     if stream is None:
         stream = rt.current_stream_of(device)
     if rt.is_capturing(stream):
         return None
+    if buf.nbytes <= b.caller_stream_max and not b.comm_stream.timing and (
+            given is None or given == rt.current_stream_of(device)):
+        return _issue_on_caller(b, hot, buf, stream)
     with b.issue_lock:
         if b.ending.over is not None:
             return None
@@ -270,6 +273,43 @@ def issue(b: BackendState, hot: Hot, buf: Buffer) -> NCCLWork | None:
         else:
             cs.last_end = None
             work = HotWork(hot.op_type, b, buf, b.timeout, device, end, None, None)
+        if b.outstanding.add_work(work):
+            complete_until(b, work)
+            b.outstanding.batch_done()
+    return work
+
+
+def _issue_on_caller(b: BackendState, hot: Hot, buf: Buffer, stream: int) -> NCCLWork | None:
+    """:func:`issue` of a small async op (up to ``caller_stream_max`` bytes, untimed) on
+    the caller's current stream ``stream`` itself, as a synchronous op is issued
+    (:func:`issue_quiet_on`): one event, no ``ready`` event and no wait of the
+    communication stream. Its Work's ``wait()`` makes the caller's current stream wait
+    only when that is another stream than ``stream`` (on ``stream`` the op already comes
+    first); ``is_completed()`` and the watchdog query its ``end`` event as usual."""
+    rt = b.runtime
+    device = b.device_index
+    with b.issue_lock:
+        if b.ending.over is not None:
+            return None
+        cs = b.comm_stream
+        issuing = False
+        try:
+            tail = cs.tail
+            if tail is not None:
+                # The last op went on the communication stream: this one comes after it.
+                rt.wait_event(stream, tail.ptr)
+                cs.tail = None
+            issuing = True
+            on_comm(b, hot.call, stream)
+            end = rt.event(True, False, device)
+            rt.record(end.ptr, stream)
+        except Exception as exc:
+            failed = issue_failed(b, hot.op_type, exc, issuing, (buf,), [])
+            if failed is exc:
+                raise
+            raise failed from exc
+        cs.last_end = None
+        work = HotWork(hot.op_type, b, buf, b.timeout, device, end, None, None, stream)
         if b.outstanding.add_work(work):
             complete_until(b, work)
             b.outstanding.batch_done()
