@@ -91,11 +91,13 @@ class DeviceRun:
     ended, per call). Checked again per call: contiguity, the caller's current stream
     (and a capture on it), hooks, the debug level, a coalescing block, posted sends."""
 
-    __slots__ = ("backend", "run", "red", "desc")
+    __slots__ = ("backend", "run", "start", "red", "desc")
 
-    def __init__(self, backend: Backend, run: Callable[..., bool], red: Any, desc: Buffer) -> None:
+    def __init__(self, backend: Backend, run: Callable[..., bool], start: Callable[..., Work | None] | None,
+                 red: Any, desc: Buffer) -> None:
         self.backend = backend
-        self.run = run
+        self.run = run      # the synchronous form: run(stream, array, seq, entry, group_name) -> issued
+        self.start = start  # the async form, if the backend has one: start(stream, array) -> Work or None
         self.red = red
         self.desc = desc
 
@@ -218,11 +220,13 @@ class Issuer:
         return self.finish(backend, self._start(seq, entry, getattr(backend, op), (buf, arg), [tensor], peer, op),
                            False, True)
 
-    def run_device(self, run: DeviceRun, tensor: Any) -> Work | None:
-        """A synchronous all_reduce on a CuPy array through its :class:`DeviceRun`
-        (numbered and recorded as :meth:`call_quiet` does); where the runner declines
-        (a stream other than the caller's, a capture, posted sends, an ended backend),
-        the op is issued the usual way under the number and entry it was given.
+    def run_device(self, run: DeviceRun, tensor: Any, async_op: bool = False) -> Work | None:
+        """An all_reduce on a CuPy array through its :class:`DeviceRun` (numbered and
+        recorded as :meth:`call_quiet` does; ``async_op``: through its async form, whose
+        Work is returned as :meth:`call` returns it); where the runner declines (a stream
+        other than the caller's, a capture, posted sends, an ended backend, an async op
+        too large for the caller's stream), the op is issued the usual way under the
+        number and entry it was given.
         Callers use this only with no hook registered and the debug level below
         DETAIL, outside a coalescing block, on a C-contiguous array of the run's key."""
         seq = self.seq = self.seq + 1
@@ -246,12 +250,23 @@ class Issuer:
                 given = None
             elif given != ptr:
                 given = -1  # CuPy's per-thread default stream: the usual way orders it
-        if given != -1 and run.run(given, tensor, seq, entry, self.group_name):
+        if async_op:
+            start = run.start
+            work = start(given, tensor) if start is not None and given != -1 else None
+            if work is not None:
+                work.seq = seq
+                work.group_name = self.group_name
+                work._result.append(tensor)
+                if entry is not None:
+                    recorder.attach(entry, work)  # type: ignore[union-attr]  # (entry: recorder is set)
+                self.watchdog.watch_backend(backend)  # type: ignore[arg-type]  # (its queue holds the Work)
+                return work
+        elif given != -1 and run.run(given, tensor, seq, entry, self.group_name):
             self.watchdog.watch_backend(backend)  # type: ignore[arg-type]  # (a quiet backend polls)
             return None
         buf = _array.as_buffer(tensor, name="tensor", writable=True)
         return self.finish(backend, self._start(seq, entry, backend.all_reduce, (buf, run.red), [tensor], -1,
-                                                "all_reduce"), False, True)
+                                                "all_reduce", async_op), async_op, True)
 
     def _entry(self, seq: int, op: str, backend: Backend, buf: Buffer | None, peer: int) -> _Entry | None:
         """The op's flight-recorder entry, made before it starts: a host op may run to its
@@ -480,6 +495,8 @@ def remember_device_run(runs: dict[tuple[Any, ...], DeviceRun], backend: Backend
     run = maker(buf, op) if maker is not None and buf.nbytes else None
     if run is None:
         return
+    async_maker = getattr(backend, "all_reduce_async_runner", None)
+    start = async_maker(buf, op) if async_maker is not None else None
     mem = tensor.data
     desc = Buffer(0, buf.nbytes, buf.dtype, buf.shape, buf.device)  # what the flight recorder shows
-    runs[(mem.ptr, mem.device_id, tensor.dtype, tensor.shape, op._name_)] = DeviceRun(backend, run, red, desc)
+    runs[(mem.ptr, mem.device_id, tensor.dtype, tensor.shape, op._name_)] = DeviceRun(backend, run, start, red, desc)

@@ -243,16 +243,16 @@ class ProcessGroup:
                     return issuer.run_now(fast.backend, fast.run, fast.start,
                                           (tensor if tensor.ndim == 1 else tensor.reshape(-1), fast.reducer),
                                           fast.desc, "all_reduce", [tensor], -1, async_op)
-        elif type(tensor) is _array._cupy_ndarray and not async_op and type(op) is ReduceOp:
-            # A CuPy array this synchronous op already ran on: its backend's runner, with the
-            # checks the run does not settle (DeviceRun).
+        elif type(tensor) is _array._cupy_ndarray and type(op) is ReduceOp:
+            # A CuPy array this op already ran on: its backend's runner, with the checks the
+            # run does not settle (DeviceRun).
             cp: Any = tensor
             mem = cp.data
             run = self._device_runs.get((mem.ptr, mem.device_id, cp.dtype, cp.shape, op._name_))
             if run is not None and cp._c_contiguous and self._coalescing is None and not self._destroyed:
                 issuer = self._issuer
                 if not issuer.hooks and not issuer.debug_detail:
-                    return issuer.run_device(run, cp)
+                    return issuer.run_device(run, cp, async_op)
         if self._destroyed:
             self._check_usable()
         buf = _array.as_buffer(tensor, name="tensor", writable=True)
@@ -271,11 +271,15 @@ class ProcessGroup:
             if type(tensor) is np.ndarray and type(op) is ReduceOp and len(self._host_runs) < 1024:
                 remember_host_run(self._host_runs, backend, tensor, buf, red, op)
             return issuer.run_now(backend, now, backend.all_reduce, (buf, red), buf, "all_reduce", [tensor], -1, async_op)
+        if plan.quiet is not None and type(tensor) is _array._cupy_ndarray and type(op) is ReduceOp \
+                and len(self._device_runs) < 1024:
+            # A CuPy array's first op of this kind (or one its run sent the usual way): the
+            # next one may go through a DeviceRun.
+            done = issuer.call_quiet(backend, plan.quiet, buf, red, tensor, "all_reduce", red) if not async_op else \
+                issuer.call(backend, backend.all_reduce, (buf, red), buf, [tensor], True, True, "all_reduce", red)
+            remember_device_run(self._device_runs, backend, tensor, buf, red, op)
+            return done
         if plan.quiet is not None and not async_op:  # a synchronous device op: no Work unless one is needed
-            if type(tensor) is _array._cupy_ndarray and type(op) is ReduceOp and len(self._device_runs) < 1024:
-                done = issuer.call_quiet(backend, plan.quiet, buf, red, tensor, "all_reduce", red)
-                remember_device_run(self._device_runs, backend, tensor, buf, red, op)
-                return done
             return issuer.call_quiet(backend, plan.quiet, buf, red, tensor, "all_reduce", red)
         return issuer.call(backend, backend.all_reduce, (buf, red), buf, [tensor], async_op, plan.device, "all_reduce", red)
 

@@ -395,6 +395,19 @@ class NCCLBackend:
         # Posted sends and receives go first: the usual way issues them.
         return not self.posted.ops and _hot.issue_quiet_on(self, hot, given, keep, seq, entry, group_name)
 
+    def all_reduce_async_runner(self, buf: Buffer, op: ReduceOpLike) -> Callable[..., NCCLWork | None] | None:
+        """:meth:`all_reduce_quiet_runner`'s async form: ``start(stream, keep)`` issues the
+        op (up to ``caller_stream_max`` bytes, on the caller's stream) and returns its
+        Work, or None, having done nothing, where the usual way must issue it."""
+        where = buf.device
+        if type(op) is not ReduceOp or buf.foreign_stream or where.index != self.device_index or where.type != "cuda":
+            return None
+        hot = self._hot.get(("all_reduce", buf.ptr, buf.nbytes, buf.dtype.name, op._name_))
+        return None if hot is None else functools.partial(self._run_async, hot, buf.nbytes)
+
+    def _run_async(self, hot: _hot.Hot, nbytes: int, given: int | None, keep: Any) -> NCCLWork | None:
+        return None if self.posted.ops else _hot.issue_async_on(self, hot, given, keep, nbytes)
+
     def broadcast_quiet(self, buf: Buffer, src: int, seq: int, entry: Any, group_name: str) -> bool:
         """:meth:`broadcast` as :meth:`all_reduce_quiet`."""
         hot = None if self.posted.ops else self._hot.get(("broadcast", buf.ptr, buf.nbytes, buf.dtype.name, src))

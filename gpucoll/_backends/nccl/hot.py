@@ -279,7 +279,22 @@ def issue(b: BackendState, hot: Hot, buf: Buffer) -> NCCLWork | None:
     return work
 
 
-def _issue_on_caller(b: BackendState, hot: Hot, buf: Buffer, stream: int) -> NCCLWork | None:
+def issue_async_on(b: BackendState, hot: Hot, given: int | None, keep: Any, nbytes: int) -> NCCLWork | None:
+    """:func:`issue` of a small async op on the caller's stream for a caller that has
+    checked the array as :func:`issue_quiet_on` says (``given``: the stream its producer
+    named, None: the caller's; ``keep``: what holds its memory): its Work; None, having
+    done nothing, where the usual way must issue it (a larger or timed op, another
+    stream, a capture, an ended backend)."""
+    if nbytes > b.caller_stream_max or b.comm_stream.timing:
+        return None
+    rt = b.runtime
+    stream = rt.current_stream_of(b.device_index)
+    if (given is not None and given != stream) or rt.is_capturing(stream):
+        return None
+    return _issue_on_caller(b, hot, keep, stream)
+
+
+def _issue_on_caller(b: BackendState, hot: Hot, buf: Any, stream: int) -> NCCLWork | None:
     """:func:`issue` of a small async op (up to ``caller_stream_max`` bytes, untimed) on
     the caller's current stream ``stream`` itself, as a synchronous op is issued
     (:func:`issue_quiet_on`): one event, no ``ready`` event and no wait of the
