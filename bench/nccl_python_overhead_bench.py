@@ -138,6 +138,9 @@ class NoopRuntime:
     def current_stream_of(self, device: int) -> int:
         return 0x7000
 
+    def stream_of(self, stream: Any, device: int) -> int | None:
+        return 0x7000 if stream.ptr == 0 and stream.device_id == device else int(stream.ptr)
+
     def has_context(self) -> bool:
         return True
 

@@ -237,22 +237,20 @@ class Issuer:
             entry = recorder.begin(seq, "all_reduce", backend.name, run.desc, -1)
             if self.debug_info:
                 entry.where = call_site()
-        # The stream the array's producer names, as _buffer.from_cupy reads it (CuPy's
-        # current stream; its legacy default stream: the caller's, None).
-        given: int | None
+        # The stream the array's producer names, as _buffer.from_cupy reads it: CuPy's
+        # current stream, which the runner runs the op on (if it is one of the backend's
+        # device: the backend asks no second time).
         try:
-            ptr: int = _buffer._cupy_stream().ptr
+            current: Any = _buffer._cupy_stream()
+            ptr: int = current.ptr
         except Exception:  # noqa: BLE001  (the usual way words the error)
-            given = -1
+            current = None
         else:
-            given = ptr or _buffer._cupy_default_stream
-            if given == 1:
-                given = None
-            elif given != ptr:
-                given = -1  # CuPy's per-thread default stream: the usual way orders it
+            if not ptr and _buffer._cupy_default_stream != 1:
+                current = None  # CuPy's per-thread default stream: the usual way orders it
         if async_op:
             start = run.start
-            work = start(given, tensor) if start is not None and given != -1 else None
+            work = start(current, tensor) if start is not None and current is not None else None
             if work is not None:
                 work.seq = seq
                 work.group_name = self.group_name
@@ -261,7 +259,7 @@ class Issuer:
                     recorder.attach(entry, work)  # type: ignore[union-attr]  # (entry: recorder is set)
                 self.watchdog.watch_backend(backend)  # type: ignore[arg-type]  # (its queue holds the Work)
                 return work
-        elif given != -1 and run.run(given, tensor, seq, entry, self.group_name):
+        elif current is not None and run.run(current, tensor, seq, entry, self.group_name):
             self.watchdog.watch_backend(backend)  # type: ignore[arg-type]  # (a quiet backend polls)
             return None
         buf = _array.as_buffer(tensor, name="tensor", writable=True)

@@ -16,7 +16,7 @@ import pytest
 from gpucoll._reduce_op import ReduceOp
 from gpucoll._work import WorkInfo
 
-from _fake_cupy_costs import CupyOnFake, cupy_or_none
+from _fake_cupy_costs import CupyOnFake, FakeCupyStream, cupy_or_none
 from _nccl_fake import FakeRuntime, read_on_stream
 from _fake_gpu_world import dev, run_groups
 
@@ -71,6 +71,10 @@ def test_repeated_all_reduces_of_cupy_arrays_go_through_a_run_and_stay_right(
                 bad.append(f"SUM round {i}")
         if len(runs) != 1:
             bad.append(f"runs: {len(runs)}")
+        # CuPy's current stream of another device (that device current): the run declines.
+        run = next(iter(runs.values()))
+        if run.run(FakeCupyStream(0, 1), x, 0, None, "g") or run.start(FakeCupyStream(0, 1), x) is not None:
+            bad.append("a stream of another device was taken")
         # Same address, another op, then another dtype: each its own run, right values.
         _put(rt, buf, base + rank)
         for _ in range(2):
@@ -103,14 +107,16 @@ def test_repeated_all_reduces_of_cupy_arrays_go_through_a_run_and_stay_right(
             pg.all_reduce(square.T)
         if pg._issuer.seq != seq:
             bad.append("a transposed view was issued through the run")
-        # Another current stream: the op is ordered on it.
+        # Another current stream: the op is ordered on it (the default stream's ops done
+        # first: the host writes the array next).
+        read_on_stream(rt, buf, np.float32).get(timeout=20)
         other = rt.new_stream()
         rt.set_current_stream(other.ptr)
         _put(rt, buf, base + rank)
         pg.all_reduce(x)
         if not np.array_equal(read_on_stream(rt, buf, np.float32, other.ptr).get(timeout=20),
                               sum(base + r for r in range(size))):
-            bad.append("another stream")
+            bad.append(f"another stream: {read_on_stream(rt, buf, np.float32, other.ptr).get(timeout=20)}")
         rt.set_current_stream(rt.default_stream.ptr)
         # Async through the run: the Work's wait() orders the result; is_completed() holds.
         for i in range(3):

@@ -380,8 +380,10 @@ class NCCLBackend:
     def all_reduce_quiet_runner(self, buf: Buffer, op: ReduceOpLike) -> Callable[..., bool] | None:
         """:meth:`all_reduce_quiet` of an op already issued on ``buf`` (same address,
         size, dtype and op), bound to its hot call: ``run(stream, keep, seq, entry,
-        group_name)``, where ``stream`` is the stream the array's producer named (None:
-        the caller's) and ``keep`` holds the memory until the op completes. The caller
+        group_name)``, where ``stream`` is the caller's current stream as CuPy's
+        ``get_current_stream()`` returns it, the stream the array's producer names (the
+        op runs there if it is a stream of the communicator's device, else the runner
+        declines), and ``keep`` holds the memory until the op completes. The caller
         vouches for what the runner does not check again: an array with this address,
         size and dtype, C-contiguous (the device and a foreign stream are checked here,
         once: an address names one device). None when the op has no hot path yet."""
@@ -391,9 +393,12 @@ class NCCLBackend:
         hot = self._hot.get(("all_reduce", buf.ptr, buf.nbytes, buf.dtype.name, op._name_))
         return None if hot is None else functools.partial(self._run_quiet, hot)
 
-    def _run_quiet(self, hot: _hot.Hot, given: int | None, keep: Any, seq: int, entry: Any, group_name: str) -> bool:
+    def _run_quiet(self, hot: _hot.Hot, current: Any, keep: Any, seq: int, entry: Any, group_name: str) -> bool:
         # Posted sends and receives go first: the usual way issues them.
-        return not self.posted.ops and _hot.issue_quiet_on(self, hot, given, keep, seq, entry, group_name)
+        if self.posted.ops:
+            return False
+        stream = self.runtime.stream_of(current, self.device_index)
+        return stream is not None and _hot.issue_quiet_at(self, hot, stream, keep, seq, entry, group_name)
 
     def all_reduce_async_runner(self, buf: Buffer, op: ReduceOpLike) -> Callable[..., NCCLWork | None] | None:
         """:meth:`all_reduce_quiet_runner`'s async form: ``start(stream, keep)`` issues the
@@ -405,8 +410,11 @@ class NCCLBackend:
         hot = self._hot.get(("all_reduce", buf.ptr, buf.nbytes, buf.dtype.name, op._name_))
         return None if hot is None else functools.partial(self._run_async, hot, buf.nbytes)
 
-    def _run_async(self, hot: _hot.Hot, nbytes: int, given: int | None, keep: Any) -> NCCLWork | None:
-        return None if self.posted.ops else _hot.issue_async_on(self, hot, given, keep, nbytes)
+    def _run_async(self, hot: _hot.Hot, nbytes: int, current: Any, keep: Any) -> NCCLWork | None:
+        if self.posted.ops:
+            return None
+        stream = self.runtime.stream_of(current, self.device_index)
+        return None if stream is None else _hot.issue_async_at(self, hot, stream, keep, nbytes)
 
     def broadcast_quiet(self, buf: Buffer, src: int, seq: int, entry: Any, group_name: str) -> bool:
         """:meth:`broadcast` as :meth:`all_reduce_quiet`."""

@@ -189,11 +189,18 @@ def issue_quiet_on(b: BackendState, hot: Hot, given: int | None, keep: Any, seq:
     with no foreign stream: ``given`` is the stream its producer named (None: the
     caller's), ``keep`` what holds its memory until the op completes (its Buffer, or
     the array itself)."""
-    device = b.device_index
-    rt = b.runtime
-    stream = rt.current_stream_of(device)
+    stream = b.runtime.current_stream_of(b.device_index)
     if given is not None and given != stream:
         return False  # a producer stream other than the caller's: the general path orders it
+    return issue_quiet_at(b, hot, stream, keep, seq, entry, group_name)
+
+
+def issue_quiet_at(b: BackendState, hot: Hot, stream: int, keep: Any, seq: int, entry: _Entry | None,
+                   group_name: str) -> bool:
+    """:func:`issue_quiet_on` once ``stream`` is known to be the caller's current stream
+    of the communicator's device and the one the array's producer named."""
+    device = b.device_index
+    rt = b.runtime
     if rt.is_capturing(stream):
         return False  # the general path captures it, joined back to the caller's stream
     with b.issue_lock:
@@ -279,17 +286,13 @@ def issue(b: BackendState, hot: Hot, buf: Buffer) -> NCCLWork | None:
     return work
 
 
-def issue_async_on(b: BackendState, hot: Hot, given: int | None, keep: Any, nbytes: int) -> NCCLWork | None:
+def issue_async_at(b: BackendState, hot: Hot, stream: int, keep: Any, nbytes: int) -> NCCLWork | None:
     """:func:`issue` of a small async op on the caller's stream for a caller that has
-    checked the array as :func:`issue_quiet_on` says (``given``: the stream its producer
-    named, None: the caller's; ``keep``: what holds its memory): its Work; None, having
-    done nothing, where the usual way must issue it (a larger or timed op, another
-    stream, a capture, an ended backend)."""
-    if nbytes > b.caller_stream_max or b.comm_stream.timing:
-        return None
-    rt = b.runtime
-    stream = rt.current_stream_of(b.device_index)
-    if (given is not None and given != stream) or rt.is_capturing(stream):
+    checked the array as :func:`issue_quiet_at` says (``stream``: the caller's current
+    stream of the communicator's device, the one the array's producer named; ``keep``:
+    what holds its memory): its Work; None, having done nothing, where the usual way
+    must issue it (a larger or timed op, a capture, an ended backend)."""
+    if nbytes > b.caller_stream_max or b.comm_stream.timing or b.runtime.is_capturing(stream):
         return None
     return _issue_on_caller(b, hot, keep, stream)
 
