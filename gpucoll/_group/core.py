@@ -266,6 +266,17 @@ class Issuer:
         return self.finish(backend, self._start(seq, entry, backend.all_reduce, (buf, run.red), [tensor], -1,
                                                 "all_reduce", async_op), async_op, True)
 
+    def call_and_remember(self, backend: Backend, quiet: Callable[..., bool], buf: Buffer, red: Any, tensor: Any,
+                          op: Any, async_op: bool) -> Work | None:
+        """A CuPy array's first all_reduce of its kind on a device backend with a Work-less
+        form (or one its DeviceRun sent the usual way): :meth:`call_quiet`, or :meth:`call`
+        for an async op, then the array's DeviceRun is made for the next one."""
+        done = self.call_quiet(backend, quiet, buf, red, tensor, "all_reduce", red) if not async_op else \
+            self.call(backend, backend.all_reduce, (buf, red), buf, [tensor], True, True, "all_reduce", red)
+        if len(self.device_runs) < 1024:
+            remember_device_run(self.device_runs, backend, tensor, buf, red, op)
+        return done
+
     def _entry(self, seq: int, op: str, backend: Backend, buf: Buffer | None, peer: int) -> _Entry | None:
         """The op's flight-recorder entry, made before it starts: a host op may run to its
         end inside ``start()``, and a dump taken meanwhile must show it."""
@@ -489,12 +500,11 @@ def remember_device_run(runs: dict[tuple[Any, ...], DeviceRun], backend: Backend
     """Bind the next synchronous all_reduce on this CuPy array (its address, device,
     dtype, shape and op) to the device backend's Work-less runner, once the backend
     has a hot path for it (its first op makes one)."""
-    maker = getattr(backend, "all_reduce_quiet_runner", None)
-    run = maker(buf, op) if maker is not None and buf.nbytes else None
-    if run is None:
+    maker = getattr(backend, "all_reduce_runners", None)  # (NCCLBackend's)
+    both = maker(buf, op) if maker is not None and buf.nbytes else None
+    if both is None:
         return
-    async_maker = getattr(backend, "all_reduce_async_runner", None)
-    start = async_maker(buf, op) if async_maker is not None else None
     mem = tensor.data
     desc = Buffer(0, buf.nbytes, buf.dtype, buf.shape, buf.device)  # what the flight recorder shows
-    runs[(mem.ptr, mem.device_id, tensor.dtype, tensor.shape, op._name_)] = DeviceRun(backend, run, start, red, desc)
+    runs[(mem.ptr, mem.device_id, tensor.dtype, tensor.shape, op._name_)] = DeviceRun(backend, both[0], both[1], red,
+                                                                                      desc)

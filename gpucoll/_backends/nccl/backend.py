@@ -10,7 +10,6 @@ Importing this module imports no CuPy; constructing a backend does.
 
 from __future__ import annotations
 
-import functools
 import threading
 from typing import Any, Callable, Mapping, Sequence
 
@@ -34,7 +33,7 @@ from .posting import Posted
 from .ending import Ending
 from .registration import Registrations, deregister as _deregister_buffer, register as _register_buffer
 from .stream import CommStream
-from . import hot as _hot, lifecycle as _lifecycle, phases as _phases
+from . import hot as _hot, lifecycle as _lifecycle, phases as _phases, quiet as _quiet
 from .shrink import check_shrunk, shrink_comm
 from .split import check_split, split_comm
 from .work import NCCLWork
@@ -104,19 +103,14 @@ class NCCLBackend:
         self.config: dict[str, Any] = self._checked_config(config)
         self.high_priority = bool(high_priority)
         self.issue_lock = threading.RLock()  # the issue path: one op at a time, in order
-        # The communicator, with the lock every call on it holds (the issue path's NCCL
-        # calls, the async error query, abort, destroy): NCCL forbids concurrent calls on
-        # one communicator, and the watchdog must never abort or query one under a call.
+        # The communicator, with the lock every call on it holds (the issue path's NCCL calls, the async error query,
+        # abort, destroy): NCCL forbids concurrent calls on one communicator; the watchdog never aborts one mid-call.
         self.comm_slot = CommSlot()
         self._eager = device_id is not None
         self.device_index = -1              # the communicator's CUDA device (-1 until it exists)
-        # The communication stream, its events, what lives as long as the backend (stream.py).
-        self.comm_stream = CommStream()
+        self.comm_stream = CommStream(caller_stream_max())  # its events, what lives as long as the backend (stream.py)
         self.planner: Planner | None = None  # turns ops into plans (plan.py); made with the communicator
         self.scratch = 0                    # the barrier's int32 on the device (kept by comm_stream)
-        # Async ops (hot path, untimed) up to this many bytes run on the caller's stream
-        # (hot._issue_on_caller); larger ones on the communication stream.
-        self.caller_stream_max = caller_stream_max()
         self._temps: list[Any] = []         # temporaries of the op being planned
         self.check_ins = CheckIn()          # peers checked in before NCCL first connects to them
         self.outstanding = Outstanding()    # issued, not yet seen complete (Works, Quiets)
@@ -366,7 +360,7 @@ class NCCLBackend:
         hot = None if self.posted.ops else self._hot.get(key)  # (_issue issues posted ops first)
         return _hot.issue(self, hot, buf) if hot is not None else None
 
-    # ----- synchronous ops with no Work (the IssuesQuietly protocol; hot.py) -----
+    # ----- synchronous ops with no Work (the IssuesQuietly protocol; hot.py), a DeviceRun's runners (quiet.py) -----
 
     def all_reduce_quiet(self, buf: Buffer, op: ReduceOpLike, seq: int, entry: Any, group_name: str) -> bool:
         """:meth:`all_reduce` for a synchronous caller, with no Work: True once issued
@@ -377,49 +371,11 @@ class NCCLBackend:
         hot = self._hot.get(("all_reduce", buf.ptr, buf.nbytes, buf.dtype.name, op._name_))
         return hot is not None and _hot.issue_quiet(self, hot, buf, seq, entry, group_name)
 
-    def all_reduce_quiet_runner(self, buf: Buffer, op: ReduceOpLike) -> Callable[..., bool] | None:
-        """:meth:`all_reduce_quiet` of an op already issued on ``buf`` (same address,
-        size, dtype and op), bound to its hot call: ``run(stream, keep, seq, entry,
-        group_name)``, where ``stream`` is the caller's current stream as CuPy's
-        ``get_current_stream()`` returns it, the stream the array's producer names (the
-        op runs there if it is a stream of the communicator's device, else the runner
-        declines), and ``keep`` holds the memory until the op completes. The caller
-        vouches for what the runner does not check again: an array with this address,
-        size and dtype, C-contiguous (the device and a foreign stream are checked here,
-        once: an address names one device). None when the op has no hot path yet."""
-        where = buf.device
-        if type(op) is not ReduceOp or buf.foreign_stream or where.index != self.device_index or where.type != "cuda":
-            return None
-        hot = self._hot.get(("all_reduce", buf.ptr, buf.nbytes, buf.dtype.name, op._name_))
-        return None if hot is None else functools.partial(self._run_quiet, hot)
-
-    def _run_quiet(self, hot: _hot.Hot, current: Any, keep: Any, seq: int, entry: Any, group_name: str) -> bool:
-        # Posted sends and receives go first: the usual way issues them.
-        if self.posted.ops:
-            return False
-        stream = self.runtime.stream_of(current, self.device_index)
-        return stream is not None and _hot.issue_quiet_at(self, hot, stream, keep, seq, entry, group_name)
-
-    def all_reduce_async_runner(self, buf: Buffer, op: ReduceOpLike) -> Callable[..., NCCLWork | None] | None:
-        """:meth:`all_reduce_quiet_runner`'s async form: ``start(stream, keep)`` issues the
-        op (up to ``caller_stream_max`` bytes, on the caller's stream) and returns its
-        Work, or None, having done nothing, where the usual way must issue it."""
-        where = buf.device
-        if type(op) is not ReduceOp or buf.foreign_stream or where.index != self.device_index or where.type != "cuda":
-            return None
-        hot = self._hot.get(("all_reduce", buf.ptr, buf.nbytes, buf.dtype.name, op._name_))
-        return None if hot is None else functools.partial(self._run_async, hot, buf.nbytes)
-
-    def _run_async(self, hot: _hot.Hot, nbytes: int, current: Any, keep: Any) -> NCCLWork | None:
-        if self.posted.ops:
-            return None
-        stream = self.runtime.stream_of(current, self.device_index)
-        return None if stream is None else _hot.issue_async_at(self, hot, stream, keep, nbytes)
-
     def broadcast_quiet(self, buf: Buffer, src: int, seq: int, entry: Any, group_name: str) -> bool:
         """:meth:`broadcast` as :meth:`all_reduce_quiet`."""
         hot = None if self.posted.ops else self._hot.get(("broadcast", buf.ptr, buf.nbytes, buf.dtype.name, src))
         return hot is not None and _hot.issue_quiet(self, hot, buf, seq, entry, group_name)
+
 
     # ----- the Backend protocol: reductions -----
 
@@ -541,6 +497,7 @@ class NCCLBackend:
         one aborts), or None while healthy. Never blocks on a call in flight."""
         return _lifecycle.failure(self)
     register_buffer, deregister_buffer = _register_buffer, _deregister_buffer  # registration.py (RegistersBuffers)
+    all_reduce_runners = _quiet.all_reduce_runners  # quiet.py (a group's DeviceRun)
 
     def split(self, ranks: Sequence[int] | None, *, color: int = 0, store: Store, group_name: str,
               timeout: float, config: Mapping[str, Any] | None = None,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Mapping
 
-from ..._env import NCCL_RANKS_PER_ROOT_ENV, NCCL_SCALABLE_INIT_ENV
+from ..._env import NCCL_CALLER_STREAM_MAX_ENV, NCCL_RANKS_PER_ROOT_ENV, NCCL_SCALABLE_INIT_ENV
 from ...errors import BackendUnavailableError, DistBackendError, DistStoreError
 from ...store.base import Store
 from . import lib as _nccl_lib
@@ -140,7 +140,7 @@ def caller_stream_max() -> int:
     Raises:
         ValueError: the variable is not a whole number of bytes >= 0.
     """
-    name = "GPUCOLL_NCCL_CALLER_STREAM_MAX"
+    name = NCCL_CALLER_STREAM_MAX_ENV
     text = os.environ.get(name, "").strip()
     if not text:
         return DEFAULT_CALLER_STREAM_MAX

@@ -250,7 +250,7 @@ def issue(b: BackendState, hot: Hot, buf: Buffer) -> NCCLWork | None:
         stream = rt.current_stream_of(device)
     if rt.is_capturing(stream):
         return None
-    if buf.nbytes <= b.caller_stream_max and not b.comm_stream.timing and (
+    if buf.nbytes <= b.comm_stream.caller_max and not b.comm_stream.timing and (
             given is None or given == rt.current_stream_of(device)):
         return _issue_on_caller(b, hot, buf, stream)
     with b.issue_lock:
@@ -292,13 +292,13 @@ def issue_async_at(b: BackendState, hot: Hot, stream: int, keep: Any, nbytes: in
     stream of the communicator's device, the one the array's producer named; ``keep``:
     what holds its memory): its Work; None, having done nothing, where the usual way
     must issue it (a larger or timed op, a capture, an ended backend)."""
-    if nbytes > b.caller_stream_max or b.comm_stream.timing or b.runtime.is_capturing(stream):
+    if nbytes > b.comm_stream.caller_max or b.comm_stream.timing or b.runtime.is_capturing(stream):
         return None
     return _issue_on_caller(b, hot, keep, stream)
 
 
 def _issue_on_caller(b: BackendState, hot: Hot, buf: Any, stream: int) -> NCCLWork | None:
-    """:func:`issue` of a small async op (up to ``caller_stream_max`` bytes, untimed) on
+    """:func:`issue` of a small async op (up to ``comm_stream.caller_max`` bytes, untimed) on
     the caller's current stream ``stream`` itself, as a synchronous op is issued
     (:func:`issue_quiet_on`): one event, no ``ready`` event and no wait of the
     communication stream. Its Work's ``wait()`` makes the caller's current stream wait

@@ -40,7 +40,6 @@ class BackendState(Protocol):
     comm_stream: CommStream  # the communication stream, its events, what lives as long as the backend
     planner: Planner | None
     scratch: int
-    caller_stream_max: int  # async hot ops up to this many bytes run on the caller's stream
     outstanding: Outstanding  # ops issued, not yet seen complete
     ending: Ending       # aborted / shut down, and why
 
