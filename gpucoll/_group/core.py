@@ -85,11 +85,12 @@ class DeviceRun:
     looked up once. ``desc`` describes the array for the flight recorder (it holds no
     memory). What it caches and why each fact stays true: the array's device (an address
     names one device), dtype, size and shape (the key), the op as checked for the dtype
-    (the key), the backend (the group drops its runs with its plans when its backends
-    change or it is destroyed: ``Issuer.forget_plans``) and the backend's planned NCCL
-    call (valid as long as the backend's communicator, which the runner checks has not
-    ended, per call). Checked again per call: contiguity, the caller's current stream
-    (and a capture on it), hooks, the debug level, a coalescing block, posted sends."""
+    (the key), the backend (the group drops its runs with its plans when its device
+    backend changes, ``Issuer.forget_plans``, and past 1024 kinds; a destroyed group
+    refuses before looking one up) and the backend's planned NCCL call (valid as long as
+    the backend's communicator, which the runner checks has not ended, per call).
+    Checked again per call: contiguity, the caller's current stream (its device, and a
+    capture on it), hooks, the debug level, a coalescing block, posted sends."""
 
     __slots__ = ("backend", "run", "start", "red", "desc")
 
