@@ -246,7 +246,8 @@ class ProcessGroup:
         elif type(tensor) is _array._cupy_ndarray and type(op) is ReduceOp:  # one already run: its DeviceRun
             cp: Any = tensor
             issuer = self._issuer
-            run = issuer.device_runs.get((cp.data.ptr, cp.data.device_id, cp.dtype, cp.shape, op._name_))
+            mem = cp.data
+            run = issuer.device_runs.get((mem.ptr, mem.device_id, cp.dtype, cp.shape, op._name_))
             if run is not None and cp._c_contiguous and self._coalescing is None and not self._destroyed \
                     and not issuer.hooks and not issuer.debug_detail:  # (what the run does not settle)
                 return issuer.run_device(run, cp, async_op)
