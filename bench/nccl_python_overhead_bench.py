@@ -23,6 +23,11 @@ Usage::
 
     python bench/nccl_python_overhead_bench.py [--ops 50000] [--repeat 5] [--lag 20]
     python bench/nccl_python_overhead_bench.py --realistic [--call-us 0.7] [--op-us 5]
+    python bench/nccl_python_overhead_bench.py --realistic --baseline ../gpucoll-old [--alternate 3]
+
+With ``--baseline TREE`` the bench runs TREE's copy of itself and this tree's in turn,
+``--alternate`` times each, so that "before" and "after" come from one run on one
+machine load.
 """
 
 from __future__ import annotations
@@ -133,6 +138,9 @@ class NoopRuntime:
     def current_stream_of(self, device: int) -> int:
         return 0x7000
 
+    def stream_of(self, stream: Any, device: int) -> int | None:
+        return 0x7000 if stream.ptr == 0 and stream.device_id == device else int(stream.ptr)
+
     def has_context(self) -> bool:
         return True
 
@@ -220,6 +228,69 @@ def _interleaved(rows: dict[str, Callable[[], Any]], ops: int, repeat: int, cost
 QUIET = "backend: all_reduce_quiet(buf) (synchronous, no Work)"
 
 
+def _strip_baseline(argv: list[str]) -> list[str]:
+    """``argv`` without --baseline and --alternate (and their values)."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--baseline", "--alternate"):
+            skip = True
+        elif not a.startswith(("--baseline=", "--alternate=")):
+            out.append(a)
+    return out
+
+
+def _rows(text: str) -> dict[str, tuple[float, float]]:
+    """A run's table rows: name -> (µs per op, ratio to the backend's Work-less op); the
+    async + wait line under "async / sync"."""
+    rows: dict[str, tuple[float, float]] = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) >= 3:
+            try:
+                rows[cells[0]] = (float(cells[1]), float(cells[2]))
+            except ValueError:
+                pass
+        elif line.startswith("# async + wait against"):
+            rows["async / sync"] = (0.0, float(line.rsplit(":", 1)[1].strip().rstrip("x")))
+    return rows
+
+
+def _alternate(baseline: str, times: int, argv: list[str]) -> int:
+    """Run the baseline tree's bench and this tree's alternately; print both trees' medians."""
+    import subprocess
+
+    trees = {"before": os.path.abspath(baseline), "after": _ROOT}
+    runs: dict[str, list[dict[str, tuple[float, float]]]] = {"before": [], "after": []}
+    for i in range(times):
+        for label, tree in trees.items():
+            env = dict(os.environ, PYTHONPATH=tree)
+            done = subprocess.run([sys.executable, os.path.join(tree, "bench", "nccl_python_overhead_bench.py"), *argv],
+                                  cwd=tree, env=env, capture_output=True, text=True, timeout=600)
+            if done.returncode != 0:
+                print(done.stdout + done.stderr, file=sys.stderr)
+                raise SystemExit(f"the {label} tree's bench failed ({tree}, exit {done.returncode})")
+            runs[label].append(_rows(done.stdout))
+            print(f"# run {i + 1}/{times}: {label} ({tree}) done", file=sys.stderr)
+    print(f"# before: {trees['before']}; after: {trees['after']}; {times} runs of each, alternated; "
+          f"options: {' '.join(argv)}; medians over runs of each run's medians and ratios")
+    print("| path | before µs | before ratio | after µs | after ratio |")
+    print("|---|---|---|---|---|")
+    names = list(runs["after"][0])
+    for name in names:
+        cells = []
+        for label in ("before", "after"):
+            got = [r[name] for r in runs[label] if name in r]
+            if not got:
+                cells += ["-", "-"]
+                continue
+            cells += [f"{statistics.median(g[0] for g in got):.2f}", f"{statistics.median(g[1] for g in got):.2f}"]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ops", type=int, default=50000, help="ops per timed run")
@@ -236,7 +307,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="time rows (and, realistic, the fake's calls) by the wall clock, or by this thread's CPU "
                          "time: on a loaded machine a preempted op then costs what it ran, not what it waited")
+    ap.add_argument("--baseline", default=None, metavar="TREE",
+                    help="another checkout of gpucoll (e.g. a git worktree of an older commit): run its copy of "
+                         "this bench and this tree's alternately, --alternate times each (same options), and "
+                         "report both trees' medians side by side")
+    ap.add_argument("--alternate", type=int, default=3, help="with --baseline: runs of each tree")
     args = ap.parse_args(argv)
+    if args.baseline is not None:
+        return _alternate(args.baseline, args.alternate, _strip_baseline(sys.argv[1:] if argv is None else argv))
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
 
     import gpucoll

@@ -83,11 +83,16 @@ class CupyOnFake:
         """``cupy.cuda.get_current_stream``: the runtime's current stream, at CuPy's cost."""
         if self._spend is not None:
             self._spend("cupy", "current_stream", self._seconds, self._now())
-        ptr = self.rt._current
+        rt = self.rt
+        current = rt._current
+        if isinstance(current, dict):  # the semantic fake (FakeRuntime): a current stream per device
+            ptr, default, device = rt.current_stream(), rt.default_stream.ptr, rt.fabric.current_device()
+        else:
+            ptr, default, device = current, rt._default, 0
         stream = self._streams.get(ptr)
         if stream is None:
             # The runtime's default stream is CuPy's legacy one, whose Stream says ptr 0.
-            stream = self._streams[ptr] = FakeCupyStream(0 if ptr == self.rt._default else ptr, 0)
+            stream = self._streams[ptr] = FakeCupyStream(0 if ptr == default else ptr, device)
         return stream
 
     def array(self, n: int = 256, dtype: str = "float32", ptr: int | None = None) -> Any:

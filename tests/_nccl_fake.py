@@ -913,6 +913,14 @@ class FakeRuntime:
     def set_current_stream(self, ptr: int) -> None:
         self._current[self.fabric.stream(ptr).device] = ptr
 
+    def stream_of(self, stream: Any, device: int) -> int | None:
+        """The handle of a CuPy stream object (tests/_fake_cupy_costs.py's, whose ptr 0 is
+        CuPy's legacy stream: here the device's default stream) if it is ``device``'s."""
+        if stream.device_id != device:
+            return None
+        return (self.default_stream.ptr if device == self.default_stream.device else
+                self.current_stream_of(device)) if stream.ptr == 0 else int(stream.ptr)
+
     def new_stream(self, high_priority: bool = False) -> FakeStream:
         self.fabric.context()
         stream = FakeStream(self.fabric, "comm")
@@ -1962,6 +1970,13 @@ class TimedRuntime:
 
     def set_current_stream(self, ptr: int) -> None:
         self._current = ptr
+
+    def stream_of(self, stream: Any, device: int) -> int | None:
+        """A CuPy stream object's handle (ptr 0, CuPy's legacy stream: the default one);
+        free, as reading a CuPy stream's fields is."""
+        if stream.device_id != device:
+            return None
+        return self._default if stream.ptr == 0 else int(stream.ptr)
 
     def new_stream(self, high_priority: bool = False) -> Any:
         return _TimedStream(next(self._handles))

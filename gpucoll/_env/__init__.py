@@ -101,6 +101,11 @@ NCCL_RANKS_PER_ROOT_ENV: Final = "GPUCOLL_NCCL_RANKS_PER_ROOT"
 """Ranks per unique id on the scalable path (GPUCOLL_NCCL_SCALABLE_INIT): ceil(ranks / this)
 roots, spread evenly over the group; default 256."""
 
+NCCL_CALLER_STREAM_MAX_ENV: Final = "GPUCOLL_NCCL_CALLER_STREAM_MAX"
+"""Bytes up to which a repeated async NCCL op runs on the caller's current stream rather
+than on the communication stream (its wait() on that stream is then free); default 65536;
+0: every async op on the communication stream (torch's scheduling)."""
+
 # -- JAX: collectives inside jax.jit ---------------------------------------------------------
 
 JAX_NATIVE_ENV: Final = "GPUCOLL_JAX_NATIVE"
@@ -123,5 +128,6 @@ BENCH_CORRUPT_ENV: Final = "GPUCOLL_BENCH_CORRUPT"
 NAMES: Final = (STORE_HOSTED_ENV, STORE_TOKEN_ENV, STORE_RELAY_ENV, BACKEND_ENV, DEATH_RECORDS_ENV, ERROR_FILE_ENV, CPU_BIND_ENV, LAUNCHER_PID_ENV,
                 DEBUG_ENV, NON_MEMBER_ENV, FLIGHT_RECORDER_SIZE_ENV, FLIGHT_RECORDER_DIR_ENV, CONTROL_PLANE_ENV, CPU_TRANSPORT_ENV,
                 CPU_CMA_ENV, CPU_IFADDR_ENV, MAX_OBJECT_BYTES_ENV, NCCL_SCALABLE_INIT_ENV, NCCL_RANKS_PER_ROOT_ENV,
+                NCCL_CALLER_STREAM_MAX_ENV,
                 JAX_NATIVE_ENV, CACHE_DIR_ENV, BENCH_COMMAND_ENV, BENCH_CORRUPT_ENV)
 """Every name above."""

@@ -19,6 +19,7 @@ from typing import Any, Callable, cast
 
 import numpy as np
 
+from .. import _buffer
 from .. import array as _array
 from .._buffer import Buffer
 from .._backends.base import ISSUING_ASYNC, Backend, IssuesQuietly, RunsNow, TimesOps
@@ -77,6 +78,31 @@ class HostRun:
         self.inline = inline  # small enough that an async op of this kind runs here too (RunsNow.inline_max)
 
 
+class DeviceRun:
+    """A planned synchronous all_reduce on a CuPy array of one (address, device, dtype,
+    shape, op), bound to the device backend's Work-less runner
+    (``all_reduce_quiet_runner``): a repeated call builds no Buffer and no key, and is
+    looked up once. ``desc`` describes the array for the flight recorder (it holds no
+    memory). What it caches and why each fact stays true: the array's device (an address
+    names one device), dtype, size and shape (the key), the op as checked for the dtype
+    (the key), the backend (the group drops its runs with its plans when its device
+    backend changes, ``Issuer.forget_plans``, and past 1024 kinds; a destroyed group
+    refuses before looking one up) and the backend's planned NCCL call (valid as long as
+    the backend's communicator, which the runner checks has not ended, per call).
+    Checked again per call: contiguity, the caller's current stream (its device, and a
+    capture on it), hooks, the debug level, a coalescing block, posted sends."""
+
+    __slots__ = ("backend", "run", "start", "red", "desc")
+
+    def __init__(self, backend: Backend, run: Callable[..., bool], start: Callable[..., Work | None] | None,
+                 red: Any, desc: Buffer) -> None:
+        self.backend = backend
+        self.run = run      # the synchronous form: run(stream, array, seq, entry, group_name) -> issued
+        self.start = start  # the async form, if the backend has one: start(stream, array) -> Work or None
+        self.red = red
+        self.desc = desc
+
+
 class Issuer:
     """Issues the ops of one group.
 
@@ -99,6 +125,7 @@ class Issuer:
         self.seq = 0
         self.plans: dict[tuple[Any, ...], Plan] = {}
         self.host_runs: dict[tuple[Any, ...], HostRun] = {}  # by (NumPy dtype, shape, op name)
+        self.device_runs: dict[tuple[Any, ...], DeviceRun] = {}  # by (address, device, dtype, shape, op name)
         self.abort_reason: str | None = None
         self.abort_lock = threading.Lock()
         self.hook_errors: list[tuple[Callable[[WorkInfo], None], BaseException]] = []
@@ -124,6 +151,7 @@ class Issuer:
             if len(self.plans) >= _PLANS_MAX:
                 self.plans.clear()
                 self.host_runs.clear()
+                self.device_runs.clear()
             self.plans[key] = plan
         return plan
 
@@ -131,6 +159,7 @@ class Issuer:
         """Drop every plan (the group's backends changed, or the group is destroyed)."""
         self.plans.clear()
         self.host_runs.clear()
+        self.device_runs.clear()
 
     # ----- issue and finish -----
     def issue(self, backend: Backend, start: Callable[[], Work], buf: Buffer | None, outputs: list[Any],
@@ -191,6 +220,63 @@ class Issuer:
             return None
         return self.finish(backend, self._start(seq, entry, getattr(backend, op), (buf, arg), [tensor], peer, op),
                            False, True)
+
+    def run_device(self, run: DeviceRun, tensor: Any, async_op: bool = False) -> Work | None:
+        """An all_reduce on a CuPy array through its :class:`DeviceRun` (numbered and
+        recorded as :meth:`call_quiet` does; ``async_op``: through its async form, whose
+        Work is returned as :meth:`call` returns it); where the runner declines (a stream
+        other than the caller's, a capture, posted sends, an ended backend, an async op
+        too large for the caller's stream), the op is issued the usual way under the
+        number and entry it was given.
+        Callers use this only with no hook registered and the debug level below
+        DETAIL, outside a coalescing block, on a C-contiguous array of the run's key."""
+        seq = self.seq = self.seq + 1
+        recorder = self.recorder
+        backend = run.backend
+        entry = None
+        if recorder is not None:
+            entry = recorder.begin(seq, "all_reduce", backend.name, run.desc, -1)
+            if self.debug_info:
+                entry.where = call_site()
+        # The stream the array's producer names, as _buffer.from_cupy reads it: CuPy's
+        # current stream, which the runner runs the op on (if it is one of the backend's
+        # device: the backend asks no second time).
+        try:
+            current: Any = _buffer._cupy_stream()
+            ptr: int = current.ptr
+        except Exception:  # noqa: BLE001  (the usual way words the error)
+            current = None
+        else:
+            if not ptr and _buffer._cupy_default_stream != 1:
+                current = None  # CuPy's per-thread default stream: the usual way orders it
+        if async_op:
+            start = run.start
+            work = start(current, tensor) if start is not None and current is not None else None
+            if work is not None:
+                work.seq = seq
+                work.group_name = self.group_name
+                work._result.append(tensor)
+                if entry is not None:
+                    recorder.attach(entry, work)  # type: ignore[union-attr]  # (entry: recorder is set)
+                self.watchdog.watch_backend(backend)  # type: ignore[arg-type]  # (its queue holds the Work)
+                return work
+        elif current is not None and run.run(current, tensor, seq, entry, self.group_name):
+            self.watchdog.watch_backend(backend)  # type: ignore[arg-type]  # (a quiet backend polls)
+            return None
+        buf = _array.as_buffer(tensor, name="tensor", writable=True)
+        return self.finish(backend, self._start(seq, entry, backend.all_reduce, (buf, run.red), [tensor], -1,
+                                                "all_reduce", async_op), async_op, True)
+
+    def call_and_remember(self, backend: Backend, quiet: Callable[..., bool], buf: Buffer, red: Any, tensor: Any,
+                          op: Any, async_op: bool) -> Work | None:
+        """A CuPy array's first all_reduce of its kind on a device backend with a Work-less
+        form (or one its DeviceRun sent the usual way): :meth:`call_quiet`, or :meth:`call`
+        for an async op, then the array's DeviceRun is made for the next one."""
+        done = self.call_quiet(backend, quiet, buf, red, tensor, "all_reduce", red) if not async_op else \
+            self.call(backend, backend.all_reduce, (buf, red), buf, [tensor], True, True, "all_reduce", red)
+        if len(self.device_runs) < 1024:
+            remember_device_run(self.device_runs, backend, tensor, buf, red, op)
+        return done
 
     def _entry(self, seq: int, op: str, backend: Backend, buf: Buffer | None, peer: int) -> _Entry | None:
         """The op's flight-recorder entry, made before it starts: a host op may run to its
@@ -408,3 +494,18 @@ def remember_host_run(runs: dict[tuple[Any, ...], HostRun], backend: Backend, te
     desc = Buffer(0, buf.nbytes, buf.dtype, buf.shape, buf.device)  # what the flight recorder shows
     runs[(tensor.dtype, tensor.shape, op._name_)] = HostRun(backend, run, reducer, desc, start,
                                                             buf.nbytes <= cast(RunsNow, backend).inline_max)
+
+
+def remember_device_run(runs: dict[tuple[Any, ...], DeviceRun], backend: Backend, tensor: Any, buf: Buffer,
+                        red: Any, op: Any) -> None:
+    """Bind the next synchronous all_reduce on this CuPy array (its address, device,
+    dtype, shape and op) to the device backend's Work-less runner, once the backend
+    has a hot path for it (its first op makes one)."""
+    maker = getattr(backend, "all_reduce_runners", None)  # (NCCLBackend's)
+    both = maker(buf, op) if maker is not None and buf.nbytes else None
+    if both is None:
+        return
+    mem = tensor.data
+    desc = Buffer(0, buf.nbytes, buf.dtype, buf.shape, buf.device)  # what the flight recorder shows
+    runs[(mem.ptr, mem.device_id, tensor.dtype, tensor.shape, op._name_)] = DeviceRun(backend, both[0], both[1], red,
+                                                                                      desc)

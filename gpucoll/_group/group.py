@@ -32,6 +32,7 @@ from .checks import _check_op, _list_dtypes, _one_dtype, _real_view
 from .coalescing import CoalescingManager, _not_coalescable
 from .dispatch import backend_for, backend_for_all, make_device_backend_for, set_device_backend
 from .core import Issuer, remember_host_run, time_ops
+from .into import all_reduce_into as _all_reduce_into
 from .options import PGOptions
 from .registry import _BACKEND_GRACE_S, BACKENDS, backend_kwargs
 
@@ -242,6 +243,14 @@ class ProcessGroup:
                     return issuer.run_now(fast.backend, fast.run, fast.start,
                                           (tensor if tensor.ndim == 1 else tensor.reshape(-1), fast.reducer),
                                           fast.desc, "all_reduce", [tensor], -1, async_op)
+        elif type(tensor) is _array._cupy_ndarray and type(op) is ReduceOp:  # one already run: its DeviceRun
+            cp: Any = tensor
+            issuer = self._issuer
+            mem = cp.data
+            run = issuer.device_runs.get((mem.ptr, mem.device_id, cp.dtype, cp.shape, op._name_))
+            if run is not None and cp._c_contiguous and self._coalescing is None and not self._destroyed \
+                    and not issuer.hooks and not issuer.debug_detail:  # (what the run does not settle)
+                return issuer.run_device(run, cp, async_op)
         if self._destroyed:
             self._check_usable()
         buf = _array.as_buffer(tensor, name="tensor", writable=True)
@@ -260,6 +269,8 @@ class ProcessGroup:
             if type(tensor) is np.ndarray and type(op) is ReduceOp and len(self._host_runs) < 1024:
                 remember_host_run(self._host_runs, backend, tensor, buf, red, op)
             return issuer.run_now(backend, now, backend.all_reduce, (buf, red), buf, "all_reduce", [tensor], -1, async_op)
+        if plan.quiet is not None and type(tensor) is _array._cupy_ndarray and type(op) is ReduceOp:
+            return issuer.call_and_remember(backend, plan.quiet, buf, red, tensor, op, async_op)  # (a DeviceRun)
         if plan.quiet is not None and not async_op:  # a synchronous device op: no Work unless one is needed
             return issuer.call_quiet(backend, plan.quiet, buf, red, tensor, "all_reduce", red)
         return issuer.call(backend, backend.all_reduce, (buf, red), buf, [tensor], async_op, plan.device, "all_reduce", red)
@@ -268,36 +279,8 @@ class ProcessGroup:
         """``output`` = the reduction of every rank's ``input`` (the functional API's
         all_reduce, gpucoll-bench's out-of-place all_reduce; ``input`` is left alone).
         A device backend that reduces out of place (NCCL) does it in one op; otherwise
-        ``input`` is copied into ``output``, which is then reduced in place."""
-        # Two NumPy arrays of a kind with a host runner (its backend does not reduce out of place):
-        # the copy, then all_reduce's lean path, on its conditions. Anything else: the checks below.
-        if type(output) is np.ndarray and type(input) is np.ndarray and type(op) is ReduceOp:
-            fast = self._host_runs.get((output.dtype, output.shape, op._name_))
-            if fast is not None and (fast.inline or not async_op) and output.shape == input.shape \
-                    and output.dtype == input.dtype and self._coalescing is None and not self._destroyed:
-                flags, issuer = output.flags, self._issuer
-                if flags.c_contiguous and flags.writeable and input.flags.c_contiguous and not issuer.hooks \
-                        and not issuer.debug_detail:
-                    output[...] = input  # same dtype and shape: a plain copy (np.copyto costs 3x)
-                    return issuer.run_now(fast.backend, fast.run, fast.start,
-                                          (output if output.ndim == 1 else output.reshape(-1), fast.reducer),
-                                          fast.desc, "all_reduce", [output], -1, async_op)
-        self._check_usable()
-        out = _array.as_buffer(output, name="output", writable=True)
-        inp = _array.as_buffer(input, name="input")
-        if out.dtype != inp.dtype or out.numel != inp.numel:  # ValueError for both, as torch
-            raise ValueError(f"output ({out.dtype.name} x {out.numel}) must match input "
-                             f"({inp.dtype.name} x {inp.numel})")
-        red = _check_op(op, out.dtype)
-        into = None
-        if self._coalescing is None:
-            backend = backend_for_all(self, [out, inp], ["output", "input"])
-            into = getattr(backend, "all_reduce_into", None)
-        if into is None:
-            _array.copy_buffer(out, inp)
-            return self.all_reduce(output if type(output) is np.ndarray else out, op, async_op)  # (a runner)
-        return self._collective(backend, lambda: into(out, inp, red), out, [output], op="all_reduce", red=red,
-                                async_op=async_op)
+        ``input`` is copied into ``output``, which is then reduced in place (into.py)."""
+        return _all_reduce_into(self, output, input, op, async_op)
 
     def all_reduce_coalesced(self, tensors: Sequence[ArrayOrBuffer], op: ReduceOpLike = ReduceOp.SUM,
                              async_op: bool = False) -> Work | None:

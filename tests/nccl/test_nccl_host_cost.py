@@ -109,7 +109,7 @@ def test_a_synchronous_all_reduce_is_one_nccl_call_and_two_cuda_calls(
     assert rt.comms[0].aborted is False
 
 
-def test_an_async_all_reduce_and_its_wait_make_one_nccl_call_and_five_cuda_calls(
+def test_a_small_async_all_reduce_and_its_wait_make_one_nccl_call_and_two_cuda_calls(
         timed_group: tuple[ProcessGroup, TimedRuntime]) -> None:
     pg, rt = timed_group
     x = _Array()
@@ -120,12 +120,38 @@ def test_an_async_all_reduce_and_its_wait_make_one_nccl_call_and_five_cuda_calls
         work.wait()
     mine = _steady(op, rt)
     assert mine.get("nccl", 0) == _OPS, mine
+    # 1 KiB, up to GPUCOLL_NCCL_CALLER_STREAM_MAX: issued on the caller's stream, so the
+    # capture check and end's record; wait() on that same stream adds nothing. No
+    # cudaGetDevice, no event made.
+    assert mine.get("get_device", 0) == 0 and mine.get("event", 0) == 0, mine
+    assert mine.get("record", 0) == _OPS and mine.get("wait_event", 0) == 0, mine
+    # Works are completed in batches of PRUNE_WORKS_AT: one query, and the mode
+    # exchange around it, per batch.
+    batches = _OPS // _hot.PRUNE_WORKS_AT + 1
+    assert mine.get("cuda", 0) <= 2 * _OPS + 4 * batches, mine
+
+
+def test_an_async_all_reduce_on_the_communication_stream_makes_five_cuda_calls(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUCOLL_NCCL_CALLER_STREAM_MAX", "0")
+    rt = TimedRuntime(CallCosts(0.0, op_us=5.0))
+    pg = _one_rank_group(monkeypatch, rt, 60.0)
+    try:
+        x = _Array()
+
+        def op() -> None:
+            work = pg.all_reduce(x, async_op=True)
+            assert work is not None
+            work.wait()
+        mine = _steady(op, rt)
+    finally:
+        rt.finish_all()
+        pg._destroy()
+    assert mine.get("nccl", 0) == _OPS, mine
     # The capture check, ready's record, the communication stream's wait on it, end's
     # record, and wait(): the caller's stream waits on end. No cudaGetDevice.
     assert mine.get("get_device", 0) == 0, mine
     assert mine.get("record", 0) == 2 * _OPS and mine.get("wait_event", 0) == 2 * _OPS, mine
-    # Works are completed in batches of PRUNE_WORKS_AT: one query, and the mode
-    # exchange around it, per batch.
     batches = _OPS // _hot.PRUNE_WORKS_AT + 1
     assert mine.get("cuda", 0) <= 5 * _OPS + 4 * batches, mine
 

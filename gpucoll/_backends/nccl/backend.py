@@ -20,7 +20,7 @@ from ..._work import Work
 from ...store.base import Store
 from . import lib as _nccl_lib
 from .config import usable_config
-from .bootstrap import create_comm, refuse_nonblocking_env
+from .bootstrap import caller_stream_max, create_comm, refuse_nonblocking_env
 from .bootstrap import is_nccl_available, nccl_unavailable_reason, nccl_version, rendezvous  # noqa: F401
 from .lib import NCCL_DTYPES, OP_SUM
 from .plan import Plan, Planner, calls_only, merge
@@ -33,7 +33,7 @@ from .posting import Posted
 from .ending import Ending
 from .registration import Registrations, deregister as _deregister_buffer, register as _register_buffer
 from .stream import CommStream
-from . import hot as _hot, lifecycle as _lifecycle, phases as _phases
+from . import hot as _hot, lifecycle as _lifecycle, phases as _phases, quiet as _quiet
 from .shrink import check_shrunk, shrink_comm
 from .split import check_split, split_comm
 from .work import NCCLWork
@@ -103,14 +103,12 @@ class NCCLBackend:
         self.config: dict[str, Any] = self._checked_config(config)
         self.high_priority = bool(high_priority)
         self.issue_lock = threading.RLock()  # the issue path: one op at a time, in order
-        # The communicator, with the lock every call on it holds (the issue path's NCCL
-        # calls, the async error query, abort, destroy): NCCL forbids concurrent calls on
-        # one communicator, and the watchdog must never abort or query one under a call.
+        # The communicator, with the lock every call on it holds (the issue path's NCCL calls, the async error query,
+        # abort, destroy): NCCL forbids concurrent calls on one communicator; the watchdog never aborts one mid-call.
         self.comm_slot = CommSlot()
         self._eager = device_id is not None
         self.device_index = -1              # the communicator's CUDA device (-1 until it exists)
-        # The communication stream, its events, what lives as long as the backend (stream.py).
-        self.comm_stream = CommStream()
+        self.comm_stream = CommStream(caller_stream_max())  # its events, what lives as long as the backend (stream.py)
         self.planner: Planner | None = None  # turns ops into plans (plan.py); made with the communicator
         self.scratch = 0                    # the barrier's int32 on the device (kept by comm_stream)
         self._temps: list[Any] = []         # temporaries of the op being planned
@@ -362,7 +360,7 @@ class NCCLBackend:
         hot = None if self.posted.ops else self._hot.get(key)  # (_issue issues posted ops first)
         return _hot.issue(self, hot, buf) if hot is not None else None
 
-    # ----- synchronous ops with no Work (the IssuesQuietly protocol; hot.py) -----
+    # ----- synchronous ops with no Work (the IssuesQuietly protocol; hot.py), a DeviceRun's runners (quiet.py) -----
 
     def all_reduce_quiet(self, buf: Buffer, op: ReduceOpLike, seq: int, entry: Any, group_name: str) -> bool:
         """:meth:`all_reduce` for a synchronous caller, with no Work: True once issued
@@ -377,6 +375,7 @@ class NCCLBackend:
         """:meth:`broadcast` as :meth:`all_reduce_quiet`."""
         hot = None if self.posted.ops else self._hot.get(("broadcast", buf.ptr, buf.nbytes, buf.dtype.name, src))
         return hot is not None and _hot.issue_quiet(self, hot, buf, seq, entry, group_name)
+
 
     # ----- the Backend protocol: reductions -----
 
@@ -498,6 +497,7 @@ class NCCLBackend:
         one aborts), or None while healthy. Never blocks on a call in flight."""
         return _lifecycle.failure(self)
     register_buffer, deregister_buffer = _register_buffer, _deregister_buffer  # registration.py (RegistersBuffers)
+    all_reduce_runners = _quiet.all_reduce_runners  # quiet.py (a group's DeviceRun)
 
     def split(self, ranks: Sequence[int] | None, *, color: int = 0, store: Store, group_name: str,
               timeout: float, config: Mapping[str, Any] | None = None,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Mapping
 
-from ..._env import NCCL_RANKS_PER_ROOT_ENV, NCCL_SCALABLE_INIT_ENV
+from ..._env import NCCL_CALLER_STREAM_MAX_ENV, NCCL_RANKS_PER_ROOT_ENV, NCCL_SCALABLE_INIT_ENV
 from ...errors import BackendUnavailableError, DistBackendError, DistStoreError
 from ...store.base import Store
 from . import lib as _nccl_lib
@@ -124,6 +124,33 @@ DEFAULT_SCALABLE_FROM = 1024
 """Ranks from which a communicator is made from several roots (GPUCOLL_NCCL_SCALABLE_INIT)."""
 DEFAULT_RANKS_PER_ROOT = 256
 """Ranks per root on that path (GPUCOLL_NCCL_RANKS_PER_ROOT)."""
+
+
+DEFAULT_CALLER_STREAM_MAX = 64 * 1024
+"""Bytes up to which an async op runs on the caller's stream (GPUCOLL_NCCL_CALLER_STREAM_MAX)."""
+
+
+def caller_stream_max() -> int:
+    """``GPUCOLL_NCCL_CALLER_STREAM_MAX``: an async op of up to this many bytes (a
+    repeated one, untimed) is issued on the caller's current stream rather than on the
+    communication stream: two CUDA calls fewer to issue and none to wait on that stream,
+    at the price of later work on that stream running after the op rather than beside
+    it. 0 puts every async op on the communication stream (torch's scheduling).
+
+    Raises:
+        ValueError: the variable is not a whole number of bytes >= 0.
+    """
+    name = NCCL_CALLER_STREAM_MAX_ENV
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return DEFAULT_CALLER_STREAM_MAX
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{name} must be a number of bytes >= 0; got {text!r}")
+    return value
 
 
 def _positive_env(name: str, default: int, *, off: bool = False) -> int | None:

@@ -79,15 +79,16 @@ class Quiet:
                  "_fr_entry", "_owner", "done")
 
     def __init__(self, op_type: str, seq: int, group_name: str, owner: BackendState, stream: int, end: int,
-                 keep: Buffer, entry: _Entry | None) -> None:
+                 keep: Any, entry: _Entry | None) -> None:
         self.op_type = op_type
         self.seq = seq
         self.group_name = group_name
         self._t0 = time.perf_counter()
-        self.time_started = time.time()
+        # The flight recorder's entry read the wall clock a moment ago: one clock read fewer.
+        self.time_started = time.time() if entry is None else entry.time_started
         self.stream = stream
         self.end = end
-        self._keepalive: Buffer | None = keep
+        self._keepalive: Any = keep
         self._fr_entry = entry
         self._owner = owner
         self.done = False
@@ -177,14 +178,30 @@ def issue_quiet(b: BackendState, hot: Hot, buf: Buffer, seq: int, entry: _Entry 
     communicator's device* (a thread on another device gets that device's stream, as
     torch's ``getCurrentCUDAStream(device)``), NCCL makes its own device current for
     the call, and an event records on a stream of its own device whatever is current."""
-    device = b.device_index
     where = buf.device
-    if buf.foreign_stream or where.index != device or where.type != "cuda":
+    if buf.foreign_stream or where.index != b.device_index or where.type != "cuda":
         return False
-    rt = b.runtime
-    stream = rt.current_stream_of(device)
-    if buf.stream is not None and buf.stream != stream:
+    return issue_quiet_on(b, hot, buf.stream, buf, seq, entry, group_name)
+
+
+def issue_quiet_on(b: BackendState, hot: Hot, given: int | None, keep: Any, seq: int, entry: _Entry | None,
+                   group_name: str) -> bool:
+    """:func:`issue_quiet` once the array is known to be on the communicator's device
+    with no foreign stream: ``given`` is the stream its producer named (None: the
+    caller's), ``keep`` what holds its memory until the op completes (its Buffer, or
+    the array itself)."""
+    stream = b.runtime.current_stream_of(b.device_index)
+    if given is not None and given != stream:
         return False  # a producer stream other than the caller's: the general path orders it
+    return issue_quiet_at(b, hot, stream, keep, seq, entry, group_name)
+
+
+def issue_quiet_at(b: BackendState, hot: Hot, stream: int, keep: Any, seq: int, entry: _Entry | None,
+                   group_name: str) -> bool:
+    """:func:`issue_quiet_on` once ``stream`` is known to be the caller's current stream
+    of the communicator's device and the one the array's producer named."""
+    device = b.device_index
+    rt = b.runtime
     if rt.is_capturing(stream):
         return False  # the general path captures it, joined back to the caller's stream
     with b.issue_lock:
@@ -205,12 +222,12 @@ def issue_quiet(b: BackendState, hot: Hot, buf: Buffer, seq: int, entry: _Entry 
             on_comm(b, hot.call, stream)
             rt.record(end, stream)
         except Exception as exc:
-            failed = issue_failed(b, hot.op_type, exc, issuing, (buf,), [])
+            failed = issue_failed(b, hot.op_type, exc, issuing, (keep,), [])
             if failed is exc:
                 raise
             raise failed from exc
         cs.last_end = None
-        work = Quiet(hot.op_type, seq, group_name, b, stream, end, buf, entry)
+        work = Quiet(hot.op_type, seq, group_name, b, stream, end, keep, entry)
         # No lock (outstanding.py): an abort's snapshot that misses this op leaves it
         # to fail when polled, since the backend is aborted.
         if b.outstanding.add(work):
@@ -229,11 +246,14 @@ def issue(b: BackendState, hot: Hot, buf: Buffer) -> NCCLWork | None:
     if buf.stream_owner is not None or buf.foreign_stream or where.index != device or where.type != "cuda":
         return None
     rt = b.runtime
-    stream = buf.stream
+    stream = given = buf.stream
     if stream is None:
         stream = rt.current_stream_of(device)
     if rt.is_capturing(stream):
         return None
+    if buf.nbytes <= b.comm_stream.caller_max and not b.comm_stream.timing and (
+            given is None or given == rt.current_stream_of(device)):
+        return _issue_on_caller(b, hot, buf, stream)
     with b.issue_lock:
         if b.ending.over is not None:
             return None
@@ -267,7 +287,55 @@ def issue(b: BackendState, hot: Hot, buf: Buffer) -> NCCLWork | None:
     return work
 
 
-def issue_failed(b: BackendState, op_type: str, exc: Exception, issuing: bool, bufs: Sequence[Buffer],
+def issue_async_at(b: BackendState, hot: Hot, stream: int, keep: Any, nbytes: int) -> NCCLWork | None:
+    """:func:`issue` of a small async op on the caller's stream for a caller that has
+    checked the array as :func:`issue_quiet_at` says (``stream``: the caller's current
+    stream of the communicator's device, the one the array's producer named; ``keep``:
+    what holds its memory): its Work; None, having done nothing, where the usual way
+    must issue it (a larger or timed op, a capture, an ended backend)."""
+    if nbytes > b.comm_stream.caller_max or b.comm_stream.timing or b.runtime.is_capturing(stream):
+        return None
+    return _issue_on_caller(b, hot, keep, stream)
+
+
+def _issue_on_caller(b: BackendState, hot: Hot, buf: Any, stream: int) -> NCCLWork | None:
+    """:func:`issue` of a small async op (up to ``comm_stream.caller_max`` bytes, untimed) on
+    the caller's current stream ``stream`` itself, as a synchronous op is issued
+    (:func:`issue_quiet_on`): one event, no ``ready`` event and no wait of the
+    communication stream. Its Work's ``wait()`` makes the caller's current stream wait
+    only when that is another stream than ``stream`` (on ``stream`` the op already comes
+    first); ``is_completed()`` and the watchdog query its ``end`` event as usual."""
+    rt = b.runtime
+    device = b.device_index
+    with b.issue_lock:
+        if b.ending.over is not None:
+            return None
+        cs = b.comm_stream
+        issuing = False
+        try:
+            tail = cs.tail
+            if tail is not None:
+                # The last op went on the communication stream: this one comes after it.
+                rt.wait_event(stream, tail.ptr)
+                cs.tail = None
+            issuing = True
+            on_comm(b, hot.call, stream)
+            end = rt.event(True, False, device)
+            rt.record(end.ptr, stream)
+        except Exception as exc:
+            failed = issue_failed(b, hot.op_type, exc, issuing, (buf,), [])
+            if failed is exc:
+                raise
+            raise failed from exc
+        cs.last_end = None
+        work = HotWork(hot.op_type, b, buf, b.timeout, device, end, None, None, stream)
+        if b.outstanding.add_work(work):
+            complete_until(b, work)
+            b.outstanding.batch_done()
+    return work
+
+
+def issue_failed(b: BackendState, op_type: str, exc: Exception, issuing: bool, bufs: Sequence[Any],
                  temps: list[Any]) -> Exception:
     """The error to raise for an op that failed while being issued, after what that
     failure requires: once any part of it may be queued on the stream (``issuing``),

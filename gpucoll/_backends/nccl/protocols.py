@@ -111,6 +111,13 @@ class Runtime(Protocol):
         ``cudaGetDevice``: whatever device is current."""
         ...
 
+    def stream_of(self, stream: Any, device: int) -> int | None:
+        """The handle of ``stream``, a stream object as ``cupy.cuda.get_current_stream()``
+        returns, if it is a stream of ``device`` (what :meth:`current_stream_of` would
+        answer when it is that device's current stream); None when it is another
+        device's. Reads the object's fields only: no CUDA call."""
+        ...
+
     def new_event(self, timing: bool = False) -> int:
         """``cudaEventCreateWithFlags`` on the current device: a raw event handle that the
         caller owns (and pools); :meth:`destroy_event` frees it."""

@@ -152,6 +152,10 @@ class CudaRuntime:
         # no cudaGetDevice.
         return int(self._get_current_stream(device).ptr)
 
+    def stream_of(self, stream: Any, device: int) -> int | None:
+        # A CuPy stream (Python attributes): current_stream_of answers its ptr.
+        return int(stream.ptr) if stream.device_id == device else None
+
     def new_event(self, timing: bool = False) -> int:
         return int(self._create_event(_EVENT_DEFAULT if timing else _EVENT_DISABLE_TIMING))
 

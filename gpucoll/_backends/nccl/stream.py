@@ -32,9 +32,9 @@ class CommStream:
     per op would cost the synchronous op more than the rest of its Python. The rest is
     read-only outside this class."""
 
-    __slots__ = ("stream", "ptr", "events", "timing", "last_end", "tail", "kept", "captured")
+    __slots__ = ("stream", "ptr", "events", "timing", "last_end", "tail", "kept", "captured", "caller_max")
 
-    def __init__(self) -> None:
+    def __init__(self, caller_max: int = 0) -> None:
         self.stream: Any = None
         self.ptr = 0
         self.events: EventPool | None = None
@@ -43,6 +43,9 @@ class CommStream:
         self.tail: Event | None = None
         self.kept: list[Any] = []       # held for the backend's life (read-only outside)
         self.captured = False           # an op was captured into a CUDA graph (read-only outside)
+        # Async hot ops up to this many bytes, untimed, run on the caller's stream instead
+        # (hot._issue_on_caller; GPUCOLL_NCCL_CALLER_STREAM_MAX). Read-only outside.
+        self.caller_max = caller_max
 
     def time_ops(self) -> None:
         """Record later ops' events with timing (for active_duration)."""

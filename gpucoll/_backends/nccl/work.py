@@ -86,6 +86,9 @@ class NCCLWork(Work):
     _end: Event | None = None
     _prev: Event | None = None
     _streams: tuple[int, ...] = ()
+    # The caller's stream the op itself ran on (hot.py's small async ops), else -1:
+    # wait() on that stream has nothing to add.
+    _on_stream: int = -1
     _doomed: str | None = None
     # Producer streams' objects (CuPy's Streams), held for the Work's life: wait() may
     # run after completion released the arrays, and must find them alive.
@@ -293,7 +296,7 @@ class NCCLWork(Work):
             if streams:
                 for stream in streams:
                     rt.wait_event(stream, end.ptr)
-            if current not in streams:
+            if current not in streams and current != self._on_stream:
                 rt.wait_event(current, end.ptr)
         except Exception as exc:
             raise DistBackendError(f"{self._name()}: making the caller's stream wait failed: {exc}") from exc
@@ -330,8 +333,9 @@ class HotWork(NCCLWork):
     object made and freed per op)."""
 
     def __init__(self, op_type: str, owner: WorkOwner, buf: Any, default_timeout: float, device: int,
-                 end: Event, ready: Event | None, prev: Event | None) -> None:
-        # Work.__init__'s fields, without its lock and list.
+                 end: Event, ready: Event | None, prev: Event | None, on_stream: int = -1) -> None:
+        # Work.__init__'s fields, without its lock and list. ``on_stream``: the caller's
+        # stream the op ran on itself (hot._issue_on_caller), -1 for the communication stream.
         self.op_type = op_type
         self._t0 = time.perf_counter()
         self.time_started = time.time()
@@ -343,5 +347,7 @@ class HotWork(NCCLWork):
         self._owner = owner
         self._device = device
         self._end = end
+        if on_stream != -1:
+            self._on_stream = on_stream
         if ready is not None:
             self._ready, self._prev = ready, prev

@@ -1,0 +1,73 @@
+"""The runners a group's DeviceRun binds (``gpucoll/_group/core.py``): an all_reduce
+already issued on one array (address, size, dtype, op), its hot call looked up once,
+run again with what the group read of the array per call.
+
+``run(stream, keep, seq, entry, group_name) -> bool`` is ``NCCLBackend.all_reduce_quiet``
+of that op and ``start(stream, keep) -> Work | None`` its async form. ``stream`` is
+the caller's current stream as CuPy's ``get_current_stream()`` returns it, the
+stream the array's producer names: the op runs there if it is a stream of the
+communicator's device (``Runtime.stream_of``, no CUDA call), else the runner declines
+and the usual way orders it. ``keep`` holds the array's memory until the op completes.
+The caller vouches for what the runners do not check again: an array at this address,
+of this size and dtype, C-contiguous. The device and a foreign stream are checked
+when the runners are made (an address names one device); a capture, posted sends and
+receives, and an ended backend on every call (hot.py)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple, Protocol
+
+from ..._buffer import Buffer
+from ..._reduce_op import ReduceOp, ReduceOpLike
+from . import hot as _hot
+from .posting import Posted
+from .state import BackendState
+from .work import NCCLWork
+
+__all__ = ["Runners", "all_reduce_runners", "runners"]
+
+
+class Runners(NamedTuple):
+    """An op's synchronous (``run``) and async (``start``) runners."""
+
+    run: Callable[..., bool]
+    start: Callable[..., NCCLWork | None]
+
+
+class _Backend(BackendState, Protocol):
+    """What :func:`all_reduce_runners` reads of the NCCL backend besides its state."""
+
+    _hot: dict[tuple[Any, ...], _hot.Hot]
+    posted: Posted
+
+
+def all_reduce_runners(self: _Backend, buf: Buffer, op: ReduceOpLike) -> Runners | None:
+    """``NCCLBackend.all_reduce_runners``: the runners of an all_reduce already issued on
+    ``buf`` (its hot call), for a group's DeviceRun; None when it has none (yet)."""
+    hot = self._hot.get(("all_reduce", buf.ptr, buf.nbytes, buf.dtype.name, op.name)) if type(op) is ReduceOp else None
+    return None if hot is None else runners(self, self.posted, hot, buf)
+
+
+def runners(b: BackendState, posted: Posted, hot: _hot.Hot, buf: Buffer) -> Runners | None:
+    """The runners of ``hot`` (the op on ``buf``) on backend ``b`` (whose posted sends and
+    receives are ``posted``); None where ``buf`` must always go the usual way."""
+    where = buf.device
+    if buf.foreign_stream or where.index != b.device_index or where.type != "cuda":
+        return None
+    return Runners(functools.partial(_run, b, posted, hot), functools.partial(_start, b, posted, hot, buf.nbytes))
+
+
+def _run(b: BackendState, posted: Posted, hot: _hot.Hot, current: Any, keep: Any, seq: int, entry: Any,
+         group_name: str) -> bool:
+    if posted.ops:
+        return False  # the usual way issues posted sends and receives first
+    stream = b.runtime.stream_of(current, b.device_index)
+    return stream is not None and _hot.issue_quiet_at(b, hot, stream, keep, seq, entry, group_name)
+
+
+def _start(b: BackendState, posted: Posted, hot: _hot.Hot, nbytes: int, current: Any, keep: Any) -> NCCLWork | None:
+    if posted.ops:
+        return None
+    stream = b.runtime.stream_of(current, b.device_index)
+    return None if stream is None else _hot.issue_async_at(b, hot, stream, keep, nbytes)
