@@ -103,8 +103,9 @@ roots, spread evenly over the group; default 256."""
 
 NCCL_CALLER_STREAM_MAX_ENV: Final = "GPUCOLL_NCCL_CALLER_STREAM_MAX"
 """Bytes up to which a repeated async NCCL op runs on the caller's current stream rather
-than on the communication stream (its wait() on that stream is then free); default 65536;
-0: every async op on the communication stream (torch's scheduling)."""
+than on the communication stream (its wait() on that stream is then free, but later work on that stream runs
+after the op rather than beside it); default 0: every async op on the communication
+stream (torch's scheduling). 65536 is what the figures in docs/nccl-backend.md use."""
 
 # -- JAX: collectives inside jax.jit ---------------------------------------------------------
 

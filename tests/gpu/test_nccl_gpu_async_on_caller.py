@@ -56,7 +56,7 @@ def _body() -> dict[str, Any]:
 
 
 @pytest.mark.skipif(_WHY_NOT_TWO is not None, reason=str(_WHY_NOT_TWO))
-@pytest.mark.parametrize("limit", [None, "0"], ids=["caller-stream", "communication-stream"])
+@pytest.mark.parametrize("limit", ["65536", None], ids=["caller-stream", "communication-stream"])
 def test_small_async_all_reduces_are_ordered_where_they_ran_and_where_wait_was_called(limit: str | None) -> None:
     env = {**TWO_RANKS_ENV, **({NCCL_CALLER_STREAM_MAX_ENV: limit} if limit is not None else {})}
     results = run_spmd(_body, world_size=2, init=False, backend="nccl", env=env, start_method="spawn", timeout=300)

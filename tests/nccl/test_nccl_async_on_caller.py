@@ -16,6 +16,7 @@ import pytest
 
 from gpucoll._backends.nccl.backend import NCCLBackend
 from gpucoll._backends.nccl.bootstrap import DEFAULT_CALLER_STREAM_MAX, caller_stream_max
+from gpucoll._env import NCCL_CALLER_STREAM_MAX_ENV
 from gpucoll._reduce_op import ReduceOp
 from gpucoll.errors import DistBackendError
 
@@ -23,6 +24,17 @@ from _nccl_fake import FakeRuntime, read, read_on_stream
 from _fake_gpu_world import FakeDeviceArray, dev, run_groups, run_world
 
 SUM = ReduceOp.SUM
+LIMIT = 65536  # the opt-in these tests run with (the default, 0, is torch's scheduling)
+
+
+@pytest.fixture(autouse=True)
+def _opted_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(NCCL_CALLER_STREAM_MAX_ENV, str(LIMIT))
+
+
+def test_by_default_every_async_op_goes_on_the_communication_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(NCCL_CALLER_STREAM_MAX_ENV)
+    assert DEFAULT_CALLER_STREAM_MAX == 0 and caller_stream_max() == 0
 
 
 def _fill(rt: FakeRuntime, buf: Any, value: float) -> None:
@@ -91,7 +103,7 @@ def test_a_small_async_op_is_ordered_on_the_callers_stream_and_on_the_stream_tha
         # 4. A larger op: the communication stream waits for the caller's, the caller's
         #    for the op (wait()), as before.
         del waits[:]
-        big = dev(rt, np.full(DEFAULT_CALLER_STREAM_MAX // 4 + 1, rank + 1.0, np.float32))
+        big = dev(rt, np.full(LIMIT // 4 + 1, rank + 1.0, np.float32))
         be.all_reduce(big, SUM).synchronize()
         del waits[:]
         _fill(rt, big, rank + 1.0)

@@ -110,15 +110,21 @@ def test_a_synchronous_all_reduce_is_one_nccl_call_and_two_cuda_calls(
 
 
 def test_a_small_async_all_reduce_and_its_wait_make_one_nccl_call_and_two_cuda_calls(
-        timed_group: tuple[ProcessGroup, TimedRuntime]) -> None:
-    pg, rt = timed_group
-    x = _Array()
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUCOLL_NCCL_CALLER_STREAM_MAX", "65536")  # the opt-in (default 0)
+    rt = TimedRuntime(CallCosts(0.0, op_us=5.0))
+    pg = _one_rank_group(monkeypatch, rt, 60.0)
+    try:
+        x = _Array()
 
-    def op() -> None:
-        work = pg.all_reduce(x, async_op=True)
-        assert work is not None
-        work.wait()
-    mine = _steady(op, rt)
+        def op() -> None:
+            work = pg.all_reduce(x, async_op=True)
+            assert work is not None
+            work.wait()
+        mine = _steady(op, rt)
+    finally:
+        rt.finish_all()
+        pg._destroy()
     assert mine.get("nccl", 0) == _OPS, mine
     # 1 KiB, up to GPUCOLL_NCCL_CALLER_STREAM_MAX: issued on the caller's stream, so the
     # capture check and end's record; wait() on that same stream adds nothing. No
@@ -133,7 +139,7 @@ def test_a_small_async_all_reduce_and_its_wait_make_one_nccl_call_and_two_cuda_c
 
 def test_an_async_all_reduce_on_the_communication_stream_makes_five_cuda_calls(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("GPUCOLL_NCCL_CALLER_STREAM_MAX", "0")
+    monkeypatch.delenv("GPUCOLL_NCCL_CALLER_STREAM_MAX", raising=False)  # the default: torch's scheduling
     rt = TimedRuntime(CallCosts(0.0, op_us=5.0))
     pg = _one_rank_group(monkeypatch, rt, 60.0)
     try:

@@ -18,7 +18,8 @@ guessing:
   of 256), 1 CuPy current-stream look-up (the group's DeviceRun reads it once and the
   backend takes its handle from it: ``Runtime.stream_of``);
 * ``all_reduce(x, async_op=True).wait()`` of a small array (up to
-  GPUCOLL_NCCL_CALLER_STREAM_MAX, issued on the caller's stream): 1 NCCL call, 2 CUDA
+  GPUCOLL_NCCL_CALLER_STREAM_MAX, set to 65536 here (the default, 0, is torch's
+  scheduling: tests/nccl/test_nccl_host_cost.py counts that path), issued on the caller's stream): 1 NCCL call, 2 CUDA
   calls (the capture check and the end event's record; ``wait()`` on the same stream
   adds none), 2 look-ups (the DeviceRun's, ``wait()``'s);
 * blocks kept per op until its batch completes: the backend's record (a synchronous op
@@ -64,6 +65,7 @@ def world(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, TimedRuntime, 
     from gpucoll._world import default_group
 
     monkeypatch.setenv("GPUCOLL_FLIGHT_RECORDER_SIZE", "16")
+    monkeypatch.setenv("GPUCOLL_NCCL_CALLER_STREAM_MAX", "65536")  # the opt-in (default 0): see the docstring
     rt = TimedRuntime(CallCosts(0.0, op_us=5.0))
     cupy_fake = CupyOnFake(rt)
     cupy_fake.install()

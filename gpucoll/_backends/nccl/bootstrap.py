@@ -126,8 +126,9 @@ DEFAULT_RANKS_PER_ROOT = 256
 """Ranks per root on that path (GPUCOLL_NCCL_RANKS_PER_ROOT)."""
 
 
-DEFAULT_CALLER_STREAM_MAX = 64 * 1024
-"""Bytes up to which an async op runs on the caller's stream (GPUCOLL_NCCL_CALLER_STREAM_MAX)."""
+DEFAULT_CALLER_STREAM_MAX = 0
+"""Bytes up to which an async op runs on the caller's stream (GPUCOLL_NCCL_CALLER_STREAM_MAX).
+None by default: ``async_op=True`` overlaps the op with the caller's later work, as in torch."""
 
 
 def caller_stream_max() -> int:
@@ -135,7 +136,8 @@ def caller_stream_max() -> int:
     repeated one, untimed) is issued on the caller's current stream rather than on the
     communication stream: two CUDA calls fewer to issue and none to wait on that stream,
     at the price of later work on that stream running after the op rather than beside
-    it. 0 puts every async op on the communication stream (torch's scheduling).
+    it. 0, the default, puts every async op on the communication stream (torch's
+    scheduling: the op overlaps the caller's later work on its stream).
 
     Raises:
         ValueError: the variable is not a whole number of bytes >= 0.
