@@ -320,10 +320,11 @@ def _borrowed_bases(module_name: str) -> list[str]:
 
 # Bases a class of another module may build on: public base classes whose subclasses are
 # the point (users write stores; device backends make their own Work, as torch's do; RPC
-# backends, the faulty test agent among them, extend the RPC options, as torch's do).
+# backends, the faulty test agent among them, extend the RPC options, as torch's do; a Work's
+# future is torch's Future with two getters more).
 # Protocols, exceptions and classes from outside gpucoll (ctypes.Structure, str) pass anyway.
 PUBLIC_BASES = {"gpucoll.store.base.Store", "gpucoll._work.Work", "gpucoll.rpc.options.RpcBackendOptions",
-                "gpucoll.rpc.options.TensorPipeRpcBackendOptions"}
+                "gpucoll.rpc.options.TensorPipeRpcBackendOptions", "gpucoll.futures.Future"}
 
 
 def test_no_class_is_spread_over_another_modules_mixin() -> None:
