@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from gpucoll.errors import DistNetworkError, DistStoreError, DistStoreTimeoutError
 from gpucoll.store import TCPStore
 from gpucoll.store import _wire as w
+from gpucoll.store._links import GRACE
 from gpucoll.store._requests import Conn, Requests
 
 
@@ -121,6 +122,79 @@ def test_a_failed_quiet_set_surfaces_on_the_next_call(master: TCPStore, path: st
         c.close()
 
 
+# -- set's quick path (a key set again with a value of the same size) ----------------------
+
+def _set_general(store: TCPStore) -> None:
+    """The next set takes the general path (_set), as for a key never set before."""
+    store._last_set = (None, 0, b"")
+
+
+SET_PATHS: dict[str, Callable[[TCPStore], None]] = {"quick": lambda store: None,
+                                                    "general": _set_general}
+
+
+@pytest.mark.parametrize("path", SET_PATHS)
+def test_sets_leave_what_a_reference_dict_holds(master: TCPStore, path: str) -> None:
+    c = _client(master)
+    try:
+        ref: dict[str, bytes] = {}
+        ops = ([("a", b"%02d" % i) for i in range(5)] + [("a", b"longer"), ("b", b"xy"), ("a", b"again!")]
+               + [("a", b""), ("a", b""), ("b", b"z" * 90), ("b", b"w" * 90), ("k" * 150, b"v")] * 2)
+        for key, value in ops:
+            SET_PATHS[path](c)
+            c.set(key, value)
+            ref[key] = value
+            assert c.get(key) == value, (key, value)
+            assert master.get(key) == value
+        for key, value in ref.items():
+            assert master.get(key) == value
+    finally:
+        c.close()
+
+
+def test_a_quick_set_follows_a_lowered_limit_and_a_new_timeout(master: TCPStore) -> None:
+    c = _client(master)
+    try:
+        c.set("k", b"x" * 50)
+        c.set("k", b"y" * 50)
+        c.set_timeout(3.0)
+        c.set("k", b"z" * 50)
+        assert master.get("k") == b"z" * 50
+        assert [conn.timeout for conn in c._links.pool] == [3.0 + GRACE]
+        c.max_value_size = 40
+        with pytest.raises(ValueError, match="value of 50 bytes exceeds the limit of 40 bytes"):
+            c.set("k", b"w" * 50)
+        assert master.get("k") == b"z" * 50
+        c.set("k", b"v" * 30)
+        c.set("k", b"u" * 30)
+        assert master.get("k") == b"u" * 30
+        c.close()
+        with pytest.raises(DistStoreError, match="set on a closed"):
+            c.set("k", b"t" * 30)
+        assert master.get("k") == b"u" * 30
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("op", ["add", "check"])
+def test_a_failed_quick_set_surfaces_on_the_next_call(master: TCPStore, op: str) -> None:
+    c = _client(master)
+    try:
+        c.max_value_size = 1000  # the server's limit is 100 bytes
+        c.set("big", b"x" * 500)
+        with pytest.raises(DistStoreError, match=r"earlier set.*exceeds"):
+            c.check(["any"])
+        c.set("big", b"y" * 500)  # the quick path: the same key, the same size
+        with pytest.raises(DistStoreError, match=rf"earlier set.*exceeds.*this {op} itself was"):
+            if op == "add":
+                c.add("after", 5)
+            else:
+                c.check(["after"])
+        assert not master.check(["big"])
+    finally:
+        c.close()
+
+
 # -- a server in another process, to stop and kill ---------------------------------------
 
 def _serve(conn: Pipe) -> None:
@@ -177,6 +251,24 @@ def test_a_stalled_server_times_out_naming_the_call(remote: tuple[Any, int], pat
         assert time.monotonic() - t0 < 5
         os.kill(proc.pid, signal.SIGCONT)
         assert c.add("warm", 1) == 2  # a fresh connection; the store carries on
+    finally:
+        c.close()
+
+
+def test_a_quick_set_to_a_dead_server_is_a_network_error_naming_it(remote: tuple[Any, int]) -> None:
+    proc, port = remote
+    c = TCPStore("127.0.0.1", port, timeout=5)
+    try:
+        c.set("k", b"1")
+        c.set("k", b"2")
+        assert c._links.pool and c._last_set[0] == "k"
+        proc.kill()
+        proc.join(10)
+        t0 = time.monotonic()
+        with pytest.raises(DistNetworkError, match="set"):
+            for _ in range(100):  # over TCP the first sends may still be taken by the kernel
+                c.set("k", b"3")
+        assert time.monotonic() - t0 < 5
     finally:
         c.close()
 
