@@ -368,7 +368,7 @@ class StoreServer:
             length, code = _HEADER.unpack_from(self._rbuf)
             if n == length + 4 and length <= conn.limit:
                 if code == _ADD and not conn.out:
-                    reply = self.requests.quick_add(self._rbuf, n)
+                    reply = self.requests.quick_add(conn, self._rbuf, n)
                     if reply is not None:
                         try:
                             sent = sock.send(reply)

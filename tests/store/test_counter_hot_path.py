@@ -326,13 +326,42 @@ def test_quick_add_answers_as_the_general_path_or_leaves_the_frame_to_it(
         general.kv.set(k, v)
     frame = _frame(key, amount)
     # The receive buffer holds whatever came before; only its first n bytes are the frame.
-    buf = bytearray(frame + tail)
-    reply = quick.quick_add(buf, len(frame))
+    # The same frame twice on one connection: the second is served from the first's parse.
+    conn = Conn(None)  # type: ignore[arg-type]
+    for _ in range(2):
+        _serve_both(quick, general, conn, frame, tail)
+
+
+def _serve_both(quick: Requests, general: Requests, conn: Conn, frame: bytes, tail: bytes) -> None:
+    """``frame`` served by quick_add on ``quick`` (by the general path where quick_add
+    declines it, as the server does) and by the general path on ``general``: the same
+    reply and the same store after."""
+    before = dict(quick.kv.data)
+    reply = quick.quick_add(conn, bytearray(frame + tail), len(frame))
+    expected = _general_reply(general, frame)
     if reply is None:
-        assert quick.kv.data == state  # left untouched for the general path
-        return
-    assert reply == _general_reply(general, frame)
+        assert quick.kv.data == before  # left untouched for the general path
+        _general_reply(quick, frame)
+    else:
+        assert reply == expected
     assert quick.kv.data == general.kv.data
+
+
+@settings(max_examples=200, deadline=None)
+@given(frames=st.lists(st.tuples(st.sampled_from([b"a", b"bb", b"a" * 9, b"x"]),
+                                 st.sampled_from([b"1", b"2", b"-1", b"x", b"10"])), max_size=12),
+       tail=st.binary(max_size=8))
+def test_quick_add_over_a_connections_frames_answers_as_the_general_path(
+        frames: list[tuple[bytes, bytes]], tail: bytes) -> None:
+    """A connection's frames in turn, repeating or not (the key "x" holds text, "a" * 9 is
+    over the key limit): each is answered as the general path answers it."""
+    quick = Requests(token=None, max_key_size=8, max_value_size=1 << 20)
+    general = Requests(token=None, max_key_size=8, max_value_size=1 << 20)
+    quick.kv.set(b"x", b"text")
+    general.kv.set(b"x", b"text")
+    conn = Conn(None)  # type: ignore[arg-type]
+    for key, amount in frames:
+        _serve_both(quick, general, conn, _frame(key, amount), tail)
 
 
 @settings(max_examples=200, deadline=None)
@@ -340,7 +369,7 @@ def test_quick_add_answers_as_the_general_path_or_leaves_the_frame_to_it(
 def test_quick_add_never_misreads_a_malformed_frame(body: bytes, n_extra: int) -> None:
     server = Requests(token=None, max_key_size=64, max_value_size=1 << 20)
     frame = w.HEADER.pack(1 + len(body), w.ADD) + body
-    reply = server.quick_add(bytearray(frame + b"\0" * n_extra), len(frame))
+    reply = server.quick_add(Conn(None), bytearray(frame + b"\0" * n_extra), len(frame))  # type: ignore[arg-type]
     if reply is not None:
         # Only a frame that the general path reads as a two-field ADD is served.
         fields = w.decode_fields(frame, 5, len(frame))
