@@ -312,20 +312,22 @@ class Requests:
         conn.out.append(_ONE_FIELD.pack(5 + len(total), w.OK, len(total)) + total)
 
     def quick_add(self, conn: Conn, buf: bytearray, n: int) -> bytes | None:
-        """The reply to the ADD frame in ``buf[:n]`` from ``conn``, in the usual case: well
-        formed, a key within the limit, an amount of a few digits, and the key absent or
-        holding an integer. None for anything else: the frame then takes the general path,
-        which gives the same answer or the error. (Counters are the store's hottest
-        request; this serves one with no field list and no dispatch. A client usually bumps
-        one counter by one amount again and again: a frame equal to this connection's last
-        one is not parsed again.)"""
+        """The reply to the frame in ``buf[:n]`` from the authenticated ``conn`` when it is
+        an ADD in the usual case: well formed, a key within the limit, an amount of a few
+        digits, and the key absent or holding an integer. None for anything else: the
+        frame then takes the general path, which gives the same answer or the error.
+        (Counters are the store's hottest request; this serves one with no field list and
+        no dispatch. A client usually bumps one counter by one amount again and again: a
+        frame equal to this connection's last ADD is not parsed again.)"""
         last = conn.last_add
         if n == len(last[0]) and buf.startswith(last[0]):
             key, amount = last[1], last[2]
         else:
-            if n < 13:
+            if n < 13 or buf[4] != w.ADD:
                 return None
             unpack = w.U32.unpack_from
+            if unpack(buf, 0)[0] != n - 4 or n - 4 > conn.limit:
+                return None
             end = 9 + unpack(buf, 5)[0]
             if end + 4 > n or end - 9 > self.max_key_size:
                 return None

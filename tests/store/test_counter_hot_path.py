@@ -364,13 +364,21 @@ def test_quick_add_over_a_connections_frames_answers_as_the_general_path(
         _serve_both(quick, general, conn, _frame(key, amount), tail)
 
 
-@settings(max_examples=200, deadline=None)
-@given(body=st.binary(max_size=40), n_extra=st.integers(0, 8))
-def test_quick_add_never_misreads_a_malformed_frame(body: bytes, n_extra: int) -> None:
+@settings(max_examples=300, deadline=None)
+@given(fields=st.one_of(st.binary(max_size=40), st.tuples(keys, amounts)),
+       n_extra=st.integers(0, 8), code=st.one_of(st.just(w.ADD), st.integers(0, 255)),
+       skew=st.sampled_from([0, 0, 1, -1]))
+def test_quick_add_never_misreads_a_malformed_frame(fields: bytes | tuple[bytes, bytes],
+                                                   n_extra: int, code: int, skew: int) -> None:
+    """Any frame (any bytes or two well-formed fields, any request code, a length that
+    does not match what was read) is served only if the general path reads it as a
+    two-field ADD, and then as it would."""
     server = Requests(token=None, max_key_size=64, max_value_size=1 << 20)
-    frame = w.HEADER.pack(1 + len(body), w.ADD) + body
+    body = fields if isinstance(fields, bytes) else w.encode_frame(code, list(fields))[5:]
+    frame = w.HEADER.pack(max(0, 1 + len(body) + skew), code) + body
     reply = server.quick_add(Conn(None), bytearray(frame + b"\0" * n_extra), len(frame))  # type: ignore[arg-type]
     if reply is not None:
+        assert code == w.ADD and skew == 0
         # Only a frame that the general path reads as a two-field ADD is served.
         fields = w.decode_fields(frame, 5, len(frame))
         assert len(fields) == 2
