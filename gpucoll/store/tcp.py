@@ -34,6 +34,7 @@ _U32 = w.U32
 _QUICK_FRAME = 256 * 1024
 """A set's frame at most this long may take TCPStore.set's quick path: it is under any
 server's max_frame (twice its value limit plus 1 MiB)."""
+_NO_SET: tuple[str | None, int, bytes, float, int] = (None, 0, b"", 0.0, 0)
 _WORKERS_KEY = HIDDEN_PREFIX + b"tcpstore/workers"
 _READY_KEY = HIDDEN_PREFIX + b"tcpstore/ready"
 PROTOCOLS = ("auto", "gpucoll", "torch")
@@ -134,8 +135,9 @@ class TCPStore(Store):
         self._server: StoreServer | None = None
         self._tenant_port: int | None = None
         self._last_add: tuple[str | None, int, bytes] = (None, 0, b"")
-        self._last_set: tuple[str | None, int, bytes] = (None, 0, b"")
-        """The last key set, its value's size and the frame's head (see set)."""
+        self._last_set: tuple[str | None, int, bytes, float, int] = _NO_SET
+        """The last key set, its value's size, the frame's head, the connections' timeout
+        then and the frame's size (see set)."""
         """The last add's key, amount and request frame, sent again when they repeat."""
         self.world_size = world_size
         self.host = host
@@ -214,7 +216,7 @@ class TCPStore(Store):
     @max_key_size.setter
     def max_key_size(self, value: int) -> None:
         self._links.max_key_size = value
-        self._last_set = (None, 0, b"")  # set's quick path checked the old limit
+        self._last_set = _NO_SET  # set's quick path checked the old limit
 
     @property
     def max_value_size(self) -> int:
@@ -224,11 +226,12 @@ class TCPStore(Store):
     @max_value_size.setter
     def max_value_size(self, value: int) -> None:
         self._links.max_value_size = value
-        self._last_set = (None, 0, b"")  # set's quick path checked the old limit
+        self._last_set = _NO_SET  # set's quick path checked the old limit
 
     def set_timeout(self, timeout: Timeout) -> None:
         super().set_timeout(timeout)
         self._links.timeout = self._timeout
+        self._last_set = _NO_SET  # set's quick path compares the connection's timeout
 
     @property
     def is_master(self) -> bool:
@@ -304,18 +307,19 @@ class TCPStore(Store):
             return
         links = self._links
         pool = links.pool
-        if not pool:
+        try:
+            conn = pool.pop()
+        except IndexError:  # none free (another thread's, or broken): _set opens one
             self._set(key, value)
             return
-        conn = pool.pop()
-        if conn.timeout != links.timeout + _GRACE:
+        if conn.timeout != last[3]:
             pool.append(conn)
             self._set(key, value)
             return
         frame = last[2] + value
         try:
             sent = conn.sock.send(frame)
-            if sent != len(frame):  # cut short (a signal, SO_SNDTIMEO): the rest, or the error
+            if sent != last[4]:  # cut short (a signal, SO_SNDTIMEO): the rest, or the error
                 conn.sock.sendall(memoryview(frame)[sent:])
         except BaseException as e:
             raise links.broken(conn, e, "set", links.timeout, "could not send to")
@@ -387,7 +391,8 @@ class TCPStore(Store):
                          w.U32.pack(len(value))))
         self._links.send_only(head + value, "set")
         if len(head) + len(value) <= _QUICK_FRAME:  # under any server's max_frame (1 MiB or more)
-            self._last_set = (key, len(value), head)
+            self._last_set = (key, len(value), head, self._links.timeout + _GRACE,
+                              len(head) + len(value))
 
     def _call2(self, code: int, a: bytes, b: bytes, op: str) -> bytes | None:
         """A two-field request with a reply of at most one field (the common ops)."""

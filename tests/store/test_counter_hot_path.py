@@ -126,7 +126,7 @@ def test_a_failed_quiet_set_surfaces_on_the_next_call(master: TCPStore, path: st
 
 def _set_general(store: TCPStore) -> None:
     """The next set takes the general path (_set), as for a key never set before."""
-    store._last_set = (None, 0, b"")
+    store._last_set = (None, 0, b"", 0.0, 0)
 
 
 SET_PATHS: dict[str, Callable[[TCPStore], None]] = {"quick": lambda store: None,
