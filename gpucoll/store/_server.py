@@ -364,9 +364,9 @@ class StoreServer:
             return
         if n >= 5 and conn.authed and not conn.closing:
             # The common case, one whole request in this read: serve it without the
-            # bookkeeping of _process (same checks, same order).
+            # bookkeeping of _process (same checks, same order). First a counter's ADD,
+            # most often the same frame as this connection's last one (see quick_add).
             if not conn.out:
-                # A counter's ADD, most often the same frame as this connection's last one.
                 reply = self.requests.quick_add(conn, self._rbuf, n)
                 if reply is not None:
                     try:

@@ -135,10 +135,10 @@ class TCPStore(Store):
         self._server: StoreServer | None = None
         self._tenant_port: int | None = None
         self._last_add: tuple[str | None, int, bytes] = (None, 0, b"")
+        """The last add's key, amount and request frame, sent again when they repeat."""
         self._last_set: tuple[str | None, int, bytes, float, int] = _NO_SET
         """The last key set, its value's size, the frame's head, the connections' timeout
         then and the frame's size (see set)."""
-        """The last add's key, amount and request frame, sent again when they repeat."""
         self.world_size = world_size
         self.host = host
         if is_master:
