@@ -27,6 +27,10 @@ server pays per client here (the generator's clients, the kernel's TCP), the lea
 server can take. The ratio columns are each implementation / torch for the same row of
 the same run. ``--rendezvous-only`` adds the servers' CPU per client (from
 ``/proc/<pid>/stat``, in 10 ms ticks) beside each time.
+``floor-py`` (``--ops-only``, add throughput only) is bench/store_floor.py, the same
+do-nothing server in Python: what separates it from ``floor`` is what the interpreter
+costs per request, which no server in Python avoids. With a floor in the run, a
+``gpucoll/floor`` column compares gpucoll's server with it, row by row.
 ``gpucoll-relays`` (rendezvous only) is gpucoll's server reached through node-local relays,
 as ``gpucoll-run --store-relay`` runs a job: each of the generator's processes is a node
 whose clients reach their own relay through its Unix socket, as a rank reaches its node's
@@ -166,6 +170,27 @@ class _FloorServer:
         self._proc.kill()
         self._proc.wait(10)
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class _PyFloorServer:
+    """bench/store_floor.py, the floor in Python, run as a process."""
+
+    def __init__(self) -> None:
+        import subprocess
+
+        self._proc = subprocess.Popen([sys.executable, os.path.join(_HERE, "store_floor.py")],
+                                      stdout=subprocess.PIPE)
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()
+        if not line.strip().isdigit():
+            self.stop()
+            raise RuntimeError(f"store_floor.py did not start (said {line!r})")
+        self.port = int(line)
+        self.pid = self._proc.pid
+
+    def stop(self) -> None:
+        self._proc.kill()
+        self._proc.wait(10)
 
 
 class _RelayedServer:
@@ -414,6 +439,10 @@ def _merge(parts: list[list[Row]]) -> list[Row]:
     return list(merged.values())
 
 
+_FLOORS = ("floor", "floor-py")
+"""The do-nothing servers (bench/store_floor.c and .py): add-throughput rows only."""
+
+
 def _fmt(v: float | str | None) -> str:
     if v is None:
         return "-"
@@ -427,14 +456,15 @@ def _fmt(v: float | str | None) -> str:
 
 
 def report(rows: list[Row], impls: list[str], markdown: bool) -> str:
-    ours = [i for i in impls if i != "torch"] if "torch" in impls else []
-    head = ["metric", "unit"] + impls + [f"{i}/torch" for i in ours]
+    # Each implementation against torch; gpucoll's server also against each floor.
+    ratios = [(i, "torch") for i in impls if i != "torch"] if "torch" in impls else []
+    ratios += [("gpucoll", f) for f in _FLOORS if f in impls and "gpucoll" in impls]
+    head = ["metric", "unit"] + impls + [f"{a}/{b}" for a, b in ratios]
     lines = []
     for r in rows:
         cells = [r.name, r.unit] + [_fmt(r.values.get(i)) for i in impls]
-        t = r.values.get("torch")
-        for i in ours:
-            g = r.values.get(i)
+        for a, b in ratios:
+            g, t = r.values.get(a), r.values.get(b)
             cells.append(f"{g / t:.2f}x" if isinstance(g, float) and isinstance(t, float) and t else "-")
         lines.append(cells)
     if markdown:
@@ -489,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="few iterations, small N: a smoke run")
     p.add_argument("--impl", default=None,
                    help="comma list of gpucoll, gpucoll-tcp (no Unix-socket fast path), torch, "
-                        "gpucoll-torchwire, floor and gpucoll-relays (rendezvous only; see above) "
+                        "gpucoll-torchwire, floor, floor-py (--ops-only) and gpucoll-relays "
+                        "(rendezvous only; see above) "
                         "(default: gpucoll,torch, or gpucoll alone when torch does not import)")
     p.add_argument("--repeats", type=int, default=None, help="rendezvous runs per size (median)")
     p.add_argument("--clients", default=None, help="comma list of add-throughput client counts")
@@ -515,6 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     impls = args.impl.split(",") if args.impl else (["gpucoll", "torch"] if _torch_available() else ["gpucoll"])
     if args.ops_only and args.rendezvous_only:
         p.error("--ops-only and --rendezvous-only exclude each other")
+    if "floor-py" in impls and not args.ops_only:
+        p.error("--impl floor-py has only the add-throughput rows: add --ops-only")
     for only in ("floor", "gpucoll-relays"):
         if only == "floor" and args.ops_only:
             continue
@@ -590,11 +623,13 @@ def interleaved_ops(impls: list[str], args: argparse.Namespace) -> list[Row]:
     """The latency and add-throughput rows with every implementation's server up at once,
     taking turns (the order rotating) in each of ``--repeats`` rounds; each row is the
     median of its rounds. ``floor`` (bench/store_floor.c, driven by gpucoll's own client)
-    has only the add-throughput rows: it answers every request with "1"."""
+    and ``floor-py`` (bench/store_floor.py, the same in Python) have only the
+    add-throughput rows: they answer every request with "1"."""
     import gpucoll.store  # noqa: F401
 
-    servers: dict[str, _Server | _FloorServer] = {
-        impl: _FloorServer() if impl == "floor" else _Server(impl) for impl in impls if impl != "torch"}
+    servers: dict[str, _Server | _FloorServer | _PyFloorServer] = {
+        impl: _FloorServer() if impl == "floor" else _PyFloorServer() if impl == "floor-py"
+        else _Server(impl) for impl in impls if impl != "torch"}
     if "torch" in impls:
         import torch.distributed  # noqa: F401
 
@@ -604,7 +639,7 @@ def interleaved_ops(impls: list[str], args: argparse.Namespace) -> list[Row]:
         for r in range(args.repeats):
             for k in range(len(impls)):
                 impl = impls[(r + k) % len(impls)]
-                if impl == "floor":
+                if impl in _FLOORS:
                     continue
                 for op, (med, p99) in _latency(impl, servers[impl].port, args.iters).items():
                     samples.setdefault((f"{op} latency, median", impl), []).append(med)

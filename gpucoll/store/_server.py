@@ -48,7 +48,7 @@ HELLO_TIMEOUT = 5.0
 """Seconds a new connection has to say HELLO (torch's clients: VALIDATE and PING)."""
 _TURN_FRAMES = 64
 """Frames served from one connection before the others get their turn."""
-_HEADER, _ADD, _TCP, _NODELAY = w.HEADER, w.ADD, socket.IPPROTO_TCP, socket.TCP_NODELAY
+_HEADER, _TCP, _NODELAY = w.HEADER, socket.IPPROTO_TCP, socket.TCP_NODELAY
 _IOV_MAX = 512
 
 
@@ -364,23 +364,24 @@ class StoreServer:
             return
         if n >= 5 and conn.authed and not conn.closing:
             # The common case, one whole request in this read: serve it without the
-            # bookkeeping of _process (same checks, same order).
+            # bookkeeping of _process (same checks, same order). First a counter's ADD,
+            # most often the same frame as this connection's last one (see quick_add).
+            if not conn.out:
+                reply = self.requests.quick_add(conn, self._rbuf, n)
+                if reply is not None:
+                    try:
+                        sent = sock.send(reply)
+                    except (BlockingIOError, InterruptedError):
+                        sent = 0
+                    except OSError:
+                        self._drop(conn)
+                        return
+                    if sent != len(reply):
+                        conn.out.append(memoryview(reply)[sent:])
+                        self._send(conn)
+                    return
             length, code = _HEADER.unpack_from(self._rbuf)
             if n == length + 4 and length <= conn.limit:
-                if code == _ADD and not conn.out:
-                    reply = self.requests.quick_add(self._rbuf, n)
-                    if reply is not None:
-                        try:
-                            sent = sock.send(reply)
-                        except (BlockingIOError, InterruptedError):
-                            sent = 0
-                        except OSError:
-                            self._drop(conn)
-                            return
-                        if sent != len(reply):
-                            conn.out.append(memoryview(reply)[sent:])
-                            self._send(conn)
-                        return
                 try:
                     fields = w.decode_fields(self._rview, 5, n)
                     self.requests.dispatch(conn, code, fields)

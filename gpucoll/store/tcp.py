@@ -31,6 +31,10 @@ DEFAULT_MAX_VALUE_SIZE = 512 * 1024 * 1024
 _HEAD1 = struct.Struct("<IBI")
 """A frame's header and the length of its first field."""
 _U32 = w.U32
+_QUICK_FRAME = 256 * 1024
+"""A set's frame at most this long may take TCPStore.set's quick path: it is under any
+server's max_frame (twice its value limit plus 1 MiB)."""
+_NO_SET: tuple[str | None, int, bytes, float, int] = (None, 0, b"", 0.0, 0)
 _WORKERS_KEY = HIDDEN_PREFIX + b"tcpstore/workers"
 _READY_KEY = HIDDEN_PREFIX + b"tcpstore/ready"
 PROTOCOLS = ("auto", "gpucoll", "torch")
@@ -132,6 +136,9 @@ class TCPStore(Store):
         self._tenant_port: int | None = None
         self._last_add: tuple[str | None, int, bytes] = (None, 0, b"")
         """The last add's key, amount and request frame, sent again when they repeat."""
+        self._last_set: tuple[str | None, int, bytes, float, int] = _NO_SET
+        """The last key set, its value's size, the frame's head, the connections' timeout
+        then and the frame's size (see set)."""
         self.world_size = world_size
         self.host = host
         if is_master:
@@ -209,6 +216,7 @@ class TCPStore(Store):
     @max_key_size.setter
     def max_key_size(self, value: int) -> None:
         self._links.max_key_size = value
+        self._last_set = _NO_SET  # set's quick path checked the old limit
 
     @property
     def max_value_size(self) -> int:
@@ -218,10 +226,12 @@ class TCPStore(Store):
     @max_value_size.setter
     def max_value_size(self, value: int) -> None:
         self._links.max_value_size = value
+        self._last_set = _NO_SET  # set's quick path checked the old limit
 
     def set_timeout(self, timeout: Timeout) -> None:
         super().set_timeout(timeout)
         self._links.timeout = self._timeout
+        self._last_set = _NO_SET  # set's quick path compares the connection's timeout
 
     @property
     def is_master(self) -> bool:
@@ -285,9 +295,38 @@ class TCPStore(Store):
         return self._blocking(w.GET, [key], self._timeout, "get")[0]
 
     def set(self, key: str, value: ValueLike) -> None:
-        if type(key) is not str or type(value) is not bytes or self._links.tpool_mode:
-            return super().set(key, value)
-        self._set(key, value)
+        # A set has no reply (see _set): its cost is the frame's assembly and one send. A
+        # key is usually set again with a value of the same size (a status, an address),
+        # so the frame's head is kept from the last set (_set fills it, never in torch's
+        # protocol); with it and a pooled connection ready, this is the whole call.
+        last = self._last_set
+        if type(key) is not str or key != last[0] or type(value) is not bytes or len(value) != last[1]:
+            if type(key) is not str or type(value) is not bytes or self._links.tpool_mode:
+                return super().set(key, value)
+            self._set(key, value)
+            return
+        links = self._links
+        pool = links.pool
+        try:
+            conn = pool.pop()
+        except IndexError:  # none free (another thread's, or broken): _set opens one
+            self._set(key, value)
+            return
+        if conn.timeout != last[3]:
+            pool.append(conn)
+            self._set(key, value)
+            return
+        frame = last[2] + value
+        try:
+            sent = conn.sock.send(frame)
+            if sent != last[4]:  # cut short (a signal, SO_SNDTIMEO): the rest, or the error
+                conn.sock.sendall(memoryview(frame)[sent:])
+        except BaseException as e:
+            raise links.broken(conn, e, "set", links.timeout, "could not send to")
+        if links.closed:
+            conn.close()
+        else:
+            pool.append(conn)
 
     def check(self, keys: str | Sequence[str]) -> bool:
         if (type(keys) is not list or len(keys) != 1 or type(keys[0]) is not str
@@ -348,8 +387,12 @@ class TCPStore(Store):
         if self._links.tpool_mode:
             self._links.tcall("set", lambda c: c.set(kb, value))
             return
-        self._links.send_only(b"".join((_HEAD1.pack(9 + len(kb) + len(value), w.SET_QUIET, len(kb)),
-                                  kb, w.U32.pack(len(value)), value)), "set")
+        head = b"".join((_HEAD1.pack(9 + len(kb) + len(value), w.SET_QUIET, len(kb)), kb,
+                         w.U32.pack(len(value))))
+        self._links.send_only(head + value, "set")
+        if len(head) + len(value) <= _QUICK_FRAME:  # under any server's max_frame (1 MiB or more)
+            self._last_set = (key, len(value), head, self._links.timeout + _GRACE,
+                              len(head) + len(value))
 
     def _call2(self, code: int, a: bytes, b: bytes, op: str) -> bytes | None:
         """A two-field request with a reply of at most one field (the common ops)."""

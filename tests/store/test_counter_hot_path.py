@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from gpucoll.errors import DistNetworkError, DistStoreError, DistStoreTimeoutError
 from gpucoll.store import TCPStore
 from gpucoll.store import _wire as w
+from gpucoll.store._links import GRACE
 from gpucoll.store._requests import Conn, Requests
 
 
@@ -121,6 +122,79 @@ def test_a_failed_quiet_set_surfaces_on_the_next_call(master: TCPStore, path: st
         c.close()
 
 
+# -- set's quick path (a key set again with a value of the same size) ----------------------
+
+def _set_general(store: TCPStore) -> None:
+    """The next set takes the general path (_set), as for a key never set before."""
+    store._last_set = (None, 0, b"", 0.0, 0)
+
+
+SET_PATHS: dict[str, Callable[[TCPStore], None]] = {"quick": lambda store: None,
+                                                    "general": _set_general}
+
+
+@pytest.mark.parametrize("path", SET_PATHS)
+def test_sets_leave_what_a_reference_dict_holds(master: TCPStore, path: str) -> None:
+    c = _client(master)
+    try:
+        ref: dict[str, bytes] = {}
+        ops = ([("a", b"%02d" % i) for i in range(5)] + [("a", b"longer"), ("b", b"xy"), ("a", b"again!")]
+               + [("a", b""), ("a", b""), ("b", b"z" * 90), ("b", b"w" * 90), ("k" * 150, b"v")] * 2)
+        for key, value in ops:
+            SET_PATHS[path](c)
+            c.set(key, value)
+            ref[key] = value
+            assert c.get(key) == value, (key, value)
+            assert master.get(key) == value
+        for key, value in ref.items():
+            assert master.get(key) == value
+    finally:
+        c.close()
+
+
+def test_a_quick_set_follows_a_lowered_limit_and_a_new_timeout(master: TCPStore) -> None:
+    c = _client(master)
+    try:
+        c.set("k", b"x" * 50)
+        c.set("k", b"y" * 50)
+        c.set_timeout(3.0)
+        c.set("k", b"z" * 50)
+        assert c.get("k") == b"z" * 50  # on the same connection: after the set
+        assert [conn.timeout for conn in c._links.pool] == [3.0 + GRACE]
+        c.max_value_size = 40
+        with pytest.raises(ValueError, match="value of 50 bytes exceeds the limit of 40 bytes"):
+            c.set("k", b"w" * 50)
+        assert c.get("k") == b"z" * 50
+        c.set("k", b"v" * 30)
+        c.set("k", b"u" * 30)
+        assert c.get("k") == b"u" * 30
+        c.close()
+        with pytest.raises(DistStoreError, match="set on a closed"):
+            c.set("k", b"t" * 30)
+        assert master.get("k") == b"u" * 30
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("op", ["add", "check"])
+def test_a_failed_quick_set_surfaces_on_the_next_call(master: TCPStore, op: str) -> None:
+    c = _client(master)
+    try:
+        c.max_value_size = 1000  # the server's limit is 100 bytes
+        c.set("big", b"x" * 500)
+        with pytest.raises(DistStoreError, match=r"earlier set.*exceeds"):
+            c.check(["any"])
+        c.set("big", b"y" * 500)  # the quick path: the same key, the same size
+        with pytest.raises(DistStoreError, match=rf"earlier set.*exceeds.*this {op} itself was"):
+            if op == "add":
+                c.add("after", 5)
+            else:
+                c.check(["after"])
+        assert not master.check(["big"])
+    finally:
+        c.close()
+
+
 # -- a server in another process, to stop and kill ---------------------------------------
 
 def _serve(conn: Pipe) -> None:
@@ -181,6 +255,24 @@ def test_a_stalled_server_times_out_naming_the_call(remote: tuple[Any, int], pat
         c.close()
 
 
+def test_a_quick_set_to_a_dead_server_is_a_network_error_naming_it(remote: tuple[Any, int]) -> None:
+    proc, port = remote
+    c = TCPStore("127.0.0.1", port, timeout=5)
+    try:
+        c.set("k", b"1")
+        c.set("k", b"2")
+        assert c._links.pool and c._last_set[0] == "k"
+        proc.kill()
+        proc.join(10)
+        t0 = time.monotonic()
+        with pytest.raises(DistNetworkError, match="set"):
+            for _ in range(100):  # over TCP the first sends may still be taken by the kernel
+                c.set("k", b"3")
+        assert time.monotonic() - t0 < 5
+    finally:
+        c.close()
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_a_dead_server_is_a_network_error_naming_the_call(remote: tuple[Any, int],
                                                           path: str) -> None:
@@ -234,22 +326,59 @@ def test_quick_add_answers_as_the_general_path_or_leaves_the_frame_to_it(
         general.kv.set(k, v)
     frame = _frame(key, amount)
     # The receive buffer holds whatever came before; only its first n bytes are the frame.
-    buf = bytearray(frame + tail)
-    reply = quick.quick_add(buf, len(frame))
+    # The same frame twice on one connection: the second is served from the first's parse.
+    conn = Conn(None)  # type: ignore[arg-type]
+    for _ in range(2):
+        _serve_both(quick, general, conn, frame, tail)
+
+
+def _serve_both(quick: Requests, general: Requests, conn: Conn, frame: bytes, tail: bytes) -> None:
+    """``frame`` served by quick_add on ``quick`` (by the general path where quick_add
+    declines it, as the server does) and by the general path on ``general``: the same
+    reply and the same store after."""
+    before = dict(quick.kv.data)
+    reply = quick.quick_add(conn, bytearray(frame + tail), len(frame))
+    expected = _general_reply(general, frame)
     if reply is None:
-        assert quick.kv.data == state  # left untouched for the general path
-        return
-    assert reply == _general_reply(general, frame)
+        assert quick.kv.data == before  # left untouched for the general path
+        _general_reply(quick, frame)
+    else:
+        assert reply == expected
     assert quick.kv.data == general.kv.data
 
 
 @settings(max_examples=200, deadline=None)
-@given(body=st.binary(max_size=40), n_extra=st.integers(0, 8))
-def test_quick_add_never_misreads_a_malformed_frame(body: bytes, n_extra: int) -> None:
+@given(frames=st.lists(st.tuples(st.sampled_from([b"a", b"bb", b"a" * 9, b"x"]),
+                                 st.sampled_from([b"1", b"2", b"-1", b"x", b"10"])), max_size=12),
+       tail=st.binary(max_size=8))
+def test_quick_add_over_a_connections_frames_answers_as_the_general_path(
+        frames: list[tuple[bytes, bytes]], tail: bytes) -> None:
+    """A connection's frames in turn, repeating or not (the key "x" holds text, "a" * 9 is
+    over the key limit): each is answered as the general path answers it."""
+    quick = Requests(token=None, max_key_size=8, max_value_size=1 << 20)
+    general = Requests(token=None, max_key_size=8, max_value_size=1 << 20)
+    quick.kv.set(b"x", b"text")
+    general.kv.set(b"x", b"text")
+    conn = Conn(None)  # type: ignore[arg-type]
+    for key, amount in frames:
+        _serve_both(quick, general, conn, _frame(key, amount), tail)
+
+
+@settings(max_examples=300, deadline=None)
+@given(fields=st.one_of(st.binary(max_size=40), st.tuples(keys, amounts)),
+       n_extra=st.integers(0, 8), code=st.one_of(st.just(w.ADD), st.integers(0, 255)),
+       skew=st.sampled_from([0, 0, 1, -1]))
+def test_quick_add_never_misreads_a_malformed_frame(fields: bytes | tuple[bytes, bytes],
+                                                   n_extra: int, code: int, skew: int) -> None:
+    """Any frame (any bytes or two well-formed fields, any request code, a length that
+    does not match what was read) is served only if the general path reads it as a
+    two-field ADD, and then as it would."""
     server = Requests(token=None, max_key_size=64, max_value_size=1 << 20)
-    frame = w.HEADER.pack(1 + len(body), w.ADD) + body
-    reply = server.quick_add(bytearray(frame + b"\0" * n_extra), len(frame))
+    body = fields if isinstance(fields, bytes) else w.encode_frame(code, list(fields))[5:]
+    frame = w.HEADER.pack(max(0, 1 + len(body) + skew), code) + body
+    reply = server.quick_add(Conn(None), bytearray(frame + b"\0" * n_extra), len(frame))  # type: ignore[arg-type]
     if reply is not None:
+        assert code == w.ADD and skew == 0
         # Only a frame that the general path reads as a two-field ADD is served.
         fields = w.decode_fields(frame, 5, len(frame))
         assert len(fields) == 2

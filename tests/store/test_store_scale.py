@@ -235,6 +235,36 @@ def test_the_benchmarks_floor_server_serves_the_rendezvous_script_and_counts_its
         sb.main(["--impl", "floor", "--ops-only", "--rendezvous-only"])
 
 
+def test_the_benchmarks_python_floor_answers_as_the_c_floor() -> None:
+    """bench/store_floor.py (``--impl floor-py``) answers what store_floor.c answers:
+    pipelined frames each get OK "1" in order, gpucoll's client reaches it by the Unix
+    socket and every add is answered "1"; the benchmark refuses it outside --ops-only."""
+    sb = _store_bench()
+    floor = sb._PyFloorServer()
+    try:
+        with socket.create_connection(("127.0.0.1", floor.port), timeout=10) as s:
+            s.sendall(struct.pack("<IB", 1, 4) * 3)
+            got = b""
+            while len(got) < 30:
+                more = s.recv(64)
+                assert more
+                got += more
+            assert got == (struct.pack("<IBI", 6, 0, 1) + b"1") * 3
+        from gpucoll.store import TCPStore
+
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as ux:
+            ux.connect(f"\0gpucoll-store/127.0.0.1:{floor.port}")
+        client = TCPStore("127.0.0.1", floor.port, timeout=10)
+        try:
+            assert [client.add("n", 1) for _ in range(3)] == [1, 1, 1]
+        finally:
+            client.close()
+    finally:
+        floor.stop()
+    with pytest.raises(SystemExit):
+        sb.main(["--impl", "floor-py"])
+
+
 # -- the open-file limit -------------------------------------------------------------------
 
 def _child(code: str) -> subprocess.CompletedProcess[str]:
