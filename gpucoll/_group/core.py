@@ -26,7 +26,7 @@ from .._backends.base import ISSUING_ASYNC, Backend, IssuesQuietly, RunsNow, Tim
 from .._backends.mismatch import decode, describe, encode
 from .._debug import DebugLevel, call_site, get_debug_level
 from ..errors import DistBackendError, DistError
-from .._debug.flight_recorder import FlightRecorder, _Entry, recorder_capacity
+from .._debug.flight_recorder import FlightRecorder, Kind, _Entry, recorder_capacity
 from .._work import Work, WorkInfo
 from .checks import _op_name
 from .watchdog import Watchdog
@@ -92,7 +92,7 @@ class DeviceRun:
     Checked again per call: contiguity, the caller's current stream (its device, and a
     capture on it), hooks, the debug level, a coalescing block, posted sends."""
 
-    __slots__ = ("backend", "run", "start", "red", "desc")
+    __slots__ = ("backend", "run", "start", "red", "kind")
 
     def __init__(self, backend: Backend, run: Callable[..., bool], start: Callable[..., Work | None] | None,
                  red: Any, desc: Buffer) -> None:
@@ -100,7 +100,7 @@ class DeviceRun:
         self.run = run      # the synchronous form: run(stream, array, seq, entry, group_name) -> issued
         self.start = start  # the async form, if the backend has one: start(stream, array) -> Work or None
         self.red = red
-        self.desc = desc
+        self.kind = Kind(backend.name, desc)  # what the flight recorder shows of each op
 
 
 class Issuer:
@@ -235,7 +235,7 @@ class Issuer:
         backend = run.backend
         entry = None
         if recorder is not None:
-            entry = recorder.begin(seq, "all_reduce", backend.name, run.desc, -1)
+            entry = recorder.begin_kind(seq, "all_reduce", run.kind)
             if self.debug_info:
                 entry.where = call_site()
         # The stream the array's producer names, as _buffer.from_cupy reads it: CuPy's
@@ -261,7 +261,9 @@ class Issuer:
                 self.watchdog.watch_backend(backend)  # type: ignore[arg-type]  # (its queue holds the Work)
                 return work
         elif current is not None and run.run(current, tensor, seq, entry, self.group_name):
-            self.watchdog.watch_backend(backend)  # type: ignore[arg-type]  # (a quiet backend polls)
+            watchdog = self.watchdog
+            if backend is not watchdog.watched:
+                watchdog.watch_backend(backend)  # type: ignore[arg-type]  # (a quiet backend polls)
             return None
         buf = _array.as_buffer(tensor, name="tensor", writable=True)
         return self.finish(backend, self._start(seq, entry, backend.all_reduce, (buf, run.red), [tensor], -1,
