@@ -80,9 +80,9 @@ class CupyOnFake:
         self._seconds = costs.cost("current_stream") if costs is not None else 0.0
 
     def get_current_stream(self, device_id: int = -1) -> FakeCupyStream:
-        """``cupy.cuda.get_current_stream``: the runtime's current stream, at CuPy's cost."""
-        if self._spend is not None:
-            self._spend("cupy", "current_stream", self._seconds, self._now())
+        """``cupy.cuda.get_current_stream``: the runtime's current stream, at CuPy's cost
+        (the fake's own look-up inside that time, as the runtime's calls do theirs)."""
+        t0 = self._now() if self._spend is not None else 0.0
         rt = self.rt
         current = rt._current
         if isinstance(current, dict):  # the semantic fake (FakeRuntime): a current stream per device
@@ -93,6 +93,8 @@ class CupyOnFake:
         if stream is None:
             # The runtime's default stream is CuPy's legacy one, whose Stream says ptr 0.
             stream = self._streams[ptr] = FakeCupyStream(0 if ptr == default else ptr, device)
+        if self._spend is not None:
+            self._spend("cupy", "current_stream", self._seconds, t0)
         return stream
 
     def array(self, n: int = 256, dtype: str = "float32", ptr: int | None = None) -> Any:

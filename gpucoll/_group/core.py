@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from time import time as _time
 from typing import Any, Callable, cast
 
 import numpy as np
@@ -92,13 +93,19 @@ class DeviceRun:
     Checked again per call: contiguity, the caller's current stream (its device, and a
     capture on it), hooks, the debug level, a coalescing block, posted sends."""
 
-    __slots__ = ("backend", "run", "start", "red", "kind")
+    __slots__ = ("backend", "run", "start", "red", "kind", "posted", "stream_of", "device")
 
-    def __init__(self, backend: Backend, run: Callable[..., bool], start: Callable[..., Work | None] | None,
-                 red: Any, desc: Buffer) -> None:
+    def __init__(self, backend: Backend, runners: Any, red: Any, desc: Buffer) -> None:
         self.backend = backend
-        self.run = run      # the synchronous form: run(stream, array, seq, entry, group_name) -> issued
-        self.start = start  # the async form, if the backend has one: start(stream, array) -> Work or None
+        # The backend's runners (NCCL's quiet.py): the synchronous form, run(stream handle, array,
+        # seq, entry, group_name) -> issued, when posted.ops is empty; the stream's handle,
+        # stream_of(CuPy stream, device) (None: another device's); the async form,
+        # start(CuPy stream, array) -> Work or None.
+        self.run: Callable[..., bool] = runners.run
+        self.start: Callable[..., Work | None] | None = runners.start
+        self.posted: Any = runners.posted
+        self.stream_of: Callable[[Any, int], int | None] = runners.stream_of
+        self.device: int = runners.device
         self.red = red
         self.kind = Kind(backend.name, desc)  # what the flight recorder shows of each op
 
@@ -235,7 +242,19 @@ class Issuer:
         backend = run.backend
         entry = None
         if recorder is not None:
-            entry = recorder.begin_kind(seq, "all_reduce", run.kind)
+            # recorder.begin_kind(seq, "all_reduce", run.kind) without its frame, once the
+            # slot exists (the recorder makes each slot on its first use).
+            i = recorder._next
+            entry = recorder._ring[i]
+            if entry is None:
+                entry = recorder.begin_kind(seq, "all_reduce", run.kind)
+            else:
+                entry.seq = seq
+                entry.op_type = "all_reduce"
+                entry.kind = run.kind
+                entry.time_started = _time()
+                entry.done = None
+                recorder._next = i + 1 if i + 1 < recorder.capacity else 0
             if self.debug_info:
                 entry.where = call_site()
         # The stream the array's producer names, as _buffer.from_cupy reads it: CuPy's
@@ -260,11 +279,13 @@ class Issuer:
                     recorder.attach(entry, work)  # type: ignore[union-attr]  # (entry: recorder is set)
                 self.watchdog.watch_backend(backend)  # type: ignore[arg-type]  # (its queue holds the Work)
                 return work
-        elif current is not None and run.run(current, tensor, seq, entry, self.group_name):
-            watchdog = self.watchdog
-            if backend is not watchdog.watched:
-                watchdog.watch_backend(backend)  # type: ignore[arg-type]  # (a quiet backend polls)
-            return None
+        elif current is not None and not run.posted.ops:  # (posted sends and receives: the usual way first)
+            stream = run.stream_of(current, run.device)
+            if stream is not None and run.run(stream, tensor, seq, entry, self.group_name):
+                watchdog = self.watchdog
+                if backend is not watchdog.watched:
+                    watchdog.watch_backend(backend)  # type: ignore[arg-type]  # (a quiet backend polls)
+                return None
         buf = _array.as_buffer(tensor, name="tensor", writable=True)
         return self.finish(backend, self._start(seq, entry, backend.all_reduce, (buf, run.red), [tensor], -1,
                                                 "all_reduce", async_op), async_op, True)
@@ -509,5 +530,4 @@ def remember_device_run(runs: dict[tuple[Any, ...], DeviceRun], backend: Backend
         return
     mem = tensor.data
     desc = Buffer(0, buf.nbytes, buf.dtype, buf.shape, buf.device)  # what the flight recorder shows
-    runs[(mem.ptr, mem.device_id, tensor.dtype, tensor.shape, op._name_)] = DeviceRun(backend, both[0], both[1], red,
-                                                                                      desc)
+    runs[(mem.ptr, mem.device_id, tensor.dtype, tensor.shape, op._name_)] = DeviceRun(backend, both, red, desc)
