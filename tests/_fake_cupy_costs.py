@@ -33,7 +33,6 @@ CuPy fast path, ``gpucoll._buffer.from_cupy``), which is the path measured on th
 from __future__ import annotations
 
 import itertools
-import time
 from typing import Any
 
 from gpucoll import _buffer as buffer_mod
@@ -75,14 +74,19 @@ class CupyOnFake:
         self._addresses = itertools.count(0x4000_0000, 1 << 20)
         self._saved: tuple[Any, Any, Any] | None = None
         costs = getattr(rt, "costs", None)
-        self._spend = costs.spend if costs is not None else None
-        self._now = (lambda: costs.now()) if costs is not None else time.perf_counter
+        self._costs = costs
         self._seconds = costs.cost("current_stream") if costs is not None else 0.0
 
     def get_current_stream(self, device_id: int = -1) -> FakeCupyStream:
         """``cupy.cuda.get_current_stream``: the runtime's current stream, at CuPy's cost
         (the fake's own look-up inside that time, as the runtime's calls do theirs)."""
-        t0 = self._now() if self._spend is not None else 0.0
+        costs = self._costs
+        if costs is not None:  # the timed fake (TimedRuntime): one current stream, a handle
+            t0 = costs.now()
+            stream = self._streams.get(self.rt._current)
+            if stream is not None:
+                costs.spend("cupy", "current_stream", self._seconds, t0)
+                return stream
         rt = self.rt
         current = rt._current
         if isinstance(current, dict):  # the semantic fake (FakeRuntime): a current stream per device
@@ -93,8 +97,8 @@ class CupyOnFake:
         if stream is None:
             # The runtime's default stream is CuPy's legacy one, whose Stream says ptr 0.
             stream = self._streams[ptr] = FakeCupyStream(0 if ptr == default else ptr, device)
-        if self._spend is not None:
-            self._spend("cupy", "current_stream", self._seconds, t0)
+        if costs is not None:
+            costs.spend("cupy", "current_stream", self._seconds, t0)
         return stream
 
     def array(self, n: int = 256, dtype: str = "float32", ptr: int | None = None) -> Any:
