@@ -52,7 +52,8 @@ def cupy_or_none() -> Any:
 
 class FakeCupyStream:
     """What ``cupy.cuda.get_current_stream()`` returns: a Python object with ``ptr`` and
-    ``device_id`` (CuPy's ``_BaseStream`` is a Python class with these attributes)."""
+    ``device_id`` (CuPy's ``_BaseStream`` is a Python class with these attributes). As
+    CuPy's ``Stream.null``, the legacy default stream says ptr 0 and device -1."""
 
     def __init__(self, ptr: int, device_id: int) -> None:
         self.ptr = ptr
@@ -90,13 +91,15 @@ class CupyOnFake:
         rt = self.rt
         current = rt._current
         if isinstance(current, dict):  # the semantic fake (FakeRuntime): a current stream per device
-            ptr, default, device = rt.current_stream(), rt.default_stream.ptr, rt.fabric.current_device()
+            device = rt.fabric.current_device() if device_id < 0 else device_id
+            ptr, default = rt.current_stream_of(device), rt.default_stream.ptr
         else:
             ptr, default, device = current, rt._default, 0
         stream = self._streams.get(ptr)
         if stream is None:
-            # The runtime's default stream is CuPy's legacy one, whose Stream says ptr 0.
-            stream = self._streams[ptr] = FakeCupyStream(0 if ptr == default else ptr, device)
+            # The runtime's default stream is CuPy's legacy one, whose Stream.null says
+            # ptr 0 and device -1.
+            stream = self._streams[ptr] = FakeCupyStream(0, -1) if ptr == default else FakeCupyStream(ptr, device)
         if costs is not None:
             costs.spend("cupy", "current_stream", self._seconds, t0)
         return stream

@@ -93,7 +93,8 @@ class DeviceRun:
     Checked again per call: contiguity, the caller's current stream (its device, and a
     capture on it), hooks, the debug level, a coalescing block, posted sends."""
 
-    __slots__ = ("backend", "run", "start", "red", "kind", "posted", "stream_of", "device")
+    __slots__ = ("backend", "run", "start", "red", "kind", "posted", "stream_of", "device", "legacy",
+                 "stream_of_fixed")
 
     def __init__(self, backend: Backend, runners: Any, red: Any, desc: Buffer) -> None:
         self.backend = backend
@@ -106,6 +107,11 @@ class DeviceRun:
         self.posted: Any = runners.posted
         self.stream_of: Callable[[Any, int], int | None] = runners.stream_of
         self.device: int = runners.device
+        # CuPy's legacy default stream (ptr 0, one object per device) and its handle, once
+        # stream_of answered it and may be kept (runners.stream_of_fixed): no call per op.
+        # Only that stream is kept: holding a stream the caller made would keep it alive.
+        self.legacy: tuple[Any, int] | None = None
+        self.stream_of_fixed: bool = runners.stream_of_fixed
         self.red = red
         self.kind = Kind(backend.name, desc)  # what the flight recorder shows of each op
 
@@ -257,11 +263,13 @@ class Issuer:
                 recorder._next = i + 1 if i + 1 < recorder.capacity else 0
             if self.debug_info:
                 entry.where = call_site()
-        # The stream the array's producer names, as _buffer.from_cupy reads it: CuPy's
-        # current stream, which the runner runs the op on (if it is one of the backend's
-        # device: the backend asks no second time).
+        # The stream the array's producer names: CuPy's current stream of the array's
+        # device (the run's: an address names one device; a kernel writing the array ran
+        # with that device current), as torch's getCurrentCUDAStream(device) and the
+        # backend's current_stream_of(device); the runner runs the op on it (the backend
+        # asks no second time). Asked with the device, CuPy makes no cudaGetDevice.
         try:
-            current: Any = _buffer._cupy_stream()
+            current: Any = _buffer._cupy_stream(run.device)
             ptr: int = current.ptr
         except Exception:  # noqa: BLE001  (the usual way words the error)
             current = None
@@ -280,7 +288,13 @@ class Issuer:
                 self.watchdog.watch_backend(backend)  # type: ignore[arg-type]  # (its queue holds the Work)
                 return work
         elif current is not None and not run.posted.ops:  # (posted sends and receives: the usual way first)
-            stream = run.stream_of(current, run.device)
+            legacy = run.legacy
+            if legacy is not None and current is legacy[0]:
+                stream: int | None = legacy[1]
+            else:
+                stream = run.stream_of(current, run.device)
+                if not ptr and stream is not None and run.stream_of_fixed:
+                    run.legacy = (current, stream)
             if stream is not None and run.run(stream, tensor, seq, entry, self.group_name):
                 watchdog = self.watchdog
                 if backend is not watchdog.watched:

@@ -74,8 +74,8 @@ def test_repeated_all_reduces_of_cupy_arrays_go_through_a_run_and_stay_right(
         # CuPy's current stream of another device (that device current): the run declines
         # (the synchronous form gets no handle for it, so the op goes the usual way).
         run = next(iter(runs.values()))
-        if run.stream_of(FakeCupyStream(0, 1), run.device) is not None or \
-                run.start(FakeCupyStream(0, 1), x) is not None:
+        other = FakeCupyStream(rt.new_stream().ptr, 1)
+        if run.stream_of(other, run.device) is not None or run.start(other, x) is not None:
             bad.append("a stream of another device was taken")
         # Same address, another op, then another dtype: each its own run, right values.
         _put(rt, buf, base + rank)

@@ -39,6 +39,7 @@ class Runners(NamedTuple):
     posted: Posted
     stream_of: Callable[[Any, int], int | None]
     device: int
+    stream_of_fixed: bool  # whether stream_of's answer for a stream object may be kept
 
 
 class _Backend(BackendState, Protocol):
@@ -62,7 +63,7 @@ def runners(b: BackendState, posted: Posted, hot: _hot.Hot, buf: Buffer) -> Runn
     if buf.foreign_stream or where.index != b.device_index or where.type != "cuda":
         return None
     return Runners(functools.partial(_hot.issue_quiet_at, b, hot), functools.partial(_start, b, posted, hot, buf.nbytes),
-                   posted, b.runtime.stream_of, b.device_index)
+                   posted, b.runtime.stream_of, b.device_index, getattr(b.runtime, "stream_of_fixed", False))
 
 
 def _start(b: BackendState, posted: Posted, hot: _hot.Hot, nbytes: int, current: Any, keep: Any) -> NCCLWork | None:
