@@ -113,16 +113,20 @@ class _Entry:
     def state(self) -> str:
         """"scheduled", "completed" or "failed"."""
         done = self.done
-        return "scheduled" if done is None else "completed" if done.__class__ is float else done[0]  # type: ignore[index]
+        return "scheduled" if done is None else "completed" if isinstance(done, float) else done[0]
 
     def as_dict(self) -> dict[str, Any]:
         done, kind = self.done, self.kind
+        state: str
+        finished: float | None
+        active: float | None
+        error: str | None
         if done is None:
             state, finished, active, error = "scheduled", None, None, None
-        elif done.__class__ is float:
-            state, finished, active, error = "completed", self.time_started + done, done, None  # type: ignore[operator]
+        elif isinstance(done, float):
+            state, finished, active, error = "completed", self.time_started + done, done, None
         else:
-            state, finished, active, error = done  # type: ignore[misc]
+            state, finished, active, error = done
         return {
             "seq": self.seq, "op_type": self.op_type, "backend": kind.backend,
             "shape": list(kind.shape) if kind.shape is not None else None,
