@@ -139,7 +139,7 @@ class NoopRuntime:
         return 0x7000
 
     def stream_of(self, stream: Any, device: int) -> int | None:
-        return 0x7000 if stream.ptr == 0 and stream.device_id == device else int(stream.ptr)
+        return 0x7000 if stream.ptr == 0 else int(stream.ptr) if stream.device_id == device else None
 
     def has_context(self) -> bool:
         return True

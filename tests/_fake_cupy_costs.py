@@ -33,7 +33,6 @@ CuPy fast path, ``gpucoll._buffer.from_cupy``), which is the path measured on th
 from __future__ import annotations
 
 import itertools
-import time
 from typing import Any
 
 from gpucoll import _buffer as buffer_mod
@@ -53,7 +52,8 @@ def cupy_or_none() -> Any:
 
 class FakeCupyStream:
     """What ``cupy.cuda.get_current_stream()`` returns: a Python object with ``ptr`` and
-    ``device_id`` (CuPy's ``_BaseStream`` is a Python class with these attributes)."""
+    ``device_id`` (CuPy's ``_BaseStream`` is a Python class with these attributes). As
+    CuPy's ``Stream.null``, the legacy default stream says ptr 0 and device -1."""
 
     def __init__(self, ptr: int, device_id: int) -> None:
         self.ptr = ptr
@@ -75,24 +75,33 @@ class CupyOnFake:
         self._addresses = itertools.count(0x4000_0000, 1 << 20)
         self._saved: tuple[Any, Any, Any] | None = None
         costs = getattr(rt, "costs", None)
-        self._spend = costs.spend if costs is not None else None
-        self._now = (lambda: costs.now()) if costs is not None else time.perf_counter
+        self._costs = costs
         self._seconds = costs.cost("current_stream") if costs is not None else 0.0
 
     def get_current_stream(self, device_id: int = -1) -> FakeCupyStream:
-        """``cupy.cuda.get_current_stream``: the runtime's current stream, at CuPy's cost."""
-        if self._spend is not None:
-            self._spend("cupy", "current_stream", self._seconds, self._now())
+        """``cupy.cuda.get_current_stream``: the runtime's current stream, at CuPy's cost
+        (the fake's own look-up inside that time, as the runtime's calls do theirs)."""
+        costs = self._costs
+        if costs is not None:  # the timed fake (TimedRuntime): one current stream, a handle
+            t0 = costs.now()
+            stream = self._streams.get(self.rt._current)
+            if stream is not None:
+                costs.spend("cupy", "current_stream", self._seconds, t0)
+                return stream
         rt = self.rt
         current = rt._current
         if isinstance(current, dict):  # the semantic fake (FakeRuntime): a current stream per device
-            ptr, default, device = rt.current_stream(), rt.default_stream.ptr, rt.fabric.current_device()
+            device = rt.fabric.current_device() if device_id < 0 else device_id
+            ptr, default = rt.current_stream_of(device), rt.default_stream.ptr
         else:
             ptr, default, device = current, rt._default, 0
         stream = self._streams.get(ptr)
         if stream is None:
-            # The runtime's default stream is CuPy's legacy one, whose Stream says ptr 0.
-            stream = self._streams[ptr] = FakeCupyStream(0 if ptr == default else ptr, device)
+            # The runtime's default stream is CuPy's legacy one, whose Stream.null says
+            # ptr 0 and device -1.
+            stream = self._streams[ptr] = FakeCupyStream(0, -1) if ptr == default else FakeCupyStream(ptr, device)
+        if costs is not None:
+            costs.spend("cupy", "current_stream", self._seconds, t0)
         return stream
 
     def array(self, n: int = 256, dtype: str = "float32", ptr: int | None = None) -> Any:

@@ -914,12 +914,12 @@ class FakeRuntime:
         self._current[self.fabric.stream(ptr).device] = ptr
 
     def stream_of(self, stream: Any, device: int) -> int | None:
-        """The handle of a CuPy stream object (tests/_fake_cupy_costs.py's, whose ptr 0 is
-        CuPy's legacy stream: here the device's default stream) if it is ``device``'s."""
-        if stream.device_id != device:
-            return None
-        return (self.default_stream.ptr if device == self.default_stream.device else
-                self.current_stream_of(device)) if stream.ptr == 0 else int(stream.ptr)
+        """The handle of a CuPy stream object (tests/_fake_cupy_costs.py's, whose ptr 0,
+        device -1, is CuPy's null stream: here ``device``'s default stream) if it is
+        ``device``'s."""
+        if stream.ptr == 0:
+            return self.default_stream.ptr if device == self.default_stream.device else self.current_stream_of(device)
+        return int(stream.ptr) if stream.device_id == device else None
 
     def new_stream(self, high_priority: bool = False) -> FakeStream:
         self.fabric.context()
@@ -1971,12 +1971,14 @@ class TimedRuntime:
     def set_current_stream(self, ptr: int) -> None:
         self._current = ptr
 
+    stream_of_fixed = True  # (stream_of reads the object's fields and the fixed default stream)
+
     def stream_of(self, stream: Any, device: int) -> int | None:
         """A CuPy stream object's handle (ptr 0, CuPy's legacy stream: the default one);
         free, as reading a CuPy stream's fields is."""
-        if stream.device_id != device:
-            return None
-        return self._default if stream.ptr == 0 else int(stream.ptr)
+        if stream.ptr == 0:  # CuPy's null stream (device -1): any device's legacy stream
+            return self._default
+        return int(stream.ptr) if stream.device_id == device else None
 
     def new_stream(self, high_priority: bool = False) -> Any:
         return _TimedStream(next(self._handles))

@@ -25,7 +25,7 @@ from .._buffer import Buffer
 from . import package_dir, thread_stacks
 from .._work import Work
 
-__all__ = ["FlightRecorder", "recorder_capacity", "SIZE_ENV", "DIR_ENV", "DEFAULT_CAPACITY"]
+__all__ = ["FlightRecorder", "Kind", "recorder_capacity", "SIZE_ENV", "DIR_ENV", "DEFAULT_CAPACITY"]
 
 from .._env import FLIGHT_RECORDER_DIR_ENV as DIR_ENV
 from .._env import FLIGHT_RECORDER_SIZE_ENV as SIZE_ENV
@@ -52,64 +52,89 @@ def recorder_capacity() -> int:
     return value
 
 
+class Kind:
+    """What an entry shows of its op's arrays and peer, shared by every op of one kind
+    (a group's planned run of one array kind makes it once; other ops make one per op)."""
+
+    __slots__ = ("backend", "shape", "dtype", "nbytes", "peer")
+
+    def __init__(self, backend: str, buf: Buffer | None, peer: int = -1) -> None:
+        self.backend = backend
+        if buf is not None:
+            self.shape: tuple[int, ...] | None = buf.shape
+            self.dtype: str | None = buf.dtype.name
+            self.nbytes = buf.nbytes
+        else:
+            self.shape = self.dtype = None
+            self.nbytes = 0
+        self.peer = peer
+
+
 class _Entry:
-    """One op; filled at issue, completed by :meth:`finish` from ``Work._finish``.
+    """One op; filled at issue, completed by :meth:`finish` from ``Work._finish`` (or by
+    :meth:`complete`/:meth:`fail` for an op with no Work).
 
     Entries are reused round the ring rather than made per op: an object made per op
     and kept for ``capacity`` ops survives into the garbage collector's oldest
     generation, and enough of those make Python run full collections, which cost
-    every op more than the entry itself.
+    every op more than the entry itself. An op writes five fields (sequence number,
+    op, :class:`Kind`, start time, ``done``); its state, end time, duration and error
+    are derived from ``done`` when the ring is read (:meth:`as_dict`): None while it
+    is scheduled, its duration (a float) once completed with no Work, else the tuple
+    (state, time finished, duration, error).
     """
 
-    __slots__ = ("seq", "op_type", "backend", "shape", "dtype", "nbytes", "peer",
-                 "time_started", "state", "time_finished", "active_duration", "error", "where")
+    __slots__ = ("seq", "op_type", "kind", "time_started", "done", "where")
     seq: int
     op_type: str
-    backend: str
-    shape: tuple[int, ...] | None
-    dtype: str | None
-    nbytes: int
-    peer: int
+    kind: Kind
     time_started: float
-    state: str
-    time_finished: float | None
-    active_duration: float | None
-    error: str | None
-    where: str  # the caller's file:line, at debug level INFO and above
+    done: float | tuple[str, float | None, float | None, str | None] | None
+    where: str  # the caller's file:line, at debug level INFO and above (unset below)
 
     def finish(self, work: Work) -> None:
         if self.seq != work.seq:
             return  # reused for a newer op while this one was still running
         exc = work.exception()
-        self.state = "completed" if exc is None else "failed"
-        self.time_finished = work.time_finished
-        self.active_duration = work.active_duration
-        self.error = None if exc is None else f"{type(exc).__name__}: {exc}"
+        self.done = ("completed", work.time_finished, work.active_duration, None) if exc is None else \
+            ("failed", work.time_finished, work.active_duration, f"{type(exc).__name__}: {exc}")
 
     def fail(self, error: str, active_duration: float) -> None:
         """Mark the op failed with ``error`` ``active_duration`` seconds after it started
         (an op with no Work: its backend's record of it failed)."""
-        self.state = "failed"
-        self.time_finished = self.time_started + active_duration
-        self.active_duration = active_duration
-        self.error = error
+        self.done = ("failed", self.time_started + active_duration, active_duration, error)
 
     def complete(self, active_duration: float) -> None:
         """Mark the op completed ``active_duration`` seconds after it started (an op that
         ran to its end on the issuing thread, with no Work)."""
-        self.state = "completed"
-        self.time_finished = self.time_started + active_duration
-        self.active_duration = active_duration
+        self.done = active_duration
+
+    @property
+    def state(self) -> str:
+        """"scheduled", "completed" or "failed"."""
+        done = self.done
+        return "scheduled" if done is None else "completed" if isinstance(done, float) else done[0]
 
     def as_dict(self) -> dict[str, Any]:
+        done, kind = self.done, self.kind
+        state: str
+        finished: float | None
+        active: float | None
+        error: str | None
+        if done is None:
+            state, finished, active, error = "scheduled", None, None, None
+        elif isinstance(done, float):
+            state, finished, active, error = "completed", self.time_started + done, done, None
+        else:
+            state, finished, active, error = done
         return {
-            "seq": self.seq, "op_type": self.op_type, "backend": self.backend,
-            "shape": list(self.shape) if self.shape is not None else None,
-            "dtype": self.dtype, "nbytes": self.nbytes,
-            "peer": self.peer if self.peer >= 0 else None,
-            "state": self.state, "time_started": self.time_started,
-            "time_finished": self.time_finished, "active_duration": self.active_duration,
-            "error": self.error, "where": self.where or None,
+            "seq": self.seq, "op_type": self.op_type, "backend": kind.backend,
+            "shape": list(kind.shape) if kind.shape is not None else None,
+            "dtype": kind.dtype, "nbytes": kind.nbytes,
+            "peer": kind.peer if kind.peer >= 0 else None,
+            "state": state, "time_started": self.time_started,
+            "time_finished": finished, "active_duration": active,
+            "error": error, "where": getattr(self, "where", "") or None,
         }
 
 
@@ -136,6 +161,7 @@ class FlightRecorder:
         self._next = 0      # the slot the next op takes
         self._count = 0     # slots in use
         self.group_desc = ""  # set by the group
+        self._last_kind: Kind | None = None  # begin()'s last Kind
 
     def record(self, work: Work, backend: str, buf: Buffer | None, peer: int = -1) -> None:
         """Add ``work`` (already numbered) to the ring, in place of the oldest entry once
@@ -147,26 +173,31 @@ class FlightRecorder:
         """Add an op about to start (state "scheduled"), before its Work exists: a backend
         that runs the op on the caller's thread returns the Work only when it is over,
         and a dump (or the control plane) taken meanwhile must show the op."""
+        kind = self._last_kind
+        # An op of the last op's kind (ops of the general path make a Buffer per op)
+        # shares its Kind: nothing is allocated and kept per op.
+        if kind is None or kind.backend != backend or kind.peer != peer or (
+                kind.shape is not None if buf is None else
+                kind.nbytes != buf.nbytes or kind.shape != buf.shape or kind.dtype != buf.dtype.name):
+            kind = self._last_kind = Kind(backend, buf, peer)
+        entry = self.begin_kind(seq, op_type, kind)
+        if time_started is not None:
+            entry.time_started = time_started
+        return entry
+
+    def begin_kind(self, seq: int, op_type: str, kind: Kind) -> _Entry:
+        """:meth:`begin` for an op of a :class:`Kind` made once (a planned run's): five
+        stores and a clock read."""
         i = self._next
         entry = self._ring[i]
         if entry is None:
             entry = self._ring[i] = _Entry()
             self._count += 1
-        # Every field, written here rather than in a method of the entry: this runs once
-        # per op of every group.
         entry.seq = seq
         entry.op_type = op_type
-        entry.backend = backend
-        if buf is not None:
-            entry.shape, entry.dtype, entry.nbytes = buf.shape, buf.dtype.name, buf.nbytes
-        else:
-            entry.shape = entry.dtype = None
-            entry.nbytes = 0
-        entry.peer = peer
-        entry.time_started = time.time() if time_started is None else time_started
-        entry.state = "scheduled"
-        entry.time_finished = entry.active_duration = entry.error = None
-        entry.where = ""
+        entry.kind = kind
+        entry.time_started = time.time()
+        entry.done = None
         self._next = i + 1 if i + 1 < self.capacity else 0
         return entry
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from time import time as _time
 from typing import Any, Callable, cast
 
 import numpy as np
@@ -26,7 +27,7 @@ from .._backends.base import ISSUING_ASYNC, Backend, IssuesQuietly, RunsNow, Tim
 from .._backends.mismatch import decode, describe, encode
 from .._debug import DebugLevel, call_site, get_debug_level
 from ..errors import DistBackendError, DistError
-from .._debug.flight_recorder import FlightRecorder, _Entry, recorder_capacity
+from .._debug.flight_recorder import FlightRecorder, Kind, _Entry, recorder_capacity
 from .._work import Work, WorkInfo
 from .checks import _op_name
 from .watchdog import Watchdog
@@ -92,15 +93,27 @@ class DeviceRun:
     Checked again per call: contiguity, the caller's current stream (its device, and a
     capture on it), hooks, the debug level, a coalescing block, posted sends."""
 
-    __slots__ = ("backend", "run", "start", "red", "desc")
+    __slots__ = ("backend", "run", "start", "red", "kind", "posted", "stream_of", "device", "legacy",
+                 "stream_of_fixed")
 
-    def __init__(self, backend: Backend, run: Callable[..., bool], start: Callable[..., Work | None] | None,
-                 red: Any, desc: Buffer) -> None:
+    def __init__(self, backend: Backend, runners: Any, red: Any, desc: Buffer) -> None:
         self.backend = backend
-        self.run = run      # the synchronous form: run(stream, array, seq, entry, group_name) -> issued
-        self.start = start  # the async form, if the backend has one: start(stream, array) -> Work or None
+        # The backend's runners (NCCL's quiet.py): the synchronous form, run(stream handle, array,
+        # seq, entry, group_name) -> issued, when posted.ops is empty; the stream's handle,
+        # stream_of(CuPy stream, device) (None: another device's); the async form,
+        # start(CuPy stream, array) -> Work or None.
+        self.run: Callable[..., bool] = runners.run
+        self.start: Callable[..., Work | None] | None = runners.start
+        self.posted: Any = runners.posted
+        self.stream_of: Callable[[Any, int], int | None] = runners.stream_of
+        self.device: int = runners.device
+        # CuPy's legacy default stream (ptr 0, one object per device) and its handle, once
+        # stream_of answered it and may be kept (runners.stream_of_fixed): no call per op.
+        # Only that stream is kept: holding a stream the caller made would keep it alive.
+        self.legacy: tuple[Any, int] | None = None
+        self.stream_of_fixed: bool = runners.stream_of_fixed
         self.red = red
-        self.desc = desc
+        self.kind = Kind(backend.name, desc)  # what the flight recorder shows of each op
 
 
 class Issuer:
@@ -235,14 +248,28 @@ class Issuer:
         backend = run.backend
         entry = None
         if recorder is not None:
-            entry = recorder.begin(seq, "all_reduce", backend.name, run.desc, -1)
+            # recorder.begin_kind(seq, "all_reduce", run.kind) without its frame, once the
+            # slot exists (the recorder makes each slot on its first use).
+            i = recorder._next
+            entry = recorder._ring[i]
+            if entry is None:
+                entry = recorder.begin_kind(seq, "all_reduce", run.kind)
+            else:
+                entry.seq = seq
+                entry.op_type = "all_reduce"
+                entry.kind = run.kind
+                entry.time_started = _time()
+                entry.done = None
+                recorder._next = i + 1 if i + 1 < recorder.capacity else 0
             if self.debug_info:
                 entry.where = call_site()
-        # The stream the array's producer names, as _buffer.from_cupy reads it: CuPy's
-        # current stream, which the runner runs the op on (if it is one of the backend's
-        # device: the backend asks no second time).
+        # The stream the array's producer names: CuPy's current stream of the array's
+        # device (the run's: an address names one device; a kernel writing the array ran
+        # with that device current), as torch's getCurrentCUDAStream(device) and the
+        # backend's current_stream_of(device); the runner runs the op on it (the backend
+        # asks no second time). Asked with the device, CuPy makes no cudaGetDevice.
         try:
-            current: Any = _buffer._cupy_stream()
+            current: Any = _buffer._cupy_stream(run.device)
             ptr: int = current.ptr
         except Exception:  # noqa: BLE001  (the usual way words the error)
             current = None
@@ -260,9 +287,19 @@ class Issuer:
                     recorder.attach(entry, work)  # type: ignore[union-attr]  # (entry: recorder is set)
                 self.watchdog.watch_backend(backend)  # type: ignore[arg-type]  # (its queue holds the Work)
                 return work
-        elif current is not None and run.run(current, tensor, seq, entry, self.group_name):
-            self.watchdog.watch_backend(backend)  # type: ignore[arg-type]  # (a quiet backend polls)
-            return None
+        elif current is not None and not run.posted.ops:  # (posted sends and receives: the usual way first)
+            legacy = run.legacy
+            if legacy is not None and current is legacy[0]:
+                stream: int | None = legacy[1]
+            else:
+                stream = run.stream_of(current, run.device)
+                if not ptr and stream is not None and run.stream_of_fixed:
+                    run.legacy = (current, stream)
+            if stream is not None and run.run(stream, tensor, seq, entry, self.group_name):
+                watchdog = self.watchdog
+                if backend is not watchdog.watched:
+                    watchdog.watch_backend(backend)  # type: ignore[arg-type]  # (a quiet backend polls)
+                return None
         buf = _array.as_buffer(tensor, name="tensor", writable=True)
         return self.finish(backend, self._start(seq, entry, backend.all_reduce, (buf, run.red), [tensor], -1,
                                                 "all_reduce", async_op), async_op, True)
@@ -507,5 +544,4 @@ def remember_device_run(runs: dict[tuple[Any, ...], DeviceRun], backend: Backend
         return
     mem = tensor.data
     desc = Buffer(0, buf.nbytes, buf.dtype, buf.shape, buf.device)  # what the flight recorder shows
-    runs[(mem.ptr, mem.device_id, tensor.dtype, tensor.shape, op._name_)] = DeviceRun(backend, both[0], both[1], red,
-                                                                                      desc)
+    runs[(mem.ptr, mem.device_id, tensor.dtype, tensor.shape, op._name_)] = DeviceRun(backend, both, red, desc)

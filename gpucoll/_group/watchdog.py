@@ -68,6 +68,9 @@ class Watchdog:
         # synchronous device op leaves no object behind for the watchdog to hold.
         self._backends: list[PollsPending] = []
         self._last_watched: PollsPending | None = None
+        # The backend last watched once the thread runs: a caller that issued an op on
+        # it may skip :meth:`watch_backend` (the per-op check, without a call).
+        self.watched: PollsPending | None = None
         self._slow = False  # the thread sleeps for a whole tick (no hook was waiting when it looked)
 
     def watch_backend(self, backend: PollsPending) -> None:
@@ -81,6 +84,8 @@ class Watchdog:
                 self._backends = [*self._backends, backend]
             self._last_watched = backend
         self._ensure_started()
+        if self._thread is not None:
+            self.watched = backend
 
     def track(self, work: Work, backend: Backend, device: bool) -> None:
         """Watch ``work`` until it completes or times out. Device work of a backend that

@@ -71,9 +71,11 @@ def test_repeated_all_reduces_of_cupy_arrays_go_through_a_run_and_stay_right(
                 bad.append(f"SUM round {i}")
         if len(runs) != 1:
             bad.append(f"runs: {len(runs)}")
-        # CuPy's current stream of another device (that device current): the run declines.
+        # CuPy's current stream of another device (that device current): the run declines
+        # (the synchronous form gets no handle for it, so the op goes the usual way).
         run = next(iter(runs.values()))
-        if run.run(FakeCupyStream(0, 1), x, 0, None, "g") or run.start(FakeCupyStream(0, 1), x) is not None:
+        other = FakeCupyStream(rt.new_stream().ptr, 1)
+        if run.stream_of(other, run.device) is not None or run.start(other, x) is not None:
             bad.append("a stream of another device was taken")
         # Same address, another op, then another dtype: each its own run, right values.
         _put(rt, buf, base + rank)
@@ -197,3 +199,26 @@ def test_the_watchdog_fails_an_async_op_issued_through_a_run(cupy_fake: CupyOnFa
     assert timeout * 0.9 <= first["after_s"] < timeout + 2.0, first
     assert first["error"].startswith("DistBackendError") and "all_reduce" in first["error"] \
         and "did not complete within the group's timeout" in first["error"], first
+
+
+def test_cupys_null_stream_is_the_legacy_stream_of_any_device() -> None:
+    """CuPy's null stream says device -1 (CuPy's own object, no driver needed): the CUDA
+    runtime's ``stream_of`` answers the legacy stream's handle (0) for it on every device,
+    so a default-stream all_reduce on a GPU goes through its DeviceRun, and the fake's
+    null stream says the same as CuPy's. A stream of another device is declined."""
+    cupy = cupy_or_none()
+    if cupy is None:
+        pytest.skip("CuPy is not installed")
+    from gpucoll._backends.nccl.runtime import CudaRuntime
+
+    null = cupy.cuda.Stream.null
+    assert (null.ptr, null.device_id) == (0, -1)
+    rt = object.__new__(CudaRuntime)  # stream_of reads the object's fields only
+    assert rt.stream_of(null, 0) == 0 and rt.stream_of(null, 3) == 0
+    assert rt.stream_of(FakeCupyStream(0x5000, 1), 0) is None
+    assert rt.stream_of(FakeCupyStream(0x5000, 1), 1) == 0x5000
+    assert CudaRuntime.stream_of_fixed
+    from _nccl_fake import FakeFabric
+
+    fake = CupyOnFake(FakeRuntime(FakeFabric(hang_limit=5.0)))
+    assert (fake.get_current_stream(0).ptr, fake.get_current_stream(0).device_id) == (0, -1)

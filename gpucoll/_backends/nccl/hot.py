@@ -114,7 +114,7 @@ class Quiet:
         entry = self._fr_entry
         if entry is not None and entry.seq == self.seq:
             if error is None:
-                entry.complete(now - self._t0)
+                entry.done = now - self._t0  # (entry.complete, without its frame)
             else:
                 entry.fail(error, now - self._t0)
 

@@ -115,7 +115,10 @@ class Runtime(Protocol):
         """The handle of ``stream``, a stream object as ``cupy.cuda.get_current_stream()``
         returns, if it is a stream of ``device`` (what :meth:`current_stream_of` would
         answer when it is that device's current stream); None when it is another
-        device's. Reads the object's fields only: no CUDA call."""
+        device's (CuPy's null stream, ptr 0 and device -1, is the legacy default stream
+        of whichever device: ``device``'s). Reads the object's fields only: no CUDA call. A runtime whose answer
+        depends on nothing else sets a class attribute ``stream_of_fixed = True``: its
+        callers may keep the answer for the object."""
         ...
 
     def new_event(self, timing: bool = False) -> int:

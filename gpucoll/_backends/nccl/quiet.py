@@ -2,12 +2,15 @@
 already issued on one array (address, size, dtype, op), its hot call looked up once,
 run again with what the group read of the array per call.
 
-``run(stream, keep, seq, entry, group_name) -> bool`` is ``NCCLBackend.all_reduce_quiet``
+``run(handle, keep, seq, entry, group_name) -> bool`` is ``NCCLBackend.all_reduce_quiet``
 of that op and ``start(stream, keep) -> Work | None`` its async form. ``stream`` is
 the caller's current stream as CuPy's ``get_current_stream()`` returns it, the
 stream the array's producer names: the op runs there if it is a stream of the
-communicator's device (``Runtime.stream_of``, no CUDA call), else the runner declines
-and the usual way orders it. ``keep`` holds the array's memory until the op completes.
+communicator's device, else the runner declines and the usual way orders it;
+``run`` takes that stream's handle, ``stream_of(stream, device)``
+(``Runtime.stream_of``, no CUDA call; None: another device's stream), and is called
+only when ``posted.ops`` is empty (posted sends and receives go first, the usual
+way). ``keep`` holds the array's memory until the op completes.
 The caller vouches for what the runners do not check again: an array at this address,
 of this size and dtype, C-contiguous. The device and a foreign stream are checked
 when the runners are made (an address names one device); a capture, posted sends and
@@ -33,6 +36,10 @@ class Runners(NamedTuple):
 
     run: Callable[..., bool]
     start: Callable[..., NCCLWork | None]
+    posted: Posted
+    stream_of: Callable[[Any, int], int | None]
+    device: int
+    stream_of_fixed: bool  # whether stream_of's answer for a stream object may be kept
 
 
 class _Backend(BackendState, Protocol):
@@ -55,15 +62,8 @@ def runners(b: BackendState, posted: Posted, hot: _hot.Hot, buf: Buffer) -> Runn
     where = buf.device
     if buf.foreign_stream or where.index != b.device_index or where.type != "cuda":
         return None
-    return Runners(functools.partial(_run, b, posted, hot), functools.partial(_start, b, posted, hot, buf.nbytes))
-
-
-def _run(b: BackendState, posted: Posted, hot: _hot.Hot, current: Any, keep: Any, seq: int, entry: Any,
-         group_name: str) -> bool:
-    if posted.ops:
-        return False  # the usual way issues posted sends and receives first
-    stream = b.runtime.stream_of(current, b.device_index)
-    return stream is not None and _hot.issue_quiet_at(b, hot, stream, keep, seq, entry, group_name)
+    return Runners(functools.partial(_hot.issue_quiet_at, b, hot), functools.partial(_start, b, posted, hot, buf.nbytes),
+                   posted, b.runtime.stream_of, b.device_index, getattr(b.runtime, "stream_of_fixed", False))
 
 
 def _start(b: BackendState, posted: Posted, hot: _hot.Hot, nbytes: int, current: Any, keep: Any) -> NCCLWork | None:

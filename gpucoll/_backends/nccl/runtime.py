@@ -152,9 +152,18 @@ class CudaRuntime:
         # no cudaGetDevice.
         return int(self._get_current_stream(device).ptr)
 
+    # stream_of answers from the object's fields alone: a caller may keep its answer for
+    # that object (a CuPy stream's ptr and device never change).
+    stream_of_fixed = True
+
     def stream_of(self, stream: Any, device: int) -> int | None:
-        # A CuPy stream (Python attributes): current_stream_of answers its ptr.
-        return int(stream.ptr) if stream.device_id == device else None
+        # A CuPy stream (Python attributes): current_stream_of answers its ptr. CuPy's
+        # null stream (ptr 0) says device -1: the legacy default stream, of the device
+        # the op runs on (what current_stream_of(device) answers for it: 0).
+        ptr = stream.ptr
+        if not ptr:
+            return 0
+        return int(ptr) if stream.device_id == device else None
 
     def new_event(self, timing: bool = False) -> int:
         return int(self._create_event(_EVENT_DEFAULT if timing else _EVENT_DISABLE_TIMING))
