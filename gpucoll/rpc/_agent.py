@@ -19,8 +19,10 @@ import functools
 import heapq
 import itertools
 import logging
+import os
 import pickle
 import queue
+import select
 import socket
 import sys
 import threading
@@ -41,19 +43,48 @@ FLAG_REPLY = 1
 FLAG_ERROR = 2
 MAX_FRAME_BYTES = 1 << 36
 HANDSHAKE_TIMEOUT = 10.0
+LAZY_WAKE = 0.002  # seconds: a "soon" reply nobody reads for is read by then
+_READ_SLICE_MS = 1000  # a caller reading its own reply looks at its call's state this often
 Handler = Callable[[int, Any, "Reply"], None]
 _NO_HOOK: Any = object()
 _NONE_PICKLE = pickle.dumps(None, protocol=5)
 
 
 class _Conn:
-    __slots__ = ("sock", "lock", "peer", "closed")
+    """One connection. On a dialed one (``dialed``), replies are read by whichever thread
+    holds ``role``: the connection's reader thread, or a caller waiting for its own reply
+    while the reader is parked (no call pending to the peer: it then only watches for the
+    peer's hang-up and for ``wake``)."""
 
-    def __init__(self, sock: socket.socket, peer: int) -> None:
+    __slots__ = ("sock", "lock", "peer", "closed", "role", "parked", "wake_r", "wake_w", "reader", "pipe_lock", "second")
+
+    def __init__(self, sock: socket.socket, peer: int, dialed: bool = False) -> None:
         self.sock = sock
         self.lock = threading.Lock()
         self.peer = peer
         self.closed = False
+        self.role = threading.Lock()
+        self.parked = False
+        self.reader = _wire.FrameReader(sock, MAX_FRAME_BYTES)
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC) if dialed else (-1, -1)
+        self.pipe_lock = threading.Lock()
+        self.second = False
+
+    def wake(self) -> None:
+        """Unpark the reader thread (a call is pending that nobody is reading for)."""
+        with self.pipe_lock:
+            if self.wake_w >= 0:
+                try:
+                    os.write(self.wake_w, b"w")
+                except BlockingIOError:  # a full pipe: the reader has been woken already
+                    pass
+
+    def close_pipe(self) -> None:
+        with self.pipe_lock:
+            if self.wake_w >= 0:
+                os.close(self.wake_r)
+                os.close(self.wake_w)
+                self.wake_r = self.wake_w = -1
 
     def send(self, kind: int, flags: int, mid: int, data: Any, bufs: list[Any]) -> None:
         with self.lock:
@@ -72,6 +103,7 @@ class _Conn:
         except OSError:
             pass
         self.sock.close()
+        self.wake()  # the parked reader sees it; it closes the pipe when it leaves
 
 
 _sending = threading.local()  # .active: this thread holds a connection's send lock; .reader: a reader
@@ -168,11 +200,14 @@ class Agent:
         self._dial_locks: dict[int, threading.Lock] = {}
         self._lock = threading.Lock()
         self._pending: dict[int, _Call] = {}
+        self._per_peer: dict[int, int] = {}  # calls pending to each peer (its reader parks at 0)
+        self._count_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._heap: list[tuple[float, int]] = []
         self._timer_cv = threading.Condition(threading.Lock())
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.idle_threads = 0
+        self._slots = threading.BoundedSemaphore(self.num_worker_threads)  # requests running at once
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
@@ -245,8 +280,14 @@ class Agent:
         t = self.timeout if timeout is None or timeout < 0 else float(timeout)
         return t
 
-    def send(self, to: WorkerInfo, kind: MessageType, obj: Any, timeout: float = -1.0, what: str = "") -> Future[Any]:
+    def send(self, to: WorkerInfo, kind: MessageType, obj: Any, timeout: float = -1.0, what: str = "",
+             wake: str = "now") -> Future[Any]:
         """Send a request; the future completes with the reply's value or fails with its error.
+
+        ``wake`` says who reads the reply: ``"now"`` the connection's reader (woken if parked),
+        ``"caller"`` the caller itself, through :meth:`wait` (``rpc_sync``, ``to_here``),
+        ``"soon"`` whoever reads next, or the reader within ``LAZY_WAKE`` seconds (a reply
+        that only runs the library's own callbacks: ``remote()``).
 
         Raises (synchronously, as torch): an unpicklable argument, an unknown worker.
         """
@@ -262,18 +303,13 @@ class Agent:
         timeout = self.resolve_timeout(timeout)
         mid = next(self._ids)
         call = _Call(fut, to.id, what, timeout)
+        with self._count_lock:
+            self._per_peer[to.id] = self._per_peer.get(to.id, 0) + 1
         self._pending[mid] = call
         if timeout > 0:
-            deadline = time.monotonic() + timeout
-            with self._timer_cv:
-                heap = self._heap
-                if len(heap) > 4096 and len(heap) > 4 * len(self._pending):
-                    # Calls that completed long before their deadline: drop their entries.
-                    heap[:] = [e for e in heap if e[1] in self._pending]
-                    heapq.heapify(heap)
-                heapq.heappush(heap, (deadline, mid))
-                if self._heap[0][1] == mid:
-                    self._timer_cv.notify()
+            self._at(time.monotonic() + timeout, mid)
+        if wake == "soon":
+            self._at(time.monotonic() + LAZY_WAKE, -1 - to.id)
         delay = self.faults.delay(kind.name) if self.faults is not None else 0.0
         if delay > 0:
             timer = threading.Timer(delay, self._transmit, (to, kind, mid, data, bufs, False))
@@ -281,7 +317,78 @@ class Agent:
             timer.start()
         else:
             self._transmit(to, kind, mid, data, bufs)
+        if wake == "now":
+            conn = self._out.get(to.id)
+            if conn is not None and conn.parked:
+                conn.wake()
         return fut
+
+    def _at(self, when: float, key: int) -> None:
+        """Put ``key`` on the timer: a call's id (its timeout), or ``-1 - peer`` (wake that
+        peer's reader if a call to it is still pending and nobody reads)."""
+        with self._timer_cv:
+            heap = self._heap
+            if len(heap) > 4096 and len(heap) > 4 * len(self._pending):
+                # Calls that completed long before their deadline: drop their entries.
+                heap[:] = [e for e in heap if e[1] < 0 or e[1] in self._pending]
+                heapq.heapify(heap)
+            heapq.heappush(heap, (when, key))
+            if heap[0][1] == key:
+                self._timer_cv.notify()
+
+    def _pop(self, mid: int) -> _Call | None:
+        """Take a pending call (its reply came, it timed out or failed); None if gone already."""
+        call = self._pending.pop(mid, None)
+        if call is not None:
+            with self._count_lock:
+                self._per_peer[call.peer] -= 1
+        return call
+
+    def wait(self, fut: Future[Any], to: int) -> Any:
+        """Wait for a call's reply to worker ``to``, reading it on this thread when the
+        connection's reader is parked (one thread hand-off less per round trip); else as
+        ``fut.wait()``. Returns the value or raises the error."""
+        conn = self._out.get(to)
+        if conn is None or fut.done() or not conn.role.acquire(blocking=False):
+            return fut.wait()
+        here = _sending.__dict__
+        was = here.get("reader")
+        here["reader"] = True  # a finalizer run while we read hands its sends off
+        try:
+            if not conn.closed:
+                self._read(conn, fut)
+        except Exception as e:  # noqa: BLE001 -- the connection is over; say why to its calls
+            conn.role.release()
+            self._peer_lost(conn, e)
+        else:
+            conn.role.release()
+            if self._per_peer.get(conn.peer) and conn.parked:
+                conn.wake()  # others' replies are still to come: the reader reads them
+        finally:
+            here["reader"] = was
+        return fut.wait()
+
+    def _read(self, conn: _Conn, fut: Future[Any] | None) -> None:
+        """Read replies on ``conn`` (holding its role) until ``fut`` is done, or, for the
+        reader thread (``fut`` None), until no call to the peer is pending."""
+        reader, per_peer, peer = conn.reader, self._per_peer, conn.peer
+        poller = None
+        while True:
+            if fut is not None:
+                if fut.done():
+                    return
+                if not reader.buffered():
+                    if poller is None:
+                        poller = select.poll()
+                        poller.register(conn.sock, select.POLLIN | select.POLLRDHUP)
+                    if not poller.poll(_READ_SLICE_MS):
+                        continue  # look again whether the call timed out meanwhile
+            elif not per_peer.get(peer) and not reader.buffered():
+                return
+            kind, flags, mid, data, bufs = reader.read()
+            if not flags & FLAG_REPLY:
+                raise _wire.FrameError(f"a request (kind {kind}) on a reply connection")
+            self.on_reply(mid, flags, data, bufs)
 
     def _transmit(self, to: WorkerInfo, kind: MessageType, mid: int, data: Any, bufs: list[Any],
                   raising: bool = True) -> None:
@@ -297,13 +404,13 @@ class Agent:
                 raise PeerLostError(reason)
             self._conn_to(to).send(kind, 0, mid, data, bufs)
         except (OSError, EOFError, PeerLostError, AgentShutDownError) as e:
-            call = self._pending.pop(mid, None)
+            call = self._pop(mid)
             if call is not None:
                 err = e if isinstance(e, (PeerLostError, AgentShutDownError)) else PeerLostError(
                     f"RPC {call.what} to {to} failed: could not send to it ({e})")
                 call.fut._try_complete(None, err)
         except Exception as e:  # noqa: BLE001 -- a local error (a buffer that cannot be sent)
-            call = self._pending.pop(mid, None)
+            call = self._pop(mid)
             if raising:
                 raise
             if call is not None:
@@ -330,7 +437,7 @@ class Agent:
                 if isinstance(e, (ConnectionRefusedError, ConnectionResetError, EOFError)):
                     self.lost[to.id] = f"worker {to.name} (id {to.id}) is gone: {reason}"
                 raise PeerLostError(reason) from e
-            conn = _Conn(sock, to.id)
+            conn = _Conn(sock, to.id, dialed=True)
             if self.closed:
                 conn.close()
                 raise AgentShutDownError(f"RPC has been shut down on {self.info.name}")
@@ -339,19 +446,45 @@ class Agent:
             return conn
 
     def _reply_loop(self, conn: _Conn) -> None:
+        """The connection's reader: reads replies while calls to the peer are pending and no
+        caller reads for itself; parked otherwise, watching for the peer's hang-up (a worker
+        that exits or is killed is noticed at once, pending calls or not) and for a wake."""
         _sending.reader = True  # a reader never sends for a finalizer: it must keep reading
-        reader = _wire.FrameReader(conn.sock, MAX_FRAME_BYTES)
+        poller = select.poll()
+        poller.register(conn.sock, select.POLLRDHUP)
+        poller.register(conn.wake_r, select.POLLIN)
         try:
-            while True:
-                kind, flags, mid, data, bufs = reader.read()
-                if not flags & FLAG_REPLY:
-                    raise _wire.FrameError(f"a request (kind {kind}) on a reply connection")
-                self.on_reply(mid, flags, data, bufs)
+            while not conn.closed:
+                conn.parked = True
+                if not self._per_peer.get(conn.peer) and not conn.reader.buffered():
+                    poller.poll()
+                    try:
+                        os.read(conn.wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                conn.parked = False
+                with conn.role:
+                    if conn.closed:
+                        break
+                    if poller.poll(0) and not self._per_peer.get(conn.peer) and not conn.reader.buffered():
+                        # A hang-up (or stray bytes) with nothing pending: read, to learn which.
+                        self._read_one(conn)
+                    self._read(conn, None)
+            raise EOFError("the connection was closed")
         except Exception as e:  # noqa: BLE001 -- the connection is over; say why to its calls
             self._peer_lost(conn, e)
+        finally:
+            conn.parked = False
+            conn.close_pipe()
+
+    def _read_one(self, conn: _Conn) -> None:
+        kind, flags, mid, data, bufs = conn.reader.read()  # a hang-up: this does not block
+        if not flags & FLAG_REPLY:
+            raise _wire.FrameError(f"a request (kind {kind}) on a reply connection")
+        self.on_reply(mid, flags, data, bufs)
 
     def on_reply(self, mid: int, flags: int, data: Any, bufs: list[bytearray]) -> None:
-        call = self._pending.pop(mid, None)
+        call = self._pop(mid)
         if call is None:
             return  # timed out already
         try:
@@ -389,7 +522,7 @@ class Agent:
 
     def fail_pending(self, which: Callable[[_Call], bool], error: Callable[[_Call], BaseException]) -> None:
         for mid, call in list(self._pending.items()):
-            if which(call) and self._pending.pop(mid, None) is not None:
+            if which(call) and self._pop(mid) is not None:
                 self._finish(call.fut, None, error(call))
 
     @property
@@ -426,7 +559,12 @@ class Agent:
                     cv.wait(None if not self._heap else self._heap[0][0] - now)
                     continue
             for mid in due:
-                call = self._pending.pop(mid, None)
+                if mid < 0:  # a lazy wake: a reply nobody has read yet
+                    conn = self._out.get(-1 - mid)
+                    if conn is not None and conn.parked and self._per_peer.get(conn.peer):
+                        conn.wake()
+                    continue
+                call = self._pop(mid)
                 if call is not None:
                     self._finish(call.fut, None, RpcTimeoutError(
                         f"RPC ran for more than set timeout ({call.timeout * 1000:.0f} ms) and will now be marked "
@@ -460,27 +598,64 @@ class Agent:
                 conn.close()
                 return
             self._incoming.add(conn)
-        _sending.reader = True
-        reader = _wire.FrameReader(sock, MAX_FRAME_BYTES)
-        jobs = self._jobs
-        try:
-            while True:
-                kind, flags, mid, data, bufs = reader.read()
-                if flags & FLAG_REPLY or kind not in self.handlers:
-                    raise _wire.FrameError(f"an unexpected frame (kind {kind}, flags {flags})")
-                reply = Reply(self, conn, mid, MessageType(kind))
-                self.count_served(1)
-                if kind in self.inline_kinds:
-                    self.dispatch(peer, kind, data, bufs, reply)
-                else:
-                    jobs.put(functools.partial(self.dispatch, peer, kind, data, bufs, reply))
-        except Exception as e:  # noqa: BLE001
-            if not isinstance(e, (EOFError, OSError)):
-                _log.warning("gpucoll.rpc: %s closed its connection from worker id %d: %s", self.info.name, peer, e)
-        finally:
-            with self._lock:
-                self._incoming.discard(conn)
-            conn.close()
+        self._serve(conn, False)
+
+    def _serve(self, conn: _Conn, standby: bool) -> None:
+        """One of an incoming connection's two threads. The one holding ``conn.role`` reads
+        requests; when the other stands by and a worker slot is free, it hands the reading
+        over and runs the request itself (no hand-off to the pool on the request's path),
+        then stands by in turn. Otherwise requests go to the pool. Either way at most
+        ``num_worker_threads`` requests run at once, and the connection is always read."""
+        here = _sending.__dict__
+        baton = conn.role
+        while True:
+            if standby:
+                conn.parked = True  # the reader may hand over to us (it clears this when it does)
+            baton.acquire()
+            standby = True
+            if conn.closed:
+                baton.release()
+                return
+            here["reader"] = True
+            try:
+                request = self._read_requests(conn)
+            except Exception as e:  # noqa: BLE001
+                if not isinstance(e, (EOFError, OSError)):
+                    _log.warning("gpucoll.rpc: %s closed its connection from worker id %d: %s", self.info.name,
+                                 conn.peer, e)
+                with self._lock:
+                    self._incoming.discard(conn)
+                conn.close()
+                baton.release()
+                return
+            finally:
+                here["reader"] = False
+            baton.release()  # the other thread reads on
+            try:
+                self.dispatch(*request)
+            finally:
+                self._slots.release()
+                request = None  # type: ignore[assignment]  # the call's arguments go now
+
+    def _read_requests(self, conn: _Conn) -> tuple[int, int, Any, list[bytearray], Reply]:
+        """Read requests, handing them to the pool, until one this thread may run itself."""
+        reader, peer, jobs = conn.reader, conn.peer, self._jobs
+        while True:
+            kind, flags, mid, data, bufs = reader.read()
+            if flags & FLAG_REPLY or kind not in self.handlers:
+                raise _wire.FrameError(f"an unexpected frame (kind {kind}, flags {flags})")
+            reply = Reply(self, conn, mid, MessageType(kind))
+            self.count_served(1)
+            if kind in self.inline_kinds:
+                self.dispatch(peer, kind, data, bufs, reply)
+            elif conn.parked and self._slots.acquire(blocking=False):
+                conn.parked = False
+                return peer, kind, data, bufs, reply
+            else:
+                if not conn.second:  # the connection's second thread, once it serves a call
+                    conn.second = True
+                    self._spawn(self._serve, "rpc-in", conn, True)
+                jobs.put(functools.partial(self.dispatch, peer, kind, data, bufs, reply))
 
     def dispatch(self, src: int, kind: int, data: Any, bufs: list[bytearray], reply: Reply) -> None:
         """Run the handler of a request of ``kind`` (on a pool thread)."""
@@ -502,7 +677,8 @@ class Agent:
             if job is None:
                 return
             try:
-                job()
+                with self._slots:
+                    job()
             except Exception:  # noqa: BLE001
                 _log.exception("gpucoll.rpc: a background job failed")
             job = None  # drop the finished call's arguments now: an RRef among them is deleted at once

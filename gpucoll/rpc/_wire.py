@@ -130,6 +130,10 @@ class FrameReader:
         self.chunk = bytearray(_CHUNK)
         self.chunk_view = memoryview(self.chunk)
 
+    def buffered(self) -> bool:
+        """Whether bytes already received wait to be read (a frame, or part of one)."""
+        return len(self.buf) > self.pos
+
     def _fill(self, n: int) -> None:
         while len(self.buf) - self.pos < n:
             if self.pos:
