@@ -15,6 +15,7 @@ at once, naming the peer, and marks the peer lost: later calls to it fail at onc
 
 from __future__ import annotations
 
+import collections
 import functools
 import heapq
 import itertools
@@ -44,7 +45,20 @@ FLAG_ERROR = 2
 MAX_FRAME_BYTES = 1 << 36
 HANDSHAKE_TIMEOUT = 10.0
 LAZY_WAKE = 0.002  # seconds: a "soon" reply nobody reads for is read by then
-_READ_SLICE_MS = 1000  # a caller reading its own reply looks at its call's state this often
+# Replies the caller only reads lazily (remote()'s creation ack, the RRef control acks): they
+# wait, up to LAZY_WAKE, to go out with the connection's next frame in one sendmsg.
+LAZY_REPLIES = frozenset({MessageType.PYTHON_REMOTE_CALL, MessageType.RREF_USER_DELETE,
+                          MessageType.RREF_FORK_REQUEST, MessageType.RREF_CHILD_ACCEPT})
+_READ_SLICE_MS = 1000
+# A host that vanishes without closing its connections (powered off, cable pulled, network
+# partitioned) is noticed by TCP itself: keepalive probes after KEEPALIVE_IDLE s without
+# traffic, every KEEPALIVE_INTERVAL s, KEEPALIVE_COUNT of them; and TCP_USER_TIMEOUT, the
+# most time sent data (a probe included) may stay unacknowledged before the kernel drops
+# the connection. Such a peer's calls fail, naming it, within about USER_TIMEOUT s.
+KEEPALIVE_IDLE = 2
+KEEPALIVE_INTERVAL = 1
+KEEPALIVE_COUNT = 3
+USER_TIMEOUT = 5.0  # a caller reading its own reply looks at its call's state this often
 Handler = Callable[[int, Any, "Reply"], None]
 _NO_HOOK: Any = object()
 _NONE_PICKLE = pickle.dumps(None, protocol=5)
@@ -56,7 +70,7 @@ class _Conn:
     while the reader is parked (no call pending to the peer: it then only watches for the
     peer's hang-up and for ``wake``)."""
 
-    __slots__ = ("sock", "lock", "peer", "closed", "role", "parked", "wake_r", "wake_w", "reader", "pipe_lock", "second")
+    __slots__ = ("sock", "lock", "peer", "closed", "role", "parked", "wake_r", "wake_w", "reader", "pipe_lock", "second", "outbox")
 
     def __init__(self, sock: socket.socket, peer: int, dialed: bool = False) -> None:
         self.sock = sock
@@ -69,6 +83,7 @@ class _Conn:
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC) if dialed else (-1, -1)
         self.pipe_lock = threading.Lock()
         self.second = False
+        self.outbox: list[Any] = []  # deferred frames' parts (control replies, remote() requests)
 
     def wake(self) -> None:
         """Unpark the reader thread (a call is pending that nobody is reading for)."""
@@ -86,15 +101,36 @@ class _Conn:
                 os.close(self.wake_w)
                 self.wake_r = self.wake_w = -1
 
-    def send(self, kind: int, flags: int, mid: int, data: Any, bufs: list[Any]) -> None:
+    def send(self, kind: int, flags: int, mid: int, data: Any, bufs: list[Any], defer: bool = False) -> bool:
+        """Write a frame, after those deferred before it (one ``sendmsg`` for all). With
+        ``defer``, only queue it (for the next send or :meth:`flush`); returns whether the
+        queue was empty before (the caller then arranges a flush)."""
         with self.lock:
             if self.closed:
                 raise OSError("the connection is closed")
+            parts = _wire.frame_parts(kind, flags, mid, data, bufs)
+            if defer:
+                self.outbox += parts
+                return len(self.outbox) == len(parts)
+            if self.outbox:
+                parts, self.outbox = self.outbox + parts, []
             _sending.active = True  # a finalizer run by the GC in here must not send on this thread
             try:
-                _wire.send_frame(self.sock, kind, flags, mid, data, bufs)
+                _wire.send_parts(self.sock, parts)
             finally:
                 _sending.active = False
+            return False
+
+    def flush(self) -> None:
+        """Write the deferred frames now."""
+        with self.lock:
+            if self.outbox and not self.closed:
+                parts, self.outbox = self.outbox, []
+                _sending.active = True
+                try:
+                    _wire.send_parts(self.sock, parts)
+                finally:
+                    _sending.active = False
 
     def close(self) -> None:
         self.closed = True
@@ -107,6 +143,17 @@ class _Conn:
 
 
 _sending = threading.local()  # .active: this thread holds a connection's send lock; .reader: a reader
+
+
+def _tune(sock: socket.socket) -> None:
+    """An RPC connection's socket options: no Nagle delay; keepalive and a user timeout."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL),
+                        ("TCP_KEEPCNT", KEEPALIVE_COUNT), ("TCP_USER_TIMEOUT", int(USER_TIMEOUT * 1000))):
+        option = getattr(socket, name, None)
+        if option is not None:  # Linux has all four; elsewhere keepalive runs at the system's pace
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 class _Call:
@@ -164,7 +211,8 @@ class Reply:
             self.agent.on_reply(self.mid, flags, data, [bytearray(b) for b in bufs])
             return
         try:
-            self.conn.send(self.kind, flags | FLAG_REPLY, self.mid, data, bufs)
+            if self.conn.send(self.kind, flags | FLAG_REPLY, self.mid, data, bufs, self.kind in LAZY_REPLIES):
+                self.agent.flush_soon(self.conn)
         except OSError as e:
             _log.debug("could not reply to worker id %d: %s", self.conn.peer, e)
 
@@ -205,6 +253,9 @@ class Agent:
         self._ids = itertools.count(1)
         self._heap: list[tuple[float, int]] = []
         self._timer_cv = threading.Condition(threading.Lock())
+        # "soon" calls (sent at, id) whose replies nobody may read; connections with deferred frames
+        self._lazy: collections.deque[tuple[float, Any]] = collections.deque()
+        self._lazy_armed = False
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.idle_threads = 0
         self._slots = threading.BoundedSemaphore(self.num_worker_threads)  # requests running at once
@@ -309,14 +360,20 @@ class Agent:
         if timeout > 0:
             self._at(time.monotonic() + timeout, mid)
         if wake == "soon":
-            self._at(time.monotonic() + LAZY_WAKE, -1 - to.id)
+            now = time.monotonic()
+            self._lazy.append((now, mid))
+            if not self._lazy_armed:
+                with self._timer_cv:
+                    if not self._lazy_armed:
+                        self._lazy_armed = True
+                        self._push(now + LAZY_WAKE, 0)
         delay = self.faults.delay(kind.name) if self.faults is not None else 0.0
         if delay > 0:
             timer = threading.Timer(delay, self._transmit, (to, kind, mid, data, bufs, False))
             timer.daemon = True
             timer.start()
         else:
-            self._transmit(to, kind, mid, data, bufs)
+            self._transmit(to, kind, mid, data, bufs, defer=wake == "soon")
         if wake == "now":
             conn = self._out.get(to.id)
             if conn is not None and conn.parked:
@@ -324,17 +381,56 @@ class Agent:
         return fut
 
     def _at(self, when: float, key: int) -> None:
-        """Put ``key`` on the timer: a call's id (its timeout), or ``-1 - peer`` (wake that
-        peer's reader if a call to it is still pending and nobody reads)."""
+        """Put ``key`` on the timer: a call's id (its timeout), or 0 (the lazy sweep)."""
         with self._timer_cv:
-            heap = self._heap
-            if len(heap) > 4096 and len(heap) > 4 * len(self._pending):
-                # Calls that completed long before their deadline: drop their entries.
-                heap[:] = [e for e in heap if e[1] < 0 or e[1] in self._pending]
-                heapq.heapify(heap)
-            heapq.heappush(heap, (when, key))
-            if heap[0][1] == key:
-                self._timer_cv.notify()
+            self._push(when, key)
+
+    def _push(self, when: float, key: int) -> None:
+        """:meth:`_at`, holding the timer's lock."""
+        heap = self._heap
+        if len(heap) > 4096 and len(heap) > 4 * len(self._pending):
+            # Calls that completed long before their deadline: drop their entries.
+            heap[:] = [e for e in heap if e[1] == 0 or e[1] in self._pending]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (when, key))
+        if heap[0][1] == key:
+            self._timer_cv.notify()
+
+    def flush_soon(self, conn: _Conn) -> None:
+        """Write ``conn``'s deferred frames by ``LAZY_WAKE`` from now, if no send has by then."""
+        self._lazy.append((time.monotonic(), conn))
+        if not self._lazy_armed:
+            with self._timer_cv:
+                if not self._lazy_armed:
+                    self._lazy_armed = True
+                    self._push(time.monotonic() + LAZY_WAKE, 0)
+
+    def _sweep_lazy(self) -> None:
+        lazy, pending = self._lazy, self._pending
+        cutoff = time.monotonic() - LAZY_WAKE * 0.99
+        while lazy and isinstance(lazy[0][1], _Conn) or lazy and lazy[0][0] <= cutoff:
+            item = lazy.popleft()[1]
+            if isinstance(item, _Conn):
+                try:
+                    item.flush()
+                except OSError:  # the connection broke: its reader says so to the calls
+                    pass
+                continue
+            late = pending.get(item)
+            conn = self._out.get(late.peer) if late is not None else None
+            if conn is not None and conn.parked:
+                conn.wake()
+        while lazy and lazy[0][0] <= cutoff:
+            late = pending.get(lazy.popleft()[1])
+            conn = self._out.get(late.peer) if late is not None else None
+            if conn is not None and conn.parked:
+                conn.wake()
+        self._lazy_armed = False
+        if lazy:  # younger ones: look again when the oldest is due (a send may have re-armed already)
+            with self._timer_cv:
+                if not self._lazy_armed:
+                    self._lazy_armed = True
+                    self._push(lazy[0][0] + LAZY_WAKE, 0)
 
     def _pop(self, mid: int) -> _Call | None:
         """Take a pending call (its reply came, it timed out or failed); None if gone already."""
@@ -349,8 +445,12 @@ class Agent:
         connection's reader is parked (one thread hand-off less per round trip); else as
         ``fut.wait()``. Returns the value or raises the error."""
         conn = self._out.get(to)
+        st = self.__dict__.setdefault("_stat", {})
         if conn is None or fut.done() or not conn.role.acquire(blocking=False):
+            k = "none" if conn is None else "done" if fut.done() else "busy"
+            st[k] = st.get(k, 0) + 1
             return fut.wait()
+        st["own"] = st.get("own", 0) + 1
         here = _sending.__dict__
         was = here.get("reader")
         here["reader"] = True  # a finalizer run while we read hands its sends off
@@ -391,7 +491,7 @@ class Agent:
             self.on_reply(mid, flags, data, bufs)
 
     def _transmit(self, to: WorkerInfo, kind: MessageType, mid: int, data: Any, bufs: list[Any],
-                  raising: bool = True) -> None:
+                  raising: bool = True, defer: bool = False) -> None:
         if to.id == self.info.id:
             self.count_served(1)
             reply = Reply(self, None, mid, kind)
@@ -402,7 +502,9 @@ class Agent:
             reason = self.lost.get(to.id)
             if reason is not None:
                 raise PeerLostError(reason)
-            self._conn_to(to).send(kind, 0, mid, data, bufs)
+            conn = self._conn_to(to)
+            if conn.send(kind, 0, mid, data, bufs, defer):
+                self.flush_soon(conn)
         except (OSError, EOFError, PeerLostError, AgentShutDownError) as e:
             call = self._pop(mid)
             if call is not None:
@@ -429,7 +531,7 @@ class Agent:
             host, port = self.addresses[to.id]
             try:
                 sock = socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                _tune(sock)
                 _wire.dial_handshake(sock, self.key, self.info.id, to.id)
                 sock.settimeout(None)
             except Exception as e:  # noqa: BLE001
@@ -559,10 +661,8 @@ class Agent:
                     cv.wait(None if not self._heap else self._heap[0][0] - now)
                     continue
             for mid in due:
-                if mid < 0:  # a lazy wake: a reply nobody has read yet
-                    conn = self._out.get(-1 - mid)
-                    if conn is not None and conn.parked and self._per_peer.get(conn.peer):
-                        conn.wake()
+                if mid == 0:  # the lazy sweep: a "soon" call unread for LAZY_WAKE has its reader woken
+                    self._sweep_lazy()
                     continue
                 call = self._pop(mid)
                 if call is not None:
@@ -584,7 +684,7 @@ class Agent:
     def _serve_conn(self, sock: socket.socket) -> None:
         try:
             sock.settimeout(HANDSHAKE_TIMEOUT)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _tune(sock)
             peer = _wire.listen_handshake(sock, self.key, self.info.id, self.secret,
                                           lambda p: p != self.info.id and p >= 0)
             sock.settimeout(None)

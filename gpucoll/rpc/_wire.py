@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from .._backends.cpu import auth
 
-__all__ = ["HEADER", "MAX_BUFFERS", "FrameError", "FrameReader", "send_frame", "dial_handshake",
+__all__ = ["HEADER", "MAX_BUFFERS", "FrameError", "FrameReader", "frame_parts", "send_frame", "send_parts", "dial_handshake",
            "listen_handshake", "rpc_key", "dumps", "loads"]
 
 HEADER = struct.Struct("<4sBBHQQ")
@@ -85,15 +85,25 @@ def listen_handshake(sock: socket.socket, key: bytes, me: int, secret: bool,
     return int(peer)
 
 
-def send_frame(sock: socket.socket, kind: int, flags: int, mid: int, data: bytes | memoryview,
-               bufs: list[Any]) -> None:
-    """Write one frame with a single ``sendmsg`` where the kernel takes it all (the caller
-    holds the connection's send lock)."""
+def frame_parts(kind: int, flags: int, mid: int, data: bytes | memoryview, bufs: list[Any]) -> list[Any]:
+    """One frame as the buffers ``sendmsg`` writes: header, pickle, out-of-band buffers."""
     views = [_flat(b) for b in bufs]
     head = HEADER.pack(MAGIC, kind, flags, len(views), mid, len(data))
     if views:
         head += struct.pack(f"<{len(views)}Q", *(v.nbytes for v in views))
-    parts: list[Any] = [head, data, *views]
+    return [head, data, *views]
+
+
+def send_frame(sock: socket.socket, kind: int, flags: int, mid: int, data: bytes | memoryview,
+               bufs: list[Any]) -> None:
+    """Write one frame with a single ``sendmsg`` where the kernel takes it all (the caller
+    holds the connection's send lock)."""
+    send_parts(sock, frame_parts(kind, flags, mid, data, bufs))
+
+
+def send_parts(sock: socket.socket, parts: list[Any]) -> None:
+    """Write frames' parts (:func:`frame_parts`, one or more frames) with one ``sendmsg``
+    where the kernel takes it all."""
     total = sum(memoryview(p).nbytes for p in parts)
     sent = sock.sendmsg(parts[:_IOV_MAX])
     if sent == total:
