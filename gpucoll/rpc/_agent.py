@@ -749,6 +749,15 @@ class Agent:
             if kind in self.inline_kinds:
                 self.dispatch(peer, kind, data, bufs, reply)
             elif conn.parked and self._slots.acquire(blocking=False):
+                # Frames that came with it and never block (an RRef fetch, control messages)
+                # are served first: the other thread would need a wake-up to get to them.
+                while reader.buffered_kind() in self.inline_kinds:
+                    k2, f2, m2, d2, b2 = reader.read()
+                    if f2 & FLAG_REPLY:
+                        self._slots.release()
+                        raise _wire.FrameError(f"an unexpected frame (kind {k2}, flags {f2})")
+                    self.count_served(1)
+                    self.dispatch(peer, k2, d2, b2, Reply(self, conn, m2, MessageType(k2)))
                 conn.parked = False
                 return peer, kind, data, bufs, reply
             else:

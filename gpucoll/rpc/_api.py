@@ -239,11 +239,13 @@ def _on_remote_call(src: int, payload: Any, reply: Reply) -> None:
             ctx.add_fork(rref_id, fork_id)
 
         def done(f: Future[Any]) -> None:
+            # The creation ack is queued first (it is deferred), so that a fetch answered by
+            # the value's completion below carries it in the same write.
+            reply.ok(None)
             try:
                 owner._value._try_complete(f.value(), None)
             except BaseException as e:  # noqa: BLE001 -- to_here() raises it
                 owner._value._try_complete(None, e)
-            reply.ok(None)
         _run(func, args, kwargs, done)
     _decode_call(payload, start, reply)
 

@@ -144,6 +144,17 @@ class FrameReader:
         """Whether bytes already received wait to be read (a frame, or part of one)."""
         return len(self.buf) > self.pos
 
+    def buffered_kind(self) -> int | None:
+        """The kind of the next frame if all of it has been received already, else None."""
+        have = len(self.buf) - self.pos
+        if have < HEADER.size:
+            return None
+        magic, kind, _flags, nbufs, _mid, length = HEADER.unpack_from(self.buf, self.pos)
+        if magic != MAGIC or nbufs > MAX_BUFFERS or have < HEADER.size + 8 * nbufs:
+            return None
+        sizes = struct.unpack_from(f"<{nbufs}Q", self.buf, self.pos + HEADER.size) if nbufs else ()
+        return int(kind) if have >= HEADER.size + 8 * nbufs + length + sum(sizes) else None
+
     def _fill(self, n: int) -> None:
         while len(self.buf) - self.pos < n:
             if self.pos:
