@@ -92,7 +92,7 @@ def _stage_out(obj: Any) -> np.ndarray:
         done = cupy.cuda.Event()
         done.record(stream)
         done.synchronize()
-    return host
+    return host  # type: ignore[no-any-return]
 
 
 def _rebuild_cupy(host: np.ndarray, index: int) -> Any:

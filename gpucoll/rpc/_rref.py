@@ -146,7 +146,7 @@ class RRef(Generic[T]):
         agent = self._ctx.agent
         fut = agent.send(self._owner, M.PYTHON_RREF_FETCH_CALL, (self._rref_id, agent.info.id), timeout,
                          f"to_here() of {self!r}", wake="caller")
-        return agent.wait(fut, self._owner.id)
+        return agent.wait(fut, self._owner.id)  # type: ignore[no-any-return]
 
     def _get_type(self, timeout: float = -1.0, blocking: bool = True) -> Any:
         """The type of the value (asked of the owner once, then cached); a Future of it if not ``blocking``."""

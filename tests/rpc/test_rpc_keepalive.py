@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from gpucoll.rpc import _agent
+from gpucoll.rpc import _conn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -46,5 +46,5 @@ def test_vanished_host_fails_pending_calls_by_keepalive() -> None:
     out = json.loads(run.stdout.strip().splitlines()[-1])
     kind, message = out["pending"]
     assert kind == "PeerLostError" and "worker1" in message, out
-    assert out["pending_s"] < _agent.USER_TIMEOUT + _agent.KEEPALIVE_IDLE + 3, out
+    assert out["pending_s"] < _conn.USER_TIMEOUT + _conn.KEEPALIVE_IDLE + 3, out
     assert out["new"][0] == "PeerLostError" and "worker1" in out["new"][1], out
