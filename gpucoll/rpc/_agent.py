@@ -255,11 +255,11 @@ class Agent:
             if conn is not None and conn.parked:
                 conn.wake()
         self._lazy_armed = False
-        if lazy:  # younger ones: look again when the oldest is due (a send may have re-armed already)
+        if lazy:  # younger ones: look again in LAZY_WAKE (a send may have re-armed already)
             with self._timer_cv:
                 if not self._lazy_armed:
                     self._lazy_armed = True
-                    self._push(lazy[0][0] + LAZY_WAKE, 0)
+                    self._push(time.monotonic() + LAZY_WAKE, 0)  # at most one sweep per LAZY_WAKE
 
     def _pop(self, mid: int) -> _Call | None:
         """Take a pending call (its reply came, it timed out or failed); None if gone already."""
