@@ -8,7 +8,7 @@ Replies on a dialed connection are read by whichever thread holds its reading ro
 connection's reader thread while calls nobody waits on are pending, or a caller waiting
 for its own reply (``rpc_sync``, ``to_here``) while the reader is parked; parked, the
 reader only watches for the peer's hang-up and a wake. ``remote()`` requests and the
-RRef protocol's control frames may wait up to ``LAZY_WAKE`` to share the next write.
+RRef protocol's control frames may wait up to ``2 * LAZY_WAKE`` to share the next write.
 Incoming connections are served by :func:`gpucoll.rpc._conn.serve_conn` (two threads per
 connection that take turns reading) and a pool of ``num_worker_threads`` threads; at
 most ``num_worker_threads`` requests run at once.
@@ -166,7 +166,7 @@ class Agent:
 
         ``wake`` says who reads the reply: ``"now"`` the connection's reader (woken if parked),
         ``"caller"`` the caller itself, through :meth:`wait` (``rpc_sync``, ``to_here``),
-        ``"soon"`` whoever reads next, or the reader within ``LAZY_WAKE`` seconds (a reply
+        ``"soon"`` whoever reads next, or the reader within ``2 * LAZY_WAKE`` seconds (a reply
         that only runs the library's own callbacks: ``remote()``).
 
         Raises (synchronously, as torch): an unpicklable argument, an unknown worker.
@@ -226,7 +226,7 @@ class Agent:
             self._timer_cv.notify()
 
     def flush_soon(self, conn: _Conn) -> None:
-        """Write ``conn``'s deferred frames by ``LAZY_WAKE`` from now, if no send has by then."""
+        """Write ``conn``'s deferred frames within ``2 * LAZY_WAKE``, if no send has by then."""
         self._lazy.append((time.monotonic(), conn))
         if not self._lazy_armed:
             with self._timer_cv:
