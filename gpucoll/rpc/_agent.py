@@ -202,7 +202,10 @@ class Agent:
             timer.daemon = True
             timer.start()
         else:
-            self._transmit(to, kind, mid, data, bufs, defer=wake == "soon")
+            # A user function's request (remote()'s) leaves at once: it starts the callee's
+            # work, which a caller overlaps with its own. Only the RRef protocol's control
+            # messages wait for the next frame.
+            self._transmit(to, kind, mid, data, bufs, defer=wake == "soon" and kind is not MessageType.PYTHON_REMOTE_CALL)
         if wake == "now":
             conn = self._out.get(to.id)
             if conn is not None and conn.parked:
