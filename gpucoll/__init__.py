@@ -104,6 +104,7 @@ from ._debug import DebugLevel as DebugLevel
 from ._debug import get_debug_level as get_debug_level
 from ._debug import set_debug_level as set_debug_level
 from ._debug import set_debug_level_from_env as set_debug_level_from_env
+from ._rendezvous import rendezvous_iterator as rendezvous
 
 # --- surviving rank failures (docs/fault-tolerance.md) ---
 from ._fault.api import grow_group as grow_group
@@ -149,7 +150,7 @@ __all__ = [
     "scatter_bytes", "send_bytes", "recv_bytes",
     "functional",
     # c10d extras
-    "StoreCollectives", "DeviceMesh", "init_device_mesh",
+    "StoreCollectives", "DeviceMesh", "init_device_mesh", "rendezvous",
     "DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env",
     # fault tolerance
     "shrink_group", "grow_group", "join_process_group",

@@ -9,13 +9,48 @@ from __future__ import annotations
 import os
 import urllib.parse
 import warnings
+from datetime import timedelta
+from typing import Any, Iterator
 
 from ._env import STORE_TOKEN_ENV
 from .store import FileStore, PrefixStore, Store, TCPStore
 from .store._client import is_local_host
 from .store._relay import relay_address, relay_client
 
-__all__ = ["rendezvous", "tcp_store"]
+__all__ = ["rendezvous", "rendezvous_iterator", "tcp_store"]
+
+
+def rendezvous_iterator(url: str, rank: int = -1, world_size: int = -1,
+                        **kwargs: Any) -> Iterator[tuple[Store, int, int]]:
+    """torch.distributed.rendezvous: a generator of one ``(store, rank, world_size)``.
+
+    Args:
+        url: ``env://``, ``tcp://host:port`` or ``file:///path``, as ``init_process_group``'s
+            ``init_method``.
+        rank, world_size: this process's rank and the job's size (-1: from the
+            environment, for ``env://``).
+        **kwargs: ``timeout`` (seconds or ``timedelta``; default 300) for joining the store.
+
+    Yields:
+        The job's store, the rank and the world size, once. As torch's, a second ``next()``
+        raises ``RuntimeError`` (there is no re-rendezvous).
+
+    Raises:
+        ValueError: an unknown URL scheme, or tcp:// / file:// without rank and world_size.
+        TypeError: ``url`` is not a str, or an unknown keyword argument.
+
+    Example::
+
+        store, rank, world_size = next(gpucoll.rendezvous("tcp://127.0.0.1:29500", rank=0, world_size=1))
+    """
+    from ._timeouts import to_seconds
+
+    timeout = kwargs.pop("timeout", None)
+    if kwargs:
+        raise TypeError(f"rendezvous() got unexpected keyword arguments {sorted(kwargs)} (it takes timeout)")
+    seconds = to_seconds(timeout if not isinstance(timeout, timedelta) else timeout.total_seconds(), name="timeout")
+    yield rendezvous(url, rank, world_size, seconds)
+    raise RuntimeError(f"Unable to perform re-rendezvous using {urllib.parse.urlparse(url).scheme}:// method")
 
 
 def rendezvous(init_method: str, rank: int, world_size: int, timeout: float) -> tuple[Store, int, int]:

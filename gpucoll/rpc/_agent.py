@@ -1,141 +1,50 @@
 """The RPC agent: one listening port per worker, authenticated connections, pending calls.
 
 Each worker listens on its own port (bound as 0, published in the store). A caller dials
-a callee once, on first use, and sends its requests on that connection; replies come
-back on it, read by that connection's reader thread, which completes the calls'
-futures. Incoming requests are read by one thread per accepted connection and run by
-a pool of ``num_worker_threads`` threads.
+a callee once, on first use, and sends its requests on that connection (the caller's
+thread pickles and writes a request itself, one ``sendmsg``); replies come back on it.
 
-The caller's thread pickles and writes a request itself (one ``sendmsg``); the callee's
-reader hands it to a pool thread, which unpickles, runs, and writes the reply itself.
+Replies on a dialed connection are read by whichever thread holds its reading role: the
+connection's reader thread while calls nobody waits on are pending, or a caller waiting
+for its own reply (``rpc_sync``, ``to_here``) while the reader is parked; parked, the
+reader only watches for the peer's hang-up and a wake. ``remote()`` requests and the
+RRef protocol's control frames may wait up to ``2 * LAZY_WAKE`` to share the next write.
+Incoming connections are served by :func:`gpucoll.rpc._conn.serve_conn` (two threads per
+connection that take turns reading) and a pool of ``num_worker_threads`` threads; at
+most ``num_worker_threads`` requests run at once.
 
-A connection that breaks (the peer exited or was killed) fails every call pending on it
-at once, naming the peer, and marks the peer lost: later calls to it fail at once too.
+A connection that breaks (the peer exited or was killed, or TCP keepalive gave up on a
+vanished host) fails every call pending on it at once, naming the peer, and marks the
+peer lost: later calls to it fail at once too.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import heapq
 import itertools
 import logging
-import pickle
+import os
 import queue
+import select
 import socket
-import sys
 import threading
 import time
-import traceback
 from typing import Any, Callable, Iterable
 
 from ..futures import Future
 from . import _wire
+from ._conn import (FLAG_ERROR, FLAG_REPLY, HANDSHAKE_TIMEOUT, LAZY_WAKE, _READ_SLICE_MS, Reply, _Call, _Conn, _sending,
+                    _tune, rebuild_error, serve_conn)
 from ._faults import FaultSpec
 from ._info import AgentShutDownError, IntentionalFailureError, MessageType, PeerLostError, RpcTimeoutError, UnknownWorkerError, WorkerInfo
 
 __all__ = ["Agent", "Reply", "FLAG_REPLY", "FLAG_ERROR"]
 
 _log = logging.getLogger("gpucoll.rpc")
-
-FLAG_REPLY = 1
-FLAG_ERROR = 2
-MAX_FRAME_BYTES = 1 << 36
-HANDSHAKE_TIMEOUT = 10.0
-Handler = Callable[[int, Any, "Reply"], None]
+Handler = Callable[[int, Any, Reply], None]
 _NO_HOOK: Any = object()
-_NONE_PICKLE = pickle.dumps(None, protocol=5)
-
-
-class _Conn:
-    __slots__ = ("sock", "lock", "peer", "closed")
-
-    def __init__(self, sock: socket.socket, peer: int) -> None:
-        self.sock = sock
-        self.lock = threading.Lock()
-        self.peer = peer
-        self.closed = False
-
-    def send(self, kind: int, flags: int, mid: int, data: Any, bufs: list[Any]) -> None:
-        with self.lock:
-            if self.closed:
-                raise OSError("the connection is closed")
-            _sending.active = True  # a finalizer run by the GC in here must not send on this thread
-            try:
-                _wire.send_frame(self.sock, kind, flags, mid, data, bufs)
-            finally:
-                _sending.active = False
-
-    def close(self) -> None:
-        self.closed = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-
-
-_sending = threading.local()  # .active: this thread holds a connection's send lock; .reader: a reader
-
-
-class _Call:
-    __slots__ = ("fut", "peer", "what", "timeout")
-
-    def __init__(self, fut: Future[Any], peer: int, what: str, timeout: float) -> None:
-        self.fut = fut
-        self.peer = peer
-        self.what = what
-        self.timeout = timeout
-
-
-class Reply:
-    """How a handler answers one request (once): a value, an exception, or a future's outcome."""
-
-    __slots__ = ("agent", "conn", "mid", "kind", "done")
-
-    def __init__(self, agent: Agent, conn: _Conn | None, mid: int, kind: MessageType) -> None:
-        self.agent, self.conn, self.mid, self.kind, self.done = agent, conn, mid, kind, False
-
-    def ok(self, value: Any) -> None:
-        if value is None:  # most control replies and no-op calls: no pickling at all
-            self._send(0, _NONE_PICKLE, [])
-            return
-        try:
-            data, bufs = _wire.dumps(value, self.agent.pickle_hook(self.conn.peer if self.conn else None))
-        except Exception as e:  # noqa: BLE001 -- an unpicklable result is the caller's error
-            self.fail(e)
-            return
-        self._send(0, data, bufs)
-
-    def fail(self, exc: BaseException, tb: str | None = None) -> None:
-        text = f"On {self.agent.info}:\n{exc!r}\n{tb if tb is not None else ''.join(traceback.format_exception(exc))}"
-        print(text, file=sys.stderr)  # the callee logs what it sends back, as torch's does
-        try:
-            data, bufs = _wire.dumps((type(exc), text))
-        except Exception:  # noqa: BLE001 -- a local exception class: the caller gets a RuntimeError
-            data, bufs = _wire.dumps((RuntimeError, text))
-        self._send(FLAG_ERROR, data, bufs)
-
-    def from_future(self, fut: Future[Any]) -> None:
-        try:
-            value = fut.wait()
-        except BaseException as e:  # noqa: BLE001
-            self.fail(e)
-        else:
-            self.ok(value)
-
-    def _send(self, flags: int, data: Any, bufs: list[Any]) -> None:
-        if self.done:
-            return
-        self.done = True
-        self.agent.count_served(-1)
-        if self.conn is None:  # a call to ourselves
-            self.agent.on_reply(self.mid, flags, data, [bytearray(b) for b in bufs])
-            return
-        try:
-            self.conn.send(self.kind, flags | FLAG_REPLY, self.mid, data, bufs)
-        except OSError as e:
-            _log.debug("could not reply to worker id %d: %s", self.conn.peer, e)
-
 
 class Agent:
     """One worker's RPC endpoint. Built by ``init_rpc``; the API module holds the only one."""
@@ -168,11 +77,17 @@ class Agent:
         self._dial_locks: dict[int, threading.Lock] = {}
         self._lock = threading.Lock()
         self._pending: dict[int, _Call] = {}
+        self._per_peer: dict[int, int] = {}  # calls pending to each peer (its reader parks at 0)
+        self._count_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._heap: list[tuple[float, int]] = []
         self._timer_cv = threading.Condition(threading.Lock())
+        # "soon" calls (sent at, id) whose replies nobody may read; connections with deferred frames
+        self._lazy: collections.deque[tuple[float, Any]] = collections.deque()
+        self._lazy_armed = False
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.idle_threads = 0
+        self._slots = threading.BoundedSemaphore(self.num_worker_threads)  # requests running at once
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
@@ -245,8 +160,14 @@ class Agent:
         t = self.timeout if timeout is None or timeout < 0 else float(timeout)
         return t
 
-    def send(self, to: WorkerInfo, kind: MessageType, obj: Any, timeout: float = -1.0, what: str = "") -> Future[Any]:
+    def send(self, to: WorkerInfo, kind: MessageType, obj: Any, timeout: float = -1.0, what: str = "",
+             wake: str = "now") -> Future[Any]:
         """Send a request; the future completes with the reply's value or fails with its error.
+
+        ``wake`` says who reads the reply: ``"now"`` the connection's reader (woken if parked),
+        ``"caller"`` the caller itself, through :meth:`wait` (``rpc_sync``, ``to_here``),
+        ``"soon"`` whoever reads next, or the reader within ``2 * LAZY_WAKE`` seconds (a reply
+        that only runs the library's own callbacks: ``remote()``).
 
         Raises (synchronously, as torch): an unpicklable argument, an unknown worker.
         """
@@ -262,29 +183,147 @@ class Agent:
         timeout = self.resolve_timeout(timeout)
         mid = next(self._ids)
         call = _Call(fut, to.id, what, timeout)
+        with self._count_lock:
+            self._per_peer[to.id] = self._per_peer.get(to.id, 0) + 1
         self._pending[mid] = call
         if timeout > 0:
-            deadline = time.monotonic() + timeout
-            with self._timer_cv:
-                heap = self._heap
-                if len(heap) > 4096 and len(heap) > 4 * len(self._pending):
-                    # Calls that completed long before their deadline: drop their entries.
-                    heap[:] = [e for e in heap if e[1] in self._pending]
-                    heapq.heapify(heap)
-                heapq.heappush(heap, (deadline, mid))
-                if self._heap[0][1] == mid:
-                    self._timer_cv.notify()
+            self._at(time.monotonic() + timeout, mid)
+        if wake == "soon":
+            now = time.monotonic()
+            self._lazy.append((now, mid))
+            if not self._lazy_armed:
+                with self._timer_cv:
+                    if not self._lazy_armed:
+                        self._lazy_armed = True
+                        self._push(now + LAZY_WAKE, 0)
         delay = self.faults.delay(kind.name) if self.faults is not None else 0.0
         if delay > 0:
             timer = threading.Timer(delay, self._transmit, (to, kind, mid, data, bufs, False))
             timer.daemon = True
             timer.start()
         else:
-            self._transmit(to, kind, mid, data, bufs)
+            # A user function's request (remote()'s) leaves at once: it starts the callee's
+            # work, which a caller overlaps with its own. Only the RRef protocol's control
+            # messages wait for the next frame.
+            self._transmit(to, kind, mid, data, bufs, defer=wake == "soon" and kind is not MessageType.PYTHON_REMOTE_CALL)
+        if wake == "now":
+            conn = self._out.get(to.id)
+            if conn is not None and conn.parked:
+                conn.wake()
         return fut
 
+    def _at(self, when: float, key: int) -> None:
+        """Put ``key`` on the timer: a call's id (its timeout), or 0 (the lazy sweep)."""
+        with self._timer_cv:
+            self._push(when, key)
+
+    def _push(self, when: float, key: int) -> None:
+        """:meth:`_at`, holding the timer's lock."""
+        heap = self._heap
+        if len(heap) > 4096 and len(heap) > 4 * len(self._pending):
+            # Calls that completed long before their deadline: drop their entries.
+            heap[:] = [e for e in heap if e[1] == 0 or e[1] in self._pending]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (when, key))
+        if heap[0][1] == key:
+            self._timer_cv.notify()
+
+    def flush_soon(self, conn: _Conn) -> None:
+        """Write ``conn``'s deferred frames within ``2 * LAZY_WAKE``, if no send has by then."""
+        self._lazy.append((time.monotonic(), conn))
+        if not self._lazy_armed:
+            with self._timer_cv:
+                if not self._lazy_armed:
+                    self._lazy_armed = True
+                    self._push(time.monotonic() + LAZY_WAKE, 0)
+
+    def _sweep_lazy(self) -> None:
+        lazy, pending = self._lazy, self._pending
+        cutoff = time.monotonic() - LAZY_WAKE * 0.99
+        while lazy and isinstance(lazy[0][1], _Conn) or lazy and lazy[0][0] <= cutoff:
+            item = lazy.popleft()[1]
+            if isinstance(item, _Conn):
+                try:
+                    item.flush()
+                except OSError:  # the connection broke: its reader says so to the calls
+                    pass
+                continue
+            late = pending.get(item)
+            conn = self._out.get(late.peer) if late is not None else None
+            if conn is not None and conn.parked:
+                conn.wake()
+        while lazy and lazy[0][0] <= cutoff:
+            late = pending.get(lazy.popleft()[1])
+            conn = self._out.get(late.peer) if late is not None else None
+            if conn is not None and conn.parked:
+                conn.wake()
+        self._lazy_armed = False
+        if lazy:  # younger ones: look again in LAZY_WAKE (a send may have re-armed already)
+            with self._timer_cv:
+                if not self._lazy_armed:
+                    self._lazy_armed = True
+                    self._push(time.monotonic() + LAZY_WAKE, 0)  # at most one sweep per LAZY_WAKE
+
+    def _pop(self, mid: int) -> _Call | None:
+        """Take a pending call (its reply came, it timed out or failed); None if gone already."""
+        call = self._pending.pop(mid, None)
+        if call is not None:
+            with self._count_lock:
+                self._per_peer[call.peer] -= 1
+        return call
+
+    def wait(self, fut: Future[Any], to: int) -> Any:
+        """Wait for a call's reply to worker ``to``, reading it on this thread when the
+        connection's reader is parked (one thread hand-off less per round trip); else as
+        ``fut.wait()``. Returns the value or raises the error."""
+        conn = self._out.get(to)
+        st = self.__dict__.setdefault("_stat", {})
+        if conn is None or fut.done() or not conn.role.acquire(blocking=False):
+            k = "none" if conn is None else "done" if fut.done() else "busy"
+            st[k] = st.get(k, 0) + 1
+            return fut.wait()
+        st["own"] = st.get("own", 0) + 1
+        here = _sending.__dict__
+        was = here.get("reader")
+        here["reader"] = True  # a finalizer run while we read hands its sends off
+        try:
+            if not conn.closed:
+                self._read(conn, fut)
+        except Exception as e:  # noqa: BLE001 -- the connection is over; say why to its calls
+            conn.role.release()
+            self._peer_lost(conn, e)
+        else:
+            conn.role.release()
+            if self._per_peer.get(conn.peer) and conn.parked:
+                conn.wake()  # others' replies are still to come: the reader reads them
+        finally:
+            here["reader"] = was
+        return fut.wait()
+
+    def _read(self, conn: _Conn, fut: Future[Any] | None) -> None:
+        """Read replies on ``conn`` (holding its role) until ``fut`` is done, or, for the
+        reader thread (``fut`` None), until no call to the peer is pending."""
+        reader, per_peer, peer = conn.reader, self._per_peer, conn.peer
+        poller = None
+        while True:
+            if fut is not None:
+                if fut.done():
+                    return
+                if not reader.buffered():
+                    if poller is None:
+                        poller = select.poll()
+                        poller.register(conn.sock, select.POLLIN | select.POLLRDHUP)
+                    if not poller.poll(_READ_SLICE_MS):
+                        continue  # look again whether the call timed out meanwhile
+            elif not per_peer.get(peer) and not reader.buffered():
+                return
+            kind, flags, mid, data, bufs = reader.read()
+            if not flags & FLAG_REPLY:
+                raise _wire.FrameError(f"a request (kind {kind}) on a reply connection")
+            self.on_reply(mid, flags, data, bufs)
+
     def _transmit(self, to: WorkerInfo, kind: MessageType, mid: int, data: Any, bufs: list[Any],
-                  raising: bool = True) -> None:
+                  raising: bool = True, defer: bool = False) -> None:
         if to.id == self.info.id:
             self.count_served(1)
             reply = Reply(self, None, mid, kind)
@@ -295,15 +334,17 @@ class Agent:
             reason = self.lost.get(to.id)
             if reason is not None:
                 raise PeerLostError(reason)
-            self._conn_to(to).send(kind, 0, mid, data, bufs)
+            conn = self._conn_to(to)
+            if conn.send(kind, 0, mid, data, bufs, defer):
+                self.flush_soon(conn)
         except (OSError, EOFError, PeerLostError, AgentShutDownError) as e:
-            call = self._pending.pop(mid, None)
+            call = self._pop(mid)
             if call is not None:
                 err = e if isinstance(e, (PeerLostError, AgentShutDownError)) else PeerLostError(
                     f"RPC {call.what} to {to} failed: could not send to it ({e})")
                 call.fut._try_complete(None, err)
         except Exception as e:  # noqa: BLE001 -- a local error (a buffer that cannot be sent)
-            call = self._pending.pop(mid, None)
+            call = self._pop(mid)
             if raising:
                 raise
             if call is not None:
@@ -322,7 +363,7 @@ class Agent:
             host, port = self.addresses[to.id]
             try:
                 sock = socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                _tune(sock)
                 _wire.dial_handshake(sock, self.key, self.info.id, to.id)
                 sock.settimeout(None)
             except Exception as e:  # noqa: BLE001
@@ -330,7 +371,7 @@ class Agent:
                 if isinstance(e, (ConnectionRefusedError, ConnectionResetError, EOFError)):
                     self.lost[to.id] = f"worker {to.name} (id {to.id}) is gone: {reason}"
                 raise PeerLostError(reason) from e
-            conn = _Conn(sock, to.id)
+            conn = _Conn(sock, to.id, dialed=True)
             if self.closed:
                 conn.close()
                 raise AgentShutDownError(f"RPC has been shut down on {self.info.name}")
@@ -339,25 +380,51 @@ class Agent:
             return conn
 
     def _reply_loop(self, conn: _Conn) -> None:
+        """The connection's reader: reads replies while calls to the peer are pending and no
+        caller reads for itself; parked otherwise, watching for the peer's hang-up (a worker
+        that exits or is killed is noticed at once, pending calls or not) and for a wake."""
         _sending.reader = True  # a reader never sends for a finalizer: it must keep reading
-        reader = _wire.FrameReader(conn.sock, MAX_FRAME_BYTES)
+        poller = select.poll()
+        poller.register(conn.sock, select.POLLRDHUP)
+        poller.register(conn.wake_r, select.POLLIN)
         try:
-            while True:
-                kind, flags, mid, data, bufs = reader.read()
-                if not flags & FLAG_REPLY:
-                    raise _wire.FrameError(f"a request (kind {kind}) on a reply connection")
-                self.on_reply(mid, flags, data, bufs)
+            while not conn.closed:
+                conn.parked = True
+                if not self._per_peer.get(conn.peer) and not conn.reader.buffered():
+                    poller.poll()
+                    try:
+                        os.read(conn.wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                conn.parked = False
+                with conn.role:
+                    if conn.closed:
+                        break
+                    if poller.poll(0) and not self._per_peer.get(conn.peer) and not conn.reader.buffered():
+                        # A hang-up (or stray bytes) with nothing pending: read, to learn which.
+                        self._read_one(conn)
+                    self._read(conn, None)
+            raise EOFError("the connection was closed")
         except Exception as e:  # noqa: BLE001 -- the connection is over; say why to its calls
             self._peer_lost(conn, e)
+        finally:
+            conn.parked = False
+            conn.close_pipe()
+
+    def _read_one(self, conn: _Conn) -> None:
+        kind, flags, mid, data, bufs = conn.reader.read()  # a hang-up: this does not block
+        if not flags & FLAG_REPLY:
+            raise _wire.FrameError(f"a request (kind {kind}) on a reply connection")
+        self.on_reply(mid, flags, data, bufs)
 
     def on_reply(self, mid: int, flags: int, data: Any, bufs: list[bytearray]) -> None:
-        call = self._pending.pop(mid, None)
+        call = self._pop(mid)
         if call is None:
             return  # timed out already
         try:
             if flags & FLAG_ERROR:
                 exc_type, text = _wire.loads(data, bufs)
-                self._finish(call.fut, None, _rebuild(exc_type, text))
+                self._finish(call.fut, None, rebuild_error(exc_type, text))
             else:
                 self._finish(call.fut, _wire.loads(data, bufs), None)
         except Exception as e:  # noqa: BLE001 -- e.g. the reply names a class this worker cannot import
@@ -389,7 +456,7 @@ class Agent:
 
     def fail_pending(self, which: Callable[[_Call], bool], error: Callable[[_Call], BaseException]) -> None:
         for mid, call in list(self._pending.items()):
-            if which(call) and self._pending.pop(mid, None) is not None:
+            if which(call) and self._pop(mid) is not None:
                 self._finish(call.fut, None, error(call))
 
     @property
@@ -426,7 +493,10 @@ class Agent:
                     cv.wait(None if not self._heap else self._heap[0][0] - now)
                     continue
             for mid in due:
-                call = self._pending.pop(mid, None)
+                if mid == 0:  # the lazy sweep: a "soon" call unread for LAZY_WAKE has its reader woken
+                    self._sweep_lazy()
+                    continue
+                call = self._pop(mid)
                 if call is not None:
                     self._finish(call.fut, None, RpcTimeoutError(
                         f"RPC ran for more than set timeout ({call.timeout * 1000:.0f} ms) and will now be marked "
@@ -441,46 +511,7 @@ class Agent:
                 sock, _ = self._listener.accept()
             except OSError:
                 return
-            self._spawn(self._serve_conn, "rpc-in", sock)
-
-    def _serve_conn(self, sock: socket.socket) -> None:
-        try:
-            sock.settimeout(HANDSHAKE_TIMEOUT)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            peer = _wire.listen_handshake(sock, self.key, self.info.id, self.secret,
-                                          lambda p: p != self.info.id and p >= 0)
-            sock.settimeout(None)
-        except Exception as e:  # noqa: BLE001 -- an unauthenticated connection is dropped, unread
-            _log.warning("gpucoll.rpc: %s refused a connection: %s", self.info.name, e)
-            sock.close()
-            return
-        conn = _Conn(sock, peer)
-        with self._lock:
-            if self.closed:
-                conn.close()
-                return
-            self._incoming.add(conn)
-        _sending.reader = True
-        reader = _wire.FrameReader(sock, MAX_FRAME_BYTES)
-        jobs = self._jobs
-        try:
-            while True:
-                kind, flags, mid, data, bufs = reader.read()
-                if flags & FLAG_REPLY or kind not in self.handlers:
-                    raise _wire.FrameError(f"an unexpected frame (kind {kind}, flags {flags})")
-                reply = Reply(self, conn, mid, MessageType(kind))
-                self.count_served(1)
-                if kind in self.inline_kinds:
-                    self.dispatch(peer, kind, data, bufs, reply)
-                else:
-                    jobs.put(functools.partial(self.dispatch, peer, kind, data, bufs, reply))
-        except Exception as e:  # noqa: BLE001
-            if not isinstance(e, (EOFError, OSError)):
-                _log.warning("gpucoll.rpc: %s closed its connection from worker id %d: %s", self.info.name, peer, e)
-        finally:
-            with self._lock:
-                self._incoming.discard(conn)
-            conn.close()
+            self._spawn(serve_conn, "rpc-in", self, sock)
 
     def dispatch(self, src: int, kind: int, data: Any, bufs: list[bytearray], reply: Reply) -> None:
         """Run the handler of a request of ``kind`` (on a pool thread)."""
@@ -502,7 +533,8 @@ class Agent:
             if job is None:
                 return
             try:
-                job()
+                with self._slots:
+                    job()
             except Exception:  # noqa: BLE001
                 _log.exception("gpucoll.rpc: a background job failed")
             job = None  # drop the finished call's arguments now: an RRef among them is deleted at once
@@ -543,15 +575,3 @@ class Agent:
 def _complete(fut: Future[Any], value: Any, error: BaseException | None) -> None:
     fut._try_complete(value, error)
 
-
-def _rebuild(exc_type: Any, text: str) -> BaseException:
-    """The remote exception as its own type with the remote message (torch's rule)."""
-    if text.isascii():  # torch unescapes the repr's "\\n" so the message reads as written
-        text = text.encode("ascii").decode("unicode_escape")
-    if not (isinstance(exc_type, type) and issubclass(exc_type, BaseException)):
-        return RuntimeError(text)
-    try:
-        return exc_type(text)
-    except Exception as e:  # noqa: BLE001
-        return RuntimeError(f"Failed to create original exception type. Error msg was {e} Original exception on "
-                            f"remote side was {text}")

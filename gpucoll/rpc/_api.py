@@ -69,15 +69,15 @@ def _get_current_rpc_agent() -> Agent:
 # ----- calls --------------------------------------------------------------------------------
 
 
-def _call(to: Any, kind: M, func: Any, args: Any, kwargs: Any, timeout: float, extra: tuple[Any, ...] = ()
-          ) -> tuple[Agent, WorkerInfo, Future[Any]]:
+def _call(to: Any, kind: M, func: Any, args: Any, kwargs: Any, timeout: float, extra: tuple[Any, ...] = (),
+          wake: str = "now") -> tuple[Agent, WorkerInfo, Future[Any]]:
     if not callable(func):
         raise TypeError("function should be callable.")
     agent = current()
     info = agent.worker_info(to)
     what = f"{kind.name} {getattr(func, '__qualname__', repr(func))}"
     fut = agent.send(info, kind, (func, tuple(args) if args else (), dict(kwargs) if kwargs else {}, *extra),
-                     timeout, what)
+                     timeout, what, wake)
     return agent, info, fut
 
 
@@ -118,7 +118,8 @@ def rpc_sync(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = 
 
     Same arguments and errors as :func:`rpc_async`; the remote exception is raised here.
     """
-    return _call(to, M.PYTHON_CALL, func, args, kwargs, timeout)[2].wait()
+    agent, info, fut = _call(to, M.PYTHON_CALL, func, args, kwargs, timeout, wake="caller")
+    return agent.wait(fut, info.id)
 
 
 def remote(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None,
@@ -146,7 +147,8 @@ def remote(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = No
     else:
         rref = ctx.new_user(info, ctx.new_id(), ctx.new_id())
         try:
-            _, _, fut = _call(info, M.PYTHON_REMOTE_CALL, func, args, kwargs, timeout, (rref._rref_id, rref._fork_id))
+            _, _, fut = _call(info, M.PYTHON_REMOTE_CALL, func, args, kwargs, timeout, (rref._rref_id, rref._fork_id),
+                              wake="soon")
         except BaseException:
             ctx.confirm_user(rref._fork_id)  # type: ignore[arg-type]
             rref._deleted_on_owner = True
@@ -237,11 +239,13 @@ def _on_remote_call(src: int, payload: Any, reply: Reply) -> None:
             ctx.add_fork(rref_id, fork_id)
 
         def done(f: Future[Any]) -> None:
+            # The creation ack is queued first (it is deferred), so that a fetch answered by
+            # the value's completion below carries it in the same write.
+            reply.ok(None)
             try:
                 owner._value._try_complete(f.value(), None)
             except BaseException as e:  # noqa: BLE001 -- to_here() raises it
                 owner._value._try_complete(None, e)
-            reply.ok(None)
         _run(func, args, kwargs, done)
     _decode_call(payload, start, reply)
 

@@ -145,8 +145,8 @@ class RRef(Generic[T]):
                                "been deleted. Cannot call to_here() on it after deletion.")
         agent = self._ctx.agent
         fut = agent.send(self._owner, M.PYTHON_RREF_FETCH_CALL, (self._rref_id, agent.info.id), timeout,
-                         f"to_here() of {self!r}")
-        return fut.wait()  # type: ignore[no-any-return]
+                         f"to_here() of {self!r}", wake="caller")
+        return agent.wait(fut, self._owner.id)  # type: ignore[no-any-return]
 
     def _get_type(self, timeout: float = -1.0, blocking: bool = True) -> Any:
         """The type of the value (asked of the owner once, then cached); a Future of it if not ``blocking``."""
@@ -399,7 +399,7 @@ class RRefContext:
 
         def attempt(n: int) -> None:
             try:
-                fut = self.agent.send(to, kind, obj, 0, kind.name)
+                fut = self.agent.send(to, kind, obj, 0, kind.name, wake="soon")  # acks only run our callbacks
             except Exception as e:  # noqa: BLE001
                 out._try_complete(None, e)
                 return

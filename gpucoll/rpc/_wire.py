@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from .._backends.cpu import auth
 
-__all__ = ["HEADER", "MAX_BUFFERS", "FrameError", "FrameReader", "send_frame", "dial_handshake",
+__all__ = ["HEADER", "MAX_BUFFERS", "FrameError", "FrameReader", "frame_parts", "send_frame", "send_parts", "dial_handshake",
            "listen_handshake", "rpc_key", "dumps", "loads"]
 
 HEADER = struct.Struct("<4sBBHQQ")
@@ -85,15 +85,25 @@ def listen_handshake(sock: socket.socket, key: bytes, me: int, secret: bool,
     return int(peer)
 
 
-def send_frame(sock: socket.socket, kind: int, flags: int, mid: int, data: bytes | memoryview,
-               bufs: list[Any]) -> None:
-    """Write one frame with a single ``sendmsg`` where the kernel takes it all (the caller
-    holds the connection's send lock)."""
+def frame_parts(kind: int, flags: int, mid: int, data: bytes | memoryview, bufs: list[Any]) -> list[Any]:
+    """One frame as the buffers ``sendmsg`` writes: header, pickle, out-of-band buffers."""
     views = [_flat(b) for b in bufs]
     head = HEADER.pack(MAGIC, kind, flags, len(views), mid, len(data))
     if views:
         head += struct.pack(f"<{len(views)}Q", *(v.nbytes for v in views))
-    parts: list[Any] = [head, data, *views]
+    return [head, data, *views]
+
+
+def send_frame(sock: socket.socket, kind: int, flags: int, mid: int, data: bytes | memoryview,
+               bufs: list[Any]) -> None:
+    """Write one frame with a single ``sendmsg`` where the kernel takes it all (the caller
+    holds the connection's send lock)."""
+    send_parts(sock, frame_parts(kind, flags, mid, data, bufs))
+
+
+def send_parts(sock: socket.socket, parts: list[Any]) -> None:
+    """Write frames' parts (:func:`frame_parts`, one or more frames) with one ``sendmsg``
+    where the kernel takes it all."""
     total = sum(memoryview(p).nbytes for p in parts)
     sent = sock.sendmsg(parts[:_IOV_MAX])
     if sent == total:
@@ -129,6 +139,21 @@ class FrameReader:
         self.pos = 0
         self.chunk = bytearray(_CHUNK)
         self.chunk_view = memoryview(self.chunk)
+
+    def buffered(self) -> bool:
+        """Whether bytes already received wait to be read (a frame, or part of one)."""
+        return len(self.buf) > self.pos
+
+    def buffered_kind(self) -> int | None:
+        """The kind of the next frame if all of it has been received already, else None."""
+        have = len(self.buf) - self.pos
+        if have < HEADER.size:
+            return None
+        magic, kind, _flags, nbufs, _mid, length = HEADER.unpack_from(self.buf, self.pos)
+        if magic != MAGIC or nbufs > MAX_BUFFERS or have < HEADER.size + 8 * nbufs:
+            return None
+        sizes = struct.unpack_from(f"<{nbufs}Q", self.buf, self.pos + HEADER.size) if nbufs else ()
+        return int(kind) if have >= HEADER.size + 8 * nbufs + length + sum(sizes) else None
 
     def _fill(self, n: int) -> None:
         while len(self.buf) - self.pos < n:

@@ -8,10 +8,7 @@ from __future__ import annotations
 HANG = "hangs: no result within the 30 s a test may take"
 _HANG = HANG
 
-GPUCOLL: dict[str, str] = {
-    # names torch has and gpucoll does not
-    "test_duplicate_name": "uses torch.distributed.rendezvous(), which gpucoll does not have",
-}
+GPUCOLL: dict[str, str] = {}
 
 # torch.distributed.rpc 2.13 (TensorPipe) failing a ported test with NumPy arguments
 TORCH: dict[str, str] = {}

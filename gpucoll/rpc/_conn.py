@@ -1,0 +1,303 @@
+"""RPC connections: a connection's send side (frames, deferred frames, socket options),
+a request's reply, and the serving of an accepted connection.
+
+See :mod:`gpucoll.rpc._agent` for how calls travel; this module holds what works on one
+connection.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import pickle
+import socket
+import sys
+import threading
+import traceback
+from typing import Any
+
+from ..futures import Future
+from . import _wire
+from ._info import MessageType
+
+__all__ = ["FLAG_REPLY", "FLAG_ERROR", "MAX_FRAME_BYTES", "HANDSHAKE_TIMEOUT", "LAZY_WAKE", "LAZY_REPLIES",
+           "KEEPALIVE_IDLE", "KEEPALIVE_INTERVAL", "KEEPALIVE_COUNT", "USER_TIMEOUT", "Reply", "serve_conn",
+           "rebuild_error"]
+
+_log = logging.getLogger("gpucoll.rpc")
+
+FLAG_REPLY = 1
+FLAG_ERROR = 2
+MAX_FRAME_BYTES = 1 << 36
+HANDSHAKE_TIMEOUT = 10.0
+LAZY_WAKE = 0.002  # seconds: a "soon" reply nobody reads for is read by then
+# Replies the caller only reads lazily (remote()'s creation ack, the RRef control acks): they
+# wait, up to LAZY_WAKE, to go out with the connection's next frame in one sendmsg.
+LAZY_REPLIES = frozenset({MessageType.PYTHON_REMOTE_CALL, MessageType.RREF_USER_DELETE,
+                          MessageType.RREF_FORK_REQUEST, MessageType.RREF_CHILD_ACCEPT})
+_READ_SLICE_MS = 1000  # a caller reading its own reply looks at its call's state this often
+# A host that vanishes without closing its connections (powered off, cable pulled, network
+# partitioned) is noticed by TCP itself: keepalive probes after KEEPALIVE_IDLE s without
+# traffic, every KEEPALIVE_INTERVAL s, KEEPALIVE_COUNT of them; and TCP_USER_TIMEOUT, the
+# most time sent data (a probe included) may stay unacknowledged before the kernel drops
+# the connection. Such a peer's calls fail, naming it, within about USER_TIMEOUT s.
+KEEPALIVE_IDLE = 2
+KEEPALIVE_INTERVAL = 1
+KEEPALIVE_COUNT = 3
+USER_TIMEOUT = 5.0
+_NONE_PICKLE = pickle.dumps(None, protocol=5)
+
+
+class _Conn:
+    """One connection. On a dialed one (``dialed``), replies are read by whichever thread
+    holds ``role``: the connection's reader thread, or a caller waiting for its own reply
+    while the reader is parked (no call pending to the peer: it then only watches for the
+    peer's hang-up and for ``wake``)."""
+
+    __slots__ = ("sock", "lock", "peer", "closed", "role", "parked", "wake_r", "wake_w", "reader", "pipe_lock", "second", "outbox")
+
+    def __init__(self, sock: socket.socket, peer: int, dialed: bool = False) -> None:
+        self.sock = sock
+        self.lock = threading.Lock()
+        self.peer = peer
+        self.closed = False
+        self.role = threading.Lock()
+        self.parked = False
+        self.reader = _wire.FrameReader(sock, MAX_FRAME_BYTES)
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC) if dialed else (-1, -1)
+        self.pipe_lock = threading.Lock()
+        self.second = False
+        self.outbox: list[Any] = []  # deferred frames' parts (control replies, remote() requests)
+
+    def wake(self) -> None:
+        """Unpark the reader thread (a call is pending that nobody is reading for)."""
+        with self.pipe_lock:
+            if self.wake_w >= 0:
+                try:
+                    os.write(self.wake_w, b"w")
+                except BlockingIOError:  # a full pipe: the reader has been woken already
+                    pass
+
+    def close_pipe(self) -> None:
+        with self.pipe_lock:
+            if self.wake_w >= 0:
+                os.close(self.wake_r)
+                os.close(self.wake_w)
+                self.wake_r = self.wake_w = -1
+
+    def send(self, kind: int, flags: int, mid: int, data: Any, bufs: list[Any], defer: bool = False) -> bool:
+        """Write a frame, after those deferred before it (one ``sendmsg`` for all). With
+        ``defer``, only queue it (for the next send or :meth:`flush`); returns whether the
+        queue was empty before (the caller then arranges a flush)."""
+        with self.lock:
+            if self.closed:
+                raise OSError("the connection is closed")
+            parts = _wire.frame_parts(kind, flags, mid, data, bufs)
+            if defer:
+                self.outbox += parts
+                return len(self.outbox) == len(parts)
+            if self.outbox:
+                parts, self.outbox = self.outbox + parts, []
+            _sending.active = True  # a finalizer run by the GC in here must not send on this thread
+            try:
+                _wire.send_parts(self.sock, parts)
+            finally:
+                _sending.active = False
+            return False
+
+    def flush(self) -> None:
+        """Write the deferred frames now."""
+        with self.lock:
+            if self.outbox and not self.closed:
+                parts, self.outbox = self.outbox, []
+                _sending.active = True
+                try:
+                    _wire.send_parts(self.sock, parts)
+                finally:
+                    _sending.active = False
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self.wake()  # the parked reader sees it; it closes the pipe when it leaves
+
+
+_sending = threading.local()  # .active: this thread holds a connection's send lock; .reader: a reader
+
+
+def _tune(sock: socket.socket) -> None:
+    """An RPC connection's socket options: no Nagle delay; keepalive and a user timeout."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL),
+                        ("TCP_KEEPCNT", KEEPALIVE_COUNT), ("TCP_USER_TIMEOUT", int(USER_TIMEOUT * 1000))):
+        option = getattr(socket, name, None)
+        if option is not None:  # Linux has all four; elsewhere keepalive runs at the system's pace
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
+class _Call:
+    __slots__ = ("fut", "peer", "what", "timeout")
+
+    def __init__(self, fut: Future[Any], peer: int, what: str, timeout: float) -> None:
+        self.fut = fut
+        self.peer = peer
+        self.what = what
+        self.timeout = timeout
+
+
+class Reply:
+    """How a handler answers one request (once): a value, an exception, or a future's outcome."""
+
+    __slots__ = ("agent", "conn", "mid", "kind", "done")
+
+    def __init__(self, agent: Any, conn: _Conn | None, mid: int, kind: MessageType) -> None:
+        self.agent, self.conn, self.mid, self.kind, self.done = agent, conn, mid, kind, False
+
+    def ok(self, value: Any) -> None:
+        if value is None:  # most control replies and no-op calls: no pickling at all
+            self._send(0, _NONE_PICKLE, [])
+            return
+        try:
+            data, bufs = _wire.dumps(value, self.agent.pickle_hook(self.conn.peer if self.conn else None))
+        except Exception as e:  # noqa: BLE001 -- an unpicklable result is the caller's error
+            self.fail(e)
+            return
+        self._send(0, data, bufs)
+
+    def fail(self, exc: BaseException, tb: str | None = None) -> None:
+        text = f"On {self.agent.info}:\n{exc!r}\n{tb if tb is not None else ''.join(traceback.format_exception(exc))}"
+        print(text, file=sys.stderr)  # the callee logs what it sends back, as torch's does
+        try:
+            data, bufs = _wire.dumps((type(exc), text))
+        except Exception:  # noqa: BLE001 -- a local exception class: the caller gets a RuntimeError
+            data, bufs = _wire.dumps((RuntimeError, text))
+        self._send(FLAG_ERROR, data, bufs)
+
+    def from_future(self, fut: Future[Any]) -> None:
+        try:
+            value = fut.wait()
+        except BaseException as e:  # noqa: BLE001
+            self.fail(e)
+        else:
+            self.ok(value)
+
+    def _send(self, flags: int, data: Any, bufs: list[Any]) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.agent.count_served(-1)
+        if self.conn is None:  # a call to ourselves
+            self.agent.on_reply(self.mid, flags, data, [bytearray(b) for b in bufs])
+            return
+        try:
+            if self.conn.send(self.kind, flags | FLAG_REPLY, self.mid, data, bufs, self.kind in LAZY_REPLIES):
+                self.agent.flush_soon(self.conn)
+        except OSError as e:
+            _log.debug("could not reply to worker id %d: %s", self.conn.peer, e)
+
+
+
+def serve_conn(agent: Any, sock: socket.socket) -> None:
+    """An accepted connection: the handshake, then its two serving threads."""
+    try:
+        sock.settimeout(HANDSHAKE_TIMEOUT)
+        _tune(sock)
+        peer = _wire.listen_handshake(sock, agent.key, agent.info.id, agent.secret,
+                                      lambda p: p != agent.info.id and p >= 0)
+        sock.settimeout(None)
+    except Exception as e:  # noqa: BLE001 -- an unauthenticated connection is dropped, unread
+        _log.warning("gpucoll.rpc: %s refused a connection: %s", agent.info.name, e)
+        sock.close()
+        return
+    conn = _Conn(sock, peer)
+    with agent._lock:
+        if agent.closed:
+            conn.close()
+            return
+        agent._incoming.add(conn)
+    _serve(agent, conn, False)
+
+def _serve(agent: Any, conn: _Conn, standby: bool) -> None:
+    """One of an incoming connection's two threads. The one holding ``conn.role`` reads
+    requests; when the other stands by and a worker slot is free, it hands the reading
+    over and runs the request itself (no hand-off to the pool on the request's path),
+    then stands by in turn. Otherwise requests go to the pool. Either way at most
+    ``num_worker_threads`` requests run at once, and the connection is always read."""
+    here = _sending.__dict__
+    baton = conn.role
+    while True:
+        if standby:
+            conn.parked = True  # the reader may hand over to us (it clears this when it does)
+        baton.acquire()
+        standby = True
+        if conn.closed:
+            baton.release()
+            return
+        here["reader"] = True
+        try:
+            request = _read_requests(agent, conn)
+        except Exception as e:  # noqa: BLE001
+            if not isinstance(e, (EOFError, OSError)):
+                _log.warning("gpucoll.rpc: %s closed its connection from worker id %d: %s", agent.info.name,
+                             conn.peer, e)
+            with agent._lock:
+                agent._incoming.discard(conn)
+            conn.close()
+            baton.release()
+            return
+        finally:
+            here["reader"] = False
+        baton.release()  # the other thread reads on
+        try:
+            agent.dispatch(*request)
+        finally:
+            agent._slots.release()
+            request = None  # type: ignore[assignment]  # the call's arguments go now
+
+def _read_requests(agent: Any, conn: _Conn) -> tuple[int, int, Any, list[bytearray], Reply]:
+    """Read requests, handing them to the pool, until one this thread may run itself."""
+    reader, peer, jobs = conn.reader, conn.peer, agent._jobs
+    while True:
+        kind, flags, mid, data, bufs = reader.read()
+        if flags & FLAG_REPLY or kind not in agent.handlers:
+            raise _wire.FrameError(f"an unexpected frame (kind {kind}, flags {flags})")
+        reply = Reply(agent, conn, mid, MessageType(kind))
+        agent.count_served(1)
+        if kind in agent.inline_kinds:
+            agent.dispatch(peer, kind, data, bufs, reply)
+        elif conn.parked and agent._slots.acquire(blocking=False):
+            # Frames that came with it and never block (an RRef fetch, control messages)
+            # are served first: the other thread would need a wake-up to get to them.
+            while reader.buffered_kind() in agent.inline_kinds:
+                k2, f2, m2, d2, b2 = reader.read()
+                if f2 & FLAG_REPLY:
+                    agent._slots.release()
+                    raise _wire.FrameError(f"an unexpected frame (kind {k2}, flags {f2})")
+                agent.count_served(1)
+                agent.dispatch(peer, k2, d2, b2, Reply(agent, conn, m2, MessageType(k2)))
+            conn.parked = False
+            return peer, kind, data, bufs, reply
+        else:
+            if not conn.second:  # the connection's second thread, once it serves a call
+                conn.second = True
+                agent._spawn(_serve, "rpc-in", agent, conn, True)
+            jobs.put(functools.partial(agent.dispatch, peer, kind, data, bufs, reply))
+
+
+def rebuild_error(exc_type: Any, text: str) -> BaseException:
+    """The remote exception as its own type with the remote message (torch's rule)."""
+    if text.isascii():  # torch unescapes the repr's "\\n" so the message reads as written
+        text = text.encode("ascii").decode("unicode_escape")
+    if not (isinstance(exc_type, type) and issubclass(exc_type, BaseException)):
+        return RuntimeError(text)
+    try:
+        return exc_type(text)
+    except Exception as e:  # noqa: BLE001
+        return RuntimeError(f"Failed to create original exception type. Error msg was {e} Original exception on "
+                            f"remote side was {text}")
