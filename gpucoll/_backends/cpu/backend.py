@@ -196,7 +196,7 @@ class CPUBackend:
         if plan is None or plan[1] is not None:
             return None
         fn = small_all_reduce(self._coll, nbytes, dtype, plan[0])  # (shared memory, a slot's worth)
-        return functools.partial(self._now, "all_reduce", fn or self._coll.all_reduce, plan[2]), plan[0]
+        return _issue.bound(self, "all_reduce", fn or self._coll.all_reduce, plan[2]), plan[0]
 
     def broadcast_now(self, buf: Buffer, src: int, *, async_op: bool = False) -> bool | Work:
         """:meth:`broadcast` on this thread now, with no Work (as ``all_reduce_now``; False
