@@ -375,19 +375,8 @@ class Issuer:
         t0 = time.perf_counter()
         try:
             ran = now(*args, async_op=True) if async_op else now(*args)
-        except DistError as exc:
-            work = Work(op)  # the op failed: the usual Work, for the usual timeout and error
-            work.seq, work.group_name, work._t0 = seq, self.group_name, t0
-            work._set_exception(exc)
-            if entry is not None:
-                entry.op_type = op
-                work._fr_entry = entry
-                entry.finish(work)
-            if async_op:
-                work._result[:] = outputs
-                return work
-            self.wait_host(work, backend)
-            raise  # wait_host raises for a failed op; kept for the type checker
+        except DistError as exc:  # the op failed: the usual Work, for the usual timeout and error
+            return self._failed_now(exc, backend, seq, entry, t0, op, outputs, async_op)
         if ran.__class__ is not bool:  # async, finishing in the backend: its Work
             return self.finish(backend, self._start(seq, entry, _given, (ran,), outputs, peer, op), True, False)
         if ran:
@@ -399,6 +388,46 @@ class Issuer:
                 return Work._completed(op, seq, self.group_name, outputs, started, t0, dt)
             return None
         return self.finish(backend, self._start(seq, entry, start, args, outputs, peer, op), async_op, False)
+
+    def run_host(self, fast: HostRun, flat: Any, tensor: Any) -> Work | None:
+        """A synchronous all_reduce of a planned NumPy kind (``fast``) on ``flat``, a 1-D view
+        of ``tensor``: :meth:`run_now` with nothing built per call (numbered, recorded,
+        failed and issued behind queued ops alike)."""
+        seq = self.seq = self.seq + 1
+        recorder = self.recorder
+        entry = None
+        if recorder is not None:
+            entry = recorder.begin(seq, "all_reduce", fast.backend.name, fast.desc, -1)
+            if self.debug_info:
+                entry.where = call_site()
+        t0 = time.perf_counter()
+        try:
+            ran = fast.run(flat, fast.reducer)
+        except DistError as exc:
+            return self._failed_now(exc, fast.backend, seq, entry, t0, "all_reduce", [tensor], False)
+        if ran is True:
+            if entry is not None:
+                entry.complete(time.perf_counter() - t0)
+            return None
+        return self.finish(fast.backend, self._start(seq, entry, fast.start, (flat, fast.reducer), [tensor], -1,
+                                                     "all_reduce"), False, False)
+
+    def _failed_now(self, exc: DistError, backend: Backend, seq: int, entry: Any, t0: float, op: str,
+                    outputs: list[Any], async_op: bool) -> Work | None:
+        """:meth:`run_now`'s op failed with ``exc``: the usual Work, for the usual timeout and
+        error (returned if ``async_op``, else raised as a synchronous op's)."""
+        work = Work(op)
+        work.seq, work.group_name, work._t0 = seq, self.group_name, t0
+        work._set_exception(exc)
+        if entry is not None:
+            entry.op_type = op
+            work._fr_entry = entry
+            entry.finish(work)
+        if async_op:
+            work._result[:] = outputs
+            return work
+        self.wait_host(work, backend)
+        raise exc  # wait_host raises for a failed op; kept for the type checker
 
     def finish(self, backend: Backend, work: Work, async_op: bool, device: bool) -> Work | None:
         """Return ``work`` (async) or wait for it as a synchronous op does."""

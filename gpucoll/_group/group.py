@@ -240,9 +240,11 @@ class ProcessGroup:
             if fast is not None and (fast.inline or not async_op) and self._coalescing is None and not self._destroyed:
                 flags, issuer = tensor.flags, self._issuer
                 if flags.c_contiguous and flags.writeable and not issuer.hooks and not issuer.debug_detail:
-                    return issuer.run_now(fast.backend, fast.run, fast.start,
-                                          (tensor if tensor.ndim == 1 else tensor.reshape(-1), fast.reducer),
-                                          fast.desc, "all_reduce", [tensor], -1, async_op)
+                    flat = tensor if tensor.ndim == 1 else tensor.reshape(-1)
+                    if not async_op:
+                        return issuer.run_host(fast, flat, tensor)
+                    return issuer.run_now(fast.backend, fast.run, fast.start, (flat, fast.reducer), fast.desc,
+                                          "all_reduce", [tensor], -1, True)
         elif type(tensor) is _array._cupy_ndarray and type(op) is ReduceOp:  # one already run: its DeviceRun
             cp: Any = tensor
             issuer = self._issuer

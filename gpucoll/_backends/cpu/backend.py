@@ -41,6 +41,7 @@ from .segments import supported as shm_supported
 from .signatures import Signatures
 from . import issue as _issue
 from .issue import INLINE_MAX
+from .shm_small import small_all_reduce
 from .tcp_algos import Ctx, Fill, TcpCollectives, op_label
 
 __all__ = ["CPUBackend", "host_id"]
@@ -194,7 +195,8 @@ class CPUBackend:
         plan = self._plans.get((dtype, nbytes, op._name_)) if op.__class__ is ReduceOp else None
         if plan is None or plan[1] is not None:
             return None
-        return functools.partial(self._now, "all_reduce", self._coll.all_reduce, plan[2]), plan[0]
+        fn = small_all_reduce(self._coll, nbytes, dtype, plan[0])  # (shared memory, a slot's worth)
+        return _issue.bound(self, "all_reduce", fn or self._coll.all_reduce, plan[2]), plan[0]
 
     def broadcast_now(self, buf: Buffer, src: int, *, async_op: bool = False) -> bool | Work:
         """:meth:`broadcast` on this thread now, with no Work (as ``all_reduce_now``; False

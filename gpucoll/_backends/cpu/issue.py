@@ -24,7 +24,7 @@ from ..base import issuing_async
 from .tcp_algos import Ctx, Deferred, op_label
 
 __all__ = ["INLINE_MAX", "ASYNC_PATIENCE", "LAZY_DELAY", "ASYNC_RECHECK", "submit", "enqueue", "start_worker", "work_loop",
-           "run", "now", "resume", "help_until"]
+           "run", "now", "bound", "resume", "help_until"]
 
 INLINE_MAX = 1 << 20
 """Ops whose buffers total at most this many bytes run on the caller's thread when nothing is queued."""
@@ -209,6 +209,43 @@ def now(b: Any, op_type: str, fn: Callable[..., None], sig: int, *args: Any, asy
             with lock:
                 b._cv.notify_all()
     return True
+
+def bound(b: Any, op_type: str, fn: Callable[..., None], sig: int) -> Callable[..., bool | Work]:
+    """:func:`now` of one op bound to ``fn`` and ``sig``: ``run(x, red, async_op=False)``.
+    A synchronous op with nothing queued, no error and no other op running runs here with
+    nothing between the caller and ``fn`` but the issue-order lock and the Ctx; any other
+    case goes through :func:`now` itself."""
+    lock, ctx, monotonic = b._lock, b._now_ctx, time.monotonic
+
+    def run(x: Any, red: Any, async_op: bool = False) -> bool | Work:
+        if async_op:
+            return now(b, op_type, fn, sig, x, red, async_op=True)
+        with lock:
+            free = not (b._busy or b._queue or b._error is not None or b._closed)
+            if free:
+                b._busy = True
+        if not free:
+            return now(b, op_type, fn, sig, x, red)
+        try:
+            ctx.seq = b._seq = b._seq + 1
+            ctx.deadline = monotonic() + b.timeout
+            ctx.sig = sig
+            ctx.op_type = op_type
+            ctx.patience = 0.0
+            try:
+                fn(ctx, x, red)  # (no Deferred: that needs patience)
+            except BaseException as exc:
+                err = b._failed(exc, ctx.name)
+                if not isinstance(exc, Exception):
+                    raise
+                raise err
+        finally:
+            b._busy = False  # (as in now)
+            if b._queue or b._waiters:
+                with lock:
+                    b._cv.notify_all()
+        return True
+    return run
 
 def help_until(b: Any, work: Work, limit: float | None) -> None:
     """``work.wait()``'s helper (``Work._helper``): a thread about to block until ``work``

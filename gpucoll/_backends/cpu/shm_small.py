@@ -1,0 +1,127 @@
+"""The small all_reduce of a shared-memory group, bound to one kind (the hot path of
+small ops): :meth:`ShmCollectives.all_reduce`'s small case with every per-op look-up made
+once (the slot views by parity, the peer's words, the post)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from .reduce import Array, Reducer
+from .shm import futex_wake
+from .tcp_algos import Ctx, Deferred
+
+__all__ = ["small_all_reduce", "SmallRun"]
+
+SmallRun = Callable[[Ctx, Array, Reducer], None]
+
+# Looks at the peer's counter before the full wait (ShmSegment.wait: clock, CPU check,
+# adaptive spin, sleep): about 2 µs of plain reads, under any spin budget that wait keeps.
+QUICK_CHECKS = 40
+
+
+def small_all_reduce(coll: Any, nb: int, dtype_name: str, red: Reducer) -> SmallRun | None:
+    """:meth:`ShmCollectives.all_reduce` bound to one kind that fits a slot and folds with
+    a plain ufunc: ``run(ctx, x, red)`` for 1-D arrays of ``nb`` bytes of ``dtype_name``
+    reduced with ``red``; None for any other kind, or when ``coll`` (the backend's
+    transport) is not shared memory. The same protocol, waits and checks as that method,
+    with the slot views, the peer's words and the post made once per kind instead of per
+    op (one peer: no loops)."""
+    from .shm_algos import ShmCollectives  # (imported with the shared-memory transport)
+
+    ufunc = red.plain
+    if not isinstance(coll, ShmCollectives) or nb > coll.seg.small_bytes or ufunc is None or coll.size < 2:
+        return None
+    try:
+        dtype = np.dtype(dtype_name)
+    except TypeError:  # a name NumPy does not know by itself (such dtypes do not fold plainly anyway)
+        return None
+    seg, me, peers, words = coll.seg, coll.rank, coll._peers, coll._words
+    ctl = seg.ctl
+    slots = (coll._slots(0, nb, dtype), coll._slots(1, nb, dtype))  # (kept: not the cache's lists)
+    mine = (slots[0][me], slots[1][me])
+    my_hdr = coll._my_hdr
+    my_ctr, my_addr, mark, sleep_words = seg._my_ctr, seg._my_addr, seg._mark, seg._sleep_words
+    wait, wake, every_peer = seg.wait, futex_wake, coll._every_peer
+    quick = range(QUICK_CHECKS)
+
+    def mismatch(ctx: Ctx, j: int, u: int, p: int) -> None:
+        coll._parity, coll._sig, coll._checked = p, ctx.sig, set()
+        coll._wait(ctx, j, 1)  # raises the mismatch, worded once
+
+    if len(peers) == 1:
+        j, ci, (h0, h1) = words[0]
+        sleep = sleep_words[0]
+        s0, s1 = slots[0][0], slots[0][1]
+        t0, t1 = slots[1][0], slots[1][1]
+
+        def run(ctx: Ctx, x: Array, red: Reducer) -> None:
+            floor = coll._floor
+            if ctl[ci] < floor:
+                wait(j, floor, ctx.deadline, lambda: coll._alive(ctx, j), ctx.what)
+            u = coll._u = coll._u + 1
+            coll._base = floor = seg.count
+            target = coll._floor = count = seg.count = floor + 1
+            p = coll._parity = u & 1
+            sig = coll._sig = ctx.sig
+            coll._checked = every_peer
+            i = my_hdr[p]
+            ctl[i] = u
+            ctl[i + 1] = sig
+            if p:
+                a, b = t0, t1
+                mine[1][...] = x
+            else:
+                a, b = s0, s1
+                mine[0][...] = x
+            ctl[my_ctr] = count  # post: this rank's data and header are written
+            if ctl[sleep] == mark:
+                wake(my_addr)
+            if ctl[ci] < target:
+                for _ in quick:  # the peer is usually a moment away: no clock, no syscall
+                    if ctl[ci] >= target:
+                        break
+                else:
+                    if ctx.patience and not coll._arrived(ctx.patience):
+                        raise Deferred(lambda c: coll._fold_slots(c, x, red, [a, b]), True)
+                    wait(j, target, ctx.deadline, lambda: coll._alive(ctx, j), ctx.what)
+            h = h1 if p else h0
+            if ctl[h] != u or ctl[h + 1] != sig:
+                mismatch(ctx, j, u, p)
+            ufunc(a, b, x)
+        return run
+
+    def run_n(ctx: Ctx, x: Array, red: Reducer) -> None:
+        floor = coll._floor
+        for j, ci, _ in words:
+            if ctl[ci] < floor:
+                wait(j, floor, ctx.deadline, lambda: coll._alive(ctx, j), ctx.what)
+        u = coll._u = coll._u + 1
+        coll._base = floor = seg.count
+        target = coll._floor = count = seg.count = floor + 1
+        p = coll._parity = u & 1
+        sig = coll._sig = ctx.sig
+        coll._checked = every_peer
+        i = my_hdr[p]
+        ctl[i] = u
+        ctl[i + 1] = sig
+        parts = slots[p]
+        mine[p][...] = x
+        ctl[my_ctr] = count  # post
+        for w in sleep_words:
+            if ctl[w] == mark:
+                wake(my_addr)
+                break
+        for j, ci, hdr in words:
+            if ctl[ci] < target:
+                if ctx.patience and not coll._arrived(ctx.patience):
+                    raise Deferred(lambda c: coll._fold_slots(c, x, red, parts), True)
+                wait(j, target, ctx.deadline, lambda: coll._alive(ctx, j), ctx.what)
+            h = hdr[p]
+            if ctl[h] != u or ctl[h + 1] != sig:
+                mismatch(ctx, j, u, p)
+        ufunc(parts[0], parts[1], x)
+        for part in parts[2:]:
+            ufunc(x, part, x)
+    return run_n
