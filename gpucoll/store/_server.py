@@ -159,16 +159,21 @@ class StoreServer:
         conns = self._conns
         listeners = {ls.fileno(): ls for ls in self._listeners}
         wake_fd = self._wake_r.fileno()
+        req = self.requests
+        on_readable = self._on_readable
         try:
             while not self._stop:
-                timers = self.requests.timers
-                timeout = (min(max(0.0, timers[0][0] - time.monotonic()), w.MAX_TIMEOUT)
-                           if timers else None)
-                if self.requests.pending:
-                    first = max(0.0, next(iter(self.requests.pending.values())) - time.monotonic())
-                    timeout = first if timeout is None else min(timeout, first)
-                if self._later:
-                    timeout = 0.0
+                if req.timers or req.pending or self._later:
+                    timers = req.timers
+                    timeout = (min(max(0.0, timers[0][0] - time.monotonic()), w.MAX_TIMEOUT)
+                               if timers else None)
+                    if req.pending:
+                        first = max(0.0, next(iter(req.pending.values())) - time.monotonic())
+                        timeout = first if timeout is None else min(timeout, first)
+                    if self._later:
+                        timeout = 0.0
+                else:
+                    timeout = None
                 try:
                     events = poll(-1 if timeout is None else timeout)
                 except InterruptedError:
@@ -183,15 +188,20 @@ class StoreServer:
                             self._drain_wake()
                         continue
                     try:
+                        if ev == _IN:
+                            # The usual event: input on a connection that is not writing.
+                            if not conn.later:
+                                on_readable(conn)
+                            continue
                         if ev & _OUT:
                             self._send(conn)
                         if ev & _IN_ANY and conn.sock is not None and not conn.later:
-                            self._on_readable(conn)
+                            on_readable(conn)
                     except Exception:  # a bug serving one client must not stop the server
                         self._drop(conn)
-                if self.requests.timers:
-                    self.requests.expire()
-                if self.requests.pending:
+                if req.timers:
+                    req.expire()
+                if req.pending:
                     self._expire_pending()
                 if self._later:
                     later, self._later = self._later, []
@@ -202,16 +212,16 @@ class StoreServer:
                                 self._process(conn)
                             except Exception:
                                 self._drop(conn)
-                while self.requests.resume:
-                    resume, self.requests.resume = self.requests.resume, []
+                while req.resume:
+                    resume, req.resume = req.resume, []
                     for conn in resume:
                         if conn.sock is not None:
                             try:
                                 self._process(conn)
                             except Exception:
                                 self._drop(conn)
-                while self.requests.dirty:  # a channel's reply makes its relay's connection dirty
-                    dirty, self.requests.dirty = self.requests.dirty, []
+                while req.dirty:  # a channel's reply makes its relay's connection dirty
+                    dirty, req.dirty = req.dirty, []
                     for conn in dirty:
                         conn.dirty = False
                         if conn.sock is not None and not conn.writing:
@@ -305,6 +315,7 @@ class StoreServer:
         if sock is None:
             return
         conn.sock = None
+        conn.plain = False
         self.requests.pending.pop(conn, None)
         if conn.waiter is not None:
             self.requests.kv.cancel(conn.waiter)
@@ -325,16 +336,17 @@ class StoreServer:
     def _on_readable(self, conn: Conn) -> None:
         sock = conn.sock
         assert sock is not None
-        if conn.big is not None:
-            done = read_big(conn, sock)
-            if done is None:
-                self._drop(conn)
-            elif done:
-                self._process(conn)
-            return
-        if conn.torch:
-            self._read_torch(conn, sock)
-            return
+        if not conn.plain:
+            if conn.big is not None:
+                done = read_big(conn, sock)
+                if done is None:
+                    self._drop(conn)
+                elif done:
+                    self._process(conn)
+                return
+            if conn.torch:
+                self._read_torch(conn, sock)
+                return
         try:
             # Into one reused buffer: a fresh 256 KiB bytes per recv costs more than the
             # request (malloc, then a shrinking realloc).
@@ -346,6 +358,38 @@ class StoreServer:
             return
         if not n:
             self._drop(conn)
+            return
+        if conn.plain and not (conn.inbuf or conn.out or conn.writing) and conn.waiter is None:
+            # The common case, one whole request in this read from a connection with
+            # nothing pending: serve it without the bookkeeping of _process (same checks,
+            # same order). First a counter's ADD, most often the same frame as this
+            # connection's last one (see quick_add).
+            reply = self.requests.quick_add(conn, self._rbuf, n)
+            if reply is not None:
+                try:
+                    sent = sock.send(reply)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                except OSError:
+                    self._drop(conn)
+                    return
+                if sent != len(reply):
+                    conn.out.append(memoryview(reply)[sent:])
+                    self._send(conn)
+                return
+            if n >= 5:
+                length, code = _HEADER.unpack_from(self._rbuf)
+                if n == length + 4 and length <= conn.limit:
+                    try:
+                        fields = w.decode_fields(self._rview, 5, n)
+                        self.requests.dispatch(conn, code, fields)
+                    except w.ProtocolError:
+                        self._drop(conn)
+                        return
+                    if conn.out and conn.sock is not None and not conn.writing:
+                        self._send(conn)
+                    return
+            self._process(conn, self._rview, n)
             return
         if conn.inbuf:
             buf = conn.inbuf
@@ -362,35 +406,6 @@ class StoreServer:
         if conn.waiter is not None or conn.writing:
             conn.inbuf = bytes(self._rview[:n])
             return
-        if n >= 5 and conn.authed and not conn.closing:
-            # The common case, one whole request in this read: serve it without the
-            # bookkeeping of _process (same checks, same order). First a counter's ADD,
-            # most often the same frame as this connection's last one (see quick_add).
-            if not conn.out:
-                reply = self.requests.quick_add(conn, self._rbuf, n)
-                if reply is not None:
-                    try:
-                        sent = sock.send(reply)
-                    except (BlockingIOError, InterruptedError):
-                        sent = 0
-                    except OSError:
-                        self._drop(conn)
-                        return
-                    if sent != len(reply):
-                        conn.out.append(memoryview(reply)[sent:])
-                        self._send(conn)
-                    return
-            length, code = _HEADER.unpack_from(self._rbuf)
-            if n == length + 4 and length <= conn.limit:
-                try:
-                    fields = w.decode_fields(self._rview, 5, n)
-                    self.requests.dispatch(conn, code, fields)
-                except w.ProtocolError:
-                    self._drop(conn)
-                    return
-                if conn.out and conn.sock is not None and not conn.writing:
-                    self._send(conn)
-                return
         self._process(conn, self._rview, n)
 
     def _process(self, conn: Conn, view: memoryview | None = None, n: int = 0) -> None:
@@ -458,6 +473,7 @@ class StoreServer:
                 # Too big for one read: it gets a buffer that grows as its bytes arrive
                 # (see _sockets.read_big), never one of the announced size up front.
                 conn.big = bytearray(rest)
+                conn.plain = False
                 conn.big_have = len(rest)
                 conn.big_need = length + 4
                 conn.inbuf = b""
