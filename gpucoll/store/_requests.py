@@ -40,6 +40,8 @@ _OK_EMPTY = w.encode_frame(w.OK, [])
 _ONE_FIELD = struct.Struct("<IBI")
 """Header of a reply with one field: length, code, the field's length."""
 _OK_HEADS = tuple(_ONE_FIELD.pack(5 + size, w.OK, size) for size in range(24))
+OK_HEADS = _OK_HEADS
+"""An OK reply's head for one field of each size below 24 bytes (a counter's value)."""
 _OK_HEADS_N = len(_OK_HEADS)
 """The head of an OK reply with one field of each size up to 23 bytes (any int64)."""
 _ONE = w.encode_frame(w.OK, [b"1"])
