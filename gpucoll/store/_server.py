@@ -20,6 +20,8 @@ moves bytes (see docs/stores.md):
   descriptors, the server drops its oldest such connection to accept a new one.
 * Fairness: one connection's turn serves at most ``_TURN_FRAMES`` frames; the rest of
   its input waits for the next loop iteration, behind every other ready connection.
+
+Torch's protocol is served by :mod:`._torch_serve`.
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ import sys
 import threading
 import time
 
-from ..errors import DistNetworkError, DistStoreError
+from ..errors import DistNetworkError
 from . import _wire as w
 from . import _torch_wire as tw
 from ._sockets import IN as _IN, IN_ANY as _IN_ANY, OUT as _OUT, FD_RESERVE, forget
 from ._sockets import NODELAY_INHERITED, accept_queues, listen, new_poller, nofile_for, peer_uid, read_big, unix_socket_name
-from ._requests import OK_HEADS, JOIN_THRESHOLD, PIPELINE_SLACK, PREAUTH_MAX_FRAME, Requests, Conn, torch_request
+from ._requests import OK_HEADS, JOIN_THRESHOLD, PIPELINE_SLACK, Requests, Conn
 from ._mux import MuxHub
+from ._torch_serve import process_torch, read_torch
 
 __all__ = ["StoreServer"]
 
@@ -380,7 +383,7 @@ class StoreServer:
                     self._process(conn)
                 return
             if conn.torch:
-                self._read_torch(conn, sock)
+                read_torch(self, conn, sock)
                 return
         try:
             # Into one reused buffer: a fresh 256 KiB bytes per recv costs more than the
@@ -522,56 +525,8 @@ class StoreServer:
 
     # -- torch's protocol -----------------------------------------------------------------
 
-    def _read_torch(self, conn: Conn, sock: socket.socket) -> None:
-        """Read from a torch client: its requests are not framed, so they are parsed as
-        they complete (see _torch_wire); a parked WAIT still lets CANCEL_WAIT through."""
-        try:
-            n = sock.recv_into(self._rbuf)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            self._drop(conn)
-            return
-        if not n:
-            self._drop(conn)
-            return
-        if conn.inbuf:
-            buf = conn.inbuf if isinstance(conn.inbuf, bytearray) else bytearray(conn.inbuf)
-            buf += self._rview[:n]
-            conn.inbuf = buf
-        else:
-            conn.inbuf = bytes(self._rview[:n])
-        self._process_torch(conn)
-
     def _process_torch(self, conn: Conn) -> None:
-        buf = conn.inbuf
-        n = len(buf)
-        pos = 0
-        # Before its PING a torch client has sent nothing but VALIDATE: no long items.
-        req = self.requests
-        limit = max(req.max_value_size, req.max_key_size) if conn.pinged else PREAUTH_MAX_FRAME
-        try:
-            while pos < n and conn.torch and not conn.writing and not conn.closing:
-                if conn.waiter is not None and buf[pos] != tw.Q.CANCEL_WAIT:
-                    if n - pos > PIPELINE_SLACK:
-                        raise w.ProtocolError("a torch client flooded a parked request")
-                    break
-                try:
-                    q, args, end = tw.parse_request(buf, pos, n, limit)
-                except tw.Incomplete:
-                    break
-                pos = end
-                torch_request(self.requests, conn, q, args)
-                if conn.sock is None:
-                    return
-        except (w.ProtocolError, DistStoreError):
-            self._drop(conn)
-            return
-        conn.inbuf = buf[pos:] if pos < n else b""
-        if conn.out and not conn.writing:
-            self._send(conn)
-        if not conn.torch and conn.inbuf and conn.sock is not None:
-            self._process(conn)  # a gpucoll client's probe: its HELLO follows
+        process_torch(self, conn)
 
     # -- output ---------------------------------------------------------------------------
 
