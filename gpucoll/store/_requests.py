@@ -40,6 +40,9 @@ _OK_EMPTY = w.encode_frame(w.OK, [])
 _ONE_FIELD = struct.Struct("<IBI")
 """Header of a reply with one field: length, code, the field's length."""
 _OK_HEADS = tuple(_ONE_FIELD.pack(5 + size, w.OK, size) for size in range(24))
+OK_HEADS = _OK_HEADS
+"""An OK reply's head for one field of each size below 24 bytes (a counter's value)."""
+_OK_HEADS_N = len(_OK_HEADS)
 """The head of an OK reply with one field of each size up to 23 bytes (any int64)."""
 _ONE = w.encode_frame(w.OK, [b"1"])
 _ZERO = w.encode_frame(w.OK, [b"0"])
@@ -50,7 +53,7 @@ Out = Union[bytes, memoryview]
 class Conn:
     __slots__ = ("sock", "inbuf", "out", "authed", "limit", "waiter", "kind", "closing",
                  "writing", "dirty", "big", "big_have", "big_need", "torch", "pinged", "later",
-                 "last_add")
+                 "last_add", "plain")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock: socket.socket | None = sock
@@ -74,6 +77,10 @@ class Conn:
         """Its turn ended with whole frames buffered; served next loop iteration."""
         self.last_add: tuple[bytes, bytes, int] = (b"", b"", 0)
         """The last ADD frame served by Requests.quick_add, its key and its amount."""
+        self.plain = False
+        """Said HELLO in gpucoll's protocol, not closing, no large frame arriving: kept up
+        to date where those change (``authed``, ``closing``, ``big``), so that the server's
+        read path asks one question where it would ask four."""
 
 
 class Requests:
@@ -99,6 +106,7 @@ class Requests:
         """Connections that have not said HELLO (or torch's PING) yet, oldest first, and
         when each is dropped if it still has not."""
         self.kv = KVState()
+        self._data = self.kv.data  # the same dict, one attribute nearer (quick_add)
         self.timers: list[tuple[float, int, Waiter]] = []
         self._seq = itertools.count()
         self.dirty: list[Conn] = []
@@ -142,7 +150,7 @@ class Requests:
         except Exception as e:  # a server bug must not take the other clients down
             self._reply(conn, w.ERROR, [f"server error in {w.NAMES[code]}: "
                                         f"{type(e).__name__}: {e}".encode()])
-            conn.closing = True
+            conn.closing, conn.plain = True, False
 
     def _hello(self, conn: Conn, code: int, fields: list[bytes]) -> None:
         if code != w.HELLO or len(fields) != 3 or fields[0][:4] != w.MAGIC or len(fields[0]) != 6:
@@ -151,14 +159,15 @@ class Requests:
         if version != w.VERSION:
             self._reply(conn, w.ERROR, [f"protocol version {version} is not supported; "
                                         f"this server speaks version {w.VERSION}".encode()])
-            conn.closing = True
+            conn.closing, conn.plain = True, False
             return
         if self._token is not None and not hmac.compare_digest(fields[1], self._token):
             self._reply(conn, w.ERROR, [b"token rejected: the client's token does not match the "
                                         b"server's (GPUCOLL_STORE_TOKEN)"])
-            conn.closing = True
+            conn.closing, conn.plain = True, False
             return
         conn.authed = True
+        conn.plain = not conn.closing and conn.big is None
         self.pending.pop(conn, None)
         conn.limit = self.max_frame
         self._reply(conn, w.OK, [str(self.max_key_size).encode(), str(self.max_value_size).encode(),
@@ -319,9 +328,19 @@ class Requests:
         (Counters are the store's hottest request; this serves one with no field list and
         no dispatch. A client usually bumps one counter by one amount again and again: a
         frame equal to this connection's last ADD is not parsed again.)"""
-        last = conn.last_add
-        if n == len(last[0]) and buf.startswith(last[0]):
-            key, amount = last[1], last[2]
+        frame, key, amount = conn.last_add
+        if n == len(frame) and buf.startswith(frame):
+            # The key exists unless a delete took it: add in place, as KVState.add_text.
+            data = self._data
+            current = data.get(key)
+            if current is not None:
+                try:
+                    total = b"%d" % (int(current) + amount)
+                except ValueError:
+                    return None
+                data[key] = total
+                size = len(total)
+                return (_OK_HEADS[size] if size < _OK_HEADS_N else _ONE_FIELD.pack(5 + size, w.OK, size)) + total
         else:
             if n < 13 or buf[4] != w.ADD:
                 return None
@@ -345,7 +364,7 @@ class Requests:
         except DistStoreError:
             return None
         size = len(total)
-        return (_OK_HEADS[size] if size < len(_OK_HEADS) else _ONE_FIELD.pack(5 + size, w.OK, size)) + total
+        return (_OK_HEADS[size] if size < _OK_HEADS_N else _ONE_FIELD.pack(5 + size, w.OK, size)) + total
 
     def _op_cas(self, conn: Conn, f: list[bytes]) -> None:
         self._reply(conn, w.OK, [self.kv.compare_set(self._key(f[0]), f[1], self._value(f[2]))])

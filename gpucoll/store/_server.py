@@ -20,6 +20,8 @@ moves bytes (see docs/stores.md):
   descriptors, the server drops its oldest such connection to accept a new one.
 * Fairness: one connection's turn serves at most ``_TURN_FRAMES`` frames; the rest of
   its input waits for the next loop iteration, behind every other ready connection.
+
+Torch's protocol is served by :mod:`._torch_serve`.
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ import sys
 import threading
 import time
 
-from ..errors import DistNetworkError, DistStoreError
+from ..errors import DistNetworkError
 from . import _wire as w
 from . import _torch_wire as tw
 from ._sockets import IN as _IN, IN_ANY as _IN_ANY, OUT as _OUT, FD_RESERVE, forget
 from ._sockets import NODELAY_INHERITED, accept_queues, listen, new_poller, nofile_for, peer_uid, read_big, unix_socket_name
-from ._requests import JOIN_THRESHOLD, PIPELINE_SLACK, PREAUTH_MAX_FRAME, Requests, Conn, torch_request
+from ._requests import OK_HEADS, JOIN_THRESHOLD, PIPELINE_SLACK, Requests, Conn
 from ._mux import MuxHub
+from ._torch_serve import process_torch, read_torch
 
 __all__ = ["StoreServer"]
 
@@ -159,16 +162,24 @@ class StoreServer:
         conns = self._conns
         listeners = {ls.fileno(): ls for ls in self._listeners}
         wake_fd = self._wake_r.fileno()
+        req = self.requests
+        on_readable = self._on_readable
+        rbuf = self._rbuf
+        data = req.kv.data
+        heads = OK_HEADS
         try:
             while not self._stop:
-                timers = self.requests.timers
-                timeout = (min(max(0.0, timers[0][0] - time.monotonic()), w.MAX_TIMEOUT)
-                           if timers else None)
-                if self.requests.pending:
-                    first = max(0.0, next(iter(self.requests.pending.values())) - time.monotonic())
-                    timeout = first if timeout is None else min(timeout, first)
-                if self._later:
-                    timeout = 0.0
+                if req.timers or req.pending or self._later:
+                    timers = req.timers
+                    timeout = (min(max(0.0, timers[0][0] - time.monotonic()), w.MAX_TIMEOUT)
+                               if timers else None)
+                    if req.pending:
+                        first = max(0.0, next(iter(req.pending.values())) - time.monotonic())
+                        timeout = first if timeout is None else min(timeout, first)
+                    if self._later:
+                        timeout = 0.0
+                else:
+                    timeout = None
                 try:
                     events = poll(-1 if timeout is None else timeout)
                 except InterruptedError:
@@ -183,15 +194,52 @@ class StoreServer:
                             self._drain_wake()
                         continue
                     try:
+                        if ev == _IN:
+                            # The usual event: input on a connection that is not writing.
+                            if (conn.plain and not (conn.later or conn.inbuf or conn.out or conn.writing)
+                                    and conn.waiter is None):
+                                # The hottest request, served here: the connection's last ADD
+                                # frame again, on a counter that exists (quick_add's first case,
+                                # without the calls); anything else goes on to _on_input.
+                                sock = conn.sock
+                                try:
+                                    n = sock.recv_into(rbuf)  # type: ignore[union-attr]
+                                except (BlockingIOError, InterruptedError):
+                                    continue
+                                except OSError:
+                                    n = 0
+                                if not n:
+                                    self._drop(conn)
+                                    continue
+                                frame, key, amount = conn.last_add
+                                if n == len(frame) and rbuf.startswith(frame):
+                                    current = data.get(key)
+                                    if current is not None and len(current) < 20:
+                                        try:
+                                            total = b"%d" % (int(current) + amount)
+                                        except ValueError:
+                                            total = b""
+                                        if total:
+                                            data[key] = total
+                                            reply = heads[len(total)] + total
+                                            sent = sock.send(reply)  # type: ignore[union-attr]
+                                            if sent != len(reply):
+                                                conn.out.append(memoryview(reply)[sent:])
+                                                self._send(conn)
+                                            continue
+                                self._on_input(conn, sock, n)  # type: ignore[arg-type]
+                            elif not conn.later:
+                                on_readable(conn)
+                            continue
                         if ev & _OUT:
                             self._send(conn)
                         if ev & _IN_ANY and conn.sock is not None and not conn.later:
-                            self._on_readable(conn)
+                            on_readable(conn)
                     except Exception:  # a bug serving one client must not stop the server
                         self._drop(conn)
-                if self.requests.timers:
-                    self.requests.expire()
-                if self.requests.pending:
+                if req.timers:
+                    req.expire()
+                if req.pending:
                     self._expire_pending()
                 if self._later:
                     later, self._later = self._later, []
@@ -202,16 +250,16 @@ class StoreServer:
                                 self._process(conn)
                             except Exception:
                                 self._drop(conn)
-                while self.requests.resume:
-                    resume, self.requests.resume = self.requests.resume, []
+                while req.resume:
+                    resume, req.resume = req.resume, []
                     for conn in resume:
                         if conn.sock is not None:
                             try:
                                 self._process(conn)
                             except Exception:
                                 self._drop(conn)
-                while self.requests.dirty:  # a channel's reply makes its relay's connection dirty
-                    dirty, self.requests.dirty = self.requests.dirty, []
+                while req.dirty:  # a channel's reply makes its relay's connection dirty
+                    dirty, req.dirty = req.dirty, []
                     for conn in dirty:
                         conn.dirty = False
                         if conn.sock is not None and not conn.writing:
@@ -305,6 +353,7 @@ class StoreServer:
         if sock is None:
             return
         conn.sock = None
+        conn.plain = False
         self.requests.pending.pop(conn, None)
         if conn.waiter is not None:
             self.requests.kv.cancel(conn.waiter)
@@ -325,16 +374,17 @@ class StoreServer:
     def _on_readable(self, conn: Conn) -> None:
         sock = conn.sock
         assert sock is not None
-        if conn.big is not None:
-            done = read_big(conn, sock)
-            if done is None:
-                self._drop(conn)
-            elif done:
-                self._process(conn)
-            return
-        if conn.torch:
-            self._read_torch(conn, sock)
-            return
+        if not conn.plain:
+            if conn.big is not None:
+                done = read_big(conn, sock)
+                if done is None:
+                    self._drop(conn)
+                elif done:
+                    self._process(conn)
+                return
+            if conn.torch:
+                read_torch(self, conn, sock)
+                return
         try:
             # Into one reused buffer: a fresh 256 KiB bytes per recv costs more than the
             # request (malloc, then a shrinking realloc).
@@ -346,6 +396,42 @@ class StoreServer:
             return
         if not n:
             self._drop(conn)
+            return
+        self._on_input(conn, sock, n)
+
+    def _on_input(self, conn: Conn, sock: socket.socket, n: int) -> None:
+        """Serve the ``n`` bytes just read from ``conn`` into the shared receive buffer."""
+        if conn.plain and not (conn.inbuf or conn.out or conn.writing) and conn.waiter is None:
+            # The common case, one whole request in this read from a connection with
+            # nothing pending: serve it without the bookkeeping of _process (same checks,
+            # same order). First a counter's ADD, most often the same frame as this
+            # connection's last one (see quick_add).
+            reply = self.requests.quick_add(conn, self._rbuf, n)
+            if reply is not None:
+                try:
+                    sent = sock.send(reply)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                except OSError:
+                    self._drop(conn)
+                    return
+                if sent != len(reply):
+                    conn.out.append(memoryview(reply)[sent:])
+                    self._send(conn)
+                return
+            if n >= 5:
+                length, code = _HEADER.unpack_from(self._rbuf)
+                if n == length + 4 and length <= conn.limit:
+                    try:
+                        fields = w.decode_fields(self._rview, 5, n)
+                        self.requests.dispatch(conn, code, fields)
+                    except w.ProtocolError:
+                        self._drop(conn)
+                        return
+                    if conn.out and conn.sock is not None and not conn.writing:
+                        self._send(conn)
+                    return
+            self._process(conn, self._rview, n)
             return
         if conn.inbuf:
             buf = conn.inbuf
@@ -362,35 +448,6 @@ class StoreServer:
         if conn.waiter is not None or conn.writing:
             conn.inbuf = bytes(self._rview[:n])
             return
-        if n >= 5 and conn.authed and not conn.closing:
-            # The common case, one whole request in this read: serve it without the
-            # bookkeeping of _process (same checks, same order). First a counter's ADD,
-            # most often the same frame as this connection's last one (see quick_add).
-            if not conn.out:
-                reply = self.requests.quick_add(conn, self._rbuf, n)
-                if reply is not None:
-                    try:
-                        sent = sock.send(reply)
-                    except (BlockingIOError, InterruptedError):
-                        sent = 0
-                    except OSError:
-                        self._drop(conn)
-                        return
-                    if sent != len(reply):
-                        conn.out.append(memoryview(reply)[sent:])
-                        self._send(conn)
-                    return
-            length, code = _HEADER.unpack_from(self._rbuf)
-            if n == length + 4 and length <= conn.limit:
-                try:
-                    fields = w.decode_fields(self._rview, 5, n)
-                    self.requests.dispatch(conn, code, fields)
-                except w.ProtocolError:
-                    self._drop(conn)
-                    return
-                if conn.out and conn.sock is not None and not conn.writing:
-                    self._send(conn)
-                return
         self._process(conn, self._rview, n)
 
     def _process(self, conn: Conn, view: memoryview | None = None, n: int = 0) -> None:
@@ -458,6 +515,7 @@ class StoreServer:
                 # Too big for one read: it gets a buffer that grows as its bytes arrive
                 # (see _sockets.read_big), never one of the announced size up front.
                 conn.big = bytearray(rest)
+                conn.plain = False
                 conn.big_have = len(rest)
                 conn.big_need = length + 4
                 conn.inbuf = b""
@@ -467,56 +525,8 @@ class StoreServer:
 
     # -- torch's protocol -----------------------------------------------------------------
 
-    def _read_torch(self, conn: Conn, sock: socket.socket) -> None:
-        """Read from a torch client: its requests are not framed, so they are parsed as
-        they complete (see _torch_wire); a parked WAIT still lets CANCEL_WAIT through."""
-        try:
-            n = sock.recv_into(self._rbuf)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            self._drop(conn)
-            return
-        if not n:
-            self._drop(conn)
-            return
-        if conn.inbuf:
-            buf = conn.inbuf if isinstance(conn.inbuf, bytearray) else bytearray(conn.inbuf)
-            buf += self._rview[:n]
-            conn.inbuf = buf
-        else:
-            conn.inbuf = bytes(self._rview[:n])
-        self._process_torch(conn)
-
     def _process_torch(self, conn: Conn) -> None:
-        buf = conn.inbuf
-        n = len(buf)
-        pos = 0
-        # Before its PING a torch client has sent nothing but VALIDATE: no long items.
-        req = self.requests
-        limit = max(req.max_value_size, req.max_key_size) if conn.pinged else PREAUTH_MAX_FRAME
-        try:
-            while pos < n and conn.torch and not conn.writing and not conn.closing:
-                if conn.waiter is not None and buf[pos] != tw.Q.CANCEL_WAIT:
-                    if n - pos > PIPELINE_SLACK:
-                        raise w.ProtocolError("a torch client flooded a parked request")
-                    break
-                try:
-                    q, args, end = tw.parse_request(buf, pos, n, limit)
-                except tw.Incomplete:
-                    break
-                pos = end
-                torch_request(self.requests, conn, q, args)
-                if conn.sock is None:
-                    return
-        except (w.ProtocolError, DistStoreError):
-            self._drop(conn)
-            return
-        conn.inbuf = buf[pos:] if pos < n else b""
-        if conn.out and not conn.writing:
-            self._send(conn)
-        if not conn.torch and conn.inbuf and conn.sock is not None:
-            self._process(conn)  # a gpucoll client's probe: its HELLO follows
+        process_torch(self, conn)
 
     # -- output ---------------------------------------------------------------------------
 

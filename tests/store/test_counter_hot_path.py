@@ -83,6 +83,46 @@ def test_add_and_check_follow_a_reference_counter(master: TCPStore, path: str) -
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_a_repeated_add_follows_the_counters_changes_between_repeats(master: TCPStore,
+                                                                   path: str) -> None:
+    """The same ADD frame again and again (the server answers it in its loop when the
+    frame and the counter allow) across what other calls do to the counter between
+    repeats: a set to a new integer, a delete, a set to text, a value past 19 digits."""
+    c = _client(master)
+
+    def set_(value: bytes) -> None:
+        master.set("rep", value)
+        assert master.get("rep") == value  # the set has landed (a set has no reply)
+
+    try:
+        def add(expected: int) -> None:
+            PATHS[path](c)
+            assert c.add("rep", 5) == expected
+
+        add(5)
+        add(10)
+        set_(b"-3")
+        add(2)
+        master.delete_key("rep")
+        add(5)
+        set_(b"x1")
+        PATHS[path](c)
+        with pytest.raises(DistStoreError, match="add.*not a decimal integer"):
+            c.add("rep", 5)
+        assert master.get("rep") == b"x1"
+        set_(str(10**25).encode())
+        add(10**25 + 5)
+        add(10**25 + 10)
+        set_(str(10**19 - 6).encode())
+        add(10**19 - 1)
+        add(10**19 + 4)
+        add(10**19 + 9)
+        assert master.get("rep") == str(10**19 + 9).encode()
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_add_on_a_non_integer_is_an_error_and_the_connection_stays_usable(
         master: TCPStore, path: str) -> None:
     c = _client(master)
