@@ -109,9 +109,13 @@ def test_a_synchronous_all_reduce_is_one_nccl_call_and_two_cuda_calls(
     assert rt.comms[0].aborted is False
 
 
-def test_a_small_async_all_reduce_and_its_wait_make_one_nccl_call_and_two_cuda_calls(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("GPUCOLL_NCCL_CALLER_STREAM_MAX", "65536")  # the opt-in (default 0)
+def _async_and_wait_calls(monkeypatch: pytest.MonkeyPatch, caller_stream_max: str | None) -> dict[str, int]:
+    """Calls per steady-state ``all_reduce(x, async_op=True).wait()`` of a one-rank group made
+    with GPUCOLL_NCCL_CALLER_STREAM_MAX set to ``caller_stream_max`` (None: unset, the default)."""
+    if caller_stream_max is None:
+        monkeypatch.delenv("GPUCOLL_NCCL_CALLER_STREAM_MAX", raising=False)
+    else:
+        monkeypatch.setenv("GPUCOLL_NCCL_CALLER_STREAM_MAX", caller_stream_max)
     rt = TimedRuntime(CallCosts(0.0, op_us=5.0))
     pg = _one_rank_group(monkeypatch, rt, 60.0)
     try:
@@ -121,10 +125,15 @@ def test_a_small_async_all_reduce_and_its_wait_make_one_nccl_call_and_two_cuda_c
             work = pg.all_reduce(x, async_op=True)
             assert work is not None
             work.wait()
-        mine = _steady(op, rt)
+        return _steady(op, rt)
     finally:
         rt.finish_all()
         pg._destroy()
+
+
+def test_a_small_async_all_reduce_and_its_wait_make_one_nccl_call_and_two_cuda_calls(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    mine = _async_and_wait_calls(monkeypatch, "65536")  # the opt-in (default 0)
     assert mine.get("nccl", 0) == _OPS, mine
     # 1 KiB, up to GPUCOLL_NCCL_CALLER_STREAM_MAX: issued on the caller's stream, so the
     # capture check and end's record; wait() on that same stream adds nothing. No
@@ -139,20 +148,7 @@ def test_a_small_async_all_reduce_and_its_wait_make_one_nccl_call_and_two_cuda_c
 
 def test_an_async_all_reduce_on_the_communication_stream_makes_five_cuda_calls(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("GPUCOLL_NCCL_CALLER_STREAM_MAX", raising=False)  # the default: torch's scheduling
-    rt = TimedRuntime(CallCosts(0.0, op_us=5.0))
-    pg = _one_rank_group(monkeypatch, rt, 60.0)
-    try:
-        x = _Array()
-
-        def op() -> None:
-            work = pg.all_reduce(x, async_op=True)
-            assert work is not None
-            work.wait()
-        mine = _steady(op, rt)
-    finally:
-        rt.finish_all()
-        pg._destroy()
+    mine = _async_and_wait_calls(monkeypatch, None)  # the default: torch's scheduling
     assert mine.get("nccl", 0) == _OPS, mine
     # The capture check, ready's record, the communication stream's wait on it, end's
     # record, and wait(): the caller's stream waits on end. No cudaGetDevice.
