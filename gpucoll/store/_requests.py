@@ -53,7 +53,7 @@ Out = Union[bytes, memoryview]
 class Conn:
     __slots__ = ("sock", "inbuf", "out", "authed", "limit", "waiter", "kind", "closing",
                  "writing", "dirty", "big", "big_have", "big_need", "torch", "pinged", "later",
-                 "last_add", "plain")
+                 "last_add")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock: socket.socket | None = sock
@@ -77,10 +77,6 @@ class Conn:
         """Its turn ended with whole frames buffered; served next loop iteration."""
         self.last_add: tuple[bytes, bytes, int] = (b"", b"", 0)
         """The last ADD frame served by Requests.quick_add, its key and its amount."""
-        self.plain = False
-        """Said HELLO in gpucoll's protocol, not closing, no large frame arriving: kept up
-        to date where those change (``authed``, ``closing``, ``big``), so that the server's
-        read path asks one question where it would ask four."""
 
 
 class Requests:
@@ -150,7 +146,7 @@ class Requests:
         except Exception as e:  # a server bug must not take the other clients down
             self._reply(conn, w.ERROR, [f"server error in {w.NAMES[code]}: "
                                         f"{type(e).__name__}: {e}".encode()])
-            conn.closing, conn.plain = True, False
+            conn.closing = True
 
     def _hello(self, conn: Conn, code: int, fields: list[bytes]) -> None:
         if code != w.HELLO or len(fields) != 3 or fields[0][:4] != w.MAGIC or len(fields[0]) != 6:
@@ -159,15 +155,14 @@ class Requests:
         if version != w.VERSION:
             self._reply(conn, w.ERROR, [f"protocol version {version} is not supported; "
                                         f"this server speaks version {w.VERSION}".encode()])
-            conn.closing, conn.plain = True, False
+            conn.closing = True
             return
         if self._token is not None and not hmac.compare_digest(fields[1], self._token):
             self._reply(conn, w.ERROR, [b"token rejected: the client's token does not match the "
                                         b"server's (GPUCOLL_STORE_TOKEN)"])
-            conn.closing, conn.plain = True, False
+            conn.closing = True
             return
         conn.authed = True
-        conn.plain = not conn.closing and conn.big is None
         self.pending.pop(conn, None)
         conn.limit = self.max_frame
         self._reply(conn, w.OK, [str(self.max_key_size).encode(), str(self.max_value_size).encode(),

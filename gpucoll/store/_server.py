@@ -196,7 +196,8 @@ class StoreServer:
                     try:
                         if ev == _IN:
                             # The usual event: input on a connection that is not writing.
-                            if (conn.plain and not (conn.later or conn.inbuf or conn.out or conn.writing)
+                            if (conn.authed and not (conn.closing or conn.later or conn.inbuf or conn.out
+                                                     or conn.writing) and conn.big is None
                                     and conn.waiter is None):
                                 # The hottest request, served here: the connection's last ADD
                                 # frame again, on a counter that exists (quick_add's first case,
@@ -353,7 +354,6 @@ class StoreServer:
         if sock is None:
             return
         conn.sock = None
-        conn.plain = False
         self.requests.pending.pop(conn, None)
         if conn.waiter is not None:
             self.requests.kv.cancel(conn.waiter)
@@ -374,7 +374,7 @@ class StoreServer:
     def _on_readable(self, conn: Conn) -> None:
         sock = conn.sock
         assert sock is not None
-        if not conn.plain:
+        if not conn.authed or conn.closing or conn.big is not None:
             if conn.big is not None:
                 done = read_big(conn, sock)
                 if done is None:
@@ -401,7 +401,8 @@ class StoreServer:
 
     def _on_input(self, conn: Conn, sock: socket.socket, n: int) -> None:
         """Serve the ``n`` bytes just read from ``conn`` into the shared receive buffer."""
-        if conn.plain and not (conn.inbuf or conn.out or conn.writing) and conn.waiter is None:
+        if (conn.authed and not (conn.closing or conn.inbuf or conn.out or conn.writing) and conn.big is None
+                and conn.waiter is None):
             # The common case, one whole request in this read from a connection with
             # nothing pending: serve it without the bookkeeping of _process (same checks,
             # same order). First a counter's ADD, most often the same frame as this
@@ -515,7 +516,6 @@ class StoreServer:
                 # Too big for one read: it gets a buffer that grows as its bytes arrive
                 # (see _sockets.read_big), never one of the announced size up front.
                 conn.big = bytearray(rest)
-                conn.plain = False
                 conn.big_have = len(rest)
                 conn.big_need = length + 4
                 conn.inbuf = b""

@@ -250,6 +250,5 @@ def read_big(conn: Conn, sock: socket.socket) -> bool | None:
     except OSError:
         return None
     conn.big = None
-    conn.plain = conn.authed and not conn.closing
     conn.inbuf = big
     return True
