@@ -205,28 +205,7 @@ def test_the_benchmarks_floor_server_serves_the_rendezvous_script_and_counts_its
                         timeout=60)
         assert len(ends) == n and all(ends)
         assert sb._cpu_seconds(floor.pid) >= before
-        # Three frames in one write get three replies (OK, one field "1"), in order.
-        with socket.create_connection(("127.0.0.1", floor.port), timeout=10) as s:
-            frame = struct.pack("<IB", 1, 4)
-            s.sendall(frame * 3)
-            got = b""
-            while len(got) < 30:
-                more = s.recv(64)
-                assert more
-                got += more
-            assert got == (struct.pack("<IBI", 6, 0, 1) + b"1") * 3
-        # gpucoll's own client (the add-throughput rows of --ops-only) says HELLO, is given
-        # limits, and reaches it by the abstract Unix socket it tries first, as it reaches
-        # gpucoll's server; every add is answered "1".
-        from gpucoll.store import TCPStore
-
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as ux:
-            ux.connect(f"\0gpucoll-store/127.0.0.1:{floor.port}")
-        client = TCPStore("127.0.0.1", floor.port, timeout=10)
-        try:
-            assert [client.add("n", 1) for _ in range(3)] == [1, 1, 1]
-        finally:
-            client.close()
+        _answers_as_a_floor(floor.port)
     finally:
         floor.stop()
     with pytest.raises(SystemExit):
@@ -235,6 +214,30 @@ def test_the_benchmarks_floor_server_serves_the_rendezvous_script_and_counts_its
         sb.main(["--impl", "floor", "--ops-only", "--rendezvous-only"])
 
 
+def _answers_as_a_floor(port: int) -> None:
+    """A do-nothing floor server on ``port`` answers as the benchmark needs: three frames in
+    one write get three replies (OK, one field "1"), in order; gpucoll's own client (the
+    add-throughput rows of --ops-only) says HELLO, is given limits, and reaches it by the
+    abstract Unix socket it tries first, as it reaches gpucoll's server; every add is
+    answered "1"."""
+    from gpucoll.store import TCPStore
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(struct.pack("<IB", 1, 4) * 3)
+        got = b""
+        while len(got) < 30:
+            more = s.recv(64)
+            assert more
+            got += more
+        assert got == (struct.pack("<IBI", 6, 0, 1) + b"1") * 3
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as ux:
+        ux.connect(f"\0gpucoll-store/127.0.0.1:{port}")
+    client = TCPStore("127.0.0.1", port, timeout=10)
+    try:
+        assert [client.add("n", 1) for _ in range(3)] == [1, 1, 1]
+    finally:
+        client.close()
+
 def test_the_benchmarks_python_floor_answers_as_the_c_floor() -> None:
     """bench/store_floor.py (``--impl floor-py``) answers what store_floor.c answers:
     pipelined frames each get OK "1" in order, gpucoll's client reaches it by the Unix
@@ -242,23 +245,7 @@ def test_the_benchmarks_python_floor_answers_as_the_c_floor() -> None:
     sb = _store_bench()
     floor = sb._PyFloorServer()
     try:
-        with socket.create_connection(("127.0.0.1", floor.port), timeout=10) as s:
-            s.sendall(struct.pack("<IB", 1, 4) * 3)
-            got = b""
-            while len(got) < 30:
-                more = s.recv(64)
-                assert more
-                got += more
-            assert got == (struct.pack("<IBI", 6, 0, 1) + b"1") * 3
-        from gpucoll.store import TCPStore
-
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as ux:
-            ux.connect(f"\0gpucoll-store/127.0.0.1:{floor.port}")
-        client = TCPStore("127.0.0.1", floor.port, timeout=10)
-        try:
-            assert [client.add("n", 1) for _ in range(3)] == [1, 1, 1]
-        finally:
-            client.close()
+        _answers_as_a_floor(floor.port)
     finally:
         floor.stop()
     with pytest.raises(SystemExit):
