@@ -6,8 +6,9 @@ completion of finished ops in bulk. Functions over an :class:`NCCLBackend`'s sta
 temporary or PreMul operator) gets a :class:`Hot` the first time it is issued through
 the general path (``NCCLBackend._issue``), under the same key as its cached plan: the
 bound NCCL call and its arguments. A later call with that key goes through
-:func:`issue`, which makes only the runtime calls the op needs (two events, a record
-and a stream wait, the NCCL call, the end event's record) and one Work. It gives up,
+:func:`issue`, which makes only the runtime calls the op needs (the communication stream's one
+``ready`` event recorded on the caller's stream and waited on, the NCCL call, the end
+event's record) and one Work. It gives up,
 before it has done anything, whenever the general path has more to do: the producer's
 stream is held or foreign, the array is not on the communicator's device, that device
 is not current, the caller's stream is being captured, or the backend is aborted or
@@ -271,11 +272,15 @@ def issue_on_comm(b: BackendState, hot: Hot, stream: int, keep: Any) -> NCCLWork
         cs = b.comm_stream
         timing = cs.timing
         comm_stream = cs.ptr
-        ready = rt.event(True, timing, device)
+        # An untimed op's ready event is the stream's one (CommStream.ready_event: a wait
+        # takes an event's state when it is made, so the next op may record it again);
+        # a timed op keeps its own, for its duration.
+        ready = rt.event(True, True, device) if timing else None
         issuing = False
         try:
-            rt.record(ready.ptr, stream)
-            rt.wait_event(comm_stream, ready.ptr)
+            mark = ready.ptr if ready is not None else cs.ready or cs.ready_event(rt, device)
+            rt.record(mark, stream)
+            rt.wait_event(comm_stream, mark)
             issuing = True
             on_comm(b, hot.call, comm_stream)
             end = rt.event(True, timing, device)
