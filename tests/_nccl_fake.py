@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from gpucoll._buffer import Buffer, Device, DType
+from gpucoll._backends.nccl import runtime as _runtime_mod
 from gpucoll._backends.nccl.lib import Features
 from gpucoll.errors import BackendUnavailableError
 
@@ -1929,6 +1930,7 @@ class TimedRuntime:
         self._default = 0x7000
         self._current = self._default
         self.comms: list[_TimedComm] = []
+        self._pools: dict[tuple[int, bool], Any] = {}
         c = self.costs
         call = c.call_s
         get_device_s, set_device_s, record_s, wait_event_s, elapsed_ms_s, is_capturing_s = (
@@ -2046,7 +2048,19 @@ class TimedRuntime:
     def event(self, pooled: bool = True, timing: bool = False, device: int = -1) -> Any:
         if not pooled:
             self.costs.spend("event", "event_create", self.costs.create_s)
-        return _TimedEvent(next(self._handles))
+            return _TimedEvent(next(self._handles))
+        # A pooled event through the real runtime's pool (CudaRuntime.event: a dict look-up,
+        # the pool's lock, an object that gives the event back when dropped), so that it
+        # costs here the Python it costs on a GPU; a new one costs cudaEventCreate's time.
+        key = (0 if device < 0 else device, timing)
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools.setdefault(key, _runtime_mod._EventPool(self._create_event))
+        return pool.acquire()
+
+    def _create_event(self, flags: int) -> int:
+        self.costs.spend("event", "event_create", self.costs.create_s)
+        return next(self._handles)
 
     def new_event(self, timing: bool = False) -> int:
         self.costs.spend("event", "event_create", self.costs.create_s)

@@ -6,8 +6,9 @@ fails here. No time is measured: the timings are the bench's
 (``bench/nccl_python_overhead_bench.py --realistic``).
 
 The ceilings are today's counts (CPython 3.11, blocks that gpucoll's code allocates and
-keeps, floats left out: 2.05 per synchronous op, 1.05 per Work-less backend op, 8.05 per
-async op and its wait, 7.05 when run alone: once earlier tests have given Work objects
+keeps, floats left out: 2.05 per synchronous op, 1.05 per Work-less backend op, 9.05 per
+async op and its wait, 8.05 when run alone (its end event included: the fake's pooled
+events come from the runtime's own pool, whose object per event is gpucoll's): once earlier tests have given Work objects
 other attributes, CPython stops sharing their attribute dicts' keys and each Work's dict
 is a block more); one more block per op fails (for async + wait: in the whole file set,
 as CI runs it). Another CPython may need the ceilings moved, by a run there, never by
@@ -59,7 +60,7 @@ _PACKAGE = os.path.dirname(_gpucoll.__file__)
 _FLOAT_BYTES = sys.getsizeof(0.5)
 _PENDING = 100          # ops kept pending (< PRUNE_AT: none completes meanwhile)
 # Blocks kept per pending op, today, and the slack other CPython versions may need.
-KEPT_SYNC, KEPT_ASYNC, KEPT_ASYNC_COMM, KEPT_BACKEND, SLACK = 2.1, 8.1, 8.1, 1.1, 0.5
+KEPT_SYNC, KEPT_ASYNC, KEPT_ASYNC_COMM, KEPT_BACKEND, SLACK = 2.1, 9.1, 9.1, 1.1, 0.5
 
 
 @pytest.fixture
