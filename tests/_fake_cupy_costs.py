@@ -83,10 +83,9 @@ class CupyOnFake:
         (the fake's own look-up inside that time, as the runtime's calls do theirs)."""
         costs = self._costs
         if costs is not None:  # the timed fake (TimedRuntime): one current stream, a handle
-            t0 = costs.now()
             stream = self._streams.get(self.rt._current)
             if stream is not None:
-                costs.spend("cupy", "current_stream", self._seconds, t0)
+                costs.spend("cupy", "current_stream", self._seconds)
                 return stream
         rt = self.rt
         current = rt._current
@@ -101,7 +100,7 @@ class CupyOnFake:
             # ptr 0 and device -1.
             stream = self._streams[ptr] = FakeCupyStream(0, -1) if ptr == default else FakeCupyStream(ptr, device)
         if costs is not None:
-            costs.spend("cupy", "current_stream", self._seconds, t0)
+            costs.spend("cupy", "current_stream", self._seconds)
         return stream
 
     def array(self, n: int = 256, dtype: str = "float32", ptr: int | None = None) -> Any:

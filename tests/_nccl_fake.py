@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from gpucoll._buffer import Buffer, Device, DType
+from gpucoll._backends.nccl import runtime as _runtime_mod
 from gpucoll._backends.nccl.lib import Features
 from gpucoll.errors import BackendUnavailableError
 
@@ -1641,6 +1642,17 @@ H200_CALL_US: dict[str, float] = {
 }
 
 
+def _loop_turn() -> float:
+    """Seconds of one turn of an empty Python loop here (best of five)."""
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(200_000):
+            pass
+        best = min(best, (time.perf_counter() - t0) / 200_000)
+    return best
+
+
 def _ctypes_floor() -> float:
     """Seconds of a ctypes call of libc's memset over 64 bytes here: the least a call
     that lets the GIL go can cost (0.5-0.6 µs on the 2-core development machine)."""
@@ -1661,11 +1673,15 @@ class CallCosts:
     (longer than a ctypes call here) lets other threads run meanwhile, as a C call
     that releases the GIL does: part of it in a ctypes call to libc's memset (ctypes
     releases the GIL around it: a thread waiting for the GIL takes it there, and the
-    caller waits to get it back), the rest in a busy wait to the deadline. A shorter
-    call (``cudaGetDevice``, CuPy's current-stream look-up, ``cudaStreamIsCapturing``)
-    is a busy wait of its time. So a call costs about its H200 figure here, not more:
-    the layers above the backend, Python and CuPy attribute reads, weigh against the
-    calls below as they do on the GPU. Device work takes ``op_us`` plus its bytes over
+    caller waits to get it back), the rest in a Python loop of so many turns. Both are
+    sized once per call (:meth:`fit`, on the fake's own function of that name) so that
+    the call costs its figure in all, the fake's own Python included; no clock is read
+    per call (a clock read costs 0.1-0.5 µs here, and a wait on one overshoots). So a
+    call costs about its H200 figure here, not more: the layers above the backend,
+    Python and CuPy attribute reads, weigh against the calls below as they do on the
+    GPU. A call shorter than the fake's own Python for it (``cudaGetDevice``, CuPy's
+    current-stream look-up, ``cudaStreamIsCapturing``, ``cudaEventQuery``: 0.07-0.24 µs
+    on the H200) costs that Python, 0.4-0.7 µs on the 2-core development machine. Device work takes ``op_us`` plus its bytes over
     ``gbps``: an event recorded after it fires only then (:class:`TimedRuntime`).
 
     ``counts[thread ident][kind]`` counts each call by kind ("cuda", "nccl", "cupy",
@@ -1704,28 +1720,23 @@ class CallCosts:
         self._release_s = release_us * 1e-6
         self._floor_s = 0.0 if free else _ctypes_floor()
         self._c_lens: dict[int, int] = {}
-        # The clock calls are timed by: the wall clock, or (``use_cpu_clock``) the calling
-        # thread's CPU time, so that on a loaded machine a call preempted halfway still
-        # costs its time in CPU, and a ratio of two rows is the ratio of CPU spent.
+        # The clock the device's time and the calibration below are read by: the wall
+        # clock, or (``use_cpu_clock``) the calling thread's CPU time, so that on a loaded
+        # machine a ratio of two rows is the ratio of CPU spent.
         self.now: Callable[[], float] = time.perf_counter
-        # What counting a call costs here (a Python call and two dict updates): a call no
-        # longer than that (cudaGetDevice, CuPy's stream look-up, cudaStreamIsCapturing)
-        # costs just the counting, no clock read.
-        self._counted_s = 0.0
-        self._counted_s = 0.0 if free else self._counting_cost()
-
-    def _counting_cost(self) -> float:
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            for _ in range(2000):
-                self.spend("calibration", "calibration", 0.0)
-            best = min(best, (time.perf_counter() - t0) / 2000)
-        self.counts.clear()
-        return best
+        # A call's time is work, not a wait on a clock: a clock read costs 0.1 µs here
+        # (``time.thread_time`` 0.4-0.5 µs), more than the shortest calls' figures, and a
+        # wait's last turn overshoots by one read. So each figure gets a plan, made once:
+        # a memset with the GIL let go (calls longer than a ctypes call), then a Python
+        # loop of so many turns, both shortened by what the call costs around them (the
+        # counting, the runtime's own Python), measured on a call of that figure.
+        self._turn_s = 0.0 if free else _loop_turn()
+        self._fitting: set[str] = set()
+        self._fitted: set[str] = set()
+        self._plans: dict[str, tuple[int, int]] = {}  # by call name
 
     def use_cpu_clock(self) -> None:
-        """Time calls by the calling thread's CPU time (``time.thread_time``) from now on."""
+        """Read the calling thread's CPU time (``time.thread_time``) from now on."""
         self.now = time.thread_time
 
     def cost(self, name: str) -> float:
@@ -1741,11 +1752,53 @@ class CallCosts:
             n = self._c_lens[step] = _memset_length(step / 2e7) if step > 0 else 64
         return n
 
+    def _split(self, seconds: float) -> tuple[int, int]:
+        """A plan for ``seconds`` of work: (memset length or 0, loop turns)."""
+        c_len = 0
+        if seconds >= self._floor_s + 0.05e-6:
+            extra = min(seconds - self._floor_s, self._release_s)
+            c_len = self._c_len(extra)
+            seconds -= self._floor_s + min(round(extra * 2e7), round(self._release_s * 2e7)) / 2e7
+        return c_len, max(int(seconds / self._turn_s), 0) if self._turn_s else 0
+
+    def fit(self, name: str, call: Callable[[], Any], same: tuple[str, ...] = ()) -> None:
+        """Make the call named ``name`` cost its figure in all, as ``call()`` (the fake's
+        own function of that name, with arguments that change nothing that is measured)
+        makes it: a first plan (the work alone) is timed on ``call`` (median of nine
+        rounds), then shortened by what the call costs around it (a call shorter than
+        its own Python costs that, about 0.2-0.4 µs here). Its calls are not counted.
+        ``same``: calls of the same shape and figure that get the same plan. Once per name."""
+        seconds = self.cost(name)
+        if not seconds or name in self._fitting or name in self._fitted:
+            return
+        self._fitting.add(name)
+        me = threading.get_ident()
+        kept = dict(self.counts.get(me, {}))
+        try:
+            self._plans[name] = self._split(seconds)
+            now = self.now
+            for _ in range(200):
+                call()
+            rounds = []
+            for _ in range(9):
+                t0 = now()
+                for _ in range(200):
+                    call()
+                rounds.append((now() - t0) / 200)
+            over = sorted(rounds)[4] - seconds  # what the call costs around its plan's work
+            plan = self._plans[name] = self._split(max(seconds - over, 0.0))
+            for other in same:
+                self._plans[other] = plan
+            self._fitted.update((name, *same))
+        finally:
+            self._fitting.discard(name)
+            self.counts[me] = kept
+
     def spend(self, kind: str, name: str, seconds: float, start: float = 0.0) -> None:
-        """One call of ``kind``/``name``: count it, then take ``seconds`` in all from
-        ``start`` (a :attr:`now` reading; default now), the fake's own
-        bookkeeping included (with the GIL let go for part of them, when the call is
-        longer than a ctypes call here)."""
+        """One call of ``kind``/``name``: count it, then take ``seconds`` in all, the
+        fake's own bookkeeping included (with the GIL let go for part of them, when the
+        call is longer than a ctypes call here). ``start``: unused (calls are charged as
+        work, from their plan)."""
         if not self.enabled:
             return
         me = threading.get_ident()
@@ -1754,13 +1807,14 @@ class CallCosts:
             mine = self.counts.setdefault(me, {})
         mine[kind] = mine.get(kind, 0) + 1
         mine[name] = mine.get(name, 0) + 1
-        if seconds > self._counted_s:
-            now = self.now
-            deadline = (start or now()) + seconds
-            left = deadline - now()
-            if left >= self._floor_s:
-                _memset(_SCRATCH_PTR, 0, self._c_len(left - self._floor_s))
-            while now() < deadline:
+        if seconds:
+            plan = self._plans.get(name)
+            if plan is None:  # a call not fitted: its work alone
+                plan = self._plans[name] = self._split(seconds)
+            c_len, turns = plan
+            if c_len:
+                _memset(_SCRATCH_PTR, 0, c_len)
+            for _ in range(turns):
                 pass
 
     def of(self, thread: int | None = None) -> dict[str, int]:
@@ -1801,13 +1855,15 @@ class _TimedComm:
         self.size = size
         self.aborted = False
         self.async_code = 0
+        scratch = next(rt._handles)  # a stream nothing waits on: the fit's ops keep it busy
+        rt.costs.fit("all_reduce", lambda: self._op("all_reduce", 0, scratch), same=(
+            "reduce", "broadcast", "all_gather", "reduce_scatter", "send", "recv", "all_to_all", "gather", "scatter"))
 
     def _op(self, name: str, nbytes: int, stream: int) -> None:
         rt = self._rt
-        t0 = rt.costs.now()
         if not self.aborted:
             rt.busy(stream, rt.costs.op_s + nbytes / rt.costs.bytes_per_s)
-        rt.costs.spend("nccl", name, rt.costs.call_s, t0)
+        rt.costs.spend("nccl", name, rt.costs.call_s)
         if self.aborted:
             raise FakeError(f"{name} on an aborted communicator")
 
@@ -1874,6 +1930,7 @@ class TimedRuntime:
         self._default = 0x7000
         self._current = self._default
         self.comms: list[_TimedComm] = []
+        self._pools: dict[tuple[int, bool], Any] = {}
         c = self.costs
         call = c.call_s
         get_device_s, set_device_s, record_s, wait_event_s, elapsed_ms_s, is_capturing_s = (
@@ -1888,23 +1945,21 @@ class TimedRuntime:
             c.spend("cuda", "set_device", set_device_s)
 
         def record(event: int, stream: int) -> None:
-            t0 = c.now()
             self._fires[event] = max(self._busy.get(stream, 0.0), time.perf_counter())
-            c.spend("cuda", "record", record_s, t0)
+            c.spend("cuda", "record", record_s)
 
         def wait_event(stream: int, event: int) -> None:
-            t0 = c.now()
             fires = self._fires.get(event, 0.0)
             if fires > self._busy.get(stream, 0.0):
                 self._busy[stream] = fires
-            c.spend("cuda", "wait_event", wait_event_s, t0)
+            c.spend("cuda", "wait_event", wait_event_s)
 
         def elapsed_ms(a: int, b: int) -> float:
             c.spend("cuda", "elapsed_ms", elapsed_ms_s)
             return max(self._fires.get(b, 0.0) - self._fires.get(a, 0.0), 0.0) * 1e3
 
         def is_capturing(stream: int) -> bool:
-            c.spend("cuda", "is_capturing", is_capturing_s, c.now())
+            c.spend("cuda", "is_capturing", is_capturing_s)
             return stream in self.capturing
 
         self.get_device = get_device
@@ -1915,6 +1970,13 @@ class TimedRuntime:
         self.is_capturing = is_capturing
         self.group_start = lambda: c.spend("nccl", "group_start", call)
         self.group_end = lambda: c.spend("nccl", "group_end", call)
+        # Each call's cost fitted to its own Python (CallCosts.fit), on a scratch stream
+        # and event nothing else uses.
+        stream, event = next(self._handles), next(self._handles)
+        for name, fn in (("record", lambda: record(event, stream)), ("wait_event", lambda: wait_event(stream, event)),
+                         ("is_capturing", lambda: is_capturing(stream)), ("get_device", get_device),
+                         ("query", lambda: self.query(event)), ("current_stream", lambda: self.current_stream_of(0))):
+            c.fit(name, fn)
 
     # -- the device's clock --
     def busy(self, stream: int, seconds: float) -> None:
@@ -1961,11 +2023,11 @@ class TimedRuntime:
         return prev
 
     def current_stream(self) -> int:
-        self.costs.spend("cupy", "current_stream", self.costs.cupy_s, self.costs.now())
+        self.costs.spend("cupy", "current_stream", self.costs.cupy_s)
         return self._current
 
     def current_stream_of(self, device: int) -> int:
-        self.costs.spend("cupy", "current_stream", self.costs.cupy_s, self.costs.now())
+        self.costs.spend("cupy", "current_stream", self.costs.cupy_s)
         return self._current
 
     def set_current_stream(self, ptr: int) -> None:
@@ -1986,7 +2048,19 @@ class TimedRuntime:
     def event(self, pooled: bool = True, timing: bool = False, device: int = -1) -> Any:
         if not pooled:
             self.costs.spend("event", "event_create", self.costs.create_s)
-        return _TimedEvent(next(self._handles))
+            return _TimedEvent(next(self._handles))
+        # A pooled event through the real runtime's pool (CudaRuntime.event: a dict look-up,
+        # the pool's lock, an object that gives the event back when dropped), so that it
+        # costs here the Python it costs on a GPU; a new one costs cudaEventCreate's time.
+        key = (0 if device < 0 else device, timing)
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools.setdefault(key, _runtime_mod._EventPool(self._create_event))
+        return pool.acquire()
+
+    def _create_event(self, flags: int) -> int:
+        self.costs.spend("event", "event_create", self.costs.create_s)
+        return next(self._handles)
 
     def new_event(self, timing: bool = False) -> int:
         self.costs.spend("event", "event_create", self.costs.create_s)

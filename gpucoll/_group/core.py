@@ -101,7 +101,7 @@ class DeviceRun:
         # The backend's runners (NCCL's quiet.py): the synchronous form, run(stream handle, array,
         # seq, entry, group_name) -> issued, when posted.ops is empty; the stream's handle,
         # stream_of(CuPy stream, device) (None: another device's); the async form,
-        # start(CuPy stream, array) -> Work or None.
+        # start(CuPy stream, array, seq, entry, group_name) -> its Work (numbered, recorded) or None.
         self.run: Callable[..., bool] = runners.run
         self.start: Callable[..., Work | None] | None = runners.start
         self.posted: Any = runners.posted
@@ -278,14 +278,12 @@ class Issuer:
                 current = None  # CuPy's per-thread default stream: the usual way orders it
         if async_op:
             start = run.start
-            work = start(current, tensor) if start is not None and current is not None else None
-            if work is not None:
-                work.seq = seq
-                work.group_name = self.group_name
-                work._result.append(tensor)
-                if entry is not None:
-                    recorder.attach(entry, work)  # type: ignore[union-attr]  # (entry: recorder is set)
-                self.watchdog.watch_backend(backend)  # type: ignore[arg-type]  # (its queue holds the Work)
+            work = start(current, tensor, seq, entry, self.group_name) \
+                if start is not None and current is not None else None
+            if work is not None:  # numbered and tied to its entry by the runner
+                watchdog = self.watchdog
+                if backend is not watchdog.watched:
+                    watchdog.watch_backend(backend)  # type: ignore[arg-type]  # (its queue holds the Work)
                 return work
         elif current is not None and not run.posted.ops:  # (posted sends and receives: the usual way first)
             legacy = run.legacy

@@ -6,8 +6,9 @@ completion of finished ops in bulk. Functions over an :class:`NCCLBackend`'s sta
 temporary or PreMul operator) gets a :class:`Hot` the first time it is issued through
 the general path (``NCCLBackend._issue``), under the same key as its cached plan: the
 bound NCCL call and its arguments. A later call with that key goes through
-:func:`issue`, which makes only the runtime calls the op needs (two events, a record
-and a stream wait, the NCCL call, the end event's record) and one Work. It gives up,
+:func:`issue`, which makes only the runtime calls the op needs (the communication stream's one
+``ready`` event recorded on the caller's stream and waited on, the NCCL call, the end
+event's record) and one Work. It gives up,
 before it has done anything, whenever the general path has more to do: the producer's
 stream is held or foreign, the array is not on the communicator's device, that device
 is not current, the caller's stream is being captured, or the backend is aborted or
@@ -254,48 +255,74 @@ def issue(b: BackendState, hot: Hot, buf: Buffer) -> NCCLWork | None:
     if buf.nbytes <= b.comm_stream.caller_max and not b.comm_stream.timing and (
             given is None or given == rt.current_stream_of(device)):
         return _issue_on_caller(b, hot, buf, stream)
+    return issue_on_comm(b, hot, stream, buf)
+
+
+def issue_on_comm(b: BackendState, hot: Hot, stream: int, keep: Any) -> NCCLWork | None:
+    """:func:`issue` once the array is known to be on the communicator's device with no
+    held or foreign stream, and ``stream`` (the stream its producer named, or the
+    caller's) is not being captured: the op on the communication stream, after
+    ``stream``'s work; its Work, which keeps ``keep`` (the array's Buffer, or the array)
+    alive until the op completes. None, having done nothing, once the backend ended."""
+    rt = b.runtime
+    device = b.device_index
     with b.issue_lock:
         if b.ending.over is not None:
             return None
         cs = b.comm_stream
         timing = cs.timing
         comm_stream = cs.ptr
-        ready = rt.event(True, timing, device)
+        # An untimed op's ready event is the stream's one (CommStream.ready_event: a wait
+        # takes an event's state when it is made, so the next op may record it again);
+        # a timed op keeps its own, for its duration.
+        ready = rt.event(True, True, device) if timing else None
         issuing = False
         try:
-            rt.record(ready.ptr, stream)
-            rt.wait_event(comm_stream, ready.ptr)
+            mark = ready.ptr if ready is not None else cs.ready or cs.ready_event(rt, device)
+            rt.record(mark, stream)
+            rt.wait_event(comm_stream, mark)
             issuing = True
             on_comm(b, hot.call, comm_stream)
             end = rt.event(True, timing, device)
             rt.record(end.ptr, comm_stream)
         except Exception as exc:
-            failed = issue_failed(b, hot.op_type, exc, issuing, (buf,), [])
+            failed = issue_failed(b, hot.op_type, exc, issuing, (keep,), [])
             if failed is exc:
                 raise
             raise failed from exc
         cs.tail = end
         if timing:
             prev, cs.last_end = cs.last_end, end
-            work: NCCLWork = HotWork(hot.op_type, b, buf, b.timeout, device, end, ready, prev)
+            work: NCCLWork = HotWork(hot.op_type, b, keep, b.timeout, device, end, ready, prev)
         else:
             cs.last_end = None
-            work = HotWork(hot.op_type, b, buf, b.timeout, device, end, None, None)
+            work = HotWork(hot.op_type, b, keep, b.timeout, device, end, None, None)
         if b.outstanding.add_work(work):
             complete_until(b, work)
             b.outstanding.batch_done()
     return work
 
 
-def issue_async_at(b: BackendState, hot: Hot, stream: int, keep: Any, nbytes: int) -> NCCLWork | None:
-    """:func:`issue` of a small async op on the caller's stream for a caller that has
-    checked the array as :func:`issue_quiet_at` says (``stream``: the caller's current
-    stream of the communicator's device, the one the array's producer named; ``keep``:
-    what holds its memory): its Work; None, having done nothing, where the usual way
-    must issue it (a larger or timed op, a capture, an ended backend)."""
-    if nbytes > b.comm_stream.caller_max or b.comm_stream.timing or b.runtime.is_capturing(stream):
+def issue_async_at(b: BackendState, hot: Hot, stream: int, keep: Any, nbytes: int, seq: int,
+                   entry: _Entry | None, group_name: str) -> NCCLWork | None:
+    """:func:`issue` of an async op for a caller that has checked the array as
+    :func:`issue_quiet_at` says (``stream``: the caller's current stream of the
+    communicator's device, the one the array's producer named; ``keep``: the array,
+    which its Work holds and ``wait()`` returns): op number ``seq`` of group
+    ``group_name`` with flight-recorder ``entry``, on the communication stream (a small
+    untimed one on ``stream`` itself where ``comm_stream.caller_max`` says so); its
+    Work, numbered and tied to ``entry``. None, having done nothing, where the usual way
+    must issue it (a capture, an ended backend)."""
+    if b.runtime.is_capturing(stream):
         return None
-    return _issue_on_caller(b, hot, keep, stream)
+    cs = b.comm_stream
+    if nbytes > cs.caller_max or cs.timing:
+        work = issue_on_comm(b, hot, stream, keep)
+    else:
+        work = _issue_on_caller(b, hot, keep, stream)
+    if work is not None:
+        work.number(seq, group_name, keep, entry)
+    return work
 
 
 def _issue_on_caller(b: BackendState, hot: Hot, buf: Any, stream: int) -> NCCLWork | None:
@@ -413,8 +440,10 @@ def complete_until(b: BackendState, stop: Pending | None, mode_set: bool = False
                             if pool is not None:
                                 pool.give(w.end)
                         continue
-                    if _refs(w) <= _UNHELD and not w.observed():
-                        continue  # nobody holds it: dropped below, its arrays with it
+                    # Nobody holds it: dropped below, its arrays with it; if only its
+                    # flight-recorder entry looks, the entry is completed instead of the Work.
+                    if _refs(w) <= _UNHELD and (not w.observed() or w.fired_unheld(now)):
+                        continue
                     w.fired(rt, now)
     finally:
         if mode >= 0:

@@ -3,7 +3,8 @@ already issued on one array (address, size, dtype, op), its hot call looked up o
 run again with what the group read of the array per call.
 
 ``run(handle, keep, seq, entry, group_name) -> bool`` is ``NCCLBackend.all_reduce_quiet``
-of that op and ``start(stream, keep) -> Work | None`` its async form. ``stream`` is
+of that op and ``start(stream, keep, seq, entry, group_name) -> Work | None`` its async
+form (on the communication stream, numbered and recorded). ``stream`` is
 the caller's current stream as CuPy's ``get_current_stream()`` returns it, the
 stream the array's producer names: the op runs there if it is a stream of the
 communicator's device, else the runner declines and the usual way orders it;
@@ -66,8 +67,9 @@ def runners(b: BackendState, posted: Posted, hot: _hot.Hot, buf: Buffer) -> Runn
                    posted, b.runtime.stream_of, b.device_index, getattr(b.runtime, "stream_of_fixed", False))
 
 
-def _start(b: BackendState, posted: Posted, hot: _hot.Hot, nbytes: int, current: Any, keep: Any) -> NCCLWork | None:
+def _start(b: BackendState, posted: Posted, hot: _hot.Hot, nbytes: int, current: Any, keep: Any, seq: int,
+           entry: Any, group_name: str) -> NCCLWork | None:
     if posted.ops:
         return None
     stream = b.runtime.stream_of(current, b.device_index)
-    return None if stream is None else _hot.issue_async_at(b, hot, stream, keep, nbytes)
+    return None if stream is None else _hot.issue_async_at(b, hot, stream, keep, nbytes, seq, entry, group_name)

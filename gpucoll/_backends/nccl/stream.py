@@ -32,7 +32,7 @@ class CommStream:
     per op would cost the synchronous op more than the rest of its Python. The rest is
     read-only outside this class."""
 
-    __slots__ = ("stream", "ptr", "events", "timing", "last_end", "tail", "kept", "captured", "caller_max")
+    __slots__ = ("stream", "ptr", "events", "timing", "last_end", "tail", "kept", "captured", "caller_max", "ready")
 
     def __init__(self, caller_max: int = 0) -> None:
         self.stream: Any = None
@@ -46,6 +46,11 @@ class CommStream:
         # Async hot ops up to this many bytes, untimed, run on the caller's stream instead
         # (hot._issue_on_caller; GPUCOLL_NCCL_CALLER_STREAM_MAX). Read-only outside.
         self.caller_max = caller_max
+        # The raw event an untimed op on this stream records on the caller's stream and
+        # makes this stream wait on (0 until the first): cudaStreamWaitEvent takes the
+        # event's state when it is called, so each op records the same event again, and
+        # no event is taken and given back per op. Read-only outside.
+        self.ready = 0
 
     def time_ops(self) -> None:
         """Record later ops' events with timing (for active_duration)."""
@@ -65,6 +70,12 @@ class CommStream:
         self.stream = stream
         self.ptr = int(stream.ptr)
         self.events = EventPool(rt, device)
+
+    def ready_event(self, rt: Runtime, device: int) -> int:
+        """:attr:`ready`, taken from the pool on first use (kept for the stream's life)."""
+        if not self.ready:
+            self.ready = self.pool(rt, device).take()
+        return self.ready
 
     def pool(self, rt: Runtime, device: int) -> EventPool:
         """The event pool (made on first use where :meth:`open` was not called)."""

@@ -160,6 +160,32 @@ class NCCLWork(Work):
         without being completed: nothing could tell)."""
         return self._fr_entry is not None or self._callbacks is not None or self._future is not None
 
+    def fired_unheld(self, now: float) -> bool:
+        """The op's end fired and nobody holds the Work: if nothing but its flight-recorder
+        entry looks at its completion (no callback, future or finaliser, untimed), mark the
+        entry completed as of ``now`` (``time.perf_counter()``), as a Work-less op's is
+        (``hot.Quiet``; the dump reads the same), and return True; else False (complete
+        it as usual). The Work itself is dropped, never completed."""
+        if self._callbacks is not None or self._future is not None or self._finalize is not None \
+                or self._ready is not None or self._prev is not None:
+            return False
+        entry = self._fr_entry
+        if entry is not None and entry.seq == self.seq:
+            entry.done = now - self._t0
+        return True
+
+    def number(self, seq: int, group_name: str, result: Any, entry: Any) -> None:
+        """Number the Work of an op a group issued through a DeviceRun: op ``seq`` of group
+        ``group_name``, whose ``result()`` is ``[result]``, tied to flight-recorder
+        ``entry`` (``FlightRecorder.attach`` without its frame; None: no recorder)."""
+        self.seq = seq
+        self.group_name = group_name
+        self._result.append(result)
+        if entry is not None:
+            self._fr_entry = entry
+            if self._done.is_set():  # (only a failed issue is complete here, and that raised)
+                entry.finish(self)
+
     def has_fired(self, rt: Runtime) -> bool:
         """Whether the op is complete or its end event has fired (one query; raises
         what the query raises)."""
