@@ -25,10 +25,11 @@ import struct
 import sys
 
 from .._backends.cpu import auth
+from .._env import RPC_UNIX_ENV
 
 __all__ = ["ENV", "enabled", "host_identity", "listen", "connect", "check_peer", "tune", "family_name"]
 
-ENV = "GPUCOLL_RPC_UNIX"
+ENV = RPC_UNIX_ENV
 _PREFIX = "gpucoll-rpc-"
 _BUFFER_BYTES = 4 << 20  # socket buffers: the default (~200 KiB) cuts large arrays into many wake-ups
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
