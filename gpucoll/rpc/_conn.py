@@ -227,6 +227,7 @@ def serve_conn(agent: Any, sock: socket.socket) -> None:
         agent._incoming.add(conn)
     _serve(agent, conn, False)
 
+
 def dial_unix(name: str, key: bytes, me: int, peer: int) -> socket.socket | None:
     """An authenticated connection to a same-host peer's Unix address, or None when that
     fails in any way (the caller then dials the peer's TCP port: when in doubt, TCP)."""
