@@ -12,9 +12,14 @@ libraries ``--repeat`` times; each row's median over repeats is compared:
 
 Targets (issue 45): ratios gpucoll/torch <= 0.5, <= 0.5, >= 1.0 (throughput), <= 1.0.
 
+gpucoll's workers talk over the same-host transport (a Unix socket) as they do by
+default; ``--tcp-too`` adds a third column, gpucoll with ``GPUCOLL_RPC_UNIX=0`` (TCP over
+loopback), run alternately with the others: an A/B of the transport in one run. The
+transport each gpucoll run used is printed (from the agent's debug info).
+
 Usage::
 
-    python bench/rpc_bench.py [--calls 2000] [--fanin 10000] [--repeat 3] [--only gpucoll|torch]
+    python bench/rpc_bench.py [--calls 2000] [--fanin 10000] [--repeat 3] [--only gpucoll|torch] [--tcp-too]
 """
 
 from __future__ import annotations
@@ -66,9 +71,9 @@ def _median_time(fn: Any, n: int) -> float:
     return statistics.median(times)
 
 
-def measure(lib: str, calls: int, fanin: int) -> dict[str, float]:
+def measure(lib: str, calls: int, fanin: int) -> dict[str, Any]:
     rpc = _rpc(lib)
-    out: dict[str, float] = {}
+    out: dict[str, Any] = {}
     for _ in range(max(calls // 10, 20)):
         rpc.rpc_sync("worker0", noop)
     out["rpc_sync no-op (us)"] = _median_time(lambda: rpc.rpc_sync("worker0", noop), calls) * 1e6
@@ -87,11 +92,15 @@ def measure(lib: str, calls: int, fanin: int) -> dict[str, float]:
         fire(lib, "worker0", fanin - fanin // 2)
         other.wait()
         out[f"{fanin} rpc_async, 2 callers (ms)"] = (time.perf_counter() - t) * 1e3
+    if lib != "torch":
+        out["_transport"] = rpc._get_debug_info().get("agent.connections", "?")
     return out
 
 
 def _worker(lib: str, rank: int, port: int, calls: int, fanin: int, q: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if lib == "gpucoll-tcp":
+        os.environ["GPUCOLL_RPC_UNIX"] = "0"
     rpc = _rpc(lib)
     opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=300)
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3, rpc_backend_options=opts)
@@ -107,7 +116,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run(lib: str, calls: int, fanin: int) -> dict[str, float]:
+def run(lib: str, calls: int, fanin: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
@@ -115,7 +124,7 @@ def run(lib: str, calls: int, fanin: int) -> dict[str, float]:
     for p in procs:
         p.start()
     try:
-        result: dict[str, float] = q.get(timeout=600)
+        result: dict[str, Any] = q.get(timeout=600)
     finally:
         for p in procs:
             p.join(timeout=60)
@@ -130,20 +139,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fanin", type=int, default=10000)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--only", choices=("gpucoll", "torch"), default=None)
+    ap.add_argument("--tcp-too", action="store_true", help="also gpucoll with GPUCOLL_RPC_UNIX=0 (TCP)")
     args = ap.parse_args(argv)
     libs = [args.only] if args.only else ["gpucoll", "torch"]
-    runs: dict[str, list[dict[str, float]]] = {lib: [] for lib in libs}
+    if args.tcp_too and "gpucoll" in libs:
+        libs.insert(1, "gpucoll-tcp")
+    runs: dict[str, list[dict[str, Any]]] = {lib: [] for lib in libs}
     for _ in range(args.repeat):
         for lib in libs:
             runs[lib].append(run(lib, args.calls, args.fanin))
-    rows = list(runs[libs[0]][0])
+    rows = [k for k in runs[libs[0]][0] if not k.startswith("_")]
     med = {lib: {k: statistics.median(r[k] for r in runs[lib]) for k in rows} for lib in libs}
-    print(f"{'row':34s}" + "".join(f"{lib:>12s}" for lib in libs) + ("   ratio" if len(libs) == 2 else ""))
+    pairs = [lib for lib in libs if lib != "torch"] if "torch" in libs else []
+    print(f"{'row':34s}" + "".join(f"{lib:>12s}" for lib in libs)
+          + "".join(f"{lib + '/torch':>20s}" for lib in pairs))
     for k in rows:
         line = f"{k:34s}" + "".join(f"{med[lib][k]:12.1f}" for lib in libs)
-        if len(libs) == 2:
-            line += f"   {med['gpucoll'][k] / med['torch'][k]:.2f}x"
+        line += "".join(f"{med[lib][k] / med['torch'][k]:19.2f}x" for lib in pairs)
         print(line)
+    for lib in libs:
+        if lib != "torch":
+            print(f"{lib} connections of worker1: " + "; ".join(sorted({r['_transport'] for r in runs[lib]})))
     sys.stdout.flush()
     return 0
 

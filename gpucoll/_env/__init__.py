@@ -118,6 +118,12 @@ CACHE_DIR_ENV: Final = "GPUCOLL_CACHE_DIR"
 """Where gpucoll keeps what it builds on first use (the compiled jit handler); default
 ``$XDG_CACHE_HOME/gpucoll``, else ``~/.cache/gpucoll``. Must be this user's alone."""
 
+# -- remote calls (gpucoll.rpc) ---------------------------------------------------------------
+
+RPC_UNIX_ENV: Final = "GPUCOLL_RPC_UNIX"
+"""``0``: this worker neither listens on nor dials a same-host Unix socket; its RPC connections
+are all TCP. Default: same-host peers (same boot id and network namespace) use one (Linux)."""
+
 # -- gpucoll-bench ---------------------------------------------------------------------------
 
 BENCH_COMMAND_ENV: Final = "GPUCOLL_BENCH_COMMAND"
@@ -129,6 +135,6 @@ BENCH_CORRUPT_ENV: Final = "GPUCOLL_BENCH_CORRUPT"
 NAMES: Final = (STORE_HOSTED_ENV, STORE_TOKEN_ENV, STORE_RELAY_ENV, BACKEND_ENV, DEATH_RECORDS_ENV, ERROR_FILE_ENV, CPU_BIND_ENV, LAUNCHER_PID_ENV,
                 DEBUG_ENV, NON_MEMBER_ENV, FLIGHT_RECORDER_SIZE_ENV, FLIGHT_RECORDER_DIR_ENV, CONTROL_PLANE_ENV, CPU_TRANSPORT_ENV,
                 CPU_CMA_ENV, CPU_IFADDR_ENV, MAX_OBJECT_BYTES_ENV, NCCL_SCALABLE_INIT_ENV, NCCL_RANKS_PER_ROOT_ENV,
-                NCCL_CALLER_STREAM_MAX_ENV,
+                NCCL_CALLER_STREAM_MAX_ENV, RPC_UNIX_ENV,
                 JAX_NATIVE_ENV, CACHE_DIR_ENV, BENCH_COMMAND_ENV, BENCH_CORRUPT_ENV)
 """Every name above."""

@@ -34,9 +34,9 @@ import time
 from typing import Any, Callable, Iterable
 
 from ..futures import Future
-from . import _wire
+from . import _local, _wire
 from ._conn import (FLAG_ERROR, FLAG_REPLY, HANDSHAKE_TIMEOUT, LAZY_WAKE, _READ_SLICE_MS, Reply, _Call, _Conn, _sending,
-                    _tune, rebuild_error, serve_conn)
+                    _tune, dial_unix, rebuild_error, serve_conn)
 from ._faults import FaultSpec
 from ._info import AgentShutDownError, IntentionalFailureError, MessageType, PeerLostError, RpcTimeoutError, UnknownWorkerError, WorkerInfo
 
@@ -50,7 +50,8 @@ class Agent:
     """One worker's RPC endpoint. Built by ``init_rpc``; the API module holds the only one."""
 
     def __init__(self, store: Any, info: WorkerInfo, peers: dict[int, WorkerInfo], listener: socket.socket,
-                 addresses: dict[int, tuple[str, int]], options: Any, faults: FaultSpec | None) -> None:
+                 addresses: dict[int, tuple[str, int]], options: Any, faults: FaultSpec | None,
+                 unix_listener: socket.socket | None = None) -> None:
         self.store = store
         self.info = info
         self.options = options
@@ -62,6 +63,7 @@ class Agent:
         self.by_id: dict[int, WorkerInfo] = dict(peers)
         self.by_name = {w.name: w for w in peers.values()}
         self.addresses = dict(addresses)
+        self.unix_addresses: dict[int, str] = {}  # same-host peers' Unix addresses (see _local)
         self.key, self.secret = _wire.rpc_key(store)
         self.handlers: dict[int, Handler] = {}
         self.inline_kinds: frozenset[int] = frozenset()  # handlers that never block run on the reader
@@ -72,6 +74,7 @@ class Agent:
         self._active = 0  # calls received and not yet answered
         self._active_lock = threading.Lock()
         self._listener = listener
+        self._unix_listener = unix_listener
         self._out: dict[int, _Conn] = {}
         self._incoming: set[_Conn] = set()
         self._dial_locks: dict[int, threading.Lock] = {}
@@ -94,7 +97,10 @@ class Agent:
         """Start serving (once the handlers are installed) and running timeouts."""
         if self._threads:
             return
-        self._threads = [self._spawn(self._accept_loop, "rpc-accept"), self._spawn(self._timer_loop, "rpc-timer")]
+        self._threads = [self._spawn(self._accept_loop, "rpc-accept", self._listener),
+                         self._spawn(self._timer_loop, "rpc-timer")]
+        if self._unix_listener is not None:
+            self._threads.append(self._spawn(self._accept_loop, "rpc-accept-unix", self._unix_listener))
         self._threads += [self._spawn(self._work_loop, f"rpc-worker-{i}") for i in range(self.num_worker_threads)]
 
     # ----- workers ------------------------------------------------------------------------
@@ -361,11 +367,14 @@ class Agent:
             if conn is not None:
                 return conn
             host, port = self.addresses[to.id]
+            name = self.unix_addresses.get(to.id)
+            sock = dial_unix(name, self.key, self.info.id, to.id) if name is not None else None
             try:
-                sock = socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT)
-                _tune(sock)
-                _wire.dial_handshake(sock, self.key, self.info.id, to.id)
-                sock.settimeout(None)
+                if sock is None:
+                    sock = socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT)
+                    _tune(sock)
+                    _wire.dial_handshake(sock, self.key, self.info.id, to.id)
+                    sock.settimeout(None)
             except Exception as e:  # noqa: BLE001
                 reason = f"cannot connect to worker {to.name} (id {to.id}) at {host}:{port}: {e}"
                 if isinstance(e, (ConnectionRefusedError, ConnectionResetError, EOFError)):
@@ -505,10 +514,10 @@ class Agent:
 
     # ----- serving ------------------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
+    def _accept_loop(self, listener: socket.socket) -> None:
         while not self.closed:
             try:
-                sock, _ = self._listener.accept()
+                sock, _ = listener.accept()
             except OSError:
                 return
             self._spawn(serve_conn, "rpc-in", self, sock)
@@ -549,11 +558,14 @@ class Agent:
             self.closed = True
             conns: Iterable[_Conn] = [*self._out.values(), *self._incoming]
             self._out.clear()
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
+        for listener in (self._listener, self._unix_listener):
+            if listener is None:
+                continue
+            try:
+                listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            listener.close()  # an abstract Unix name is gone with its socket: no file to remove
         for c in conns:
             c.close()
         with self._timer_cv:
@@ -569,7 +581,15 @@ class Agent:
                 "agent.client_active_calls": str(len(self._pending)),
                 "agent.server_active_calls": str(self.active_server),
                 "agent.server_active_async_calls": "0",
-                "agent.gil_average_wait_time_us": "0"}
+                "agent.gil_average_wait_time_us": "0",
+                "agent.connections": self.transports()}
+
+    def transports(self) -> str:
+        """The transport of each connection this worker dialed, as ``"name=unix,name=tcp"``
+        (sorted by worker id): same-host peers use ``unix`` unless something failed there."""
+        out = dict(self._out)
+        return ",".join(f"{self.by_id[p].name if p in self.by_id else p}={_local.family_name(c.sock)}"
+                        for p, c in sorted(out.items()))
 
 
 def _complete(fut: Future[Any], value: Any, error: BaseException | None) -> None:

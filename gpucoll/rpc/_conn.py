@@ -18,11 +18,11 @@ import traceback
 from typing import Any
 
 from ..futures import Future
-from . import _wire
+from . import _local, _wire
 from ._info import MessageType
 
 __all__ = ["FLAG_REPLY", "FLAG_ERROR", "MAX_FRAME_BYTES", "HANDSHAKE_TIMEOUT", "LAZY_WAKE", "LAZY_REPLIES",
-           "KEEPALIVE_IDLE", "KEEPALIVE_INTERVAL", "KEEPALIVE_COUNT", "USER_TIMEOUT", "Reply", "serve_conn",
+           "KEEPALIVE_IDLE", "KEEPALIVE_INTERVAL", "KEEPALIVE_COUNT", "USER_TIMEOUT", "Reply", "serve_conn", "dial_unix",
            "rebuild_error"]
 
 _log = logging.getLogger("gpucoll.rpc")
@@ -131,7 +131,11 @@ _sending = threading.local()  # .active: this thread holds a connection's send l
 
 
 def _tune(sock: socket.socket) -> None:
-    """An RPC connection's socket options: no Nagle delay; keepalive and a user timeout."""
+    """An RPC connection's socket options: no Nagle delay; keepalive and a user timeout (TCP);
+    larger buffers (a same-host Unix socket: its peer's exit closes it, no keepalive needed)."""
+    if _local.family_name(sock) == "unix":
+        _local.tune(sock)
+        return
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL),
@@ -222,6 +226,26 @@ def serve_conn(agent: Any, sock: socket.socket) -> None:
             return
         agent._incoming.add(conn)
     _serve(agent, conn, False)
+
+
+def dial_unix(name: str, key: bytes, me: int, peer: int) -> socket.socket | None:
+    """An authenticated connection to a same-host peer's Unix address, or None when that
+    fails in any way (the caller then dials the peer's TCP port: when in doubt, TCP)."""
+    try:
+        sock = _local.connect(name, HANDSHAKE_TIMEOUT)
+    except Exception as e:  # noqa: BLE001
+        _log.debug("gpucoll.rpc: the Unix address of worker id %d failed (%s): dialing its TCP port", peer, e)
+        return None
+    try:
+        _wire.dial_handshake(sock, key, me, peer)
+        sock.settimeout(None)
+    except Exception as e:  # noqa: BLE001
+        sock.close()
+        _log.debug("gpucoll.rpc: the handshake on worker id %d's Unix address failed (%s): dialing its TCP port",
+                   peer, e)
+        return None
+    return sock
+
 
 def _serve(agent: Any, conn: _Conn, standby: bool) -> None:
     """One of an incoming connection's two threads. The one holding ``conn.role`` reads

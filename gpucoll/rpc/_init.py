@@ -13,6 +13,7 @@ from ..store import FileStore, PrefixStore, Store, TCPStore
 from .._env import STORE_HOSTED_ENV, STORE_TOKEN_ENV
 from .._rendezvous import rendezvous, tcp_store
 from ._agent import Agent
+from . import _local
 from ._members import join_dynamic
 from ._peers import build_agent, store_timeout
 from ._faults import FaultSpec
@@ -144,18 +145,26 @@ def start_agent(store: Store, name: str, rank: int, world_size: int | None, opti
                         f"This worker ({name!r}) asked for a {mine[6:]} group; the group's workers are {theirs[6:]}")
     store.set(mine, b"1")
     listener, public = listen(options)
+    local = _local.listen()  # same-host peers connect here (None: TCP only)
+    unix = local[0] if local is not None else None
     try:
-        record = json.dumps({"name": name, "host": public, "port": listener.getsockname()[1],
-                             "maps": getattr(options, "device_maps", {}) or {}})
+        published: dict[str, Any] = {"name": name, "host": public, "port": listener.getsockname()[1],
+                                     "maps": getattr(options, "device_maps", {}) or {}}
+        identity = _local.host_identity()
+        if local is not None and identity is not None:
+            published.update(unix=local[1], local=identity)
+        record = json.dumps(published)
         if store.add(f"rank/{rank}", 1) != 1:
             raise ValueError(f"init_rpc(rank={rank}): another worker already joined with rank {rank}")
         store.set(f"worker/{rank}", record)
         if world_size is None:
-            return join_dynamic(store, name, rank, record, listener, options, faults)
+            return join_dynamic(store, name, rank, record, listener, options, faults, unix)
         timeout = store_timeout(options)
         raw = _published(store, name, rank, world_size, timeout)
         records = {r: json.loads(v) for r, v in enumerate(raw)}
-        return build_agent(store, rank, records, listener, options, faults)
+        return build_agent(store, rank, records, listener, options, faults, unix)
     except BaseException:
         listener.close()
+        if unix is not None:
+            unix.close()
         raise

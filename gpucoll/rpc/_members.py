@@ -47,13 +47,13 @@ def _tell(agent: Agent, rank: int, record: str | None, others: list[int], timeou
 
 
 def join_dynamic(store: Store, name: str, rank: int, record: str, listener: socket.socket, options: Any,
-                 faults: FaultSpec | None) -> Agent:
+                 faults: FaultSpec | None, unix: socket.socket | None = None) -> Agent:
     timeout = store_timeout(options)
     with _membership_lock(store, timeout):
         members = [r for r in _members(store) if r != rank]
         records = {r: json.loads(store.get(f"worker/{r}")) for r in members}
         records[rank] = json.loads(record)
-        agent = build_agent(store, rank, records, listener, options, faults)
+        agent = build_agent(store, rank, records, listener, options, faults, unix)
         agent.is_static_group = False
         try:
             _tell(agent, rank, record, members, timeout)

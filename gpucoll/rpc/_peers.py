@@ -7,11 +7,12 @@ import socket
 from typing import Any
 
 from ..store import Store
+from . import _local
 from ._agent import Agent
 from ._faults import FaultSpec
 from ._info import DuplicateNameError, UnknownWorkerError, WorkerInfo
 
-__all__ = ["build_agent", "add_peer", "remove_peer", "store_timeout"]
+__all__ = ["build_agent", "unix_address", "add_peer", "remove_peer", "store_timeout"]
 
 
 def store_timeout(options: Any) -> float:
@@ -20,8 +21,17 @@ def store_timeout(options: Any) -> float:
     return max(t, 60.0) if t > 0 else 1800.0
 
 
+def unix_address(rec: dict[str, Any]) -> str | None:
+    """A worker's Unix address if it is on this host and network namespace (and both sides
+    use the same-host transport); None: dial its TCP port."""
+    name, identity = rec.get("unix"), rec.get("local")
+    if not isinstance(name, str) or not isinstance(identity, str) or not _local.enabled():
+        return None
+    return name if identity == _local.host_identity() else None
+
+
 def build_agent(store: Store, rank: int, records: dict[int, dict[str, Any]], listener: socket.socket,
-                options: Any, faults: FaultSpec | None) -> Agent:
+                options: Any, faults: FaultSpec | None, unix: socket.socket | None = None) -> Agent:
     seen: dict[str, int] = {}
     for r in sorted(records):
         n = records[r]["name"]
@@ -31,7 +41,11 @@ def build_agent(store: Store, rank: int, records: dict[int, dict[str, Any]], lis
         seen[n] = r
     peers = {r: WorkerInfo(rec["name"], r) for r, rec in records.items()}
     addresses = {r: (rec["host"], int(rec["port"])) for r, rec in records.items()}
-    agent = Agent(store, peers[rank], peers, listener, addresses, options, faults)
+    agent = Agent(store, peers[rank], peers, listener, addresses, options, faults, unix)
+    for r, rec in records.items():
+        local = unix_address(rec)
+        if local is not None and r != rank:
+            agent.unix_addresses[r] = local
     agent.peer_maps = {rec["name"]: rec.get("maps", {}) for rec in records.values()}  # type: ignore[attr-defined]
     return agent
 
@@ -43,6 +57,11 @@ def add_peer(agent: Agent, rank: int, rec: dict[str, Any]) -> None:
     agent.by_id[rank] = info
     agent.by_name[info.name] = info
     agent.addresses[rank] = (rec["host"], int(rec["port"]))
+    local = unix_address(rec)
+    if local is not None:
+        agent.unix_addresses[rank] = local
+    else:
+        agent.unix_addresses.pop(rank, None)
     agent.peer_maps[info.name] = rec.get("maps", {})  # type: ignore[attr-defined]
     agent.lost.pop(rank, None)
     agent.peers_changed()

@@ -12,7 +12,8 @@ all, is an error for its connection only (the connection is closed).
 
 Before any frame, the dialer and the listener run the CPU transport's challenge-response
 (:mod:`gpucoll._backends.cpu.auth`: HMAC over fresh nonces, keyed by the job's store
-token; a same-host peer must belong to this user), under a key of its own for RPC. The
+token; a same-host peer must belong to this user: on a Unix socket its ``SO_PEERCRED``
+uid, checked before anything is read), under a key of its own for RPC. The
 listener reads only fixed-size handshake records until the dialer has proven itself:
 nothing from an unauthenticated connection is ever unpickled.
 """
@@ -29,6 +30,7 @@ import struct
 from typing import Any, Callable
 
 from .._backends.cpu import auth
+from . import _local
 
 __all__ = ["HEADER", "MAX_BUFFERS", "FrameError", "FrameReader", "frame_parts", "send_frame", "send_parts", "dial_handshake",
            "listen_handshake", "rpc_key", "dumps", "loads"]
@@ -74,10 +76,14 @@ def listen_handshake(sock: socket.socket, key: bytes, me: int, secret: bool,
     Raises:
         auth.HandshakeError: a bad greeting or proof, or a same-host peer of another user.
     """
+    unix = _local.family_name(sock) == "unix"
+    if unix:  # always checked here, token or not: an abstract name is open to every user
+        _local.check_peer(sock, "a connection on this worker's Unix address")
     magic, peer, target, dialer_nonce = auth.HELLO.unpack(auth.recv_exact(sock, auth.HELLO.size))
     if magic != HANDSHAKE_MAGIC or target != me or not valid_peer(peer):
         raise auth.HandshakeError(f"a connection with a bad greeting (worker id {peer}, for id {target})")
-    auth.check_local_owner(sock, peer, strict=not secret)
+    if not unix:
+        auth.check_local_owner(sock, peer, strict=not secret)
     reply, nonce = auth.make_reply(key, me, peer, dialer_nonce)
     sock.sendall(reply)
     auth.check_proof(key, me, peer, nonce, dialer_nonce, auth.recv_exact(sock, auth.PROOF.size))

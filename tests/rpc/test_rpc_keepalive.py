@@ -8,7 +8,8 @@ powered off or partitioned (a SIGSTOPped process would not do: its kernel still 
 The pending call fails naming worker1 within about USER_TIMEOUT s, and a new call to it
 fails at once. Without the socket options the call waits forever (checked by hand: the
 script then runs into its own 60 s limit). Needs ``unshare -n`` and ``ip`` (root in a
-container is enough); skipped where they are not allowed.
+container is enough); skipped where they are not allowed. The workers use TCP
+(``GPUCOLL_RPC_UNIX=0``): keepalive is what is tested, between hosts.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ def _can_unshare() -> bool:
 
 @pytest.mark.skipif(not _can_unshare(), reason="needs `unshare -n` and `ip` (a network namespace of its own)")
 def test_vanished_host_fails_pending_calls_by_keepalive() -> None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(HERE)),
-                                                        os.environ.get("PYTHONPATH", "")]))
+    # TCP, as between two hosts: same-host peers would otherwise talk over a Unix socket,
+    # which the namespace's loopback going down does not touch.
+    env = dict(os.environ, GPUCOLL_RPC_UNIX="0", PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(HERE)),
+                                                                              os.environ.get("PYTHONPATH", "")]))
     run = subprocess.run(["unshare", "-n", sys.executable, os.path.join(HERE, "_vanish_world.py")],
                          capture_output=True, text=True, timeout=90, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
