@@ -624,9 +624,9 @@ def interleaved_ops(impls: list[str], args: argparse.Namespace) -> list[Row]:
     taking turns (the order rotating) in each of ``--repeats`` rounds; each row is the
     median of its rounds. Each add-throughput row has a server-CPU row beside it: the
     server process's user and system CPU (``/proc/<pid>/stat``, 10 ms ticks) over the
-    adds it served, in microseconds per add. ``floor`` (bench/store_floor.c, driven by gpucoll's own client)
-    and ``floor-py`` (bench/store_floor.py, the same in Python) have only the
-    add-throughput rows: they answer every request with "1"."""
+    adds it served, in microseconds per add. ``floor`` (bench/store_floor.c, driven by
+    gpucoll's own client) and ``floor-py`` (bench/store_floor.py, the same in Python)
+    have only the add-throughput rows: they answer every request with "1"."""
     import gpucoll.store  # noqa: F401
 
     servers: dict[str, _Server | _FloorServer | _PyFloorServer] = {
