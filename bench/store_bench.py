@@ -622,9 +622,11 @@ def interleaved(impls: list[str], args: argparse.Namespace) -> list[Row]:
 def interleaved_ops(impls: list[str], args: argparse.Namespace) -> list[Row]:
     """The latency and add-throughput rows with every implementation's server up at once,
     taking turns (the order rotating) in each of ``--repeats`` rounds; each row is the
-    median of its rounds. ``floor`` (bench/store_floor.c, driven by gpucoll's own client)
-    and ``floor-py`` (bench/store_floor.py, the same in Python) have only the
-    add-throughput rows: they answer every request with "1"."""
+    median of its rounds. Each add-throughput row has a server-CPU row beside it: the
+    server process's user and system CPU (``/proc/<pid>/stat``, 10 ms ticks) over the
+    adds it served, in microseconds per add. ``floor`` (bench/store_floor.c, driven by
+    gpucoll's own client) and ``floor-py`` (bench/store_floor.py, the same in Python)
+    have only the add-throughput rows: they answer every request with "1"."""
     import gpucoll.store  # noqa: F401
 
     servers: dict[str, _Server | _FloorServer | _PyFloorServer] = {
@@ -647,8 +649,14 @@ def interleaved_ops(impls: list[str], args: argparse.Namespace) -> list[Row]:
             for c in args.clients:
                 for k in range(len(impls)):
                     impl = impls[(r + k) % len(impls)]
-                    samples.setdefault((f"add throughput, {c} clients", impl), []).append(
-                        _throughput(impl, servers[impl].port, c, args.seconds))
+                    before = _cpu_seconds(servers[impl].pid)
+                    ops = _throughput(impl, servers[impl].port, c, args.seconds)
+                    samples.setdefault((f"add throughput, {c} clients", impl), []).append(ops)
+                    # Where the server's time goes: every server here makes the same system
+                    # calls per add (one recv, one send, a share of one epoll_wait), so what
+                    # separates them is their own CPU per request.
+                    samples.setdefault((f"server CPU per add, {c} clients", impl), []).append(
+                        (_cpu_seconds(servers[impl].pid) - before) / max(1.0, ops * args.seconds) * 1e6)
             print(f"# round {r}: " + "; ".join(
                 f"{name} {impl} {vals[-1]:.1f}" for (name, impl), vals in samples.items()
                 if "throughput" in name), file=sys.stderr)

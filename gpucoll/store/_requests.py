@@ -361,6 +361,27 @@ class Requests:
         size = len(total)
         return (_OK_HEADS[size] if size < _OK_HEADS_N else _ONE_FIELD.pack(5 + size, w.OK, size)) + total
 
+    def quick_get(self, conn: Conn, buf: bytearray, n: int) -> bytes | None:
+        """The reply to the frame in ``buf[:n]`` from the authenticated ``conn`` when it is
+        a GET of one key that is set, with a well-formed timeout and a value small enough
+        to be joined to its reply's head. None for anything else (a key not set yet parks,
+        several keys, a large value): the frame then takes the general path, which gives
+        the same answer. (A rank's reads of an address or a status are the store's most
+        common read; this serves one with no field list, no dispatch and no queued reply.)"""
+        if n < 21 or buf[4] != w.GET or n - 4 > conn.limit:
+            return None
+        unpack = w.U32.unpack_from
+        if unpack(buf, 0)[0] != n - 4 or unpack(buf, 5)[0] != 8 or unpack(buf, 17)[0] != n - 21:
+            return None  # not one timeout field and one key filling the frame
+        (timeout,) = w.F64.unpack_from(buf, 9)
+        if timeout != timeout:
+            return None  # NaN: the general path drops the connection
+        value = self._data.get(bytes(buf[21:n]))
+        if value is None or len(value) >= JOIN_THRESHOLD:
+            return None
+        size = len(value)
+        return _ONE_FIELD.pack(5 + size, w.OK, size) + value
+
     def _op_cas(self, conn: Conn, f: list[bytes]) -> None:
         self._reply(conn, w.OK, [self.kv.compare_set(self._key(f[0]), f[1], self._value(f[2]))])
 

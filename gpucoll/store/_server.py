@@ -406,8 +406,10 @@ class StoreServer:
             # The common case, one whole request in this read from a connection with
             # nothing pending: serve it without the bookkeeping of _process (same checks,
             # same order). First a counter's ADD, most often the same frame as this
-            # connection's last one (see quick_add).
+            # connection's last one (see quick_add), then a GET of a key that is set.
             reply = self.requests.quick_add(conn, self._rbuf, n)
+            if reply is None:
+                reply = self.requests.quick_get(conn, self._rbuf, n)
             if reply is not None:
                 try:
                     sent = sock.send(reply)

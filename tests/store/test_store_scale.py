@@ -252,6 +252,27 @@ def test_the_benchmarks_python_floor_answers_as_the_c_floor() -> None:
         sb.main(["--impl", "floor-py"])
 
 
+def test_the_ops_rows_give_each_servers_cpu_per_add_beside_its_rate() -> None:
+    """store_bench --ops-only: each add-throughput row has a server-CPU row beside it, one
+    value per server, read from that server's process: positive, and no more than the
+    wall time per add (one server thread cannot use more than one core)."""
+    import argparse
+
+    sb = _store_bench()
+    args = argparse.Namespace(iters=50, seconds=0.5, repeats=1, clients=[2])
+    rows = {r.name: r for r in sb.interleaved_ops(["gpucoll", "floor-py"], args)}
+    rate, cpu = rows["add throughput, 2 clients"], rows["server CPU per add, 2 clients"]
+    assert cpu.unit == "us" and not cpu.higher_is_better and rate.higher_is_better
+    for impl in ("gpucoll", "floor-py"):
+        ops = rate.values[impl]
+        assert isinstance(ops, float) and ops > 0
+        per_add = cpu.values[impl]
+        assert isinstance(per_add, float)
+        # 10 ms ticks over half a second of a busy server: some ticks, never more than
+        # the wall time of the adds it served (with a tick of slack for the rounding).
+        assert 0 < per_add <= (1e6 / ops) * 1.1 + 0.01 / (ops * args.seconds) * 1e6, (impl, per_add, ops)
+
+
 # -- the open-file limit -------------------------------------------------------------------
 
 def _child(code: str) -> subprocess.CompletedProcess[str]:
