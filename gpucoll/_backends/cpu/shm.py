@@ -48,6 +48,7 @@ _EAGAIN, _EINTR, _ETIMEDOUT = 11, 4, 110
 SPIN_SECONDS = 20e-6  # a wait's spin on a busy machine (see ShmSegment.wait)
 SPIN_REGAIN = 0.1e-6  # spin budget given back by each wait that ended while spinning
 PREEMPTED_SECONDS = 30e-6  # a gap this long between two checks of a spin: it was preempted
+YIELD_SECONDS = 1e-3  # the longest a crowded group's wait yields its CPU before it spins and sleeps
 
 
 def _running() -> int:
@@ -108,16 +109,20 @@ class ShmSegment:
         bulk_bytes: bytes per bulk buffer.
         timeout: seconds to wait for every rank to map the segment.
         spin_seconds: how long a wait spins before it sleeps.
+        yields: how many times a wait yields its CPU (``sched_yield``) before it spins, for
+            at most ``YIELD_SECONDS``; 0 (none) unless the group has more ranks than CPUs.
     """
 
     def __init__(self, store: Any, rank: int, size: int, *, small_bytes: int, bulk_bytes: int,
-                 timeout: float, spin_seconds: float, gone: Callable[[int], str | None] | None = None) -> None:
+                 timeout: float, spin_seconds: float, gone: Callable[[int], str | None] | None = None,
+                 yields: int = 0) -> None:
         self.rank = rank
         self.size = size
         self.small_bytes = small_bytes
         self.bulk_bytes = bulk_bytes
         self.spin_seconds = spin_seconds
         self.spin_now = spin_seconds  # the adaptive budget (see wait)
+        self._yields = range(yields)  # a wait's first phase (see wait)
         self._cpus = os.cpu_count() or 1
         self._my_cpu = rank * REC_WORDS + _CPU
         self._crowd_at, self._crowd = -1.0, False  # when /proc/loadavg was last read, what it said
@@ -190,6 +195,18 @@ class ShmSegment:
         idx = peer * REC_WORDS + _CTR
         if ctl[idx] >= target:
             return
+        if self._yields:
+            # More ranks than CPUs: the peer is likely waiting for a CPU, perhaps this
+            # one. Hand it over (sched_yield) while the peer comes within moments,
+            # before a spin (which would hold the CPU) or a sleep (whose wake-up costs
+            # a system call on the peer and a scheduling delay here).
+            end = time.perf_counter() + YIELD_SECONDS
+            for _ in self._yields:
+                os.sched_yield()
+                if ctl[idx] >= target:
+                    return
+                if time.perf_counter() > end:
+                    break
         # Spin, then sleep on the peer's counter (a futex). How long to spin adapts: with
         # more runnable processes than cores, every µs a waiter spins is a µs its peer
         # may not run, so a spin that was preempted (a gap between two checks: another

@@ -48,6 +48,7 @@ SMALL_BYTES = 256 * 1024
 BULK_BYTES = 1 << 20
 SPIN_SECONDS = 200e-6
 SPIN_SECONDS_OVERSUBSCRIBED = 20e-6
+YIELDS_OVERSUBSCRIBED = 32  # sched_yield()s a wait tries first with more ranks than CPUs (ShmSegment.wait)
 
 U8 = np.dtype(np.uint8)
 
@@ -75,8 +76,9 @@ class ShmCollectives:
         except (AttributeError, OSError):
             cores = os.cpu_count() or 1
         spin = SPIN_SECONDS if size <= cores else SPIN_SECONDS_OVERSUBSCRIBED
+        yields = 0 if size <= cores else YIELDS_OVERSUBSCRIBED
         self.seg = ShmSegment(store, rank, size, small_bytes=SMALL_BYTES, bulk_bytes=BULK_BYTES,
-                              timeout=timeout, spin_seconds=spin, gone=mesh.gone)
+                              timeout=timeout, spin_seconds=spin, gone=mesh.gone, yields=yields)
         self._peers = [p for p in range(size) if p != rank]
         try:  # single-copy large all_reduces (cma.py) if every rank may read every peer's memory
             self._cma, self.cma_unavailable = cma.agree(store, rank, size, timeout, mesh.gone)
