@@ -1,9 +1,9 @@
 """A shared-memory group with more ranks than CPUs (``ShmSegment.wait``'s yield phase):
 a rank waiting for a peer first hands its CPU over with ``sched_yield`` (the peer may be
 queued behind it), before it spins or sleeps. Checked through the public API on ranks
-pinned to one CPU: the group takes the yield phase (and a group with a CPU per rank does
-not), waits do yield, results match NumPy's, and a peer that never comes still fails the
-op at the group's timeout, naming the peer."""
+pinned to one CPU: the group takes the yield phase (a group with a CPU per rank, its
+ranks bound to one CPU each or not, does not), waits do yield, results match NumPy's,
+and a peer that never comes still fails the op at the group's timeout, naming it."""
 
 from __future__ import annotations
 
@@ -66,6 +66,9 @@ def test_more_ranks_than_cpus_yield_first() -> None:
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
-def test_a_cpu_per_rank_does_not_yield() -> None:
-    for got in run_spmd(crowded_body, 2, args=(False,), timeout=180, init=False):
+@pytest.mark.parametrize("bind_to", ["none", "core"])
+def test_a_cpu_per_rank_does_not_yield(bind_to: str) -> None:
+    # "core": each rank may run on one CPU only, but they are different CPUs: the group
+    # has a CPU per rank (beside a busy process, a yield would hand it the CPU).
+    for got in run_spmd(crowded_body, 2, args=(False,), timeout=180, init=False, bind_to=bind_to):
         assert got["phase"] == 0 and got["bad"] == []
