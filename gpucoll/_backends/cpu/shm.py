@@ -37,7 +37,8 @@ import numpy as np
 from ...errors import DistBackendError, DistStoreTimeoutError
 from .segments import PREFIX as _PREFIX, new_name, sweep_orphans, unlink_ours as _unlink
 
-__all__ = ["ShmSegment", "ShmUnavailable", "REC_WORDS", "ADDR", "futex_wait", "futex_wake", "map_segment", "get_while_alive"]
+__all__ = ["ShmSegment", "ShmUnavailable", "REC_WORDS", "ADDR", "futex_wait", "futex_wake", "map_segment", "get_while_alive",
+           "wait_policy"]
 
 REC_WORDS = 32  # u64 words per rank record (256 bytes: no false sharing between ranks)
 _CTR, _SLEEP, _HDR, _CPU = 0, 1, 2, 6  # word offsets in a record; headers at 2..5
@@ -49,6 +50,8 @@ SPIN_SECONDS = 20e-6  # a wait's spin on a busy machine (see ShmSegment.wait)
 SPIN_REGAIN = 0.1e-6  # spin budget given back by each wait that ended while spinning
 PREEMPTED_SECONDS = 30e-6  # a gap this long between two checks of a spin: it was preempted
 YIELD_SECONDS = 1e-3  # the longest a crowded group's wait yields its CPU before it spins and sleeps
+SPIN_CORE_EACH = 200e-6  # a wait's spin budget where each rank has a core (see wait_policy)
+YIELDS = 32  # sched_yield()s a crowded group's wait tries first (see wait_policy)
 
 
 def _running() -> int:
@@ -58,6 +61,29 @@ def _running() -> int:
             return int(f.read().split()[3].split(b"/")[0])
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def wait_policy(store: Any, rank: int, size: int, timeout: float,
+                gone: Callable[[int], str | None]) -> tuple[float, int]:
+    """How the group's waits wait: ``(spin_seconds, yields)`` for :class:`ShmSegment`.
+
+    The spin budget: ``SPIN_CORE_EACH``, or ``SPIN_SECONDS`` where this rank may run on
+    fewer CPUs than the group has ranks. The yield phase: ``YIELDS`` only where the
+    ranks together may run on fewer CPUs than there are ranks (each rank publishes its
+    affinity under ``shm/cpus/`` in ``store``); not where each is bound to a CPU of its
+    own, where a yield beside a busy process hands it the CPU for a whole time slice.
+    """
+    try:
+        mine = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        mine = list(range(os.cpu_count() or 1))
+    store.set(f"shm/cpus/{rank}", ",".join(map(str, mine)).encode())
+    deadline = time.monotonic() + timeout
+    cpus = set(mine)
+    for peer in range(size):
+        if peer != rank:
+            cpus.update(int(c) for c in get_while_alive(store, f"shm/cpus/{peer}", deadline, peer, gone).split(","))
+    return (SPIN_CORE_EACH if size <= len(mine) else SPIN_SECONDS), (YIELDS if size > len(cpus) else 0)
 
 
 class ShmUnavailable(Exception):

@@ -29,7 +29,6 @@ Algorithms:
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Sequence
 
@@ -39,34 +38,15 @@ from ...errors import DistBackendError
 from ..mismatch import SignatureMismatch
 from . import cma
 from .reduce import Array, Reducer
-from .shm import REC_WORDS, ShmSegment, get_while_alive
+from .shm import REC_WORDS, ShmSegment, wait_policy
 from .tcp_algos import Ctx, Deferred, Fill, chunk_bounds
 
-__all__ = ["ShmCollectives", "SMALL_BYTES", "BULK_BYTES", "group_cpus"]
+__all__ = ["ShmCollectives", "SMALL_BYTES", "BULK_BYTES"]
 
 SMALL_BYTES = 256 * 1024
 BULK_BYTES = 1 << 20
-SPIN_SECONDS = 200e-6
-SPIN_SECONDS_OVERSUBSCRIBED = 20e-6
-YIELDS_OVERSUBSCRIBED = 32  # sched_yield()s a wait tries first with more ranks than CPUs (ShmSegment.wait)
 
 U8 = np.dtype(np.uint8)
-
-
-def group_cpus(store: Any, rank: int, size: int, timeout: float, gone: Any) -> int:
-    """How many CPUs the group's ranks may run on together (the union of their affinity
-    masks, exchanged through ``store`` under ``shm/cpus/``)."""
-    try:
-        mine = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        mine = list(range(os.cpu_count() or 1))
-    store.set(f"shm/cpus/{rank}", ",".join(map(str, mine)).encode())
-    deadline = time.monotonic() + timeout
-    cpus = set(mine)
-    for peer in range(size):
-        if peer != rank:
-            cpus.update(int(c) for c in get_while_alive(store, f"shm/cpus/{peer}", deadline, peer, gone).split(","))
-    return len(cpus)
 
 
 def _u8(a: Array) -> Array:
@@ -87,15 +67,7 @@ class ShmCollectives:
         self.rank = rank
         self.size = size
         self.mesh = mesh
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cores = os.cpu_count() or 1
-        spin = SPIN_SECONDS if size <= cores else SPIN_SECONDS_OVERSUBSCRIBED
-        # Yield first only where the ranks together have fewer CPUs than ranks (not where
-        # each is bound to a CPU of its own: a rank bound beside a busy process would hand
-        # it the CPU for a whole time slice).
-        yields = YIELDS_OVERSUBSCRIBED if size > group_cpus(store, rank, size, timeout, mesh.gone) else 0
+        spin, yields = wait_policy(store, rank, size, timeout, mesh.gone)
         self.seg = ShmSegment(store, rank, size, small_bytes=SMALL_BYTES, bulk_bytes=BULK_BYTES,
                               timeout=timeout, spin_seconds=spin, gone=mesh.gone, yields=yields)
         self._peers = [p for p in range(size) if p != rank]
