@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from time import time as _time
+from time import perf_counter as _perf, time as _time
 from typing import Any, Callable, cast
 
 import numpy as np
@@ -67,7 +67,7 @@ class HostRun:
     recorder; ``start(flat, reducer)`` issues the op the usual way when the backend
     cannot run it now."""
 
-    __slots__ = ("backend", "run", "reducer", "desc", "start", "inline")
+    __slots__ = ("backend", "run", "reducer", "desc", "start", "inline", "kind")
 
     def __init__(self, backend: Backend, run: Callable[..., bool | Work], reducer: Any, desc: Buffer,
                  start: Callable[..., Work], inline: bool = False) -> None:
@@ -77,6 +77,7 @@ class HostRun:
         self.desc = desc
         self.start = start
         self.inline = inline  # small enough that an async op of this kind runs here too (RunsNow.inline_max)
+        self.kind = Kind(backend.name, desc)  # what the flight recorder shows of each op
 
 
 class DeviceRun:
@@ -395,17 +396,29 @@ class Issuer:
         recorder = self.recorder
         entry = None
         if recorder is not None:
-            entry = recorder.begin(seq, "all_reduce", fast.backend.name, fast.desc, -1)
+            # recorder.begin_kind(seq, "all_reduce", fast.kind) without its frame, once the
+            # slot exists (as run_device: a small op's whole cost is a few such frames).
+            i = recorder._next
+            entry = recorder._ring[i]
+            if entry is None:
+                entry = recorder.begin_kind(seq, "all_reduce", fast.kind)
+            else:
+                entry.seq = seq
+                entry.op_type = "all_reduce"
+                entry.kind = fast.kind
+                entry.time_started = _time()
+                entry.done = None
+                recorder._next = i + 1 if i + 1 < recorder.capacity else 0
             if self.debug_info:
                 entry.where = call_site()
-        t0 = time.perf_counter()
+        t0 = _perf()
         try:
             ran = fast.run(flat, fast.reducer)
         except DistError as exc:
             return self._failed_now(exc, fast.backend, seq, entry, t0, "all_reduce", [tensor], False)
         if ran is True:
             if entry is not None:
-                entry.complete(time.perf_counter() - t0)
+                entry.done = _perf() - t0  # (entry.complete, inline)
             return None
         return self.finish(fast.backend, self._start(seq, entry, fast.start, (flat, fast.reducer), [tensor], -1,
                                                      "all_reduce"), False, False)

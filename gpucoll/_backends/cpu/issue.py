@@ -215,7 +215,10 @@ def bound(b: Any, op_type: str, fn: Callable[..., None], sig: int) -> Callable[.
     A synchronous op with nothing queued, no error and no other op running runs here with
     nothing between the caller and ``fn`` but the issue-order lock and the Ctx; any other
     case goes through :func:`now` itself."""
-    lock, ctx, monotonic = b._lock, b._now_ctx, time.monotonic
+    lock, monotonic = b._lock, time.monotonic
+    # Its own Ctx (one op at a time: _busy): the signature, name and patience are this
+    # kind's for good; only the number and the deadline change per op.
+    ctx = Ctx(0, 0.0, sig, b._check, op_type, b.group_name)
 
     def run(x: Any, red: Any, async_op: bool = False) -> bool | Work:
         if async_op:
@@ -229,9 +232,6 @@ def bound(b: Any, op_type: str, fn: Callable[..., None], sig: int) -> Callable[.
         try:
             ctx.seq = b._seq = b._seq + 1
             ctx.deadline = monotonic() + b.timeout
-            ctx.sig = sig
-            ctx.op_type = op_type
-            ctx.patience = 0.0
             try:
                 fn(ctx, x, red)  # (no Deferred: that needs patience)
             except BaseException as exc:

@@ -37,7 +37,8 @@ import numpy as np
 from ...errors import DistBackendError, DistStoreTimeoutError
 from .segments import PREFIX as _PREFIX, new_name, sweep_orphans, unlink_ours as _unlink
 
-__all__ = ["ShmSegment", "ShmUnavailable", "REC_WORDS", "ADDR", "futex_wait", "futex_wake", "map_segment", "get_while_alive"]
+__all__ = ["ShmSegment", "ShmUnavailable", "REC_WORDS", "ADDR", "futex_wait", "futex_wake", "map_segment", "get_while_alive",
+           "wait_policy"]
 
 REC_WORDS = 32  # u64 words per rank record (256 bytes: no false sharing between ranks)
 _CTR, _SLEEP, _HDR, _CPU = 0, 1, 2, 6  # word offsets in a record; headers at 2..5
@@ -48,6 +49,9 @@ _EAGAIN, _EINTR, _ETIMEDOUT = 11, 4, 110
 SPIN_SECONDS = 20e-6  # a wait's spin on a busy machine (see ShmSegment.wait)
 SPIN_REGAIN = 0.1e-6  # spin budget given back by each wait that ended while spinning
 PREEMPTED_SECONDS = 30e-6  # a gap this long between two checks of a spin: it was preempted
+YIELD_SECONDS = 1e-3  # the longest a crowded group's wait yields its CPU before it spins and sleeps
+SPIN_CORE_EACH = 200e-6  # a wait's spin budget where each rank has a core (see wait_policy)
+YIELDS = 32  # sched_yield()s a crowded group's wait tries first (see wait_policy)
 
 
 def _running() -> int:
@@ -57,6 +61,29 @@ def _running() -> int:
             return int(f.read().split()[3].split(b"/")[0])
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def wait_policy(store: Any, rank: int, size: int, timeout: float,
+                gone: Callable[[int], str | None]) -> tuple[float, int]:
+    """How the group's waits wait: ``(spin_seconds, yields)`` for :class:`ShmSegment`.
+
+    The spin budget: ``SPIN_CORE_EACH``, or ``SPIN_SECONDS`` where this rank may run on
+    fewer CPUs than the group has ranks. The yield phase: ``YIELDS`` only where the
+    ranks together may run on fewer CPUs than there are ranks (each rank publishes its
+    affinity under ``shm/cpus/`` in ``store``); not where each is bound to a CPU of its
+    own, where a yield beside a busy process hands it the CPU for a whole time slice.
+    """
+    try:
+        mine = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        mine = list(range(os.cpu_count() or 1))
+    store.set(f"shm/cpus/{rank}", ",".join(map(str, mine)).encode())
+    deadline = time.monotonic() + timeout
+    cpus = set(mine)
+    for peer in range(size):
+        if peer != rank:
+            cpus.update(int(c) for c in get_while_alive(store, f"shm/cpus/{peer}", deadline, peer, gone).split(","))
+    return (SPIN_CORE_EACH if size <= len(mine) else SPIN_SECONDS), (YIELDS if size > len(cpus) else 0)
 
 
 class ShmUnavailable(Exception):
@@ -108,16 +135,20 @@ class ShmSegment:
         bulk_bytes: bytes per bulk buffer.
         timeout: seconds to wait for every rank to map the segment.
         spin_seconds: how long a wait spins before it sleeps.
+        yields: how many times a wait yields its CPU (``sched_yield``) before it spins, for
+            at most ``YIELD_SECONDS``; 0 (none) unless the group has more ranks than CPUs.
     """
 
     def __init__(self, store: Any, rank: int, size: int, *, small_bytes: int, bulk_bytes: int,
-                 timeout: float, spin_seconds: float, gone: Callable[[int], str | None] | None = None) -> None:
+                 timeout: float, spin_seconds: float, gone: Callable[[int], str | None] | None = None,
+                 yields: int = 0) -> None:
         self.rank = rank
         self.size = size
         self.small_bytes = small_bytes
         self.bulk_bytes = bulk_bytes
         self.spin_seconds = spin_seconds
         self.spin_now = spin_seconds  # the adaptive budget (see wait)
+        self._yields = range(yields)  # a wait's first phase (see wait)
         self._cpus = os.cpu_count() or 1
         self._my_cpu = rank * REC_WORDS + _CPU
         self._crowd_at, self._crowd = -1.0, False  # when /proc/loadavg was last read, what it said
@@ -190,6 +221,18 @@ class ShmSegment:
         idx = peer * REC_WORDS + _CTR
         if ctl[idx] >= target:
             return
+        if self._yields:
+            # More ranks than CPUs: the peer is likely waiting for a CPU, perhaps this
+            # one. Hand it over (sched_yield) while the peer comes within moments,
+            # before a spin (which would hold the CPU) or a sleep (whose wake-up costs
+            # a system call on the peer and a scheduling delay here).
+            end = time.perf_counter() + YIELD_SECONDS
+            for _ in self._yields:
+                os.sched_yield()
+                if ctl[idx] >= target:
+                    return
+                if time.perf_counter() > end:
+                    break
         # Spin, then sleep on the peer's counter (a futex). How long to spin adapts: with
         # more runnable processes than cores, every µs a waiter spins is a µs its peer
         # may not run, so a spin that was preempted (a gap between two checks: another

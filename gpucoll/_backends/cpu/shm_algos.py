@@ -29,7 +29,6 @@ Algorithms:
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Sequence
 
@@ -39,15 +38,13 @@ from ...errors import DistBackendError
 from ..mismatch import SignatureMismatch
 from . import cma
 from .reduce import Array, Reducer
-from .shm import REC_WORDS, ShmSegment
+from .shm import REC_WORDS, ShmSegment, wait_policy
 from .tcp_algos import Ctx, Deferred, Fill, chunk_bounds
 
 __all__ = ["ShmCollectives", "SMALL_BYTES", "BULK_BYTES"]
 
 SMALL_BYTES = 256 * 1024
 BULK_BYTES = 1 << 20
-SPIN_SECONDS = 200e-6
-SPIN_SECONDS_OVERSUBSCRIBED = 20e-6
 
 U8 = np.dtype(np.uint8)
 
@@ -70,13 +67,9 @@ class ShmCollectives:
         self.rank = rank
         self.size = size
         self.mesh = mesh
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cores = os.cpu_count() or 1
-        spin = SPIN_SECONDS if size <= cores else SPIN_SECONDS_OVERSUBSCRIBED
+        spin, yields = wait_policy(store, rank, size, timeout, mesh.gone)
         self.seg = ShmSegment(store, rank, size, small_bytes=SMALL_BYTES, bulk_bytes=BULK_BYTES,
-                              timeout=timeout, spin_seconds=spin, gone=mesh.gone)
+                              timeout=timeout, spin_seconds=spin, gone=mesh.gone, yields=yields)
         self._peers = [p for p in range(size) if p != rank]
         try:  # single-copy large all_reduces (cma.py) if every rank may read every peer's memory
             self._cma, self.cma_unavailable = cma.agree(store, rank, size, timeout, mesh.gone)

@@ -47,7 +47,7 @@ def small_all_reduce(coll: Any, nb: int, dtype_name: str, red: Reducer) -> Small
     quick = range(QUICK_CHECKS)
 
     def mismatch(ctx: Ctx, j: int, u: int, p: int) -> None:
-        coll._parity, coll._sig, coll._checked = p, ctx.sig, set()
+        coll._base, coll._parity, coll._sig, coll._checked = coll._floor - 1, p, ctx.sig, set()
         coll._wait(ctx, j, 1)  # raises the mismatch, worded once
 
     if len(peers) == 1:
@@ -55,27 +55,36 @@ def small_all_reduce(coll: Any, nb: int, dtype_name: str, red: Reducer) -> Small
         sleep = sleep_words[0]
         s0, s1 = slots[0][0], slots[0][1]
         t0, t1 = slots[1][0], slots[1][1]
+        m0, m1 = mine
+        h0m, h1m = my_hdr
+
+        def settle(target: int, u: int, sig: int) -> None:
+            """The state :meth:`ShmCollectives._fold_slots` and ``_arrived`` read (a deferred op's)."""
+            coll._base, coll._parity, coll._sig, coll._checked = target - 1, u & 1, sig, every_peer
 
         def run(ctx: Ctx, x: Array, red: Reducer) -> None:
+            # The op's state that only a wait's slow forms read (coll._base, _parity, _sig,
+            # _checked) is written where one is taken (settle), not per op: every other
+            # op of the transport writes it anew when it begins.
             floor = coll._floor
             if ctl[ci] < floor:
                 wait(j, floor, ctx.deadline, lambda: coll._alive(ctx, j), ctx.what)
             u = coll._u = coll._u + 1
-            coll._base = floor = seg.count
-            target = coll._floor = count = seg.count = floor + 1
-            p = coll._parity = u & 1
-            sig = coll._sig = ctx.sig
-            coll._checked = every_peer
-            i = my_hdr[p]
-            ctl[i] = u
-            ctl[i + 1] = sig
-            if p:
+            target = coll._floor = seg.count = seg.count + 1
+            sig = ctx.sig
+            if u & 1:
+                ctl[h1m] = u
+                ctl[h1m + 1] = sig
                 a, b = t0, t1
-                mine[1][...] = x
+                m1[...] = x
+                h = h1
             else:
+                ctl[h0m] = u
+                ctl[h0m + 1] = sig
                 a, b = s0, s1
-                mine[0][...] = x
-            ctl[my_ctr] = count  # post: this rank's data and header are written
+                m0[...] = x
+                h = h0
+            ctl[my_ctr] = target  # post: this rank's data and header are written
             if ctl[sleep] == mark:
                 wake(my_addr)
             if ctl[ci] < target:
@@ -83,12 +92,12 @@ def small_all_reduce(coll: Any, nb: int, dtype_name: str, red: Reducer) -> Small
                     if ctl[ci] >= target:
                         break
                 else:
+                    settle(target, u, sig)
                     if ctx.patience and not coll._arrived(ctx.patience):
                         raise Deferred(lambda c: coll._fold_slots(c, x, red, [a, b]), True)
                     wait(j, target, ctx.deadline, lambda: coll._alive(ctx, j), ctx.what)
-            h = h1 if p else h0
             if ctl[h] != u or ctl[h + 1] != sig:
-                mismatch(ctx, j, u, p)
+                mismatch(ctx, j, u, u & 1)
             ufunc(a, b, x)
         return run
 
