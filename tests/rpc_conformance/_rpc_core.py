@@ -337,12 +337,17 @@ def _run_section(section: str, impl: str, only: tuple[str, ...]) -> tuple[tuple[
                          timeout=60.0 + len(names) * CHECK_TIMEOUT[impl], env={"RPC_CONFORMANCE_IMPL": impl})
             except SPMDError as exc:
                 ended = str(exc).strip().splitlines()[0][:300]
+                # The ranks' log tails (stacks of a hung test), for a person to read: into
+                # RPC_CONFORMANCE_LOGS when set, else on stderr (pytest shows it with the
+                # failing test, so that a failure in CI can be read afterwards).
+                text = str(exc) + "".join(f"\n===== rank {failure.rank}\n{failure.traceback}\n{failure.log_tail}"
+                                          for failure in exc.failures)
                 logs = os.environ.get("RPC_CONFORMANCE_LOGS")
-                if logs:  # the ranks' log tails (stacks of a hung test), for a person to read
+                if logs:
                     with open(os.path.join(logs, f"{section}-{impl}-world{attempt}.txt"), "w") as f:
-                        f.write(str(exc))
-                        for failure in exc.failures:
-                            f.write(f"\n===== rank {failure.rank}\n{failure.traceback}\n{failure.log_tail}")
+                        f.write(text)
+                else:
+                    sys.stderr.write(f"[{section}/{impl}] world {attempt} ended early:\n{text[-30000:]}\n")
             rows = _read_rows(workdir)
             for i in range(start, len(names)):
                 res = _combine(names[i], rows, ended)
