@@ -1743,22 +1743,17 @@ class CallCosts:
         """Seconds a call named ``name`` takes."""
         return self.seconds.get(name, self.call_s)
 
-    def _c_len(self, extra: float) -> int:
-        """The memset length that takes ``extra`` seconds (at most ``release_us``) more
-        than a 64-byte one, in steps of 0.05 µs (each calibrated once)."""
-        step = min(round(extra * 2e7), round(self._release_s * 2e7))
-        n = self._c_lens.get(step)
-        if n is None:
-            n = self._c_lens[step] = _memset_length(step / 2e7) if step > 0 else 64
-        return n
-
     def _split(self, seconds: float) -> tuple[int, int]:
-        """A plan for ``seconds`` of work: (memset length or 0, loop turns)."""
+        """A plan for ``seconds`` of work: (memset length or 0, loop turns). The memset
+        takes a ctypes call's floor plus up to ``release_us`` more, in steps of 0.05 µs
+        (each length calibrated once); the loop the rest."""
         c_len = 0
         if seconds >= self._floor_s + 0.05e-6:
-            extra = min(seconds - self._floor_s, self._release_s)
-            c_len = self._c_len(extra)
-            seconds -= self._floor_s + min(round(extra * 2e7), round(self._release_s * 2e7)) / 2e7
+            step = round(min(seconds - self._floor_s, self._release_s) * 2e7)
+            c_len = self._c_lens.get(step, 0)
+            if not c_len:
+                c_len = self._c_lens[step] = _memset_length(step / 2e7) if step > 0 else 64
+            seconds -= self._floor_s + step / 2e7
         return c_len, max(int(seconds / self._turn_s), 0) if self._turn_s else 0
 
     def fit(self, name: str, call: Callable[[], Any], same: tuple[str, ...] = ()) -> None:
@@ -1794,11 +1789,10 @@ class CallCosts:
             self._fitting.discard(name)
             self.counts[me] = kept
 
-    def spend(self, kind: str, name: str, seconds: float, start: float = 0.0) -> None:
+    def spend(self, kind: str, name: str, seconds: float) -> None:
         """One call of ``kind``/``name``: count it, then take ``seconds`` in all, the
         fake's own bookkeeping included (with the GIL let go for part of them, when the
-        call is longer than a ctypes call here). ``start``: unused (calls are charged as
-        work, from their plan)."""
+        call is longer than a ctypes call here), as the call's plan says."""
         if not self.enabled:
             return
         me = threading.get_ident()

@@ -183,7 +183,7 @@ class NCCLWork(Work):
         self._result.append(result)
         if entry is not None:
             self._fr_entry = entry
-            if self._done.is_set():  # (only a failed issue is complete here, and that raised)
+            if self._done.is_set():  # the watchdog's sweep completed it meanwhile
                 entry.finish(self)
 
     def has_fired(self, rt: Runtime) -> bool:
