@@ -121,8 +121,10 @@ CACHE_DIR_ENV: Final = "GPUCOLL_CACHE_DIR"
 # -- remote calls (gpucoll.rpc) ---------------------------------------------------------------
 
 RPC_UNIX_ENV: Final = "GPUCOLL_RPC_UNIX"
-"""``0``: this worker neither listens on nor dials a same-host Unix socket; its RPC connections
-are all TCP. Default: same-host peers (same boot id and network namespace) use one (Linux)."""
+"""``1``: same-host peers (same boot id and network namespace) connect over a Unix socket
+(Linux), when both have it on. Default (or ``0``): every RPC connection is TCP; the Unix
+transport stays opt-in until a shutdown hang seen with it under fault injection is explained
+(docs/rpc.md)."""
 
 # -- gpucoll-bench ---------------------------------------------------------------------------
 

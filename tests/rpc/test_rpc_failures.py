@@ -169,8 +169,8 @@ def malformed(agent: Any, address: Any, target: int) -> list[bool]:
 def failure_checks(tmp: str, transport: str) -> dict[str, Any]:
     import gpucoll
 
-    if transport == "tcp":  # before init_rpc; the victim inherits it
-        os.environ["GPUCOLL_RPC_UNIX"] = "0"
+    # Before init_rpc; the victim inherits it.
+    os.environ["GPUCOLL_RPC_UNIX"] = "1" if transport == "unix" else "0"
     rank = int(os.environ["RANK"])
     gpucoll.init_process_group("cpu")
     victim = None
@@ -239,8 +239,8 @@ def failure_checks(tmp: str, transport: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("transport", ["unix", "tcp"])
 def test_failures_and_attacks(tmp_path: Any, transport: str) -> None:
-    if transport == "unix" and not _local.enabled():
-        pytest.skip("no same-host transport here (not Linux, or GPUCOLL_RPC_UNIX=0 in the environment)")
+    if transport == "unix" and (not sys.platform.startswith("linux") or _local.host_identity() is None):
+        pytest.skip("no same-host transport here (not Linux)")
     results = run_spmd(failure_checks, 2, init=False, timeout=120, args=(str(tmp_path), transport))
     attacker = results[1]
     assert attacker["cut_off"] == [True, True, True, True]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import time
 from typing import Any
@@ -17,8 +18,13 @@ from gpucoll._backends.cpu import auth
 from gpucoll.rpc import _conn, _local, _wire
 from gpucoll.rpc._peers import unix_address
 
-pytestmark = pytest.mark.skipif(not _local.enabled() or _local.host_identity() is None,
-                                reason="no same-host transport here (not Linux, or GPUCOLL_RPC_UNIX=0)")
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or _local.host_identity() is None,
+                                reason="no same-host transport here (not Linux)")
+
+
+@pytest.fixture(autouse=True)
+def _unix_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(_local.ENV, "1")  # the transport is opt-in
 
 
 def _record(**extra: Any) -> dict[str, Any]:
