@@ -77,15 +77,16 @@ class CupyOnFake:
         costs = getattr(rt, "costs", None)
         self._costs = costs
         self._seconds = costs.cost("current_stream") if costs is not None else 0.0
+        self._charge = costs.meter("cupy", "current_stream", self._seconds) if costs is not None else None
 
     def get_current_stream(self, device_id: int = -1) -> FakeCupyStream:
         """``cupy.cuda.get_current_stream``: the runtime's current stream, at CuPy's cost
         (the fake's own look-up inside that time, as the runtime's calls do theirs)."""
-        costs = self._costs
-        if costs is not None:  # the timed fake (TimedRuntime): one current stream, a handle
+        charge = self._charge
+        if charge is not None:  # the timed fake (TimedRuntime): one current stream, a handle
             stream = self._streams.get(self.rt._current)
             if stream is not None:
-                costs.spend("cupy", "current_stream", self._seconds)
+                charge()
                 return stream
         rt = self.rt
         current = rt._current
@@ -99,8 +100,8 @@ class CupyOnFake:
             # The runtime's default stream is CuPy's legacy one, whose Stream.null says
             # ptr 0 and device -1.
             stream = self._streams[ptr] = FakeCupyStream(0, -1) if ptr == default else FakeCupyStream(ptr, device)
-        if costs is not None:
-            costs.spend("cupy", "current_stream", self._seconds)
+        if charge is not None:
+            charge()
         return stream
 
     def array(self, n: int = 256, dtype: str = "float32", ptr: int | None = None) -> Any:

@@ -1602,23 +1602,28 @@ _lengths: dict[float, int] = {}
 
 def _memset_length(seconds: float) -> int:
     """The memset length whose call takes ``seconds`` more than a 64-byte one here:
-    that long in C with the GIL released (calibrated once per value)."""
+    that long in C with the GIL released (calibrated once per value, by bisection on
+    the best of several timings: a memset's time is not linear in its length over the
+    cache sizes, so no one rate can be extrapolated from)."""
     n = _lengths.get(seconds)
     if n is None:
         def per_call(length: int) -> float:
             best = float("inf")
-            for _ in range(3):
+            for _ in range(5):
                 t0 = time.perf_counter()
-                for _ in range(500):
+                for _ in range(200):
                     _memset(_SCRATCH_PTR, 0, length)
-                best = min(best, (time.perf_counter() - t0) / 500)
+                best = min(best, (time.perf_counter() - t0) / 200)
             return best
         floor = per_call(64)
-        n = 4096
-        for _ in range(5):
-            extra = max(per_call(n) - floor, 1e-9)
-            n = max(64, min(int(n * seconds / extra), 1 << 20))
-        _lengths[seconds] = n
+        lo, hi = 64, 1 << 20
+        while hi - lo > 64:
+            mid = (lo + hi) // 2
+            if per_call(mid) - floor < seconds:
+                lo = mid
+            else:
+                hi = mid
+        n = _lengths[seconds] = lo
     return n
 
 
@@ -1679,10 +1684,13 @@ class CallCosts:
     per call (a clock read costs 0.1-0.5 µs here, and a wait on one overshoots). So a
     call costs about its H200 figure here, not more: the layers above the backend,
     Python and CuPy attribute reads, weigh against the calls below as they do on the
-    GPU. A call shorter than the fake's own Python for it (``cudaGetDevice``, CuPy's
+    GPU. The fake's own Python per call is kept to a log append and the device clock's
+    book-keeping (:meth:`meter`: 0.15-0.25 µs here, where counting into dictionaries
+    cost 0.35-0.5 µs), so a call shorter than that (``cudaGetDevice``, CuPy's
     current-stream look-up, ``cudaStreamIsCapturing``, ``cudaEventQuery``: 0.07-0.24 µs
-    on the H200) costs that Python, 0.4-0.7 µs on the 2-core development machine. Device work takes ``op_us`` plus its bytes over
-    ``gbps``: an event recorded after it fires only then (:class:`TimedRuntime`).
+    on the H200) costs at most about 0.1 µs over its figure. Device work takes ``op_us``
+    plus its bytes over ``gbps``: an event recorded after it fires only then
+    (:class:`TimedRuntime`).
 
     ``counts[thread ident][kind]`` counts each call by kind ("cuda", "nccl", "cupy",
     "event" for an event made by cudaEventCreate) and by name, per calling thread.
@@ -1715,8 +1723,13 @@ class CallCosts:
         self.create_s = self.seconds["event_create"]
         self.op_s = op_us * 1e-6
         self.bytes_per_s = gbps * 1e9
-        self.counts: dict[int, dict[str, int]] = {}
-        self.enabled = True
+        # Calls are counted as names appended to the calling thread's log (a list append
+        # costs less than the calls' shortest figures), folded into counts when read.
+        self._tls = threading.local()
+        self._logs: dict[int, list[str]] = {}
+        self._folded: dict[int, dict[str, int]] = {}
+        self._kinds: dict[str, str] = {}
+        self._cells: dict[str, list[int]] = {}  # by call name: [memset length, loop turns]
         self._release_s = release_us * 1e-6
         self._floor_s = 0.0 if free else _ctypes_floor()
         self._c_lens: dict[int, int] = {}
@@ -1759,48 +1772,102 @@ class CallCosts:
     def fit(self, name: str, call: Callable[[], Any], same: tuple[str, ...] = ()) -> None:
         """Make the call named ``name`` cost its figure in all, as ``call()`` (the fake's
         own function of that name, with arguments that change nothing that is measured)
-        makes it: a first plan (the work alone) is timed on ``call`` (median of nine
-        rounds), then shortened by what the call costs around it (a call shorter than
-        its own Python costs that, about 0.2-0.4 µs here). Its calls are not counted.
+        makes it: the plan's work is found by bisection, each plan timed on ``call``
+        (median of nine rounds), until the call costs its figure (a call shorter than
+        its own Python costs that, 0.15-0.25 µs here). Its calls are not counted.
         ``same``: calls of the same shape and figure that get the same plan. Once per name."""
         seconds = self.cost(name)
         if not seconds or name in self._fitting or name in self._fitted:
             return
         self._fitting.add(name)
         me = threading.get_ident()
-        kept = dict(self.counts.get(me, {}))
+        kept = self.of(me)
         try:
-            self._plans[name] = self._split(seconds)
             now = self.now
-            for _ in range(200):
-                call()
-            rounds = []
-            for _ in range(9):
-                t0 = now()
-                for _ in range(200):
+
+            def total(work: float) -> float:  # a plan's call, all in (median of nine rounds)
+                self._set_plan(name, self._split(work))
+                for _ in range(100):
                     call()
-                rounds.append((now() - t0) / 200)
-            over = sorted(rounds)[4] - seconds  # what the call costs around its plan's work
-            plan = self._plans[name] = self._split(max(seconds - over, 0.0))
-            for other in same:
-                self._plans[other] = plan
+                rounds = []
+                for _ in range(9):
+                    t0 = now()
+                    for _ in range(100):
+                        call()
+                    rounds.append((now() - t0) / 100)
+                return sorted(rounds)[4]
+            # Bisection on the plan's work: a call's cost grows with it, but not in step
+            # (a memset's floor, a loop turn in context), so no one correction lands.
+            work, lo, hi = 0.0, 0.0, seconds
+            if total(0.0) < seconds:
+                for _ in range(8):
+                    mid = (lo + hi) / 2
+                    if total(mid) < seconds:
+                        lo = mid
+                    else:
+                        hi = mid
+                work = (lo + hi) / 2
+            plan = self._split(work)
+            for each in (name, *same):
+                self._set_plan(each, plan)
             self._fitted.update((name, *same))
         finally:
             self._fitting.discard(name)
-            self.counts[me] = kept
+            self._logs.get(me, []).clear()
+            self._folded[me] = kept
+
+    def _set_plan(self, name: str, plan: tuple[int, int]) -> None:
+        self._plans[name] = plan
+        cell = self._cells.get(name)
+        if cell is not None:
+            cell[:] = plan
+
+    def _log(self) -> list[str]:
+        """The calling thread's log of calls, made on its first call."""
+        log: list[str] = []
+        self._tls.log = log
+        self._logs[threading.get_ident()] = log
+        return log
+
+    def meter(self, kind: str, name: str, seconds: float | None = None) -> Callable[[], None]:
+        """A function that makes one call of ``kind``/``name``: count it, then take its
+        time (``seconds``, default its figure), as its plan says (:meth:`fit` may change
+        the plan later). The runtime's functions call it first thing: it costs a log
+        append and the plan's work, so the fake's own Python stays under the shortest
+        figures' (0.13-0.24 µs) as far as Python allows."""
+        self._kinds[name] = kind
+        cell = self._cells.get(name)
+        if cell is None:
+            seconds = self.cost(name) if seconds is None else seconds
+            plan = self._plans.get(name)
+            if plan is None and seconds:
+                plan = self._plans[name] = self._split(seconds)
+            cell = self._cells[name] = list(plan or (0, 0))
+        tls, new_log, memset, scratch = self._tls, self._log, _memset, _SCRATCH_PTR
+
+        def charge() -> None:
+            try:
+                log = tls.log
+            except AttributeError:
+                log = new_log()
+            log.append(name)
+            c_len, turns = cell
+            if c_len:
+                memset(scratch, 0, c_len)
+            if turns:
+                for _ in range(turns):
+                    pass
+        return charge
 
     def spend(self, kind: str, name: str, seconds: float) -> None:
-        """One call of ``kind``/``name``: count it, then take ``seconds`` in all, the
-        fake's own bookkeeping included (with the GIL let go for part of them, when the
-        call is longer than a ctypes call here), as the call's plan says."""
-        if not self.enabled:
-            return
-        me = threading.get_ident()
-        mine = self.counts.get(me)
-        if mine is None:
-            mine = self.counts.setdefault(me, {})
-        mine[kind] = mine.get(kind, 0) + 1
-        mine[name] = mine.get(name, 0) + 1
+        """One call of ``kind``/``name`` (the calls not made often): count it, then take
+        ``seconds`` in all, as the call's plan says."""
+        self._kinds[name] = kind
+        try:
+            log = self._tls.log
+        except AttributeError:
+            log = self._log()
+        log.append(name)
         if seconds:
             plan = self._plans.get(name)
             if plan is None:  # a call not fitted: its work alone
@@ -1811,12 +1878,31 @@ class CallCosts:
             for _ in range(turns):
                 pass
 
+    @property
+    def counts(self) -> dict[int, dict[str, int]]:
+        """Calls so far by thread ident, then by kind and by name."""
+        for thread, log in list(self._logs.items()):
+            n = len(log)
+            if not n:
+                continue
+            names = log[:n]
+            del log[:n]  # (one step under the GIL: the owner's later appends stay)
+            mine = self._folded.setdefault(thread, {})
+            kinds = self._kinds
+            for name in names:
+                mine[name] = mine.get(name, 0) + 1
+                kind = kinds[name]
+                mine[kind] = mine.get(kind, 0) + 1
+        return self._folded
+
     def of(self, thread: int | None = None) -> dict[str, int]:
         """The counts of one thread (default: the calling one)."""
         return dict(self.counts.get(threading.get_ident() if thread is None else thread, {}))
 
     def reset(self) -> None:
-        self.counts.clear()
+        for log in list(self._logs.values()):
+            del log[:]
+        self._folded.clear()
 
 
 class _TimedEvent:
@@ -1850,14 +1936,18 @@ class _TimedComm:
         self.aborted = False
         self.async_code = 0
         scratch = next(rt._handles)  # a stream nothing waits on: the fit's ops keep it busy
+        costs = rt.costs
+        self._charges = {name: costs.meter("nccl", name, costs.call_s) for name in (
+            "all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "send", "recv", "all_to_all",
+            "gather", "scatter")}
         rt.costs.fit("all_reduce", lambda: self._op("all_reduce", 0, scratch), same=(
             "reduce", "broadcast", "all_gather", "reduce_scatter", "send", "recv", "all_to_all", "gather", "scatter"))
 
     def _op(self, name: str, nbytes: int, stream: int) -> None:
+        self._charges[name]()
         rt = self._rt
         if not self.aborted:
             rt.busy(stream, rt.costs.op_s + nbytes / rt.costs.bytes_per_s)
-        rt.costs.spend("nccl", name, rt.costs.call_s)
         if self.aborted:
             raise FakeError(f"{name} on an aborted communicator")
 
@@ -1927,33 +2017,40 @@ class TimedRuntime:
         self._pools: dict[tuple[int, bool], Any] = {}
         c = self.costs
         call = c.call_s
-        get_device_s, set_device_s, record_s, wait_event_s, elapsed_ms_s, is_capturing_s = (
-            c.cost(n) for n in ("get_device", "set_device", "record", "wait_event", "elapsed_ms", "is_capturing"))
+        charge_get_device, charge_set_device, charge_record, charge_wait_event, charge_elapsed_ms, \
+            charge_is_capturing, charge_query = (c.meter("cuda", n) for n in (
+                "get_device", "set_device", "record", "wait_event", "elapsed_ms", "is_capturing", "query"))
+        self._charge_query = charge_query
+        self._charge_stream = c.meter("cupy", "current_stream", c.cupy_s)
+        busy, fires, perf_counter = self._busy, self._fires, time.perf_counter
 
-        # Bound per instance, as CudaRuntime binds CuPy's functions.
+        # Bound per instance, as CudaRuntime binds CuPy's functions; each charges its call
+        # first thing (CallCosts.meter), then keeps the device's clock.
         def get_device() -> int:
-            c.spend("cuda", "get_device", get_device_s)
+            charge_get_device()
             return 0
 
         def set_device(device: int) -> None:
-            c.spend("cuda", "set_device", set_device_s)
+            charge_set_device()
 
         def record(event: int, stream: int) -> None:
-            self._fires[event] = max(self._busy.get(stream, 0.0), time.perf_counter())
-            c.spend("cuda", "record", record_s)
+            charge_record()
+            t = perf_counter()
+            b = busy.get(stream, 0.0)
+            fires[event] = b if b > t else t
 
         def wait_event(stream: int, event: int) -> None:
-            fires = self._fires.get(event, 0.0)
-            if fires > self._busy.get(stream, 0.0):
-                self._busy[stream] = fires
-            c.spend("cuda", "wait_event", wait_event_s)
+            charge_wait_event()
+            f = fires.get(event, 0.0)
+            if f > busy.get(stream, 0.0):
+                busy[stream] = f
 
         def elapsed_ms(a: int, b: int) -> float:
-            c.spend("cuda", "elapsed_ms", elapsed_ms_s)
-            return max(self._fires.get(b, 0.0) - self._fires.get(a, 0.0), 0.0) * 1e3
+            charge_elapsed_ms()
+            return max(fires.get(b, 0.0) - fires.get(a, 0.0), 0.0) * 1e3
 
         def is_capturing(stream: int) -> bool:
-            c.spend("cuda", "is_capturing", is_capturing_s)
+            charge_is_capturing()
             return stream in self.capturing
 
         self.get_device = get_device
@@ -1984,8 +2081,10 @@ class TimedRuntime:
     def finish_all(self) -> None:
         """The device catches up: every event recorded so far has fired."""
         now = time.perf_counter()
-        self._busy = {s: min(t, now) for s, t in self._busy.items()}
-        self._fires = {e: min(t, now) for e, t in self._fires.items()}
+        for table in (self._busy, self._fires):  # (in place: the runtime's functions hold them)
+            for k, t in list(table.items()):
+                if t > now:
+                    table[k] = now
 
     # -- capture --
     def begin_capture(self, stream: int, mode: str = "global") -> None:
@@ -2017,11 +2116,11 @@ class TimedRuntime:
         return prev
 
     def current_stream(self) -> int:
-        self.costs.spend("cupy", "current_stream", self.costs.cupy_s)
+        self._charge_stream()
         return self._current
 
     def current_stream_of(self, device: int) -> int:
-        self.costs.spend("cupy", "current_stream", self.costs.cupy_s)
+        self._charge_stream()
         return self._current
 
     def set_current_stream(self, ptr: int) -> None:
@@ -2064,13 +2163,14 @@ class TimedRuntime:
         self._fires.pop(event, None)
 
     def query(self, event: int) -> bool:
-        self.costs.spend("cuda", "query", self.costs.cost("query"))
-        me = threading.get_ident()
-        for thread, mode in self.capturing.values():
-            if thread != me and mode == "global" and self._mode() == 0:
-                why = "cudaEventQuery from another thread in global mode during a global-mode capture"
-                self.invalidated.append(why)
-                raise FakeCudaError(CAPTURE_UNSUPPORTED, "cudaErrorStreamCaptureUnsupported", why)
+        self._charge_query()
+        if self.capturing:
+            me = threading.get_ident()
+            for thread, mode in self.capturing.values():
+                if thread != me and mode == "global" and self._mode() == 0:
+                    why = "cudaEventQuery from another thread in global mode during a global-mode capture"
+                    self.invalidated.append(why)
+                    raise FakeCudaError(CAPTURE_UNSUPPORTED, "cudaErrorStreamCaptureUnsupported", why)
         return time.perf_counter() >= self._fires.get(event, 0.0)
 
     def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
