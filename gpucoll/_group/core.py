@@ -102,7 +102,7 @@ class DeviceRun:
         # The backend's runners (NCCL's quiet.py): the synchronous form, run(stream handle, array,
         # seq, entry, group_name) -> issued, when posted.ops is empty; the stream's handle,
         # stream_of(CuPy stream, device) (None: another device's); the async form,
-        # start(CuPy stream, array, seq, entry, group_name) -> its Work (numbered, recorded) or None.
+        # start(stream handle, array, seq, entry, group_name) -> its Work (numbered, recorded) or None.
         self.run: Callable[..., bool] = runners.run
         self.start: Callable[..., Work | None] | None = runners.start
         self.posted: Any = runners.posted
@@ -277,24 +277,26 @@ class Issuer:
         else:
             if not ptr and _buffer._cupy_default_stream != 1:
                 current = None  # CuPy's per-thread default stream: the usual way orders it
+        stream: int | None = None
+        if current is not None:
+            legacy = run.legacy
+            if legacy is not None and current is legacy[0]:
+                stream = legacy[1]
+            else:
+                stream = run.stream_of(current, run.device)
+                if not ptr and stream is not None and run.stream_of_fixed:
+                    run.legacy = (current, stream)
         if async_op:
             start = run.start
-            work = start(current, tensor, seq, entry, self.group_name) \
-                if start is not None and current is not None else None
+            work = start(stream, tensor, seq, entry, self.group_name) \
+                if start is not None and stream is not None else None
             if work is not None:  # numbered and tied to its entry by the runner
                 watchdog = self.watchdog
                 if backend is not watchdog.watched:
                     watchdog.watch_backend(backend)  # type: ignore[arg-type]  # (its queue holds the Work)
                 return work
-        elif current is not None and not run.posted.ops:  # (posted sends and receives: the usual way first)
-            legacy = run.legacy
-            if legacy is not None and current is legacy[0]:
-                stream: int | None = legacy[1]
-            else:
-                stream = run.stream_of(current, run.device)
-                if not ptr and stream is not None and run.stream_of_fixed:
-                    run.legacy = (current, stream)
-            if stream is not None and run.run(stream, tensor, seq, entry, self.group_name):
+        elif stream is not None and not run.posted.ops:  # (posted sends and receives: the usual way first)
+            if run.run(stream, tensor, seq, entry, self.group_name):
                 watchdog = self.watchdog
                 if backend is not watchdog.watched:
                     watchdog.watch_backend(backend)  # type: ignore[arg-type]  # (a quiet backend polls)

@@ -30,9 +30,10 @@ from ..._timeouts import Backoff, to_seconds
 from ...errors import DistBackendError, DistError
 from ..._work import Work, _Completion
 from .ending import Ending
+from .events import EventPool, Handle
 from .runtime import CAPTURE_THREAD_LOCAL, Event, Runtime, enter_device, leave_device
 
-__all__ = ["NCCLWork", "HotWork", "WorkOwner", "query_outside_capture"]
+__all__ = ["NCCLWork", "HotWork", "WorkOwner", "query_outside_capture", "DeviceRunWork"]
 
 # The hot path's Works share one lock (held for a few field writes, never while another
 # Work's lock is taken or user code runs): one fewer object made and freed per op.
@@ -173,6 +174,23 @@ class NCCLWork(Work):
         if entry is not None and entry.seq == self.seq:
             entry.done = now - self._t0
         return True
+
+    def swept(self, rt: Runtime, now: float, pool: EventPool | None, unheld: bool) -> None:
+        """The backend's sweep saw the op's end fire (or a later one on its stream), as of
+        ``now``: give a pooled end (a :class:`~.events.Handle`) back to ``pool``, then
+        complete the Work; or, when ``unheld`` (nobody holds it: the sweep drops it, its
+        arrays with it) and nothing or only its flight-recorder entry looks at its
+        completion, complete only the entry (:meth:`fired_unheld`).
+
+        Once complete, every look at the Work stops at its flag, so its end is not used
+        again; a ``wait()`` racing with this completion may make its stream wait on the
+        event's next use, later on a stream: more order, never less."""
+        end = self._end
+        if type(end) is Handle and pool is not None:
+            pool.give_handle(end)
+        if unheld and (not self.observed() or self.fired_unheld(now)):
+            return
+        self.fired(rt, now)
 
     def number(self, seq: int, group_name: str, result: Any, entry: Any) -> None:
         """Number the Work of an op a group issued through a DeviceRun: op ``seq`` of group
@@ -354,9 +372,11 @@ class NCCLWork(Work):
 class HotWork(NCCLWork):
     """The Work of an op issued by the hot path (hot.py), made and marked issued in one
     step: it keeps ``buf`` alive (nothing when None), holds no producer stream, was not
-    captured, and shares one lock with the other hot Works (held for a few field
-    writes, never while another Work's lock is taken or user code runs: one fewer
-    object made and freed per op)."""
+    captured, is never posted or doomed, and shares one lock with the other hot Works
+    (held for a few field writes, never while another Work's lock is taken or user code
+    runs: one fewer object made and freed per op)."""
+
+    _lock = _HOT_LOCK
 
     def __init__(self, op_type: str, owner: WorkOwner, buf: Any, default_timeout: float, device: int,
                  end: Event, ready: Event | None, prev: Event | None, on_stream: int = -1) -> None:
@@ -368,7 +388,6 @@ class HotWork(NCCLWork):
         self._default_timeout = default_timeout
         self._keepalive = (buf,) if buf is not None else None
         self._result = []
-        self._lock = _HOT_LOCK
         self._done = _Completion(_HOT_LOCK)
         self._owner = owner
         self._device = device
@@ -377,3 +396,54 @@ class HotWork(NCCLWork):
             self._on_stream = on_stream
         if ready is not None:
             self._ready, self._prev = ready, prev
+
+    def wait(self, timeout: float | timedelta | None = None) -> Any:
+        """:meth:`NCCLWork.wait`; see there. The common case first: no timeout, not
+        complete, the backend not aborted (a hot Work is never posted, doomed, a
+        barrier, or holding producer streams): the caller's current stream of the op's
+        device waits for ``end``, unless the op ran on that stream itself."""
+        if timeout is None and not self._done.is_set():
+            owner = self._owner
+            if owner.ending.aborted is None:
+                rt = owner.runtime
+                end = self._end
+                try:
+                    current = rt.current_stream_of(self._device)
+                    if current != self._on_stream:
+                        rt.wait_event(current, end.ptr)  # type: ignore[union-attr]  # (a hot Work's end is set)
+                except Exception as exc:
+                    raise DistBackendError(f"{self._name()}: making the caller's stream wait failed: {exc}") from exc
+                return self._result if self._wait_gives_result else True
+        return NCCLWork.wait(self, timeout)
+
+
+class DeviceRunWork(HotWork):
+    """The :class:`HotWork` of an async op a group issued through a DeviceRun on the
+    communication stream (hot.start_async), made numbered in one step: op ``seq`` of group
+    ``group_name``, ``result()`` ``[keep]`` (which also keeps the array alive for the
+    Work's life: no separate keepalive), tied to flight-recorder ``entry`` (None: no
+    recorder), whose start time it takes (the entry read the wall clock a moment ago).
+    Made before the op is queued as outstanding, so no sweep can complete it meanwhile."""
+
+    def __init__(self, op_type: str, owner: WorkOwner, keep: Any, default_timeout: float, device: int, end: Event,
+                 seq: int, group_name: str, entry: Any) -> None:
+        self.op_type = op_type
+        self._t0 = _perf_counter()
+        self._default_timeout = default_timeout
+        self._keepalive = None
+        self._result = [keep]
+        self._done = _Completion(_HOT_LOCK)
+        self._owner = owner
+        self._device = device
+        self._end = end
+        self.seq = seq
+        self.group_name = group_name
+        if entry is not None:
+            self._fr_entry = entry
+            self.time_started = entry.time_started
+        else:
+            self.time_started = _time()
+
+
+_perf_counter = time.perf_counter
+_time = time.time
