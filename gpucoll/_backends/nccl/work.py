@@ -155,32 +155,15 @@ class NCCLWork(Work):
         """Complete or fail the Work if its op finished or its backend failed; True once it has."""
         return self._poll()
 
-    def observed(self) -> bool:
-        """Whether anything but its holders looks at the Work's completion: the flight
-        recorder, a callback, a future (else a finished Work nobody holds may be dropped
-        without being completed: nothing could tell)."""
-        return self._fr_entry is not None or self._callbacks is not None or self._future is not None
-
-    def fired_unheld(self, now: float) -> bool:
-        """The op's end fired and nobody holds the Work: if nothing but its flight-recorder
-        entry looks at its completion (no callback, future or finaliser, untimed), mark the
-        entry completed as of ``now`` (``time.perf_counter()``), as a Work-less op's is
-        (``hot.Quiet``; the dump reads the same), and return True; else False (complete
-        it as usual). The Work itself is dropped, never completed."""
-        if self._callbacks is not None or self._future is not None or self._finalize is not None \
-                or self._ready is not None or self._prev is not None:
-            return False
-        entry = self._fr_entry
-        if entry is not None and entry.seq == self.seq:
-            entry.done = now - self._t0
-        return True
-
     def swept(self, rt: Runtime, now: float, pool: EventPool | None, unheld: bool) -> None:
         """The backend's sweep saw the op's end fire (or a later one on its stream), as of
-        ``now``: give a pooled end (a :class:`~.events.Handle`) back to ``pool``, then
-        complete the Work; or, when ``unheld`` (nobody holds it: the sweep drops it, its
-        arrays with it) and nothing or only its flight-recorder entry looks at its
-        completion, complete only the entry (:meth:`fired_unheld`).
+        ``now`` (``time.perf_counter()``): give a pooled end (a :class:`~.events.Handle`)
+        back to ``pool``, then complete the Work. When ``unheld`` (nobody holds it: the
+        sweep drops it, its arrays with it), the Work itself is not completed where
+        nothing could tell: with nothing looking at its completion (no flight-recorder
+        entry, callback or future), nothing is done; with only its flight-recorder entry
+        looking (no finaliser, untimed), the entry is marked completed as of ``now``, as a
+        Work-less op's is (``hot.Quiet``; the dump reads the same).
 
         Once complete, every look at the Work stops at its flag, so its end is not used
         again; a ``wait()`` racing with this completion may make its stream wait on the
@@ -188,8 +171,14 @@ class NCCLWork(Work):
         end = self._end
         if type(end) is Handle and pool is not None:
             pool.give_handle(end)
-        if unheld and (not self.observed() or self.fired_unheld(now)):
-            return
+        if unheld and self._callbacks is None and self._future is None:
+            entry = self._fr_entry
+            if entry is None:
+                return
+            if self._finalize is None and self._ready is None and self._prev is None:
+                if entry.seq == self.seq:  # (the ring may have reused the entry)
+                    entry.done = now - self._t0
+                return
         self.fired(rt, now)
 
     def number(self, seq: int, group_name: str, result: Any, entry: Any) -> None:
@@ -425,12 +414,13 @@ class DeviceRunWork(HotWork):
     recorder), whose start time it takes (the entry read the wall clock a moment ago).
     Made before the op is queued as outstanding, so no sweep can complete it meanwhile."""
 
+    _keepalive = None  # (the result holds the array)
+
     def __init__(self, op_type: str, owner: WorkOwner, keep: Any, default_timeout: float, device: int, end: Event,
                  seq: int, group_name: str, entry: Any) -> None:
         self.op_type = op_type
         self._t0 = _perf_counter()
         self._default_timeout = default_timeout
-        self._keepalive = None
         self._result = [keep]
         self._done = _Completion(_HOT_LOCK)
         self._owner = owner
