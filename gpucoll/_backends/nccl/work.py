@@ -28,7 +28,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from ..._timeouts import Backoff, to_seconds
 from ...errors import DistBackendError, DistError
-from ..._work import Work, _Completion
+from ..._work import _PENDING, Work
 from .ending import Ending
 from .events import EventPool, Handle
 from .runtime import CAPTURE_THREAD_LOCAL, Event, Runtime, enter_device, leave_device
@@ -377,7 +377,7 @@ class HotWork(NCCLWork):
         self._default_timeout = default_timeout
         self._keepalive = (buf,) if buf is not None else None
         self._result = []
-        self._done = _Completion(_HOT_LOCK)
+        self._done = _PENDING  # (never blocked on: _work._Pending)
         self._owner = owner
         self._device = device
         self._end = end
@@ -422,7 +422,7 @@ class DeviceRunWork(HotWork):
         self._t0 = _perf_counter()
         self._default_timeout = default_timeout
         self._result = [keep]
-        self._done = _Completion(_HOT_LOCK)
+        self._done = _PENDING  # (never blocked on: _work._Pending)
         self._owner = owner
         self._device = device
         self._end = end
