@@ -7,8 +7,10 @@ fails here. No time is measured: the timings are the bench's
 
 The ceilings are today's counts (CPython 3.11, blocks that gpucoll's code allocates and
 keeps, floats left out: 2.05 per synchronous op, 1.05 per Work-less backend op, 5.06 per
-async op and its wait by default, 6.06 on the caller's stream (its Work's keepalive
-tuple), alone or after the file's other tests); one more block per op fails. The
+async op and its wait by default, alone or after tests/nccl's other tests; 6.06 on the
+caller's stream (its Work's keepalive tuple), 7.06 after tests/nccl's other tests, once
+they have given its Work class other attributes and CPython stops sharing their
+attribute dicts' keys); one more block per op fails. The
 default async op's end event is a pooled ``Handle`` (no event object per op: the fake's
 pooled events come from the runtime's own pool, whose object per event is gpucoll's,
 and the old path's 8.07 blocks fail here), and its Work shares the pending completion
@@ -63,7 +65,7 @@ _PACKAGE = os.path.dirname(_gpucoll.__file__)
 _FLOAT_BYTES = sys.getsizeof(0.5)
 _PENDING = 100          # ops kept pending (< PRUNE_AT: none completes meanwhile)
 # Blocks kept per pending op, today, and the slack other CPython versions may need.
-KEPT_SYNC, KEPT_ASYNC_CALLER, KEPT_ASYNC, KEPT_BACKEND, SLACK = 2.1, 6.1, 5.1, 1.1, 0.5
+KEPT_SYNC, KEPT_ASYNC_CALLER, KEPT_ASYNC, KEPT_BACKEND, SLACK = 2.1, 7.1, 5.1, 1.1, 0.5
 
 
 @pytest.fixture
@@ -176,7 +178,8 @@ def _async_and_wait(world: tuple[Any, TimedRuntime, Any, NCCLBackend], kept: flo
     assert mine.get("nccl", 0) == _OPS, mine
     assert mine.get("is_capturing", 0) == _OPS, mine
     assert mine.get("event", 0) == 0, mine
-    assert _kept_per_op(op, rt, backend) <= kept + SLACK
+    got = _kept_per_op(op, rt, backend)
+    assert got <= kept + SLACK, got
     return mine
 
 

@@ -428,11 +428,8 @@ class DeviceRunWork(HotWork):
         self._end = end
         self.seq = seq
         self.group_name = group_name
-        if entry is not None:
-            self._fr_entry = entry
-            self.time_started = entry.time_started
-        else:
-            self.time_started = _time()
+        self._fr_entry = entry  # (set even when None: every such Work's fields in one order)
+        self.time_started = _time() if entry is None else entry.time_started
 
 
 _perf_counter = time.perf_counter
