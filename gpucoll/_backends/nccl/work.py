@@ -236,7 +236,9 @@ class NCCLWork(Work):
             prev_device = -1 if rt.get_device() == self._device else enter_device(rt, self._device)
             try:
                 if not (rt.query(end.ptr) if mode_set else query_outside_capture(rt, end.ptr)):
-                    return False
+                    # The sweep may have completed it meanwhile, its pooled end given back
+                    # and recording a later op since: the flag says so.
+                    return self._done.is_set()
                 duration = self._active_ms(rt, end)
             finally:
                 leave_device(rt, prev_device)
