@@ -50,8 +50,8 @@ if TYPE_CHECKING:
     from ..._debug.flight_recorder import _Entry
     from .state import BackendState
 
-__all__ = ["Hot", "Quiet", "Pending", "PRUNE_AT", "PRUNE_WORKS_AT", "make", "issue", "issue_quiet", "start_async", "issue_failed",
-           "complete_until", "poll"]
+__all__ = ["Hot", "Quiet", "Pending", "PRUNE_AT", "PRUNE_WORKS_AT", "make", "issue", "issue_quiet", "start_async",
+           "issue_failed", "complete_until", "poll"]
 
 # A finished Work that only the sweep holds (its list of works, the pending queue, its loop
 # variable, and getrefcount's own argument) is not completed, only dropped: nothing can

@@ -62,7 +62,8 @@ def runners(b: BackendState, posted: Posted, hot: _hot.Hot, buf: Buffer) -> Runn
     where = buf.device
     if buf.foreign_stream or where.index != b.device_index or where.type != "cuda":
         return None
-    return Runners(functools.partial(_hot.issue_quiet_at, b, hot), functools.partial(_hot.start_async, b, posted, hot, buf.nbytes),
+    return Runners(functools.partial(_hot.issue_quiet_at, b, hot),
+                   functools.partial(_hot.start_async, b, posted, hot, buf.nbytes),
                    posted, b.runtime.stream_of, b.device_index, getattr(b.runtime, "stream_of_fixed", False))
 
 
