@@ -393,7 +393,7 @@ class HotWork(NCCLWork):
         complete, the backend not aborted (a hot Work is never posted, doomed, a
         barrier, or holding producer streams): the caller's current stream of the op's
         device waits for ``end``, unless the op ran on that stream itself."""
-        if timeout is None and not self._done.is_set():
+        if timeout is None and self._done is _PENDING:  # (not complete: the shared pending state)
             owner = self._owner
             if owner.ending.aborted is None:
                 rt = owner.runtime
