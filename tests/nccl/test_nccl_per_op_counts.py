@@ -34,6 +34,12 @@ a run there, never by guessing:
   left out makes a new event per op); a Work nobody holds once its op finished is
   dropped with its flight-recorder entry marked completed, and a completed Work's
   ``wait()`` makes no CUDA call (its end event, given back, may be recording another op);
+* the Python bytecode instructions gpucoll's own code runs per op (``sys.settrace``'s
+  opcode events in gpucoll's files only; the fake's calls not included), on CPython
+  3.11: 555 for the synchronous op and 614 for the default async op and its wait
+  (they were 574 and 804 before the async op was written out in one frame, its end
+  event pooled, its Work made numbered and its sweep one call); a frame, a check or a
+  call more per op fails;
 * blocks kept per op until its batch completes: the backend's record (a synchronous op
   of an array already run: the group's DeviceRun, so the record holds the array itself,
   no Buffer) and the flight recorder's fields; an async op's Work and what it holds.
@@ -66,6 +72,8 @@ _FLOAT_BYTES = sys.getsizeof(0.5)
 _PENDING = 100          # ops kept pending (< PRUNE_AT: none completes meanwhile)
 # Blocks kept per pending op, today, and the slack other CPython versions may need.
 KEPT_SYNC, KEPT_ASYNC_CALLER, KEPT_ASYNC, KEPT_BACKEND, SLACK = 2.1, 7.1, 5.1, 1.1, 0.5
+# gpucoll's own bytecode instructions per op on CPython 3.11 (the count is exact there).
+OPCODES_SYNC, OPCODES_ASYNC, OPCODES_SLACK = 555, 614, 4
 
 
 @pytest.fixture
@@ -256,3 +264,38 @@ def test_dropped_async_works_leave_their_flight_recorder_entries_completed(
     rt.costs.reset()
     assert held.wait() and held.is_completed()
     assert rt.costs.of().get("cuda", 0) == 0, rt.costs.of()
+
+
+def _opcodes_per_op(call: Callable[[], Any], ops: int = 640) -> float:
+    """Bytecode instructions that gpucoll's own files run per ``call()`` (``sys.settrace``
+    with opcode events, only in frames of gpucoll's code; the fake's are not traced),
+    after enough calls that every batch, pool and ring is in its steady state."""
+    for _ in range(3 * _hot.PRUNE_AT):
+        call()
+    count = 0
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal count
+        if not frame.f_code.co_filename.startswith(_PACKAGE):
+            return None
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            count += 1
+        return trace
+    sys.settrace(trace)
+    try:
+        for _ in range(ops):
+            call()
+    finally:
+        sys.settrace(None)
+    return count / ops
+
+
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="the ceilings are CPython 3.11's counts")
+def test_the_python_each_op_runs(default_world: tuple[Any, TimedRuntime, Any, NCCLBackend]) -> None:
+    # Deterministic (no clock): the synchronous op and the default async op with its wait.
+    gpucoll, rt, x, backend = default_world
+    sync = _opcodes_per_op(lambda: gpucoll.all_reduce(x))
+    both = _opcodes_per_op(lambda: gpucoll.all_reduce(x, async_op=True).wait())
+    assert sync <= OPCODES_SYNC + OPCODES_SLACK, sync
+    assert both <= OPCODES_ASYNC + OPCODES_SLACK, both
