@@ -97,6 +97,8 @@ def _world(monkeypatch: pytest.MonkeyPatch, caller_stream_max: str) -> Iterator[
     from gpucoll._world import default_group
 
     monkeypatch.setenv("GPUCOLL_FLIGHT_RECORDER_SIZE", "16")
+    for var in ("GPUCOLL_DEBUG", "TORCH_DISTRIBUTED_DEBUG"):  # the counts are the default level's
+        monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("GPUCOLL_NCCL_CALLER_STREAM_MAX", caller_stream_max)
     # Device work of 0.1 µs per op: the fake GPU keeps up with the host (one event query
     # per batch), however fast the host issues; what is counted is the host's calls.
