@@ -132,7 +132,8 @@ class Work:
     def _finish(self, exc: BaseException | None, active: float | None, source_rank: int | None,
                 now: float | None = None) -> None:
         with self._lock:
-            if self._done._flag:
+            done = self._done
+            if done._flag:
                 return
             finalize = self._finalize
             if finalize is not None:
@@ -152,7 +153,11 @@ class Work:
                 self._source_rank = source_rank
             self._exc = exc
             self._keepalive = None
-            event = self._done._set_locked()
+            if done is _PENDING:  # (a state shared until completion: _PENDING says why)
+                self._done = _COMPLETED
+                event = None
+            else:
+                event = done._set_locked()
             callbacks = self._callbacks
             future = self._future
         self._finish_rest(event, callbacks, future)
@@ -438,3 +443,27 @@ _COMPLETED = _Completion(threading.Lock())
 and never waited on (``wait`` and ``is_set`` return at the flag), nor set again (a
 completed Work's ``_finish`` returns at the flag)."""
 _COMPLETED._flag = True
+
+
+class _Pending(_Completion):
+    """The completion state of a Work that no thread ever blocks on (a device Work:
+    its ``wait()`` orders streams and its ``synchronize()`` polls), shared by every such
+    Work until it completes: :meth:`Work._finish` then gives it :data:`_COMPLETED`
+    instead of setting this one, so no completion object is made per op. Blocking on it,
+    or setting it, is a mistake, and raises."""
+
+    __slots__ = ()
+
+    def set(self) -> None:
+        raise RuntimeError("the shared pending state of device Works is never set (Work._finish swaps it)")
+
+    def wait(self, timeout: float | None = None) -> bool:
+        raise RuntimeError("the shared pending state of device Works cannot be waited on (wait() orders "
+                           "streams, synchronize() polls)")
+
+    def _set_locked(self) -> threading.Event | None:
+        raise RuntimeError("the shared pending state of device Works is never set (Work._finish swaps it)")
+
+
+_PENDING = _Pending(threading.Lock())
+"""The completion state every Work that nobody blocks on starts with (see :class:`_Pending`)."""

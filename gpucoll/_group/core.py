@@ -95,14 +95,14 @@ class DeviceRun:
     capture on it), hooks, the debug level, a coalescing block, posted sends."""
 
     __slots__ = ("backend", "run", "start", "red", "kind", "posted", "stream_of", "device", "legacy",
-                 "stream_of_fixed")
+                 "legacy_handle", "stream_of_fixed")
 
     def __init__(self, backend: Backend, runners: Any, red: Any, desc: Buffer) -> None:
         self.backend = backend
         # The backend's runners (NCCL's quiet.py): the synchronous form, run(stream handle, array,
         # seq, entry, group_name) -> issued, when posted.ops is empty; the stream's handle,
         # stream_of(CuPy stream, device) (None: another device's); the async form,
-        # start(CuPy stream, array, seq, entry, group_name) -> its Work (numbered, recorded) or None.
+        # start(stream handle, array, seq, entry, group_name) -> its Work (numbered, recorded) or None.
         self.run: Callable[..., bool] = runners.run
         self.start: Callable[..., Work | None] | None = runners.start
         self.posted: Any = runners.posted
@@ -111,10 +111,30 @@ class DeviceRun:
         # CuPy's legacy default stream (ptr 0, one object per device) and its handle, once
         # stream_of answered it and may be kept (runners.stream_of_fixed): no call per op.
         # Only that stream is kept: holding a stream the caller made would keep it alive.
-        self.legacy: tuple[Any, int] | None = None
+        self.legacy: Any = None
+        self.legacy_handle: int | None = None
         self.stream_of_fixed: bool = runners.stream_of_fixed
         self.red = red
         self.kind = Kind(backend.name, desc)  # what the flight recorder shows of each op
+
+
+    def handle(self, current: Any) -> int | None:
+        """The handle of ``current``, CuPy's current stream of the run's device, for the
+        runners (``stream_of``); None where the op must go the usual way: a stream of
+        another device, CuPy's per-thread default stream (the usual way orders it), a
+        stream object that cannot be read. CuPy's legacy default stream (ptr 0) and its
+        handle are kept where ``stream_of``'s answer may be (``stream_of_fixed``): CuPy
+        makes one such object per device, and its handle never changes."""
+        try:
+            ptr = current.ptr
+        except Exception:  # noqa: BLE001  (the usual way words the error)
+            return None
+        if not ptr and _buffer._cupy_default_stream != 1:
+            return None
+        stream = self.stream_of(current, self.device)
+        if not ptr and stream is not None and self.stream_of_fixed:
+            self.legacy, self.legacy_handle = current, stream
+        return stream
 
 
 class Issuer:
@@ -271,30 +291,23 @@ class Issuer:
         # asks no second time). Asked with the device, CuPy makes no cudaGetDevice.
         try:
             current: Any = _buffer._cupy_stream(run.device)
-            ptr: int = current.ptr
         except Exception:  # noqa: BLE001  (the usual way words the error)
-            current = None
+            stream: int | None = None
         else:
-            if not ptr and _buffer._cupy_default_stream != 1:
-                current = None  # CuPy's per-thread default stream: the usual way orders it
+            # CuPy's legacy default stream, seen before: its handle, kept (one object per
+            # device; a stream of the caller's own is never kept: that would keep it alive).
+            stream = run.legacy_handle if current is run.legacy else run.handle(current)
         if async_op:
             start = run.start
-            work = start(current, tensor, seq, entry, self.group_name) \
-                if start is not None and current is not None else None
+            work = start(stream, tensor, seq, entry, self.group_name) \
+                if start is not None and stream is not None else None
             if work is not None:  # numbered and tied to its entry by the runner
                 watchdog = self.watchdog
                 if backend is not watchdog.watched:
                     watchdog.watch_backend(backend)  # type: ignore[arg-type]  # (its queue holds the Work)
                 return work
-        elif current is not None and not run.posted.ops:  # (posted sends and receives: the usual way first)
-            legacy = run.legacy
-            if legacy is not None and current is legacy[0]:
-                stream: int | None = legacy[1]
-            else:
-                stream = run.stream_of(current, run.device)
-                if not ptr and stream is not None and run.stream_of_fixed:
-                    run.legacy = (current, stream)
-            if stream is not None and run.run(stream, tensor, seq, entry, self.group_name):
+        elif stream is not None and not run.posted.ops:  # (posted sends and receives: the usual way first)
+            if run.run(stream, tensor, seq, entry, self.group_name):
                 watchdog = self.watchdog
                 if backend is not watchdog.watched:
                     watchdog.watch_backend(backend)  # type: ignore[arg-type]  # (a quiet backend polls)

@@ -75,7 +75,7 @@ def test_repeated_all_reduces_of_cupy_arrays_go_through_a_run_and_stay_right(
         # (the synchronous form gets no handle for it, so the op goes the usual way).
         run = next(iter(runs.values()))
         other = FakeCupyStream(rt.new_stream().ptr, 1)
-        if run.stream_of(other, run.device) is not None or run.start(other, x, 1, None, "") is not None:
+        if run.stream_of(other, run.device) is not None:
             bad.append("a stream of another device was taken")
         # Same address, another op, then another dtype: each its own run, right values.
         _put(rt, buf, base + rank)
@@ -222,3 +222,46 @@ def test_cupys_null_stream_is_the_legacy_stream_of_any_device() -> None:
 
     fake = CupyOnFake(FakeRuntime(FakeFabric(hang_limit=5.0)))
     assert (fake.get_current_stream(0).ptr, fake.get_current_stream(0).device_id) == (0, -1)
+
+
+def test_async_ops_through_a_run_reuse_their_end_events_and_stay_right(cupy_fake: CupyOnFake,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """More async all_reduces through a run than the backend's sweep batches, so their end
+    events (pooled Handles) go back to the pool and record later ops again, some Works held
+    across those later ops: each result is right once its ``wait()`` ordered the caller's
+    stream, the held Works read complete with their results, and the ends are reused (a
+    Handle never given back makes every op's end a new event)."""
+    from gpucoll._backends.nccl import hot
+
+    n = 3 * hot.PRUNE_WORKS_AT + 8
+
+    def body(pg: Any, rt: FakeRuntime, rank: int) -> list[str]:
+        _RankRuntime.local.rt = rt
+        size, bad = pg.size(), []
+        base = np.arange(16, dtype=np.float32)
+        x, buf = _array(cupy_fake, rt, base + rank)
+        pg.all_reduce(x)  # the first plans the op and makes the run
+        read_on_stream(rt, buf, np.float32).get(timeout=20)
+        held: list[Any] = []
+        ends: set[int] = set()
+        for i in range(n):
+            k = i % 7 + 1
+            _put(rt, buf, base * k + rank)
+            work = pg.all_reduce(x, async_op=True)
+            ends.add(work._end.ptr)
+            if i % 16 == 0:
+                held.append(work)
+            work.wait()
+            got = read_on_stream(rt, buf, np.float32).get(timeout=20)
+            if not np.array_equal(got, sum(base * k + r for r in range(size))):
+                bad.append(f"op {i}: {got}")
+        if len(pg._issuer.device_runs) != 1:
+            bad.append(f"runs: {len(pg._issuer.device_runs)}")
+        if len(ends) > 2 * hot.PRUNE_WORKS_AT + 2:
+            bad.append(f"{len(ends)} end events for {n} ops: not reused")
+        for w in held:
+            if not (w.wait() and w.is_completed() and w.result() == [x]):
+                bad.append(f"held work {w.seq}: {w.is_completed()}")
+        return bad
+
+    assert run_groups(2, body, monkeypatch) == [[], []]

@@ -42,14 +42,16 @@ from .plan import Plan
 from .outstanding import PRUNE_AT, PRUNE_WORKS_AT
 from .runtime import CAPTURE_THREAD_LOCAL
 from .phases import on_comm
-from .work import HotWork, NCCLWork
+from .lifecycle import abort_comm as _abort_comm
+from .posting import Posted
+from .work import DeviceRunWork, HotWork, NCCLWork
 
 if TYPE_CHECKING:
     from ..._debug.flight_recorder import _Entry
     from .state import BackendState
 
-__all__ = ["Hot", "Quiet", "Pending", "PRUNE_AT", "PRUNE_WORKS_AT", "make", "issue", "issue_quiet", "issue_failed",
-           "complete_until", "poll"]
+__all__ = ["Hot", "Quiet", "Pending", "PRUNE_AT", "PRUNE_WORKS_AT", "make", "issue", "issue_quiet", "start_async",
+           "issue_failed", "complete_until", "poll"]
 
 # A finished Work that only the sweep holds (its list of works, the pending queue, its loop
 # variable, and getrefcount's own argument) is not completed, only dropped: nothing can
@@ -283,7 +285,8 @@ def issue_on_comm(b: BackendState, hot: Hot, stream: int, keep: Any) -> NCCLWork
             rt.wait_event(comm_stream, mark)
             issuing = True
             on_comm(b, hot.call, comm_stream)
-            end = rt.event(True, timing, device)
+            # Untimed: a Handle of the backend's pool, given back by the sweep (complete_until).
+            end = rt.event(True, True, device) if timing else cs.pool(rt, device).take_handle()
             rt.record(end.ptr, comm_stream)
         except Exception as exc:
             failed = issue_failed(b, hot.op_type, exc, issuing, (keep,), [])
@@ -303,25 +306,71 @@ def issue_on_comm(b: BackendState, hot: Hot, stream: int, keep: Any) -> NCCLWork
     return work
 
 
-def issue_async_at(b: BackendState, hot: Hot, stream: int, keep: Any, nbytes: int, seq: int,
-                   entry: _Entry | None, group_name: str) -> NCCLWork | None:
-    """:func:`issue` of an async op for a caller that has checked the array as
-    :func:`issue_quiet_at` says (``stream``: the caller's current stream of the
-    communicator's device, the one the array's producer named; ``keep``: the array,
-    which its Work holds and ``wait()`` returns): op number ``seq`` of group
-    ``group_name`` with flight-recorder ``entry``, on the communication stream (a small
-    untimed one on ``stream`` itself where ``comm_stream.caller_max`` says so); its
-    Work, numbered and tied to ``entry``. None, having done nothing, where the usual way
-    must issue it (a capture, an ended backend)."""
-    if b.runtime.is_capturing(stream):
+def start_async(b: BackendState, posted: Posted, hot: Hot, nbytes: int, stream: int, keep: Any, seq: int,
+                entry: _Entry | None, group_name: str) -> NCCLWork | None:
+    """A DeviceRun's async runner (quiet.py): :func:`issue` of an async op for a caller
+    that has checked the array as :func:`issue_quiet_at` says (``stream``: the caller's
+    current stream of the communicator's device, the one the array's producer named;
+    ``keep``: the array, which its Work holds and ``wait()`` returns), op number ``seq``
+    of group ``group_name`` with flight-recorder ``entry``, on the communication stream
+    (a small untimed one on ``stream`` itself where ``comm_stream.caller_max`` says so);
+    its Work, numbered and tied to ``entry``. None, having done nothing, where the usual
+    way must issue it (posted sends and receives, a capture, an ended backend).
+
+    The untimed op on the communication stream, the default, is :func:`issue_on_comm`
+    written out in one frame: the ``ready`` event recorded on ``stream`` and waited on
+    by the communication stream, the NCCL call, the end event (a pooled
+    :class:`~.events.Handle`) recorded after it, and a Work made numbered
+    (:class:`~.work.DeviceRunWork`)."""
+    if posted.ops:
+        return None
+    rt = b.runtime
+    if rt.is_capturing(stream):
         return None
     cs = b.comm_stream
-    if nbytes > cs.caller_max or cs.timing:
-        work = issue_on_comm(b, hot, stream, keep)
-    else:
-        work = _issue_on_caller(b, hot, keep, stream)
-    if work is not None:
-        work.number(seq, group_name, keep, entry)
+    if cs.timing or nbytes <= cs.caller_max:
+        work = issue_on_comm(b, hot, stream, keep) if cs.timing else _issue_on_caller(b, hot, keep, stream)
+        if work is not None:
+            work.number(seq, group_name, keep, entry)
+        return work
+    device = b.device_index
+    with b.issue_lock:
+        if b.ending.over is not None:
+            return None
+        comm_stream = cs.ptr
+        pool = cs.events or cs.pool(rt, device)
+        handles = pool.handles
+        end = handles.pop() if handles else pool.take_handle()
+        issuing = False
+        try:
+            mark = cs.ready or cs.ready_event(rt, device)
+            rt.record(mark, stream)
+            rt.wait_event(comm_stream, mark)
+            issuing = True
+            # on_comm(b, hot.call, comm_stream), written out (two frames fewer): the call
+            # under the communicator's lock, an abort meanwhile carried out here.
+            slot = b.comm_slot
+            with slot.lock:
+                if slot.gone:
+                    raise RuntimeError("the communicator is gone")
+                hot.call(comm_stream)
+            if b.ending.aborted is not None:
+                _abort_comm(b, blocking=True)
+                raise RuntimeError("the communicator was aborted while this op was being issued")
+            rt.record(end.ptr, comm_stream)
+        except Exception as exc:
+            if not issuing:
+                handles.append(end)  # nothing was queued with it
+            failed = issue_failed(b, hot.op_type, exc, issuing, (keep,), [])
+            if failed is exc:
+                raise
+            raise failed from exc
+        cs.tail = end
+        cs.last_end = None
+        work = DeviceRunWork(hot.op_type, b, keep, b.timeout, device, end, seq, group_name, entry)
+        if b.outstanding.add_work(work):
+            complete_until(b, work)
+            b.outstanding.batch_done()
     return work
 
 
@@ -347,7 +396,7 @@ def _issue_on_caller(b: BackendState, hot: Hot, buf: Any, stream: int) -> NCCLWo
                 cs.tail = None
             issuing = True
             on_comm(b, hot.call, stream)
-            end = rt.event(True, False, device)
+            end = cs.pool(rt, device).take_handle()  # given back by the sweep (complete_until)
             rt.record(end.ptr, stream)
         except Exception as exc:
             failed = issue_failed(b, hot.op_type, exc, issuing, (buf,), [])
@@ -440,11 +489,11 @@ def complete_until(b: BackendState, stop: Pending | None, mode_set: bool = False
                             if pool is not None:
                                 pool.give(w.end)
                         continue
-                    # Nobody holds it: dropped below, its arrays with it; if only its
-                    # flight-recorder entry looks, the entry is completed instead of the Work.
-                    if _refs(w) <= _UNHELD and (not w.observed() or w.fired_unheld(now)):
-                        continue
-                    w.fired(rt, now)
+                    # Its pooled end given back; if nobody holds it, dropped below, its
+                    # arrays with it (if only its flight-recorder entry looks, the entry
+                    # is completed instead of the Work).
+                    unheld = _refs(w) <= _UNHELD
+                    w.swept(rt, now, pool, unheld)
     finally:
         if mode >= 0:
             rt.exchange_capture_mode(mode)

@@ -3,15 +3,14 @@ already issued on one array (address, size, dtype, op), its hot call looked up o
 run again with what the group read of the array per call.
 
 ``run(handle, keep, seq, entry, group_name) -> bool`` is ``NCCLBackend.all_reduce_quiet``
-of that op and ``start(stream, keep, seq, entry, group_name) -> Work | None`` its async
-form (on the communication stream, numbered and recorded). ``stream`` is
-the caller's current stream as CuPy's ``get_current_stream()`` returns it, the
-stream the array's producer names: the op runs there if it is a stream of the
-communicator's device, else the runner declines and the usual way orders it;
-``run`` takes that stream's handle, ``stream_of(stream, device)``
-(``Runtime.stream_of``, no CUDA call; None: another device's stream), and is called
-only when ``posted.ops`` is empty (posted sends and receives go first, the usual
-way). ``keep`` holds the array's memory until the op completes.
+of that op and ``start(handle, keep, seq, entry, group_name) -> Work | None`` its async
+form (on the communication stream, numbered and recorded; ``hot.start_async``).
+``handle`` is that of the caller's current stream as CuPy's ``get_current_stream()``
+returns it, the stream the array's producer names, ``stream_of(stream, device)``
+(``Runtime.stream_of``, no CUDA call; None: another device's stream, and then the
+caller goes the usual way, which orders it). ``run`` is called only when
+``posted.ops`` is empty (posted sends and receives go first, the usual way; ``start``
+declines then). ``keep`` holds the array's memory until the op completes.
 The caller vouches for what the runners do not check again: an array at this address,
 of this size and dtype, C-contiguous. The device and a foreign stream are checked
 when the runners are made (an address names one device); a capture, posted sends and
@@ -63,13 +62,8 @@ def runners(b: BackendState, posted: Posted, hot: _hot.Hot, buf: Buffer) -> Runn
     where = buf.device
     if buf.foreign_stream or where.index != b.device_index or where.type != "cuda":
         return None
-    return Runners(functools.partial(_hot.issue_quiet_at, b, hot), functools.partial(_start, b, posted, hot, buf.nbytes),
+    return Runners(functools.partial(_hot.issue_quiet_at, b, hot),
+                   functools.partial(_hot.start_async, b, posted, hot, buf.nbytes),
                    posted, b.runtime.stream_of, b.device_index, getattr(b.runtime, "stream_of_fixed", False))
 
 
-def _start(b: BackendState, posted: Posted, hot: _hot.Hot, nbytes: int, current: Any, keep: Any, seq: int,
-           entry: Any, group_name: str) -> NCCLWork | None:
-    if posted.ops:
-        return None
-    stream = b.runtime.stream_of(current, b.device_index)
-    return None if stream is None else _hot.issue_async_at(b, hot, stream, keep, nbytes, seq, entry, group_name)

@@ -28,11 +28,12 @@ from typing import Any, Callable, Protocol, Sequence
 
 from ..._timeouts import Backoff, to_seconds
 from ...errors import DistBackendError, DistError
-from ..._work import Work, _Completion
+from ..._work import _PENDING, Work
 from .ending import Ending
+from .events import EventPool, Handle
 from .runtime import CAPTURE_THREAD_LOCAL, Event, Runtime, enter_device, leave_device
 
-__all__ = ["NCCLWork", "HotWork", "WorkOwner", "query_outside_capture"]
+__all__ = ["NCCLWork", "HotWork", "WorkOwner", "query_outside_capture", "DeviceRunWork"]
 
 # The hot path's Works share one lock (held for a few field writes, never while another
 # Work's lock is taken or user code runs): one fewer object made and freed per op.
@@ -154,25 +155,31 @@ class NCCLWork(Work):
         """Complete or fail the Work if its op finished or its backend failed; True once it has."""
         return self._poll()
 
-    def observed(self) -> bool:
-        """Whether anything but its holders looks at the Work's completion: the flight
-        recorder, a callback, a future (else a finished Work nobody holds may be dropped
-        without being completed: nothing could tell)."""
-        return self._fr_entry is not None or self._callbacks is not None or self._future is not None
+    def swept(self, rt: Runtime, now: float, pool: EventPool | None, unheld: bool) -> None:
+        """The backend's sweep saw the op's end fire (or a later one on its stream), as of
+        ``now`` (``time.perf_counter()``): give a pooled end (a :class:`~.events.Handle`)
+        back to ``pool``, then complete the Work. When ``unheld`` (nobody holds it: the
+        sweep drops it, its arrays with it), the Work itself is not completed where
+        nothing could tell: with nothing looking at its completion (no flight-recorder
+        entry, callback or future), nothing is done; with only its flight-recorder entry
+        looking (no finaliser, untimed), the entry is marked completed as of ``now``, as a
+        Work-less op's is (``hot.Quiet``; the dump reads the same).
 
-    def fired_unheld(self, now: float) -> bool:
-        """The op's end fired and nobody holds the Work: if nothing but its flight-recorder
-        entry looks at its completion (no callback, future or finaliser, untimed), mark the
-        entry completed as of ``now`` (``time.perf_counter()``), as a Work-less op's is
-        (``hot.Quiet``; the dump reads the same), and return True; else False (complete
-        it as usual). The Work itself is dropped, never completed."""
-        if self._callbacks is not None or self._future is not None or self._finalize is not None \
-                or self._ready is not None or self._prev is not None:
-            return False
-        entry = self._fr_entry
-        if entry is not None and entry.seq == self.seq:
-            entry.done = now - self._t0
-        return True
+        Once complete, every look at the Work stops at its flag, so its end is not used
+        again; a ``wait()`` racing with this completion may make its stream wait on the
+        event's next use, later on a stream: more order, never less."""
+        end = self._end
+        if type(end) is Handle and pool is not None:
+            pool.give_handle(end)
+        if unheld and self._callbacks is None and self._future is None:
+            entry = self._fr_entry
+            if entry is None:
+                return
+            if self._finalize is None and self._ready is None and self._prev is None:
+                if entry.seq == self.seq:  # (the ring may have reused the entry)
+                    entry.done = now - self._t0
+                return
+        self.fired(rt, now)
 
     def number(self, seq: int, group_name: str, result: Any, entry: Any) -> None:
         """Number the Work of an op a group issued through a DeviceRun: op ``seq`` of group
@@ -229,7 +236,9 @@ class NCCLWork(Work):
             prev_device = -1 if rt.get_device() == self._device else enter_device(rt, self._device)
             try:
                 if not (rt.query(end.ptr) if mode_set else query_outside_capture(rt, end.ptr)):
-                    return False
+                    # The sweep may have completed it meanwhile, its pooled end given back
+                    # and recording a later op since: the flag says so.
+                    return self._done.is_set()
                 duration = self._active_ms(rt, end)
             finally:
                 leave_device(rt, prev_device)
@@ -354,9 +363,11 @@ class NCCLWork(Work):
 class HotWork(NCCLWork):
     """The Work of an op issued by the hot path (hot.py), made and marked issued in one
     step: it keeps ``buf`` alive (nothing when None), holds no producer stream, was not
-    captured, and shares one lock with the other hot Works (held for a few field
-    writes, never while another Work's lock is taken or user code runs: one fewer
-    object made and freed per op)."""
+    captured, is never posted or doomed, and shares one lock with the other hot Works
+    (held for a few field writes, never while another Work's lock is taken or user code
+    runs: one fewer object made and freed per op)."""
+
+    _lock = _HOT_LOCK
 
     def __init__(self, op_type: str, owner: WorkOwner, buf: Any, default_timeout: float, device: int,
                  end: Event, ready: Event | None, prev: Event | None, on_stream: int = -1) -> None:
@@ -368,8 +379,7 @@ class HotWork(NCCLWork):
         self._default_timeout = default_timeout
         self._keepalive = (buf,) if buf is not None else None
         self._result = []
-        self._lock = _HOT_LOCK
-        self._done = _Completion(_HOT_LOCK)
+        self._done = _PENDING  # (never blocked on: _work._Pending)
         self._owner = owner
         self._device = device
         self._end = end
@@ -377,3 +387,52 @@ class HotWork(NCCLWork):
             self._on_stream = on_stream
         if ready is not None:
             self._ready, self._prev = ready, prev
+
+    def wait(self, timeout: float | timedelta | None = None) -> Any:
+        """:meth:`NCCLWork.wait`; see there. The common case first: no timeout, not
+        complete, the backend not aborted (a hot Work is never posted, doomed, a
+        barrier, or holding producer streams): the caller's current stream of the op's
+        device waits for ``end``, unless the op ran on that stream itself."""
+        if timeout is None and self._done is _PENDING:  # (not complete: the shared pending state)
+            owner = self._owner
+            if owner.ending.aborted is None:
+                rt = owner.runtime
+                end = self._end
+                try:
+                    current = rt.current_stream_of(self._device)
+                    if current != self._on_stream:
+                        rt.wait_event(current, end.ptr)  # type: ignore[union-attr]  # (a hot Work's end is set)
+                except Exception as exc:
+                    raise DistBackendError(f"{self._name()}: making the caller's stream wait failed: {exc}") from exc
+                return self._result if self._wait_gives_result else True
+        return NCCLWork.wait(self, timeout)
+
+
+class DeviceRunWork(HotWork):
+    """The :class:`HotWork` of an async op a group issued through a DeviceRun on the
+    communication stream (hot.start_async), made numbered in one step: op ``seq`` of group
+    ``group_name``, ``result()`` ``[keep]`` (which also keeps the array alive for the
+    Work's life: no separate keepalive), tied to flight-recorder ``entry`` (None: no
+    recorder), whose start time it takes (the entry read the wall clock a moment ago).
+    Made before the op is queued as outstanding, so no sweep can complete it meanwhile."""
+
+    _keepalive = None  # (the result holds the array)
+
+    def __init__(self, op_type: str, owner: WorkOwner, keep: Any, default_timeout: float, device: int, end: Event,
+                 seq: int, group_name: str, entry: Any) -> None:
+        self.op_type = op_type
+        self._t0 = _perf_counter()
+        self._default_timeout = default_timeout
+        self._result = [keep]
+        self._done = _PENDING  # (never blocked on: _work._Pending)
+        self._owner = owner
+        self._device = device
+        self._end = end
+        self.seq = seq
+        self.group_name = group_name
+        self._fr_entry = entry  # (set even when None: every such Work's fields in one order)
+        self.time_started = _time() if entry is None else entry.time_started
+
+
+_perf_counter = time.perf_counter
+_time = time.time
