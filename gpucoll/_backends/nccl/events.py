@@ -34,7 +34,8 @@ class EventPool:
     Args:
         rt: makes and destroys events.
         device: the device the events belong to.
-        limit: events kept for reuse; more given back are destroyed.
+        limit: raw events kept for reuse; more given back are destroyed (Handles are
+            kept whatever the limit: see :meth:`give_handle`).
     """
 
     __slots__ = ("_rt", "_device", "_free", "_limit", "handles")
@@ -72,13 +73,11 @@ class EventPool:
         return handles.pop() if handles else Handle(self.take())
 
     def give_handle(self, handle: Handle) -> None:
-        """Give back ``handle``, taken with :meth:`take_handle`, once nothing will record,
-        wait on or query its event again."""
-        handles = self.handles
-        if len(handles) < self._limit:
-            handles.append(handle)
-        else:
-            self._rt.destroy_event(handle.ptr)
+        """Give back ``handle``, taken with :meth:`take_handle`, once its op completed.
+        Kept whatever the limit, destroyed only by :meth:`clear`: a Work's ``wait()`` that
+        raced with its completion may still make a stream wait on the event (on its next
+        use, which is more order, never less), so the event must stay valid."""
+        self.handles.append(handle)
 
     def _make(self) -> int:
         rt = self._rt
