@@ -38,7 +38,8 @@ from . import _local, _wire
 from ._conn import (FLAG_ERROR, FLAG_REPLY, HANDSHAKE_TIMEOUT, LAZY_WAKE, _READ_SLICE_MS, Reply, _Call, _Conn, _sending,
                     _tune, dial_unix, rebuild_error, serve_conn)
 from ._faults import FaultSpec
-from ._info import AgentShutDownError, IntentionalFailureError, MessageType, PeerLostError, RpcTimeoutError, UnknownWorkerError, WorkerInfo
+from ._info import (AgentShutDownError, IntentionalFailureError, MessageType, PeerLostError, RpcTimeoutError, UnknownWorkerError,
+                    WorkerInfo, detached)
 
 __all__ = ["Agent", "Reply", "FLAG_REPLY", "FLAG_ERROR"]
 
@@ -348,13 +349,13 @@ class Agent:
             if call is not None:
                 err = e if isinstance(e, (PeerLostError, AgentShutDownError)) else PeerLostError(
                     f"RPC {call.what} to {to} failed: could not send to it ({e})")
-                call.fut._try_complete(None, err)
+                call.fut._try_complete(None, detached(err))  # its frames would keep the call's arguments
         except Exception as e:  # noqa: BLE001 -- a local error (a buffer that cannot be sent)
             call = self._pop(mid)
             if raising:
                 raise
             if call is not None:
-                call.fut._try_complete(None, e)
+                call.fut._try_complete(None, detached(e))
 
     def _conn_to(self, to: WorkerInfo) -> _Conn:
         conn = self._out.get(to.id)

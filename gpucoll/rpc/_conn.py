@@ -23,7 +23,7 @@ from ._info import MessageType
 
 __all__ = ["FLAG_REPLY", "FLAG_ERROR", "MAX_FRAME_BYTES", "HANDSHAKE_TIMEOUT", "LAZY_WAKE", "LAZY_REPLIES",
            "KEEPALIVE_IDLE", "KEEPALIVE_INTERVAL", "KEEPALIVE_COUNT", "USER_TIMEOUT", "Reply", "serve_conn", "dial_unix",
-           "rebuild_error"]
+           "rebuild_error", "REMOTE_TRACEBACK"]
 
 _log = logging.getLogger("gpucoll.rpc")
 
@@ -47,6 +47,9 @@ KEEPALIVE_INTERVAL = 1
 KEEPALIVE_COUNT = 3
 USER_TIMEOUT = 5.0
 _NONE_PICKLE = pickle.dumps(None, protocol=5)
+REMOTE_TRACEBACK = "_gpucoll_rpc_traceback"
+"""The attribute holding a user function's error's traceback as text, once its frames are
+dropped (see :func:`gpucoll.rpc._info.detached`); the caller gets this text."""
 
 
 class _Conn:
@@ -175,6 +178,8 @@ class Reply:
         self._send(0, data, bufs)
 
     def fail(self, exc: BaseException, tb: str | None = None) -> None:
+        if tb is None:
+            tb = getattr(exc, REMOTE_TRACEBACK, None)
         text = f"On {self.agent.info}:\n{exc!r}\n{tb if tb is not None else ''.join(traceback.format_exception(exc))}"
         print(text, file=sys.stderr)  # the callee logs what it sends back, as torch's does
         try:
@@ -184,12 +189,13 @@ class Reply:
         self._send(FLAG_ERROR, data, bufs)
 
     def from_future(self, fut: Future[Any]) -> None:
-        try:
-            value = fut.wait()
-        except BaseException as e:  # noqa: BLE001
-            self.fail(e)
+        """Answer with a completed future's outcome. Its error is read, not raised: raised
+        here, it would take this frame into its traceback, in a cycle with ``fut``."""
+        error = fut._error
+        if error is not None:
+            self.fail(error)
         else:
-            self.ok(value)
+            self.ok(fut._value)
 
     def _send(self, flags: int, data: Any, bufs: list[Any]) -> None:
         if self.done:
