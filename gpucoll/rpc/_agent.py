@@ -282,13 +282,16 @@ class Agent:
     def wait(self, fut: Future[Any], to: int) -> Any:
         """Wait for a call's reply to worker ``to``, reading it on this thread when the
         connection's reader is parked (one thread hand-off less per round trip); else as
-        ``fut.wait()``. Returns the value or raises the error."""
+        ``fut.wait()``. Returns the value or raises the error.
+
+        ``fut`` is the caller's alone (``rpc_sync``, ``to_here``): its error is taken out of
+        it as it is raised (see :func:`_outcome`)."""
         conn = self._out.get(to)
         st = self.__dict__.setdefault("_stat", {})
         if conn is None or fut.done() or not conn.role.acquire(blocking=False):
             k = "none" if conn is None else "done" if fut.done() else "busy"
             st[k] = st.get(k, 0) + 1
-            return fut.wait()
+            return _outcome(fut)
         st["own"] = st.get("own", 0) + 1
         here = _sending.__dict__
         was = here.get("reader")
@@ -305,7 +308,7 @@ class Agent:
                 conn.wake()  # others' replies are still to come: the reader reads them
         finally:
             here["reader"] = was
-        return fut.wait()
+        return _outcome(fut)
 
     def _read(self, conn: _Conn, fut: Future[Any] | None) -> None:
         """Read replies on ``conn`` (holding its role) until ``fut`` is done, or, for the
@@ -595,4 +598,22 @@ class Agent:
 
 def _complete(fut: Future[Any], value: Any, error: BaseException | None) -> None:
     fut._try_complete(value, error)
+
+
+def _outcome(fut: Future[Any]) -> Any:
+    """The value of a call's own future once it completes, or its error raised, taken out of
+    the future first. Raised, the error's traceback holds the frames it passes (the caller's
+    among them, with the call's arguments and ``fut``): were the future still holding the
+    error, they would make a cycle that only the garbage collector frees, and an RRef among
+    them would outlive the failed call. Only for a future nobody else holds."""
+    if not fut.done():
+        fut._block(None)
+    error = fut._error
+    if error is None:
+        return fut._value
+    fut._error, fut._value = None, None  # done, with nothing kept
+    try:
+        raise error
+    finally:
+        del error  # this frame, in the traceback, must not hold the error either
 

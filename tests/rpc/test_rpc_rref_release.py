@@ -39,6 +39,26 @@ def raise_with_rref(rref: Any) -> None:
     raise KeyError("raised with an RRef argument")
 
 
+def raise_key() -> None:
+    raise KeyError("raised by the owner")
+
+
+def fail_with_rrefs() -> None:
+    """On the caller: an rpc_sync that raises with an RRef argument, and a failed to_here();
+    both RRefs must go when this returns (the errors keep no cycle with their futures)."""
+    owned = rpc.remote("worker1", np.add, args=(np.ones(2), 1))
+    owned.to_here()
+    try:
+        rpc.rpc_sync("worker2", raise_with_rref, args=(owned,))
+    except KeyError:
+        pass
+    bad = rpc.remote("worker1", raise_key)
+    try:
+        bad.to_here()
+    except KeyError:
+        pass
+
+
 def counters() -> dict[str, int]:
     return {k: int(v) for k, v in rpc._rref_context_get_debug_info().items()}
 
@@ -100,6 +120,19 @@ def release_checks(unix: str) -> dict[str, Any]:
     _gather()
     if rank == 0:
         del owned
+    _gather()
+
+    # 3. the caller's side: an rpc_sync that raises and a to_here() that raises keep neither
+    # their arguments nor their RRef past the call
+    if rank == 0:
+        fail_with_rrefs()
+    _gather()
+    if rank == 1:
+        deadline = time.monotonic() + 8
+        while counters()["num_owner_rrefs"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        out["after_caller_errors"] = counters()
+    _gather()
     out["connections"] = rpc._get_debug_info()["agent.connections"]
     rpc.shutdown()
     gc.enable()
@@ -120,3 +153,5 @@ def test_rrefs_passed_to_a_call_go_with_it(unix: str) -> None:
         want = "unix" if unix == "1" else "tcp"
         assert out["connections"] and all(c.endswith("=" + want) for c in out["connections"].split(",")), (r, out)
     assert outs[1]["forks_after_error"] == 1, outs[1]
+    assert outs[1]["after_caller_errors"]["num_owner_rrefs"] == 0, outs[1]
+    assert outs[1]["after_caller_errors"]["num_forks"] == 0, outs[1]
