@@ -35,11 +35,10 @@ from typing import Any, Callable, Iterable
 
 from ..futures import Future
 from . import _local, _wire
-from ._conn import (FLAG_ERROR, FLAG_REPLY, HANDSHAKE_TIMEOUT, LAZY_WAKE, _READ_SLICE_MS, Reply, _Call, _Conn, _sending,
-                    _tune, dial_unix, rebuild_error, serve_conn)
+from ._conn import (FLAG_ERROR, FLAG_REPLY, HANDSHAKE_TIMEOUT, LAZY_WAKE, _READ_SLICE_MS, Reply, _Call, _Conn, _outcome,
+                    _sending, _tune, dial_unix, rebuild_error, serve_conn)
 from ._faults import FaultSpec
-from ._info import (AgentShutDownError, IntentionalFailureError, MessageType, PeerLostError, RpcTimeoutError, UnknownWorkerError,
-                    WorkerInfo, detached)
+from ._info import AgentShutDownError, IntentionalFailureError, MessageType, PeerLostError, RpcTimeoutError, UnknownWorkerError, WorkerInfo, detached
 
 __all__ = ["Agent", "Reply", "FLAG_REPLY", "FLAG_ERROR"]
 
@@ -285,7 +284,7 @@ class Agent:
         ``fut.wait()``. Returns the value or raises the error.
 
         ``fut`` is the caller's alone (``rpc_sync``, ``to_here``): its error is taken out of
-        it as it is raised (see :func:`_outcome`)."""
+        it as it is raised (see :func:`gpucoll.rpc._conn._outcome`)."""
         conn = self._out.get(to)
         st = self.__dict__.setdefault("_stat", {})
         if conn is None or fut.done() or not conn.role.acquire(blocking=False):
@@ -598,22 +597,4 @@ class Agent:
 
 def _complete(fut: Future[Any], value: Any, error: BaseException | None) -> None:
     fut._try_complete(value, error)
-
-
-def _outcome(fut: Future[Any]) -> Any:
-    """The value of a call's own future once it completes, or its error raised, taken out of
-    the future first. Raised, the error's traceback holds the frames it passes (the caller's
-    among them, with the call's arguments and ``fut``): were the future still holding the
-    error, they would make a cycle that only the garbage collector frees, and an RRef among
-    them would outlive the failed call. Only for a future nobody else holds."""
-    if not fut.done():
-        fut._block(None)
-    error = fut._error
-    if error is None:
-        return fut._value
-    fut._error, fut._value = None, None  # done, with nothing kept
-    try:
-        raise error
-    finally:
-        del error  # this frame, in the traceback, must not hold the error either
 

@@ -158,6 +158,25 @@ class _Call:
         self.timeout = timeout
 
 
+
+def _outcome(fut: Future[Any]) -> Any:
+    """The value of a call's own future once it completes, or its error raised, taken out of
+    the future first. Raised, the error's traceback holds the frames it passes (the caller's
+    among them, with the call's arguments and ``fut``): were the future still holding the
+    error, they would make a cycle that only the garbage collector frees, and an RRef among
+    them would outlive the failed call. Only for a future nobody else holds."""
+    if not fut.done():
+        fut._block(None)
+    error = fut._error
+    if error is None:
+        return fut._value
+    fut._error, fut._value = None, None  # done, with nothing kept
+    try:
+        raise error
+    finally:
+        del error  # this frame, in the traceback, must not hold the error either
+
+
 class Reply:
     """How a handler answers one request (once): a value, an exception, or a future's outcome."""
 
