@@ -158,7 +158,6 @@ class _Call:
         self.timeout = timeout
 
 
-
 def _outcome(fut: Future[Any]) -> Any:
     """The value of a call's own future once it completes, or its error raised, taken out of
     the future first. Raised, the error's traceback holds the frames it passes (the caller's
