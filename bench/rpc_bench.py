@@ -99,7 +99,7 @@ def measure(lib: str, calls: int, fanin: int) -> dict[str, Any]:
 
 def _worker(lib: str, rank: int, port: int, calls: int, fanin: int, q: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if lib.startswith("gpucoll"):  # the same-host transport is opt-in: on for "gpucoll", off for "gpucoll-tcp"
+    if lib.startswith("gpucoll"):  # the same-host transport: on for "gpucoll" (the default), off for "gpucoll-tcp"
         os.environ["GPUCOLL_RPC_UNIX"] = "0" if lib == "gpucoll-tcp" else "1"
     rpc = _rpc(lib)
     opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=300)

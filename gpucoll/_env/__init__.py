@@ -121,10 +121,9 @@ CACHE_DIR_ENV: Final = "GPUCOLL_CACHE_DIR"
 # -- remote calls (gpucoll.rpc) ---------------------------------------------------------------
 
 RPC_UNIX_ENV: Final = "GPUCOLL_RPC_UNIX"
-"""``1``: same-host peers (same boot id and network namespace) connect over a Unix socket
-(Linux), when both have it on. Default (or ``0``): every RPC connection is TCP; the Unix
-transport stays opt-in until a shutdown hang seen with it under fault injection is explained
-(docs/rpc.md)."""
+"""``0``: every RPC connection of this worker is TCP (it neither listens on nor dials a Unix
+socket). Default (unset, or any other value): same-host peers (same boot id and network
+namespace) connect over a Unix socket (Linux) when both have it on (docs/rpc.md)."""
 
 # -- gpucoll-bench ---------------------------------------------------------------------------
 

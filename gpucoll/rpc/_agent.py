@@ -35,10 +35,10 @@ from typing import Any, Callable, Iterable
 
 from ..futures import Future
 from . import _local, _wire
-from ._conn import (FLAG_ERROR, FLAG_REPLY, HANDSHAKE_TIMEOUT, LAZY_WAKE, _READ_SLICE_MS, Reply, _Call, _Conn, _sending,
-                    _tune, dial_unix, rebuild_error, serve_conn)
+from ._conn import (FLAG_ERROR, FLAG_REPLY, HANDSHAKE_TIMEOUT, LAZY_WAKE, _READ_SLICE_MS, Reply, _Call, _Conn, _outcome,
+                    _sending, _tune, dial_unix, rebuild_error, serve_conn)
 from ._faults import FaultSpec
-from ._info import AgentShutDownError, IntentionalFailureError, MessageType, PeerLostError, RpcTimeoutError, UnknownWorkerError, WorkerInfo
+from ._info import AgentShutDownError, IntentionalFailureError, MessageType, PeerLostError, RpcTimeoutError, UnknownWorkerError, WorkerInfo, detached
 
 __all__ = ["Agent", "Reply", "FLAG_REPLY", "FLAG_ERROR"]
 
@@ -281,13 +281,16 @@ class Agent:
     def wait(self, fut: Future[Any], to: int) -> Any:
         """Wait for a call's reply to worker ``to``, reading it on this thread when the
         connection's reader is parked (one thread hand-off less per round trip); else as
-        ``fut.wait()``. Returns the value or raises the error."""
+        ``fut.wait()``. Returns the value or raises the error.
+
+        ``fut`` is the caller's alone (``rpc_sync``, ``to_here``): its error is taken out of
+        it as it is raised (see :func:`gpucoll.rpc._conn._outcome`)."""
         conn = self._out.get(to)
         st = self.__dict__.setdefault("_stat", {})
         if conn is None or fut.done() or not conn.role.acquire(blocking=False):
             k = "none" if conn is None else "done" if fut.done() else "busy"
             st[k] = st.get(k, 0) + 1
-            return fut.wait()
+            return _outcome(fut)
         st["own"] = st.get("own", 0) + 1
         here = _sending.__dict__
         was = here.get("reader")
@@ -304,7 +307,7 @@ class Agent:
                 conn.wake()  # others' replies are still to come: the reader reads them
         finally:
             here["reader"] = was
-        return fut.wait()
+        return _outcome(fut)
 
     def _read(self, conn: _Conn, fut: Future[Any] | None) -> None:
         """Read replies on ``conn`` (holding its role) until ``fut`` is done, or, for the
@@ -348,13 +351,13 @@ class Agent:
             if call is not None:
                 err = e if isinstance(e, (PeerLostError, AgentShutDownError)) else PeerLostError(
                     f"RPC {call.what} to {to} failed: could not send to it ({e})")
-                call.fut._try_complete(None, err)
+                call.fut._try_complete(None, detached(err))  # its frames would keep the call's arguments
         except Exception as e:  # noqa: BLE001 -- a local error (a buffer that cannot be sent)
             call = self._pop(mid)
             if raising:
                 raise
             if call is not None:
-                call.fut._try_complete(None, e)
+                call.fut._try_complete(None, detached(e))
 
     def _conn_to(self, to: WorkerInfo) -> _Conn:
         conn = self._out.get(to.id)

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import logging
 import threading
+import traceback
 from typing import Any, Callable
 
 from ..futures import Future, collect_all
 from . import _devices, _wire, constants
 from ._agent import Agent, Reply
-from ._info import AsyncReturnTypeError, FunctionNotFoundError, IntentionalFailureError, MessageType as M, WorkerInfo
+from ._conn import REMOTE_TRACEBACK
+from ._info import (AsyncReturnTypeError, FunctionNotFoundError, IntentionalFailureError, MessageType as M, WorkerInfo,
+                    detached)
 from ._rref import TIMED_OUT, RRef, RRefContext, set_current_context
 from .functions import _is_async, async_execution
 
@@ -209,6 +212,15 @@ def _run(func: Callable[..., Any], args: Any, kwargs: Any, done: Callable[[Futur
         value = func(*args, **kwargs)
     except BaseException as e:  # noqa: BLE001 -- the caller gets it, with this traceback
         e.__traceback__ = e.__traceback__.tb_next if e.__traceback__ is not None else None
+        # The traceback goes as text; the frames go now (they hold the call's arguments, RRefs
+        # among them, which must be deleted when the call ends, not when the GC finds the cycle
+        # the frames make with ``out``).
+        try:
+            setattr(e, REMOTE_TRACEBACK, "".join(traceback.format_exception(e)))
+        except AttributeError:  # an exception without a __dict__: its frames are kept
+            pass
+        else:
+            detached(e)
         out.set_exception(e)
         done(out)
         return

@@ -23,7 +23,7 @@ from ._info import MessageType
 
 __all__ = ["FLAG_REPLY", "FLAG_ERROR", "MAX_FRAME_BYTES", "HANDSHAKE_TIMEOUT", "LAZY_WAKE", "LAZY_REPLIES",
            "KEEPALIVE_IDLE", "KEEPALIVE_INTERVAL", "KEEPALIVE_COUNT", "USER_TIMEOUT", "Reply", "serve_conn", "dial_unix",
-           "rebuild_error"]
+           "rebuild_error", "REMOTE_TRACEBACK"]
 
 _log = logging.getLogger("gpucoll.rpc")
 
@@ -47,6 +47,9 @@ KEEPALIVE_INTERVAL = 1
 KEEPALIVE_COUNT = 3
 USER_TIMEOUT = 5.0
 _NONE_PICKLE = pickle.dumps(None, protocol=5)
+REMOTE_TRACEBACK = "_gpucoll_rpc_traceback"
+"""The attribute holding a user function's error's traceback as text, once its frames are
+dropped (see :func:`gpucoll.rpc._info.detached`); the caller gets this text."""
 
 
 class _Conn:
@@ -155,6 +158,24 @@ class _Call:
         self.timeout = timeout
 
 
+def _outcome(fut: Future[Any]) -> Any:
+    """The value of a call's own future once it completes, or its error raised, taken out of
+    the future first. Raised, the error's traceback holds the frames it passes (the caller's
+    among them, with the call's arguments and ``fut``): were the future still holding the
+    error, they would make a cycle that only the garbage collector frees, and an RRef among
+    them would outlive the failed call. Only for a future nobody else holds."""
+    if not fut.done():
+        fut._block(None)
+    error = fut._error
+    if error is None:
+        return fut._value
+    fut._error, fut._value = None, None  # done, with nothing kept
+    try:
+        raise error
+    finally:
+        del error  # this frame, in the traceback, must not hold the error either
+
+
 class Reply:
     """How a handler answers one request (once): a value, an exception, or a future's outcome."""
 
@@ -175,6 +196,8 @@ class Reply:
         self._send(0, data, bufs)
 
     def fail(self, exc: BaseException, tb: str | None = None) -> None:
+        if tb is None:
+            tb = getattr(exc, REMOTE_TRACEBACK, None)
         text = f"On {self.agent.info}:\n{exc!r}\n{tb if tb is not None else ''.join(traceback.format_exception(exc))}"
         print(text, file=sys.stderr)  # the callee logs what it sends back, as torch's does
         try:
@@ -184,12 +207,13 @@ class Reply:
         self._send(FLAG_ERROR, data, bufs)
 
     def from_future(self, fut: Future[Any]) -> None:
-        try:
-            value = fut.wait()
-        except BaseException as e:  # noqa: BLE001
-            self.fail(e)
+        """Answer with a completed future's outcome. Its error is read, not raised: raised
+        here, it would take this frame into its traceback, in a cycle with ``fut``."""
+        error = fut._error
+        if error is not None:
+            self.fail(error)
         else:
-            self.ok(value)
+            self.ok(fut._value)
 
     def _send(self, flags: int, data: Any, bufs: list[Any]) -> None:
         if self.done:

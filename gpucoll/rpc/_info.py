@@ -10,7 +10,7 @@ from ..errors import DistError, DistNetworkError
 
 __all__ = ["WorkerInfo", "MessageType", "RpcTimeoutError", "PeerLostError", "UnknownWorkerError",
            "AgentShutDownError", "DuplicateNameError", "InvalidWorkerNameError", "AsyncReturnTypeError", "FunctionNotFoundError", "IntentionalFailureError",
-           "check_name"]
+           "check_name", "detached"]
 
 _NAME = re.compile(r"^[A-Za-z0-9\-_:]*$")
 
@@ -27,6 +27,26 @@ def check_name(name: Any) -> str:
         raise InvalidWorkerNameError(f"Worker name must be shorter than 128 chars; got {len(name)} characters: "
                                      f"{name[:20]!r}...")
     return name
+
+
+def detached(error: BaseException) -> BaseException:
+    """``error`` without the frames it was raised through (its own and its causes').
+
+    An error kept in a future (a failed send, a remote call's outcome) must not keep the
+    frames it passed: they hold the call's arguments, RRefs among them, and the future
+    itself is often one of their locals, so the error, its traceback and the future form a
+    cycle that only the garbage collector frees. An RRef held that way is not deleted when
+    its call ends, and an owner that waits for its forks to go (``shutdown``, or
+    ``_delete_all_user_and_unforked_owner_rrefs``) waits for a deletion that never comes.
+    The error's message already names what failed.
+    """
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    return error
 
 
 class WorkerInfo:

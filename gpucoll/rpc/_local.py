@@ -1,7 +1,7 @@
 """The same-host transport: a Unix stream socket between two workers of one host.
 
-With ``GPUCOLL_RPC_UNIX=1`` (opt-in: off by default, see docs/rpc.md) each worker (on Linux) listens on a Unix socket in the
-abstract namespace besides its TCP port, and publishes its name with a host identity:
+Unless ``GPUCOLL_RPC_UNIX=0`` (see docs/rpc.md), each worker (on Linux) listens on a Unix
+socket in the abstract namespace besides its TCP port, and publishes its name with a host identity:
 the boot id and the network namespace (abstract names are per network namespace). A
 dialer whose own identity is the same connects there; whenever in doubt (no identity on
 either side, the variable set to ``0`` on either side, a name that cannot be connected or
@@ -36,8 +36,8 @@ _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 def enabled() -> bool:
-    """Whether this process uses the same-host transport (Linux, and ``GPUCOLL_RPC_UNIX=1``)."""
-    return sys.platform.startswith("linux") and os.environ.get(ENV, "0").strip() == "1" and hasattr(socket, "AF_UNIX")
+    """Whether this process uses the same-host transport (Linux, unless ``GPUCOLL_RPC_UNIX=0``)."""
+    return sys.platform.startswith("linux") and os.environ.get(ENV, "1").strip() != "0" and hasattr(socket, "AF_UNIX")
 
 
 def host_identity() -> str | None:

@@ -31,7 +31,7 @@ from typing import Any, Callable, Generic, TypeVar
 
 from ..futures import Future, collect_all
 from . import _wire
-from ._info import MessageType as M
+from ._info import MessageType as M, detached
 from ._info import WorkerInfo
 
 __all__ = ["RRef", "RRefContext", "current_context", "set_current_context"]
@@ -401,20 +401,24 @@ class RRefContext:
             try:
                 fut = self.agent.send(to, kind, obj, 0, kind.name, wake="soon")  # acks only run our callbacks
             except Exception as e:  # noqa: BLE001
-                out._try_complete(None, e)
+                out._try_complete(None, detached(e))
                 return
 
             def done(f: Future[Any]) -> None:
-                try:
-                    out._try_complete(f.value(), None)
-                except Exception as e:  # noqa: BLE001
-                    if n + 1 >= RETRIES or self.agent.closed or to.id in self.agent.lost:
-                        _log.warning("gpucoll.rpc: %s to %s failed: %s", kind.name, to, e)
-                        out._try_complete(None, e)
-                        return
-                    t = threading.Timer(BACKOFF * 1.5 ** n, attempt, (n + 1,))
-                    t.daemon = True
-                    t.start()
+                # The error is read, never raised: raised here, it would take this frame and
+                # its callers (receive_fork's new user RRef, a call's arguments) into its
+                # traceback, in a cycle with ``f``, and those RRefs would outlive their calls.
+                e = f._error
+                if e is None:
+                    out._try_complete(f._value, None)
+                    return
+                if n + 1 >= RETRIES or self.agent.closed or to.id in self.agent.lost:
+                    _log.warning("gpucoll.rpc: %s to %s failed: %s", kind.name, to, e)
+                    out._try_complete(None, e)
+                    return
+                t = threading.Timer(BACKOFF * 1.5 ** n, attempt, (n + 1,))
+                t.daemon = True
+                t.start()
             done.inline = True  # type: ignore[attr-defined]  # never blocks: completes on the reader
             fut.add_done_callback(done)
 

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or _local.h
 
 @pytest.fixture(autouse=True)
 def _unix_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(_local.ENV, "1")  # the transport is opt-in
+    monkeypatch.setenv(_local.ENV, "1")  # as by default, whatever the environment running the tests says
 
 
 def _record(**extra: Any) -> dict[str, Any]:
@@ -46,6 +46,17 @@ def test_a_peer_is_dialed_over_unix_only_with_the_same_identity(monkeypatch: pyt
     assert not _local.enabled()
     assert unix_address(_record(unix="gpucoll-rpc-ab", local=me)) is None
     assert _local.listen() is None
+
+
+def test_the_transport_is_on_by_default_and_0_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(_local.ENV, raising=False)
+    assert _local.enabled()
+    listening = _local.listen()
+    assert listening is not None
+    listening[0].close()
+    for value, on in (("1", True), (" 1 ", True), ("0", False), (" 0", False)):
+        monkeypatch.setenv(_local.ENV, value)
+        assert _local.enabled() is on, value
 
 
 def test_a_name_nobody_listens_on_falls_back_at_once() -> None:
