@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import socket
 import statistics
 import sys
@@ -34,6 +35,10 @@ import time
 from typing import Any
 
 import numpy as np
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:  # (this checkout's gpucoll, in the spawned workers too)
+    sys.path.insert(0, _ROOT)
 
 
 def noop() -> None:
@@ -124,7 +129,17 @@ def run(lib: str, calls: int, fanin: int) -> dict[str, Any]:
     for p in procs:
         p.start()
     try:
-        result: dict[str, Any] = q.get(timeout=600)
+        deadline = time.monotonic() + 600
+        while True:  # a worker that died (an import error, a crash) ends the run at once, named
+            try:
+                result: dict[str, Any] = q.get(timeout=1.0)
+                break
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    raise SystemExit(f"rpc_bench: {lib} worker(s) (rank, exit code) {dead} died; see their output above")
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"rpc_bench: {lib}'s run gave no result within 600 s")
     finally:
         for p in procs:
             p.join(timeout=60)

@@ -125,6 +125,12 @@ RPC_UNIX_ENV: Final = "GPUCOLL_RPC_UNIX"
 socket). Default (unset, or any other value): same-host peers (same boot id and network
 namespace) connect over a Unix socket (Linux) when both have it on (docs/rpc.md)."""
 
+RPC_SPIN_US_ENV: Final = "GPUCOLL_RPC_SPIN_US"
+"""Microseconds a caller waiting for its own reply (``rpc_sync``, ``to_here``) polls its
+connection before it sleeps (default 200; ``0``: never). Replies that miss the window, or
+arrive in its second half, turn polling off for the next calls on that connection, more
+of them each time, so a loaded machine's cores go to the work (docs/rpc.md)."""
+
 # -- gpucoll-bench ---------------------------------------------------------------------------
 
 BENCH_COMMAND_ENV: Final = "GPUCOLL_BENCH_COMMAND"
@@ -136,6 +142,6 @@ BENCH_CORRUPT_ENV: Final = "GPUCOLL_BENCH_CORRUPT"
 NAMES: Final = (STORE_HOSTED_ENV, STORE_TOKEN_ENV, STORE_RELAY_ENV, BACKEND_ENV, DEATH_RECORDS_ENV, ERROR_FILE_ENV, CPU_BIND_ENV, LAUNCHER_PID_ENV,
                 DEBUG_ENV, NON_MEMBER_ENV, FLIGHT_RECORDER_SIZE_ENV, FLIGHT_RECORDER_DIR_ENV, CONTROL_PLANE_ENV, CPU_TRANSPORT_ENV,
                 CPU_CMA_ENV, CPU_IFADDR_ENV, MAX_OBJECT_BYTES_ENV, NCCL_SCALABLE_INIT_ENV, NCCL_RANKS_PER_ROOT_ENV,
-                NCCL_CALLER_STREAM_MAX_ENV, RPC_UNIX_ENV,
+                NCCL_CALLER_STREAM_MAX_ENV, RPC_UNIX_ENV, RPC_SPIN_US_ENV,
                 JAX_NATIVE_ENV, CACHE_DIR_ENV, BENCH_COMMAND_ENV, BENCH_CORRUPT_ENV)
 """Every name above."""

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable
 from ..futures import Future
 from . import _local, _wire
 from ._conn import (FLAG_ERROR, FLAG_REPLY, HANDSHAKE_TIMEOUT, LAZY_WAKE, _READ_SLICE_MS, Reply, _Call, _Conn, _outcome,
-                    _sending, _tune, dial_unix, rebuild_error, serve_conn)
+                    _sending, _tune, dial_unix, rebuild_error, reply_poller, serve_conn, spin_seconds)
 from ._faults import FaultSpec
 from ._info import AgentShutDownError, IntentionalFailureError, MessageType, PeerLostError, RpcTimeoutError, UnknownWorkerError, WorkerInfo, detached
 
@@ -56,6 +56,7 @@ class Agent:
         self.info = info
         self.options = options
         self.timeout = float(options.rpc_timeout)
+        self.spin_s = spin_seconds()  # a caller's poll for its own reply before it sleeps
         self.num_worker_threads = int(getattr(options, "num_worker_threads", 16))
         self.device_maps: dict[str, dict[str, str]] = dict(getattr(options, "device_maps", {}) or {})
         self.faults = faults
@@ -286,12 +287,8 @@ class Agent:
         ``fut`` is the caller's alone (``rpc_sync``, ``to_here``): its error is taken out of
         it as it is raised (see :func:`gpucoll.rpc._conn._outcome`)."""
         conn = self._out.get(to)
-        st = self.__dict__.setdefault("_stat", {})
         if conn is None or fut.done() or not conn.role.acquire(blocking=False):
-            k = "none" if conn is None else "done" if fut.done() else "busy"
-            st[k] = st.get(k, 0) + 1
             return _outcome(fut)
-        st["own"] = st.get("own", 0) + 1
         here = _sending.__dict__
         was = here.get("reader")
         here["reader"] = True  # a finalizer run while we read hands its sends off
@@ -319,10 +316,11 @@ class Agent:
                 if fut.done():
                     return
                 if not reader.buffered():
-                    if poller is None:
-                        poller = select.poll()
-                        poller.register(conn.sock, select.POLLIN | select.POLLRDHUP)
-                    if not poller.poll(_READ_SLICE_MS):
+                    if poller is None:  # (it polls a while first: _conn.reply_poller)
+                        poller, ready = reply_poller(conn, self.spin_s, _READ_SLICE_MS)
+                    else:
+                        ready = bool(poller.poll(_READ_SLICE_MS))
+                    if not ready:
                         continue  # look again whether the call timed out meanwhile
             elif not per_peer.get(peer) and not reader.buffered():
                 return

@@ -11,12 +11,15 @@ import functools
 import logging
 import os
 import pickle
+import select
 import socket
 import sys
 import threading
+import time
 import traceback
 from typing import Any
 
+from .._env import RPC_SPIN_US_ENV
 from ..futures import Future
 from . import _local, _wire
 from ._info import MessageType
@@ -37,6 +40,31 @@ LAZY_WAKE = 0.002  # seconds: a "soon" reply nobody reads for is read by then
 LAZY_REPLIES = frozenset({MessageType.PYTHON_REMOTE_CALL, MessageType.RREF_USER_DELETE,
                           MessageType.RREF_FORK_REQUEST, MessageType.RREF_CHILD_ACCEPT})
 _READ_SLICE_MS = 1000  # a caller reading its own reply looks at its call's state this often
+# A caller reading its own reply polls this long before it sleeps (reply_poller): waking a
+# thread that slept costs tens of microseconds on an idle virtual machine, a fair part of a
+# round trip. A reply that misses the window or comes in its second half skips polling for
+# the next calls on the connection (8, then twice as many each time, up to 512).
+_SPIN_US_DEFAULT = 200.0
+_SPIN_BACKOFF_MIN = 8
+_SPIN_BACKOFF_MAX = 512
+
+
+def spin_seconds() -> float:
+    """Seconds a caller polls for its own reply before it sleeps (``GPUCOLL_RPC_SPIN_US``).
+
+    Raises:
+        ValueError: the variable is not a number of microseconds >= 0.
+    """
+    text = os.environ.get(RPC_SPIN_US_ENV, "").strip()
+    if not text:
+        return _SPIN_US_DEFAULT * 1e-6
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < 1e6:
+        raise ValueError(f"{RPC_SPIN_US_ENV} must be a number of microseconds >= 0 (and under 1e6); got {text!r}")
+    return value * 1e-6
 # A host that vanishes without closing its connections (powered off, cable pulled, network
 # partitioned) is noticed by TCP itself: keepalive probes after KEEPALIVE_IDLE s without
 # traffic, every KEEPALIVE_INTERVAL s, KEEPALIVE_COUNT of them; and TCP_USER_TIMEOUT, the
@@ -58,7 +86,8 @@ class _Conn:
     while the reader is parked (no call pending to the peer: it then only watches for the
     peer's hang-up and for ``wake``)."""
 
-    __slots__ = ("sock", "lock", "peer", "closed", "role", "parked", "wake_r", "wake_w", "reader", "pipe_lock", "second", "outbox")
+    __slots__ = ("sock", "lock", "peer", "closed", "role", "parked", "wake_r", "wake_w", "reader", "pipe_lock", "second",
+                 "outbox", "spin_skip", "spin_backoff")
 
     def __init__(self, sock: socket.socket, peer: int, dialed: bool = False) -> None:
         self.sock = sock
@@ -72,6 +101,8 @@ class _Conn:
         self.pipe_lock = threading.Lock()
         self.second = False
         self.outbox: list[Any] = []  # deferred frames' parts (control replies, remote() requests)
+        self.spin_skip = 0  # calls whose caller sleeps at once (reply_poller); the next skip count:
+        self.spin_backoff = _SPIN_BACKOFF_MIN
 
     def wake(self) -> None:
         """Unpark the reader thread (a call is pending that nobody is reading for)."""
@@ -128,6 +159,37 @@ class _Conn:
             pass
         self.sock.close()
         self.wake()  # the parked reader sees it; it closes the pipe when it leaves
+
+
+def reply_poller(conn: _Conn, spin_s: float, slice_ms: int) -> tuple[Any, bool]:
+    """A poller of ``conn`` for a caller waiting for its own reply, and whether the reply
+    (or a hang-up) is there: polled without sleeping for up to ``spin_s`` seconds first,
+    unless the last calls on ``conn`` taught that it does not pay (see ``_SPIN_SECONDS``
+    above), then for up to ``slice_ms`` ms asleep."""
+    poller = select.poll()
+    poller.register(conn.sock, select.POLLIN | select.POLLRDHUP)
+    if spin_s > 0.0:
+        if conn.spin_skip:
+            conn.spin_skip -= 1
+        else:
+            now = time.perf_counter
+            start = now()
+            while not poller.poll(0):
+                if now() - start > spin_s:
+                    break
+            else:
+                if now() - start <= 0.5 * spin_s:
+                    conn.spin_backoff = _SPIN_BACKOFF_MIN
+                    return poller, True
+                _skip_spins(conn)
+                return poller, True
+            _skip_spins(conn)
+    return poller, bool(poller.poll(slice_ms))
+
+
+def _skip_spins(conn: _Conn) -> None:
+    conn.spin_skip = conn.spin_backoff
+    conn.spin_backoff = min(2 * conn.spin_backoff, _SPIN_BACKOFF_MAX)
 
 
 _sending = threading.local()  # .active: this thread holds a connection's send lock; .reader: a reader
