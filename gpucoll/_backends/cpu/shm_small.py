@@ -113,6 +113,7 @@ def _one_peer(b: Any, sig: int, coll: Any, slots: Any, ufunc: Any, mismatch: Cal
     h0m, h1m = coll._my_hdr
     every_peer = coll._every_peer
     lock, monotonic = b._lock, time.monotonic
+    acquire, release = lock.acquire, lock.release
     own = Ctx(0, 0.0, sig, b._check, "all_reduce", b.group_name)  # (one op at a time: _busy)
 
     def settle(target: int, u: int) -> None:
@@ -127,10 +128,13 @@ def _one_peer(b: Any, sig: int, coll: Any, slots: Any, ufunc: Any, mismatch: Cal
         if ctx is None:  # (issue.bound, inline)
             if async_op:
                 return now(b, "all_reduce", issued, sig, x, red, async_op=True)
-            with lock:
+            acquire()  # (not ``with lock``: its context-manager calls cost more than the check)
+            try:
                 free = not (b._busy or b._queue or b._error is not None or b._closed)
                 if free:
                     b._busy = True
+            finally:
+                release()
             if not free:
                 return now(b, "all_reduce", issued, sig, x, red)
             ctx = own
