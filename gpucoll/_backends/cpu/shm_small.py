@@ -123,9 +123,28 @@ def _one_peer(b: Any, sig: int, coll: Any, slots: Any, ufunc: Any, mismatch: Cal
     def issued(c: Ctx, x: Array, red: Reducer) -> None:
         run(x, red, False, c)
 
+    # The waits' slow forms are functions of their own: a lambda in ``run`` would make its
+    # variables cells, built on every call.
+    # The kind's own Ctx gets its deadline when the op first waits (0.0 until then): the
+    # steps before a wait do not block (microseconds), and most ops never wait that long.
+    def due(ctx: Ctx) -> None:
+        if not ctx.deadline:
+            ctx.deadline = monotonic() + b.timeout
+
+    def wait_floor(ctx: Ctx, floor: int) -> None:
+        due(ctx)
+        wait(j, floor, ctx.deadline, lambda: coll._alive(ctx, j), ctx.what)
+
+    def late(ctx: Ctx, target: int, u: int, x: Array, red: Reducer, a: Array, c: Array) -> None:
+        due(ctx)
+        settle(target, u)
+        if ctx.patience and not coll._arrived(ctx.patience):
+            raise Deferred(lambda cx: coll._fold_slots(cx, x, red, [a, c]), True)
+        wait(j, target, ctx.deadline, lambda: coll._alive(ctx, j), ctx.what)
+
     def run(x: Array, red: Reducer, async_op: bool = False, ctx: Ctx | None = None) -> bool | Work:
-        mine = ctx is None
         if ctx is None:  # (issue.bound, inline)
+            mine = True
             if async_op:
                 return now(b, "all_reduce", issued, sig, x, red, async_op=True)
             acquire()  # (not ``with lock``: its context-manager calls cost more than the check)
@@ -139,14 +158,16 @@ def _one_peer(b: Any, sig: int, coll: Any, slots: Any, ufunc: Any, mismatch: Cal
                 return now(b, "all_reduce", issued, sig, x, red)
             ctx = own
             ctx.seq = b._seq = b._seq + 1
-            ctx.deadline = monotonic() + b.timeout
+            ctx.deadline = 0.0  # (see due)
+        else:
+            mine = False
         try:
             # The op's state that only a wait's slow forms read (coll._base, _parity, _sig,
             # _checked) is written where one is taken (settle), not per op: every other
             # op of the transport writes it anew when it begins.
             floor = coll._floor
             if ctl[ci] < floor:
-                wait(j, floor, ctx.deadline, lambda: coll._alive(ctx, j), ctx.what)
+                wait_floor(ctx, floor)
             u = coll._u = coll._u + 1
             target = coll._floor = seg.count = seg.count + 1
             if u & 1:
@@ -169,11 +190,9 @@ def _one_peer(b: Any, sig: int, coll: Any, slots: Any, ufunc: Any, mismatch: Cal
                     if ctl[ci] >= target:
                         break
                 else:
-                    settle(target, u)
-                    if ctx.patience and not coll._arrived(ctx.patience):
-                        raise Deferred(lambda cx: coll._fold_slots(cx, x, red, [a, c]), True)
-                    wait(j, target, ctx.deadline, lambda: coll._alive(ctx, j), ctx.what)
+                    late(ctx, target, u, x, red, a, c)
             if ctl[h] != u or ctl[h + 1] != sig:
+                due(ctx)
                 mismatch(ctx, j, u, u & 1)
             ufunc(a, c, x)
         except BaseException as exc:
