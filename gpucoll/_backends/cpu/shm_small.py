@@ -1,6 +1,7 @@
 """The small all_reduce of a shared-memory group, bound to one kind (the hot path of
 small ops): :meth:`ShmCollectives.all_reduce`'s small case with every per-op look-up made
-once (the slot views by parity, the peer's words, the post)."""
+once (the slot views by parity, the peer's words, the post), issued as
+:func:`.issue.bound` issues an op (with one peer, in the same function)."""
 
 from __future__ import annotations
 
@@ -123,14 +124,14 @@ def _one_peer(b: Any, sig: int, coll: Any, slots: Any, ufunc: Any, mismatch: Cal
     def issued(c: Ctx, x: Array, red: Reducer) -> None:
         run(x, red, False, c)
 
-    # The waits' slow forms are functions of their own: a lambda in ``run`` would make its
-    # variables cells, built on every call.
     # The kind's own Ctx gets its deadline when the op first waits (0.0 until then): the
     # steps before a wait do not block (microseconds), and most ops never wait that long.
     def due(ctx: Ctx) -> None:
         if not ctx.deadline:
             ctx.deadline = monotonic() + b.timeout
 
+    # The waits' slow forms are functions of their own: a lambda in ``run`` would make its
+    # variables cells, built on every call.
     def wait_floor(ctx: Ctx, floor: int) -> None:
         due(ctx)
         wait(j, floor, ctx.deadline, lambda: coll._alive(ctx, j), ctx.what)
