@@ -143,7 +143,10 @@ def _one_peer(b: Any, sig: int, coll: Any, slots: Any, ufunc: Any, mismatch: Cal
             raise Deferred(lambda cx: coll._fold_slots(cx, x, red, [a, c]), True)
         wait(j, target, ctx.deadline, lambda: coll._alive(ctx, j), ctx.what)
 
+    seen = 0  # the peer's counter was seen at least this high (this op's floor check may use it)
+
     def run(x: Array, red: Reducer, async_op: bool = False, ctx: Ctx | None = None) -> bool | Work:
+        nonlocal seen
         if ctx is None:  # (issue.bound, inline)
             mine = True
             if async_op:
@@ -167,7 +170,7 @@ def _one_peer(b: Any, sig: int, coll: Any, slots: Any, ufunc: Any, mismatch: Cal
             # _checked) is written where one is taken (settle), not per op: every other
             # op of the transport writes it anew when it begins.
             floor = coll._floor
-            if ctl[ci] < floor:
+            if seen < floor and ctl[ci] < floor:  # (the peer's counter only rises)
                 wait_floor(ctx, floor)
             u = coll._u = coll._u + 1
             target = coll._floor = seg.count = seg.count + 1
@@ -192,6 +195,7 @@ def _one_peer(b: Any, sig: int, coll: Any, slots: Any, ufunc: Any, mismatch: Cal
                         break
                 else:
                     late(ctx, target, u, x, red, a, c)
+            seen = target
             if ctl[h] != u or ctl[h + 1] != sig:
                 due(ctx)
                 mismatch(ctx, j, u, u & 1)
