@@ -195,8 +195,8 @@ class CPUBackend:
         plan = self._plans.get((dtype, nbytes, op._name_)) if op.__class__ is ReduceOp else None
         if plan is None or plan[1] is not None:
             return None
-        fn = small_all_reduce(self._coll, nbytes, dtype, plan[0])  # (shared memory, a slot's worth)
-        return _issue.bound(self, "all_reduce", fn or self._coll.all_reduce, plan[2]), plan[0]
+        run = small_all_reduce(self, self._coll, nbytes, dtype, plan[0], plan[2])  # (shared memory, a slot's worth)
+        return run or _issue.bound(self, "all_reduce", self._coll.all_reduce, plan[2]), plan[0]
 
     def broadcast_now(self, buf: Buffer, src: int, *, async_op: bool = False) -> bool | Work:
         """:meth:`broadcast` on this thread now, with no Work (as ``all_reduce_now``; False

@@ -216,6 +216,7 @@ def bound(b: Any, op_type: str, fn: Callable[..., None], sig: int) -> Callable[.
     nothing between the caller and ``fn`` but the issue-order lock and the Ctx; any other
     case goes through :func:`now` itself."""
     lock, monotonic = b._lock, time.monotonic
+    acquire, release = lock.acquire, lock.release
     # Its own Ctx (one op at a time: _busy): the signature, name and patience are this
     # kind's for good; only the number and the deadline change per op.
     ctx = Ctx(0, 0.0, sig, b._check, op_type, b.group_name)
@@ -223,10 +224,13 @@ def bound(b: Any, op_type: str, fn: Callable[..., None], sig: int) -> Callable[.
     def run(x: Any, red: Any, async_op: bool = False) -> bool | Work:
         if async_op:
             return now(b, op_type, fn, sig, x, red, async_op=True)
-        with lock:
+        acquire()  # (not ``with lock``: its context-manager calls cost more than the check)
+        try:
             free = not (b._busy or b._queue or b._error is not None or b._closed)
             if free:
                 b._busy = True
+        finally:
+            release()
         if not free:
             return now(b, op_type, fn, sig, x, red)
         try:
