@@ -1746,7 +1746,7 @@ class CallCosts:
         self._turn_s = 0.0 if free else _loop_turn()
         self._fitting: set[str] = set()
         self._fitted: set[str] = set()
-        self._plans: dict[str, tuple[int, int]] = {}  # by call name
+        self._meters: dict[str, Callable[[], None]] = {}  # by call name: spend's
 
     def use_cpu_clock(self) -> None:
         """Read the calling thread's CPU time (``time.thread_time``) from now on."""
@@ -1817,10 +1817,7 @@ class CallCosts:
             self._folded[me] = kept
 
     def _set_plan(self, name: str, plan: tuple[int, int]) -> None:
-        self._plans[name] = plan
-        cell = self._cells.get(name)
-        if cell is not None:
-            cell[:] = plan
+        self._cells.setdefault(name, [0, 0])[:] = plan  # (the meters of ``name`` read it per call)
 
     def _log(self) -> list[str]:
         """The calling thread's log of calls, made on its first call."""
@@ -1837,12 +1834,9 @@ class CallCosts:
         figures' (0.13-0.24 µs) as far as Python allows."""
         self._kinds[name] = kind
         cell = self._cells.get(name)
-        if cell is None:
+        if cell is None:  # a call not fitted (yet): its work alone
             seconds = self.cost(name) if seconds is None else seconds
-            plan = self._plans.get(name)
-            if plan is None and seconds:
-                plan = self._plans[name] = self._split(seconds)
-            cell = self._cells[name] = list(plan or (0, 0))
+            cell = self._cells[name] = list(self._split(seconds)) if seconds else [0, 0]
         tls, new_log, memset, scratch = self._tls, self._log, _memset, _SCRATCH_PTR
 
         def charge() -> None:
@@ -1860,23 +1854,13 @@ class CallCosts:
         return charge
 
     def spend(self, kind: str, name: str, seconds: float) -> None:
-        """One call of ``kind``/``name`` (the calls not made often): count it, then take
-        ``seconds`` in all, as the call's plan says."""
-        self._kinds[name] = kind
-        try:
-            log = self._tls.log
-        except AttributeError:
-            log = self._log()
-        log.append(name)
-        if seconds:
-            plan = self._plans.get(name)
-            if plan is None:  # a call not fitted: its work alone
-                plan = self._plans[name] = self._split(seconds)
-            c_len, turns = plan
-            if c_len:
-                _memset(_SCRATCH_PTR, 0, c_len)
-            for _ in range(turns):
-                pass
+        """One call of ``kind``/``name`` (the calls not made often, through a meter made
+        on the name's first call): count it, then take ``seconds`` in all, as the call's
+        plan says."""
+        charge = self._meters.get(name)
+        if charge is None:
+            charge = self._meters[name] = self.meter(kind, name, seconds)
+        charge()
 
     @property
     def counts(self) -> dict[int, dict[str, int]]:
