@@ -1,11 +1,13 @@
 """One unit for time: seconds as float; ``timedelta`` is accepted at the API edge. And the
-one backoff of every poll loop (:class:`Backoff`)."""
+one backoff of every poll loop (:class:`Backoff`), and the one rule that says when a waiter's
+poll before it sleeps stops paying (:func:`skip_spins`)."""
 
 from __future__ import annotations
 
 import math
 import time
 from datetime import timedelta
+from typing import Any
 
 DEFAULT_TIMEOUT: float = 300.0
 """Default timeout of stores and process groups, in seconds (torch uses 30 min; a hang
@@ -80,3 +82,18 @@ class Backoff:
         time.sleep(min(self.delay, left))
         self.delay = min(self.delay * 2, self.cap)
         return True
+
+
+SPIN_BACKOFF_MIN = 8
+SPIN_BACKOFF_MAX = 512
+
+
+def skip_spins(waiter: Any) -> None:
+    """After a reply that missed the poll ``waiter`` made for it before sleeping, or came
+    in the poll's second half (a busy server, more threads than cores): the waiter (a
+    store client's connection, an RPC connection, with fields ``skip_spin`` and
+    ``backoff``) sleeps at once for its next ``backoff`` waits, and twice as many after
+    each further such reply, up to :data:`SPIN_BACKOFF_MAX`; a reply well within the
+    poll sets ``backoff`` back to :data:`SPIN_BACKOFF_MIN` (the waiter does that)."""
+    waiter.skip_spin = waiter.backoff
+    waiter.backoff = min(2 * waiter.backoff, SPIN_BACKOFF_MAX)

@@ -20,6 +20,7 @@ import traceback
 from typing import Any
 
 from .._env import RPC_SPIN_US_ENV
+from .._timeouts import SPIN_BACKOFF_MIN, skip_spins
 from ..futures import Future
 from . import _local, _wire
 from ._info import MessageType
@@ -43,10 +44,8 @@ _READ_SLICE_MS = 1000  # a caller reading its own reply looks at its call's stat
 # A caller reading its own reply polls this long before it sleeps (reply_poller): waking a
 # thread that slept costs tens of microseconds on an idle virtual machine, a fair part of a
 # round trip. A reply that misses the window or comes in its second half skips polling for
-# the next calls on the connection (8, then twice as many each time, up to 512).
+# the next calls on the connection, as the store's client does (_timeouts.skip_spins).
 _SPIN_US_DEFAULT = 200.0
-_SPIN_BACKOFF_MIN = 8
-_SPIN_BACKOFF_MAX = 512
 
 
 def spin_seconds() -> float:
@@ -65,6 +64,8 @@ def spin_seconds() -> float:
     if not 0.0 <= value < 1e6:
         raise ValueError(f"{RPC_SPIN_US_ENV} must be a number of microseconds >= 0 (and under 1e6); got {text!r}")
     return value * 1e-6
+
+
 # A host that vanishes without closing its connections (powered off, cable pulled, network
 # partitioned) is noticed by TCP itself: keepalive probes after KEEPALIVE_IDLE s without
 # traffic, every KEEPALIVE_INTERVAL s, KEEPALIVE_COUNT of them; and TCP_USER_TIMEOUT, the
@@ -87,7 +88,7 @@ class _Conn:
     peer's hang-up and for ``wake``)."""
 
     __slots__ = ("sock", "lock", "peer", "closed", "role", "parked", "wake_r", "wake_w", "reader", "pipe_lock", "second",
-                 "outbox", "spin_skip", "spin_backoff")
+                 "outbox", "skip_spin", "backoff")
 
     def __init__(self, sock: socket.socket, peer: int, dialed: bool = False) -> None:
         self.sock = sock
@@ -101,8 +102,8 @@ class _Conn:
         self.pipe_lock = threading.Lock()
         self.second = False
         self.outbox: list[Any] = []  # deferred frames' parts (control replies, remote() requests)
-        self.spin_skip = 0  # calls whose caller sleeps at once (reply_poller); the next skip count:
-        self.spin_backoff = _SPIN_BACKOFF_MIN
+        self.skip_spin = 0  # calls whose caller sleeps at once (reply_poller); the next such count:
+        self.backoff = SPIN_BACKOFF_MIN
 
     def wake(self) -> None:
         """Unpark the reader thread (a call is pending that nobody is reading for)."""
@@ -164,32 +165,27 @@ class _Conn:
 def reply_poller(conn: _Conn, spin_s: float, slice_ms: int) -> tuple[Any, bool]:
     """A poller of ``conn`` for a caller waiting for its own reply, and whether the reply
     (or a hang-up) is there: polled without sleeping for up to ``spin_s`` seconds first,
-    unless the last calls on ``conn`` taught that it does not pay (see ``_SPIN_SECONDS``
-    above), then for up to ``slice_ms`` ms asleep."""
+    unless the last calls on ``conn`` taught that it does not pay (``conn.skip_spin``,
+    :func:`gpucoll._timeouts.skip_spins`), then for up to ``slice_ms`` ms asleep."""
     poller = select.poll()
     poller.register(conn.sock, select.POLLIN | select.POLLRDHUP)
     if spin_s > 0.0:
-        if conn.spin_skip:
-            conn.spin_skip -= 1
+        if conn.skip_spin:
+            conn.skip_spin -= 1
         else:
             now = time.perf_counter
             start = now()
             while not poller.poll(0):
                 if now() - start > spin_s:
+                    skip_spins(conn)
                     break
             else:
-                if now() - start <= 0.5 * spin_s:
-                    conn.spin_backoff = _SPIN_BACKOFF_MIN
-                    return poller, True
-                _skip_spins(conn)
+                if now() - start > 0.5 * spin_s:
+                    skip_spins(conn)
+                else:
+                    conn.backoff = SPIN_BACKOFF_MIN
                 return poller, True
-            _skip_spins(conn)
     return poller, bool(poller.poll(slice_ms))
-
-
-def _skip_spins(conn: _Conn) -> None:
-    conn.spin_skip = conn.spin_backoff
-    conn.spin_backoff = min(2 * conn.spin_backoff, _SPIN_BACKOFF_MAX)
 
 
 _sending = threading.local()  # .active: this thread holds a connection's send lock; .reader: a reader

@@ -13,6 +13,7 @@ import struct
 import sys
 import time
 
+from .._timeouts import SPIN_BACKOFF_MIN, skip_spins
 from ..errors import DistStoreError
 from . import _wire as w
 from ._sockets import unix_socket_name
@@ -34,8 +35,6 @@ each of them."""
 
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 _SPIN_SECONDS = 50e-6 if _KERNEL_TIMEOUTS and _DONTWAIT else 0.0
-_SPIN_BACKOFF_MIN = 8
-_SPIN_BACKOFF_MAX = 512
 
 
 def _timeval(seconds: float) -> bytes:
@@ -56,7 +55,7 @@ class Connection:
         self.buf = bytearray(_RECV_SIZE)
         self.view = memoryview(self.buf)
         self.skip_spin = 0 if _SPIN_SECONDS else 1 << 62
-        self.backoff = _SPIN_BACKOFF_MIN
+        self.backoff = SPIN_BACKOFF_MIN
         self.late: str | None = None
         """The message of a LATE_ERROR (a failed quiet set) read before the last reply."""
         self.pending = b""
@@ -134,7 +133,7 @@ class Connection:
         server answers well within the spin: a reply that misses it, or arrives in its
         second half (a busy server, a parked get, more clients than cores), turns
         spinning off for the next few requests, twice as many after each further such
-        reply (up to _SPIN_BACKOFF_MAX), so contended clients leave the CPU to the
+        reply (:func:`gpucoll._timeouts.skip_spins`), so contended clients leave the CPU to the
         server.
         """
         sock = self.sock
@@ -147,17 +146,13 @@ class Connection:
             except BlockingIOError:
                 if time.perf_counter() < end:
                     continue
-                self._back_off()
+                skip_spins(self)
                 return sock.recv_into(buf)
             if time.perf_counter() - start > 0.5 * _SPIN_SECONDS:
-                self._back_off()
+                skip_spins(self)
             else:
-                self.backoff = _SPIN_BACKOFF_MIN
+                self.backoff = SPIN_BACKOFF_MIN
             return n
-
-    def _back_off(self) -> None:
-        self.skip_spin = self.backoff
-        self.backoff = min(2 * self.backoff, _SPIN_BACKOFF_MAX)
 
     def _read_rest(self, data: bytes, timeout: float) -> tuple[int, list[bytes]]:
         deadline = time.monotonic() + timeout
