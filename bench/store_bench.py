@@ -39,6 +39,12 @@ server. The generator's processes and their clients are the same as in the direc
 only where the clients connect differs. Its CPU column is the server's alone (the relays'
 runs on their nodes).
 
+``send-unix`` and ``send-tcp`` (``--ops-only``, the ``set`` rows only) time a bare
+``socket.send`` from Python of a frame the size of gpucoll's ``set`` frame, in the same
+loop as the ``set`` row, to a process that only drains its connections (an epoll loop and
+one ``recv`` per wake-up), over the same-host Unix socket and over loopback TCP: what a
+``set`` costs a client in Python before any of its own work, on each transport.
+
 torch's server and client call ``getnameinfo()`` on each peer's address, which on
 some machines sends a reverse DNS query that stalls for seconds now and then. With
 torch in the run the benchmark builds a small ``LD_PRELOAD`` shim (with ``cc``) that
@@ -53,7 +59,9 @@ import itertools
 import multiprocessing as mp
 import os
 import resource
+import socket
 import statistics
+import struct
 import sys
 import threading
 import time
@@ -214,6 +222,105 @@ def _cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+_SENDS = ("send-unix", "send-tcp")
+"""Bare sends to a draining reader (see the module's docstring): the set rows only."""
+
+_SET_FRAME = bytes(34)
+"""The size of gpucoll's frame for ``set("lat/k", 16 bytes)`` (header 5, two fields)."""
+
+
+def _drain(kind: str, conn: Connection) -> None:
+    """Accept connections on ``kind``'s listener and read whatever arrives, nothing else."""
+    import select
+
+    if kind == "send-unix":
+        ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        name = f"\0gpucoll-bench-drain/{os.getpid()}"
+        ls.bind(name)
+        addr: Any = name
+    else:
+        ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        ls.bind(("127.0.0.1", 0))
+        addr = ls.getsockname()
+    ls.listen(64)
+    ls.setblocking(False)
+    ep = select.epoll()
+    ep.register(ls.fileno(), select.EPOLLIN)
+    ep.register(conn.fileno(), select.EPOLLIN)
+    socks: dict[int, socket.socket] = {}
+    buf = bytearray(1 << 16)
+    conn.send(addr)
+    while True:
+        for fd, _ in ep.poll():
+            if fd == conn.fileno():
+                return  # told to stop
+            if fd == ls.fileno():
+                try:
+                    sock, _ = ls.accept()
+                except BlockingIOError:
+                    continue
+                sock.setblocking(False)
+                socks[sock.fileno()] = sock
+                ep.register(sock.fileno(), select.EPOLLIN)
+                continue
+            sock = socks[fd]
+            try:
+                n = sock.recv_into(buf)
+            except BlockingIOError:
+                continue
+            if not n:
+                del socks[fd]
+                sock.close()
+
+
+class _DrainServer:
+    """A reader for ``send-unix``/``send-tcp`` in its own process (see ``_drain``)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._conn, child = _CTX.Pipe()
+        self._proc = _CTX.Process(target=_drain, args=(kind, child), daemon=True)
+        self._proc.start()
+        if not self._conn.poll(60):
+            raise RuntimeError(f"{kind} reader did not start")
+        self.addr: Any = self._conn.recv()
+        self.port = 0
+        self.pid = self._proc.pid
+
+    def stop(self) -> None:
+        self._conn.send(None)
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+
+
+def _send_latency(server: _DrainServer, iters: int) -> tuple[float, float]:
+    """The ``set`` row's loop around a bare send of a ``set``-sized frame: median, p99 (us)."""
+    if server.kind == "send-unix":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(server.addr)
+    else:
+        sock = socket.create_connection(server.addr)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as gpucoll's and torch's
+    # A send that finds no room for 10 s fails (EAGAIN) rather than hang; set in the kernel,
+    # as gpucoll's client does, since a Python-level timeout would poll before each send.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 10, 0))
+    try:
+        send = sock.send
+        frame = _SET_FRAME
+        for _ in range(min(200, iters)):
+            send(frame)
+        samples = []
+        for _ in range(iters):
+            t0 = time.perf_counter_ns()
+            send(frame)
+            samples.append(time.perf_counter_ns() - t0)
+    finally:
+        sock.close()
+    samples.sort()
+    return statistics.median(samples) / 1e3, samples[int(0.99 * (len(samples) - 1))] / 1e3
 
 
 # -- workloads ------------------------------------------------------------------------------
@@ -519,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="few iterations, small N: a smoke run")
     p.add_argument("--impl", default=None,
                    help="comma list of gpucoll, gpucoll-tcp (no Unix-socket fast path), torch, "
-                        "gpucoll-torchwire, floor, floor-py (--ops-only) and gpucoll-relays "
+                        "gpucoll-torchwire, floor, floor-py, send-unix, send-tcp (--ops-only) and gpucoll-relays "
                         "(rendezvous only; see above) "
                         "(default: gpucoll,torch, or gpucoll alone when torch does not import)")
     p.add_argument("--repeats", type=int, default=None, help="rendezvous runs per size (median)")
@@ -546,6 +653,9 @@ def main(argv: list[str] | None = None) -> int:
     impls = args.impl.split(",") if args.impl else (["gpucoll", "torch"] if _torch_available() else ["gpucoll"])
     if args.ops_only and args.rendezvous_only:
         p.error("--ops-only and --rendezvous-only exclude each other")
+    for only in _SENDS:
+        if only in impls and not args.ops_only:
+            p.error(f"--impl {only} has only the set rows: add --ops-only")
     if "floor-py" in impls and not args.ops_only:
         p.error("--impl floor-py has only the add-throughput rows: add --ops-only")
     for only in ("floor", "gpucoll-relays"):
@@ -602,6 +712,8 @@ def interleaved(impls: list[str], args: argparse.Namespace) -> list[Row]:
             for r in range(args.repeats):
                 for k in range(len(impls)):
                     impl = impls[(r + k) % len(impls)]
+                    if impl in _SENDS:
+                        continue
                     before = _cpu_seconds(servers[impl].pid)
                     srv = servers[impl]
                     times[impl].append(_rendezvous(impl, srv.port, n, r, args.load,
@@ -629,8 +741,9 @@ def interleaved_ops(impls: list[str], args: argparse.Namespace) -> list[Row]:
     have only the add-throughput rows: they answer every request with "1"."""
     import gpucoll.store  # noqa: F401
 
-    servers: dict[str, _Server | _FloorServer | _PyFloorServer] = {
+    servers: dict[str, _Server | _FloorServer | _PyFloorServer | _DrainServer] = {
         impl: _FloorServer() if impl == "floor" else _PyFloorServer() if impl == "floor-py"
+        else _DrainServer(impl) if impl in _SENDS
         else _Server(impl) for impl in impls if impl != "torch"}
     if "torch" in impls:
         import torch.distributed  # noqa: F401
@@ -643,12 +756,20 @@ def interleaved_ops(impls: list[str], args: argparse.Namespace) -> list[Row]:
                 impl = impls[(r + k) % len(impls)]
                 if impl in _FLOORS:
                     continue
-                for op, (med, p99) in _latency(impl, servers[impl].port, args.iters).items():
+                srv = servers[impl]
+                if isinstance(srv, _DrainServer):
+                    med, p99 = _send_latency(srv, args.iters)
+                    samples.setdefault(("set latency, median", impl), []).append(med)
+                    samples.setdefault(("set latency, p99", impl), []).append(p99)
+                    continue
+                for op, (med, p99) in _latency(impl, srv.port, args.iters).items():
                     samples.setdefault((f"{op} latency, median", impl), []).append(med)
                     samples.setdefault((f"{op} latency, p99", impl), []).append(p99)
             for c in args.clients:
                 for k in range(len(impls)):
                     impl = impls[(r + k) % len(impls)]
+                    if impl in _SENDS:
+                        continue
                     before = _cpu_seconds(servers[impl].pid)
                     ops = _throughput(impl, servers[impl].port, c, args.seconds)
                     samples.setdefault((f"add throughput, {c} clients", impl), []).append(ops)

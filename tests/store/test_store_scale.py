@@ -273,6 +273,30 @@ def test_the_ops_rows_give_each_servers_cpu_per_add_beside_its_rate() -> None:
         assert 0 < per_add <= (1e6 / ops) * 1.1 + 0.01 / (ops * args.seconds) * 1e6, (impl, per_add, ops)
 
 
+
+def test_the_ops_rows_time_a_bare_send_on_each_transport_beside_set() -> None:
+    """store_bench --ops-only --impl send-unix,send-tcp: the set rows of a bare send from
+    Python over each transport, to a reader that keeps draining (20,000 frames are many
+    times a socket buffer: without the reader the sends would block); the benchmark
+    refuses them outside --ops-only."""
+    import argparse
+
+    sb = _store_bench()
+    for kind in sb._SENDS:
+        srv = sb._DrainServer(kind)
+        try:
+            med, p99 = sb._send_latency(srv, 20000)
+            assert 0 < med <= p99, (kind, med, p99)
+        finally:
+            srv.stop()
+        with pytest.raises(SystemExit):
+            sb.main(["--impl", kind])
+    args = argparse.Namespace(iters=200, seconds=0.2, repeats=1, clients=[1])
+    rows = {r.name: r for r in sb.interleaved_ops(["gpucoll", "send-unix", "send-tcp"], args)}
+    assert set(rows["set latency, median"].values) == {"gpucoll", "send-unix", "send-tcp"}
+    assert set(rows["get latency, median"].values) == {"gpucoll"}  # set rows only
+    assert set(rows["add throughput, 1 clients"].values) == {"gpucoll"}
+
 # -- the open-file limit -------------------------------------------------------------------
 
 def _child(code: str) -> subprocess.CompletedProcess[str]:
