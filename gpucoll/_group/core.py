@@ -17,6 +17,7 @@ import threading
 import time
 from time import perf_counter as _perf, time as _time
 from typing import Any, Callable, cast
+from weakref import ref as _weakref
 
 import numpy as np
 
@@ -92,7 +93,9 @@ class DeviceRun:
     refuses before looking one up) and the backend's planned NCCL call (valid as long as
     the backend's communicator, which the runner checks has not ended, per call).
     Checked again per call: contiguity, the caller's current stream (its device, and a
-    capture on it), hooks, the debug level, a coalescing block, posted sends."""
+    capture on it), posted sends; hooks, the debug level, a coalescing block and the
+    group's destruction through the group's derived dicts (``ProcessGroup._restate``:
+    empty while any of them asks for the general path)."""
 
     __slots__ = ("backend", "run", "start", "red", "kind", "posted", "stream_of", "device", "legacy",
                  "legacy_handle", "stream_of_fixed")
@@ -160,6 +163,9 @@ class Issuer:
         self.plans: dict[tuple[Any, ...], Plan] = {}
         self.host_runs: dict[tuple[Any, ...], HostRun] = {}  # by (NumPy dtype, shape, op name)
         self.device_runs: dict[tuple[Any, ...], DeviceRun] = {}  # by (address, device, dtype, shape, op name)
+        # By id() of a CuPy array: (a weak reference to it, the op, its DeviceRun) of its last
+        # run (saw()); what the group reads before building device_runs' key.
+        self.device_seen: dict[int, tuple[Any, Any, DeviceRun]] = {}
         self.abort_reason: str | None = None
         self.abort_lock = threading.Lock()
         self.hook_errors: list[tuple[Callable[[WorkInfo], None], BaseException]] = []
@@ -186,6 +192,7 @@ class Issuer:
                 self.plans.clear()
                 self.host_runs.clear()
                 self.device_runs.clear()
+                self.device_seen.clear()
             self.plans[key] = plan
         return plan
 
@@ -194,6 +201,23 @@ class Issuer:
         self.plans.clear()
         self.host_runs.clear()
         self.device_runs.clear()
+        self.device_seen.clear()
+
+    def saw(self, array: Any, op: Any, run: DeviceRun) -> None:
+        """Remember that CuPy ``array`` was last run with ``op`` through ``run`` (found
+        in ``device_runs`` under its key): its next call with the same op object finds
+        ``run`` by the array's identity, with no key built. Why that stays right: the
+        key's facts are fixed for one array object (CuPy's ``data``, hence address and
+        device, and its ``dtype`` and ``size`` cannot be set), except its shape, which
+        CuPy lets be set in place (``x.shape = ...``: same memory, size and dtype, so the
+        same NCCL call; the flight recorder then shows the shape of the run's first op);
+        contiguity is checked per call all the same. The weak reference tells a dead
+        array's reused id from the array (an entry holds no memory). Dropped with the
+        runs (:meth:`forget_plans`, and past 1024 plans), and when full."""
+        seen = self.device_seen
+        if len(seen) >= 1024:
+            seen.clear()
+        seen[id(array)] = (_weakref(array), op, run)
 
     # ----- issue and finish -----
     def issue(self, backend: Backend, start: Callable[[], Work], buf: Buffer | None, outputs: list[Any],
@@ -266,8 +290,6 @@ class Issuer:
         DETAIL, outside a coalescing block, on a C-contiguous array of the run's key."""
         seq = self.seq = self.seq + 1
         recorder = self.recorder
-        backend = run.backend
-        entry = None
         if recorder is not None:
             # recorder.begin_kind(seq, "all_reduce", run.kind) without its frame, once the
             # slot exists (the recorder makes each slot on its first use).
@@ -284,6 +306,8 @@ class Issuer:
                 recorder._next = i + 1 if i + 1 < recorder.capacity else 0
             if self.debug_info:
                 entry.where = call_site()
+        else:
+            entry = None
         # The stream the array's producer names: CuPy's current stream of the array's
         # device (the run's: an address names one device; a kernel writing the array ran
         # with that device current), as torch's getCurrentCUDAStream(device) and the
@@ -303,15 +327,16 @@ class Issuer:
                 if start is not None and stream is not None else None
             if work is not None:  # numbered and tied to its entry by the runner
                 watchdog = self.watchdog
-                if backend is not watchdog.watched:
-                    watchdog.watch_backend(backend)  # type: ignore[arg-type]  # (its queue holds the Work)
+                if run.backend is not watchdog.watched:
+                    watchdog.watch_backend(run.backend)  # type: ignore[arg-type]  # (its queue holds the Work)
                 return work
         elif stream is not None and not run.posted.ops:  # (posted sends and receives: the usual way first)
             if run.run(stream, tensor, seq, entry, self.group_name):
                 watchdog = self.watchdog
-                if backend is not watchdog.watched:
-                    watchdog.watch_backend(backend)  # type: ignore[arg-type]  # (a quiet backend polls)
+                if run.backend is not watchdog.watched:
+                    watchdog.watch_backend(run.backend)  # type: ignore[arg-type]  # (a quiet backend polls)
                 return None
+        backend = run.backend
         buf = _array.as_buffer(tensor, name="tensor", writable=True)
         return self.finish(backend, self._start(seq, entry, backend.all_reduce, (buf, run.red), [tensor], -1,
                                                 "all_reduce", async_op), async_op, True)

@@ -102,6 +102,9 @@ class ProcessGroup:
                               self._cpu, group_desc)
         self._plans = self._issuer.plans  # the issuer's plan cache, looked up by the hot ops
         self._host_runs = self._issuer.host_runs
+        self._device_runs: dict[tuple[Any, ...], Any] = {}  # these two are set by _restate (below)
+        self._device_seen: dict[int, Any] = {}
+        self._restate()
         self._barrier_now = self._cpu.barrier_now if isinstance(self._cpu, RunsNow) else None
         self._watchdog, self._recorder = self._issuer.watchdog, self._issuer.recorder  # (debug tools read them)
         # Bound at creation on every rank: only then may new groups split its communicator (one
@@ -120,6 +123,20 @@ class ProcessGroup:
                 self._issuer.stop()
                 self._cpu.shutdown()
                 raise
+
+    def _restate(self) -> None:
+        """Derive ``_device_runs`` and ``_device_seen``, what the device hot path of
+        :meth:`all_reduce` reads in place of four checks: the issuer's DeviceRuns (and its
+        arrays last run) while none of them is on, else empty dicts (the general path then
+        makes every check). Called by every writer of
+        those facts: a completion hook registered (hooks are never removed), a coalescing
+        block opened or closed (coalescing.py), the group destroyed; the debug level is
+        read once, when the issuer is made (a later change of GPUCOLL_DEBUG applies to
+        groups made afterwards, as for the rest of the issuer)."""
+        issuer = self._issuer
+        fast = self._coalescing is None and not self._destroyed and not issuer.hooks and not issuer.debug_detail
+        self._device_runs = issuer.device_runs if fast else {}
+        self._device_seen = issuer.device_seen if fast else {}
 
     # ----- identity -----
     def rank(self) -> int:
@@ -190,6 +207,7 @@ class ProcessGroup:
             raise TypeError(f"hook must be callable; got {type(hook).__name__}")
         self._check_usable()
         self._issuer.hooks.append(hook)
+        self._restate()
         time_ops(self._nccl)  # a hook reads active_duration: the device backend times its ops
 
     def dump_flight_recorder(self, path: str | None = None) -> str:
@@ -245,14 +263,21 @@ class ProcessGroup:
                         return issuer.run_host(fast, flat, tensor)
                     return issuer.run_now(fast.backend, fast.run, fast.start, (flat, fast.reducer), fast.desc,
                                           "all_reduce", [tensor], -1, True)
-        elif type(tensor) is _array._cupy_ndarray and type(op) is ReduceOp:  # one already run: its DeviceRun
+        elif type(tensor) is _array._cupy_ndarray:  # one already run: its DeviceRun
             cp: Any = tensor
-            issuer = self._issuer
-            mem = cp.data
-            run = issuer.device_runs.get((mem.ptr, mem.device_id, cp.dtype, cp.shape, op._name_))
-            if run is not None and cp._c_contiguous and self._coalescing is None and not self._destroyed \
-                    and not issuer.hooks and not issuer.debug_detail:  # (what the run does not settle)
-                return issuer.run_device(run, cp, async_op)
+            # This very array, last run with this op: its DeviceRun without building the key
+            # (Issuer.device_seen). Both dicts are empty while a hook, DETAIL, a coalescing
+            # block or destruction needs the general path (_restate): one look-up stands for
+            # those four checks.
+            seen = self._device_seen.get(id(cp))
+            if seen is not None and seen[0]() is cp and op is seen[1] and cp._c_contiguous:
+                return self._issuer.run_device(seen[2], cp, async_op)
+            if type(op) is ReduceOp:
+                mem = cp.data
+                run = self._device_runs.get((mem.ptr, mem.device_id, cp.dtype, cp.shape, op._name_))
+                if run is not None and cp._c_contiguous:  # (what the run's key does not settle)
+                    self._issuer.saw(cp, op, run)
+                    return self._issuer.run_device(run, cp, async_op)
         if self._destroyed:
             self._check_usable()
         buf = _array.as_buffer(tensor, name="tensor", writable=True)
@@ -568,6 +593,7 @@ class ProcessGroup:
         if self._destroyed:
             return
         self._destroyed = True
+        self._restate()
         errors: list[BaseException] = []
         for backend in (self._nccl, self._cpu):
             if backend is not None:
