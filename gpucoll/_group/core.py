@@ -31,6 +31,7 @@ from ..errors import DistBackendError, DistError
 from .._debug.flight_recorder import FlightRecorder, Kind, _Entry, recorder_capacity
 from .._work import Work, WorkInfo
 from .checks import _op_name
+from .device_run import DeviceRun, remember_device_run
 from .watchdog import Watchdog
 
 __all__ = ["Issuer", "Plan", "HostRun", "remember_host_run"]
@@ -79,65 +80,6 @@ class HostRun:
         self.start = start
         self.inline = inline  # small enough that an async op of this kind runs here too (RunsNow.inline_max)
         self.kind = Kind(backend.name, desc)  # what the flight recorder shows of each op
-
-
-class DeviceRun:
-    """A planned synchronous all_reduce on a CuPy array of one (address, device, dtype,
-    shape, op), bound to the device backend's Work-less runner
-    (``all_reduce_quiet_runner``): a repeated call builds no Buffer and no key, and is
-    looked up once. ``desc`` describes the array for the flight recorder (it holds no
-    memory). What it caches and why each fact stays true: the array's device (an address
-    names one device), dtype, size and shape (the key), the op as checked for the dtype
-    (the key), the backend (the group drops its runs with its plans when its device
-    backend changes, ``Issuer.forget_plans``, and past 1024 kinds; a destroyed group
-    refuses before looking one up) and the backend's planned NCCL call (valid as long as
-    the backend's communicator, which the runner checks has not ended, per call).
-    Checked again per call: contiguity, the caller's current stream (its device, and a
-    capture on it), posted sends; hooks, the debug level, a coalescing block and the
-    group's destruction through the group's derived dicts (``ProcessGroup._restate``:
-    empty while any of them asks for the general path)."""
-
-    __slots__ = ("backend", "run", "start", "red", "kind", "posted", "stream_of", "device", "legacy",
-                 "legacy_handle", "stream_of_fixed")
-
-    def __init__(self, backend: Backend, runners: Any, red: Any, desc: Buffer) -> None:
-        self.backend = backend
-        # The backend's runners (NCCL's quiet.py): the synchronous form, run(stream handle, array,
-        # seq, entry, group_name) -> issued, when posted.ops is empty; the stream's handle,
-        # stream_of(CuPy stream, device) (None: another device's); the async form,
-        # start(stream handle, array, seq, entry, group_name) -> its Work (numbered, recorded) or None.
-        self.run: Callable[..., bool] = runners.run
-        self.start: Callable[..., Work | None] | None = runners.start
-        self.posted: Any = runners.posted
-        self.stream_of: Callable[[Any, int], int | None] = runners.stream_of
-        self.device: int = runners.device
-        # CuPy's legacy default stream (ptr 0, one object per device) and its handle, once
-        # stream_of answered it and may be kept (runners.stream_of_fixed): no call per op.
-        # Only that stream is kept: holding a stream the caller made would keep it alive.
-        self.legacy: Any = None
-        self.legacy_handle: int | None = None
-        self.stream_of_fixed: bool = runners.stream_of_fixed
-        self.red = red
-        self.kind = Kind(backend.name, desc)  # what the flight recorder shows of each op
-
-
-    def handle(self, current: Any) -> int | None:
-        """The handle of ``current``, CuPy's current stream of the run's device, for the
-        runners (``stream_of``); None where the op must go the usual way: a stream of
-        another device, CuPy's per-thread default stream (the usual way orders it), a
-        stream object that cannot be read. CuPy's legacy default stream (ptr 0) and its
-        handle are kept where ``stream_of``'s answer may be (``stream_of_fixed``): CuPy
-        makes one such object per device, and its handle never changes."""
-        try:
-            ptr = current.ptr
-        except Exception:  # noqa: BLE001  (the usual way words the error)
-            return None
-        if not ptr and _buffer._cupy_default_stream != 1:
-            return None
-        stream = self.stream_of(current, self.device)
-        if not ptr and stream is not None and self.stream_of_fixed:
-            self.legacy, self.legacy_handle = current, stream
-        return stream
 
 
 class Issuer:
@@ -204,16 +146,9 @@ class Issuer:
         self.device_seen.clear()
 
     def saw(self, array: Any, op: Any, run: DeviceRun) -> None:
-        """Remember that CuPy ``array`` was last run with ``op`` through ``run`` (found
-        in ``device_runs`` under its key): its next call with the same op object finds
-        ``run`` by the array's identity, with no key built. Why that stays right: the
-        key's facts are fixed for one array object (CuPy's ``data``, hence address and
-        device, and its ``dtype`` and ``size`` cannot be set), except its shape, which
-        CuPy lets be set in place (``x.shape = ...``: same memory, size and dtype, so the
-        same NCCL call; the flight recorder then shows the shape of the run's first op);
-        contiguity is checked per call all the same. The weak reference tells a dead
-        array's reused id from the array (an entry holds no memory). Dropped with the
-        runs (:meth:`forget_plans`, and past 1024 plans), and when full."""
+        """Remember that CuPy ``array`` was last run with ``op`` through ``run``: its next
+        call with the same op object finds ``run`` by the array's identity (device_run.py
+        says why that stays right and what drops it)."""
         seen = self.device_seen
         if len(seen) >= 1024:
             seen.clear()
@@ -609,17 +544,3 @@ def remember_host_run(runs: dict[tuple[Any, ...], HostRun], backend: Backend, te
     desc = Buffer(0, buf.nbytes, buf.dtype, buf.shape, buf.device)  # what the flight recorder shows
     runs[(tensor.dtype, tensor.shape, op._name_)] = HostRun(backend, run, reducer, desc, start,
                                                             buf.nbytes <= cast(RunsNow, backend).inline_max)
-
-
-def remember_device_run(runs: dict[tuple[Any, ...], DeviceRun], backend: Backend, tensor: Any, buf: Buffer,
-                        red: Any, op: Any) -> None:
-    """Bind the next synchronous all_reduce on this CuPy array (its address, device,
-    dtype, shape and op) to the device backend's Work-less runner, once the backend
-    has a hot path for it (its first op makes one)."""
-    maker = getattr(backend, "all_reduce_runners", None)  # (NCCLBackend's)
-    both = maker(buf, op) if maker is not None and buf.nbytes else None
-    if both is None:
-        return
-    mem = tensor.data
-    desc = Buffer(0, buf.nbytes, buf.dtype, buf.shape, buf.device)  # what the flight recorder shows
-    runs[(mem.ptr, mem.device_id, tensor.dtype, tensor.shape, op._name_)] = DeviceRun(backend, both, red, desc)

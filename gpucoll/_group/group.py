@@ -32,6 +32,7 @@ from .checks import _check_op, _list_dtypes, _one_dtype, _real_view
 from .coalescing import CoalescingManager, _not_coalescable
 from .dispatch import backend_for, backend_for_all, make_device_backend_for, set_device_backend
 from .core import Issuer, remember_host_run, time_ops
+from .device_run import restate
 from .into import all_reduce_into as _all_reduce_into
 from .options import PGOptions
 from .registry import _BACKEND_GRACE_S, BACKENDS, backend_kwargs
@@ -102,7 +103,7 @@ class ProcessGroup:
                               self._cpu, group_desc)
         self._plans = self._issuer.plans  # the issuer's plan cache, looked up by the hot ops
         self._host_runs = self._issuer.host_runs
-        self._device_runs: dict[tuple[Any, ...], Any] = {}  # these two are set by _restate (below)
+        self._device_runs: dict[tuple[Any, ...], Any] = {}  # (both set by _restate)
         self._device_seen: dict[int, Any] = {}
         self._restate()
         self._barrier_now = self._cpu.barrier_now if isinstance(self._cpu, RunsNow) else None
@@ -124,19 +125,7 @@ class ProcessGroup:
                 self._cpu.shutdown()
                 raise
 
-    def _restate(self) -> None:
-        """Derive ``_device_runs`` and ``_device_seen``, what the device hot path of
-        :meth:`all_reduce` reads in place of four checks: the issuer's DeviceRuns (and its
-        arrays last run) while none of them is on, else empty dicts (the general path then
-        makes every check). Called by every writer of
-        those facts: a completion hook registered (hooks are never removed), a coalescing
-        block opened or closed (coalescing.py), the group destroyed; the debug level is
-        read once, when the issuer is made (a later change of GPUCOLL_DEBUG applies to
-        groups made afterwards, as for the rest of the issuer)."""
-        issuer = self._issuer
-        fast = self._coalescing is None and not self._destroyed and not issuer.hooks and not issuer.debug_detail
-        self._device_runs = issuer.device_runs if fast else {}
-        self._device_seen = issuer.device_seen if fast else {}
+    _restate = restate  # device_run.py: the device path's dicts, kept in step by every writer
 
     # ----- identity -----
     def rank(self) -> int:
@@ -265,10 +254,8 @@ class ProcessGroup:
                                           "all_reduce", [tensor], -1, True)
         elif type(tensor) is _array._cupy_ndarray:  # one already run: its DeviceRun
             cp: Any = tensor
-            # This very array, last run with this op: its DeviceRun without building the key
-            # (Issuer.device_seen). Both dicts are empty while a hook, DETAIL, a coalescing
-            # block or destruction needs the general path (_restate): one look-up stands for
-            # those four checks.
+            # This very array, last run with this op, by identity (device_run.py); both dicts
+            # are empty while the general path is needed (_restate): no other check here.
             seen = self._device_seen.get(id(cp))
             if seen is not None and seen[0]() is cp and op is seen[1] and cp._c_contiguous:
                 return self._issuer.run_device(seen[2], cp, async_op)
