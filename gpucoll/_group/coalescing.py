@@ -28,6 +28,7 @@ class CoalescingGroup(Protocol):
     _coalescing: CoalescingManager | None
 
     def size(self) -> int: ...
+    def _restate(self) -> None: ...
     def _check_usable(self) -> None: ...
     def _backend_for_all(self, bufs: Sequence[Buffer], names: Sequence[str]) -> Backend: ...
     def _issue(self, backend: Backend, start: Callable[[], Work], buf: Buffer | None,
@@ -54,10 +55,12 @@ def block(pg: CoalescingGroup, async_ops: bool) -> Iterator[CoalescingManager]:
         raise RuntimeError(f"coalescing() blocks on group {pg.group_name!r} do not nest")
     cm = CoalescingManager(pg, async_ops)
     pg._coalescing = cm
+    pg._restate()  # (the device hot path's derived state: ProcessGroup._restate)
     try:
         yield cm
     finally:
         pg._coalescing = None
+        pg._restate()
     cm._flush()
 
 

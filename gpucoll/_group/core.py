@@ -17,6 +17,7 @@ import threading
 import time
 from time import perf_counter as _perf, time as _time
 from typing import Any, Callable, cast
+from weakref import ref as _weakref
 
 import numpy as np
 
@@ -30,6 +31,7 @@ from ..errors import DistBackendError, DistError
 from .._debug.flight_recorder import FlightRecorder, Kind, _Entry, recorder_capacity
 from .._work import Work, WorkInfo
 from .checks import _op_name
+from .device_run import DeviceRun, remember_device_run
 from .watchdog import Watchdog
 
 __all__ = ["Issuer", "Plan", "HostRun", "remember_host_run"]
@@ -80,63 +82,6 @@ class HostRun:
         self.kind = Kind(backend.name, desc)  # what the flight recorder shows of each op
 
 
-class DeviceRun:
-    """A planned synchronous all_reduce on a CuPy array of one (address, device, dtype,
-    shape, op), bound to the device backend's Work-less runner
-    (``all_reduce_quiet_runner``): a repeated call builds no Buffer and no key, and is
-    looked up once. ``desc`` describes the array for the flight recorder (it holds no
-    memory). What it caches and why each fact stays true: the array's device (an address
-    names one device), dtype, size and shape (the key), the op as checked for the dtype
-    (the key), the backend (the group drops its runs with its plans when its device
-    backend changes, ``Issuer.forget_plans``, and past 1024 kinds; a destroyed group
-    refuses before looking one up) and the backend's planned NCCL call (valid as long as
-    the backend's communicator, which the runner checks has not ended, per call).
-    Checked again per call: contiguity, the caller's current stream (its device, and a
-    capture on it), hooks, the debug level, a coalescing block, posted sends."""
-
-    __slots__ = ("backend", "run", "start", "red", "kind", "posted", "stream_of", "device", "legacy",
-                 "legacy_handle", "stream_of_fixed")
-
-    def __init__(self, backend: Backend, runners: Any, red: Any, desc: Buffer) -> None:
-        self.backend = backend
-        # The backend's runners (NCCL's quiet.py): the synchronous form, run(stream handle, array,
-        # seq, entry, group_name) -> issued, when posted.ops is empty; the stream's handle,
-        # stream_of(CuPy stream, device) (None: another device's); the async form,
-        # start(stream handle, array, seq, entry, group_name) -> its Work (numbered, recorded) or None.
-        self.run: Callable[..., bool] = runners.run
-        self.start: Callable[..., Work | None] | None = runners.start
-        self.posted: Any = runners.posted
-        self.stream_of: Callable[[Any, int], int | None] = runners.stream_of
-        self.device: int = runners.device
-        # CuPy's legacy default stream (ptr 0, one object per device) and its handle, once
-        # stream_of answered it and may be kept (runners.stream_of_fixed): no call per op.
-        # Only that stream is kept: holding a stream the caller made would keep it alive.
-        self.legacy: Any = None
-        self.legacy_handle: int | None = None
-        self.stream_of_fixed: bool = runners.stream_of_fixed
-        self.red = red
-        self.kind = Kind(backend.name, desc)  # what the flight recorder shows of each op
-
-
-    def handle(self, current: Any) -> int | None:
-        """The handle of ``current``, CuPy's current stream of the run's device, for the
-        runners (``stream_of``); None where the op must go the usual way: a stream of
-        another device, CuPy's per-thread default stream (the usual way orders it), a
-        stream object that cannot be read. CuPy's legacy default stream (ptr 0) and its
-        handle are kept where ``stream_of``'s answer may be (``stream_of_fixed``): CuPy
-        makes one such object per device, and its handle never changes."""
-        try:
-            ptr = current.ptr
-        except Exception:  # noqa: BLE001  (the usual way words the error)
-            return None
-        if not ptr and _buffer._cupy_default_stream != 1:
-            return None
-        stream = self.stream_of(current, self.device)
-        if not ptr and stream is not None and self.stream_of_fixed:
-            self.legacy, self.legacy_handle = current, stream
-        return stream
-
-
 class Issuer:
     """Issues the ops of one group.
 
@@ -160,6 +105,9 @@ class Issuer:
         self.plans: dict[tuple[Any, ...], Plan] = {}
         self.host_runs: dict[tuple[Any, ...], HostRun] = {}  # by (NumPy dtype, shape, op name)
         self.device_runs: dict[tuple[Any, ...], DeviceRun] = {}  # by (address, device, dtype, shape, op name)
+        # By id() of a CuPy array: (a weak reference to it, the op, its DeviceRun) of its last
+        # run (saw()); what the group reads before building device_runs' key.
+        self.device_seen: dict[int, tuple[Any, Any, DeviceRun]] = {}
         self.abort_reason: str | None = None
         self.abort_lock = threading.Lock()
         self.hook_errors: list[tuple[Callable[[WorkInfo], None], BaseException]] = []
@@ -186,6 +134,7 @@ class Issuer:
                 self.plans.clear()
                 self.host_runs.clear()
                 self.device_runs.clear()
+                self.device_seen.clear()
             self.plans[key] = plan
         return plan
 
@@ -194,6 +143,16 @@ class Issuer:
         self.plans.clear()
         self.host_runs.clear()
         self.device_runs.clear()
+        self.device_seen.clear()
+
+    def saw(self, array: Any, op: Any, run: DeviceRun) -> None:
+        """Remember that CuPy ``array`` was last run with ``op`` through ``run``: its next
+        call with the same op object finds ``run`` by the array's identity (device_run.py
+        says why that stays right and what drops it)."""
+        seen = self.device_seen
+        if len(seen) >= 1024:
+            seen.clear()
+        seen[id(array)] = (_weakref(array), op, run)
 
     # ----- issue and finish -----
     def issue(self, backend: Backend, start: Callable[[], Work], buf: Buffer | None, outputs: list[Any],
@@ -266,8 +225,6 @@ class Issuer:
         DETAIL, outside a coalescing block, on a C-contiguous array of the run's key."""
         seq = self.seq = self.seq + 1
         recorder = self.recorder
-        backend = run.backend
-        entry = None
         if recorder is not None:
             # recorder.begin_kind(seq, "all_reduce", run.kind) without its frame, once the
             # slot exists (the recorder makes each slot on its first use).
@@ -284,6 +241,8 @@ class Issuer:
                 recorder._next = i + 1 if i + 1 < recorder.capacity else 0
             if self.debug_info:
                 entry.where = call_site()
+        else:
+            entry = None
         # The stream the array's producer names: CuPy's current stream of the array's
         # device (the run's: an address names one device; a kernel writing the array ran
         # with that device current), as torch's getCurrentCUDAStream(device) and the
@@ -303,15 +262,16 @@ class Issuer:
                 if start is not None and stream is not None else None
             if work is not None:  # numbered and tied to its entry by the runner
                 watchdog = self.watchdog
-                if backend is not watchdog.watched:
-                    watchdog.watch_backend(backend)  # type: ignore[arg-type]  # (its queue holds the Work)
+                if run.backend is not watchdog.watched:
+                    watchdog.watch_backend(run.backend)  # type: ignore[arg-type]  # (its queue holds the Work)
                 return work
         elif stream is not None and not run.posted.ops:  # (posted sends and receives: the usual way first)
             if run.run(stream, tensor, seq, entry, self.group_name):
                 watchdog = self.watchdog
-                if backend is not watchdog.watched:
-                    watchdog.watch_backend(backend)  # type: ignore[arg-type]  # (a quiet backend polls)
+                if run.backend is not watchdog.watched:
+                    watchdog.watch_backend(run.backend)  # type: ignore[arg-type]  # (a quiet backend polls)
                 return None
+        backend = run.backend
         buf = _array.as_buffer(tensor, name="tensor", writable=True)
         return self.finish(backend, self._start(seq, entry, backend.all_reduce, (buf, run.red), [tensor], -1,
                                                 "all_reduce", async_op), async_op, True)
@@ -584,17 +544,3 @@ def remember_host_run(runs: dict[tuple[Any, ...], HostRun], backend: Backend, te
     desc = Buffer(0, buf.nbytes, buf.dtype, buf.shape, buf.device)  # what the flight recorder shows
     runs[(tensor.dtype, tensor.shape, op._name_)] = HostRun(backend, run, reducer, desc, start,
                                                             buf.nbytes <= cast(RunsNow, backend).inline_max)
-
-
-def remember_device_run(runs: dict[tuple[Any, ...], DeviceRun], backend: Backend, tensor: Any, buf: Buffer,
-                        red: Any, op: Any) -> None:
-    """Bind the next synchronous all_reduce on this CuPy array (its address, device,
-    dtype, shape and op) to the device backend's Work-less runner, once the backend
-    has a hot path for it (its first op makes one)."""
-    maker = getattr(backend, "all_reduce_runners", None)  # (NCCLBackend's)
-    both = maker(buf, op) if maker is not None and buf.nbytes else None
-    if both is None:
-        return
-    mem = tensor.data
-    desc = Buffer(0, buf.nbytes, buf.dtype, buf.shape, buf.device)  # what the flight recorder shows
-    runs[(mem.ptr, mem.device_id, tensor.dtype, tensor.shape, op._name_)] = DeviceRun(backend, both, red, desc)

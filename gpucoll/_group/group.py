@@ -32,6 +32,7 @@ from .checks import _check_op, _list_dtypes, _one_dtype, _real_view
 from .coalescing import CoalescingManager, _not_coalescable
 from .dispatch import backend_for, backend_for_all, make_device_backend_for, set_device_backend
 from .core import Issuer, remember_host_run, time_ops
+from .device_run import restate
 from .into import all_reduce_into as _all_reduce_into
 from .options import PGOptions
 from .registry import _BACKEND_GRACE_S, BACKENDS, backend_kwargs
@@ -102,6 +103,9 @@ class ProcessGroup:
                               self._cpu, group_desc)
         self._plans = self._issuer.plans  # the issuer's plan cache, looked up by the hot ops
         self._host_runs = self._issuer.host_runs
+        self._device_runs: dict[tuple[Any, ...], Any] = {}  # (both set by _restate)
+        self._device_seen: dict[int, Any] = {}
+        self._restate()
         self._barrier_now = self._cpu.barrier_now if isinstance(self._cpu, RunsNow) else None
         self._watchdog, self._recorder = self._issuer.watchdog, self._issuer.recorder  # (debug tools read them)
         # Bound at creation on every rank: only then may new groups split its communicator (one
@@ -120,6 +124,8 @@ class ProcessGroup:
                 self._issuer.stop()
                 self._cpu.shutdown()
                 raise
+
+    _restate = restate  # device_run.py: the device path's dicts, kept in step by every writer
 
     # ----- identity -----
     def rank(self) -> int:
@@ -190,6 +196,7 @@ class ProcessGroup:
             raise TypeError(f"hook must be callable; got {type(hook).__name__}")
         self._check_usable()
         self._issuer.hooks.append(hook)
+        self._restate()
         time_ops(self._nccl)  # a hook reads active_duration: the device backend times its ops
 
     def dump_flight_recorder(self, path: str | None = None) -> str:
@@ -245,14 +252,19 @@ class ProcessGroup:
                         return issuer.run_host(fast, flat, tensor)
                     return issuer.run_now(fast.backend, fast.run, fast.start, (flat, fast.reducer), fast.desc,
                                           "all_reduce", [tensor], -1, True)
-        elif type(tensor) is _array._cupy_ndarray and type(op) is ReduceOp:  # one already run: its DeviceRun
+        elif type(tensor) is _array._cupy_ndarray:  # one already run: its DeviceRun
             cp: Any = tensor
-            issuer = self._issuer
-            mem = cp.data
-            run = issuer.device_runs.get((mem.ptr, mem.device_id, cp.dtype, cp.shape, op._name_))
-            if run is not None and cp._c_contiguous and self._coalescing is None and not self._destroyed \
-                    and not issuer.hooks and not issuer.debug_detail:  # (what the run does not settle)
-                return issuer.run_device(run, cp, async_op)
+            # This very array, last run with this op, by identity (device_run.py); both dicts
+            # are empty while the general path is needed (_restate): no other check here.
+            seen = self._device_seen.get(id(cp))
+            if seen is not None and seen[0]() is cp and op is seen[1] and cp._c_contiguous:
+                return self._issuer.run_device(seen[2], cp, async_op)
+            if type(op) is ReduceOp:
+                mem = cp.data
+                run = self._device_runs.get((mem.ptr, mem.device_id, cp.dtype, cp.shape, op._name_))
+                if run is not None and cp._c_contiguous:  # (what the run's key does not settle)
+                    self._issuer.saw(cp, op, run)
+                    return self._issuer.run_device(run, cp, async_op)
         if self._destroyed:
             self._check_usable()
         buf = _array.as_buffer(tensor, name="tensor", writable=True)
@@ -568,6 +580,7 @@ class ProcessGroup:
         if self._destroyed:
             return
         self._destroyed = True
+        self._restate()
         errors: list[BaseException] = []
         for backend in (self._nccl, self._cpu):
             if backend is not None:

@@ -1,4 +1,4 @@
-"""The runners a group's DeviceRun binds (``gpucoll/_group/core.py``): an all_reduce
+"""The runners a group's DeviceRun binds (``gpucoll/_group/device_run.py``): an all_reduce
 already issued on one array (address, size, dtype, op), its hot call looked up once,
 run again with what the group read of the array per call.
 
