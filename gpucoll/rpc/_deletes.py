@@ -95,6 +95,6 @@ def send_all(ctx: Any) -> list[Future[Any]]:
     """Every queued deletion, sent on its own now (shutdown); the futures of their acknowledgements."""
     with ctx.lock:
         queued, ctx.deletes = ctx.deletes, {}
-    agent = ctx.agent
-    return [ctx.send_with_retries(agent.worker_info(owner), M.RREF_USER_DELETE, batch)
-            for owner, batch in queued.items() if batch]
+    infos = ctx.agent.by_id  # (an owner that left a dynamic group took its RRefs with it)
+    return [ctx.send_with_retries(infos[owner], M.RREF_USER_DELETE, batch)
+            for owner, batch in queued.items() if batch and owner in infos]
