@@ -167,7 +167,7 @@ class Agent:
         t = self.timeout if timeout is None or timeout < 0 else float(timeout)
         return t
 
-    def send(self, to: WorkerInfo, kind: MessageType, obj: Any, timeout: float = -1.0, what: str = "",
+    def send(self, to: WorkerInfo, kind: MessageType, obj: Any, timeout: float = -1.0, what: Any = "",
              wake: str = "now") -> Future[Any]:
         """Send a request; the future completes with the reply's value or fails with its error.
 
@@ -235,8 +235,8 @@ class Agent:
         if heap[0][1] == key:
             self._timer_cv.notify()
 
-    def flush_soon(self, conn: _Conn) -> None:
-        """Write ``conn``'s deferred frames within ``2 * LAZY_WAKE``, if no send has by then."""
+    def flush_soon(self, conn: Any) -> None:
+        """Write ``conn``'s deferred frames (or call its ``flush()``) within ``2 * LAZY_WAKE``."""
         self._lazy.append((time.monotonic(), conn))
         if not self._lazy_armed:
             with self._timer_cv:
@@ -247,9 +247,9 @@ class Agent:
     def _sweep_lazy(self) -> None:
         lazy, pending = self._lazy, self._pending
         cutoff = time.monotonic() - LAZY_WAKE * 0.99
-        while lazy and isinstance(lazy[0][1], _Conn) or lazy and lazy[0][0] <= cutoff:
+        while lazy and not isinstance(lazy[0][1], int) or lazy and lazy[0][0] <= cutoff:
             item = lazy.popleft()[1]
-            if isinstance(item, _Conn):
+            if not isinstance(item, int):  # a connection, or anything else with a flush()
                 try:
                     item.flush()
                 except OSError:  # the connection broke: its reader says so to the calls

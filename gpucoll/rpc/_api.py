@@ -11,7 +11,7 @@ import traceback
 from typing import Any, Callable
 
 from ..futures import Future, collect_all
-from . import _devices, _wire, constants
+from . import _deletes, _devices, _wire, constants
 from ._agent import Agent, Reply
 from ._conn import REMOTE_TRACEBACK
 from ._info import (AsyncReturnTypeError, FunctionNotFoundError, IntentionalFailureError, MessageType as M, WorkerInfo,
@@ -79,8 +79,14 @@ def _call(to: Any, kind: M, func: Any, args: Any, kwargs: Any, timeout: float, e
     agent = current()
     info = agent.worker_info(to)
     what = f"{kind.name} {getattr(func, '__qualname__', repr(func))}"
-    fut = agent.send(info, kind, (func, tuple(args) if args else (), dict(kwargs) if kwargs else {}, *extra),
-                     timeout, what, wake)
+    ctx: RRefContext = agent.rrefs  # type: ignore[attr-defined]
+    carried = info.id in ctx.deletes and _deletes.carry(ctx, info)  # deletions queued for the callee go first
+    try:
+        fut = agent.send(info, kind, (func, tuple(args) if args else (), dict(kwargs) if kwargs else {}, *extra),
+                         timeout, what, wake)
+    finally:
+        if carried:
+            _deletes.sent(ctx, info)
     return agent, info, fut
 
 

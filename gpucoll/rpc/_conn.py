@@ -209,7 +209,7 @@ def _tune(sock: socket.socket) -> None:
 class _Call:
     __slots__ = ("fut", "peer", "what", "timeout")
 
-    def __init__(self, fut: Future[Any], peer: int, what: str, timeout: float) -> None:
+    def __init__(self, fut: Future[Any], peer: int, what: Any, timeout: float) -> None:  # what: str() in errors
         self.fut = fut
         self.peer = peer
         self.what = what
@@ -278,6 +278,8 @@ class Reply:
             return
         self.done = True
         self.agent.count_served(-1)
+        if self.mid == 0:  # a frame nobody waits for: a batch of deletions (see _deletes)
+            return
         if self.conn is None:  # a call to ourselves
             self.agent.on_reply(self.mid, flags, data, [bytearray(b) for b in bufs])
             return

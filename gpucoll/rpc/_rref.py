@@ -30,7 +30,7 @@ import weakref
 from typing import Any, Callable, Generic, TypeVar
 
 from ..futures import Future, collect_all
-from . import _wire
+from . import _deletes, _wire
 from ._info import MessageType as M, detached
 from ._info import WorkerInfo
 
@@ -143,10 +143,16 @@ class RRef(Generic[T]):
         if self._deleted_on_owner:
             raise RuntimeError(f"User RRef with RRefId={_gid(self._rref_id)} and ForkId={_gid(self._fork_id)} has "
                                "been deleted. Cannot call to_here() on it after deletion.")
-        agent = self._ctx.agent
-        fut = agent.send(self._owner, M.PYTHON_RREF_FETCH_CALL, (self._rref_id, agent.info.id), timeout,
-                         f"to_here() of {self!r}", wake="caller")
-        return agent.wait(fut, self._owner.id)  # type: ignore[no-any-return]
+        ctx, owner = self._ctx, self._owner
+        agent = ctx.agent
+        carried = owner.id in ctx.deletes and _deletes.carry(ctx, owner)  # deletions queued for the owner go first
+        try:
+            fut = agent.send(owner, M.PYTHON_RREF_FETCH_CALL, (self._rref_id, agent.info.id), timeout,
+                             _Fetch(self), wake="caller")
+        finally:
+            if carried:
+                _deletes.sent(ctx, owner)
+        return agent.wait(fut, owner.id)  # type: ignore[no-any-return]
 
     def _get_type(self, timeout: float = -1.0, blocking: bool = True) -> Any:
         """The type of the value (asked of the owner once, then cached); a Future of it if not ``blocking``."""
@@ -223,6 +229,19 @@ class RRef(Generic[T]):
                 pass
 
 
+class _Fetch:
+    """``to_here()``'s name in its errors, written out only when one is raised (the RRef's
+    repr costs microseconds, on every call)."""
+
+    __slots__ = ("rref",)
+
+    def __init__(self, rref: RRef[Any]) -> None:
+        self.rref = rref
+
+    def __str__(self) -> str:
+        return f"to_here() of {self.rref!r}"
+
+
 def _gid(i: Id | None) -> str:
     return "None" if i is None else f"GloballyUniqueId(created_on={i[0]}, local_id={i[1]})"
 
@@ -255,6 +274,7 @@ class RRefContext:
         self.pending_user_futs: dict[Id, Future[None]] = {}
         self.pending_children: dict[Id, RRef[Any]] = {}
         self.confirmed_users: weakref.WeakValueDictionary[Id, RRef[Any]] = weakref.WeakValueDictionary()
+        self.deletes: dict[int, list[tuple[Id, Id]]] = {}  # per owner: user deletions not sent yet
         self.proxy_factory: Callable[[RRef[Any], str, float], Any] = _no_proxy
         for kind, fn in ((M.PYTHON_RREF_FETCH_CALL, self._on_fetch), (M.RREF_USER_DELETE, self._on_user_delete),
                          (M.RREF_FORK_REQUEST, self._on_fork_request), (M.RREF_CHILD_ACCEPT, self._on_child_accept)):
@@ -339,10 +359,16 @@ class RRefContext:
             fut._try_complete(None, None)
 
     def delete_user(self, owner: WorkerInfo, rref_id: Id, fork_id: Id) -> None:
+        """A user RRef was deleted: queue its RREF_USER_DELETE for the owner (see :mod:`._deletes`)."""
         with self.lock:
             self.confirmed_users.pop(fork_id, None)
-        if not self.agent.closed:
-            self.send_with_retries(owner, M.RREF_USER_DELETE, (rref_id, fork_id))
+            if self.agent.closed:
+                return
+            batch = self.deletes.setdefault(owner.id, [])
+            batch.append((rref_id, fork_id))
+            first = len(batch) == 1
+        if first:  # sent with the next request to the owner, or on its own within 2 * LAZY_WAKE
+            self.agent.flush_soon(_deletes.Flush(self, owner))
 
     # ----- forking: pickling and unpickling an RRef -----------------------------------------
 
@@ -431,8 +457,9 @@ class RRefContext:
             lambda f: f.value()._value.add_done_callback(reply.from_future))
 
     def _on_user_delete(self, src: int, payload: Any, reply: Any) -> None:
-        rref_id, fork_id = _wire.loads(*payload)
-        self.del_fork(rref_id, fork_id)
+        # A list of (rref id, fork id): a batch (_deletes), answered only when sent on its own
+        for rref_id, fork_id in _wire.loads(*payload):
+            self.del_fork(rref_id, fork_id)
         reply.ok(None)
 
     def _on_fork_request(self, src: int, payload: Any, reply: Any) -> None:
@@ -462,11 +489,11 @@ class RRefContext:
                 _log.error("Timed out waiting for pending UserRRefs to be confirmed by owner and parent.")
             users = list(self.confirmed_users.items())
             self.confirmed_users = weakref.WeakValueDictionary()
-        sent = []
+        sent = _deletes.send_all(self)  # deletions still queued go first
         for fork_id, rref in users:
             if not rref._deleted_on_owner:
                 rref._deleted_on_owner = True
-                sent.append(self.send_with_retries(rref._owner, M.RREF_USER_DELETE, (rref._rref_id, fork_id)))
+                sent.append(self.send_with_retries(rref._owner, M.RREF_USER_DELETE, [(rref._rref_id, fork_id)]))
         collect_all(sent)._block(max(deadline - time.monotonic(), 0))
         with self.lock:
             for rref_id in [r for r in self.owners if r not in self.forks]:

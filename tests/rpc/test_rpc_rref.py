@@ -225,6 +225,33 @@ def rref_checks() -> dict[str, Any]:
         wait_for(lambda: rpc.rpc_sync(nxt, owner_has, args=ids) == [False, False], "the deferred delete", 5.0)
     barrier()
 
+    # a user's deletion goes with its next request to the owner, not as a message of its
+    # own, and the owner has done it before that request runs; deletions no request takes
+    # go on their own within milliseconds, in one message
+    ctx = rpc._get_current_rpc_agent().rrefs
+    alone: list[Any] = []
+    send_alone = ctx.send_with_retries
+    ctx.send_with_retries = lambda to, kind, obj: (alone.append((kind.name, obj)), send_alone(to, kind, obj))[1]
+    try:
+        for _ in range(20):
+            r = rpc.remote(nxt, np.ones, args=(2,))
+            r.to_here()
+            rid = r._rref_id
+            del r
+            assert rpc.rpc_sync(nxt, owner_has, args=(rid,)) == [False]
+        sent_alone = [obj for kind, obj in alone if kind == "RREF_USER_DELETE"]
+        assert len(sent_alone) <= 10, sent_alone  # (one goes alone only if an iteration outlasts the flush)
+        a, b = rpc.remote(nxt, np.ones, args=(2,)), rpc.remote(nxt, np.ones, args=(3,))
+        a.to_here(), b.to_here()
+        ids = a._rref_id, b._rref_id
+        del a, b
+        wait_for(lambda: set(ids) <= {rid for k, obj in alone if k == "RREF_USER_DELETE" for rid, _ in obj},
+                 "the deletions sent on their own")
+        assert rpc.rpc_sync(nxt, owner_has, args=ids) == [False, False]
+    finally:
+        del ctx.send_with_retries
+    barrier()
+
     # shutdown deletes the user RRefs still held: the owners end with nothing
     keep = rpc.remote(nxt, np.ones, args=(2,))
     keep.to_here()
