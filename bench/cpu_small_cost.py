@@ -7,8 +7,8 @@ would have written), so that no op waits: what is left is rank 0's own work. The
 loop calls each layer in turn:
 
 - ``module``: ``gpucoll.all_reduce(x)``;
-- ``group``: ``ProcessGroup.all_reduce(x, op, False)`` (the group's fast path down);
-- ``run_host``: ``Issuer.run_host`` (numbering, the flight recorder's entry, down);
+- ``group``: ``ProcessGroup.all_reduce(x, op, False)`` (the group's fast path, with the
+  op's numbering and flight-recorder entry, down);
 - ``bound``: the kind's bound runner (``HostRun.run``: the backend's issuing and the
   transport's protocol);
 - ``fake``: the faking alone.
@@ -46,7 +46,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-LAYERS = ("module", "group", "run_host", "bound", "fake")
+LAYERS = ("module", "group", "bound", "fake")
 WARM_OPS = 3  # real ops first: the first plans the kind, the second binds it
 TIMEOUT = 600.0  # seconds for the group (rank 0 may run under valgrind, ~50x slower)
 
@@ -82,11 +82,10 @@ def rank_main(rank: int, workdir: str, nbytes: int, layers: list[str], ops: int,
         _, ci, hdrs = coll._words[0]
         sig = int(ctl[coll._my_hdr[coll._u & 1] + 1])  # the kind's signature, from rank 0's own header
         fast = pg._host_runs[(x.dtype, x.shape, "SUM")]
-        op, issuer, ar = gpucoll.ReduceOp.SUM, pg._issuer, gpucoll.all_reduce
+        op, ar = gpucoll.ReduceOp.SUM, gpucoll.all_reduce
         calls: dict[str, Callable[[], Any]] = {
             "module": lambda: ar(x),
             "group": lambda: pg.all_reduce(x, op, False),
-            "run_host": lambda: issuer.run_host(fast, x, x),
             "bound": lambda: fast.run(x, fast.reducer),
             "fake": lambda: None,
         }

@@ -65,13 +65,20 @@ class HostRun:
     backend's Work-less runner (``RunsNow.all_reduce_runner``): a repeated call needs no
     Buffer and no look-up in the backend. ``desc`` describes the arrays for the flight
     recorder; ``start(flat, reducer)`` issues the op the usual way when the backend
-    cannot run it now."""
+    cannot run it now. ``ProcessGroup.all_reduce`` finds the kind it ran last
+    (``Issuer.host_last``) by identity, else by its key, and checks per call what the
+    kind does not settle: a writable C-contiguous array, no coalescing block, a group
+    not destroyed, no hook, a debug level below INFO; it then numbers, records and runs
+    the op in its own frame (``Issuer.run_now``'s steps)."""
 
-    __slots__ = ("backend", "run", "reducer", "desc", "start", "inline", "kind")
+    __slots__ = ("backend", "run", "reducer", "desc", "start", "inline", "kind", "dtype", "shape", "op")
 
     def __init__(self, backend: Backend, run: Callable[..., bool | Work], reducer: Any, desc: Buffer,
-                 start: Callable[..., Work], inline: bool = False) -> None:
+                 start: Callable[..., Work], inline: bool = False, key: tuple[Any, Any, Any] = (None, None, None)) -> None:
         self.backend = backend
+        # The kind (NumPy dtype, shape, ReduceOp member): the group's last-run check compares
+        # them by identity (dtype, op) and equality (shape), cheaper than hashing a dict key.
+        self.dtype, self.shape, self.op = key
         self.run = run
         self.reducer = reducer
         self.desc = desc
@@ -159,6 +166,7 @@ class Issuer:
         self.seq = 0
         self.plans: dict[tuple[Any, ...], Plan] = {}
         self.host_runs: dict[tuple[Any, ...], HostRun] = {}  # by (NumPy dtype, shape, op name)
+        self.host_last: HostRun | None = None  # the last one looked up (dropped with host_runs)
         self.device_runs: dict[tuple[Any, ...], DeviceRun] = {}  # by (address, device, dtype, shape, op name)
         self.abort_reason: str | None = None
         self.abort_lock = threading.Lock()
@@ -185,6 +193,7 @@ class Issuer:
             if len(self.plans) >= _PLANS_MAX:
                 self.plans.clear()
                 self.host_runs.clear()
+                self.host_last = None
                 self.device_runs.clear()
             self.plans[key] = plan
         return plan
@@ -193,6 +202,7 @@ class Issuer:
         """Drop every plan (the group's backends changed, or the group is destroyed)."""
         self.plans.clear()
         self.host_runs.clear()
+        self.host_last = None
         self.device_runs.clear()
 
     # ----- issue and finish -----
@@ -401,41 +411,6 @@ class Issuer:
             return None
         return self.finish(backend, self._start(seq, entry, start, args, outputs, peer, op), async_op, False)
 
-    def run_host(self, fast: HostRun, flat: Any, tensor: Any) -> Work | None:
-        """A synchronous all_reduce of a planned NumPy kind (``fast``) on ``flat``, a 1-D view
-        of ``tensor``: :meth:`run_now` with nothing built per call (numbered, recorded,
-        failed and issued behind queued ops alike)."""
-        seq = self.seq = self.seq + 1
-        recorder = self.recorder
-        entry = None
-        if recorder is not None:
-            # recorder.begin_kind(seq, "all_reduce", fast.kind) without its frame, once the
-            # slot exists (as run_device: a small op's whole cost is a few such frames).
-            i = recorder._next
-            entry = recorder._ring[i]
-            if entry is None:
-                entry = recorder.begin_kind(seq, "all_reduce", fast.kind)
-            else:
-                entry.seq = seq
-                entry.op_type = "all_reduce"
-                entry.kind = fast.kind
-                entry.time_started = _time()
-                entry.done = None
-                recorder._next = i + 1 if i + 1 < recorder.capacity else 0
-            if self.debug_info:
-                entry.where = call_site()
-        t0 = _perf()
-        try:
-            ran = fast.run(flat, fast.reducer)
-        except DistError as exc:
-            return self._failed_now(exc, fast.backend, seq, entry, t0, "all_reduce", [tensor], False)
-        if ran is True:
-            if entry is not None:
-                entry.done = _perf() - t0  # (entry.complete, inline)
-            return None
-        return self.finish(fast.backend, self._start(seq, entry, fast.start, (flat, fast.reducer), [tensor], -1,
-                                                     "all_reduce"), False, False)
-
     def _failed_now(self, exc: DistError, backend: Backend, seq: int, entry: Any, t0: float, op: str,
                     outputs: list[Any], async_op: bool) -> Work | None:
         """:meth:`run_now`'s op failed with ``exc``: the usual Work, for the usual timeout and
@@ -554,6 +529,7 @@ class Issuer:
         """Stop the watchdog and forget the plans; the hook errors seen."""
         self.plans.clear()
         self.host_runs.clear()
+        self.host_last = None
         self.watchdog.stop()
         return self.hook_errors
 
@@ -583,7 +559,8 @@ def remember_host_run(runs: dict[tuple[Any, ...], HostRun], backend: Backend, te
         return backend.all_reduce(_array.as_buffer(flat, name="tensor", writable=True), red)
     desc = Buffer(0, buf.nbytes, buf.dtype, buf.shape, buf.device)  # what the flight recorder shows
     runs[(tensor.dtype, tensor.shape, op._name_)] = HostRun(backend, run, reducer, desc, start,
-                                                            buf.nbytes <= cast(RunsNow, backend).inline_max)
+                                                            buf.nbytes <= cast(RunsNow, backend).inline_max,
+                                                            (tensor.dtype, tensor.shape, op))
 
 
 def remember_device_run(runs: dict[tuple[Any, ...], DeviceRun], backend: Backend, tensor: Any, buf: Buffer,

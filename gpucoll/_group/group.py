@@ -11,6 +11,7 @@ the call, with the same rules on every rank; a repeated op finds them made in it
 
 from __future__ import annotations
 
+from time import perf_counter as _perf, time as _time
 from datetime import timedelta
 from typing import Any, Callable, Sequence, Union
 
@@ -23,7 +24,7 @@ from .._buffer import Buffer
 from .._reduce_op import ReduceOp, ReduceOpLike
 from .._timeouts import to_seconds
 from .._work import Work, WorkInfo
-from ..errors import DistBackendError
+from ..errors import DistBackendError, DistError
 from ..store import PrefixStore, Store
 from .arglists import TAG_MAX, _a2a_lists, _check_chunked, _check_rank, _coalesced_lists, _list_like, _p2p_check, _split_counts, _uneven_list
 from .barrier import monitored_barrier
@@ -233,18 +234,32 @@ class ProcessGroup:
     # ----- reductions -----
     def all_reduce(self, tensor: ArrayOrBuffer, op: ReduceOpLike = ReduceOp.SUM, async_op: bool = False) -> Work | None:
         """Reduce ``tensor`` across the group, in place on every rank."""
-        # A NumPy array of a kind already run: the host runner, with the checks the plan does not
-        # settle (writable, contiguous, no coalescing block, hooks, DETAIL); async if small enough.
-        if type(tensor) is np.ndarray and type(op) is ReduceOp:
-            fast = self._host_runs.get((tensor.dtype, tensor.shape, op._name_))
+        if type(tensor) is np.ndarray and type(op) is ReduceOp:  # a NumPy kind already run: its HostRun (see there)
+            fast = (issuer := self._issuer).host_last  # the kind run last, checked without hashing a key
+            if fast is None or fast.dtype is not tensor.dtype or fast.op is not op or fast.shape != tensor.shape:
+                fast = issuer.host_last = self._host_runs.get((tensor.dtype, tensor.shape, op._name_))
             if fast is not None and (fast.inline or not async_op) and self._coalescing is None and not self._destroyed:
-                flags, issuer = tensor.flags, self._issuer
-                if flags.c_contiguous and flags.writeable and not issuer.hooks and not issuer.debug_detail:
+                if (flags := tensor.flags).c_contiguous and flags.writeable and not issuer.hooks and not issuer.debug_info:
                     flat = tensor if tensor.ndim == 1 else tensor.reshape(-1)
-                    if not async_op:
-                        return issuer.run_host(fast, flat, tensor)
-                    return issuer.run_now(fast.backend, fast.run, fast.start, (flat, fast.reducer), fast.desc,
-                                          "all_reduce", [tensor], -1, True)
+                    if async_op:
+                        return issuer.run_now(fast.backend, fast.run, fast.start, (flat, fast.reducer), fast.desc, "all_reduce", [tensor], -1, async_op)
+                    seq = issuer.seq = issuer.seq + 1  # Issuer.run_now for this kind, in this frame
+                    entry: Any = None
+                    if (recorder := issuer.recorder) is not None and (entry := recorder._ring[recorder._next]) is not None:
+                        entry.seq, entry.op_type, entry.kind, entry.done = seq, "all_reduce", fast.kind, None
+                        entry.time_started, recorder._next = _time(), (recorder._next + 1) % recorder.capacity
+                    elif recorder is not None:  # (above: recorder.begin_kind, inline; a small op's cost is its frames)
+                        entry = recorder.begin_kind(seq, "all_reduce", fast.kind)
+                    t0 = _perf()
+                    try:
+                        ran = fast.run(flat, fast.reducer)
+                    except DistError as exc:
+                        return issuer._failed_now(exc, fast.backend, seq, entry, t0, "all_reduce", [tensor], False)
+                    if ran is not True:  # queued behind other ops: a Work, waited for
+                        return issuer.finish(fast.backend, issuer._start(seq, entry, fast.start, (flat, fast.reducer), [tensor], -1, "all_reduce"), False, False)
+                    if entry is not None:
+                        entry.done = _perf() - t0  # (entry.complete, inline)
+                    return None
         elif type(tensor) is _array._cupy_ndarray and type(op) is ReduceOp:  # one already run: its DeviceRun
             cp: Any = tensor
             issuer = self._issuer
