@@ -67,13 +67,20 @@ class HostRun:
     backend's Work-less runner (``RunsNow.all_reduce_runner``): a repeated call needs no
     Buffer and no look-up in the backend. ``desc`` describes the arrays for the flight
     recorder; ``start(flat, reducer)`` issues the op the usual way when the backend
-    cannot run it now."""
+    cannot run it now. ``ProcessGroup.all_reduce`` finds the kind it ran last
+    (``Issuer.host_last``) by identity, else by its key, and checks per call what the
+    kind does not settle: a writable C-contiguous array, no coalescing block, a group
+    not destroyed, no hook, a debug level below DETAIL; :meth:`Issuer.run_host` then
+    numbers, records and runs the op."""
 
-    __slots__ = ("backend", "run", "reducer", "desc", "start", "inline", "kind")
+    __slots__ = ("backend", "run", "reducer", "desc", "start", "inline", "kind", "dtype", "shape", "op")
 
     def __init__(self, backend: Backend, run: Callable[..., bool | Work], reducer: Any, desc: Buffer,
-                 start: Callable[..., Work], inline: bool = False) -> None:
+                 start: Callable[..., Work], inline: bool = False, key: tuple[Any, Any, Any] = (None, None, None)) -> None:
         self.backend = backend
+        # The kind (NumPy dtype, shape, ReduceOp member): the group's last-run check compares
+        # them by identity (dtype, op) and equality (shape), cheaper than hashing a dict key.
+        self.dtype, self.shape, self.op = key
         self.run = run
         self.reducer = reducer
         self.desc = desc
@@ -104,6 +111,7 @@ class Issuer:
         self.seq = 0
         self.plans: dict[tuple[Any, ...], Plan] = {}
         self.host_runs: dict[tuple[Any, ...], HostRun] = {}  # by (NumPy dtype, shape, op name)
+        self.host_last: HostRun | None = None  # the last one looked up (dropped with host_runs)
         self.device_runs: dict[tuple[Any, ...], DeviceRun] = {}  # by (address, device, dtype, shape, op name)
         # By id() of a CuPy array: (a weak reference to it, the op, its DeviceRun) of its last
         # run (saw()); what the group reads before building device_runs' key.
@@ -133,6 +141,7 @@ class Issuer:
             if len(self.plans) >= _PLANS_MAX:
                 self.plans.clear()
                 self.host_runs.clear()
+                self.host_last = None
                 self.device_runs.clear()
                 self.device_seen.clear()
             self.plans[key] = plan
@@ -142,6 +151,7 @@ class Issuer:
         """Drop every plan (the group's backends changed, or the group is destroyed)."""
         self.plans.clear()
         self.host_runs.clear()
+        self.host_last = None
         self.device_runs.clear()
         self.device_seen.clear()
 
@@ -514,6 +524,7 @@ class Issuer:
         """Stop the watchdog and forget the plans; the hook errors seen."""
         self.plans.clear()
         self.host_runs.clear()
+        self.host_last = None
         self.watchdog.stop()
         return self.hook_errors
 
@@ -543,4 +554,5 @@ def remember_host_run(runs: dict[tuple[Any, ...], HostRun], backend: Backend, te
         return backend.all_reduce(_array.as_buffer(flat, name="tensor", writable=True), red)
     desc = Buffer(0, buf.nbytes, buf.dtype, buf.shape, buf.device)  # what the flight recorder shows
     runs[(tensor.dtype, tensor.shape, op._name_)] = HostRun(backend, run, reducer, desc, start,
-                                                            buf.nbytes <= cast(RunsNow, backend).inline_max)
+                                                            buf.nbytes <= cast(RunsNow, backend).inline_max,
+                                                            (tensor.dtype, tensor.shape, op))

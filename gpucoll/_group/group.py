@@ -240,13 +240,12 @@ class ProcessGroup:
     # ----- reductions -----
     def all_reduce(self, tensor: ArrayOrBuffer, op: ReduceOpLike = ReduceOp.SUM, async_op: bool = False) -> Work | None:
         """Reduce ``tensor`` across the group, in place on every rank."""
-        # A NumPy array of a kind already run: the host runner, with the checks the plan does not
-        # settle (writable, contiguous, no coalescing block, hooks, DETAIL); async if small enough.
-        if type(tensor) is np.ndarray and type(op) is ReduceOp:
-            fast = self._host_runs.get((tensor.dtype, tensor.shape, op._name_))
+        if type(tensor) is np.ndarray and type(op) is ReduceOp:  # a NumPy kind already run: its HostRun (see there)
+            fast = (issuer := self._issuer).host_last  # the kind run last, checked without hashing a key
+            if fast is None or fast.dtype is not tensor.dtype or fast.op is not op or fast.shape != tensor.shape:
+                fast = issuer.host_last = self._host_runs.get((tensor.dtype, tensor.shape, op._name_))
             if fast is not None and (fast.inline or not async_op) and self._coalescing is None and not self._destroyed:
-                flags, issuer = tensor.flags, self._issuer
-                if flags.c_contiguous and flags.writeable and not issuer.hooks and not issuer.debug_detail:
+                if (flags := tensor.flags).c_contiguous and flags.writeable and not issuer.hooks and not issuer.debug_detail:
                     flat = tensor if tensor.ndim == 1 else tensor.reshape(-1)
                     if not async_op:
                         return issuer.run_host(fast, flat, tensor)

@@ -111,6 +111,7 @@ def _one_peer(b: Any, sig: int, coll: Any, slots: Any, ufunc: Any, mismatch: Cal
     s0, s1 = slots[0][0], slots[0][1]
     t0, t1 = slots[1][0], slots[1][1]
     m0, m1 = slots[0][coll.rank], slots[1][coll.rank]
+    c0, c1 = _copy_target(m0), _copy_target(m1)
     h0m, h1m = coll._my_hdr
     every_peer = coll._every_peer
     lock, monotonic = b._lock, time.monotonic
@@ -178,13 +179,19 @@ def _one_peer(b: Any, sig: int, coll: Any, slots: Any, ufunc: Any, mismatch: Cal
                 ctl[h1m] = u
                 ctl[h1m + 1] = sig
                 a, c = t0, t1
-                m1[...] = x
+                try:
+                    c1[:] = x
+                except ValueError:  # (see _copy_target)
+                    m1[...] = x
                 h = h1
             else:
                 ctl[h0m] = u
                 ctl[h0m + 1] = sig
                 a, c = s0, s1
-                m0[...] = x
+                try:
+                    c0[:] = x
+                except ValueError:
+                    m0[...] = x
                 h = h0
             ctl[my_ctr] = target  # post: this rank's data and header are written
             if ctl[sleep] == mark:
@@ -215,3 +222,18 @@ def _one_peer(b: Any, sig: int, coll: Any, slots: Any, ufunc: Any, mismatch: Cal
                         b._cv.notify_all()
         return True
     return run
+
+
+def _copy_target(slot: Any) -> Any:
+    """What the one-peer op copies its array into with ``target[:] = x``: ``slot``'s
+    memoryview where Python copies through one (a plain memcpy: about 500 instructions
+    fewer than NumPy's ``slot[...] = x`` at 4 KiB), else ``slot`` itself (formats a
+    memoryview does not take, such as complex). An array whose buffer format is spelled
+    otherwise than the slot's for the same dtype (``np.longlong`` for an int64 slot's
+    ``'l'``) makes the memoryview raise ValueError, and the op then copies with NumPy."""
+    try:
+        scratch: Any = np.empty_like(slot)
+        memoryview(scratch)[:] = slot  # (a copy into scratch: the dtype's format is what counts)
+    except (TypeError, ValueError, NotImplementedError, BufferError):
+        return slot
+    return memoryview(slot)
