@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,20 +23,10 @@ from gpucoll._work import WorkInfo
 
 from _fake_cupy_costs import CupyOnFake, cupy_or_none
 from _nccl_fake import FakeRuntime, read_on_stream
-from _fake_gpu_world import dev, run_groups
-from test_nccl_device_runs import _RankRuntime
+from _fake_gpu_world import run_groups
+from test_nccl_device_runs import _array, _RankRuntime, cupy_fake  # noqa: F401 (cupy_fake: a fixture)
 
 pytestmark = pytest.mark.skipif(cupy_or_none() is None, reason="CuPy is not installed")
-
-
-@pytest.fixture
-def cupy_fake() -> Iterator[CupyOnFake]:
-    fake = CupyOnFake(_RankRuntime())
-    fake.install()
-    try:
-        yield fake
-    finally:
-        fake.uninstall()
 
 
 @pytest.fixture
@@ -50,11 +40,6 @@ def run_device_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return real(self, run, tensor, async_op)
     monkeypatch.setattr(Issuer, "run_device", counted)
     return calls
-
-
-def _array(fake: CupyOnFake, rt: FakeRuntime, values: np.ndarray) -> tuple[Any, Any]:
-    buf = dev(rt, values)
-    return fake.array(values.size, values.dtype.name, ptr=buf.ptr), buf
 
 
 def _put(rt: FakeRuntime, buf: Any, values: np.ndarray) -> None:
