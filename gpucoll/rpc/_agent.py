@@ -178,7 +178,7 @@ class Agent:
 
         Raises (synchronously, as torch): an unpicklable argument, an unknown worker.
         """
-        fut: Future[Any] = Future() if into is None else into  # into: a future of ours (_hurry.Creation)
+        fut: Future[Any] = Future() if into is None else into  # into: a future of ours (_hurry.Asked)
         if self.closed:
             raise AgentShutDownError(f"RPC has been shut down on {self.info.name}: cannot send {kind.name} to "
                                      f"{to.name}")

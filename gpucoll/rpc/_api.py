@@ -157,7 +157,7 @@ def remote(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = No
         rref = ctx.new_user(info, ctx.new_id(), ctx.new_id())
         try:
             _, _, fut = _call(info, M.PYTHON_REMOTE_CALL, func, args, kwargs, timeout, (rref._rref_id, rref._fork_id),
-                              wake="soon", into=_hurry.Creation(agent, info.id))
+                              wake="soon", into=_hurry.Asked(agent, info.id))
         except BaseException:
             ctx.confirm_user(rref._fork_id)  # type: ignore[arg-type]
             rref._deleted_on_owner = True

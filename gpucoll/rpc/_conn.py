@@ -38,11 +38,9 @@ HANDSHAKE_TIMEOUT = 10.0
 LAZY_WAKE = 0.002  # seconds: a "soon" reply nobody reads for is read by then
 # Replies the caller only reads lazily (remote()'s creation ack, the RRef control acks): they
 # wait, up to LAZY_WAKE, to go out with the connection's next frame in one sendmsg.
-# The owner's answer to a fork request goes at once: the new user's holder waits for it (a
-# call with the RRef among its arguments runs only once it is confirmed). A waiter on
-# remote()'s creation future asks for its reply (REPLY_NOW, gpucoll.rpc._hurry).
+# A caller that waits for one asks for it at once (REPLY_NOW, gpucoll.rpc._hurry).
 LAZY_REPLIES = frozenset({MessageType.PYTHON_REMOTE_CALL, MessageType.RREF_USER_DELETE,
-                          MessageType.RREF_CHILD_ACCEPT})
+                          MessageType.RREF_FORK_REQUEST, MessageType.RREF_CHILD_ACCEPT})
 _URGENT_MAX = 1024  # REPLY_NOW's marks kept per connection (a mark dropped costs a LAZY_WAKE hold only)
 _READ_SLICE_MS = 1000  # a caller reading its own reply looks at its call's state this often
 # A caller reading its own reply polls this long before it sleeps (reply_poller): waking a

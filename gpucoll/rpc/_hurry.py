@@ -1,12 +1,15 @@
 """Replies somebody waits for, asked for at once (REPLY_NOW).
 
-A callee writes the reply to a ``remote()`` call lazily: it waits, up to ``2 * LAZY_WAKE``,
-to share the connection's next write (``remote()`` + ``to_here()`` carries it with the
-fetch's reply), and the caller's reader reads it lazily too. Only the library's own
-callbacks run on it, unless a thread waits on the call's creation future
-(``rref._get_future().wait()``) or polls ``rref.confirmed_by_owner()``. Such a thread asks
-for it: a REPLY_NOW frame naming the call (no answer; the callee serves it on its reader)
-makes the callee write its deferred frames now and the call's reply as soon as it is made.
+A callee writes the reply to a ``remote()`` call, and an owner its answer to a fork
+request, lazily: it waits, up to ``2 * LAZY_WAKE``, to share the connection's next write
+(``remote()`` + ``to_here()`` carries the creation's reply with the fetch's), and the
+caller's reader reads it lazily too. Only the library's own callbacks run on it, unless a
+thread waits on a call's creation future (``rref._get_future().wait()``) or polls
+``rref.confirmed_by_owner()``, or a callee waits to run a call until the owner has
+confirmed an RRef among its arguments (its fork request). Then the caller asks for it: a
+REPLY_NOW frame naming the call (no answer; the callee serves it on its reader) makes the
+callee write its deferred frames now and the call's reply as soon as it is made. (A fork
+request is deferred and asked for at once: both frames leave in one ``sendmsg``.)
 A thread that waits reads the reply itself (as ``rpc_sync`` reads its own; unless the call
 has a timeout under ``_READ_MIN_TIMEOUT``, which the reader keeps better); a poll of
 ``confirmed_by_owner()`` wakes the caller's reader to read it. Each creation future asks once.
@@ -20,14 +23,15 @@ from ..futures import Future
 from . import _wire
 from ._info import MessageType as M
 
-__all__ = ["Creation", "on_reply_now"]
+__all__ = ["Asked", "on_reply_now"]
 
 _READ_MIN_TIMEOUT = 10.0  # seconds: a waiter reads a reply itself only for calls with no timeout or one this long
 
 
-class Creation(Future[Any]):
-    """A ``remote()`` call's future (its RRef's creation): the first wait on it asks the
-    callee for the reply at once (:func:`ask`)."""
+class Asked(Future[Any]):
+    """The future of a call whose reply may be asked for at once: ``remote()``'s (its
+    RRef's creation; the first wait on it asks), a fork request that a call's callee waits
+    for (asked as it is sent). See :meth:`ask`."""
 
     __slots__ = ("agent", "peer", "mid")
 

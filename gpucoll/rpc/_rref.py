@@ -116,7 +116,7 @@ class RRef(Generic[T]):
 
     def confirmed_by_owner(self) -> bool:
         """Whether the owner knows of this fork (always True on the owner)."""
-        if not self._confirmed and isinstance(self._creation, _hurry.Creation):
+        if not self._confirmed and isinstance(self._creation, _hurry.Asked):
             self._creation.ask()  # somebody polls: the owner's confirmation is read as it comes
         return self._confirmed
 
@@ -410,9 +410,11 @@ class RRefContext:
         def accepted(fut: Future[Any]) -> None:
             self.confirm_user(fork_id)
             self.send_with_retries(parent_info, M.RREF_CHILD_ACCEPT, fork_id)
-        # Sent at once and its answer read as it comes: a call with this RRef among its
-        # arguments runs only once the owner has confirmed the fork.
-        self.send_with_retries(owner, M.RREF_FORK_REQUEST, (rref_id, fork_id), "now").add_done_callback(accepted)
+        # Among a call's arguments (recording): the call runs only once the owner has
+        # confirmed the fork, so its answer is asked for at once (REPLY_NOW). Else (a
+        # returned RRef) the request shares the connection's next write, as other control messages.
+        self.send_with_retries(owner, M.RREF_FORK_REQUEST, (rref_id, fork_id), recording is not None
+                               ).add_done_callback(accepted)
         return user
 
     def start_recording(self) -> list[Future[Any]]:
@@ -424,15 +426,18 @@ class RRefContext:
 
     # ----- control messages -----------------------------------------------------------------
 
-    def send_with_retries(self, to: WorkerInfo, kind: M, obj: Any, wake: str = "soon") -> Future[Any]:
-        """Send an idempotent control message until it is acknowledged, with backoff.
-        ``wake="soon"``: it may wait to share the connection's next write, and so may its
-        acknowledgement's reading; ``"now"``: somebody waits for it."""
+    def send_with_retries(self, to: WorkerInfo, kind: M, obj: Any, urgent: bool = False) -> Future[Any]:
+        """Send an idempotent control message until it is acknowledged, with backoff. It
+        may wait to share the connection's next write, and so may its acknowledgement,
+        unless ``urgent`` (somebody waits for it: both go at once, see :mod:`._hurry`)."""
         out: Future[Any] = Future()
 
         def attempt(n: int) -> None:
             try:
-                fut = self.agent.send(to, kind, obj, 0, kind.name, wake=wake)  # acks only run our callbacks
+                asked = _hurry.Asked(self.agent, to.id) if urgent else None
+                fut = self.agent.send(to, kind, obj, 0, kind.name, wake="soon", into=asked)  # acks only run our callbacks
+                if asked is not None:
+                    asked.ask()  # its REPLY_NOW frame writes the request too, in one sendmsg
             except Exception as e:  # noqa: BLE001
                 out._try_complete(None, detached(e))
                 return
