@@ -6,6 +6,10 @@ libraries ``--repeat`` times; each row's median over repeats is compared:
 
 - ``rpc_sync`` of a no-op: median round trip;
 - ``remote()`` + ``to_here()`` of a no-op: median;
+- the RRef protocol's messages someone waits for (medians): ``remote()`` then a wait on
+  its creation future (``rref._get_future().wait()``); ``remote()`` then polling
+  ``rref.confirmed_by_owner()``; ``rpc_sync`` to worker2 with an RRef owned by worker0 as
+  its argument (worker2 runs the call once the owner has confirmed its fork);
 - echo of a 1 MiB and a 64 MiB float32 NumPy array: throughput (bytes both ways / time);
 - ``--fanin`` (10,000) ``rpc_async`` no-ops from worker1 and worker2 together to worker0:
   time until all complete.
@@ -49,6 +53,17 @@ def echo(x: Any) -> Any:
     return x
 
 
+def take(rref: Any) -> None:
+    """A callee given an RRef it does not own (it runs once its fork is confirmed)."""
+    return None
+
+
+def _confirm(rpc: Any) -> None:
+    rref = rpc.remote("worker0", noop)
+    while not rref.confirmed_by_owner():
+        time.sleep(0)
+
+
 def _rpc(lib: str) -> Any:
     if lib == "torch":
         import torch.distributed.rpc as rpc
@@ -84,6 +99,16 @@ def measure(lib: str, calls: int, fanin: int) -> dict[str, Any]:
     out["rpc_sync no-op (us)"] = _median_time(lambda: rpc.rpc_sync("worker0", noop), calls) * 1e6
     out["remote+to_here (us)"] = _median_time(lambda: rpc.remote("worker0", noop).to_here(),
                                               max(calls // 4, 20)) * 1e6
+    n_rref = max(calls // 4, 20)
+    out["remote, creation wait (us)"] = _median_time(lambda: rpc.remote("worker0", noop)._get_future().wait(),
+                                                     n_rref) * 1e6
+    out["remote, confirmed_by_owner (us)"] = _median_time(lambda: _confirm(rpc), n_rref) * 1e6
+    owned = rpc.remote("worker0", echo, args=(1,))
+    owned.to_here()
+    rpc.rpc_sync("worker2", take, args=(owned,))
+    out["RRef arg to a third worker (us)"] = _median_time(lambda: rpc.rpc_sync("worker2", take, args=(owned,)),
+                                                          n_rref) * 1e6
+    del owned
     for label, mib, n in (("1 MiB", 1, max(calls // 20, 10)), ("64 MiB", 64, 5)):
         a = np.ones(mib << 18, dtype=np.float32)
         rpc.rpc_sync("worker0", echo, args=(a,))

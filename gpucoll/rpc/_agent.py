@@ -7,8 +7,8 @@ thread pickles and writes a request itself, one ``sendmsg``); replies come back 
 Replies on a dialed connection are read by whichever thread holds its reading role: the
 connection's reader thread while calls nobody waits on are pending, or a caller waiting
 for its own reply (``rpc_sync``, ``to_here``) while the reader is parked; parked, the
-reader only watches for the peer's hang-up and a wake. ``remote()`` requests and the
-RRef protocol's control frames may wait up to ``2 * LAZY_WAKE`` to share the next write.
+reader only watches for the peer's hang-up and a wake. RRef control frames nobody waits
+for may wait up to ``2 * LAZY_WAKE`` to share the next write (see :mod:`._hurry`).
 Incoming connections are served by :func:`gpucoll.rpc._conn.serve_conn` (two threads per
 connection that take turns reading) and a pool of ``num_worker_threads`` threads; at
 most ``num_worker_threads`` requests run at once.
@@ -168,7 +168,7 @@ class Agent:
         return t
 
     def send(self, to: WorkerInfo, kind: MessageType, obj: Any, timeout: float = -1.0, what: Any = "",
-             wake: str = "now") -> Future[Any]:
+             wake: str = "now", into: Any = None) -> Future[Any]:
         """Send a request; the future completes with the reply's value or fails with its error.
 
         ``wake`` says who reads the reply: ``"now"`` the connection's reader (woken if parked),
@@ -178,7 +178,7 @@ class Agent:
 
         Raises (synchronously, as torch): an unpicklable argument, an unknown worker.
         """
-        fut: Future[Any] = Future()
+        fut: Future[Any] = Future() if into is None else into  # into: a future of ours (_hurry.Asked)
         if self.closed:
             raise AgentShutDownError(f"RPC has been shut down on {self.info.name}: cannot send {kind.name} to "
                                      f"{to.name}")
@@ -189,6 +189,8 @@ class Agent:
         data, bufs = _wire.dumps(obj, self.pickle_hook(to.id))
         timeout = self.resolve_timeout(timeout)
         mid = next(self._ids)
+        if into is not None:
+            into.mid = mid
         call = _Call(fut, to.id, what, timeout)
         with self._count_lock:
             self._per_peer[to.id] = self._per_peer.get(to.id, 0) + 1

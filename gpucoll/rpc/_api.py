@@ -11,7 +11,7 @@ import traceback
 from typing import Any, Callable
 
 from ..futures import Future, collect_all
-from . import _deletes, _devices, _wire, constants
+from . import _deletes, _devices, _hurry, _wire, constants
 from ._agent import Agent, Reply
 from ._conn import REMOTE_TRACEBACK
 from ._info import (AsyncReturnTypeError, FunctionNotFoundError, IntentionalFailureError, MessageType as M, WorkerInfo,
@@ -73,7 +73,7 @@ def _get_current_rpc_agent() -> Agent:
 
 
 def _call(to: Any, kind: M, func: Any, args: Any, kwargs: Any, timeout: float, extra: tuple[Any, ...] = (),
-          wake: str = "now") -> tuple[Agent, WorkerInfo, Future[Any]]:
+          wake: str = "now", into: Any = None) -> tuple[Agent, WorkerInfo, Future[Any]]:
     if not callable(func):
         raise TypeError("function should be callable.")
     agent = current()
@@ -83,7 +83,7 @@ def _call(to: Any, kind: M, func: Any, args: Any, kwargs: Any, timeout: float, e
     carried = info.id in ctx.deletes and _deletes.carry(ctx, info)  # deletions queued for the callee go first
     try:
         fut = agent.send(info, kind, (func, tuple(args) if args else (), dict(kwargs) if kwargs else {}, *extra),
-                         timeout, what, wake)
+                         timeout, what, wake, into)
     finally:
         if carried:
             _deletes.sent(ctx, info)
@@ -157,7 +157,7 @@ def remote(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = No
         rref = ctx.new_user(info, ctx.new_id(), ctx.new_id())
         try:
             _, _, fut = _call(info, M.PYTHON_REMOTE_CALL, func, args, kwargs, timeout, (rref._rref_id, rref._fork_id),
-                              wake="soon")
+                              wake="soon", into=_hurry.Asked(agent, info.id))
         except BaseException:
             ctx.confirm_user(rref._fork_id)  # type: ignore[arg-type]
             rref._deleted_on_owner = True

@@ -38,8 +38,10 @@ HANDSHAKE_TIMEOUT = 10.0
 LAZY_WAKE = 0.002  # seconds: a "soon" reply nobody reads for is read by then
 # Replies the caller only reads lazily (remote()'s creation ack, the RRef control acks): they
 # wait, up to LAZY_WAKE, to go out with the connection's next frame in one sendmsg.
+# A caller that waits for one asks for it at once (REPLY_NOW, gpucoll.rpc._hurry).
 LAZY_REPLIES = frozenset({MessageType.PYTHON_REMOTE_CALL, MessageType.RREF_USER_DELETE,
                           MessageType.RREF_FORK_REQUEST, MessageType.RREF_CHILD_ACCEPT})
+_URGENT_MAX = 1024  # REPLY_NOW's marks kept per connection (a mark dropped costs a LAZY_WAKE hold only)
 _READ_SLICE_MS = 1000  # a caller reading its own reply looks at its call's state this often
 # A caller reading its own reply polls this long before it sleeps (reply_poller): waking a
 # thread that slept costs tens of microseconds on an idle virtual machine, a fair part of a
@@ -88,7 +90,7 @@ class _Conn:
     peer's hang-up and for ``wake``)."""
 
     __slots__ = ("sock", "lock", "peer", "closed", "role", "parked", "wake_r", "wake_w", "reader", "pipe_lock", "second",
-                 "outbox", "skip_spin", "backoff")
+                 "outbox", "skip_spin", "backoff", "urgent")
 
     def __init__(self, sock: socket.socket, peer: int, dialed: bool = False) -> None:
         self.sock = sock
@@ -104,6 +106,7 @@ class _Conn:
         self.outbox: list[Any] = []  # deferred frames' parts (control replies, remote() requests)
         self.skip_spin = 0  # calls whose caller sleeps at once (reply_poller); the next such count:
         self.backoff = SPIN_BACKOFF_MIN
+        self.urgent: set[int] = set()  # calls whose lazy reply a waiter asked for (REPLY_NOW)
 
     def wake(self) -> None:
         """Unpark the reader thread (a call is pending that nobody is reading for)."""
@@ -129,6 +132,9 @@ class _Conn:
             if self.closed:
                 raise OSError("the connection is closed")
             parts = _wire.frame_parts(kind, flags, mid, data, bufs)
+            if defer and self.urgent and mid in self.urgent:
+                self.urgent.discard(mid)  # somebody waits for this reply: it goes now
+                defer = False
             if defer:
                 self.outbox += parts
                 return len(self.outbox) == len(parts)
@@ -140,6 +146,15 @@ class _Conn:
             finally:
                 _sending.active = False
             return False
+
+    def hurry(self, mid: int) -> None:
+        """Write the deferred frames now, and the reply to call ``mid`` once made (a caller
+        waits for it: see :mod:`gpucoll.rpc._hurry`)."""
+        with self.lock:
+            if len(self.urgent) >= _URGENT_MAX:  # replies already sent when asked for: forget them
+                self.urgent.clear()
+            self.urgent.add(mid)
+        self.flush()
 
     def flush(self) -> None:
         """Write the deferred frames now."""

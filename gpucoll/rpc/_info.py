@@ -91,6 +91,7 @@ class MessageType(enum.IntEnum):
     RREF_ACK = 14
     CLEANUP_AUTOGRAD_CONTEXT_REQ = 15
     EXCEPTION = 16
+    REPLY_NOW = 100  # gpucoll's own: write the reply to a call at once (gpucoll.rpc._hurry)
 
 
 class RpcTimeoutError(DistError, TimeoutError):

@@ -30,7 +30,7 @@ import weakref
 from typing import Any, Callable, Generic, TypeVar
 
 from ..futures import Future, collect_all
-from . import _deletes, _wire
+from . import _deletes, _hurry, _wire
 from ._info import MessageType as M, detached
 from ._info import WorkerInfo
 
@@ -116,6 +116,8 @@ class RRef(Generic[T]):
 
     def confirmed_by_owner(self) -> bool:
         """Whether the owner knows of this fork (always True on the owner)."""
+        if not self._confirmed and isinstance(self._creation, _hurry.Asked):
+            self._creation.ask()  # somebody polls: the owner's confirmation is read as it comes
         return self._confirmed
 
     def local_value(self) -> T:
@@ -277,10 +279,11 @@ class RRefContext:
         self.deletes: dict[int, list[tuple[Id, Id]]] = {}  # per owner: user deletions not sent yet
         self.proxy_factory: Callable[[RRef[Any], str, float], Any] = _no_proxy
         for kind, fn in ((M.PYTHON_RREF_FETCH_CALL, self._on_fetch), (M.RREF_USER_DELETE, self._on_user_delete),
-                         (M.RREF_FORK_REQUEST, self._on_fork_request), (M.RREF_CHILD_ACCEPT, self._on_child_accept)):
+                         (M.RREF_FORK_REQUEST, self._on_fork_request), (M.RREF_CHILD_ACCEPT, self._on_child_accept),
+                         (M.REPLY_NOW, _hurry.on_reply_now)):
             agent.handlers[kind] = fn
         agent.inline_kinds = frozenset({M.PYTHON_RREF_FETCH_CALL, M.RREF_USER_DELETE, M.RREF_FORK_REQUEST,
-                                        M.RREF_CHILD_ACCEPT})
+                                        M.RREF_CHILD_ACCEPT, M.REPLY_NOW})
 
     def new_id(self) -> Id:
         return (self.me, next(self._ids))
@@ -407,7 +410,11 @@ class RRefContext:
         def accepted(fut: Future[Any]) -> None:
             self.confirm_user(fork_id)
             self.send_with_retries(parent_info, M.RREF_CHILD_ACCEPT, fork_id)
-        self.send_with_retries(owner, M.RREF_FORK_REQUEST, (rref_id, fork_id)).add_done_callback(accepted)
+        # Among a call's arguments (recording): the call runs only once the owner has
+        # confirmed the fork, so its answer is asked for at once (REPLY_NOW). Else (a
+        # returned RRef) the request shares the connection's next write, as other control messages.
+        self.send_with_retries(owner, M.RREF_FORK_REQUEST, (rref_id, fork_id), recording is not None
+                               ).add_done_callback(accepted)
         return user
 
     def start_recording(self) -> list[Future[Any]]:
@@ -419,13 +426,18 @@ class RRefContext:
 
     # ----- control messages -----------------------------------------------------------------
 
-    def send_with_retries(self, to: WorkerInfo, kind: M, obj: Any) -> Future[Any]:
-        """Send an idempotent control message until it is acknowledged, with backoff."""
+    def send_with_retries(self, to: WorkerInfo, kind: M, obj: Any, urgent: bool = False) -> Future[Any]:
+        """Send an idempotent control message until it is acknowledged, with backoff. It
+        may wait to share the connection's next write, and so may its acknowledgement,
+        unless ``urgent`` (somebody waits for it: both go at once, see :mod:`._hurry`)."""
         out: Future[Any] = Future()
 
         def attempt(n: int) -> None:
             try:
-                fut = self.agent.send(to, kind, obj, 0, kind.name, wake="soon")  # acks only run our callbacks
+                asked = _hurry.Asked(self.agent, to.id) if urgent else None
+                fut = self.agent.send(to, kind, obj, 0, kind.name, wake="soon", into=asked)  # acks only run our callbacks
+                if asked is not None:
+                    asked.ask()  # its REPLY_NOW frame writes the request too, in one sendmsg
             except Exception as e:  # noqa: BLE001
                 out._try_complete(None, detached(e))
                 return
