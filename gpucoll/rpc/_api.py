@@ -79,14 +79,9 @@ def _call(to: Any, kind: M, func: Any, args: Any, kwargs: Any, timeout: float, e
     agent = current()
     info = agent.worker_info(to)
     what = f"{kind.name} {getattr(func, '__qualname__', repr(func))}"
-    ctx: RRefContext = agent.rrefs  # type: ignore[attr-defined]
-    carried = info.id in ctx.deletes and _deletes.carry(ctx, info)  # deletions queued for the callee go first
-    try:
-        fut = agent.send(info, kind, (func, tuple(args) if args else (), dict(kwargs) if kwargs else {}, *extra),
-                         timeout, what, wake, into)
-    finally:
-        if carried:
-            _deletes.sent(ctx, info)
+    fut = _deletes.send(agent.rrefs, info, kind,  # type: ignore[attr-defined]  # (deletions queued for the callee go first)
+                        (func, tuple(args) if args else (), dict(kwargs) if kwargs else {}, *extra),
+                        timeout, what, wake, into)
     return agent, info, fut
 
 

@@ -26,7 +26,7 @@ from . import _wire
 from ._info import MessageType as M
 from ._info import WorkerInfo
 
-__all__ = ["Flush", "carry", "sent", "send_all"]
+__all__ = ["Flush", "send", "send_all"]
 
 _log = logging.getLogger("gpucoll.rpc")
 
@@ -62,7 +62,18 @@ class Flush:
         conn.flush()  # now: this is the timer's sweep already
 
 
-def carry(ctx: Any, to: WorkerInfo) -> bool:
+def send(ctx: Any, to: WorkerInfo, *args: Any) -> Future[Any]:
+    """``ctx.agent.send(to, *args)`` (a request to ``to``), with the deletions queued for
+    ``to`` written first, as an unanswered frame in the same ``sendmsg``."""
+    carried = to.id in ctx.deletes and _carry(ctx, to)
+    try:
+        return ctx.agent.send(to, *args)  # type: ignore[no-any-return]
+    finally:
+        if carried:
+            _sent(ctx, to)
+
+
+def _carry(ctx: Any, to: WorkerInfo) -> bool:
     """Before a request to ``to``: put the deletions queued for it on the connection's
     outbox as an unanswered frame (the request's ``sendmsg`` writes it); whether it did."""
     agent = ctx.agent
@@ -76,12 +87,12 @@ def carry(ctx: Any, to: WorkerInfo) -> bool:
     data, bufs = _wire.dumps(batch)
     try:
         conn.send(M.RREF_USER_DELETE, 0, 0, data, bufs, True)
-    except OSError:  # a broken connection: the owner is lost (see sent())
+    except OSError:  # a broken connection: the owner is lost (see _sent())
         return False
     return True
 
 
-def sent(ctx: Any, to: WorkerInfo) -> None:
+def _sent(ctx: Any, to: WorkerInfo) -> None:
     """After the request that carried a batch was handed to the agent (or its send raised):
     a frame still on the outbox (a request that failed or was delayed before its write)
     is written soon. Only a broken connection loses it, and then the owner is lost: its

@@ -147,13 +147,8 @@ class RRef(Generic[T]):
                                "been deleted. Cannot call to_here() on it after deletion.")
         ctx, owner = self._ctx, self._owner
         agent = ctx.agent
-        carried = owner.id in ctx.deletes and _deletes.carry(ctx, owner)  # deletions queued for the owner go first
-        try:
-            fut = agent.send(owner, M.PYTHON_RREF_FETCH_CALL, (self._rref_id, agent.info.id), timeout,
-                             _Fetch(self), wake="caller")
-        finally:
-            if carried:
-                _deletes.sent(ctx, owner)
+        fut = _deletes.send(ctx, owner, M.PYTHON_RREF_FETCH_CALL, (self._rref_id, agent.info.id), timeout,
+                            _Fetch(self), "caller")  # (deletions queued for the owner go first)
         return agent.wait(fut, owner.id)  # type: ignore[no-any-return]
 
     def _get_type(self, timeout: float = -1.0, blocking: bool = True) -> Any:

@@ -24,7 +24,7 @@ from gpucoll._work import WorkInfo
 from _fake_cupy_costs import CupyOnFake, cupy_or_none
 from _nccl_fake import FakeRuntime, read_on_stream
 from _fake_gpu_world import run_groups
-from test_nccl_device_runs import _array, _RankRuntime, cupy_fake  # noqa: F401 (cupy_fake: a fixture)
+from test_nccl_device_runs import _array, _put, _RankRuntime, cupy_fake  # noqa: F401 (cupy_fake: a fixture)
 
 pytestmark = pytest.mark.skipif(cupy_or_none() is None, reason="CuPy is not installed")
 
@@ -40,10 +40,6 @@ def run_device_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return real(self, run, tensor, async_op)
     monkeypatch.setattr(Issuer, "run_device", counted)
     return calls
-
-
-def _put(rt: FakeRuntime, buf: Any, values: np.ndarray) -> None:
-    rt.fabric.mem.view(buf.ptr, values.nbytes)[:] = values.reshape(-1).view(np.uint8)
 
 
 def _fast(pg: Any) -> bool:
