@@ -76,7 +76,7 @@ class HostRun:
     __slots__ = ("backend", "run", "reducer", "desc", "start", "inline", "kind", "dtype", "shape", "op")
 
     def __init__(self, backend: Backend, run: Callable[..., bool | Work], reducer: Any, desc: Buffer,
-                 start: Callable[..., Work], inline: bool = False, key: tuple[Any, Any, Any] = (None, None, None)) -> None:
+                 start: Callable[..., Work], inline: bool, key: tuple[Any, Any, Any]) -> None:
         self.backend = backend
         # The kind (NumPy dtype, shape, ReduceOp member): the group's last-run check compares
         # them by identity (dtype, op) and equality (shape), cheaper than hashing a dict key.
