@@ -288,6 +288,12 @@ def _alternate(baseline: str, times: int, argv: list[str]) -> int:
                 continue
             cells += [f"{statistics.median(g[0] for g in got):.2f}", f"{statistics.median(g[1] for g in got):.2f}"]
         print(f"| {name} | " + " | ".join(cells) + " |")
+    # Each run's ratios of the target rows: the realistic fake fits its calls once per
+    # process, so one process's ratio can sit well off the others' (docs/nccl-backend.md).
+    for name in names:
+        if name.startswith("+ module function") or name == "async / sync":
+            each = {label: " ".join(f"{r[name][1]:.2f}" for r in runs[label] if name in r) for label in runs}
+            print(f"# each run, {name}: before {each['before']}; after {each['after']}")
     return 0
 
 

@@ -433,6 +433,37 @@ class DeviceRunWork(HotWork):
         self._fr_entry = entry  # (set even when None: every such Work's fields in one order)
         self.time_started = _time() if entry is None else entry.time_started
 
+    def wait(self, timeout: float | timedelta | None = None) -> Any:
+        """:meth:`HotWork.wait` for an op that ran on the communication stream, which is
+        never the caller's (``_on_stream`` is -1, no stream's handle): the caller's
+        current stream of the op's device waits for ``end``, with no comparison."""
+        if timeout is None and self._done is _PENDING:  # (not complete: the shared pending state)
+            owner = self._owner
+            if owner.ending.aborted is None:
+                rt = owner.runtime
+                try:
+                    rt.wait_event(rt.current_stream_of(self._device), self._end.ptr)  # type: ignore[union-attr]
+                except Exception as exc:
+                    raise DistBackendError(f"{self._name()}: making the caller's stream wait failed: {exc}") from exc
+                return self._result if self._wait_gives_result else True
+        return NCCLWork.wait(self, timeout)
+
+    def swept(self, rt: Runtime, now: float, pool: EventPool | None, unheld: bool) -> None:
+        """:meth:`NCCLWork.swept` for such a Work: its end is always a pooled
+        :class:`~.events.Handle` (hot.start_async takes one) and it is untimed (no
+        ``ready`` or ``prev`` event: nothing sets them on it), so neither is checked."""
+        if pool is not None:
+            pool.give_handle(self._end)  # type: ignore[arg-type]  # (a Handle: see above)
+        if unheld and self._callbacks is None and self._future is None:
+            entry = self._fr_entry
+            if entry is None:
+                return
+            if self._finalize is None:
+                if entry.seq == self.seq:  # (the ring may have reused the entry)
+                    entry.done = now - self._t0
+                return
+        self.fired(rt, now)
+
 
 _perf_counter = time.perf_counter
 _time = time.time
