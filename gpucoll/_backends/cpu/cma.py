@@ -211,8 +211,9 @@ _fence_lock = threading.Lock()
 
 
 def _fence() -> None:
-    """A full memory barrier: the lock's atomic exchange keeps this thread's earlier
-    stores from passing its later loads (x86-64 orders everything else)."""
+    """A full memory barrier: the lock's atomic read-modify-write (a locked instruction on
+    x86-64) keeps this thread's earlier stores from passing its later loads (x86-64
+    orders everything else)."""
     _fence_lock.acquire()
     _fence_lock.release()
 
