@@ -304,7 +304,7 @@ def _fold_and_spread(coll: _Coll, ctx: Ctx, x: Array, red: Reducer, reader: CmaR
     # The fold may write its output over parts[0] or parts[1] only (Reducer.fold); ranks
     # from 2 fold into a scratch block (the widening folds never write a part).
     tmp = None if r <= 1 or red.low or red.factor is not None else coll._scratch(step, x.dtype)
-    peers = coll._peers
+    peers, ctl, u = coll._peers, coll.seg.ctl, coll._u
     for start in range(lo, hi, step):
         stop = min(start + step, hi)
         m = (stop - start) * isz
@@ -329,6 +329,12 @@ def _fold_and_spread(coll: _Coll, ctx: Ctx, x: Array, red: Reducer, reader: CmaR
             np.copyto(x[start:stop], out)
         src = out.ctypes.data
         for j in peers:
+            # A peer that gave up on the op has withdrawn its address (_withdraw): write
+            # nothing more into its array. This is read before every chunk, so a rank
+            # stopped here (SIGSTOP, a debugger) and resumed after that peer gave up
+            # writes at most the chunk it was about to write.
+            if ctl[j * REC_WORDS + ADDR + 1] != u:
+                raise DistBackendError(f"{ctx.name}: rank {j} gave up on op #{u} (withdrew its array)")
             try:
                 reader.write(j, addrs[j] + off, src, m)
             except OSError as exc:
