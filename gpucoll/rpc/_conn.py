@@ -371,6 +371,7 @@ def serve_conn(agent: Any, sock: socket.socket) -> None:
             conn.close_pipe()
             return
         agent._incoming.add(conn)
+    conn.threads = 1
     _serve(agent, conn)
 
 
@@ -408,23 +409,33 @@ def _serve(agent: Any, conn: _Conn) -> None:
     ``num_worker_threads`` requests run at once, and the connection is always read."""
     here = _sending.__dict__
     ep, fd = conn.ep, conn.sock.fileno()
-    with conn.pipe_lock:
-        conn.threads += 1
-    try:
+    try:  # (conn.threads counts this thread already: its starter counted it)
         while True:
             with conn.pipe_lock:
                 conn.idle += 1
             try:
-                ep.poll()
+                events = ep.poll()
             finally:
                 with conn.pipe_lock:
                     conn.idle -= 1
             if conn.closed:
                 return
+            handed = any(f == conn.wake_r for f, _ in events)
+            if handed:  # frames received already: the thread that read them runs a request
+                try:
+                    os.read(conn.wake_r, 4096)
+                except BlockingIOError:
+                    pass
+                if conn.closed:  # (what this read took may have been the close's wake: pass it on)
+                    conn.wake()
+                    return
             with conn.role:
+                if handed and len(events) == 1 and not conn.reader.buffered():
+                    continue  # read already
                 here["reader"] = True
                 try:
                     request = _read_requests(agent, conn)
+                    more = conn.reader.buffered()
                 except Exception as e:  # noqa: BLE001
                     if not isinstance(e, (EOFError, OSError)):
                         _log.warning("gpucoll.rpc: %s closed its connection from worker id %d: %s", agent.info.name,
@@ -439,6 +450,8 @@ def _serve(agent: Any, conn: _Conn) -> None:
                 ep.modify(fd, _ARMED)  # whoever waits reads on
             except OSError:  # closed meanwhile: the wake pipe says so to the other thread
                 pass
+            if request is not None and more:
+                conn.wake()  # the waiting thread reads what this one received
             if request is not None:
                 try:
                     agent.dispatch(*request)
@@ -478,13 +491,12 @@ def _read_requests(agent: Any, conn: _Conn) -> tuple[int, int, Any, list[bytearr
                     raise _wire.FrameError(f"an unexpected frame (kind {k2}, flags {f2})")
                 agent.count_served(1)
                 agent.dispatch(peer, k2, d2, b2, Reply(agent, conn, m2, MessageType(k2)))
-            if not reader.buffered():  # (received bytes would not wake the other thread)
-                return peer, kind, data, bufs, reply
-            agent._slots.release()
-            jobs.put(functools.partial(agent.dispatch, peer, kind, data, bufs, reply))
+            return peer, kind, data, bufs, reply  # (bytes received after it: _serve wakes the other thread)
         else:
             if not conn.second:  # the connection's second thread, once it serves a call
                 conn.second = True
+                with conn.pipe_lock:
+                    conn.threads += 1
                 agent._spawn(_serve, "rpc-in", agent, conn)
             jobs.put(functools.partial(agent.dispatch, peer, kind, data, bufs, reply))
         if not reader.buffered():
