@@ -69,7 +69,7 @@ def spin_seconds() -> float:
 
 
 # A connection's reading thread that reads a remote() call waits this long, without
-# sleeping, for the caller's next frame before it hands the reading over (await_follow):
+# sleeping, for the caller's next frame before it runs the call (await_follow):
 # a remote(...).to_here() caller sends its fetch some 20-40 us after the call.
 _FOLLOW_US_DEFAULT = 60.0
 
@@ -218,8 +218,8 @@ def reply_poller(conn: _Conn, spin_s: float, slice_ms: int) -> tuple[Any, bool]:
 
 
 def await_follow(conn: _Conn, budget_s: float) -> None:
-    """Before a connection's reading thread hands the reading over to run a ``remote()``
-    call: receive, for up to ``budget_s`` seconds without sleeping, the frame that a
+    """Before a connection's reading thread runs a ``remote()`` call it has read:
+    receive, for up to ``budget_s`` seconds without sleeping, the frame that a
     caller sends right after it in the common loop (``remote(...).to_here()``'s fetch), so
     that this thread serves it (an RRef fetch never blocks) and the fetch's answer leaves
     from the thread that sets the value, with no second thread waking to read it. The
