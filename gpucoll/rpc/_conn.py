@@ -27,7 +27,7 @@ from ._info import MessageType
 
 __all__ = ["FLAG_REPLY", "FLAG_ERROR", "MAX_FRAME_BYTES", "HANDSHAKE_TIMEOUT", "LAZY_WAKE", "LAZY_REPLIES",
            "KEEPALIVE_IDLE", "KEEPALIVE_INTERVAL", "KEEPALIVE_COUNT", "USER_TIMEOUT", "Reply", "serve_conn", "dial_unix",
-           "rebuild_error", "REMOTE_TRACEBACK"]
+           "rebuild_error", "REMOTE_TRACEBACK", "await_follow", "follow_seconds"]
 
 _log = logging.getLogger("gpucoll.rpc")
 
@@ -68,6 +68,18 @@ def spin_seconds() -> float:
     return value * 1e-6
 
 
+# A connection's reading thread that reads a remote() call waits this long, without
+# sleeping, for the caller's next frame before it runs the call (await_follow):
+# a remote(...).to_here() caller sends its fetch some 20-40 us after the call.
+_FOLLOW_US_DEFAULT = 60.0
+
+
+def follow_seconds(spin_s: float) -> float:
+    """Seconds an owner waits for a ``remote()`` call's fetch (:func:`await_follow`): none
+    when the caller's poll is off (``GPUCOLL_RPC_SPIN_US=0``), else at most that poll."""
+    return min(spin_s, _FOLLOW_US_DEFAULT * 1e-6)
+
+
 # A host that vanishes without closing its connections (powered off, cable pulled, network
 # partitioned) is noticed by TCP itself: keepalive probes after KEEPALIVE_IDLE s without
 # traffic, every KEEPALIVE_INTERVAL s, KEEPALIVE_COUNT of them; and TCP_USER_TIMEOUT, the
@@ -90,7 +102,7 @@ class _Conn:
     peer's hang-up and for ``wake``)."""
 
     __slots__ = ("sock", "lock", "peer", "closed", "role", "parked", "wake_r", "wake_w", "reader", "pipe_lock", "second",
-                 "outbox", "skip_spin", "backoff", "urgent")
+                 "outbox", "skip_spin", "backoff", "urgent", "ep", "idle", "threads")
 
     def __init__(self, sock: socket.socket, peer: int, dialed: bool = False) -> None:
         self.sock = sock
@@ -107,6 +119,8 @@ class _Conn:
         self.skip_spin = 0  # calls whose caller sleeps at once (reply_poller); the next such count:
         self.backoff = SPIN_BACKOFF_MIN
         self.urgent: set[int] = set()  # calls whose lazy reply a waiter asked for (REPLY_NOW)
+        self.ep: Any = None  # an incoming connection's epoll (see _serve), its threads, and those waiting in it
+        self.threads = self.idle = 0
 
     def wake(self) -> None:
         """Unpark the reader thread (a call is pending that nobody is reading for)."""
@@ -201,6 +215,34 @@ def reply_poller(conn: _Conn, spin_s: float, slice_ms: int) -> tuple[Any, bool]:
                     conn.backoff = SPIN_BACKOFF_MIN
                 return poller, True
     return poller, bool(poller.poll(slice_ms))
+
+
+def await_follow(conn: _Conn, budget_s: float) -> None:
+    """Before a connection's reading thread runs a ``remote()`` call it has read:
+    receive, for up to ``budget_s`` seconds without sleeping, the frame that a
+    caller sends right after it in the common loop (``remote(...).to_here()``'s fetch), so
+    that this thread serves it (an RRef fetch never blocks) and the fetch's answer leaves
+    from the thread that sets the value, with no second thread waking to read it. The
+    call's start is delayed by at most ``budget_s``. A frame that does not come in time,
+    or comes in the window's second half, turns the wait off for the next calls on the
+    connection (:func:`gpucoll._timeouts.skip_spins`), as a caller's poll does."""
+    if budget_s <= 0.0:
+        return
+    if conn.skip_spin:
+        conn.skip_spin -= 1
+        return
+    reader, now = conn.reader, time.perf_counter
+    start = now()
+    while True:
+        if reader.pull() and reader.buffered_kind() is not None:
+            if now() - start > 0.5 * budget_s:
+                skip_spins(conn)
+            else:
+                conn.backoff = SPIN_BACKOFF_MIN
+            return
+        if now() - start > budget_s:
+            skip_spins(conn)
+            return
 
 
 _sending = threading.local()  # .active: this thread holds a connection's send lock; .reader: a reader
@@ -318,13 +360,19 @@ def serve_conn(agent: Any, sock: socket.socket) -> None:
         _log.warning("gpucoll.rpc: %s refused a connection: %s", agent.info.name, e)
         sock.close()
         return
-    conn = _Conn(sock, peer)
+    conn = _Conn(sock, peer, dialed=True)  # (its wake pipe tells the serving threads it closed)
+    conn.ep = select.epoll()
+    conn.ep.register(sock.fileno(), _ARMED)
+    conn.ep.register(conn.wake_r, select.EPOLLIN)
     with agent._lock:
         if agent.closed:
             conn.close()
+            conn.ep.close()
+            conn.close_pipe()
             return
         agent._incoming.add(conn)
-    _serve(agent, conn, False)
+    conn.threads = 1
+    _serve(agent, conn)
 
 
 def dial_unix(name: str, key: bytes, me: int, peer: int) -> socket.socket | None:
@@ -346,45 +394,82 @@ def dial_unix(name: str, key: bytes, me: int, peer: int) -> socket.socket | None
     return sock
 
 
-def _serve(agent: Any, conn: _Conn, standby: bool) -> None:
-    """One of an incoming connection's two threads. The one holding ``conn.role`` reads
-    requests; when the other stands by and a worker slot is free, it hands the reading
-    over and runs the request itself (no hand-off to the pool on the request's path),
-    then stands by in turn. Otherwise requests go to the pool. Either way at most
+_ARMED = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLONESHOT
+
+
+def _serve(agent: Any, conn: _Conn) -> None:
+    """One of an incoming connection's (at most two) serving threads.
+
+    Idle, both wait in one ``epoll`` on the socket, armed once (``EPOLLONESHOT``): a frame
+    wakes one of them (an ``epoll`` wait is exclusive), which reads requests until the
+    socket has nothing more. When the other thread waits and a worker slot is free, it
+    re-arms the socket (the other thread reads what comes next) and runs the request
+    itself: no thread is woken to take the reading over, and none hands the request to
+    the pool. Otherwise requests go to the pool and it reads on. Either way at most
     ``num_worker_threads`` requests run at once, and the connection is always read."""
     here = _sending.__dict__
-    baton = conn.role
-    while True:
-        if standby:
-            conn.parked = True  # the reader may hand over to us (it clears this when it does)
-        baton.acquire()
-        standby = True
-        if conn.closed:
-            baton.release()
-            return
-        here["reader"] = True
-        try:
-            request = _read_requests(agent, conn)
-        except Exception as e:  # noqa: BLE001
-            if not isinstance(e, (EOFError, OSError)):
-                _log.warning("gpucoll.rpc: %s closed its connection from worker id %d: %s", agent.info.name,
-                             conn.peer, e)
-            with agent._lock:
-                agent._incoming.discard(conn)
-            conn.close()
-            baton.release()
-            return
-        finally:
-            here["reader"] = False
-        baton.release()  # the other thread reads on
-        try:
-            agent.dispatch(*request)
-        finally:
-            agent._slots.release()
-            request = None  # type: ignore[assignment]  # the call's arguments go now
+    ep, fd = conn.ep, conn.sock.fileno()
+    try:  # (conn.threads counts this thread already: its starter counted it)
+        while True:
+            with conn.pipe_lock:
+                conn.idle += 1
+            try:
+                events = ep.poll()
+            finally:
+                with conn.pipe_lock:
+                    conn.idle -= 1
+            if conn.closed:
+                return
+            handed = any(f == conn.wake_r for f, _ in events)
+            if handed:  # frames received already: the thread that read them runs a request
+                try:
+                    os.read(conn.wake_r, 4096)
+                except BlockingIOError:
+                    pass
+                if conn.closed:  # (what this read took may have been the close's wake: pass it on)
+                    conn.wake()
+                    return
+            with conn.role:
+                if handed and len(events) == 1 and not conn.reader.buffered():
+                    continue  # read already
+                here["reader"] = True
+                try:
+                    request = _read_requests(agent, conn)
+                    more = conn.reader.buffered()
+                except Exception as e:  # noqa: BLE001
+                    if not isinstance(e, (EOFError, OSError)):
+                        _log.warning("gpucoll.rpc: %s closed its connection from worker id %d: %s", agent.info.name,
+                                     conn.peer, e)
+                    with agent._lock:
+                        agent._incoming.discard(conn)
+                    conn.close()
+                    return
+                finally:
+                    here["reader"] = False
+            try:
+                ep.modify(fd, _ARMED)  # whoever waits reads on
+            except OSError:  # closed meanwhile: the wake pipe says so to the other thread
+                pass
+            if request is not None and more:
+                conn.wake()  # the waiting thread reads what this one received
+            if request is not None:
+                try:
+                    agent.dispatch(*request)
+                finally:
+                    agent._slots.release()
+                    request = None  # the call's arguments go now
+    finally:
+        with conn.pipe_lock:
+            conn.threads -= 1
+            last = conn.threads == 0
+        if last:
+            ep.close()
+            conn.close_pipe()
 
-def _read_requests(agent: Any, conn: _Conn) -> tuple[int, int, Any, list[bytearray], Reply]:
-    """Read requests, handing them to the pool, until one this thread may run itself."""
+
+def _read_requests(agent: Any, conn: _Conn) -> tuple[int, int, Any, list[bytearray], Reply] | None:
+    """Read requests, handing them to the pool, until one this thread may run itself
+    (returned), or until nothing more has been received (None)."""
     reader, peer, jobs = conn.reader, conn.peer, agent._jobs
     while True:
         kind, flags, mid, data, bufs = reader.read()
@@ -394,7 +479,9 @@ def _read_requests(agent: Any, conn: _Conn) -> tuple[int, int, Any, list[bytearr
         agent.count_served(1)
         if kind in agent.inline_kinds:
             agent.dispatch(peer, kind, data, bufs, reply)
-        elif conn.parked and agent._slots.acquire(blocking=False):
+        elif conn.idle and agent._slots.acquire(blocking=False):
+            if kind == MessageType.PYTHON_REMOTE_CALL and not reader.buffered():
+                await_follow(conn, follow_seconds(agent.spin_s))  # remote()'s fetch: served below if it comes
             # Frames that came with it and never block (an RRef fetch, control messages)
             # are served first: the other thread would need a wake-up to get to them.
             while reader.buffered_kind() in agent.inline_kinds:
@@ -404,13 +491,16 @@ def _read_requests(agent: Any, conn: _Conn) -> tuple[int, int, Any, list[bytearr
                     raise _wire.FrameError(f"an unexpected frame (kind {k2}, flags {f2})")
                 agent.count_served(1)
                 agent.dispatch(peer, k2, d2, b2, Reply(agent, conn, m2, MessageType(k2)))
-            conn.parked = False
-            return peer, kind, data, bufs, reply
+            return peer, kind, data, bufs, reply  # (bytes received after it: _serve wakes the other thread)
         else:
             if not conn.second:  # the connection's second thread, once it serves a call
                 conn.second = True
-                agent._spawn(_serve, "rpc-in", agent, conn, True)
+                with conn.pipe_lock:
+                    conn.threads += 1
+                agent._spawn(_serve, "rpc-in", agent, conn)
             jobs.put(functools.partial(agent.dispatch, peer, kind, data, bufs, reply))
+        if not reader.buffered():
+            return None
 
 
 def rebuild_error(exc_type: Any, text: str) -> BaseException:

@@ -161,6 +161,20 @@ class FrameReader:
         sizes = struct.unpack_from(f"<{nbufs}Q", self.buf, self.pos + HEADER.size) if nbufs else ()
         return int(kind) if have >= HEADER.size + 8 * nbufs + length + sum(sizes) else None
 
+    def pull(self) -> int:
+        """Receive what the socket holds now, without blocking: the number of bytes (0: none
+        yet, or the peer closed; a later :meth:`read` learns which)."""
+        try:
+            k = self.sock.recv_into(self.chunk_view, 0, socket.MSG_DONTWAIT)
+        except OSError:  # nothing yet (EAGAIN), or a broken connection (the next read raises it)
+            return 0
+        if k:
+            if self.pos:
+                del self.buf[:self.pos]
+                self.pos = 0
+            self.buf += self.chunk_view[:k]
+        return k
+
     def _fill(self, n: int) -> None:
         while len(self.buf) - self.pos < n:
             if self.pos:
