@@ -92,7 +92,7 @@ class _Entry:
 
     The start time is the wall clock's (``time.time()``) in ``time_started``, or, for an
     op of a group's planned NumPy run (which reads the performance counter for its
-    duration anyway), None there and the performance counter's reading in ``t0``: the
+    duration anyway), 0.0 there and the performance counter's reading in ``t0``: the
     ring's reader turns it into wall-clock time with the offset between the two clocks
     read at that moment (:func:`clock_offset`). Such a start is then off by however much
     the wall clock was adjusted (slewed or stepped) between the op and the reading:
@@ -103,14 +103,14 @@ class _Entry:
     seq: int  # -1 until the entry's first op
     op_type: str
     kind: Kind
-    time_started: float | None  # None: the start is ``t0``, read from time.perf_counter()
+    time_started: float  # 0.0: the start is ``t0``, read from time.perf_counter()
     t0: float
     done: float | tuple[str, float | None, float | None, str | None] | None
     where: str  # the caller's file:line, at debug level INFO and above (unset below)
 
     def __init__(self) -> None:
         self.seq = -1
-        self.time_started = None
+        self.time_started = 0.0
         self.t0 = 0.0
         self.done = None
 
@@ -118,7 +118,7 @@ class _Entry:
         """The op's start, wall-clock seconds (``offset``: :func:`clock_offset`'s, for a
         start read from the performance counter)."""
         ts = self.time_started
-        return self.t0 + offset if ts is None else ts
+        return ts if ts else self.t0 + offset
 
     def finish(self, work: Work) -> None:
         if self.seq != work.seq:

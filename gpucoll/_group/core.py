@@ -362,9 +362,7 @@ class Issuer:
             if entry is not None:
                 entry.complete(dt)
             if async_op:
-                started = entry.time_started if entry is not None else None  # (begin's: wall clock)
-                if started is None:
-                    started = time.time() - dt
+                started = entry.time_started if entry is not None else time.time() - dt
                 return Work._completed(op, seq, self.group_name, outputs, started, t0, dt)
             return None
         return self.finish(backend, self._start(seq, entry, start, args, outputs, peer, op), async_op, False)
@@ -385,7 +383,7 @@ class Issuer:
             entry.seq = seq
             entry.op_type = "all_reduce"
             entry.kind = fast.kind
-            entry.time_started = None
+            entry.time_started = 0.0  # (the start is t0)
             entry.t0 = t0
             entry.done = None
             recorder._next = i + 1 if i + 1 < recorder.capacity else 0

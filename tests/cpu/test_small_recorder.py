@@ -45,7 +45,7 @@ def test_entry_started_from_perf_counter_reads_as_wall_clock() -> None:
     rec = FlightRecorder("g", 0, 0, 2, 2)
     entry = rec.begin_kind(1, "all_reduce", Kind("cpu", None))
     before = time.time()
-    entry.time_started, entry.t0 = None, time.perf_counter()  # as Issuer.run_host records it
+    entry.time_started, entry.t0 = 0.0, time.perf_counter()  # as Issuer.run_host records it
     after = time.time()
     entry.complete(0.25)
     (got,) = json.loads(rec.to_json())["entries"]
