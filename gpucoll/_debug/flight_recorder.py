@@ -70,27 +70,55 @@ class Kind:
         self.peer = peer
 
 
+def clock_offset() -> float:
+    """Wall-clock time (``time.time()``) less the performance counter's reading, now: what
+    turns a start read from ``time.perf_counter()`` into wall-clock seconds."""
+    return time.time() - time.perf_counter()
+
+
 class _Entry:
     """One op; filled at issue, completed by :meth:`finish` from ``Work._finish`` (or by
     :meth:`complete`/:meth:`fail` for an op with no Work).
 
-    Entries are reused round the ring rather than made per op: an object made per op
-    and kept for ``capacity`` ops survives into the garbage collector's oldest
-    generation, and enough of those make Python run full collections, which cost
-    every op more than the entry itself. An op writes five fields (sequence number,
-    op, :class:`Kind`, start time, ``done``); its state, end time, duration and error
-    are derived from ``done`` when the ring is read (:meth:`as_dict`): None while it
-    is scheduled, its duration (a float) once completed with no Work, else the tuple
-    (state, time finished, duration, error).
+    Entries are made with the ring and reused round it rather than made per op: an
+    object made per op and kept for ``capacity`` ops survives into the garbage
+    collector's oldest generation, and enough of those make Python run full
+    collections, which cost every op more than the entry itself; making them with the
+    ring also spares the first ``capacity`` ops of a group the making. An op writes
+    five fields (sequence number, op, :class:`Kind`, start time, ``done``); its state,
+    end time, duration and error are derived from ``done`` when the ring is read
+    (:meth:`as_dict`): None while it is scheduled, its duration (a float) once
+    completed with no Work, else the tuple (state, time finished, duration, error).
+
+    The start time is the wall clock's (``time.time()``) in ``time_started``, or, for an
+    op of a group's planned NumPy run (which reads the performance counter for its
+    duration anyway), 0.0 there and the performance counter's reading in ``t0``: the
+    ring's reader turns it into wall-clock time with the offset between the two clocks
+    read at that moment (:func:`clock_offset`). Such a start is then off by however much
+    the wall clock was adjusted (slewed or stepped) between the op and the reading:
+    none when it was not, a few milliseconds per hour of NTP slewing at most.
     """
 
-    __slots__ = ("seq", "op_type", "kind", "time_started", "done", "where")
-    seq: int
+    __slots__ = ("seq", "op_type", "kind", "time_started", "t0", "done", "where")
+    seq: int  # -1 until the entry's first op
     op_type: str
     kind: Kind
-    time_started: float
+    time_started: float  # 0.0: the start is ``t0``, read from time.perf_counter()
+    t0: float
     done: float | tuple[str, float | None, float | None, str | None] | None
     where: str  # the caller's file:line, at debug level INFO and above (unset below)
+
+    def __init__(self) -> None:
+        self.seq = -1
+        self.time_started = 0.0
+        self.t0 = 0.0
+        self.done = None
+
+    def started(self, offset: float) -> float:
+        """The op's start, wall-clock seconds (``offset``: :func:`clock_offset`'s, for a
+        start read from the performance counter)."""
+        ts = self.time_started
+        return ts if ts else self.t0 + offset
 
     def finish(self, work: Work) -> None:
         if self.seq != work.seq:
@@ -102,7 +130,7 @@ class _Entry:
     def fail(self, error: str, active_duration: float) -> None:
         """Mark the op failed with ``error`` ``active_duration`` seconds after it started
         (an op with no Work: its backend's record of it failed)."""
-        self.done = ("failed", self.time_started + active_duration, active_duration, error)
+        self.done = ("failed", self.started(clock_offset()) + active_duration, active_duration, error)
 
     def complete(self, active_duration: float) -> None:
         """Mark the op completed ``active_duration`` seconds after it started (an op that
@@ -115,8 +143,11 @@ class _Entry:
         done = self.done
         return "scheduled" if done is None else "completed" if isinstance(done, float) else done[0]
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, offset: float | None = None) -> dict[str, Any]:
+        """The entry as the dump shows it (``offset``: :func:`clock_offset`'s, read once
+        per dump; read here when not given)."""
         done, kind = self.done, self.kind
+        started = self.started(clock_offset() if offset is None else offset)
         state: str
         finished: float | None
         active: float | None
@@ -124,7 +155,7 @@ class _Entry:
         if done is None:
             state, finished, active, error = "scheduled", None, None, None
         elif isinstance(done, float):
-            state, finished, active, error = "completed", self.time_started + done, done, None
+            state, finished, active, error = "completed", started + done, done, None
         else:
             state, finished, active, error = done
         return {
@@ -132,7 +163,7 @@ class _Entry:
             "shape": list(kind.shape) if kind.shape is not None else None,
             "dtype": kind.dtype, "nbytes": kind.nbytes,
             "peer": kind.peer if kind.peer >= 0 else None,
-            "state": state, "time_started": self.time_started,
+            "state": state, "time_started": started,
             "time_finished": finished, "active_duration": active,
             "error": error, "where": getattr(self, "where", "") or None,
         }
@@ -157,9 +188,9 @@ class FlightRecorder:
         self.global_rank = global_rank
         self.size = size
         self.capacity = capacity
-        self._ring: list[_Entry | None] = [None] * capacity
+        # Every entry made now (see _Entry); one not used yet has seq -1.
+        self._ring: list[_Entry] = [_Entry() for _ in range(capacity)]
         self._next = 0      # the slot the next op takes
-        self._count = 0     # slots in use
         self.group_desc = ""  # set by the group
         self._last_kind: Kind | None = None  # begin()'s last Kind
 
@@ -190,9 +221,6 @@ class FlightRecorder:
         stores and a clock read."""
         i = self._next
         entry = self._ring[i]
-        if entry is None:
-            entry = self._ring[i] = _Entry()
-            self._count += 1
         entry.seq = seq
         entry.op_type = op_type
         entry.kind = kind
@@ -210,19 +238,19 @@ class FlightRecorder:
 
     def snapshot(self, reason: str = "") -> dict[str, Any]:
         """The recorder's content as a JSON-ready dict (oldest entry first)."""
+        offset = clock_offset()
         return {
             "version": FORMAT_VERSION, "group": self.group_name, "group_desc": self.group_desc,
             "rank": self.rank,
             "global_rank": self.global_rank, "size": self.size, "capacity": self.capacity,
             "pid": os.getpid(), "host": socket.gethostname(), "time": time.time(),
-            "reason": reason, "entries": [e.as_dict() for e in self._in_order()],
+            "reason": reason, "entries": [e.as_dict(offset) for e in self._in_order()],
         }
 
     def _in_order(self) -> list[_Entry]:
-        """The entries, oldest first."""
+        """The entries that hold an op, oldest first."""
         ring, i = list(self._ring), self._next
-        return [e for e in (ring[i:] + ring[:i] if self._count == self.capacity else ring[:self._count])
-                if e is not None]
+        return [e for e in ring[i:] + ring[:i] if e.seq != -1]
 
     def to_json(self, reason: str = "") -> str:
         """:meth:`snapshot` as JSON text."""

@@ -236,19 +236,15 @@ class Issuer:
         seq = self.seq = self.seq + 1
         recorder = self.recorder
         if recorder is not None:
-            # recorder.begin_kind(seq, "all_reduce", run.kind) without its frame, once the
-            # slot exists (the recorder makes each slot on its first use).
+            # recorder.begin_kind(seq, "all_reduce", run.kind) without its frame.
             i = recorder._next
             entry = recorder._ring[i]
-            if entry is None:
-                entry = recorder.begin_kind(seq, "all_reduce", run.kind)
-            else:
-                entry.seq = seq
-                entry.op_type = "all_reduce"
-                entry.kind = run.kind
-                entry.time_started = _time()
-                entry.done = None
-                recorder._next = i + 1 if i + 1 < recorder.capacity else 0
+            entry.seq = seq
+            entry.op_type = "all_reduce"
+            entry.kind = run.kind
+            entry.time_started = _time()
+            entry.done = None
+            recorder._next = i + 1 if i + 1 < recorder.capacity else 0
             if self.debug_info:
                 entry.where = call_site()
         else:
@@ -378,23 +374,21 @@ class Issuer:
         seq = self.seq = self.seq + 1
         recorder = self.recorder
         entry = None
+        t0 = _perf()  # the duration's start, and the entry's (no wall-clock read: _Entry.t0)
         if recorder is not None:
-            # recorder.begin_kind(seq, "all_reduce", fast.kind) without its frame, once the
-            # slot exists (as run_device: a small op's whole cost is a few such frames).
+            # recorder.begin_kind(seq, "all_reduce", fast.kind) without its frame (as
+            # run_device: a small op's whole cost is a few such frames).
             i = recorder._next
             entry = recorder._ring[i]
-            if entry is None:
-                entry = recorder.begin_kind(seq, "all_reduce", fast.kind)
-            else:
-                entry.seq = seq
-                entry.op_type = "all_reduce"
-                entry.kind = fast.kind
-                entry.time_started = _time()
-                entry.done = None
-                recorder._next = i + 1 if i + 1 < recorder.capacity else 0
+            entry.seq = seq
+            entry.op_type = "all_reduce"
+            entry.kind = fast.kind
+            entry.time_started = 0.0  # (the start is t0)
+            entry.t0 = t0
+            entry.done = None
+            recorder._next = i + 1 if i + 1 < recorder.capacity else 0
             if self.debug_info:
                 entry.where = call_site()
-        t0 = _perf()
         try:
             ran = fast.run(flat, fast.reducer)
         except DistError as exc:
