@@ -14,28 +14,17 @@ from __future__ import annotations
 
 import os
 import resource
-import socket
 import statistics
 import threading
 import time
 from typing import Any
 
-import pytest
 
 import gpucoll.rpc as rpc
 from gpucoll._timeouts import SPIN_BACKOFF_MIN
 from gpucoll.rpc import _conn, _wire
 from gpucoll.rpc._info import MessageType
 from gpucoll.testing import run_spmd
-
-
-@pytest.fixture()
-def pair():
-    a, b = socket.socketpair()
-    conn = _conn._Conn(a, 1)
-    yield conn, b
-    conn.close()
-    b.close()
 
 
 def _frame(kind: int) -> bytes:

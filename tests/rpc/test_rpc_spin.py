@@ -3,7 +3,6 @@ polls, when it learns not to, and the variable that sets it."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -11,15 +10,6 @@ import pytest
 
 from gpucoll._timeouts import SPIN_BACKOFF_MAX, SPIN_BACKOFF_MIN
 from gpucoll.rpc import _conn
-
-
-@pytest.fixture()
-def pair():
-    a, b = socket.socketpair()
-    conn = _conn._Conn(a, 1)
-    yield conn, b
-    conn.close()
-    b.close()
 
 
 def test_a_reply_already_there_is_seen_at_once_and_keeps_polling_on(pair) -> None:

@@ -74,18 +74,7 @@ class CmaReader:
         Raises:
             OSError: the kernel refused or the process is gone (errno set: ESRCH, EPERM, EFAULT).
         """
-        local, remote, pid = self._local, self._remote, self.pids[peer]
-        while nbytes > 0:
-            local.iov_base, local.iov_len = dst, nbytes
-            remote.iov_base, remote.iov_len = src, nbytes
-            got: int = _readv(pid, self._lp, 1, self._rp, 1, 0)
-            if got <= 0:
-                err = ctypes.get_errno() if got < 0 else 0
-                raise OSError(err, f"process_vm_readv of {nbytes} bytes from pid {pid}: "
-                                   f"{os.strerror(err) if err else 'read nothing'}")
-            dst += got
-            src += got
-            nbytes -= got
+        self._move(_readv, peer, dst, src, nbytes)
 
     def write(self, peer: int, dst: int, src: int, nbytes: int) -> None:
         """Copy ``nbytes`` from address ``src`` here to address ``dst`` of rank ``peer``'s process.
@@ -93,17 +82,23 @@ class CmaReader:
         Raises:
             OSError: the kernel refused or the process is gone (errno set: ESRCH, EPERM, EFAULT).
         """
+        self._move(_writev, peer, src, dst, nbytes)
+
+    def _move(self, call: Any, peer: int, here: int, there: int, nbytes: int) -> None:
+        """``call`` (process_vm_readv or _writev) between ``here`` and ``there`` in rank
+        ``peer``'s process, until all ``nbytes`` have moved."""
         local, remote, pid = self._local, self._remote, self.pids[peer]
         while nbytes > 0:
-            local.iov_base, local.iov_len = src, nbytes
-            remote.iov_base, remote.iov_len = dst, nbytes
-            got: int = _writev(pid, self._lp, 1, self._rp, 1, 0)
+            local.iov_base, local.iov_len = here, nbytes
+            remote.iov_base, remote.iov_len = there, nbytes
+            got: int = call(pid, self._lp, 1, self._rp, 1, 0)
             if got <= 0:
                 err = ctypes.get_errno() if got < 0 else 0
-                raise OSError(err, f"process_vm_writev of {nbytes} bytes to pid {pid}: "
-                                   f"{os.strerror(err) if err else 'wrote nothing'}")
-            dst += got
-            src += got
+                what = "process_vm_readv" if call is _readv else "process_vm_writev"
+                raise OSError(err, f"{what} of {nbytes} bytes with pid {pid}: "
+                                   f"{os.strerror(err) if err else 'moved nothing'}")
+            here += got
+            there += got
             nbytes -= got
 
 
