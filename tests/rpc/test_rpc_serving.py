@@ -23,6 +23,8 @@ from typing import Any
 import gpucoll.rpc as rpc
 from gpucoll._timeouts import SPIN_BACKOFF_MIN
 from gpucoll.rpc import _conn, _wire
+
+from _conn_pair import pair  # noqa: F401  (a fixture)
 from gpucoll.rpc._info import MessageType
 from gpucoll.testing import run_spmd
 

@@ -11,6 +11,8 @@ import pytest
 from gpucoll._timeouts import SPIN_BACKOFF_MAX, SPIN_BACKOFF_MIN
 from gpucoll.rpc import _conn
 
+from _conn_pair import pair  # noqa: F401  (a fixture)
+
 
 def test_a_reply_already_there_is_seen_at_once_and_keeps_polling_on(pair) -> None:
     conn, peer = pair

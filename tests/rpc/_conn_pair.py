@@ -1,4 +1,4 @@
-"""Fixtures of the RPC tests."""
+"""The socket-pair fixture of the connection-level RPC tests (imported by them)."""
 
 from __future__ import annotations
 
