@@ -154,7 +154,7 @@ def test_single_copy_all_reduce_and_its_fallbacks(world: int) -> None:
     results = run_spmd(single_copy_body, world, init=False, timeout=240)
     for res in results:
         assert res["checks"] == 2 * len(CASES)
-        assert res["reads"] >= len(CASES) * (world - 1) * 2, res  # each peer read in 2 chunks or more
+        assert res["reads"] >= len(CASES) * (world - 1) * 2, res  # reduce-scatter and all-gather reads
         assert res["reads_below_min"] == 0, res
         assert res["reads_after_unreadable"] > 0, res
 

@@ -42,7 +42,7 @@ __all__ = ["ShmSegment", "ShmUnavailable", "REC_WORDS", "ADDR", "futex_wait", "f
 
 REC_WORDS = 32  # u64 words per rank record (256 bytes: no false sharing between ranks)
 _CTR, _SLEEP, _HDR, _CPU = 0, 1, 2, 6  # word offsets in a record; headers at 2..5
-ADDR = 7  # word offsets 7, 8, 9 of a single-copy op (cma.py): the rank's array's address, the op's number, its writing state
+ADDR = 7  # word offsets 7, 8: the address of the rank's array in a single-copy op (cma.py) and the op's number
 _SYS_FUTEX = 202  # x86-64
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # not FUTEX_PRIVATE: the word is shared between processes
 _EAGAIN, _EINTR, _ETIMEDOUT = 11, 4, 110
