@@ -9,8 +9,8 @@ connection's reader thread while calls nobody waits on are pending, or a caller 
 for its own reply (``rpc_sync``, ``to_here``) while the reader is parked; parked, the
 reader only watches for the peer's hang-up and a wake. RRef control frames nobody waits
 for may wait up to ``2 * LAZY_WAKE`` to share the next write (see :mod:`._hurry`).
-Incoming connections are served by :func:`gpucoll.rpc._conn.serve_conn` (two threads per
-connection that take turns reading) and a pool of ``num_worker_threads`` threads; at
+Incoming connections are served by :func:`gpucoll.rpc._conn.serve_conn` (at most two
+threads per connection, idle in one epoll; a frame wakes one) and a pool of ``num_worker_threads`` threads; at
 most ``num_worker_threads`` requests run at once.
 
 A connection that breaks (the peer exited or was killed, or TCP keepalive gave up on a
@@ -383,7 +383,7 @@ class Agent:
                 if isinstance(e, (ConnectionRefusedError, ConnectionResetError, EOFError)):
                     self.lost[to.id] = f"worker {to.name} (id {to.id}) is gone: {reason}"
                 raise PeerLostError(reason) from e
-            conn = _Conn(sock, to.id, dialed=True)
+            conn = _Conn(sock, to.id)
             if self.closed:
                 conn.close()
                 raise AgentShutDownError(f"RPC has been shut down on {self.info.name}")

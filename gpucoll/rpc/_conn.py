@@ -96,15 +96,17 @@ dropped (see :func:`gpucoll.rpc._info.detached`); the caller gets this text."""
 
 
 class _Conn:
-    """One connection. On a dialed one (``dialed``), replies are read by whichever thread
-    holds ``role``: the connection's reader thread, or a caller waiting for its own reply
-    while the reader is parked (no call pending to the peer: it then only watches for the
-    peer's hang-up and for ``wake``)."""
+    """One connection, dialed or accepted. On a dialed one, replies are read by whichever
+    thread holds ``role``: the connection's reader thread, or a caller waiting for its own
+    reply while the reader is parked (no call pending to the peer: it then only watches for
+    the peer's hang-up and for ``wake``). On an accepted one, the serving threads wait in
+    ``ep`` (see :func:`_serve`). Either way ``wake`` writes to the connection's pipe, which
+    its last thread closes (:meth:`close_pipe`)."""
 
     __slots__ = ("sock", "lock", "peer", "closed", "role", "parked", "wake_r", "wake_w", "reader", "pipe_lock", "second",
                  "outbox", "skip_spin", "backoff", "urgent", "ep", "idle", "threads")
 
-    def __init__(self, sock: socket.socket, peer: int, dialed: bool = False) -> None:
+    def __init__(self, sock: socket.socket, peer: int) -> None:
         self.sock = sock
         self.lock = threading.Lock()
         self.peer = peer
@@ -112,7 +114,7 @@ class _Conn:
         self.role = threading.Lock()
         self.parked = False
         self.reader = _wire.FrameReader(sock, MAX_FRAME_BYTES)
-        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC) if dialed else (-1, -1)
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.pipe_lock = threading.Lock()
         self.second = False
         self.outbox: list[Any] = []  # deferred frames' parts (control replies, remote() requests)
@@ -360,7 +362,7 @@ def serve_conn(agent: Any, sock: socket.socket) -> None:
         _log.warning("gpucoll.rpc: %s refused a connection: %s", agent.info.name, e)
         sock.close()
         return
-    conn = _Conn(sock, peer, dialed=True)  # (its wake pipe tells the serving threads it closed)
+    conn = _Conn(sock, peer)  # (its wake pipe tells the serving threads it closed)
     conn.ep = select.epoll()
     conn.ep.register(sock.fileno(), _ARMED)
     conn.ep.register(conn.wake_r, select.EPOLLIN)

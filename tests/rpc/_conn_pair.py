@@ -17,4 +17,5 @@ def pair() -> Iterator[tuple[_conn._Conn, socket.socket]]:
     conn = _conn._Conn(a, 1)
     yield conn, b
     conn.close()
+    conn.close_pipe()
     b.close()
