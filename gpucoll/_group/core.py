@@ -68,10 +68,11 @@ class HostRun:
     Buffer and no look-up in the backend. ``desc`` describes the arrays for the flight
     recorder; ``start(flat, reducer)`` issues the op the usual way when the backend
     cannot run it now. ``ProcessGroup.all_reduce`` finds the kind it ran last
-    (``Issuer.host_last``) by identity, else by its key, and checks per call what the
-    kind does not settle: a writable C-contiguous array, no coalescing block, a group
-    not destroyed, no hook, a debug level below DETAIL; :meth:`Issuer.run_host` then
-    numbers, records and runs the op."""
+    (``Issuer.host_last``) by identity, else by its key in ``ProcessGroup._host_open``
+    (the group's runs while no coalescing block, destruction, hook or DETAIL debug level
+    asks for the general path, else empty: ``ProcessGroup._restate``, which also drops
+    ``host_last`` then), and checks per call what the kind does not settle: a writable
+    C-contiguous array; :meth:`Issuer.run_host` then numbers, records and runs the op."""
 
     __slots__ = ("backend", "run", "reducer", "desc", "start", "inline", "kind", "dtype", "shape", "op")
 
@@ -237,14 +238,12 @@ class Issuer:
         recorder = self.recorder
         if recorder is not None:
             # recorder.begin_kind(seq, "all_reduce", run.kind) without its frame.
-            i = recorder._next
-            entry = recorder._ring[i]
+            entry = recorder.take()
             entry.seq = seq
             entry.op_type = "all_reduce"
             entry.kind = run.kind
             entry.time_started = _time()
             entry.done = None
-            recorder._next = i + 1 if i + 1 < recorder.capacity else 0
             if self.debug_info:
                 entry.where = call_site()
         else:
@@ -378,15 +377,13 @@ class Issuer:
         if recorder is not None:
             # recorder.begin_kind(seq, "all_reduce", fast.kind) without its frame (as
             # run_device: a small op's whole cost is a few such frames).
-            i = recorder._next
-            entry = recorder._ring[i]
+            entry = recorder.take()
             entry.seq = seq
             entry.op_type = "all_reduce"
             entry.kind = fast.kind
             entry.time_started = 0.0  # (the start is t0)
             entry.t0 = t0
             entry.done = None
-            recorder._next = i + 1 if i + 1 < recorder.capacity else 0
             if self.debug_info:
                 entry.where = call_site()
         try:
