@@ -74,7 +74,7 @@ class HostRun:
     ``host_last`` then), and checks per call what the kind does not settle: a writable
     C-contiguous array; :meth:`Issuer.run_host` then numbers, records and runs the op."""
 
-    __slots__ = ("backend", "run", "reducer", "desc", "start", "inline", "kind", "dtype", "shape", "op")
+    __slots__ = ("backend", "run", "reducer", "desc", "start", "inline", "kind", "dtype", "shape", "op", "one_dim")
 
     def __init__(self, backend: Backend, run: Callable[..., bool | Work], reducer: Any, desc: Buffer,
                  start: Callable[..., Work], inline: bool, key: tuple[Any, Any, Any]) -> None:
@@ -82,6 +82,7 @@ class HostRun:
         # The kind (NumPy dtype, shape, ReduceOp member): the group's last-run check compares
         # them by identity (dtype, op) and equality (shape), cheaper than hashing a dict key.
         self.dtype, self.shape, self.op = key
+        self.one_dim = len(self.shape) == 1  # (an array of the kind is its own 1-D view: no ndim look-up per call)
         self.run = run
         self.reducer = reducer
         self.desc = desc
@@ -238,7 +239,8 @@ class Issuer:
         recorder = self.recorder
         if recorder is not None:
             # recorder.begin_kind(seq, "all_reduce", run.kind) without its frame.
-            entry = recorder.take()
+            take = recorder.take  # (as in run_host)
+            entry = take()
             entry.seq = seq
             entry.op_type = "all_reduce"
             entry.kind = run.kind
@@ -377,7 +379,8 @@ class Issuer:
         if recorder is not None:
             # recorder.begin_kind(seq, "all_reduce", fast.kind) without its frame (as
             # run_device: a small op's whole cost is a few such frames).
-            entry = recorder.take()
+            take = recorder.take  # (an attribute, not a method: called apart, its look-up is specialized)
+            entry = take()
             entry.seq = seq
             entry.op_type = "all_reduce"
             entry.kind = fast.kind
@@ -386,8 +389,9 @@ class Issuer:
             entry.done = None
             if self.debug_info:
                 entry.where = call_site()
+        run = fast.run  # (a slot holding a function: called apart, as ``take`` above)
         try:
-            ran = fast.run(flat, fast.reducer)
+            ran = run(flat, fast.reducer)
         except DistError as exc:
             return self._failed_now(exc, fast.backend, seq, entry, t0, "all_reduce", [tensor], False)
         if ran is True:

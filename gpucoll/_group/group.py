@@ -246,7 +246,7 @@ class ProcessGroup:
                 # (_host_open is empty while the general path is needed, _restate: no other check here)
                 fast = issuer.host_last = self._host_open.get((tensor.dtype, tensor.shape, op._name_))
             if fast is not None and (flags := tensor.flags).c_contiguous and flags.writeable:
-                flat = tensor if tensor.ndim == 1 else tensor.reshape(-1)
+                flat = tensor if fast.one_dim else tensor.reshape(-1)
                 if not async_op:
                     return issuer.run_host(fast, flat, tensor)
                 if fast.inline:
