@@ -16,8 +16,11 @@ loop calls each layer in turn:
 Without ``--callgrind`` each layer is timed (best of ``--repeats`` loops, µs per op);
 timings this short move by 2x with a shared machine's load. With ``--callgrind`` rank 0
 runs under ``valgrind --tool=callgrind`` twice for each layer asked, with no faked ops and
-with ``--ops``, and the difference is printed as instructions per op: the same on a
-loaded machine as on an idle one, so two trees can be compared by it.
+with ``--ops``, collected only inside the timed loop (``--toggle-collect``), and the
+difference is printed as instructions per op: the same on a loaded machine as on an idle
+one, and from one run to the next, so two trees can be compared by it. With
+``--opcodes [ROWS]`` rank 0 counts the bytecode instructions that gpucoll's own files run
+per op (``sys.settrace``), in all and by line.
 
 Usage::
 
