@@ -63,7 +63,7 @@ class DeviceRun:
     empty while any of them asks for the general path)."""
 
     __slots__ = ("backend", "run", "start", "red", "kind", "posted", "stream_of", "device", "legacy",
-                 "legacy_handle", "stream_of_fixed")
+                 "legacy_handle", "stream_of_fixed", "watched")
 
     def __init__(self, backend: Backend, runners: Any, red: Any, desc: Buffer) -> None:
         self.backend = backend
@@ -84,6 +84,9 @@ class DeviceRun:
         self.stream_of_fixed: bool = runners.stream_of_fixed
         self.red = red
         self.kind = Kind(backend.name, desc)  # what the flight recorder shows of each op
+        # Whether the group's watchdog watches the backend (``Issuer.watch_run_backend``):
+        # once true it stays true, as the watchdog never drops a backend it watches.
+        self.watched = False
 
 
     def handle(self, current: Any) -> int | None:

@@ -244,3 +244,40 @@ def test_the_module_function_reads_the_same_derived_state(
         assert infos and infos[-1].op_type == "all_reduce", infos
     finally:
         next(worlds, None)
+
+
+def test_a_run_has_the_watchdog_watch_its_backend_until_it_does(
+        run_device_calls: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issuer.run_device asks the watchdog to watch the run's backend until it does
+    # (DeviceRun.watched), then asks no more: a backend once watched is never dropped.
+    from test_nccl_per_op_counts import _world
+
+    worlds = _world(monkeypatch, "0")
+    _, rt, x, backend = next(worlds)
+    try:
+        from gpucoll._world import default_group
+        pg = default_group()
+        for _ in range(3):
+            gpucoll.all_reduce(x)
+        run = pg._device_seen[id(x)][2]
+        watchdog = pg._issuer.watchdog
+        assert run.watched and any(b is backend for b in watchdog._backends)
+        # As if the watchdog had never seen the backend: the next hot op has it watched.
+        calls: list[Any] = []
+        real = type(watchdog).watch_backend
+        monkeypatch.setattr(type(watchdog), "watch_backend",
+                            lambda self, b: (calls.append(b), real(self, b))[1])
+        with watchdog._lock:
+            watchdog._backends = [b for b in watchdog._backends if b is not backend]
+        watchdog._last_watched = watchdog.watched = None
+        run.watched = False
+        for async_op in (False, True, False):
+            before = len(run_device_calls)
+            work = gpucoll.all_reduce(x, async_op=async_op)
+            if work is not None:
+                work.wait()
+            assert len(run_device_calls) == before + 1
+        assert calls == [backend], calls  # once, then the flag
+        assert run.watched and any(b is backend for b in watchdog._backends)
+    finally:
+        next(worlds, None)
