@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable
 
 from ..futures import Future
 from . import _local, _wire
-from ._conn import (FLAG_ERROR, FLAG_REPLY, HANDSHAKE_TIMEOUT, LAZY_WAKE, _READ_SLICE_MS, Reply, _Call, _Conn, _outcome,
+from ._conn import (FLAG_ERROR, FLAG_REPLY, HANDSHAKE_TIMEOUT, _READ_SLICE_MS, Reply, _Call, _Conn, _outcome,
                     _tune, dial_unix, rebuild_error, reply_poller, serve_conn, spin_seconds)
 from ._faults import FaultSpec
 from ._info import AgentShutDownError, IntentionalFailureError, MessageType, PeerLostError, UnknownWorkerError, WorkerInfo, detached
