@@ -268,20 +268,27 @@ class Issuer:
             work = start(stream, tensor, seq, entry, self.group_name) \
                 if start is not None and stream is not None else None
             if work is not None:  # numbered and tied to its entry by the runner
-                watchdog = self.watchdog
-                if run.backend is not watchdog.watched:
-                    watchdog.watch_backend(run.backend)  # type: ignore[arg-type]  # (its queue holds the Work)
+                if not run.watched:  # (its queue holds the Work)
+                    run.watched = self.watch_run_backend(run.backend)
                 return work
         elif stream is not None and not run.posted.ops:  # (posted sends and receives: the usual way first)
             if run.run(stream, tensor, seq, entry, self.group_name):
-                watchdog = self.watchdog
-                if run.backend is not watchdog.watched:
-                    watchdog.watch_backend(run.backend)  # type: ignore[arg-type]  # (a quiet backend polls)
+                if not run.watched:  # (a quiet backend polls)
+                    run.watched = self.watch_run_backend(run.backend)
                 return None
         backend = run.backend
         buf = _array.as_buffer(tensor, name="tensor", writable=True)
         return self.finish(backend, self._start(seq, entry, backend.all_reduce, (buf, run.red), [tensor], -1,
                                                 "all_reduce", async_op), async_op, True)
+
+    def watch_run_backend(self, backend: Backend) -> bool:
+        """Have the watchdog watch a DeviceRun's ``backend`` (its outstanding ops: their
+        timeouts); True once it does for the watchdog's life (``DeviceRun.watched``): a
+        backend, once watched with the thread started, is never dropped from the
+        watchdog's list, and its thread is never replaced."""
+        watchdog = self.watchdog
+        watchdog.watch_backend(backend)  # type: ignore[arg-type]  # (NCCL's: PollsPending)
+        return watchdog.watched is backend
 
     def call_and_remember(self, backend: Backend, quiet: Callable[..., bool], buf: Buffer, red: Any, tensor: Any,
                           op: Any, async_op: bool) -> Work | None:

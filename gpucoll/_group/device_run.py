@@ -4,7 +4,9 @@ backend's Work-less runners (``nccl/quiet.py``), and how the group finds it.
 A group keeps its runs by (address, device, dtype, shape, op name) of the array
 (``Issuer.device_runs``), and, in front of that key, the array it last ran with each
 run (``Issuer.device_seen``, by ``id()``: a weak reference to the array, the op object,
-the run; ``Issuer.saw``). The identity look-up builds no key. Why it stays right: for
+the run; ``Issuer.saw``). The identity look-up builds no key; ``gpucoll.all_reduce`` on
+the default group makes it itself (``_collectives.py``: the same test on the same
+derived dict, one frame fewer). Why it stays right: for
 one CuPy array object, ``data`` (hence the address and device), ``dtype`` and ``size``
 cannot be set; its shape can (``x.shape = ...``: same memory, size and dtype, so the
 same NCCL call; the flight recorder then shows the shape of the run's first op), and
@@ -65,7 +67,7 @@ class DeviceRun:
     empty while any of them asks for the general path)."""
 
     __slots__ = ("backend", "run", "start", "red", "kind", "posted", "stream_of", "device", "legacy",
-                 "legacy_handle", "stream_of_fixed")
+                 "legacy_handle", "stream_of_fixed", "watched")
 
     def __init__(self, backend: Backend, runners: Any, red: Any, desc: Buffer) -> None:
         self.backend = backend
@@ -86,6 +88,9 @@ class DeviceRun:
         self.stream_of_fixed: bool = runners.stream_of_fixed
         self.red = red
         self.kind = Kind(backend.name, desc)  # what the flight recorder shows of each op
+        # Whether the group's watchdog watches the backend (``Issuer.watch_run_backend``):
+        # once true it stays true, as the watchdog never drops a backend it watches.
+        self.watched = False
 
 
     def handle(self, current: Any) -> int | None:

@@ -20,9 +20,7 @@ peer lost: later calls to it fail at once too.
 
 from __future__ import annotations
 
-import collections
 import functools
-import heapq
 import itertools
 import logging
 import os
@@ -35,10 +33,11 @@ from typing import Any, Callable, Iterable
 
 from ..futures import Future
 from . import _local, _wire
-from ._conn import (FLAG_ERROR, FLAG_REPLY, HANDSHAKE_TIMEOUT, LAZY_WAKE, _READ_SLICE_MS, Reply, _Call, _Conn, _outcome,
-                    _sending, _tune, dial_unix, rebuild_error, reply_poller, serve_conn, spin_seconds)
+from ._conn import (FLAG_ERROR, FLAG_REPLY, HANDSHAKE_TIMEOUT, _READ_SLICE_MS, Reply, _Call, _Conn, _outcome,
+                    _tune, dial_unix, rebuild_error, reply_poller, serve_conn, spin_seconds)
 from ._faults import FaultSpec
-from ._info import AgentShutDownError, IntentionalFailureError, MessageType, PeerLostError, RpcTimeoutError, UnknownWorkerError, WorkerInfo, detached
+from ._info import AgentShutDownError, IntentionalFailureError, MessageType, PeerLostError, UnknownWorkerError, WorkerInfo, detached
+from ._timer import Timer
 
 __all__ = ["Agent", "Reply", "FLAG_REPLY", "FLAG_ERROR"]
 
@@ -84,11 +83,7 @@ class Agent:
         self._per_peer: dict[int, int] = {}  # calls pending to each peer (its reader parks at 0)
         self._count_lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._heap: list[tuple[float, int]] = []
-        self._timer_cv = threading.Condition(threading.Lock())
-        # "soon" calls (sent at, id) whose replies nobody may read; connections with deferred frames
-        self._lazy: collections.deque[tuple[float, Any]] = collections.deque()
-        self._lazy_armed = False
+        self.timer = Timer(self)  # calls' timeouts, the lazy sweep
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.idle_threads = 0
         self._slots = threading.BoundedSemaphore(self.num_worker_threads)  # requests running at once
@@ -99,7 +94,7 @@ class Agent:
         if self._threads:
             return
         self._threads = [self._spawn(self._accept_loop, "rpc-accept", self._listener),
-                         self._spawn(self._timer_loop, "rpc-timer")]
+                         self._spawn(self.timer.loop, "rpc-timer")]
         if self._unix_listener is not None:
             self._threads.append(self._spawn(self._accept_loop, "rpc-accept-unix", self._unix_listener))
         self._threads += [self._spawn(self._work_loop, f"rpc-worker-{i}") for i in range(self.num_worker_threads)]
@@ -113,6 +108,10 @@ class Agent:
 
     def worker_info(self, to: Any = None) -> WorkerInfo:
         """The WorkerInfo of a name, an id or a WorkerInfo (None: this worker)."""
+        if type(to) is str:
+            found = self.by_name.get(to)
+            if found is not None:
+                return found
         if to is None:
             return self.info
         if isinstance(to, WorkerInfo):
@@ -152,14 +151,6 @@ class Agent:
         """A worker joined or left: the pickling hooks (device maps per peer) are made anew."""
         self._hooks = {}
 
-    def can_send_here(self, to: int) -> bool:
-        """Whether a finalizer running on this thread may send to worker ``to`` itself (no
-        hand-off to the pool): the connection is up and this thread holds none of the
-        agent's locks a send takes."""
-        here = _sending.__dict__
-        return (not self.closed and to in self._out and not here.get("active") and not here.get("reader")
-                and not self._lock.locked())
-
     # ----- sending ------------------------------------------------------------------------
 
     def resolve_timeout(self, timeout: float) -> float:
@@ -168,8 +159,11 @@ class Agent:
         return t
 
     def send(self, to: WorkerInfo, kind: MessageType, obj: Any, timeout: float = -1.0, what: Any = "",
-             wake: str = "now", into: Any = None) -> Future[Any]:
+             wake: str = "now", into: Any = None, plain: bool = False) -> Future[Any]:
         """Send a request; the future completes with the reply's value or fails with its error.
+
+        ``plain``: ``obj`` holds nothing the pickling hook answers for (no RRef, no device
+        array): it is pickled without the hook.
 
         ``wake`` says who reads the reply: ``"now"`` the connection's reader (woken if parked),
         ``"caller"`` the caller itself, through :meth:`wait` (``rpc_sync``, ``to_here``),
@@ -182,30 +176,33 @@ class Agent:
         if self.closed:
             raise AgentShutDownError(f"RPC has been shut down on {self.info.name}: cannot send {kind.name} to "
                                      f"{to.name}")
-        what = what or kind.name
-        if self.faults is not None and self.faults.should_fail(kind.name):
+        if not what:
+            what = kind.name
+        faults = self.faults
+        if faults is not None and faults.should_fail(kind.name):
             fut.set_exception(IntentionalFailureError(f"Send attempt failed intentionally for {kind.name}"))
             return fut
-        data, bufs = _wire.dumps(obj, self.pickle_hook(to.id))
-        timeout = self.resolve_timeout(timeout)
+        peer = to.id
+        if plain:
+            data, bufs = _wire.dumps(obj)
+        else:
+            hook = self._hooks.get(peer, _NO_HOOK)
+            data, bufs = _wire.dumps(obj, self.pickle_hook(peer) if hook is _NO_HOOK else hook)
+        timeout = self.timeout if timeout is None or timeout < 0 else float(timeout)
         mid = next(self._ids)
         if into is not None:
             into.mid = mid
-        call = _Call(fut, to.id, what, timeout)
         with self._count_lock:
-            self._per_peer[to.id] = self._per_peer.get(to.id, 0) + 1
-        self._pending[mid] = call
+            self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
+        self._pending[mid] = _Call(fut, peer, what, timeout)
         if timeout > 0:
-            self._at(time.monotonic() + timeout, mid)
+            self.timer.deadline(timeout, mid)
         if wake == "soon":
-            now = time.monotonic()
-            self._lazy.append((now, mid))
-            if not self._lazy_armed:
-                with self._timer_cv:
-                    if not self._lazy_armed:
-                        self._lazy_armed = True
-                        self._push(now + LAZY_WAKE, 0)
-        delay = self.faults.delay(kind.name) if self.faults is not None else 0.0
+            clock = self.timer
+            clock.lazy.append((time.monotonic(), mid))
+            if not clock.lazy_armed:
+                clock.arm_lazy(True)
+        delay = faults.delay(kind.name) if faults is not None else 0.0
         if delay > 0:
             timer = threading.Timer(delay, self._transmit, (to, kind, mid, data, bufs, False))
             timer.daemon = True
@@ -216,62 +213,10 @@ class Agent:
             # messages wait for the next frame.
             self._transmit(to, kind, mid, data, bufs, defer=wake == "soon" and kind is not MessageType.PYTHON_REMOTE_CALL)
         if wake == "now":
-            conn = self._out.get(to.id)
+            conn = self._out.get(peer)
             if conn is not None and conn.parked:
                 conn.wake()
         return fut
-
-    def _at(self, when: float, key: int) -> None:
-        """Put ``key`` on the timer: a call's id (its timeout), or 0 (the lazy sweep)."""
-        with self._timer_cv:
-            self._push(when, key)
-
-    def _push(self, when: float, key: int) -> None:
-        """:meth:`_at`, holding the timer's lock."""
-        heap = self._heap
-        if len(heap) > 4096 and len(heap) > 4 * len(self._pending):
-            # Calls that completed long before their deadline: drop their entries.
-            heap[:] = [e for e in heap if e[1] == 0 or e[1] in self._pending]
-            heapq.heapify(heap)
-        heapq.heappush(heap, (when, key))
-        if heap[0][1] == key:
-            self._timer_cv.notify()
-
-    def flush_soon(self, conn: Any) -> None:
-        """Write ``conn``'s deferred frames (or call its ``flush()``) within ``2 * LAZY_WAKE``."""
-        self._lazy.append((time.monotonic(), conn))
-        if not self._lazy_armed:
-            with self._timer_cv:
-                if not self._lazy_armed:
-                    self._lazy_armed = True
-                    self._push(time.monotonic() + LAZY_WAKE, 0)
-
-    def _sweep_lazy(self) -> None:
-        lazy, pending = self._lazy, self._pending
-        cutoff = time.monotonic() - LAZY_WAKE * 0.99
-        while lazy and not isinstance(lazy[0][1], int) or lazy and lazy[0][0] <= cutoff:
-            item = lazy.popleft()[1]
-            if not isinstance(item, int):  # a connection, or anything else with a flush()
-                try:
-                    item.flush()
-                except OSError:  # the connection broke: its reader says so to the calls
-                    pass
-                continue
-            late = pending.get(item)
-            conn = self._out.get(late.peer) if late is not None else None
-            if conn is not None and conn.parked:
-                conn.wake()
-        while lazy and lazy[0][0] <= cutoff:
-            late = pending.get(lazy.popleft()[1])
-            conn = self._out.get(late.peer) if late is not None else None
-            if conn is not None and conn.parked:
-                conn.wake()
-        self._lazy_armed = False
-        if lazy:  # younger ones: look again in LAZY_WAKE (a send may have re-armed already)
-            with self._timer_cv:
-                if not self._lazy_armed:
-                    self._lazy_armed = True
-                    self._push(time.monotonic() + LAZY_WAKE, 0)  # at most one sweep per LAZY_WAKE
 
     def _pop(self, mid: int) -> _Call | None:
         """Take a pending call (its reply came, it timed out or failed); None if gone already."""
@@ -291,9 +236,6 @@ class Agent:
         conn = self._out.get(to)
         if conn is None or fut.done() or not conn.role.acquire(blocking=False):
             return _outcome(fut)
-        here = _sending.__dict__
-        was = here.get("reader")
-        here["reader"] = True  # a finalizer run while we read hands its sends off
         try:
             if not conn.closed:
                 self._read(conn, fut)
@@ -304,8 +246,6 @@ class Agent:
             conn.role.release()
             if self._per_peer.get(conn.peer) and conn.parked:
                 conn.wake()  # others' replies are still to come: the reader reads them
-        finally:
-            here["reader"] = was
         return _outcome(fut)
 
     def _read(self, conn: _Conn, fut: Future[Any] | None) -> None:
@@ -345,7 +285,7 @@ class Agent:
                 raise PeerLostError(reason)
             conn = self._conn_to(to)
             if conn.send(kind, 0, mid, data, bufs, defer):
-                self.flush_soon(conn)
+                self.timer.flush_soon(conn)
         except (OSError, EOFError, PeerLostError, AgentShutDownError) as e:
             call = self._pop(mid)
             if call is not None:
@@ -395,7 +335,6 @@ class Agent:
         """The connection's reader: reads replies while calls to the peer are pending and no
         caller reads for itself; parked otherwise, watching for the peer's hang-up (a worker
         that exits or is killed is noticed at once, pending calls or not) and for a wake."""
-        _sending.reader = True  # a reader never sends for a finalizer: it must keep reading
         poller = select.poll()
         poller.register(conn.sock, select.POLLRDHUP)
         poller.register(conn.wake_r, select.POLLIN)
@@ -491,30 +430,6 @@ class Agent:
                                          f"and {self.active_server} being served after the timeout")
             time.sleep(0.002)
 
-    # ----- timeouts -----------------------------------------------------------------------
-
-    def _timer_loop(self) -> None:
-        cv = self._timer_cv
-        while not self.closed:
-            with cv:
-                now = time.monotonic()
-                due = []
-                while self._heap and self._heap[0][0] <= now:
-                    due.append(heapq.heappop(self._heap)[1])
-                if not due:
-                    cv.wait(None if not self._heap else self._heap[0][0] - now)
-                    continue
-            for mid in due:
-                if mid == 0:  # the lazy sweep: a "soon" call unread for LAZY_WAKE has its reader woken
-                    self._sweep_lazy()
-                    continue
-                call = self._pop(mid)
-                if call is not None:
-                    self._finish(call.fut, None, RpcTimeoutError(
-                        f"RPC ran for more than set timeout ({call.timeout * 1000:.0f} ms) and will now be marked "
-                        f"with an error: {call.what} to {self.by_id.get(call.peer, call.peer)}"))
-            call = None  # what the callbacks held (an RRef among them) is not kept alive by this loop
-
     # ----- serving ------------------------------------------------------------------------
 
     def _accept_loop(self, listener: socket.socket) -> None:
@@ -571,8 +486,8 @@ class Agent:
             listener.close()  # an abstract Unix name is gone with its socket: no file to remove
         for c in conns:
             c.close()
-        with self._timer_cv:
-            self._timer_cv.notify()
+        with self.timer.cv:
+            self.timer.cv.notify()
         for _ in range(self.num_worker_threads):
             self._jobs.put(None)
         self.fail_pending(lambda c: True, lambda c: AgentShutDownError(

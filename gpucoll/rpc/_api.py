@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import traceback
+from types import FunctionType
 from typing import Any, Callable
 
 from ..futures import Future, collect_all
@@ -52,8 +53,11 @@ def install(agent: Agent) -> None:
             device_map = agent.device_maps.get(dst.name) or _devices.inverse(theirs)
 
         def hook(obj: Any) -> Any:
-            if type(obj) is RRef:
+            t = type(obj)
+            if t is RRef:
                 return ctx.reduce(obj, peer)
+            if t is FunctionType:  # (pickled by its name)
+                return NotImplemented
             return _devices.reduce(obj, device_map, dst)
         return hook
 
@@ -72,16 +76,28 @@ def _get_current_rpc_agent() -> Agent:
 # ----- calls --------------------------------------------------------------------------------
 
 
+class _What:
+    """A call's name in its errors (``"PYTHON_CALL module.function"``), written out only
+    when one is raised: formatting it costs more than the rest of the request's bookkeeping."""
+
+    __slots__ = ("kind", "func")
+
+    def __init__(self, kind: M, func: Any) -> None:
+        self.kind, self.func = kind, func
+
+    def __str__(self) -> str:
+        return f"{self.kind.name} {getattr(self.func, '__qualname__', repr(self.func))}"
+
+
 def _call(to: Any, kind: M, func: Any, args: Any, kwargs: Any, timeout: float, extra: tuple[Any, ...] = (),
           wake: str = "now", into: Any = None) -> tuple[Agent, WorkerInfo, Future[Any]]:
     if not callable(func):
         raise TypeError("function should be callable.")
     agent = current()
     info = agent.worker_info(to)
-    what = f"{kind.name} {getattr(func, '__qualname__', repr(func))}"
     fut = _deletes.send(agent.rrefs, info, kind,  # type: ignore[attr-defined]  # (deletions queued for the callee go first)
                         (func, tuple(args) if args else (), dict(kwargs) if kwargs else {}, *extra),
-                        timeout, what, wake, into)
+                        timeout, _What(kind, func), wake, into)
     return agent, info, fut
 
 
@@ -149,22 +165,38 @@ def remote(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = No
         owner_done.inline = True  # type: ignore[attr-defined]  # never blocks: run on the reader
         fut.add_done_callback(owner_done)
     else:
-        rref = ctx.new_user(info, ctx.new_id(), ctx.new_id())
-        try:
-            _, _, fut = _call(info, M.PYTHON_REMOTE_CALL, func, args, kwargs, timeout, (rref._rref_id, rref._fork_id),
-                              wake="soon", into=_hurry.Asked(agent, info.id))
+        rref_id, fork_id = ctx.new_id(), ctx.new_id()
+        rref = ctx.new_user(info, rref_id, fork_id, waited=False)
+        fut = _hurry.Asked(agent, info.id)
+        fut._callbacks = [_UserDone(rref)]  # (a future nobody else has seen yet: no lock needed)
+        try:  # (deletions queued for the owner go first)
+            _deletes.send(ctx, info, M.PYTHON_REMOTE_CALL, (func, tuple(args) if args else (),
+                          dict(kwargs) if kwargs else {}, rref_id, fork_id), timeout,
+                          _What(M.PYTHON_REMOTE_CALL, func), "soon", fut,
+                          type(func) is FunctionType and not args and not kwargs)  # (plain: no hook to ask)
         except BaseException:
-            ctx.confirm_user(rref._fork_id)  # type: ignore[arg-type]
+            fut._callbacks = None
+            ctx.confirm_user(fork_id)
             rref._deleted_on_owner = True
             raise
-
-        def user_done(f: Future[Any]) -> None:
-            _mark_timeout(rref, f)
-            ctx.confirm_user(rref._fork_id)  # type: ignore[arg-type]
-        user_done.inline = True  # type: ignore[attr-defined]  # never blocks: run on the reader
-        fut.add_done_callback(user_done)
     rref._creation = fut
     return rref
+
+
+class _UserDone:
+    """``remote()``'s creation reply on a user: the RRef is confirmed (or marked timed out)."""
+
+    __slots__ = ("rref",)
+    inline = True  # never blocks: run on the reader
+
+    def __init__(self, rref: RRef[Any]) -> None:
+        self.rref = rref
+
+    def __call__(self, f: Future[Any]) -> None:
+        rref = self.rref
+        if f._error is not None:
+            _mark_timeout(rref, f)
+        rref._ctx.confirm_user(rref._fork_id)  # type: ignore[arg-type]
 
 
 def _mark_timeout(rref: RRef[Any], f: Future[Any]) -> None:
@@ -206,36 +238,48 @@ def _guarded(fn: Callable[[Any], None], arg: Any, reply: Reply) -> None:
         reply.fail(e)
 
 
-def _run(func: Callable[..., Any], args: Any, kwargs: Any, done: Callable[[Future[Any]], None]) -> None:
-    """Run a user function; ``done`` gets a future of its outcome (async_execution: the function's own)."""
-    out: Future[Any] = Future()
+class _Outcome:
+    """A function's outcome as ``done`` reads a completed future (``_value``, ``_error``,
+    ``value()``), without a future's lock and callbacks: the common synchronous function's."""
+
+    __slots__ = ("_value", "_error")
+
+    def __init__(self, value: Any, error: BaseException | None) -> None:
+        self._value, self._error = value, error
+
+    def value(self) -> Any:
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def _run(func: Callable[..., Any], args: Any, kwargs: Any, done: Callable[[Any], None]) -> None:
+    """Run a user function; ``done`` gets its outcome, as a completed future (async_execution:
+    the function's own future, once it completes)."""
     try:
         value = func(*args, **kwargs)
     except BaseException as e:  # noqa: BLE001 -- the caller gets it, with this traceback
         e.__traceback__ = e.__traceback__.tb_next if e.__traceback__ is not None else None
         # The traceback goes as text; the frames go now (they hold the call's arguments, RRefs
         # among them, which must be deleted when the call ends, not when the GC finds the cycle
-        # the frames make with ``out``).
+        # the frames make with the outcome).
         try:
             setattr(e, REMOTE_TRACEBACK, "".join(traceback.format_exception(e)))
         except AttributeError:  # an exception without a __dict__: its frames are kept
             pass
         else:
             detached(e)
-        out.set_exception(e)
-        done(out)
+        done(_Outcome(None, e))
         return
     if _is_async(func):
         if not isinstance(value, Future):
-            out.set_exception(AsyncReturnTypeError(
+            done(_Outcome(None, AsyncReturnTypeError(
                 f"Functions decorated with @rpc.async_function must return a gpucoll.futures.Future object, but got "
-                f"{type(value)} from {getattr(func, '__qualname__', func)}"))
-            done(out)
+                f"{type(value)} from {getattr(func, '__qualname__', func)}")))
             return
         value.add_done_callback(done)
         return
-    out.set_result(value)
-    done(out)
+    done(_Outcome(value, None))
 
 
 def _on_call(src: int, payload: Any, reply: Reply) -> None:
@@ -251,14 +295,16 @@ def _on_remote_call(src: int, payload: Any, reply: Reply) -> None:
         if rref_id != fork_id:
             ctx.add_fork(rref_id, fork_id)
 
-        def done(f: Future[Any]) -> None:
+        def done(f: Any) -> None:
             # The creation ack is queued first (it is deferred), so that a fetch answered by
-            # the value's completion below carries it in the same write.
-            reply.ok(None)
-            try:
-                owner._value._try_complete(f.value(), None)
-            except BaseException as e:  # noqa: BLE001 -- to_here() raises it
-                owner._value._try_complete(None, e)
+            # the value's completion below carries it in the same write; only if none did
+            # (no fetch waited) is the connection flushed within 2 * LAZY_WAKE.
+            reply.ok(None, soon=False)
+            error = f._error
+            owner._value._try_complete(f._value if error is None else None, error)
+            conn = reply.conn
+            if conn is not None and conn.outbox:
+                reply.agent.timer.flush_soon(conn)
         _run(func, args, kwargs, done)
     _decode_call(payload, start, reply)
 

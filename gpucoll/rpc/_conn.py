@@ -156,11 +156,7 @@ class _Conn:
                 return len(self.outbox) == len(parts)
             if self.outbox:
                 parts, self.outbox = self.outbox + parts, []
-            _sending.active = True  # a finalizer run by the GC in here must not send on this thread
-            try:
-                _wire.send_parts(self.sock, parts)
-            finally:
-                _sending.active = False
+            _wire.send_parts(self.sock, parts)
             return False
 
     def hurry(self, mid: int) -> None:
@@ -177,11 +173,7 @@ class _Conn:
         with self.lock:
             if self.outbox and not self.closed:
                 parts, self.outbox = self.outbox, []
-                _sending.active = True
-                try:
-                    _wire.send_parts(self.sock, parts)
-                finally:
-                    _sending.active = False
+                _wire.send_parts(self.sock, parts)
 
     def close(self) -> None:
         self.closed = True
@@ -247,7 +239,6 @@ def await_follow(conn: _Conn, budget_s: float) -> None:
             return
 
 
-_sending = threading.local()  # .active: this thread holds a connection's send lock; .reader: a reader
 
 
 def _tune(sock: socket.socket) -> None:
@@ -301,9 +292,12 @@ class Reply:
     def __init__(self, agent: Any, conn: _Conn | None, mid: int, kind: MessageType) -> None:
         self.agent, self.conn, self.mid, self.kind, self.done = agent, conn, mid, kind, False
 
-    def ok(self, value: Any) -> None:
+    def ok(self, value: Any, soon: bool = True) -> None:
+        """Answer with ``value``. A reply that waits for the connection's next write (a
+        control message's, ``remote()``'s) goes within ``2 * LAZY_WAKE`` at the latest,
+        unless not ``soon``: then the caller flushes the connection (or sees it written)."""
         if value is None:  # most control replies and no-op calls: no pickling at all
-            self._send(0, _NONE_PICKLE, [])
+            self._send(0, _NONE_PICKLE, [], soon)
             return
         try:
             data, bufs = _wire.dumps(value, self.agent.pickle_hook(self.conn.peer if self.conn else None))
@@ -332,7 +326,7 @@ class Reply:
         else:
             self.ok(fut._value)
 
-    def _send(self, flags: int, data: Any, bufs: list[Any]) -> None:
+    def _send(self, flags: int, data: Any, bufs: list[Any], soon: bool = True) -> None:
         if self.done:
             return
         self.done = True
@@ -343,8 +337,8 @@ class Reply:
             self.agent.on_reply(self.mid, flags, data, [bytearray(b) for b in bufs])
             return
         try:
-            if self.conn.send(self.kind, flags | FLAG_REPLY, self.mid, data, bufs, self.kind in LAZY_REPLIES):
-                self.agent.flush_soon(self.conn)
+            if self.conn.send(self.kind, flags | FLAG_REPLY, self.mid, data, bufs, self.kind in LAZY_REPLIES) and soon:
+                self.agent.timer.flush_soon(self.conn)
         except OSError as e:
             _log.debug("could not reply to worker id %d: %s", self.conn.peer, e)
 
@@ -409,7 +403,6 @@ def _serve(agent: Any, conn: _Conn) -> None:
     itself: no thread is woken to take the reading over, and none hands the request to
     the pool. Otherwise requests go to the pool and it reads on. Either way at most
     ``num_worker_threads`` requests run at once, and the connection is always read."""
-    here = _sending.__dict__
     ep, fd = conn.ep, conn.sock.fileno()
     try:  # (conn.threads counts this thread already: its starter counted it)
         while True:
@@ -434,7 +427,6 @@ def _serve(agent: Any, conn: _Conn) -> None:
             with conn.role:
                 if handed and len(events) == 1 and not conn.reader.buffered():
                     continue  # read already
-                here["reader"] = True
                 try:
                     request = _read_requests(agent, conn)
                     more = conn.reader.buffered()
@@ -446,8 +438,6 @@ def _serve(agent: Any, conn: _Conn) -> None:
                         agent._incoming.discard(conn)
                     conn.close()
                     return
-                finally:
-                    here["reader"] = False
             try:
                 ep.modify(fd, _ARMED)  # whoever waits reads on
             except OSError:  # closed meanwhile: the wake pipe says so to the other thread

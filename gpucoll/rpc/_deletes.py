@@ -51,6 +51,7 @@ class Flush:
         ctx, owner = self.ctx, self.owner
         agent = ctx.agent
         with ctx.lock:
+            ctx.flushing.discard(owner.id)  # (a deletion from now on queues a Flush again)
             batch = ctx.deletes.pop(owner.id, None)
         if not batch or agent.closed:
             return
@@ -62,15 +63,17 @@ class Flush:
         conn.flush()  # now: this is the timer's sweep already
 
 
-def send(ctx: Any, to: WorkerInfo, *args: Any) -> Future[Any]:
-    """``ctx.agent.send(to, *args)`` (a request to ``to``), with the deletions queued for
+def send(ctx: Any, to: WorkerInfo, kind: M, obj: Any, timeout: float, what: Any, wake: str = "now", into: Any = None,
+         plain: bool = False) -> Future[Any]:
+    """``ctx.agent.send(to, ...)`` (a request to ``to``), with the deletions queued for
     ``to`` written first, as an unanswered frame in the same ``sendmsg``."""
-    carried = to.id in ctx.deletes and _carry(ctx, to)
-    try:
-        return ctx.agent.send(to, *args)  # type: ignore[no-any-return]
-    finally:
-        if carried:
-            _sent(ctx, to)
+    if to.id not in ctx.deletes or not _carry(ctx, to):
+        return ctx.agent.send(to, kind, obj, timeout, what, wake, into, plain)  # type: ignore[no-any-return]
+    try:  # (these requests are never deferred: their write takes the deletions too)
+        return ctx.agent.send(to, kind, obj, timeout, what, wake, into, plain)  # type: ignore[no-any-return]
+    except BaseException:
+        _sent(ctx, to)
+        raise
 
 
 def _carry(ctx: Any, to: WorkerInfo) -> bool:
@@ -84,22 +87,22 @@ def _carry(ctx: Any, to: WorkerInfo) -> bool:
         batch = ctx.deletes.pop(to.id, None)
     if not batch:
         return False
-    data, bufs = _wire.dumps(batch)
-    try:
-        conn.send(M.RREF_USER_DELETE, 0, 0, data, bufs, True)
-    except OSError:  # a broken connection: the owner is lost (see _sent())
-        return False
+    data, _ = _wire.dumps(batch)
+    parts = _wire.frame_parts(M.RREF_USER_DELETE, 0, 0, data, [])
+    with conn.lock:
+        if conn.closed:  # a broken connection: the owner is lost (see _sent())
+            return False
+        conn.outbox += parts  # (written by the request's sendmsg, first)
     return True
 
 
 def _sent(ctx: Any, to: WorkerInfo) -> None:
-    """After the request that carried a batch was handed to the agent (or its send raised):
-    a frame still on the outbox (a request that failed or was delayed before its write)
-    is written soon. Only a broken connection loses it, and then the owner is lost: its
+    """After the request that carried a batch raised before its write: a frame still on
+    the outbox is written soon. Only a broken connection loses it, and then the owner is lost: its
     RRefs go with it, and calls to it fail at once, deletions sent alone included."""
     conn = ctx.agent._out.get(to.id)
     if conn is not None and conn.outbox:
-        ctx.agent.flush_soon(conn)
+        ctx.agent.timer.flush_soon(conn)
 
 
 def send_all(ctx: Any) -> list[Future[Any]]:

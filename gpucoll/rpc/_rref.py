@@ -70,7 +70,7 @@ class RRef(Generic[T]):
     _owner: WorkerInfo
     _rref_id: Id
     _fork_id: Id | None
-    _value: Future[Any]
+    _value: Future[Any]  # (on the owner; a user's is None)
     _confirmed: bool
     _timed_out: bool
     _deleted_on_owner: bool
@@ -148,7 +148,7 @@ class RRef(Generic[T]):
         ctx, owner = self._ctx, self._owner
         agent = ctx.agent
         fut = _deletes.send(ctx, owner, M.PYTHON_RREF_FETCH_CALL, (self._rref_id, agent.info.id), timeout,
-                            _Fetch(self), "caller")  # (deletions queued for the owner go first)
+                            _Fetch(self), "caller", None, True)  # (deletions queued for the owner go first)
         return agent.wait(fut, owner.id)  # type: ignore[no-any-return]
 
     def _get_type(self, timeout: float = -1.0, blocking: bool = True) -> Any:
@@ -215,13 +215,8 @@ class RRef(Generic[T]):
     def __del__(self) -> None:
         fork_id = getattr(self, "_fork_id", None)
         if fork_id is not None and not self._deleted_on_owner:
-            ctx, owner, rref_id = self._ctx, self._owner, self._rref_id
-            try:
-                if ctx.agent.can_send_here(owner.id):
-                    # Sent from this thread: no hand-off to a pool thread for every deleted RRef.
-                    ctx.delete_user(owner, rref_id, fork_id)
-                else:  # the GC ran this inside a send, or the connection is not up: a pool thread sends it
-                    ctx.agent.submit(lambda: ctx.delete_user(owner, rref_id, fork_id))
+            try:  # (only queued here, for the next request to the owner: safe on any thread, see delete_user)
+                self._ctx.delete_user(self._owner, self._rref_id, fork_id)
             except Exception:  # noqa: BLE001 -- interpreter teardown
                 pass
 
@@ -270,8 +265,11 @@ class RRefContext:
         self.pending_users: dict[Id, RRef[Any]] = {}
         self.pending_user_futs: dict[Id, Future[None]] = {}
         self.pending_children: dict[Id, RRef[Any]] = {}
-        self.confirmed_users: weakref.WeakValueDictionary[Id, RRef[Any]] = weakref.WeakValueDictionary()
+        # confirmed user RRefs, held weakly (their deletion takes them out)
+        self.confirmed_users: dict[Id, weakref.ref[RRef[Any]]] = {}
+        self.waiting = 0  # threads waiting on ``changed`` (nobody is notified otherwise)
         self.deletes: dict[int, list[tuple[Id, Id]]] = {}  # per owner: user deletions not sent yet
+        self.flushing: set[int] = set()  # owners whose deletions the agent's lazy sweep sends (one Flush each)
         self.proxy_factory: Callable[[RRef[Any], str, float], Any] = _no_proxy
         for kind, fn in ((M.PYTHON_RREF_FETCH_CALL, self._on_fetch), (M.RREF_USER_DELETE, self._on_user_delete),
                          (M.RREF_FORK_REQUEST, self._on_fork_request), (M.RREF_CHILD_ACCEPT, self._on_child_accept),
@@ -298,7 +296,8 @@ class RRefContext:
                 rref = RRef._new_owner(self, rref_id)
                 self.owners[rref_id] = rref
             waiting = self.pending_owners.pop(rref_id, None)
-            self.changed.notify_all()
+            if self.waiting:
+                self.changed.notify_all()
         if waiting is not None:
             waiting._try_complete(rref, None)
         return rref
@@ -329,7 +328,8 @@ class RRefContext:
             if not forks:
                 del self.forks[rref_id]
                 self.owners.pop(rref_id, None)
-            self.changed.notify_all()
+            if self.waiting:
+                self.changed.notify_all()
 
     def add_self_as_fork(self, rref: RRef[Any]) -> None:
         with self.lock:
@@ -338,35 +338,50 @@ class RRefContext:
 
     # ----- users ----------------------------------------------------------------------------
 
-    def new_user(self, owner: WorkerInfo, rref_id: Id, fork_id: Id) -> RRef[Any]:
-        rref: RRef[Any] = RRef(_user=(owner, rref_id, fork_id))
+    def new_user(self, owner: WorkerInfo, rref_id: Id, fork_id: Id, waited: bool = True) -> RRef[Any]:
+        """A pending user RRef; ``waited``: with a future of its confirmation
+        (``pending_user_futs``: a call that has it among its arguments waits for it)."""
+        rref: RRef[Any] = RRef.__new__(RRef)
+        rref._ctx, rref._timed_out, rref._deleted_on_owner, rref._creation = self, False, False, None
+        rref._owner, rref._rref_id, rref._fork_id, rref._confirmed = owner, rref_id, fork_id, False
+        rref._value = None  # type: ignore[assignment]  # (a user's value is fetched: to_here())
         with self.lock:
             self.pending_users[fork_id] = rref
-            self.pending_user_futs[fork_id] = Future()
+            if waited:
+                self.pending_user_futs[fork_id] = Future()
         return rref
 
     def confirm_user(self, fork_id: Id) -> None:
         with self.lock:
             rref = self.pending_users.pop(fork_id, None)
-            fut = self.pending_user_futs.pop(fork_id, None)
+            fut = self.pending_user_futs.pop(fork_id, None) if self.pending_user_futs else None
             if rref is not None:
                 rref._confirmed = True
-                self.confirmed_users[fork_id] = rref
-            self.changed.notify_all()
+                self.confirmed_users[fork_id] = weakref.ref(rref)
+            if self.waiting:
+                self.changed.notify_all()
         if fut is not None:
             fut._try_complete(None, None)
 
     def delete_user(self, owner: WorkerInfo, rref_id: Id, fork_id: Id) -> None:
-        """A user RRef was deleted: queue its RREF_USER_DELETE for the owner (see :mod:`._deletes`)."""
+        """A user RRef was deleted: queue its RREF_USER_DELETE for the owner (see :mod:`._deletes`).
+
+        Called by the RRef's finalizer, on whichever thread the garbage collector runs it,
+        possibly inside any of the library's own code: it takes no lock but the context's
+        (reentrant) and, without blocking, the timer's (:meth:`gpucoll.rpc._timer.Timer.flush_soon`)."""
         with self.lock:
             self.confirmed_users.pop(fork_id, None)
             if self.agent.closed:
                 return
-            batch = self.deletes.setdefault(owner.id, [])
+            batch = self.deletes.get(owner.id)
+            if batch is None:
+                batch = self.deletes[owner.id] = []
             batch.append((rref_id, fork_id))
-            first = len(batch) == 1
-        if first:  # sent with the next request to the owner, or on its own within 2 * LAZY_WAKE
-            self.agent.flush_soon(_deletes.Flush(self, owner))
+            flush = owner.id not in self.flushing
+            if flush:
+                self.flushing.add(owner.id)
+        if flush:  # sent with the next request to the owner, or on its own within 2 * LAZY_WAKE
+            self.agent.timer.flush_soon(_deletes.Flush(self, owner), False)
 
     # ----- forking: pickling and unpickling an RRef -----------------------------------------
 
@@ -394,7 +409,7 @@ class RRefContext:
             user: RRef[Any] = RRef(_user=(owner, rref_id, fork_id))
             user._confirmed = True
             with self.lock:
-                self.confirmed_users[fork_id] = user
+                self.confirmed_users[fork_id] = weakref.ref(user)
             return user
         user = self.new_user(owner, rref_id, fork_id)
         recording = getattr(_state, "pending", None)
@@ -460,6 +475,10 @@ class RRefContext:
 
     def _on_fetch(self, src: int, payload: Any, reply: Any) -> None:
         rref_id, _ = _wire.loads(*payload)
+        owner = self.owners.get(rref_id)  # (a dict look-up is atomic; owners are only ever added under the lock)
+        if owner is not None:
+            owner._value.add_done_callback(reply.from_future)
+            return
         self.owner_future(rref_id).add_done_callback(
             lambda f: f.value()._value.add_done_callback(reply.from_future))
 
@@ -481,7 +500,8 @@ class RRefContext:
         fork_id = _wire.loads(*payload)
         with self.lock:
             self.pending_children.pop(fork_id, None)
-            self.changed.notify_all()
+            if self.waiting:
+                self.changed.notify_all()
         reply.ok(None)
 
     # ----- shutdown -------------------------------------------------------------------------
@@ -491,11 +511,15 @@ class RRefContext:
         children, delete every user RRef, then wait for our owners to lose their forks."""
         deadline = time.monotonic() + timeout
         with self.lock:
-            if not self.changed.wait_for(lambda: not self.pending_users and not self.pending_children,
-                                         max(deadline - time.monotonic(), 0)):
-                _log.error("Timed out waiting for pending UserRRefs to be confirmed by owner and parent.")
-            users = list(self.confirmed_users.items())
-            self.confirmed_users = weakref.WeakValueDictionary()
+            self.waiting += 1
+            try:
+                if not self.changed.wait_for(lambda: not self.pending_users and not self.pending_children,
+                                             max(deadline - time.monotonic(), 0)):
+                    _log.error("Timed out waiting for pending UserRRefs to be confirmed by owner and parent.")
+            finally:
+                self.waiting -= 1
+            users = [(f, r) for f, r in ((f, ref()) for f, ref in self.confirmed_users.items()) if r is not None]
+            self.confirmed_users = {}
         sent = _deletes.send_all(self)  # deletions still queued go first
         for fork_id, rref in users:
             if not rref._deleted_on_owner:
@@ -505,8 +529,12 @@ class RRefContext:
         with self.lock:
             for rref_id in [r for r in self.owners if r not in self.forks]:
                 del self.owners[rref_id]
-            self.changed.wait_for(lambda: not self.owners and not self.pending_owners,
-                                  max(deadline - time.monotonic(), 0))
+            self.waiting += 1
+            try:
+                self.changed.wait_for(lambda: not self.owners and not self.pending_owners,
+                                      max(deadline - time.monotonic(), 0))
+            finally:
+                self.waiting -= 1
 
     def leaks(self) -> list[str]:
         with self.lock:

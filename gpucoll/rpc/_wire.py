@@ -36,6 +36,7 @@ __all__ = ["HEADER", "MAX_BUFFERS", "FrameError", "FrameReader", "frame_parts", 
            "listen_handshake", "rpc_key", "dumps", "loads"]
 
 HEADER = struct.Struct("<4sBBHQQ")
+_HEAD = HEADER.size
 MAGIC = b"GRPC"
 HANDSHAKE_MAGIC = b"GPCRPC01"
 MAX_BUFFERS = 4096
@@ -93,10 +94,13 @@ def listen_handshake(sock: socket.socket, key: bytes, me: int, secret: bool,
 
 def frame_parts(kind: int, flags: int, mid: int, data: bytes | memoryview, bufs: list[Any]) -> list[Any]:
     """One frame as the buffers ``sendmsg`` writes: header, pickle, out-of-band buffers."""
+    if type(data) is not bytes:
+        data = memoryview(data).cast("B")  # (len: its size in bytes, for send_parts)
+    if not bufs:
+        return [HEADER.pack(MAGIC, kind, flags, 0, mid, len(data)), data]
     views = [_flat(b) for b in bufs]
     head = HEADER.pack(MAGIC, kind, flags, len(views), mid, len(data))
-    if views:
-        head += struct.pack(f"<{len(views)}Q", *(v.nbytes for v in views))
+    head += struct.pack(f"<{len(views)}Q", *(v.nbytes for v in views))
     return [head, data, *views]
 
 
@@ -110,9 +114,8 @@ def send_frame(sock: socket.socket, kind: int, flags: int, mid: int, data: bytes
 def send_parts(sock: socket.socket, parts: list[Any]) -> None:
     """Write frames' parts (:func:`frame_parts`, one or more frames) with one ``sendmsg``
     where the kernel takes it all."""
-    total = sum(memoryview(p).nbytes for p in parts)
     sent = sock.sendmsg(parts[:_IOV_MAX])
-    if sent == total:
+    if sent == sum(map(len, parts)):  # (bytes, and memoryviews of unsigned bytes: len is the size)
         return
     # A partial write (a full socket buffer, or more parts than one call takes): go on from there.
     rest = [memoryview(p).cast("B") for p in parts]
@@ -128,7 +131,8 @@ def send_parts(sock: socket.socket, parts: list[Any]) -> None:
 
 
 def _flat(b: Any) -> memoryview:
-    """A buffer as contiguous bytes (a PickleBuffer's ``raw()``; empty arrays included)."""
+    """A buffer as contiguous unsigned bytes, format ``"B"`` (a PickleBuffer's ``raw()``;
+    empty arrays included): its ``len`` is its size in bytes."""
     if isinstance(b, pickle.PickleBuffer):
         return b.raw()
     m = memoryview(b)
@@ -218,6 +222,15 @@ class FrameReader:
             FrameError: bad magic, too many buffers, or more bytes than allowed.
             EOFError: the peer closed the connection.
         """
+        if len(self.buf) - self.pos < _HEAD:
+            self._fill(_HEAD)  # (what the socket holds: often the whole frame, and more)
+        buf, pos = self.buf, self.pos
+        # The common case: a small frame without buffers, all of it received.
+        magic, kind, flags, nbufs, mid, length = HEADER.unpack_from(buf, pos)
+        end = pos + _HEAD + length
+        if not nbufs and len(buf) >= end and magic == MAGIC and length < _DIRECT and length <= self.max_frame_bytes:
+            self.pos = end
+            return kind, flags, mid, buf[pos + _HEAD:end], []
         magic, kind, flags, nbufs, mid, length = HEADER.unpack(self._take(HEADER.size))
         if magic != MAGIC:
             raise FrameError(f"a frame with a bad magic {magic!r}")

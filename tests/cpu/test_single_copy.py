@@ -2,7 +2,7 @@
 
 Checked: results bit for bit against the NumPy oracle at world sizes 2-4 for every kind
 of fold the path takes (plain ufuncs, AVG of floats and integers, low-precision floats,
-PREMUL_SUM; ranks >= 2 fold through a scratch block), that ops past ``CMA_MIN_BYTES``
+PREMUL_SUM; ranks >= 2 fold through rank 0's scratch chunk, or a scratch block when widening), that ops past ``CMA_MIN_BYTES``
 do read the peers' memory and smaller ones do not, and the fallback to the segment's
 copies when one rank refuses (``GPUCOLL_CPU_CMA=0``) or the kernel says EPERM: every rank
 then takes the other algorithm alike, with the same results; and per op, when one rank's

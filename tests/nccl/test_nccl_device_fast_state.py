@@ -197,3 +197,87 @@ def test_the_identity_cache_never_serves_another_op_or_a_dead_arrays_run(
 
     assert run_groups(2, body, monkeypatch) == [[], []]
     assert run_device_calls, "no op went through a run"
+
+
+def test_the_module_function_reads_the_same_derived_state(
+        run_device_calls: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    # gpucoll.all_reduce(x) on the default group makes ProcessGroup.all_reduce's identity
+    # look-up itself (gpucoll/_collectives.py): it takes the hot path exactly when the
+    # group would, and leaves it for every writer the group's own look-up obeys.
+    from test_nccl_per_op_counts import _world
+
+    worlds = _world(monkeypatch, "0")
+    _, rt, x, _backend = next(worlds)
+    try:
+        from gpucoll._world import default_group
+        pg = default_group()
+
+        def hot(call: Any) -> bool:
+            before = len(run_device_calls)
+            call()
+            return len(run_device_calls) > before
+
+        gpucoll.all_reduce(x)  # plans the op and makes its DeviceRun
+        assert hot(lambda: gpucoll.all_reduce(x)) and hot(lambda: gpucoll.all_reduce(x, async_op=True).wait())
+        # Another op object on the array: never the entry's run (MAX has none yet: the
+        # general path plans it; then MAX has its own).
+        assert not hot(lambda: gpucoll.all_reduce(x, op=ReduceOp.MAX))
+        gpucoll.all_reduce(x, op=ReduceOp.MAX)
+        assert hot(lambda: gpucoll.all_reduce(x, op=ReduceOp.MAX))
+        assert pg._device_seen[id(x)][1] is ReduceOp.MAX
+        gpucoll.all_reduce(x)
+        # A coalescing block: deferred, not run; after it the hot path is back.
+        with gpucoll.coalescing() as cm:
+            assert not hot(lambda: gpucoll.all_reduce(x))
+        cm.wait()
+        gpucoll.all_reduce(x)
+        assert hot(lambda: gpucoll.all_reduce(x))
+        # A completion hook (never removed): the general path, which feeds it.
+        infos: list[WorkInfo] = []
+        pg.register_on_completion_hook(infos.append)
+        assert not hot(lambda: gpucoll.all_reduce(x))
+        rt.finish_all()
+        deadline = time.monotonic() + 10
+        while not infos and time.monotonic() < deadline:
+            pg._nccl.poll_pending()
+            time.sleep(0.01)
+        assert infos and infos[-1].op_type == "all_reduce", infos
+    finally:
+        next(worlds, None)
+
+
+def test_a_run_has_the_watchdog_watch_its_backend_until_it_does(
+        run_device_calls: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issuer.run_device asks the watchdog to watch the run's backend until it does
+    # (DeviceRun.watched), then asks no more: a backend once watched is never dropped.
+    from test_nccl_per_op_counts import _world
+
+    worlds = _world(monkeypatch, "0")
+    _, rt, x, backend = next(worlds)
+    try:
+        from gpucoll._world import default_group
+        pg = default_group()
+        for _ in range(3):
+            gpucoll.all_reduce(x)
+        run = pg._device_seen[id(x)][2]
+        watchdog = pg._issuer.watchdog
+        assert run.watched and any(b is backend for b in watchdog._backends)
+        # As if the watchdog had never seen the backend: the next hot op has it watched.
+        calls: list[Any] = []
+        real = type(watchdog).watch_backend
+        monkeypatch.setattr(type(watchdog), "watch_backend",
+                            lambda self, b: (calls.append(b), real(self, b))[1])
+        with watchdog._lock:
+            watchdog._backends = [b for b in watchdog._backends if b is not backend]
+        watchdog._last_watched = watchdog.watched = None
+        run.watched = False
+        for async_op in (False, True, False):
+            before = len(run_device_calls)
+            work = gpucoll.all_reduce(x, async_op=async_op)
+            if work is not None:
+                work.wait()
+            assert len(run_device_calls) == before + 1
+        assert calls == [backend], calls  # once, then the flag
+        assert run.watched and any(b is backend for b in watchdog._backends)
+    finally:
+        next(worlds, None)

@@ -36,8 +36,11 @@ a run there, never by guessing:
   ``wait()`` makes no CUDA call (its end event, given back, may be recording another op);
 * the Python bytecode instructions gpucoll's own code runs per op (``sys.settrace``'s
   opcode events in gpucoll's files only; the fake's calls not included), on CPython
-  3.11: 538 for the synchronous op and 562 for the default async op and its wait
-  (586 before ``DeviceRunWork`` got its own ``wait()`` and sweep, which skip the checks
+  3.11: 511 for the synchronous op and 535 for the default async op and its wait
+  (522 and 546 before the DeviceRun kept whether the watchdog watches its backend,
+  ``DeviceRun.watched``, and the flight recorder's ring index wrapped by ``%``; 538
+  and 562 before ``gpucoll.all_reduce`` made the group's identity look-up of a
+  CuPy array itself, sparing ``ProcessGroup.all_reduce``'s frame; 586 before ``DeviceRunWork`` got its own ``wait()`` and sweep, which skip the checks
   such a Work never needs; they were 574 and 804 before the async op was written out in one frame, its end
   event pooled, its Work made numbered and its sweep one call; 555 and 614 before the
   group's four per-op checks became one derived dict and a repeated array was found by
@@ -76,7 +79,7 @@ _PENDING = 100          # ops kept pending (< PRUNE_AT: none completes meanwhile
 # Blocks kept per pending op, today, and the slack other CPython versions may need.
 KEPT_SYNC, KEPT_ASYNC_CALLER, KEPT_ASYNC, KEPT_BACKEND, SLACK = 2.1, 7.1, 5.1, 1.1, 0.5
 # gpucoll's own bytecode instructions per op on CPython 3.11 (the count is exact there).
-OPCODES_SYNC, OPCODES_ASYNC, OPCODES_SLACK = 538, 562, 4
+OPCODES_SYNC, OPCODES_ASYNC, OPCODES_SLACK = 511, 535, 4
 
 
 @pytest.fixture

@@ -191,13 +191,12 @@ def rref_checks() -> dict[str, Any]:
     wait_for(lambda: counters()["num_forks"] == 0 and counters()["num_owner_rrefs"] == 0, "everything deleted")
     barrier()
 
-    # a user RRef deleted on a caller's thread tells its owner from that thread, with every
-    # pool thread of the caller busy; deleted inside a send (the GC runs finalizers anywhere)
-    # it is left to a pool thread, sent once one is free
+    # a user RRef's deletion reaches its owner with every pool thread of the caller busy;
+    # deleted inside the library's own code (the GC runs finalizers anywhere: here, inside
+    # the timer's lock on this very thread) it neither sends nor waits on that thread, and
+    # reaches the owner too
     if rank == 0:
         import threading
-
-        from gpucoll.rpc import _agent
 
         agent = rpc._get_current_rpc_agent()
         gate = threading.Event()
@@ -212,14 +211,10 @@ def rref_checks() -> dict[str, Any]:
             del direct
             gc.collect()
             wait_for(lambda: rpc.rpc_sync(nxt, owner_has, args=ids) == [False, True], "the direct delete", 5.0)
-            _agent._sending.active = True
-            try:
+            agent.timer.lazy_armed = False  # (the finalizer arms the sweep itself: the case that needs the lock)
+            with agent.timer.lock:  # as if the GC ran the finalizer inside the timer's code
                 del deferred
-                gc.collect()
-            finally:
-                _agent._sending.active = False
-            time.sleep(0.3)
-            assert rpc.rpc_sync(nxt, owner_has, args=ids) == [False, True]
+                gc.collect()  # returns: nothing on this thread waits for the lock it holds
         finally:
             gate.set()
         wait_for(lambda: rpc.rpc_sync(nxt, owner_has, args=ids) == [False, False], "the deferred delete", 5.0)

@@ -50,9 +50,9 @@ def _poll_confirmed(rref: Any) -> None:
 
 
 def waits(unix: str) -> dict[str, Any]:
-    import gpucoll.rpc._agent as agent_module
+    import gpucoll.rpc._timer as timer_module
 
-    agent_module.LAZY_WAKE = _HOLD  # a held frame would now wait 2-4 s
+    timer_module.LAZY_WAKE = _HOLD  # (the timer's sweep) a held frame would now wait 2-4 s
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world,
                  rpc_backend_options=rpc.TensorPipeRpcBackendOptions(rpc_timeout=60))

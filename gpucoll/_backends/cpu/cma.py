@@ -27,15 +27,25 @@ from .reduce import Array, Reducer
 from .shm import ADDR, REC_WORDS, ShmSegment, get_while_alive
 from .tcp_algos import Ctx, chunk_bounds
 
-__all__ = ["CmaReader", "agree", "all_reduce", "readable", "read_error", "ENV", "MIN_BYTES", "CHUNK"]
+__all__ = ["CmaReader", "agree", "all_reduce", "readable", "read_error", "ENV", "MIN_BYTES", "CHUNK", "CHUNK_SET", "chunk_bytes"]
 
 # The smallest all_reduce that reads the peers' arrays directly. Below it the pipeline
 # through the segment's bulk buffers is faster (2 and 4 ranks, 2026-11-28, A/B in the same
 # runs: 1 MiB took 1.2-1.6x its time single-copy, 2 MiB about the same, 4 MiB 0.88-0.93x,
 # 16 MiB 0.6-0.8x, 64 MiB 0.8x).
 MIN_BYTES = 4 << 20
-CHUNK = 512 * 1024  # bytes of each peer read per fold (the scratch stays in L2; 256 KiB and 1 MiB were slower)
+CHUNK = 512 * 1024  # bytes of each peer read per fold at 2 ranks (256 KiB and 1 MiB were slower there)
+# A chunk's working set (the n - 1 peers' scratch and this rank's own part) stays within
+# this many bytes: half the 2 MiB L2 of a core here, which at more ranks than cores two
+# ranks take turns on (4 ranks, 16 MiB: 13.3 ms of CPU an op with 256 KiB chunks, 14.1 with 512 KiB).
+CHUNK_SET = 1 << 20
 
+
+
+def chunk_bytes(size: int) -> int:
+    """Bytes of each peer one fold step reads in a group of ``size`` ranks: ``CHUNK``, or
+    less where ``size`` chunks would not fit ``CHUNK_SET`` (a multiple of 4 KiB)."""
+    return max(4096, min(CHUNK, CHUNK_SET // max(size, 1) // 4096 * 4096))
 
 
 class _Iovec(ctypes.Structure):
@@ -210,14 +220,16 @@ def all_reduce(coll: _Coll, ctx: Ctx, x: Array, red: Reducer, reader: CmaReader)
     isz = x.itemsize
     bounds = chunk_bounds(x.size, n)
     lo, hi = bounds[r]
-    step = max(1, CHUNK // isz)
+    step = max(1, chunk_bytes(n) // isz)
     scratch = coll.cma_scratch
     for j in coll._peers:
         if scratch[j].nbytes < step * isz:
             scratch[j] = np.empty(step * isz, np.uint8)
-    # The fold may write its output over parts[0] or parts[1] only (Reducer.fold); ranks
-    # from 2 fold into a scratch block (the widening folds never write a part).
-    tmp = None if r <= 1 or red.low or red.factor is not None else coll._scratch(step, x.dtype)
+    # Reducer.fold may write its output over parts[0] or parts[1] only: ranks from 2 fold
+    # through rank 0's scratch (a plain ufunc: the last step writes the array; see _fold)
+    # or, for the widening and scaling folds (which never write a part), a scratch block.
+    ufunc = red.ufunc if r >= 2 and not red.low and red.factor is None else None
+    tmp = None if r <= 1 or ufunc is not None else coll._scratch(step, x.dtype)
 
     def read(j: int, dst: int, src: int, nbytes: int) -> None:
         try:
@@ -236,7 +248,9 @@ def all_reduce(coll: _Coll, ctx: Ctx, x: Array, red: Reducer, reader: CmaReader)
                 buf = scratch[j]
                 read(j, buf.ctypes.data, addrs[j] + start * isz, m)
                 parts.append(buf[:m].view(x.dtype))
-        if tmp is None:
+        if ufunc is not None:
+            _fold(red, ufunc, x[start:stop], parts)
+        elif tmp is None:
             red.fold(x[start:stop], parts)
         else:
             red.fold(tmp[:stop - start], parts)
@@ -250,6 +264,19 @@ def all_reduce(coll: _Coll, ctx: Ctx, x: Array, red: Reducer, reader: CmaReader)
     seg.post()
     coll._wait_all(ctx, 3)
     return True
+
+
+def _fold(red: Reducer, ufunc: Callable[..., Any], out: Array, parts: list[Array]) -> None:
+    """``red.fold(out, parts)`` for a plain ufunc where ``out`` is ``parts[k]``, k >= 2:
+    accumulate in ``parts[0]`` (a scratch copy) in rank order and write the last step into
+    ``out``, with no pass through a block of its own."""
+    acc = parts[0]
+    last = len(parts) - 1
+    ufunc(acc, parts[1], out=acc)
+    for i in range(2, last):
+        ufunc(acc, parts[i], out=acc)
+    ufunc(acc, parts[last], out=out)
+    red.finish(out)
 
 
 def read_error(name: str, peer: int, exc: OSError, gone: Callable[[int], str | None]) -> DistBackendError:

@@ -17,12 +17,11 @@ Algorithms:
 - small (fits a ``SMALL_BYTES`` slot): one step. Each rank copies its data into its
   slot and posts; readers copy or fold straight from the peers' slots. all_reduce
   folds every rank's slot in rank order on every rank (bit-identical everywhere).
-- large: an entry step (every rank is inside the op, so the bulk buffers are free),
-  then blocks through two alternating ``BULK_BYTES`` buffers per rank. all_reduce
-  is a reduce-scatter (rank j folds slice j of every block, reading the others'
-  staged copies) followed by an all-gather of the folded slices; both cores work on
-  their own slices at once. Rooted ops pipeline: the root writes block k+1 while
-  the others copy block k.
+- large: an entry step (every rank is inside the op, so the bulk buffers are free; an
+  all_reduce skips it where the op before left them free), then blocks through two
+  alternating ``BULK_BYTES`` buffers per rank. all_reduce is a reduce-scatter (rank j
+  folds slice j of every block from the others' staged copies) and an all-gather of the
+  folded slices. Rooted ops pipeline: the root writes block k+1 while the others copy k.
 - an all_reduce of at least ``cma.MIN_BYTES`` where every rank may read every peer's memory:
   each rank reads its slice of the peers' arrays where they lie and folds it (cma.py).
 """
@@ -86,6 +85,7 @@ class ShmCollectives:
         self._every_peer = set(self._peers)  # (never changed: _wait adds only ranks not in it)
         self._slot_views: dict[tuple[int, int, Any], list[Array]] = {}
         self._scratch_block = np.empty(0, U8)
+        self._bulk_used, self._tail = 0, (0, 0)  # the last op to use bulk buffers; the pipeline's (op, buffer)
         # Per peer: (rank, its counter's word, its header's first word by parity): the hot
         # loops index the control block with these, not with arithmetic per call.
         self._words = [(j, j * REC_WORDS, (j * REC_WORDS + 2, j * REC_WORDS + 4)) for j in self._peers]
@@ -174,6 +174,7 @@ class ShmCollectives:
     def _entry(self, ctx: Ctx) -> None:
         """Begin a large op: post once, then wait until every peer is inside it too."""
         self._begin(ctx)
+        self._bulk_used = self._u
         self._post()
         self._wait_all(ctx, 1)
 
@@ -237,11 +238,9 @@ class ShmCollectives:
         self._reduce(ctx, x, red, dst)
 
     def all_reduce_filled(self, ctx: Ctx, x: Array, red: Reducer, fill: Fill) -> None:
-        """:meth:`all_reduce` of ``x`` as ``fill`` would write it (``fill(lo, hi, out)``
-        writes elements ``lo:hi`` into ``out``): each rank's contribution goes from its
-        source straight into the shared staging buffers, without a pass through ``x``
-        first. The same protocol and signature as the all_reduce of the filled ``x``.
-        Async (``ctx.patience``): the worker thread runs it whole."""
+        """:meth:`all_reduce` of ``x`` as ``fill`` would write it (``fill(lo, hi, out)`` writes
+        elements ``lo:hi`` into ``out``) straight into the staging buffers, without a pass
+        through ``x``; the protocol of the filled ``x``'s. Async: the worker runs it whole."""
         if ctx.patience:
             raise Deferred(lambda c: self._reduce(c, x, red, None, fill))
         self._reduce(ctx, x, red, None, fill)
@@ -276,8 +275,16 @@ class ShmCollectives:
                 return
             red.fold(x, slots)
             return
-        if reader is None:
-            self._entry(ctx)
+        f, s0 = 0, 1  # block k goes through buffer (f + k) & 1, its steps come after s0
+        if reader is None:  # no entry step where op u - 1 left buffer f free (docs/cpu-backend.md)
+            self._begin(ctx)
+            u, (tail_u, tail_b) = self._u, self._tail
+            if self._bulk_used < u - 1 or tail_u == u - 1:
+                f, s0 = (1 - tail_b if tail_u == u - 1 else 0), 0
+            else:
+                self._post()
+                self._wait_all(ctx, 1)
+        self._bulk_used = self._u
         isz = x.itemsize
         cap = seg.bulk_bytes // n // 64 * 64 // isz  # elements per rank slice per block
         per_block = cap * n
@@ -286,24 +293,22 @@ class ShmCollectives:
         # reads parts 0 and 1 before it writes); other ranks fill a scratch block.
         in_place = r <= 1
         pending: tuple[int, Array, list[tuple[int, int]]] | None = None  # the block to copy out
-
         copy, by = red.copy, red.copy_by  # (AVG: each copy of a folded sum divides it)
 
         def copy_out(k: int, blk: Array, bounds: list[tuple[int, int]]) -> None:
-            self._wait_all(ctx, 3 + 2 * k)
+            self._wait_all(ctx, s0 + 2 + 2 * k)
             for j in self._peers:
                 lo, hi = bounds[j]
-                src = seg.bulk(j, k & 1)[j * cap * isz:(j * cap + hi - lo) * isz]
+                src = seg.bulk(j, (f + k) & 1)[j * cap * isz:(j * cap + hi - lo) * isz]
                 if copy is None:
                     np.copyto(_u8(blk[lo:hi]), src)
                 else:
                     copy(src.view(x.dtype), by, out=blk[lo:hi])
 
-        # Block k: stage the peers' slices (step 2+2k), fold this rank's slice once every
-        # peer staged (step 3+2k); the copy-out of block k-1 runs between posting and
-        # waiting, so a rank rarely waits for a peer that is still copying.
+        # Block k: stage the peers' slices (step s0+1+2k), fold this rank's slice once every peer
+        # staged (s0+2+2k); the copy-out of block k-1 runs between posting and waiting.
         for k, start in enumerate(range(0, x.size, per_block)):
-            b = k & 1
+            b = (f + k) & 1
             blk = x[start:start + per_block]
             bounds = chunk_bounds(blk.size, n)
             mine = seg.bulk(r, b)
@@ -323,7 +328,7 @@ class ShmCollectives:
             if fill is not None:  # this rank's own slice, filled where the fold stays in cache
                 own = res if in_place else self._scratch(cap, x.dtype)[:hi - lo]
                 fill(start + lo, start + hi, own)
-            self._wait_all(ctx, 2 + 2 * k)
+            self._wait_all(ctx, s0 + 1 + 2 * k)
             parts = [own if j == r else seg.bulk(j, b)[r * cap * isz:(r * cap + hi - lo) * isz].view(x.dtype)
                      for j in range(n)]
             red.fold(res, parts, finish=False)  # (the peers divide their copies of res)
@@ -334,6 +339,7 @@ class ShmCollectives:
                     copy(res, by, out=blk[lo:hi])
                 pending = (k, blk, bounds)
             self._post()
+        self._tail = (self._u, b)
         if pending is not None:
             copy_out(*pending)
 
@@ -566,6 +572,7 @@ class ShmCollectives:
                 np.copyto(_u8(outs[j]), seg.small(j, p)[off:off + matrix[j][r]])
             return
         # Step 2: blocks through the bulk buffers (every peer is inside this op now).
+        self._bulk_used = self._u
         cap = seg.bulk_bytes // n // 64 * 64
         longest = max([sizes[j] for j in self._peers] + [matrix[i][j] for i in matrix for j in range(n) if j != i])
         for k in range(-(-longest // cap)):
