@@ -16,19 +16,24 @@ loop calls each layer in turn:
 Without ``--callgrind`` each layer is timed (best of ``--repeats`` loops, µs per op);
 timings this short move by 2x with a shared machine's load. With ``--callgrind`` rank 0
 runs under ``valgrind --tool=callgrind`` twice for each layer asked, with no faked ops and
-with ``--ops``, and the difference is printed as instructions per op: the same on a
-loaded machine as on an idle one, so two trees can be compared by it.
+with ``--ops``, collected only inside the timed loop (``--toggle-collect``), and the
+difference is printed as instructions per op: the same on a loaded machine as on an idle
+one, and from one run to the next, so two trees can be compared by it. With
+``--opcodes [ROWS]`` rank 0 counts the bytecode instructions that gpucoll's own files run
+per op (``sys.settrace``), in all and by line.
 
 Usage::
 
     python bench/cpu_small_cost.py                         # timings, 4 KiB
     python bench/cpu_small_cost.py --nbytes 8
     python bench/cpu_small_cost.py --callgrind --layers module,bound --ops 40000
+    python bench/cpu_small_cost.py --opcodes 40 --layers module     # bytecode per op, by line
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import shutil
@@ -51,7 +56,36 @@ WARM_OPS = 3  # real ops first: the first plans the kind, the second binds it
 TIMEOUT = 600.0  # seconds for the group (rank 0 may run under valgrind, ~50x slower)
 
 
-def rank_main(rank: int, workdir: str, nbytes: int, layers: list[str], ops: int, repeats: int) -> None:
+def opcode_profile(loop: Callable[[int], Any], ops: int) -> list[tuple[str, float]]:
+    """Bytecode instructions per op that gpucoll's own files run in ``loop(ops)``
+    (``sys.settrace``'s opcode events, in gpucoll's frames only), by function and line,
+    most first, with the total first (``"total"``)."""
+    package = os.path.join(_ROOT, "gpucoll") + os.sep
+    counts: dict[tuple[str, str, int], int] = {}
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        code = frame.f_code
+        if not code.co_filename.startswith(package):
+            return None
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            key = (code.co_filename[len(package):], code.co_name, frame.f_lineno)
+            counts[key] = counts.get(key, 0) + 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        loop(ops)
+    finally:
+        sys.settrace(None)
+    rows = sorted(counts.items(), key=lambda kv: -kv[1])
+    out = [("total", sum(counts.values()) / ops)]
+    out += [(f"{f}:{line}:{name}", n / ops) for (f, name, line), n in rows]
+    return out
+
+
+def rank_main(rank: int, workdir: str, nbytes: int, layers: list[str], ops: int, repeats: int,
+              opcodes: bool = False) -> None:
     """One rank of the measurement (run as ``--worker``): rank 0 prints ``layer value`` lines."""
     import gpucoll
     from gpucoll._collectives import _world
@@ -102,9 +136,17 @@ def rank_main(rank: int, workdir: str, nbytes: int, layers: list[str], ops: int,
                 call()
             return (time.perf_counter() - t0) / max(n, 1)
 
-        best = {name: min(loop(calls[name], ops) for _ in range(repeats)) for name in layers}
-        for name in layers:
-            print(f"{name} {best[name]!r}", flush=True)
+        if opcodes:
+            for name in layers:
+                for where, n in opcode_profile(lambda n: loop(calls[name], n), ops):
+                    print(f"{name} {n!r} {where}", flush=True)
+        else:
+            # (each loop runs inside functools.reduce, a C function nothing else here calls:
+            # under callgrind, --toggle-collect counts only what runs inside it)
+            best = {name: min(functools.reduce(lambda _, f: f(), [lambda: loop(calls[name], ops)], 0.0)
+                              for _ in range(repeats)) for name in layers}
+            for name in layers:
+                print(f"{name} {best[name]!r}", flush=True)
         code = 0
     except BaseException:
         traceback.print_exc()
@@ -115,15 +157,19 @@ def rank_main(rank: int, workdir: str, nbytes: int, layers: list[str], ops: int,
         os._exit(code)  # (no shutdown: the faked counters would not meet a barrier)
 
 
-def run_pair(nbytes: int, layers: list[str], ops: int, repeats: int, valgrind: list[str]) -> tuple[str, str]:
-    """Both ranks, rank 0 under ``valgrind`` (a command prefix) if given: (rank 0's stdout, its stderr)."""
+def run_pair(nbytes: int, layers: list[str], ops: int, repeats: int, valgrind: list[str],
+             opcodes: bool = False) -> tuple[str, str]:
+    """Both ranks, rank 0 under ``valgrind`` (a command prefix) if given, counting bytecode
+    instructions instead of timing if ``opcodes``: (rank 0's stdout, its stderr)."""
     workdir = tempfile.mkdtemp(prefix="gpucoll-small-cost-")
     try:
         def cmd(rank: int) -> list[str]:
             return [sys.executable, os.path.abspath(__file__), "--worker", str(rank), "--workdir", workdir,
                     "--nbytes", str(nbytes), "--layers", ",".join(layers), "--ops", str(ops),
-                    "--repeats", str(repeats)]
+                    "--repeats", str(repeats)] + (["--opcodes"] if opcodes else [])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")])))
+        if valgrind:  # counts that repeat: one string-hash seed (dict layouts), no idle BLAS threads counted
+            env.update(PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1")
         peer = subprocess.Popen(cmd(1), env=env)
         try:
             zero = subprocess.run(valgrind + cmd(0), env=env, capture_output=True, text=True, timeout=TIMEOUT)
@@ -140,8 +186,11 @@ def run_pair(nbytes: int, layers: list[str], ops: int, repeats: int, valgrind: l
 
 
 def instructions(nbytes: int, layer: str, ops: int) -> int:
-    """Instructions rank 0 executes in a whole run of ``ops`` faked ops of ``layer`` (callgrind's total)."""
-    _, err = run_pair(nbytes, [layer], ops, 1, ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"])
+    """Instructions rank 0 executes in ``ops`` faked ops of ``layer``: callgrind's total,
+    collected only inside the timed loop (its ``functools.reduce``), so that the waits of
+    the start (the rendezvous, the peer's first ops) do not count."""
+    _, err = run_pair(nbytes, [layer], ops, 1, ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
+                                                "--toggle-collect=functools_reduce"])
     m = re.search(r"Collected\s*:\s*(\d+)", err)
     if m is None:
         raise SystemExit(f"no instruction count in valgrind's output:\n{err[-3000:]}")
@@ -155,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ops", type=int, default=20000, help="faked ops per timed loop or per count (default 20000)")
     ap.add_argument("--repeats", type=int, default=5, help="timed loops per layer; the best counts (default 5)")
     ap.add_argument("--callgrind", action="store_true", help="count instructions per op under valgrind instead")
+    ap.add_argument("--opcodes", type=int, nargs="?", const=25, default=0, metavar="ROWS",
+                    help="count the bytecode instructions gpucoll's files run per op instead (sys.settrace), "
+                         "and show the ROWS lines that run most (default 25)")
     ap.add_argument("--worker", type=int, choices=(0, 1), help=argparse.SUPPRESS)
     ap.add_argument("--workdir", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -163,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad or not layers:
         ap.error(f"--layers must name some of {', '.join(LAYERS)}; got {args.layers!r}")
     if args.worker is not None:  # (ops may be 0 here: the count's baseline)
-        rank_main(args.worker, args.workdir, args.nbytes, layers, args.ops, args.repeats)
+        rank_main(args.worker, args.workdir, args.nbytes, layers, args.ops, args.repeats, bool(args.opcodes))
         return 0
     if args.ops < 1 or args.repeats < 1 or args.nbytes < 4:
         ap.error(f"--ops and --repeats must be >= 1 and --nbytes >= 4; got {args.ops}, {args.repeats}, {args.nbytes}")
@@ -175,6 +227,15 @@ def main(argv: list[str] | None = None) -> int:
         for layer in layers:
             base, full = instructions(args.nbytes, layer, 0), instructions(args.nbytes, layer, args.ops)
             print(f"{layer:9s} {(full - base) / args.ops:9.0f} instructions per op (faking included)")
+        return 0
+    if args.opcodes:
+        out, _ = run_pair(args.nbytes, layers, min(args.ops, 2000), 1, [], opcodes=True)
+        shown: dict[str, int] = {}
+        for line in out.splitlines():
+            name, value, where = line.split(maxsplit=2)
+            if shown.setdefault(name, 0) <= args.opcodes:
+                print(f"{name:9s} {float(value):8.1f} bytecode instructions per op  {where}")
+            shown[name] += 1
         return 0
     out, _ = run_pair(args.nbytes, layers, args.ops, args.repeats, [])
     for line in out.splitlines():

@@ -68,12 +68,13 @@ class HostRun:
     Buffer and no look-up in the backend. ``desc`` describes the arrays for the flight
     recorder; ``start(flat, reducer)`` issues the op the usual way when the backend
     cannot run it now. ``ProcessGroup.all_reduce`` finds the kind it ran last
-    (``Issuer.host_last``) by identity, else by its key, and checks per call what the
-    kind does not settle: a writable C-contiguous array, no coalescing block, a group
-    not destroyed, no hook, a debug level below DETAIL; :meth:`Issuer.run_host` then
-    numbers, records and runs the op."""
+    (``Issuer.host_last``) by identity, else by its key in ``ProcessGroup._host_open``
+    (the group's runs while no coalescing block, destruction, hook or DETAIL debug level
+    asks for the general path, else empty: ``ProcessGroup._restate``, which also drops
+    ``host_last`` then), and checks per call what the kind does not settle: a writable
+    C-contiguous array; :meth:`Issuer.run_host` then numbers, records and runs the op."""
 
-    __slots__ = ("backend", "run", "reducer", "desc", "start", "inline", "kind", "dtype", "shape", "op")
+    __slots__ = ("backend", "run", "reducer", "desc", "start", "inline", "kind", "dtype", "shape", "op", "one_dim")
 
     def __init__(self, backend: Backend, run: Callable[..., bool | Work], reducer: Any, desc: Buffer,
                  start: Callable[..., Work], inline: bool, key: tuple[Any, Any, Any]) -> None:
@@ -81,6 +82,7 @@ class HostRun:
         # The kind (NumPy dtype, shape, ReduceOp member): the group's last-run check compares
         # them by identity (dtype, op) and equality (shape), cheaper than hashing a dict key.
         self.dtype, self.shape, self.op = key
+        self.one_dim = len(self.shape) == 1  # (an array of the kind is its own 1-D view: no ndim look-up per call)
         self.run = run
         self.reducer = reducer
         self.desc = desc
@@ -237,14 +239,13 @@ class Issuer:
         recorder = self.recorder
         if recorder is not None:
             # recorder.begin_kind(seq, "all_reduce", run.kind) without its frame.
-            i = recorder._next
-            entry = recorder._ring[i]
+            take = recorder.take  # (as in run_host)
+            entry = take()
             entry.seq = seq
             entry.op_type = "all_reduce"
             entry.kind = run.kind
             entry.time_started = _time()
             entry.done = None
-            recorder._next = (i + 1) % recorder.capacity  # (> 0: FlightRecorder refuses 0)
             if self.debug_info:
                 entry.where = call_site()
         else:
@@ -385,19 +386,19 @@ class Issuer:
         if recorder is not None:
             # recorder.begin_kind(seq, "all_reduce", fast.kind) without its frame (as
             # run_device: a small op's whole cost is a few such frames).
-            i = recorder._next
-            entry = recorder._ring[i]
+            take = recorder.take  # (an attribute, not a method: called apart, its look-up is specialized)
+            entry = take()
             entry.seq = seq
             entry.op_type = "all_reduce"
             entry.kind = fast.kind
             entry.time_started = 0.0  # (the start is t0)
             entry.t0 = t0
             entry.done = None
-            recorder._next = i + 1 if i + 1 < recorder.capacity else 0
             if self.debug_info:
                 entry.where = call_site()
+        run = fast.run  # (a slot holding a function: called apart, as ``take`` above)
         try:
-            ran = fast.run(flat, fast.reducer)
+            ran = run(flat, fast.reducer)
         except DistError as exc:
             return self._failed_now(exc, fast.backend, seq, entry, t0, "all_reduce", [tensor], False)
         if ran is True:

@@ -32,7 +32,8 @@ __all__ = ["DeviceRun", "remember_device_run", "restate"]
 def restate(pg: Any) -> None:
     """``ProcessGroup._restate`` (``pg``: a ProcessGroup): derive what the group's device
     path of ``all_reduce`` reads in place of four checks, ``pg._device_runs`` and
-    ``pg._device_seen``: the
+    ``pg._device_seen``, and its host path's ``pg._host_open`` (with the issuer's
+    ``host_last`` dropped when it closes): the
     issuer's dicts while no completion hook, no DETAIL debug level, no coalescing block
     and no destruction asks for the general path, else empty dicts (the general path
     then makes every check). Called by every writer of the four: the group's creation,
@@ -44,6 +45,9 @@ def restate(pg: Any) -> None:
     fast = pg._coalescing is None and not pg._destroyed and not issuer.hooks and not issuer.debug_detail
     pg._device_runs = issuer.device_runs if fast else {}
     pg._device_seen = issuer.device_seen if fast else {}
+    pg._host_open = issuer.host_runs if fast else {}  # (the host path's, read the same way)
+    if not fast:
+        issuer.host_last = None
 
 
 class DeviceRun:

@@ -102,7 +102,7 @@ class ProcessGroup:
         self._issuer = Issuer(group_name, self._label(), rank, self.global_ranks[rank], size, timeout,
                               self._cpu, group_desc)
         self._plans = self._issuer.plans  # the issuer's plan cache, looked up by the hot ops
-        self._host_runs = self._issuer.host_runs
+        self._host_runs = self._host_open = self._issuer.host_runs  # (_host_open: set by _restate)
         self._device_runs: dict[tuple[Any, ...], Any] = {}  # (both set by _restate)
         self._device_seen: dict[int, Any] = {}
         self._restate()
@@ -243,12 +243,13 @@ class ProcessGroup:
         if type(tensor) is np.ndarray and type(op) is ReduceOp:  # a NumPy kind already run: its HostRun (see there)
             fast = (issuer := self._issuer).host_last  # the kind run last, checked without hashing a key
             if fast is None or fast.dtype is not tensor.dtype or fast.op is not op or fast.shape != tensor.shape:
-                fast = issuer.host_last = self._host_runs.get((tensor.dtype, tensor.shape, op._name_))
-            if fast is not None and (fast.inline or not async_op) and self._coalescing is None and not self._destroyed:
-                if (flags := tensor.flags).c_contiguous and flags.writeable and not issuer.hooks and not issuer.debug_detail:
-                    flat = tensor if tensor.ndim == 1 else tensor.reshape(-1)
-                    if not async_op:
-                        return issuer.run_host(fast, flat, tensor)
+                # (_host_open is empty while the general path is needed, _restate: no other check here)
+                fast = issuer.host_last = self._host_open.get((tensor.dtype, tensor.shape, op._name_))
+            if fast is not None and (flags := tensor.flags).c_contiguous and flags.writeable:
+                flat = tensor if fast.one_dim else tensor.reshape(-1)
+                if not async_op:
+                    return issuer.run_host(fast, flat, tensor)
+                if fast.inline:
                     return issuer.run_now(fast.backend, fast.run, fast.start, (flat, fast.reducer), fast.desc,
                                           "all_reduce", [tensor], -1, True)
         elif type(tensor) is _array._cupy_ndarray:  # one already run: its DeviceRun
