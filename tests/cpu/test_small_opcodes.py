@@ -39,44 +39,31 @@ CEILING_GROUP = 310  # ProcessGroup.all_reduce(x, op, False)
 
 
 def opcodes_body() -> dict[str, Any]:
-    import os
-
     import numpy as np
 
     import gpucoll
     from gpucoll._collectives import _world
 
-    package = os.path.dirname(gpucoll.__file__) + os.sep
+    from _opcodes import Opcodes
+
     r, n = gpucoll.get_rank(), gpucoll.get_world_size()
     pg = _world._WORLD.default
     x = np.zeros(1024, np.float32)
     op = gpucoll.ReduceOp.SUM
     calls = {"module": lambda: gpucoll.all_reduce(x), "group": lambda: pg.all_reduce(x, op, False)}
-    count = 0
-
-    def trace(frame: Any, event: str, arg: Any) -> Any:
-        nonlocal count
-        if not frame.f_code.co_filename.startswith(package):
-            return None
-        frame.f_trace_opcodes = True
-        if event == "opcode":
-            count += 1
-        return trace
-
+    counter = Opcodes()
     fewest: dict[str, float] = {}
     wrong = 0
     for name, call in calls.items():
         for k in range(OPS + 3):  # the first plans the kind, the second binds it
             x[...] = r + k
-            before = count
-            if k >= 3:
-                sys.settrace(trace)
-            try:
+            if k < 3:
                 call()
-            finally:
-                sys.settrace(None)
-            if k >= 3:
-                fewest[name] = min(fewest.get(name, float("inf")), count - before)
+            else:
+                before = counter.count
+                with counter:
+                    call()
+                fewest[name] = min(fewest.get(name, float("inf")), counter.count - before)
             if not (x == sum(q + k for q in range(n))).all():
                 wrong += 1
     fast = pg._host_runs.get((x.dtype, x.shape, "SUM"))

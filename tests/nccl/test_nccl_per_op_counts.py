@@ -69,6 +69,7 @@ import gpucoll as _gpucoll
 
 from _fake_cupy_costs import CupyOnFake, cupy_or_none
 from _nccl_fake import CallCosts, TimedRuntime
+from _opcodes import Opcodes
 
 pytestmark = pytest.mark.skipif(cupy_or_none() is None, reason="CuPy is not installed")
 
@@ -280,23 +281,11 @@ def _opcodes_per_op(call: Callable[[], Any], ops: int = 640) -> float:
     after enough calls that every batch, pool and ring is in its steady state."""
     for _ in range(3 * _hot.PRUNE_AT):
         call()
-    count = 0
-
-    def trace(frame: Any, event: str, arg: Any) -> Any:
-        nonlocal count
-        if not frame.f_code.co_filename.startswith(_PACKAGE):
-            return None
-        frame.f_trace_opcodes = True
-        if event == "opcode":
-            count += 1
-        return trace
-    sys.settrace(trace)
-    try:
+    counter = Opcodes()
+    with counter:
         for _ in range(ops):
             call()
-    finally:
-        sys.settrace(None)
-    return count / ops
+    return counter.count / ops
 
 
 @pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="the ceilings are CPython 3.11's counts")

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 from typing import Any
 
 import gpucoll.rpc as rpc
 from gpucoll.testing import run_spmd
 
+from _opcodes import Opcodes
+
 OPCODES_CEILING = 2500  # per iteration, gpucoll's files only (see the module's docstring)
-_GPUCOLL = os.path.dirname(os.path.dirname(os.path.abspath(rpc.__file__)))
 
 
 def noop() -> None:
@@ -33,26 +33,11 @@ def noop() -> None:
 
 def _opcodes(n: int) -> float:
     """gpucoll's bytecode instructions per iteration on this thread, over ``n`` iterations."""
-    count = [0]
-
-    def local(frame: Any, event: str, arg: Any) -> Any:
-        if event == "opcode":
-            count[0] += 1
-        return local
-
-    def tracer(frame: Any, event: str, arg: Any) -> Any:
-        if not frame.f_code.co_filename.startswith(_GPUCOLL):
-            return None  # (not this frame's lines; the functions it calls are traced again)
-        frame.f_trace_opcodes = True
-        return local
-
-    sys.settrace(tracer)
-    try:
+    counter = Opcodes()
+    with counter:
         for _ in range(n):
             rpc.remote("worker0", noop).to_here()
-    finally:
-        sys.settrace(None)
-    return count[0] / n
+    return counter.count / n
 
 
 def counts() -> dict[str, Any]:
