@@ -1658,6 +1658,9 @@ def _loop_turn() -> float:
     return best
 
 
+_REF_TURNS = 2000  # the fit's reference loop, timed next to each round (about 25 µs here)
+
+
 def _ctypes_floor() -> float:
     """Seconds of a ctypes call of libc's memset over 64 bytes here: the least a call
     that lets the GIL go can cost (0.5-0.6 µs on the 2-core development machine)."""
@@ -1744,6 +1747,8 @@ class CallCosts:
         # loop of so many turns, both shortened by what the call costs around them (the
         # counting, the runtime's own Python), measured on a call of that figure.
         self._turn_s = 0.0 if free else _loop_turn()
+        # The fit's reference: an empty loop of ``_REF_TURNS`` turns, the fastest seen.
+        self._ref_s = self._turn_s * _REF_TURNS if self._turn_s else float("inf")
         self._fitting: set[str] = set()
         self._fitted: set[str] = set()
         self._meters: dict[str, Callable[[], None]] = {}  # by call name: spend's
@@ -1772,9 +1777,11 @@ class CallCosts:
     def fit(self, name: str, call: Callable[[], Any], same: tuple[str, ...] = ()) -> None:
         """Make the call named ``name`` cost its figure in all, as ``call()`` (the fake's
         own function of that name, with arguments that change nothing that is measured)
-        makes it: the plan's work is found by bisection, each plan timed on ``call``
-        (median of nine rounds), until the call costs its figure (a call shorter than
-        its own Python costs that, 0.15-0.25 µs here). Its calls are not counted.
+        makes it: the plan's shape is chosen first (a memset, shortened to none while
+        the memset alone costs more than the figure), then its loop turns by bisection,
+        each plan timed on ``call`` (median of nine rounds), to the turn whose call is
+        nearest its figure (a call shorter than its own Python costs that, 0.15-0.25 µs
+        here). Its calls are not counted.
         ``same``: calls of the same shape and figure that get the same plan. Once per name."""
         seconds = self.cost(name)
         if not seconds or name in self._fitting or name in self._fitted:
@@ -1785,29 +1792,52 @@ class CallCosts:
         try:
             now = self.now
 
-            def total(work: float) -> float:  # a plan's call, all in (median of nine rounds)
-                self._set_plan(name, self._split(work))
+            def total(plan: tuple[int, int]) -> float:  # a plan's call, all in (median of nine rounds)
+                self._set_plan(name, plan)
                 for _ in range(100):
                     call()
-                rounds = []
+                rounds, refs = [], []
                 for _ in range(9):
                     t0 = now()
                     for _ in range(100):
                         call()
-                    rounds.append((now() - t0) / 100)
-                return sorted(rounds)[4]
-            # Bisection on the plan's work: a call's cost grows with it, but not in step
-            # (a memset's floor, a loop turn in context), so no one correction lands.
-            work, lo, hi = 0.0, 0.0, seconds
-            if total(0.0) < seconds:
-                for _ in range(8):
-                    mid = (lo + hi) / 2
-                    if total(mid) < seconds:
+                    t1 = now()
+                    for _ in range(_REF_TURNS):
+                        pass
+                    refs.append(now() - t1)
+                    rounds.append((t1 - t0) / 100)
+                # Each round at the machine's speed of its moment, read off the reference
+                # loop timed next to it, against the fastest the process has seen it.
+                self._ref_s = min(self._ref_s, *refs)
+                return sorted(t * self._ref_s / r if r > self._ref_s > 0 else t for t, r in zip(rounds, refs))[4]
+            # The plan's shape is chosen first, then only its loop turns are fitted. A
+            # call's cost jumps by a ctypes call (0.5 µs here) where a plan gains its
+            # memset, and by more than the floor timed at start-up (the call in context,
+            # its memset's bytes not in cache): a bisection over one "work" spanning both
+            # shapes ended at that jump, and the plan it left cost 0.2-0.3 µs under or
+            # over the figure depending on the side it landed (the async op, three such
+            # calls more than the synchronous one, then measured ~1.4x or ~1.7x of it
+            # from one process to the next). Within a shape the cost grows by one loop
+            # turn (0.01 µs) per step, so the fit lands within a turn of the figure.
+            c_len = 0
+            if seconds >= self._floor_s + 0.05e-6:
+                c_len = self._split(seconds)[0]
+                # the memset's share shrinks (to none) until the memset alone is under the figure
+                while c_len and total((c_len, 0)) > seconds:
+                    c_len = 64 if c_len > 64 else 0
+            turns, hi = 0, max(int(seconds / self._turn_s), 1) if self._turn_s else 0
+            if hi and total((c_len, 0)) < seconds:
+                lo = 0  # total(lo) < seconds <= total(hi), as far as the timings go
+                while total((c_len, hi)) < seconds and hi < 1 << 16:
+                    lo, hi = hi, hi * 2
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    if total((c_len, mid)) < seconds:
                         lo = mid
                     else:
                         hi = mid
-                work = (lo + hi) / 2
-            plan = self._split(work)
+                turns = hi if total((c_len, hi)) - seconds < seconds - total((c_len, lo)) else lo
+            plan = (c_len, turns)
             for each in (name, *same):
                 self._set_plan(each, plan)
             self._fitted.update((name, *same))

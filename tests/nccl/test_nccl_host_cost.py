@@ -334,3 +334,40 @@ def test_a_hook_still_fires_soon_after_its_op_completes(timed_group: tuple[Proce
         time.sleep(0.005)
     assert fired, "the hook never fired"
     assert fired[0] - t0 < 0.5, fired[0] - t0
+
+
+@pytest.mark.parametrize("name", ["record", "event_create"])
+def test_the_fit_lands_within_a_loop_turn_of_the_figure_while_the_machine_changes_speed(name: str) -> None:
+    """``CallCosts.fit`` on a modelled call: 0.2 µs of its own Python, a memset plan
+    0.8 µs more (a ctypes call, above the 0.5 µs floor timed at start-up) plus its
+    bytes, 0.012 µs a loop turn; the machine runs at full speed during one timing and
+    at half speed during the next. The fitted plan must cost its figure at full speed
+    within about a loop turn. A fit across both plan shapes at once ends at the jump
+    where the memset comes in (0.04 µs under or 0.21 µs over for a record), and a fit
+    that takes a half-speed timing at face value keeps too few turns."""
+    turn, floor, ref_turns = 0.012e-6, 0.5e-6, 2000
+    costs = CallCosts(0.7)
+    costs._floor_s, costs._turn_s, costs._ref_s = floor, turn, ref_turns * turn
+    costs._c_lens.update({step: 1000 * step if step else 64 for step in range(11)})  # no memset timed
+
+    def modelled(plan: list[int]) -> float:
+        c_len, turns = plan
+        return 0.2e-6 + (0.8e-6 + c_len * 1e-11 if c_len else 0.0) + turns * turn
+
+    state = {"t": 0.0, "reads": 0, "slow": 1.0}
+
+    def now() -> float:
+        state["reads"] += 1
+        if state["reads"] % 3 == 0:  # the read after the reference loop: its turns at this speed
+            state["t"] += ref_turns * turn * state["slow"]
+            if state["reads"] % 27 == 0:  # a timing (nine rounds) done: the next runs at the other speed
+                state["slow"] = 3.0 - state["slow"]
+        return state["t"]
+
+    def call() -> None:
+        state["t"] += modelled(costs._cells[name]) * state["slow"]
+
+    costs.now = now
+    costs.fit(name, call)
+    figure = costs.cost(name)
+    assert abs(modelled(costs._cells[name]) - figure) <= 1.5 * turn, (name, costs._cells[name], figure)
