@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import functools
 import heapq
+import logging
 import threading
 import time
 from typing import Any
@@ -27,6 +28,8 @@ from ._conn import LAZY_WAKE, _Call
 from ._info import RpcTimeoutError
 
 __all__ = ["Timer"]
+
+_log = logging.getLogger("gpucoll.rpc")
 
 _QUEUE_MAX = 4096  # deadlines a queue holds (answered calls' included, until the timer or a sender drops them)
 _QUEUES_MAX = 8  # distinct timeout values with a queue of their own
@@ -163,12 +166,20 @@ class Timer:
                     continue
                 self.blind = False
             for mid in due:
-                if mid == 0:  # the lazy sweep: a "soon" call unread for LAZY_WAKE has its reader woken
-                    self._sweep_lazy()
-                    continue
-                call = agent._pop(mid)
-                if call is not None:
-                    agent._finish(call.fut, None, RpcTimeoutError(
-                        f"RPC ran for more than set timeout ({call.timeout * 1000:.0f} ms) and will now be marked "
-                        f"with an error: {call.what} to {agent.by_id.get(call.peer, call.peer)}"))
+                try:
+                    if mid == 0:  # the lazy sweep: a "soon" call unread for LAZY_WAKE has its reader woken
+                        self._sweep_lazy()
+                        continue
+                    call = agent._pop(mid)
+                    if call is not None:
+                        agent._finish(call.fut, None, RpcTimeoutError(
+                            f"RPC ran for more than set timeout ({call.timeout * 1000:.0f} ms) and will now be "
+                            f"marked with an error: {call.what} to {agent.by_id.get(call.peer, call.peer)}"))
+                except Exception:  # noqa: BLE001 -- every later call's timeout needs this thread
+                    _log.exception("gpucoll.rpc: the timer's %s failed",
+                                   "sweep" if mid == 0 else f"timeout of call {mid}")
+                    if mid == 0:  # armed again, or what is left in it would wait for a later sweep forever
+                        self.lazy_armed = False
+                        if self.lazy:
+                            self.arm_lazy(True)
             call = None  # what the callbacks held (an RRef among them) is not kept alive by this loop

@@ -121,3 +121,29 @@ def test_a_deadline_earlier_than_the_one_the_timer_sleeps_on_wakes_it() -> None:
     agent.closed = True
     with agent.timer.cv:
         agent.timer.cv.notify()
+
+
+def test_a_failing_flush_neither_stops_the_timer_nor_strands_the_sweep() -> None:
+    agent = _Agent()
+    loop = threading.Thread(target=agent.timer.loop, daemon=True)
+    loop.start()
+    flushed = threading.Event()
+
+    class _Breaks:
+        def flush(self) -> None:
+            raise RuntimeError("a flush that fails in a way nobody foresaw")
+
+    class _Works:
+        def flush(self) -> None:
+            flushed.set()
+
+    agent.timer.flush_soon(_Breaks())
+    agent.timer.lazy.append((time.monotonic(), _Works()))  # behind it, in the same sweep
+    assert flushed.wait(5.0), "what the failed sweep left was never flushed"
+    at, fut = _send(agent, 1, 0.05)
+    assert fut._block(5.0), "a timeout after the failed flush never fired"
+    assert agent.fired[id(fut)] >= at + 0.05 - 1e-3
+    assert loop.is_alive()
+    agent.closed = True
+    with agent.timer.cv:
+        agent.timer.cv.notify()
