@@ -128,11 +128,7 @@ class Timer:
             conn = out.get(late.peer) if late is not None else None
             if conn is not None and conn.parked:
                 conn.wake()
-        while lazy and lazy[0][0] <= cutoff:
-            late = pending.get(lazy.popleft()[1])
-            conn = out.get(late.peer) if late is not None else None
-            if conn is not None and conn.parked:
-                conn.wake()
+        # (left: nothing, or a call's id younger than LAZY_WAKE at the head)
         self.lazy_armed = False
         if lazy:  # younger ones: look again in LAZY_WAKE (a send may have re-armed already)
             self.arm_lazy(True)  # at most one sweep per LAZY_WAKE

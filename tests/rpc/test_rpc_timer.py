@@ -25,6 +25,7 @@ class _Agent:
         self.by_id: dict[int, Any] = {}
         self.fired: dict[int, float] = {}
         self.timer = Timer(self)
+        self.loop: threading.Thread | None = None
 
     def _pop(self, mid: int) -> _Call | None:
         return self._pending.pop(mid, None)
@@ -37,6 +38,20 @@ class _Agent:
         threading.Thread(target=job, daemon=True).start()
 
 
+def _started() -> _Agent:
+    """A stand-in agent with its timer's thread running (``agent.loop``)."""
+    agent = _Agent()
+    agent.loop = threading.Thread(target=agent.timer.loop, daemon=True)
+    agent.loop.start()
+    return agent
+
+
+def _stop(agent: _Agent) -> None:
+    agent.closed = True
+    with agent.timer.cv:
+        agent.timer.cv.notify()
+
+
 def _send(agent: _Agent, mid: int, timeout: float) -> tuple[float, Future[Any]]:
     fut: Future[Any] = Future()
     agent._pending[mid] = _Call(fut, 1, f"call {mid}", timeout)
@@ -46,9 +61,7 @@ def _send(agent: _Agent, mid: int, timeout: float) -> tuple[float, Future[Any]]:
 
 
 def test_every_timeout_fires_on_time_from_many_threads() -> None:
-    agent = _Agent()
-    loop = threading.Thread(target=agent.timer.loop, daemon=True)
-    loop.start()
+    agent = _started()
     timeouts = [0.02, 0.05, 0.1] + [0.03 + 0.001 * i for i in range(_QUEUES_MAX + 4)]  # past the queues: the heap
     sent: dict[int, tuple[float, float, Future[Any]]] = {}
     answered: set[int] = set()
@@ -77,9 +90,7 @@ def test_every_timeout_fires_on_time_from_many_threads() -> None:
     deadline = time.monotonic() + 30
     while any(not f.done() for _, _, f in sent.values()) and time.monotonic() < deadline:
         time.sleep(0.01)
-    agent.closed = True
-    with agent.timer.cv:
-        agent.timer.cv.notify()
+    _stop(agent)
     late = [mid for mid, (_, _, f) in sent.items() if not f.done()]
     assert not late, f"{len(late)} calls never timed out, e.g. {late[:5]}"
     early = [mid for mid, (at, timeout, f) in sent.items()
@@ -91,9 +102,7 @@ def test_every_timeout_fires_on_time_from_many_threads() -> None:
 
 
 def test_a_queue_past_its_bound_with_a_running_call_at_its_head_goes_on() -> None:
-    agent = _Agent()
-    loop = threading.Thread(target=agent.timer.loop, daemon=True)
-    loop.start()
+    agent = _started()
     _send(agent, 1, 30.0)  # a long call, still running: its queue cannot be trimmed past it
     for mid in range(2, _QUEUE_MAX + 2):
         _send(agent, mid, 30.0)
@@ -103,30 +112,22 @@ def test_a_queue_past_its_bound_with_a_running_call_at_its_head_goes_on() -> Non
     assert short._block(5.0) and agent.fired[id(short)] >= short_at + 0.05 - 1e-3
     assert len(agent.timer.queues[30.0]) <= _QUEUE_MAX
     assert not fut.done()
-    agent.closed = True
-    with agent.timer.cv:
-        agent.timer.cv.notify()
+    _stop(agent)
 
 
 def test_a_deadline_earlier_than_the_one_the_timer_sleeps_on_wakes_it() -> None:
-    agent = _Agent()
-    loop = threading.Thread(target=agent.timer.loop, daemon=True)
-    loop.start()
+    agent = _started()
     _send(agent, 1, 30.0)  # the timer sleeps until this one
     for mid in (2, 3, 4):  # the first makes the 0.05 s queue (under the lock); the others find it empty
         at, fut = _send(agent, mid, 0.05)
         assert fut._block(5.0), f"call {mid} did not time out in 5 s"
         assert at + 0.05 - 1e-3 <= agent.fired[id(fut)] < at + 2.0
         time.sleep(0.05)  # the timer sleeps on the 30 s call again
-    agent.closed = True
-    with agent.timer.cv:
-        agent.timer.cv.notify()
+    _stop(agent)
 
 
 def test_a_failing_flush_neither_stops_the_timer_nor_strands_the_sweep() -> None:
-    agent = _Agent()
-    loop = threading.Thread(target=agent.timer.loop, daemon=True)
-    loop.start()
+    agent = _started()
     flushed = threading.Event()
 
     class _Breaks:
@@ -143,7 +144,5 @@ def test_a_failing_flush_neither_stops_the_timer_nor_strands_the_sweep() -> None
     at, fut = _send(agent, 1, 0.05)
     assert fut._block(5.0), "a timeout after the failed flush never fired"
     assert agent.fired[id(fut)] >= at + 0.05 - 1e-3
-    assert loop.is_alive()
-    agent.closed = True
-    with agent.timer.cv:
-        agent.timer.cv.notify()
+    assert agent.loop is not None and agent.loop.is_alive()
+    _stop(agent)
