@@ -469,8 +469,6 @@ def device_run_work_class(owner: WorkOwner, op_type: str, device: int, default_t
     ending = owner.ending
 
     class _DeviceRunWork(DeviceRunWork):
-        __qualname__ = __name__ = "DeviceRunWork"
-
         def wait(self, timeout: float | timedelta | None = None) -> Any:
             """:meth:`NCCLWork.wait`; see :func:`device_run_work_class` for its common case."""
             if timeout is None and self._done is _PENDING and ending.aborted is None:
@@ -482,6 +480,7 @@ def device_run_work_class(owner: WorkOwner, op_type: str, device: int, default_t
             return NCCLWork.wait(self, timeout)
 
     cls = _DeviceRunWork
+    cls.__name__ = cls.__qualname__ = "DeviceRunWork"
     cls.op_type = op_type
     cls._owner = owner
     cls._device = device
