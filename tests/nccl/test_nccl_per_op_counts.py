@@ -6,8 +6,9 @@ fails here. No time is measured: the timings are the bench's
 (``bench/nccl_python_overhead_bench.py --realistic``).
 
 The ceilings are today's counts (CPython 3.11, blocks that gpucoll's code allocates and
-keeps, floats left out: 2.05 per synchronous op, 1.05 per Work-less backend op, 5.06 per
-async op and its wait by default, alone or after tests/nccl's other tests; 6.06 on the
+keeps, floats left out: 2.05 per synchronous op, 1.05 per Work-less backend op, 3.06 per
+async op and its wait by default (5.06 while its Work held its result in a list of its
+own), alone or after tests/nccl's other tests; 6.06 on the
 caller's stream (its Work's keepalive tuple), 7.06 after tests/nccl's other tests, once
 they have given its Work class other attributes and CPython stops sharing their
 attribute dicts' keys); one more block per op fails. The
@@ -80,7 +81,7 @@ _PACKAGE = os.path.dirname(_gpucoll.__file__)
 _FLOAT_BYTES = sys.getsizeof(0.5)
 _PENDING = 100          # ops kept pending (< PRUNE_AT: none completes meanwhile)
 # Blocks kept per pending op, today, and the slack other CPython versions may need.
-KEPT_SYNC, KEPT_ASYNC_CALLER, KEPT_ASYNC, KEPT_BACKEND, SLACK = 2.1, 7.1, 5.1, 1.1, 0.5
+KEPT_SYNC, KEPT_ASYNC_CALLER, KEPT_ASYNC, KEPT_BACKEND, SLACK = 2.1, 7.1, 3.1, 1.1, 0.5
 # gpucoll's own bytecode instructions per op on CPython 3.11 (the count is exact there).
 OPCODES_SYNC, OPCODES_ASYNC, OPCODES_SLACK = 511, 488, 4
 

@@ -411,8 +411,8 @@ class HotWork(NCCLWork):
 class DeviceRunWork(HotWork):
     """The :class:`HotWork` of an async op a group issued through a DeviceRun on the
     communication stream (hot.start_async), made numbered: op ``seq`` of group
-    ``group_name``, ``result()`` ``[keep]`` (which also keeps the array alive for the
-    Work's life: no separate keepalive), ``end`` a pooled :class:`~.events.Handle`, tied
+    ``group_name``, ``result()`` ``[keep]`` (``keep``, the array, held for the Work's
+    life: no separate keepalive), ``end`` a pooled :class:`~.events.Handle`, tied
     to flight-recorder ``entry`` (None: no recorder), whose start time it takes (the
     entry read the wall clock a moment ago). Made before the op is queued as
     outstanding, so no sweep can complete it meanwhile. It is never posted, doomed,
@@ -430,11 +430,16 @@ class DeviceRunWork(HotWork):
     def __init__(self, keep: Any, end: Event, seq: int, group_name: str, entry: Any) -> None:
         self._t0 = _perf_counter()
         self.time_started = _time() if entry is None else entry.time_started
-        self._result = [keep]
+        self._keep = keep
         self._end = end
         self.seq = seq
         self.group_name = group_name
         self._fr_entry = entry  # (set even when None: every such Work's fields in one order)
+
+    @property  # (read-only here: nothing writes a DeviceRunWork's results)
+    def _result(self) -> list[Any]:  # type: ignore[override]
+        """What :meth:`result` returns, ``[keep]``, made when asked: no list per op."""
+        return [self._keep]
 
     def swept(self, rt: Runtime, now: float, pool: EventPool | None, unheld: bool) -> None:
         """:meth:`NCCLWork.swept` for such a Work: its end is always a pooled
