@@ -523,8 +523,10 @@ def _finished_prefix(b: BackendState, works: list[Pending]) -> int:
     Work-less ops; the communication stream for the rest) takes a binary search over
     their end events; the next run is looked at only once this one has finished. -1
     when a query failed (then the backend is aborted, and the work that failed names why)."""
-    comm = b.comm_stream.ptr
     n = len(works)
+    if Quiet not in map(type, works):
+        return _finished_run(b, works, 0, n)  # Works only (async ops): one run, found without a loop of ours
+    comm = b.comm_stream.ptr
     first = 0
     while first < n:
         w = works[first]
