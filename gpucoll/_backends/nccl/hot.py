@@ -44,13 +44,14 @@ from .runtime import CAPTURE_THREAD_LOCAL
 from .phases import on_comm
 from .lifecycle import abort_comm as _abort_comm
 from .posting import Posted
-from .work import DeviceRunWork, HotWork, NCCLWork
+from .work import DeviceRunWork, HotWork, NCCLWork, device_run_work_class
 
 if TYPE_CHECKING:
     from ..._debug.flight_recorder import _Entry
     from .state import BackendState
 
 __all__ = ["Hot", "Quiet", "Pending", "PRUNE_AT", "PRUNE_WORKS_AT", "make", "issue", "issue_quiet", "start_async",
+           "run_work_class",
            "issue_failed", "complete_until", "poll"]
 
 # A finished Work that only the sweep holds (its list of works, the pending queue, its loop
@@ -306,8 +307,19 @@ def issue_on_comm(b: BackendState, hot: Hot, stream: int, keep: Any) -> NCCLWork
     return work
 
 
-def start_async(b: BackendState, posted: Posted, hot: Hot, nbytes: int, stream: int, keep: Any, seq: int,
-                entry: _Entry | None, group_name: str) -> NCCLWork | None:
+def run_work_class(b: BackendState, op_type: str) -> type[DeviceRunWork]:
+    """The class of the Works :func:`start_async` makes for ``b``'s ``op_type`` ops
+    (:func:`~.work.device_run_work_class`), made once per backend, op name, device and timeout."""
+    key = (op_type, b.device_index, b.timeout)
+    classes = b.comm_stream.work_classes
+    cls: type[DeviceRunWork] | None = classes.get(key)
+    if cls is None:
+        cls = classes[key] = device_run_work_class(b, op_type, b.device_index, b.timeout)
+    return cls
+
+
+def start_async(b: BackendState, posted: Posted, hot: Hot, nbytes: int, work_class: type[DeviceRunWork], stream: int,
+                keep: Any, seq: int, entry: _Entry | None, group_name: str) -> NCCLWork | None:
     """A DeviceRun's async runner (quiet.py): :func:`issue` of an async op for a caller
     that has checked the array as :func:`issue_quiet_at` says (``stream``: the caller's
     current stream of the communicator's device, the one the array's producer named;
@@ -367,11 +379,12 @@ def start_async(b: BackendState, posted: Posted, hot: Hot, nbytes: int, stream: 
             raise failed from exc
         cs.tail = end
         cs.last_end = None
-        work = DeviceRunWork(hot.op_type, b, keep, b.timeout, device, end, seq, group_name, entry)
-        if b.outstanding.add_work(work):
-            complete_until(b, work)
+        # Its op's name, backend, device, timeout and pending state are its class's (run_work_class).
+        made = work_class(keep, end, seq, group_name, entry)
+        if b.outstanding.add_work(made):
+            complete_until(b, made)
             b.outstanding.batch_done()
-    return work
+    return made
 
 
 def _issue_on_caller(b: BackendState, hot: Hot, buf: Any, stream: int) -> NCCLWork | None:
@@ -510,8 +523,10 @@ def _finished_prefix(b: BackendState, works: list[Pending]) -> int:
     Work-less ops; the communication stream for the rest) takes a binary search over
     their end events; the next run is looked at only once this one has finished. -1
     when a query failed (then the backend is aborted, and the work that failed names why)."""
-    comm = b.comm_stream.ptr
     n = len(works)
+    if Quiet not in map(type, works):
+        return _finished_run(b, works, 0, n)  # Works only (async ops): one run, found without a loop of ours
+    comm = b.comm_stream.ptr
     first = 0
     while first < n:
         w = works[first]

@@ -43,11 +43,12 @@ class Outstanding:
         return len(ops) > self._next_batch
 
     def add_work(self, work: Any) -> bool:
-        """:meth:`add` for a Work."""
-        ops = self._ops
-        ops.append(work)
-        self._works += 1
-        return self._works > PRUNE_WORKS_AT or len(ops) > self._next_batch
+        """:meth:`add` for a Work: True once more than PRUNE_WORKS_AT Works came since the
+        last batch. (The queue's length is :meth:`add`'s to watch: Work-less records past
+        PRUNE_AT make the next of them due; Works alone make a batch due far sooner.)"""
+        self._ops.append(work)
+        works = self._works = self._works + 1
+        return works > PRUNE_WORKS_AT
 
     def add_all(self, works: Sequence[Any]) -> bool:
         """:meth:`add_work` for several Works at once."""

@@ -63,7 +63,7 @@ def runners(b: BackendState, posted: Posted, hot: _hot.Hot, buf: Buffer) -> Runn
     if buf.foreign_stream or where.index != b.device_index or where.type != "cuda":
         return None
     return Runners(functools.partial(_hot.issue_quiet_at, b, hot),
-                   functools.partial(_hot.start_async, b, posted, hot, buf.nbytes),
+                   functools.partial(_hot.start_async, b, posted, hot, buf.nbytes, _hot.run_work_class(b, hot.op_type)),
                    posted, b.runtime.stream_of, b.device_index, getattr(b.runtime, "stream_of_fixed", False))
 
 

@@ -32,7 +32,8 @@ class CommStream:
     per op would cost the synchronous op more than the rest of its Python. The rest is
     read-only outside this class."""
 
-    __slots__ = ("stream", "ptr", "events", "timing", "last_end", "tail", "kept", "captured", "caller_max", "ready")
+    __slots__ = ("stream", "ptr", "events", "timing", "last_end", "tail", "kept", "captured", "caller_max", "ready",
+                 "work_classes")
 
     def __init__(self, caller_max: int = 0) -> None:
         self.stream: Any = None
@@ -51,6 +52,9 @@ class CommStream:
         # event's state when it is called, so each op records the same event again, and
         # no event is taken and given back per op. Read-only outside.
         self.ready = 0
+        # The Work classes of the async ops a group's DeviceRun issues on this stream
+        # (work.device_run_work_class), by op name, device and timeout: made once.
+        self.work_classes: dict[tuple[str, int, float], Any] = {}
 
     def time_ops(self) -> None:
         """Record later ops' events with timing (for active_duration)."""

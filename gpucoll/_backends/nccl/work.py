@@ -33,7 +33,7 @@ from .ending import Ending
 from .events import EventPool, Handle
 from .runtime import CAPTURE_THREAD_LOCAL, Event, Runtime, enter_device, leave_device
 
-__all__ = ["NCCLWork", "HotWork", "WorkOwner", "query_outside_capture", "DeviceRunWork"]
+__all__ = ["NCCLWork", "HotWork", "WorkOwner", "query_outside_capture", "DeviceRunWork", "device_run_work_class"]
 
 # The hot path's Works share one lock (held for a few field writes, never while another
 # Work's lock is taken or user code runs): one fewer object made and freed per op.
@@ -410,50 +410,43 @@ class HotWork(NCCLWork):
 
 class DeviceRunWork(HotWork):
     """The :class:`HotWork` of an async op a group issued through a DeviceRun on the
-    communication stream (hot.start_async), made numbered in one step: op ``seq`` of group
-    ``group_name``, ``result()`` ``[keep]`` (which also keeps the array alive for the
-    Work's life: no separate keepalive), tied to flight-recorder ``entry`` (None: no
-    recorder), whose start time it takes (the entry read the wall clock a moment ago).
-    Made before the op is queued as outstanding, so no sweep can complete it meanwhile."""
+    communication stream (hot.start_async), made numbered: op ``seq`` of group
+    ``group_name``, ``result()`` ``[keep]`` (``keep``, the array, held for the Work's
+    life: no separate keepalive), ``end`` a pooled :class:`~.events.Handle`, tied
+    to flight-recorder ``entry`` (None: no recorder), whose start time it takes (the
+    entry read the wall clock a moment ago). Made before the op is queued as
+    outstanding, so no sweep can complete it meanwhile. It is never posted, doomed,
+    timed, captured or a barrier, holds no producer stream, and never ran on the
+    caller's stream (``_on_stream`` is -1).
+
+    Its per-backend class (:func:`device_run_work_class`) holds as class attributes
+    what every op of that backend shares: the op's name, the backend (``_owner``), its
+    device and timeout, and the shared pending completion state (``_done``, set on the
+    instance once the op completes): five attribute writes fewer per op."""
 
     _keepalive = None  # (the result holds the array)
+    _done = _PENDING   # (the class's until the op completes: Work._finish sets the instance's)
 
-    def __init__(self, op_type: str, owner: WorkOwner, keep: Any, default_timeout: float, device: int, end: Event,
-                 seq: int, group_name: str, entry: Any) -> None:
-        self.op_type = op_type
+    def __init__(self, keep: Any, end: Event, seq: int, group_name: str, entry: Any) -> None:
         self._t0 = _perf_counter()
-        self._default_timeout = default_timeout
-        self._result = [keep]
-        self._done = _PENDING  # (never blocked on: _work._Pending)
-        self._owner = owner
-        self._device = device
+        self.time_started = _time() if entry is None else entry.time_started
+        self._keep = keep
         self._end = end
         self.seq = seq
         self.group_name = group_name
         self._fr_entry = entry  # (set even when None: every such Work's fields in one order)
-        self.time_started = _time() if entry is None else entry.time_started
 
-    def wait(self, timeout: float | timedelta | None = None) -> Any:
-        """:meth:`HotWork.wait` for an op that ran on the communication stream, which is
-        never the caller's (``_on_stream`` is -1, no stream's handle): the caller's
-        current stream of the op's device waits for ``end``, with no comparison."""
-        if timeout is None and self._done is _PENDING:  # (not complete: the shared pending state)
-            owner = self._owner
-            if owner.ending.aborted is None:
-                rt = owner.runtime
-                try:
-                    rt.wait_event(rt.current_stream_of(self._device), self._end.ptr)  # type: ignore[union-attr]
-                except Exception as exc:
-                    raise DistBackendError(f"{self._name()}: making the caller's stream wait failed: {exc}") from exc
-                return self._result if self._wait_gives_result else True
-        return NCCLWork.wait(self, timeout)
+    @property  # (read-only here: nothing writes a DeviceRunWork's results)
+    def _result(self) -> list[Any]:  # type: ignore[override]
+        """What :meth:`result` returns, ``[keep]``, made when asked: no list per op."""
+        return [self._keep]
 
     def swept(self, rt: Runtime, now: float, pool: EventPool | None, unheld: bool) -> None:
         """:meth:`NCCLWork.swept` for such a Work: its end is always a pooled
         :class:`~.events.Handle` (hot.start_async takes one) and it is untimed (no
         ``ready`` or ``prev`` event: nothing sets them on it), so neither is checked."""
         if pool is not None:
-            pool.give_handle(self._end)  # type: ignore[arg-type]  # (a Handle: see above)
+            pool.handles.append(self._end)  # type: ignore[arg-type]  # (pool.give_handle, without its frame)
         if unheld and self._callbacks is None and self._future is None:
             entry = self._fr_entry
             if entry is None:
@@ -463,6 +456,41 @@ class DeviceRunWork(HotWork):
                     entry.done = now - self._t0
                 return
         self.fired(rt, now)
+
+
+def device_run_work_class(owner: WorkOwner, op_type: str, device: int, default_timeout: float) -> type[DeviceRunWork]:
+    """The :class:`DeviceRunWork` class of ``owner``'s ``op_type`` ops on ``device``
+    (hot.start_async's, one per backend and op name), whose ``wait()`` reads the backend's
+    runtime and ending from its closure.
+
+    ``wait()`` without a timeout on a pending Work of a backend not aborted makes the
+    caller's *current* stream of the op's device (looked up per call: the caller may
+    have switched streams since the op) wait for ``end``; the op ran on the
+    communication stream, never the caller's, so there is nothing to compare. Anything
+    else (a timeout, a completed or failed Work, an aborted backend) is
+    :meth:`NCCLWork.wait`'s. ``rt.wait_event`` and ``rt.current_stream_of`` are looked up
+    per call (never bound once: whoever holds the runtime may replace them)."""
+    rt = owner.runtime
+    ending = owner.ending
+
+    class _DeviceRunWork(DeviceRunWork):
+        def wait(self, timeout: float | timedelta | None = None) -> Any:
+            """:meth:`NCCLWork.wait`; see :func:`device_run_work_class` for its common case."""
+            if timeout is None and self._done is _PENDING and ending.aborted is None:
+                try:
+                    rt.wait_event(rt.current_stream_of(device), self._end.ptr)  # type: ignore[union-attr]
+                except Exception as exc:
+                    raise DistBackendError(f"{self._name()}: making the caller's stream wait failed: {exc}") from exc
+                return True  # (never a coalesced op's Work: _wait_gives_result is False)
+            return NCCLWork.wait(self, timeout)
+
+    cls = _DeviceRunWork
+    cls.__name__ = cls.__qualname__ = "DeviceRunWork"
+    cls.op_type = op_type
+    cls._owner = owner
+    cls._device = device
+    cls._default_timeout = default_timeout
+    return cls
 
 
 _perf_counter = time.perf_counter
