@@ -22,6 +22,14 @@ Open MPI runs through ``mpirun --oversubscribe`` and mpi4py, ``Allreduce`` in pl
 gpucoll through ``gpucoll.all_reduce`` in ``run_spmd``'s ranks, not bound to cores (as
 ``mpirun`` binds none when there are more ranks than cores). Both use float32 arrays.
 When mpirun or mpi4py is missing, gpucoll runs alone with a note.
+
+``--floor`` adds a third party: as many processes as ranks, each moving, alone and in its
+own memory, the bytes one rank of gpucoll's single-copy all_reduce moves (its slice of
+n - 1 other arrays read in the same chunks into a scratch block and folded in rank order
+into its own array, then n - 1 slices of the other arrays copied into its array), with
+NumPy copies instead of ``process_vm_readv``, no peer, no flag and no wait: the CPU an op
+of that design costs where nothing but the copies and folds is paid for. (Each process
+holds n arrays of the size, so that its reads come from memory no cache holds.)
 """
 
 from __future__ import annotations
@@ -101,6 +109,50 @@ def run_gpucoll(world: int, sizes: list[int], batches: int) -> dict[str, dict[st
                             pg_timeout=60.0))
 
 
+def floor_rank(sizes: list[int], batches: int) -> dict[str, list[list[float]]]:
+    from gpucoll._backends.cpu.cma import chunk_bytes
+    from gpucoll._backends.cpu.tcp_algos import chunk_bounds
+
+    r, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    others: dict[int, list[np.ndarray[Any, Any]]] = {}
+    scratch = [np.empty(chunk_bytes(n) // 4, np.float32) for _ in range(n)]
+
+    def work(x: np.ndarray[Any, Any]) -> None:
+        peers = others.get(x.size)
+        if peers is None:
+            peers = others[x.size] = [np.ones_like(x) for _ in range(n)]  # (entry r unused)
+        bounds = chunk_bounds(x.size, n)
+        lo, hi = bounds[r]
+        step = scratch[0].size
+        for start in range(lo, hi, step):
+            stop = min(start + step, hi)
+            m = stop - start
+            parts = [x[start:stop] if j == r else scratch[j][:m] for j in range(n)]
+            for j in range(n):
+                if j != r:
+                    np.copyto(parts[j], peers[j][start:stop])
+            acc = parts[0] if r != 0 else x[start:stop]
+            np.add(parts[0], parts[1], out=acc)
+            for j in range(2, n - 1):
+                np.add(acc, parts[j], out=acc)
+            if n > 2:
+                np.add(acc, parts[n - 1], out=x[start:stop])
+            elif r == 1:
+                x[start:stop] = acc
+        for j in range(n):
+            if j != r:
+                plo, phi = bounds[j]
+                np.copyto(x[plo:phi], peers[j][plo:phi])
+
+    return measure(sizes, batches, all_reduce=work, barrier=lambda: None)
+
+
+def run_floor(world: int, sizes: list[int], batches: int) -> dict[str, dict[str, float]]:
+    from gpucoll.testing import run_spmd
+
+    return combine(run_spmd(floor_rank, world, args=(sizes, batches), timeout=600, init=False))
+
+
 def mpi_worker(sizes: list[int], batches: int) -> None:
     from mpi4py import MPI
 
@@ -155,10 +207,12 @@ def report(runs: dict[str, list[dict[str, dict[str, float]]]], sizes: list[int])
             med[lib] = {f: statistics.median(res[size][f] for res in each) for f in FIELDS}
         for lib in runs:
             lines.append(_row(f"{lib}, median", med[lib]))
-        if len(med) == 2:
-            g, m = med["gpucoll"], med["mpi"]
-            lines.append(f"gpucoll / Open MPI (medians): wall {g['wall'] / m['wall']:.2f}x, "
-                         f"CPU {(g['user'] + g['sys']) / (m['user'] + m['sys']):.2f}x")
+        g = med["gpucoll"]
+        for lib, name in (("mpi", "Open MPI"), ("floor", "the floor")):
+            if lib in med:
+                m = med[lib]
+                lines.append(f"gpucoll / {name} (medians): wall {g['wall'] / m['wall']:.2f}x, "
+                             f"CPU {(g['user'] + g['sys']) / (m['user'] + m['sys']):.2f}x")
     return "\n".join(lines)
 
 
@@ -169,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=int, default=3, help="turns of each library, alternated (default 3)")
     ap.add_argument("--batches", type=int, default=5, help="batches per size and turn; the median counts")
     ap.add_argument("--skip", default="", help="'mpi' to run gpucoll alone")
+    ap.add_argument("--floor", action="store_true",
+                    help="also run the floor: each rank's copies and folds alone, in user space (see above)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
@@ -184,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         "gpucoll": lambda: run_gpucoll(args.ranks, sizes, args.batches)}
     if why is None:
         libs["mpi"] = lambda: run_mpi(args.ranks, sizes, args.batches)
+    if args.floor:
+        libs["floor"] = lambda: run_floor(args.ranks, sizes, args.batches)
     runs: dict[str, list[dict[str, dict[str, float]]]] = {k: [] for k in libs}
     load = [os.getloadavg()[0]]
     for p in range(args.pairs):
