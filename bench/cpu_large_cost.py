@@ -159,8 +159,8 @@ def mpi_worker(sizes: list[int], batches: int) -> None:
     comm = MPI.COMM_WORLD
     mine = measure(sizes, batches, all_reduce=lambda x: comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM),
                    barrier=comm.Barrier)
-    every = comm.gather(mine, root=0)
-    if comm.Get_rank() == 0:
+    every = comm.gather(mine, root=0)  # (None on the other ranks)
+    if every is not None:
         print(json.dumps(combine(every)))
 
 
