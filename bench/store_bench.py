@@ -794,6 +794,9 @@ def interleaved_ops(impls: list[str], args: argparse.Namespace) -> list[Row]:
     servers: dict[str, _Server | _FloorServer | _PyFloorServer | _DrainServer | _TreeServer] = {
         impl: _FloorServer() if impl == "floor" else _PyFloorServer() if impl == "floor-py"
         else _TreeServer(args.base_tree) if impl == "gpucoll-base"
+        # Beside another checkout's server, this one's is started the same way (a fresh
+        # process, not a fork of this one), so that only the code differs.
+        else _TreeServer(os.path.dirname(_HERE)) if impl == "gpucoll" and "gpucoll-base" in impls
         else _DrainServer(impl) if impl in _SENDS
         else _Server(impl) for impl in impls if impl != "torch"}
     if "torch" in impls:
