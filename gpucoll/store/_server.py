@@ -53,6 +53,9 @@ _TURN_FRAMES = 64
 """Frames served from one connection before the others get their turn."""
 _HEADER, _TCP, _NODELAY = w.HEADER, socket.IPPROTO_TCP, socket.TCP_NODELAY
 _IOV_MAX = 512
+_HEADS = len(OK_HEADS)
+"""The loop's repeated add answers values of up to this many characters less one."""
+_HEAD_SIZE = len(OK_HEADS[0])
 
 
 class StoreServer:
@@ -160,20 +163,20 @@ class StoreServer:
     def _run(self) -> None:
         poll = self._poller.poll
         conns = self._conns
-        listeners = {ls.fileno(): ls for ls in self._listeners}
-        wake_fd = self._wake_r.fileno()
         req = self.requests
-        on_readable = self._on_readable
         rbuf = self._rbuf
         data = req.kv.data
         heads = OK_HEADS
+        ready = _IN
+        on_event = self._on_event
+        on_input = self._on_input
         # The counter text this loop wrote last and its value: the next add on it (the
         # usual case, many clients bumping one counter) skips parsing the text again.
         # Bytes are immutable, so a stored value that *is* this object holds this value,
-        # whatever key holds it. (None to begin with: the empty bytes is one object.)
-        hot_text: bytes | None = None
-        hot_value = 0
-        value: int | None
+        # whatever key holds it. It starts as an object that no key can hold (the empty
+        # bytes and single bytes are shared objects; None is what an absent key reads).
+        hot_text = b"%d" % (1 << 70)
+        hot_value = 1 << 70
         try:
             while not self._stop:
                 if req.timers or req.pending or self._later:
@@ -194,61 +197,57 @@ class StoreServer:
                 for fd, ev in events:
                     conn = conns.get(fd)
                     if conn is None:
-                        ls = listeners.get(fd)
-                        if ls is not None:
-                            self._accept(ls)
-                        elif fd == wake_fd:
-                            self._drain_wake()
+                        self._on_other(fd)  # a listener or the wake-up socket
                         continue
                     try:
-                        if ev == _IN:
-                            # The usual event: input on a connection that is not writing.
-                            if (conn.authed and not (conn.closing or conn.later or conn.inbuf or conn.out
-                                                     or conn.writing) and conn.big is None
-                                    and conn.waiter is None):
-                                # The hottest request, served here: the connection's last ADD
-                                # frame again, on a counter that exists (quick_add's first case,
-                                # without the calls); anything else goes on to _on_input.
-                                sock = conn.sock
-                                try:
-                                    n = sock.recv_into(rbuf)  # type: ignore[union-attr]
-                                except (BlockingIOError, InterruptedError):
-                                    continue
-                                except OSError:
-                                    n = 0
-                                if not n:
-                                    self._drop(conn)
-                                    continue
-                                frame, key, amount = conn.last_add
-                                if n == len(frame) and rbuf.startswith(frame):
-                                    current = data.get(key)
-                                    if current is not None and len(current) < 20:
-                                        if current is hot_text:
-                                            value = hot_value + amount
-                                        else:
-                                            try:
-                                                value = int(current) + amount
-                                            except ValueError:
-                                                value = None
-                                        if value is not None:
-                                            total = b"%d" % value
-                                            data[key] = total
-                                            hot_text = total
-                                            hot_value = value
-                                            reply = heads[len(total)] + total
-                                            sent = sock.send(reply)  # type: ignore[union-attr]
-                                            if sent != len(reply):
-                                                conn.out.append(memoryview(reply)[sent:])
-                                                self._send(conn)
-                                            continue
-                                self._on_input(conn, sock, n)  # type: ignore[arg-type]
-                            elif not conn.later:
-                                on_readable(conn)
+                        # The hottest request is served here: the connection's last ADD frame
+                        # again, on a counter that exists (quick_add's first case, without the
+                        # calls). Each test that fails hands over at once (to _on_event
+                        # before the read, to _on_input after it), so the path stays short.
+                        if (ev != ready or not conn.authed or conn.closing or conn.later or conn.inbuf
+                                or conn.out or conn.writing or conn.big is not None
+                                or conn.waiter is not None):
+                            on_event(conn, ev)
                             continue
-                        if ev & _OUT:
+                        sock = conn.sock
+                        try:
+                            n = sock.recv_into(rbuf)  # type: ignore[union-attr]
+                        except (BlockingIOError, InterruptedError):
+                            continue
+                        except OSError:
+                            n = 0
+                        if not n:
+                            self._drop(conn)
+                            continue
+                        frame, size, key, amount = conn.last_add
+                        if n != size or not rbuf.startswith(frame):
+                            on_input(conn, sock, n)  # type: ignore[arg-type]
+                            continue
+                        current = data.get(key)
+                        if current is hot_text:
+                            value = hot_value + amount
+                        elif current is None or len(current) >= 20:
+                            on_input(conn, sock, n)  # type: ignore[arg-type]
+                            continue
+                        else:
+                            try:
+                                value = int(current) + amount
+                            except ValueError:
+                                on_input(conn, sock, n)  # type: ignore[arg-type]
+                                continue
+                        total = b"%d" % value
+                        size = len(total)
+                        if size >= _HEADS:
+                            on_input(conn, sock, n)  # type: ignore[arg-type]
+                            continue
+                        data[key] = total
+                        hot_text = total
+                        hot_value = value
+                        reply = heads[size] + total
+                        sent = sock.send(reply)  # type: ignore[union-attr]
+                        if sent != size + _HEAD_SIZE:
+                            conn.out.append(memoryview(reply)[sent:])
                             self._send(conn)
-                        if ev & _IN_ANY and conn.sock is not None and not conn.later:
-                            on_readable(conn)
                     except Exception:  # a bug serving one client must not stop the server
                         self._drop(conn)
                 if req.timers:
@@ -285,6 +284,26 @@ class StoreServer:
             for ls in self._listeners:
                 ls.close()
             self._wake_r.close()
+
+    def _on_other(self, fd: int) -> None:
+        """An event on a descriptor that is not a connection: a listener or the wake-up."""
+        for ls in self._listeners:
+            if ls.fileno() == fd:
+                self._accept(ls)
+                return
+        if fd == self._wake_r.fileno():
+            self._drain_wake()
+
+    def _on_event(self, conn: Conn, ev: int) -> None:
+        """An event on ``conn`` that the loop's repeated-add path does not serve."""
+        if ev == _IN:
+            if not conn.later:  # (a later one is served at the end of the loop iteration)
+                self._on_readable(conn)
+            return
+        if ev & _OUT:
+            self._send(conn)
+        if ev & _IN_ANY and conn.sock is not None and not conn.later:
+            self._on_readable(conn)
 
     def _drain_wake(self) -> None:
         try:
