@@ -167,6 +167,8 @@ class StoreServer:
         rbuf = self._rbuf
         data = req.kv.data
         heads = OK_HEADS
+        heads_n = _HEADS
+        head_size = _HEAD_SIZE
         ready = _IN
         on_event = self._on_event
         on_input = self._on_input
@@ -195,8 +197,9 @@ class StoreServer:
                 except InterruptedError:
                     continue
                 for fd, ev in events:
-                    conn = conns.get(fd)
-                    if conn is None:
+                    try:
+                        conn = conns[fd]  # (a subscript: no call, as get() takes)
+                    except KeyError:
                         self._on_other(fd)  # a listener or the wake-up socket
                         continue
                     try:
@@ -223,10 +226,14 @@ class StoreServer:
                         if n != size or not rbuf.startswith(frame):
                             on_input(conn, sock, n)  # type: ignore[arg-type]
                             continue
-                        current = data.get(key)
+                        try:
+                            current = data[key]
+                        except KeyError:  # deleted: the general path adds it anew
+                            on_input(conn, sock, n)  # type: ignore[arg-type]
+                            continue
                         if current is hot_text:
                             value = hot_value + amount
-                        elif current is None or len(current) >= 20:
+                        elif len(current) >= 20:
                             on_input(conn, sock, n)  # type: ignore[arg-type]
                             continue
                         else:
@@ -237,7 +244,7 @@ class StoreServer:
                                 continue
                         total = b"%d" % value
                         size = len(total)
-                        if size >= _HEADS:
+                        if size >= heads_n:
                             on_input(conn, sock, n)  # type: ignore[arg-type]
                             continue
                         data[key] = total
@@ -245,7 +252,7 @@ class StoreServer:
                         hot_value = value
                         reply = heads[size] + total
                         sent = sock.send(reply)  # type: ignore[union-attr]
-                        if sent != size + _HEAD_SIZE:
+                        if sent != size + head_size:
                             conn.out.append(memoryview(reply)[sent:])
                             self._send(conn)
                     except Exception:  # a bug serving one client must not stop the server
