@@ -234,6 +234,29 @@ class Requests:
         if conn.inbuf:
             self.resume.append(conn)
 
+    def expire_pending(self, drop: Callable[[Conn], None]) -> None:
+        """``drop`` the connections that did not say HELLO in time (oldest first)."""
+        now = time.monotonic()
+        pending = self.pending
+        while pending:
+            conn, deadline = next(iter(pending.items()))
+            if deadline > now:
+                return
+            del pending[conn]
+            if not (conn.authed or conn.pinged):
+                drop(conn)
+
+    def evict_pending(self, drop: Callable[[Conn], None]) -> bool:
+        """``drop`` the oldest connection that has not said HELLO; False if there is none."""
+        pending = self.pending
+        while pending:
+            conn = next(iter(pending))
+            del pending[conn]
+            if conn.sock is not None and not (conn.authed or conn.pinged):
+                drop(conn)
+                return True
+        return False
+
     def expire(self) -> None:
         now = time.monotonic()
         timers = self.timers

@@ -53,9 +53,6 @@ _TURN_FRAMES = 64
 """Frames served from one connection before the others get their turn."""
 _HEADER, _TCP, _NODELAY = w.HEADER, socket.IPPROTO_TCP, socket.TCP_NODELAY
 _IOV_MAX = 512
-_HEADS = len(OK_HEADS)
-"""The loop's repeated add answers values of up to this many characters less one."""
-_HEAD_SIZE = len(OK_HEADS[0])
 
 
 class StoreServer:
@@ -167,16 +164,13 @@ class StoreServer:
         rbuf = self._rbuf
         data = req.kv.data
         heads = OK_HEADS
-        heads_n = _HEADS
-        head_size = _HEAD_SIZE
+        heads_n, head_size = len(heads), len(heads[0])  # values below heads_n characters
         ready = _IN
         on_event = self._on_event
         on_input = self._on_input
-        # The counter text this loop wrote last and its value: the next add on it (the
-        # usual case, many clients bumping one counter) skips parsing the text again.
-        # Bytes are immutable, so a stored value that *is* this object holds this value,
-        # whatever key holds it. It starts as an object that no key can hold (the empty
-        # bytes and single bytes are shared objects; None is what an absent key reads).
+        # The counter text this loop wrote last and its value: a counter holding that very
+        # object (bytes are immutable) is not parsed again. It starts as an object no key
+        # can hold (the empty bytes and single bytes are shared objects).
         hot_text = b"%d" % (1 << 70)
         hot_value = 1 << 70
         try:
@@ -203,10 +197,9 @@ class StoreServer:
                         self._on_other(fd)  # a listener or the wake-up socket
                         continue
                     try:
-                        # The hottest request is served here: the connection's last ADD frame
-                        # again, on a counter that exists (quick_add's first case, without the
-                        # calls). Each test that fails hands over at once (to _on_event
-                        # before the read, to _on_input after it), so the path stays short.
+                        # The hottest request, served here: the connection's last ADD frame
+                        # again (quick_add's first case, without the calls). A failed test
+                        # hands over at once (to _on_event, or after the read to _on_input).
                         if (ev != ready or not conn.authed or conn.closing or conn.later or conn.inbuf
                                 or conn.out or conn.writing or conn.big is not None
                                 or conn.waiter is not None):
@@ -260,7 +253,7 @@ class StoreServer:
                 if req.timers:
                     req.expire()
                 if req.pending:
-                    self._expire_pending()
+                    req.expire_pending(self._drop)
                 if self._later:
                     later, self._later = self._later, []
                     for conn in later:
@@ -319,29 +312,6 @@ class StoreServer:
         except OSError:
             pass
 
-    def _expire_pending(self) -> None:
-        """Drop the connections that did not say HELLO in time (oldest first)."""
-        now = time.monotonic()
-        pending = self.requests.pending
-        while pending:
-            conn, deadline = next(iter(pending.items()))
-            if deadline > now:
-                return
-            del pending[conn]
-            if not (conn.authed or conn.pinged):
-                self._drop(conn)
-
-    def _evict_pending(self) -> bool:
-        """Drop the oldest connection that has not said HELLO; False if there is none."""
-        pending = self.requests.pending
-        while pending:
-            conn = next(iter(pending))
-            del pending[conn]
-            if conn.sock is not None and not (conn.authed or conn.pinged):
-                self._drop(conn)
-                return True
-        return False
-
     def _accept(self, listener: socket.socket) -> None:
         # Once per call, not per connection: a socket's .family builds an enum each time.
         unix = listener.family == socket.AF_UNIX
@@ -357,7 +327,7 @@ class StoreServer:
                     # Out of descriptors: make room by dropping the oldest connection that
                     # has not said HELLO; with none, stop accepting until a connection
                     # closes, rather than spin on a listener that stays readable.
-                    if self._evict_pending():
+                    if self.requests.evict_pending(self._drop):
                         continue
                     for ls in self._listeners:
                         self._poller.unregister(ls.fileno())
@@ -374,7 +344,7 @@ class StoreServer:
             sock.setblocking(False)
             conn = Conn(sock)
             if len(self.requests.pending) >= self.max_pending:
-                self._evict_pending()
+                self.requests.evict_pending(self._drop)
             self.requests.pending[conn] = time.monotonic() + self.hello_timeout
             self._conns[sock.fileno()] = conn
             self._poller.register(sock.fileno(), _IN)
