@@ -201,6 +201,44 @@ class _PyFloorServer:
         self._proc.wait(10)
 
 
+_BASE_SERVE = (
+    "import sys\n"
+    "from gpucoll.store import TCPStore\n"
+    "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, timeout=120.0)\n"
+    "print(s.port, flush=True)\n"
+    "sys.stdin.read()\n")
+
+
+class _TreeServer:
+    """gpucoll's server imported from another checkout (``--base-tree``), in a process of
+    its own: ``--impl gpucoll-base`` beside ``gpucoll`` compares two versions of the server
+    in one run, both driven by this tree's client."""
+
+    def __init__(self, tree: str) -> None:
+        import subprocess
+
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.path.abspath(tree)
+        self._proc = subprocess.Popen([sys.executable, "-c", _BASE_SERVE], stdout=subprocess.PIPE,
+                                      stdin=subprocess.PIPE, env=env, cwd=os.path.abspath(tree))
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()
+        if not line.strip().isdigit():
+            self.stop()
+            raise RuntimeError(f"the server from {tree} did not start (said {line!r})")
+        self.port = int(line)
+        self.pid = self._proc.pid
+
+    def stop(self) -> None:
+        assert self._proc.stdin is not None
+        try:
+            self._proc.stdin.close()
+            self._proc.wait(10)
+        except Exception:
+            self._proc.kill()
+            self._proc.wait(10)
+
+
 class _RelayedServer:
     """gpucoll's server with ``relays`` relays in front of it, each in a process of its own
     (as each node's gpucoll-run runs one); ``relay_ports[i]`` serves generator process i."""
@@ -217,11 +255,17 @@ class _RelayedServer:
         self._server.stop()
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User plus system CPU of process ``pid`` and its threads so far."""
+def _cpu_split(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of process ``pid`` and its threads so far."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tck = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tck, int(fields[12]) / tck
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User plus system CPU of process ``pid`` and its threads so far."""
+    return sum(_cpu_split(pid))
 
 
 _SENDS = ("send-unix", "send-tcp")
@@ -565,7 +609,7 @@ def _fmt(v: float | str | None) -> str:
 def report(rows: list[Row], impls: list[str], markdown: bool) -> str:
     # Each implementation against torch; gpucoll's server also against each floor.
     ratios = [(i, "torch") for i in impls if i != "torch"] if "torch" in impls else []
-    ratios += [("gpucoll", f) for f in _FLOORS if f in impls and "gpucoll" in impls]
+    ratios += [("gpucoll", f) for f in _FLOORS + ("gpucoll-base",) if f in impls and "gpucoll" in impls]
     head = ["metric", "unit"] + impls + [f"{a}/{b}" for a, b in ratios]
     lines = []
     for r in rows:
@@ -641,11 +685,15 @@ def main(argv: list[str] | None = None) -> int:
                         "joins the add-throughput rows, driven by gpucoll's client")
     p.add_argument("--load", choices=("loadgen", "threads"), default="loadgen",
                    help="rendezvous clients: the load generator (default) or real clients in threads")
+    p.add_argument("--base-tree", default=None,
+                   help="another gpucoll checkout whose server --impl gpucoll-base runs (--ops-only), "
+                        "driven by this tree's client: an A/B of two servers in one run")
+    p.add_argument("--seconds", type=float, default=None, help="seconds per add-throughput row")
     p.add_argument("--no-numeric-names", action="store_true",
                    help="leave torch's getnameinfo() look-ups as they are (see above)")
     args = p.parse_args(argv)
     args.iters = 500 if args.quick else 5000
-    args.seconds = 0.5 if args.quick else 3.0
+    args.seconds = args.seconds or (0.5 if args.quick else 3.0)
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.big_iters = 3 if args.quick else 10
     args.clients = [int(x) for x in (args.clients or ("1,8" if args.quick else "1,8,32")).split(",")]
@@ -656,6 +704,8 @@ def main(argv: list[str] | None = None) -> int:
     for only in _SENDS:
         if only in impls and not args.ops_only:
             p.error(f"--impl {only} has only the set rows: add --ops-only")
+    if "gpucoll-base" in impls and not (args.ops_only and args.base_tree):
+        p.error("--impl gpucoll-base needs --ops-only and --base-tree")
     if "floor-py" in impls and not args.ops_only:
         p.error("--impl floor-py has only the add-throughput rows: add --ops-only")
     for only in ("floor", "gpucoll-relays"):
@@ -741,8 +791,12 @@ def interleaved_ops(impls: list[str], args: argparse.Namespace) -> list[Row]:
     have only the add-throughput rows: they answer every request with "1"."""
     import gpucoll.store  # noqa: F401
 
-    servers: dict[str, _Server | _FloorServer | _PyFloorServer | _DrainServer] = {
+    servers: dict[str, _Server | _FloorServer | _PyFloorServer | _DrainServer | _TreeServer] = {
         impl: _FloorServer() if impl == "floor" else _PyFloorServer() if impl == "floor-py"
+        else _TreeServer(args.base_tree) if impl == "gpucoll-base"
+        # Beside another checkout's server, this one's is started the same way (a fresh
+        # process, not a fork of this one), so that only the code differs.
+        else _TreeServer(os.path.dirname(_HERE)) if impl == "gpucoll" and "gpucoll-base" in impls
         else _DrainServer(impl) if impl in _SENDS
         else _Server(impl) for impl in impls if impl != "torch"}
     if "torch" in impls:
@@ -770,14 +824,18 @@ def interleaved_ops(impls: list[str], args: argparse.Namespace) -> list[Row]:
                     impl = impls[(r + k) % len(impls)]
                     if impl in _SENDS:
                         continue
-                    before = _cpu_seconds(servers[impl].pid)
+                    u0, s0 = _cpu_split(servers[impl].pid)
                     ops = _throughput(impl, servers[impl].port, c, args.seconds)
+                    u1, s1 = _cpu_split(servers[impl].pid)
                     samples.setdefault((f"add throughput, {c} clients", impl), []).append(ops)
                     # Where the server's time goes: every server here makes the same system
                     # calls per add (one recv, one send, a share of one epoll_wait), so what
-                    # separates them is their own CPU per request.
+                    # separates them is their own CPU per request, in user and in system mode.
+                    per = 1e6 / max(1.0, ops * args.seconds)
                     samples.setdefault((f"server CPU per add, {c} clients", impl), []).append(
-                        (_cpu_seconds(servers[impl].pid) - before) / max(1.0, ops * args.seconds) * 1e6)
+                        (u1 - u0 + s1 - s0) * per)
+                    samples.setdefault((f"  user, {c} clients", impl), []).append((u1 - u0) * per)
+                    samples.setdefault((f"  system, {c} clients", impl), []).append((s1 - s0) * per)
             print(f"# round {r}: " + "; ".join(
                 f"{name} {impl} {vals[-1]:.1f}" for (name, impl), vals in samples.items()
                 if "throughput" in name), file=sys.stderr)

@@ -75,8 +75,8 @@ class Conn:
         self.pinged = False
         self.later = False
         """Its turn ended with whole frames buffered; served next loop iteration."""
-        self.last_add: tuple[bytes, bytes, int] = (b"", b"", 0)
-        """The last ADD frame served by Requests.quick_add, its key and its amount."""
+        self.last_add: tuple[bytes, int, bytes, int] = (b"", 0, b"", 0)
+        """The last ADD frame served by Requests.quick_add, its size, its key and its amount."""
 
 
 class Requests:
@@ -234,6 +234,29 @@ class Requests:
         if conn.inbuf:
             self.resume.append(conn)
 
+    def expire_pending(self, drop: Callable[[Conn], None]) -> None:
+        """``drop`` the connections that did not say HELLO in time (oldest first)."""
+        now = time.monotonic()
+        pending = self.pending
+        while pending:
+            conn, deadline = next(iter(pending.items()))
+            if deadline > now:
+                return
+            del pending[conn]
+            if not (conn.authed or conn.pinged):
+                drop(conn)
+
+    def evict_pending(self, drop: Callable[[Conn], None]) -> bool:
+        """``drop`` the oldest connection that has not said HELLO; False if there is none."""
+        pending = self.pending
+        while pending:
+            conn = next(iter(pending))
+            del pending[conn]
+            if conn.sock is not None and not (conn.authed or conn.pinged):
+                drop(conn)
+                return True
+        return False
+
     def expire(self) -> None:
         now = time.monotonic()
         timers = self.timers
@@ -323,8 +346,8 @@ class Requests:
         (Counters are the store's hottest request; this serves one with no field list and
         no dispatch. A client usually bumps one counter by one amount again and again: a
         frame equal to this connection's last ADD is not parsed again.)"""
-        frame, key, amount = conn.last_add
-        if n == len(frame) and buf.startswith(frame):
+        frame, size, key, amount = conn.last_add
+        if n == size and buf.startswith(frame):
             # The key exists unless a delete took it: add in place, as KVState.add_text.
             data = self._data
             current = data.get(key)
@@ -353,7 +376,7 @@ class Requests:
             except ValueError:
                 return None
             key = bytes(buf[9:end])
-            conn.last_add = (bytes(buf[:n]), key, amount)
+            conn.last_add = (bytes(buf[:n]), n, key, amount)
         try:
             total = self.kv.add_text(key, amount)
         except DistStoreError:

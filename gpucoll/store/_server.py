@@ -160,13 +160,19 @@ class StoreServer:
     def _run(self) -> None:
         poll = self._poller.poll
         conns = self._conns
-        listeners = {ls.fileno(): ls for ls in self._listeners}
-        wake_fd = self._wake_r.fileno()
         req = self.requests
-        on_readable = self._on_readable
         rbuf = self._rbuf
         data = req.kv.data
         heads = OK_HEADS
+        heads_n, head_size = len(heads), len(heads[0])  # values below heads_n characters
+        ready = _IN
+        on_event = self._on_event
+        on_input = self._on_input
+        # The counter text this loop wrote last and its value: a counter holding that very
+        # object (bytes are immutable) is not parsed again. It starts as an object no key
+        # can hold (the empty bytes and single bytes are shared objects).
+        hot_text = b"%d" % (1 << 70)
+        hot_value = 1 << 70
         try:
             while not self._stop:
                 if req.timers or req.pending or self._later:
@@ -185,63 +191,69 @@ class StoreServer:
                 except InterruptedError:
                     continue
                 for fd, ev in events:
-                    conn = conns.get(fd)
-                    if conn is None:
-                        ls = listeners.get(fd)
-                        if ls is not None:
-                            self._accept(ls)
-                        elif fd == wake_fd:
-                            self._drain_wake()
+                    try:
+                        conn = conns[fd]  # (a subscript: no call, as get() takes)
+                    except KeyError:
+                        self._on_other(fd)  # a listener or the wake-up socket
                         continue
                     try:
-                        if ev == _IN:
-                            # The usual event: input on a connection that is not writing.
-                            if (conn.authed and not (conn.closing or conn.later or conn.inbuf or conn.out
-                                                     or conn.writing) and conn.big is None
-                                    and conn.waiter is None):
-                                # The hottest request, served here: the connection's last ADD
-                                # frame again, on a counter that exists (quick_add's first case,
-                                # without the calls); anything else goes on to _on_input.
-                                sock = conn.sock
-                                try:
-                                    n = sock.recv_into(rbuf)  # type: ignore[union-attr]
-                                except (BlockingIOError, InterruptedError):
-                                    continue
-                                except OSError:
-                                    n = 0
-                                if not n:
-                                    self._drop(conn)
-                                    continue
-                                frame, key, amount = conn.last_add
-                                if n == len(frame) and rbuf.startswith(frame):
-                                    current = data.get(key)
-                                    if current is not None and len(current) < 20:
-                                        try:
-                                            total = b"%d" % (int(current) + amount)
-                                        except ValueError:
-                                            total = b""
-                                        if total:
-                                            data[key] = total
-                                            reply = heads[len(total)] + total
-                                            sent = sock.send(reply)  # type: ignore[union-attr]
-                                            if sent != len(reply):
-                                                conn.out.append(memoryview(reply)[sent:])
-                                                self._send(conn)
-                                            continue
-                                self._on_input(conn, sock, n)  # type: ignore[arg-type]
-                            elif not conn.later:
-                                on_readable(conn)
+                        # The hottest request, served here: the connection's last ADD frame
+                        # again (quick_add's first case, without the calls). A failed test
+                        # hands over at once (to _on_event, or after the read to _on_input).
+                        if (ev != ready or not conn.authed or conn.closing or conn.later or conn.inbuf
+                                or conn.out or conn.writing or conn.big is not None
+                                or conn.waiter is not None):
+                            on_event(conn, ev)
                             continue
-                        if ev & _OUT:
+                        sock = conn.sock
+                        try:
+                            n = sock.recv_into(rbuf)  # type: ignore[union-attr]
+                        except (BlockingIOError, InterruptedError):
+                            continue
+                        except OSError:
+                            n = 0
+                        if not n:
+                            self._drop(conn)
+                            continue
+                        frame, size, key, amount = conn.last_add
+                        if n != size or not rbuf.startswith(frame):
+                            on_input(conn, sock, n)  # type: ignore[arg-type]
+                            continue
+                        try:
+                            current = data[key]
+                        except KeyError:  # deleted: the general path adds it anew
+                            on_input(conn, sock, n)  # type: ignore[arg-type]
+                            continue
+                        if current is hot_text:
+                            value = hot_value + amount
+                        elif len(current) >= 20:
+                            on_input(conn, sock, n)  # type: ignore[arg-type]
+                            continue
+                        else:
+                            try:
+                                value = int(current) + amount
+                            except ValueError:
+                                on_input(conn, sock, n)  # type: ignore[arg-type]
+                                continue
+                        total = b"%d" % value
+                        size = len(total)
+                        if size >= heads_n:
+                            on_input(conn, sock, n)  # type: ignore[arg-type]
+                            continue
+                        data[key] = total
+                        hot_text = total
+                        hot_value = value
+                        reply = heads[size] + total
+                        sent = sock.send(reply)  # type: ignore[union-attr]
+                        if sent != size + head_size:
+                            conn.out.append(memoryview(reply)[sent:])
                             self._send(conn)
-                        if ev & _IN_ANY and conn.sock is not None and not conn.later:
-                            on_readable(conn)
                     except Exception:  # a bug serving one client must not stop the server
                         self._drop(conn)
                 if req.timers:
                     req.expire()
                 if req.pending:
-                    self._expire_pending()
+                    req.expire_pending(self._drop)
                 if self._later:
                     later, self._later = self._later, []
                     for conn in later:
@@ -273,35 +285,32 @@ class StoreServer:
                 ls.close()
             self._wake_r.close()
 
+    def _on_other(self, fd: int) -> None:
+        """An event on a descriptor that is not a connection: a listener or the wake-up."""
+        for ls in self._listeners:
+            if ls.fileno() == fd:
+                self._accept(ls)
+                return
+        if fd == self._wake_r.fileno():
+            self._drain_wake()
+
+    def _on_event(self, conn: Conn, ev: int) -> None:
+        """An event on ``conn`` that the loop's repeated-add path does not serve."""
+        if ev == _IN:
+            if not conn.later:  # (a later one is served at the end of the loop iteration)
+                self._on_readable(conn)
+            return
+        if ev & _OUT:
+            self._send(conn)
+        if ev & _IN_ANY and conn.sock is not None and not conn.later:
+            self._on_readable(conn)
+
     def _drain_wake(self) -> None:
         try:
             while self._wake_r.recv(4096):
                 pass
         except OSError:
             pass
-
-    def _expire_pending(self) -> None:
-        """Drop the connections that did not say HELLO in time (oldest first)."""
-        now = time.monotonic()
-        pending = self.requests.pending
-        while pending:
-            conn, deadline = next(iter(pending.items()))
-            if deadline > now:
-                return
-            del pending[conn]
-            if not (conn.authed or conn.pinged):
-                self._drop(conn)
-
-    def _evict_pending(self) -> bool:
-        """Drop the oldest connection that has not said HELLO; False if there is none."""
-        pending = self.requests.pending
-        while pending:
-            conn = next(iter(pending))
-            del pending[conn]
-            if conn.sock is not None and not (conn.authed or conn.pinged):
-                self._drop(conn)
-                return True
-        return False
 
     def _accept(self, listener: socket.socket) -> None:
         # Once per call, not per connection: a socket's .family builds an enum each time.
@@ -318,7 +327,7 @@ class StoreServer:
                     # Out of descriptors: make room by dropping the oldest connection that
                     # has not said HELLO; with none, stop accepting until a connection
                     # closes, rather than spin on a listener that stays readable.
-                    if self._evict_pending():
+                    if self.requests.evict_pending(self._drop):
                         continue
                     for ls in self._listeners:
                         self._poller.unregister(ls.fileno())
@@ -335,7 +344,7 @@ class StoreServer:
             sock.setblocking(False)
             conn = Conn(sock)
             if len(self.requests.pending) >= self.max_pending:
-                self._evict_pending()
+                self.requests.evict_pending(self._drop)
             self.requests.pending[conn] = time.monotonic() + self.hello_timeout
             self._conns[sock.fileno()] = conn
             self._poller.register(sock.fileno(), _IN)

@@ -122,6 +122,45 @@ def test_a_repeated_add_follows_the_counters_changes_between_repeats(master: TCP
         c.close()
 
 
+def test_the_loops_last_counter_value_is_read_only_from_the_text_it_wrote(master: TCPStore) -> None:
+    """The server's loop keeps the text of the counter it wrote last with its value, and
+    takes the value without parsing when a counter holds that very text. Repeated adds
+    from two connections on two counters, with sets between them to the same digits, to
+    other digits and to the empty value (on a fresh server, the first repeat), follow a
+    reference counter; the add on the empty value is the general path's error."""
+    a, b = _client(master), _client(master)
+
+    def set_(key: str, value: bytes) -> None:
+        master.set(key, value)
+        assert master.get(key) == value  # the set has landed (a set has no reply)
+
+    try:
+        _lean(a)
+        assert a.add("e", 1) == 1
+        set_("e", b"")
+        _lean(a)
+        with pytest.raises(DistStoreError, match="add.*not a decimal integer"):
+            a.add("e", 1)  # the same frame again: served by the loop, or left to the general path
+        ref = {"p": 0, "q": 0}
+        steps: list[tuple[TCPStore, str, int]] = [(a, "p", 3), (b, "q", 2)] * 4
+        for i, (c, key, amount) in enumerate(steps * 3):
+            if i == 8:
+                set_("p", str(ref["p"]).encode())  # the same digits, another object
+            elif i == 12:
+                set_("q", str(ref["p"]).encode())  # the other counter's digits
+                ref["q"] = ref["p"]
+            elif i == 17:
+                set_("p", b"40")
+                ref["p"] = 40
+            _lean(c)
+            ref[key] += amount
+            assert c.add(key, amount) == ref[key], (i, key)
+        assert master.get("p") == str(ref["p"]).encode() and master.get("q") == str(ref["q"]).encode()
+    finally:
+        a.close()
+        b.close()
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_add_on_a_non_integer_is_an_error_and_the_connection_stays_usable(
         master: TCPStore, path: str) -> None:

@@ -274,6 +274,29 @@ def test_the_ops_rows_give_each_servers_cpu_per_add_beside_its_rate() -> None:
 
 
 
+def test_the_ops_rows_split_the_cpu_and_compare_two_checkouts_servers() -> None:
+    """store_bench --ops-only --base-tree: ``gpucoll-base`` is the server of another
+    checkout (here this one), beside this checkout's, each serving the add rows in a
+    process of its own; each server's CPU per add is split into user and system rows that
+    add up to it. Without --ops-only and --base-tree the benchmark refuses gpucoll-base."""
+    import argparse
+
+    sb = _store_bench()
+    args = argparse.Namespace(iters=50, seconds=0.5, repeats=1, clients=[2], base_tree=_REPO)
+    rows = {r.name: r for r in sb.interleaved_ops(["gpucoll", "gpucoll-base"], args)}
+    rate = rows["add throughput, 2 clients"]
+    cpu, user, system = (rows[f"{k}, 2 clients"] for k in ("server CPU per add", "  user", "  system"))
+    for impl in ("gpucoll", "gpucoll-base"):
+        assert isinstance(rate.values[impl], float) and rate.values[impl] > 0
+        u, s, total = user.values[impl], system.values[impl], cpu.values[impl]
+        assert isinstance(u, float) and isinstance(s, float) and isinstance(total, float)
+        assert u >= 0 and s >= 0 and u + s == pytest.approx(total) and total > 0, (impl, u, s, total)
+    assert "gpucoll/gpucoll-base" in sb.report(list(rows.values()), ["gpucoll", "gpucoll-base"], True)
+    for argv in (["--impl", "gpucoll,gpucoll-base", "--ops-only"],
+                 ["--impl", "gpucoll,gpucoll-base", "--base-tree", _REPO]):
+        with pytest.raises(SystemExit):
+            sb.main(argv)
+
 def test_the_ops_rows_time_a_bare_send_on_each_transport_beside_set() -> None:
     """store_bench --ops-only --impl send-unix,send-tcp: the set rows of a bare send from
     Python over each transport, to a reader that keeps draining (20,000 frames are many
