@@ -24,6 +24,8 @@ import operator
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Sequence
 
+from numpy import ndarray as _np_ndarray
+
 from . import _world
 from . import array as _array
 from ._group import CoalescingManager, GroupMember, ProcessGroup
@@ -106,7 +108,15 @@ def all_reduce(tensor: ArrayLike, op: ReduceOpLike = ReduceOp.SUM, group: Proces
     world = _world._WORLD  # the default group without a call: this is the hottest entry point
     if group is None and world is not None:
         pg = world.default
-        if type(tensor) is _array._cupy_ndarray:
+        if type(tensor) is _np_ndarray:
+            if not async_op and type(op) is ReduceOp:
+                # ProcessGroup.all_reduce's test of the NumPy kind it ran last (Issuer.host_last,
+                # None while the general path is needed), made here to spare that frame.
+                fast = (issuer := pg._issuer).host_last
+                if fast is not None and fast.dtype is tensor.dtype and fast.op is op and fast.shape == tensor.shape \
+                        and tensor.flags.carray:
+                    return issuer.run_host(fast, tensor if fast.one_dim else tensor.reshape(-1), tensor)
+        elif type(tensor) is _array._cupy_ndarray:
             # ProcessGroup.all_reduce's identity look-up of a CuPy array it ran before
             # (_group/device_run.py), made here to spare that frame: the same test on
             # the same dicts, empty while the general path is needed (ProcessGroup._restate).

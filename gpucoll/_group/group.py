@@ -245,7 +245,7 @@ class ProcessGroup:
             if fast is None or fast.dtype is not tensor.dtype or fast.op is not op or fast.shape != tensor.shape:
                 # (_host_open is empty while the general path is needed, _restate: no other check here)
                 fast = issuer.host_last = self._host_open.get((tensor.dtype, tensor.shape, op._name_))
-            if fast is not None and (flags := tensor.flags).c_contiguous and flags.writeable:
+            if fast is not None and tensor.flags.carray:  # (C-contiguous, aligned and writable: one look-up)
                 flat = tensor if fast.one_dim else tensor.reshape(-1)
                 if not async_op:
                     return issuer.run_host(fast, flat, tensor)
