@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,40 +23,9 @@ from gpucoll.errors import DistBackendError
 from _fake_cupy_costs import CupyOnFake, cupy_or_none
 from _nccl_fake import FakeRuntime, read_on_stream
 from _fake_gpu_world import dev, run_groups
+from test_nccl_device_runs import _array, _put, _RankRuntime, cupy_fake  # noqa: F401 (cupy_fake: a fixture)
 
 pytestmark = pytest.mark.skipif(cupy_or_none() is None, reason="CuPy is not installed")
-
-
-class _RankRuntime:
-    """CupyOnFake's runtime: the calling rank thread's (each rank of run_groups has its own)."""
-
-    local = threading.local()
-
-    def __getattr__(self, name: str) -> Any:
-        rt = getattr(self.local, "rt", None)
-        if rt is None:
-            raise AttributeError(name)
-        return getattr(rt, name)
-
-
-@pytest.fixture
-def cupy_fake() -> Iterator[CupyOnFake]:
-    fake = CupyOnFake(_RankRuntime())
-    fake.install()
-    try:
-        yield fake
-    finally:
-        fake.uninstall()
-
-
-def _array(fake: CupyOnFake, rt: FakeRuntime, values: np.ndarray) -> tuple[Any, Any]:
-    """A cupy.ndarray of ``values`` in the fake GPU's memory, and its Buffer."""
-    buf = dev(rt, values)
-    return fake.array(values.size, values.dtype.name, ptr=buf.ptr), buf
-
-
-def _put(rt: FakeRuntime, buf: Any, values: np.ndarray) -> None:
-    rt.fabric.mem.view(buf.ptr, values.nbytes)[:] = values.reshape(-1).view(np.uint8)
 
 
 def test_wait_orders_the_stream_current_at_wait_while_the_op_is_still_running(
