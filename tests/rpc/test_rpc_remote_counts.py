@@ -15,7 +15,6 @@ Another CPython may need the ceiling moved, by a run there, never by guessing.
 
 from __future__ import annotations
 
-import os
 import statistics
 from typing import Any
 
@@ -23,6 +22,7 @@ import gpucoll.rpc as rpc
 from gpucoll.testing import run_spmd
 
 from _opcodes import Opcodes
+from _workers import init_worker
 
 OPCODES_CEILING = 2500  # per iteration, gpucoll's files only (see the module's docstring)
 
@@ -41,9 +41,7 @@ def _opcodes(n: int) -> float:
 
 
 def counts() -> dict[str, Any]:
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world,
-                 rpc_backend_options=rpc.TensorPipeRpcBackendOptions(rpc_timeout=60))
+    rank = init_worker()
     out: dict[str, Any] = {}
     if rank == 1:
         for _ in range(200):

@@ -12,7 +12,6 @@ Unix transport and over TCP.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -20,6 +19,7 @@ import numpy as np
 
 import gpucoll.rpc as rpc
 from gpucoll.testing import run_spmd
+from _workers import init_worker
 
 _HOLD = 2.0  # seconds: LAZY_WAKE in this test
 _BOUND = 1.0  # seconds: a wait that a held message would make at least _HOLD long
@@ -53,9 +53,7 @@ def waits(unix: str) -> dict[str, Any]:
     import gpucoll.rpc._timer as timer_module
 
     timer_module.LAZY_WAKE = _HOLD  # (the timer's sweep) a held frame would now wait 2-4 s
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world,
-                 rpc_backend_options=rpc.TensorPipeRpcBackendOptions(rpc_timeout=60))
+    rank = init_worker()
     out: dict[str, Any] = {"times": {}}
     if rank == 1:
         times = out["times"]

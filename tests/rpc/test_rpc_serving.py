@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import os
 import resource
 import statistics
 import threading
@@ -25,6 +24,7 @@ from gpucoll._timeouts import SPIN_BACKOFF_MIN
 from gpucoll.rpc import _conn, _wire
 
 from _conn_pair import pair  # noqa: F401  (a fixture)
+from _workers import init_worker
 from gpucoll.rpc._info import MessageType
 from gpucoll.testing import run_spmd
 
@@ -115,9 +115,7 @@ def switches() -> int:
 
 
 def serving() -> dict[str, Any]:
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world,
-                 rpc_backend_options=rpc.TensorPipeRpcBackendOptions(rpc_timeout=60))
+    rank = init_worker()
     out: dict[str, Any] = {}
     if rank == 1:
         for _ in range(100):
