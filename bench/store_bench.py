@@ -164,13 +164,7 @@ class _FloorServer:
         exe = os.path.join(self._dir, "store_floor")
         subprocess.run([cc, "-O2", "-o", exe, os.path.join(_HERE, "store_floor.c")], check=True)
         self._proc = subprocess.Popen([exe], stdout=subprocess.PIPE)
-        assert self._proc.stdout is not None
-        line = self._proc.stdout.readline()
-        if not line.strip().isdigit():
-            self.stop()
-            raise RuntimeError(f"store_floor did not start (said {line!r})")
-        self.port = int(line)
-        self.pid = self._proc.pid
+        self.port, self.pid = _port_of(self._proc, self.stop, "store_floor"), self._proc.pid
 
     def stop(self) -> None:
         import shutil
@@ -178,6 +172,17 @@ class _FloorServer:
         self._proc.kill()
         self._proc.wait(10)
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _port_of(proc: Any, stop: Callable[[], None], what: str) -> int:
+    """The port a server process printed as its first line; ``stop()`` and an error naming
+    ``what`` if it printed anything else."""
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.strip().isdigit():
+        stop()
+        raise RuntimeError(f"{what} did not start (said {line!r})")
+    return int(line)
 
 
 class _PyFloorServer:
@@ -188,13 +193,7 @@ class _PyFloorServer:
 
         self._proc = subprocess.Popen([sys.executable, os.path.join(_HERE, "store_floor.py")],
                                       stdout=subprocess.PIPE)
-        assert self._proc.stdout is not None
-        line = self._proc.stdout.readline()
-        if not line.strip().isdigit():
-            self.stop()
-            raise RuntimeError(f"store_floor.py did not start (said {line!r})")
-        self.port = int(line)
-        self.pid = self._proc.pid
+        self.port, self.pid = _port_of(self._proc, self.stop, "store_floor.py"), self._proc.pid
 
     def stop(self) -> None:
         self._proc.kill()
@@ -221,13 +220,7 @@ class _TreeServer:
         env["PYTHONPATH"] = os.path.abspath(tree)
         self._proc = subprocess.Popen([sys.executable, "-c", _BASE_SERVE], stdout=subprocess.PIPE,
                                       stdin=subprocess.PIPE, env=env, cwd=os.path.abspath(tree))
-        assert self._proc.stdout is not None
-        line = self._proc.stdout.readline()
-        if not line.strip().isdigit():
-            self.stop()
-            raise RuntimeError(f"the server from {tree} did not start (said {line!r})")
-        self.port = int(line)
-        self.pid = self._proc.pid
+        self.port, self.pid = _port_of(self._proc, self.stop, f"the server from {tree}"), self._proc.pid
 
     def stop(self) -> None:
         assert self._proc.stdin is not None
