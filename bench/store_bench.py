@@ -45,6 +45,15 @@ loop as the ``set`` row, to a process that only drains its connections (an epoll
 one ``recv`` per wake-up), over the same-host Unix socket and over loopback TCP: what a
 ``set`` costs a client in Python before any of its own work, on each transport.
 
+``--placement`` (``--ops-only``) adds two ``set`` rows per implementation in each round:
+the server's threads pinned to one CPU and the client to the same CPU (``same core``), or
+to another (``other core``). A ``set`` has no reply, so its time is the sender's side of
+the kernel's hand-over, and that depends on where the reader runs: on the same CPU the
+woken reader waits for the sender's time slice; on another CPU the sender's call itself
+wakes it there, and loopback TCP also runs the reader's receive path in the sender's
+call. Unpinned, the scheduler picks either for a whole run, so the plain ``set`` row of
+one run is one placement or the other; the pinned rows give both.
+
 torch's server and client call ``getnameinfo()`` on each peer's address, which on
 some machines sends a reverse DNS query that stalls for seconds now and then. With
 torch in the run the benchmark builds a small ``LD_PRELOAD`` shim (with ``cc``) that
@@ -55,6 +64,7 @@ keeps torch's look-ups as they are. The report says which.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import multiprocessing as mp
 import os
@@ -68,7 +78,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))
@@ -261,6 +271,48 @@ def _cpu_seconds(pid: int) -> float:
     return sum(_cpu_split(pid))
 
 
+_PLACEMENTS = ("same core", "other core")
+"""The pinned ``set`` rows of ``--placement`` (see the module's docstring)."""
+
+
+def _pin_threads(pid: int, cpus: set[int]) -> None:
+    """Set the CPU affinity of every thread of process ``pid`` (``sched_setaffinity`` of a
+    pid sets only the thread with that id)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+
+
+@contextlib.contextmanager
+def _placed(server_pid: int, where: str) -> Iterator[tuple[int, int]]:
+    """Pin the server's threads to this process's first allowed CPU and this thread to
+    the same CPU (``same core``) or the next allowed one (``other core``); yield the two
+    CPUs, and give both back every CPU they had.
+
+    Raises:
+        RuntimeError: ``other core`` with only one CPU allowed.
+    """
+    mine = os.sched_getaffinity(0)
+    theirs = os.sched_getaffinity(server_pid)
+    allowed = sorted(mine & theirs)
+    if where not in _PLACEMENTS:
+        raise ValueError(f"placement {where!r}: one of {_PLACEMENTS}")
+    if not allowed or (where == "other core" and len(allowed) < 2):
+        raise RuntimeError(f"--placement needs two CPUs that the client and the server may both "
+                           f"use; allowed: {allowed}")
+    server_cpu = allowed[0]
+    client_cpu = allowed[1] if where == "other core" else server_cpu
+    _pin_threads(server_pid, {server_cpu})
+    try:
+        os.sched_setaffinity(0, {client_cpu})
+        yield server_cpu, client_cpu
+    finally:
+        os.sched_setaffinity(0, mine)
+        _pin_threads(server_pid, theirs)
+
+
 _SENDS = ("send-unix", "send-tcp")
 """Bare sends to a draining reader (see the module's docstring): the set rows only."""
 
@@ -362,7 +414,9 @@ def _send_latency(server: _DrainServer, iters: int) -> tuple[float, float]:
 
 # -- workloads ------------------------------------------------------------------------------
 
-def _latency(impl: str, port: int, iters: int) -> dict[str, tuple[float, float]]:
+def _latency(impl: str, port: int, iters: int,
+             only: tuple[str, ...] | None = None) -> dict[str, tuple[float, float]]:
+    """Median and p99 (us) of each op of ``only`` (every op when None) from one client."""
     store = _client(impl, port)
     store.set("lat/k", b"x" * 16)
     ops: dict[str, Callable[[], Any]] = {
@@ -373,6 +427,8 @@ def _latency(impl: str, port: int, iters: int) -> dict[str, tuple[float, float]]
     }
     out = {}
     for name, op in ops.items():
+        if only is not None and name not in only:
+            continue
         for _ in range(min(200, iters)):
             op()
         samples = []
@@ -682,6 +738,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="another gpucoll checkout whose server --impl gpucoll-base runs (--ops-only), "
                         "driven by this tree's client: an A/B of two servers in one run")
     p.add_argument("--seconds", type=float, default=None, help="seconds per add-throughput row")
+    p.add_argument("--placement", action="store_true",
+                   help="(--ops-only) add the set rows with the server and the client pinned to one "
+                        "CPU, and to two (see above)")
     p.add_argument("--no-numeric-names", action="store_true",
                    help="leave torch's getnameinfo() look-ups as they are (see above)")
     args = p.parse_args(argv)
@@ -697,6 +756,8 @@ def main(argv: list[str] | None = None) -> int:
     for only in _SENDS:
         if only in impls and not args.ops_only:
             p.error(f"--impl {only} has only the set rows: add --ops-only")
+    if args.placement and not args.ops_only:
+        p.error("--placement adds to the --ops-only rows: add --ops-only")
     if "gpucoll-base" in impls and not (args.ops_only and args.base_tree):
         p.error("--impl gpucoll-base needs --ops-only and --base-tree")
     if "floor-py" in impls and not args.ops_only:
@@ -804,6 +865,11 @@ def interleaved_ops(impls: list[str], args: argparse.Namespace) -> list[Row]:
                 if impl in _FLOORS:
                     continue
                 srv = servers[impl]
+                for where in _PLACEMENTS if getattr(args, "placement", False) else ():
+                    with _placed(srv.pid, where):
+                        med = (_send_latency(srv, args.iters) if isinstance(srv, _DrainServer)
+                               else _latency(impl, srv.port, args.iters, ("set",))["set"])[0]
+                    samples.setdefault((f"set latency, {where}, median", impl), []).append(med)
                 if isinstance(srv, _DrainServer):
                     med, p99 = _send_latency(srv, args.iters)
                     samples.setdefault(("set latency, median", impl), []).append(med)

@@ -320,6 +320,58 @@ def test_the_ops_rows_time_a_bare_send_on_each_transport_beside_set() -> None:
     assert set(rows["get latency, median"].values) == {"gpucoll"}  # set rows only
     assert set(rows["add throughput, 1 clients"].values) == {"gpucoll"}
 
+
+def _threads_cpus(pid: int) -> dict[int, set[int]]:
+    """Each thread of ``pid`` and the CPUs the kernel lets it run on, from /proc."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/status") as f:
+            line = next(x for x in f if x.startswith("Cpus_allowed_list:"))
+        cpus: set[int] = set()
+        for part in line.split(":", 1)[1].strip().split(","):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+        out[int(tid)] = cpus
+    return out
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_the_placement_rows_pin_every_server_thread_and_give_the_cpus_back() -> None:
+    """store_bench --ops-only --placement: inside each placement every thread of the
+    server's process (gpucoll's loop runs in a thread of its own) may run on one CPU only,
+    the client's thread on that CPU (same core) or on another (other core), as the kernel
+    reports them in /proc; afterwards both have every CPU they had. The pinned set rows
+    come for a store server and for a bare send alike; --placement needs --ops-only."""
+    import argparse
+
+    sb = _store_bench()
+    srv = sb._Server("gpucoll")
+    try:
+        before, mine = _threads_cpus(srv.pid), _threads_cpus(os.getpid())[threading.get_native_id()]
+        assert len(before) >= 2, before
+        for where in sb._PLACEMENTS:
+            with sb._placed(srv.pid, where) as (server_cpu, client_cpu):
+                pinned = _threads_cpus(srv.pid)
+                assert all(c == {server_cpu} for c in pinned.values()), pinned
+                assert _threads_cpus(os.getpid())[threading.get_native_id()] == {client_cpu}
+                assert (server_cpu == client_cpu) == (where == "same core")
+            assert _threads_cpus(srv.pid) == before
+            assert _threads_cpus(os.getpid())[threading.get_native_id()] == mine
+        with pytest.raises(ValueError):
+            with sb._placed(srv.pid, "anywhere"):
+                pass
+    finally:
+        srv.stop()
+    args = argparse.Namespace(iters=200, seconds=0.2, repeats=1, clients=[], placement=True)
+    rows = {r.name: r for r in sb.interleaved_ops(["gpucoll", "send-unix"], args)}
+    for where in sb._PLACEMENTS:
+        got = rows[f"set latency, {where}, median"].values
+        assert set(got) == {"gpucoll", "send-unix"}
+        assert all(isinstance(v, float) and v > 0 for v in got.values()), got
+    assert os.sched_getaffinity(0) == mine
+    with pytest.raises(SystemExit):
+        sb.main(["--impl", "gpucoll", "--placement"])
+
 # -- the open-file limit -------------------------------------------------------------------
 
 def _child(code: str) -> subprocess.CompletedProcess[str]:
