@@ -49,10 +49,11 @@ one ``recv`` per wake-up), over the same-host Unix socket and over loopback TCP:
 the server's threads pinned to one CPU and the client to the same CPU (``same core``), or
 to another (``other core``). A ``set`` has no reply, so its time is the sender's side of
 the kernel's hand-over, and that depends on where the reader runs: on the same CPU the
-woken reader waits for the sender's time slice; on another CPU the sender's call itself
-wakes it there, and loopback TCP also runs the reader's receive path in the sender's
-call. Unpinned, the scheduler picks either for a whole run, so the plain ``set`` row of
-one run is one placement or the other; the pinned rows give both.
+woken reader runs when the scheduler switches to it, usually after several sends; on
+another CPU the sender's call wakes it there, and loopback TCP also runs the reader's
+receive path in the sender's call. Unpinned, the scheduler mostly keeps one placement for
+a whole run, so the plain ``set`` row of one run is one placement or the other; the
+pinned rows give both.
 
 torch's server and client call ``getnameinfo()`` on each peer's address, which on
 some machines sends a reverse DNS query that stalls for seconds now and then. With
@@ -292,6 +293,7 @@ def _placed(server_pid: int, where: str) -> Iterator[tuple[int, int]]:
     CPUs, and give both back every CPU they had.
 
     Raises:
+        ValueError: ``where`` is not one of :data:`_PLACEMENTS`.
         RuntimeError: ``other core`` with only one CPU allowed.
     """
     mine = os.sched_getaffinity(0)
