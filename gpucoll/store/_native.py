@@ -1,10 +1,11 @@
 """The store loop's repeated ADD, compiled (``_native.c``): built on first use.
 
-``_native.c`` is a CPython extension with one function, ``serve``, that does what
-:meth:`StoreServer._run`'s Python loop does for a connection whose read is its last ADD
-frame again (the hottest request: ranks counting arrivals), without the interpreter's
-work per request: the same tests in the same order, the same reply, everything else
-handed back to the loop's Python (see the source's head). It is built with the machine's
+``_native.c`` is a CPython extension with one function, ``run``: it waits on the
+server's epoll set and does what :meth:`StoreServer._run`'s Python loop does for a
+connection whose read is its last ADD frame again (the hottest request: ranks counting
+arrivals), without the interpreter's work per request or per wake-up: the same tests in
+the same order, the same reply; it returns to the loop's Python at the first event that
+is anything else, and when the loop's timeout passes (see the source's head). It is built with the machine's
 C compiler against this interpreter's ``Python.h`` into gpucoll's per-user cache
 (``gpucoll/_env/cbuild.py``), keyed by the source, the header and the interpreter, on
 Linux only. ``GPUCOLL_STORE_NATIVE=0`` never builds or uses it; ``=1`` makes a failed
@@ -25,10 +26,10 @@ from typing import Any
 from .._env import STORE_NATIVE_ENV, cbuild
 from ..errors import DistStoreError
 
-__all__ = ["module", "why_not", "DONE", "OTHER", "EVENT", "INPUT", "DROP", "PARTIAL"]
+__all__ = ["module", "why_not", "wait", "NONE", "INPUT", "PARTIAL"]
 
-DONE, OTHER, EVENT, INPUT, DROP, PARTIAL = range(6)
-"""``serve``'s codes (``_native.c``)."""
+NONE, INPUT, PARTIAL = range(3)
+"""What ``run`` left half done (``_native.c``)."""
 
 _NAME = "_gpucoll_store_native"
 _lock = threading.Lock()
@@ -96,30 +97,21 @@ def why_not() -> str:
     return _why_not
 
 
-def dispatch(server: Any, serve: Any, events: list[tuple[int, int]], conns: dict[int, Any],
-             data: dict[bytes, bytes], rbuf: bytearray, heads: tuple[bytes, ...]) -> None:
-    """Serve one poll's ``events`` with the compiled ``serve``, handing to ``server``'s
-    Python what it leaves (as :meth:`StoreServer._run`'s loop does for each event)."""
-    i, n = 0, len(events)
-    while i < n:
-        i, code, x, y = serve(events, i, conns, data, rbuf, heads)
-        if code == DONE:
-            return
-        fd, ev = events[i]
-        i += 1
-        if code == OTHER:
-            server._on_other(fd)  # a listener or the wake-up socket
-            continue
-        conn = conns[fd]
-        try:
-            if code == EVENT:
-                server._on_event(conn, ev)
-            elif code == INPUT:
-                server._on_input(conn, conn.sock, x)
-            elif code == DROP:
+def wait(server: Any, run: Any, epfd: int, timeout: float, conns: dict[int, Any], data: dict[bytes, bytes],
+         rbuf: bytearray, heads: tuple[bytes, ...]) -> list[tuple[int, int]]:
+    """The compiled ``run``: wait on ``server``'s epoll set and serve the repeated ADDs until
+    an event needs the loop's Python (or ``timeout`` seconds pass, negative: none); do
+    what ``run`` left half done, and return the poller's events still to serve."""
+    events, kind, fd, x = run(epfd, timeout, conns, data, rbuf, heads)
+    if kind != NONE:
+        conn = conns.get(fd)
+        if conn is not None:
+            try:
+                if kind == INPUT:  # x bytes read into rbuf, not a repeated ADD
+                    server._on_input(conn, conn.sock, x)
+                else:  # PARTIAL: x is the rest of the reply
+                    conn.out.append(x)
+                    server._send(conn)
+            except Exception:  # a bug serving one client must not stop the server
                 server._drop(conn)
-            else:  # PARTIAL: the rest of the reply waits for the socket
-                conn.out.append(memoryview(x)[y:])
-                server._send(conn)
-        except Exception:  # a bug serving one client must not stop the server
-            server._drop(conn)
+    return events  # type: ignore[no-any-return]

@@ -169,7 +169,7 @@ class StoreServer:
         ready = _IN
         on_event = self._on_event
         on_input = self._on_input
-        native = self.native
+        native, epfd = self.native, self._poller.fileno()
         # The counter text this loop wrote last and its value: a counter holding that very object
         # is not parsed again. It starts as an object no key can hold (b"" and 1-byte are shared).
         hot_text = b"%d" % (1 << 70)
@@ -188,12 +188,10 @@ class StoreServer:
                 else:
                     timeout = None
                 try:
-                    events = poll(-1 if timeout is None else timeout)
+                    events = (poll(-1 if timeout is None else timeout) if native is None else _native.wait(
+                        self, native.run, epfd, -1.0 if timeout is None else timeout, conns, data, rbuf, heads))
                 except InterruptedError:
                     continue
-                if native is not None:
-                    _native.dispatch(self, native.serve, events, conns, data, rbuf, heads)
-                    events = []
                 for fd, ev in events:
                     try:
                         conn = conns[fd]  # (a subscript: no call, as get() takes)
