@@ -115,8 +115,16 @@ compiler on first use): "0" never builds or uses it; "1" makes a failed build an
 unset uses it when it builds (else the Python handler, with a warning)."""
 
 CACHE_DIR_ENV: Final = "GPUCOLL_CACHE_DIR"
-"""Where gpucoll keeps what it builds on first use (the compiled jit handler); default
+"""Where gpucoll keeps what it builds on first use (the compiled jit handler, the store
+loop's compiled repeated ADD); default
 ``$XDG_CACHE_HOME/gpucoll``, else ``~/.cache/gpucoll``. Must be this user's alone."""
+
+STORE_NATIVE_ENV: Final = "GPUCOLL_STORE_NATIVE"
+"""The store server's compiled repeated ADD (built with the machine's C compiler against
+this interpreter's headers on first use, gpucoll/store/_native.py): "0" never builds or
+uses it; "1" makes a failed build an error at the server's start; unset uses it when it
+builds (no compiler, or no ``Python.h``: the loop's Python serves every request, as
+without it)."""
 
 # -- remote calls (gpucoll.rpc) ---------------------------------------------------------------
 
@@ -143,5 +151,5 @@ NAMES: Final = (STORE_HOSTED_ENV, STORE_TOKEN_ENV, STORE_RELAY_ENV, BACKEND_ENV,
                 DEBUG_ENV, NON_MEMBER_ENV, FLIGHT_RECORDER_SIZE_ENV, FLIGHT_RECORDER_DIR_ENV, CONTROL_PLANE_ENV, CPU_TRANSPORT_ENV,
                 CPU_CMA_ENV, CPU_IFADDR_ENV, MAX_OBJECT_BYTES_ENV, NCCL_SCALABLE_INIT_ENV, NCCL_RANKS_PER_ROOT_ENV,
                 NCCL_CALLER_STREAM_MAX_ENV, RPC_UNIX_ENV, RPC_SPIN_US_ENV,
-                JAX_NATIVE_ENV, CACHE_DIR_ENV, BENCH_COMMAND_ENV, BENCH_CORRUPT_ENV)
+                JAX_NATIVE_ENV, CACHE_DIR_ENV, STORE_NATIVE_ENV, BENCH_COMMAND_ENV, BENCH_CORRUPT_ENV)
 """Every name above."""

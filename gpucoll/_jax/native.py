@@ -22,13 +22,9 @@ If some rank cannot, no rank uses the channel. p2p ops never use it.
 from __future__ import annotations
 
 import ctypes as C
-import hashlib
 import math
 import mmap
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
 import time
 import warnings
@@ -41,7 +37,7 @@ from .._backends.cpu.signatures import Signatures
 from .._backends.mismatch import SignatureMismatch
 from .._buffer import DTYPES
 from .._debug import DebugLevel, get_debug_level
-from .._env import CACHE_DIR_ENV, JAX_NATIVE_ENV
+from .._env import JAX_NATIVE_ENV, cbuild
 from .._group import ProcessGroup
 from .._reduce_op import ReduceOp
 from ..errors import DistBackendError
@@ -76,46 +72,15 @@ _tried = False
 _why_not = ""
 
 
-def _cache_dir() -> str:
-    base = (os.environ.get(CACHE_DIR_ENV) or
-            os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-                         "gpucoll"))
-    os.makedirs(base, mode=0o700, exist_ok=True)
-    st = os.stat(base)
-    if st.st_uid != os.getuid() or st.st_mode & 0o022:
-        raise OSError(f"{base} is not this user's alone (uid {st.st_uid}, mode {st.st_mode & 0o777:o})")
-    return base
-
-
 def _build() -> str:
     """The path of the built library (built now if the cache does not hold it)."""
     import jax
 
-    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native.c")
     include = jax.ffi.include_dir()
-    with open(source, "rb") as f:
-        src = f.read()
     with open(os.path.join(include, "xla", "ffi", "api", "c_api.h"), "rb") as f:
         header = f.read()
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if not cc:
-        raise OSError("no C compiler (cc, gcc or clang) on PATH")
-    digest = hashlib.blake2b(src + header + cc.encode() + os.uname().machine.encode(), digest_size=10).hexdigest()
-    path = os.path.join(_cache_dir(), f"jaxffi-{digest}.so")
-    if os.path.exists(path):
-        return path
-    fd, tmp = tempfile.mkstemp(prefix=".jaxffi-", suffix=".so", dir=os.path.dirname(path))
-    os.close(fd)
-    try:
-        done = subprocess.run([cc, "-O2", "-std=gnu11", "-shared", "-fPIC", "-I", include, source, "-o", tmp],
-                              capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            raise OSError(f"{cc} failed on {source}: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, path)  # atomic: ranks building at once each install a whole file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    return cbuild.build("jaxffi", os.path.join(os.path.dirname(os.path.abspath(__file__)), "native.c"),
+                        [include], header)
 
 
 def library() -> Any:

@@ -35,7 +35,7 @@ import threading
 import time
 
 from ..errors import DistNetworkError
-from . import _wire as w
+from . import _native, _wire as w
 from . import _torch_wire as tw
 from ._sockets import IN as _IN, IN_ANY as _IN_ANY, OUT as _OUT, FD_RESERVE, forget
 from ._sockets import NODELAY_INHERITED, accept_queues, listen, new_poller, nofile_for, peer_uid, read_big, unix_socket_name
@@ -88,6 +88,7 @@ class StoreServer:
                  max_pending: int | None = None, expected_clients: int | None = None) -> None:
         # The store's protocol and state; this object owns the sockets and the loop.
         self.requests = Requests(token=token, max_key_size=max_key_size, max_value_size=max_value_size)
+        self.native = _native.module()  # the compiled repeated ADD, or None (see _native)
         self.hello_timeout = float(hello_timeout)
         soft = nofile_for(expected_clients)
         room = max(1, soft - FD_RESERVE) if 0 < soft != resource.RLIM_INFINITY else 1 << 20
@@ -168,9 +169,9 @@ class StoreServer:
         ready = _IN
         on_event = self._on_event
         on_input = self._on_input
-        # The counter text this loop wrote last and its value: a counter holding that very
-        # object (bytes are immutable) is not parsed again. It starts as an object no key
-        # can hold (the empty bytes and single bytes are shared objects).
+        native, epfd = self.native, self._poller.fileno()
+        # The counter text this loop wrote last and its value: a counter holding that very object
+        # is not parsed again. It starts as an object no key can hold (b"" and 1-byte are shared).
         hot_text = b"%d" % (1 << 70)
         hot_value = 1 << 70
         try:
@@ -187,7 +188,8 @@ class StoreServer:
                 else:
                     timeout = None
                 try:
-                    events = poll(-1 if timeout is None else timeout)
+                    events = (poll(-1 if timeout is None else timeout) if native is None else _native.wait(
+                        self, native.run, epfd, -1.0 if timeout is None else timeout, conns, data, rbuf, heads))
                 except InterruptedError:
                     continue
                 for fd, ev in events:
@@ -324,9 +326,8 @@ class StoreServer:
                 return
             except OSError as e:
                 if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    # Out of descriptors: make room by dropping the oldest connection that
-                    # has not said HELLO; with none, stop accepting until a connection
-                    # closes, rather than spin on a listener that stays readable.
+                    # Out of descriptors: drop the oldest connection that has not said HELLO; with
+                    # none, stop accepting until one closes (not spin on a readable listener).
                     if self.requests.evict_pending(self._drop):
                         continue
                     for ls in self._listeners:
@@ -334,8 +335,7 @@ class StoreServer:
                     self._accepting = False
                 return
             if unix:
-                # Same host, through the abstract name: only this user's processes (and
-                # root's) may use it; others must come by TCP, where the token applies.
+                # Same host, by the abstract name: this user's processes and root's; others come by TCP (token).
                 if peer_uid(sock) not in (os.getuid(), 0):
                     sock.close()
                     continue
@@ -395,8 +395,7 @@ class StoreServer:
                 read_torch(self, conn, sock)
                 return
         try:
-            # Into one reused buffer: a fresh 256 KiB bytes per recv costs more than the
-            # request (malloc, then a shrinking realloc).
+            # Into one reused buffer: a fresh 256 KiB bytes per recv costs more than the request.
             n = sock.recv_into(self._rbuf)
         except (BlockingIOError, InterruptedError):
             return
@@ -412,10 +411,10 @@ class StoreServer:
         """Serve the ``n`` bytes just read from ``conn`` into the shared receive buffer."""
         if (conn.authed and not (conn.closing or conn.inbuf or conn.out or conn.writing) and conn.big is None
                 and conn.waiter is None):
-            # The common case, one whole request in this read from a connection with
-            # nothing pending: serve it without the bookkeeping of _process (same checks,
-            # same order). First a counter's ADD, most often the same frame as this
-            # connection's last one (see quick_add), then a GET of a key that is set.
+            # The common case, one whole request in this read from a connection with nothing
+            # pending: served without _process's bookkeeping (same checks, same order). First
+            # a counter's ADD, most often this connection's last frame again (quick_add), then
+            # a GET of a key that is set.
             reply = self.requests.quick_add(conn, self._rbuf, n)
             if reply is None:
                 reply = self.requests.quick_get(conn, self._rbuf, n)

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from gpucoll.errors import DistNetworkError, DistStoreError, DistStoreTimeoutError
 from gpucoll.store import TCPStore
-from gpucoll.store import _wire as w
+from gpucoll.store import _native, _wire as w
 from gpucoll.store._links import GRACE
 from gpucoll.store._requests import Conn, Requests
 
@@ -44,10 +44,24 @@ def _general(store: TCPStore) -> None:
 PATHS: dict[str, Callable[[TCPStore], None]] = {"lean": _lean, "general": _general}
 
 
+@pytest.fixture(params=["compiled", "python"])
+def loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which loop serves the repeated ADD: the compiled one (gpucoll/store/_native.c), or
+    the loop's Python, as where it cannot be built."""
+    if request.param == "compiled":
+        if _native.module() is None:
+            pytest.skip(f"the store's compiled loop is not built here: {_native.why_not()}")
+    else:
+        monkeypatch.setattr(_native, "_module", None)
+        monkeypatch.setattr(_native, "_tried", True)
+    return str(request.param)
+
+
 @pytest.fixture(params=["unix", "tcp"])
-def master(request: pytest.FixtureRequest) -> Iterator[TCPStore]:
+def master(request: pytest.FixtureRequest, loop: str) -> Iterator[TCPStore]:
     m = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=10,
                  max_value_size=100, use_unix_socket=request.param == "unix")
+    assert m._server is not None and (m._server.native is None) == (loop == "python")
     try:
         yield m
     finally:
