@@ -17,7 +17,20 @@ import tempfile
 
 from . import CACHE_DIR_ENV
 
-__all__ = ["cache_dir", "build"]
+__all__ = ["cache_dir", "build", "mode"]
+
+
+def mode(name: str) -> str:
+    """The setting of the 0/1/unset variable ``name`` that turns a built part off ("0") or
+    makes its failed build an error ("1"); "" when unset.
+
+    Raises:
+        ValueError: any other value.
+    """
+    value = os.environ.get(name, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name} must be 0, 1 or unset; got {value!r}")
+    return value
 
 
 def cache_dir() -> str:

@@ -91,9 +91,7 @@ def library() -> Any:
     with _lock:
         if _tried:
             return _lib
-        mode = os.environ.get(ENV, "").strip()
-        if mode not in ("", "0", "1"):
-            raise ValueError(f"{ENV} must be 0, 1 or unset; got {mode!r}")
+        mode = cbuild.mode(ENV)
         if mode == "0":
             _why_not = f"{ENV}=0"
         else:

@@ -69,13 +69,11 @@ def module() -> Any:
     global _module, _tried, _why_not
     with _lock:
         if _tried:
-            if _module is None and os.environ.get(STORE_NATIVE_ENV, "").strip() == "1":
+            if _module is None and cbuild.mode(STORE_NATIVE_ENV) == "1":
                 raise DistStoreError(f"{STORE_NATIVE_ENV}=1 but the store's compiled loop could not be "
                                      f"built: {_why_not}")
             return _module
-        mode = os.environ.get(STORE_NATIVE_ENV, "").strip()
-        if mode not in ("", "0", "1"):
-            raise ValueError(f"{STORE_NATIVE_ENV} must be 0, 1 or unset; got {mode!r}")
+        mode = cbuild.mode(STORE_NATIVE_ENV)
         if mode == "0":
             _why_not = f"{STORE_NATIVE_ENV}=0"
         elif not sys.platform.startswith("linux"):
