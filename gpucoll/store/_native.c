@@ -30,8 +30,6 @@
 enum { NONE = 0, INPUT = 1, PARTIAL = 2 };
 #define MAX_EVENTS 256
 
-static PyObject *s_authed, *s_flags[5], *s_none[2], *s_last_add;
-
 /* The counter text this module wrote last, and its value: a counter holding that very object
  * is not parsed again. A strong reference, so the object cannot be freed and its address
  * reused. Shared by every server of the process, all of which call in holding the GIL. */
@@ -45,21 +43,14 @@ enum { A_AUTHED, A_CLOSING, A_LATER, A_INBUF, A_OUT, A_WRITING, A_BIG, A_WAITER,
 static PyTypeObject *slots_of = NULL;  /* a strong reference: the class cannot be replaced at its address */
 static Py_ssize_t offsets[N_ATTRS];
 
-static PyObject **names(void) {
-    static PyObject *all[N_ATTRS];
-    all[A_AUTHED] = s_authed;
-    for (int k = 0; k < 5; k++) all[A_CLOSING + k] = s_flags[k];
-    all[A_BIG] = s_none[0];
-    all[A_WAITER] = s_none[1];
-    all[A_LAST_ADD] = s_last_add;
-    return all;
-}
+static const char *const ATTR_NAMES[N_ATTRS] = {"authed", "closing", "later", "inbuf", "out", "writing",
+                                                "big", "waiter", "last_add"};
+static PyObject *attr_names[N_ATTRS];  /* interned at the module's import */
 
 static int find_slots(PyTypeObject *type) {
-    PyObject **all = names();
     Py_ssize_t found[N_ATTRS];
     for (int k = 0; k < N_ATTRS; k++) {
-        PyObject *d = PyObject_GetAttr((PyObject *)type, all[k]);  /* the class's descriptor */
+        PyObject *d = PyObject_GetAttr((PyObject *)type, attr_names[k]);  /* the class's descriptor */
         if (!d) { PyErr_Clear(); return 0; }
         int ok = Py_TYPE(d) == &PyMemberDescr_Type && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX
                  && ((PyMemberDescrObject *)d)->d_common.d_type == type;
@@ -77,11 +68,11 @@ static int find_slots(PyTypeObject *type) {
 static PyObject *attr(PyObject *conn, int k) {
     if (Py_TYPE(conn) == slots_of || (!slots_of && find_slots(Py_TYPE(conn)))) {
         PyObject *v = *(PyObject **)((char *)conn + offsets[k]);
-        if (!v) { PyErr_SetObject(PyExc_AttributeError, names()[k]); return NULL; }
+        if (!v) { PyErr_SetObject(PyExc_AttributeError, attr_names[k]); return NULL; }
         Py_INCREF(v);
         return v;
     }
-    return PyObject_GetAttr(conn, names()[k]);
+    return PyObject_GetAttr(conn, attr_names[k]);
 }
 
 /* 1: the connection must go to Python before any read; 0: it may be read here. */
@@ -100,7 +91,7 @@ static int not_plain(PyObject *conn) {
 
 /* The new counter text, or NULL (with no error set) to leave the frame to Python. */
 static PyObject *add_in_place(PyObject *conn, PyObject *data, Py_ssize_t n, const char *buf,
-                              Py_ssize_t heads_n, long long *out_value) {
+                              Py_ssize_t heads_n) {
     PyObject *la = attr(conn, A_LAST_ADD), *total = NULL;
     if (!la) goto fail;
     if (!PyTuple_CheckExact(la) || PyTuple_GET_SIZE(la) != 4) goto done;
@@ -145,7 +136,6 @@ static PyObject *add_in_place(PyObject *conn, PyObject *data, Py_ssize_t n, cons
     Py_INCREF(total);
     Py_XSETREF(hot_text, total);
     hot_value = value;
-    *out_value = value;
     goto done;
 fail:
     PyErr_Clear();
@@ -220,8 +210,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
             while (got < 0 && errno == EINTR);
             if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) continue;  /* nothing after all */
             if (got <= 0) return hand_over(evs, k, n, NONE, -1, NULL);  /* Python reads the same */
-            long long value = 0;
-            PyObject *total = add_in_place(conn, data, got, buf, heads_n, &value);
+            PyObject *total = add_in_place(conn, data, got, buf, heads_n);
             if (!total) return hand_over(evs, k + 1, n, INPUT, fd, PyLong_FromSsize_t(got));
             PyObject *head = PyTuple_GET_ITEM(heads, PyBytes_GET_SIZE(total));
             char out[96];
@@ -247,11 +236,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_gpucoll_store_native", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__gpucoll_store_native(void) {
-    static const char *flags[5] = {"closing", "later", "inbuf", "out", "writing"};
-    static const char *none[2] = {"big", "waiter"};
-    if (!(s_authed = PyUnicode_InternFromString("authed"))) return NULL;
-    if (!(s_last_add = PyUnicode_InternFromString("last_add"))) return NULL;
-    for (int k = 0; k < 5; k++) if (!(s_flags[k] = PyUnicode_InternFromString(flags[k]))) return NULL;
-    for (int k = 0; k < 2; k++) if (!(s_none[k] = PyUnicode_InternFromString(none[k]))) return NULL;
+    for (int k = 0; k < N_ATTRS; k++)
+        if (!(attr_names[k] = PyUnicode_InternFromString(ATTR_NAMES[k]))) return NULL;
     return PyModule_Create(&module);
 }

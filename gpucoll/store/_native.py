@@ -5,10 +5,10 @@ server's epoll set and does what :meth:`StoreServer._run`'s Python loop does for
 connection whose read is its last ADD frame again (the hottest request: ranks counting
 arrivals), without the interpreter's work per request or per wake-up: the same tests in
 the same order, the same reply; it returns to the loop's Python at the first event that
-is anything else, and when the loop's timeout passes (see the source's head). It is built with the machine's
-C compiler against this interpreter's ``Python.h`` into gpucoll's per-user cache
-(``gpucoll/_env/cbuild.py``), keyed by the source, the header and the interpreter, on
-Linux only. ``GPUCOLL_STORE_NATIVE=0`` never builds or uses it; ``=1`` makes a failed
+is anything else, and when the loop's timeout passes (see the source's head). It is
+built with the machine's C compiler against this interpreter's ``Python.h`` into
+gpucoll's per-user cache (``gpucoll/_env/cbuild.py``), keyed by the source, the header
+and the interpreter, on Linux only. ``GPUCOLL_STORE_NATIVE=0`` never builds or uses it; ``=1`` makes a failed
 build an error; unset, a failed build (no compiler, no ``Python.h``) leaves the Python
 loop serving every request, as without it, and :func:`why_not` says why.
 """
@@ -67,26 +67,21 @@ def module() -> Any:
         ValueError: ``GPUCOLL_STORE_NATIVE`` is neither 0, 1 nor unset.
     """
     global _module, _tried, _why_not
+    mode = cbuild.mode(STORE_NATIVE_ENV)
     with _lock:
-        if _tried:
-            if _module is None and cbuild.mode(STORE_NATIVE_ENV) == "1":
-                raise DistStoreError(f"{STORE_NATIVE_ENV}=1 but the store's compiled loop could not be "
-                                     f"built: {_why_not}")
-            return _module
-        mode = cbuild.mode(STORE_NATIVE_ENV)
-        if mode == "0":
-            _why_not = f"{STORE_NATIVE_ENV}=0"
-        elif not sys.platform.startswith("linux"):
-            _why_not = f"not on Linux ({sys.platform})"
-        else:
-            try:
-                _module = _load(_build())
-            except Exception as exc:  # no compiler, no headers, a failed build: Python serves
-                _why_not = f"{type(exc).__name__}: {exc}"
-        _tried = True
-        if _module is None and mode == "1":
-            raise DistStoreError(f"{STORE_NATIVE_ENV}=1 but the store's compiled loop could not be built: "
-                                 f"{_why_not}")
+        if not _tried:
+            if mode == "0":
+                _why_not = f"{STORE_NATIVE_ENV}=0"
+            elif not sys.platform.startswith("linux"):
+                _why_not = f"not on Linux ({sys.platform})"
+            else:
+                try:
+                    _module = _load(_build())
+                except Exception as exc:  # no compiler, no headers, a failed build: Python serves
+                    _why_not = f"{type(exc).__name__}: {exc}"
+            _tried = True
+    if _module is None and mode == "1":
+        raise DistStoreError(f"{STORE_NATIVE_ENV}=1 but the store's compiled loop could not be built: {_why_not}")
     return _module
 
 
